@@ -1,0 +1,32 @@
+"""ampaudit: precision auditing for PyTorch mixed-precision training.
+
+Importing ampaudit is cheap: torch is imported only when an API that needs it is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ampaudit._version import __version__
+
+if TYPE_CHECKING:
+    from ampaudit.check.api import check
+    from ampaudit.core.findings import Finding, NodeDecision, Report
+
+__all__ = ["Finding", "NodeDecision", "Report", "__version__", "check"]
+
+_LAZY = {
+    "check": ("ampaudit.check.api", "check"),
+    "Report": ("ampaudit.core.findings", "Report"),
+    "Finding": ("ampaudit.core.findings", "Finding"),
+    "NodeDecision": ("ampaudit.core.findings", "NodeDecision"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'ampaudit' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from ampaudit.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,122 @@
+"""``ampaudit.check``: trace a model, classify every op, report what needs attention."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampaudit.check.classify import classify
+from ampaudit.check.coverage import coverage
+from ampaudit.core.catalog import Catalog, load_catalog
+from ampaudit.core.config import DTYPES, Config, finalize, load_config
+from ampaudit.core.errors import UsageError
+from ampaudit.core.findings import Report, Target
+from ampaudit.core.paths import display_path
+from ampaudit.core.rulebook import rule
+from ampaudit.graph.fx_tracer import forward_location
+from ampaudit.graph.trace import trace_model
+from ampaudit.target.inputs import ExampleInputs
+from ampaudit.target.loader import LoadedModel, NotImported, load_target, parse_target
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, torch.dtype):
+        name = _DTYPE_NAMES.get(dtype)
+    else:
+        name = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
+    if name not in DTYPES:
+        raise UsageError(f"dtype must be float16 or bfloat16 (got {dtype!r})")
+    return name
+
+
+def build_catalog(config: Config, policy: str | Path | Mapping | None = None,
+                  policy_files: Sequence[Path] = ()) -> Catalog:
+    tables: list[tuple[Mapping, str]] = []
+    if config.policy:
+        tables.append((config.policy, f"{config.source or 'pyproject.toml'} [tool.ampaudit.policy]"))
+    files = list(policy_files)
+    if isinstance(policy, Mapping):
+        tables.append((policy, "policy argument"))
+    elif policy is not None:
+        files.append(Path(policy))
+    return load_catalog(files, tables)
+
+
+def audit_model(
+    model: torch.nn.Module,
+    inputs: ExampleInputs | None,
+    catalog: Catalog,
+    dtype: str,
+    *,
+    file: str,
+    entry: str,
+) -> Report:
+    """The graph audit every front end shares: trace, classify, report coverage."""
+    trace = trace_model(model, catalog, inputs)
+    nodes, findings = classify(trace, catalog, dtype)
+    op_count = sum(n.op.startswith("call_") for n in nodes)
+    notes, coverage_findings = coverage(trace, op_count)
+    return Report(Target(file, entry, trace.method, notes), dtype, nodes, findings + coverage_findings)
+
+
+def check(
+    model: torch.nn.Module,
+    example_inputs: Any = None,
+    *,
+    dtype: torch.dtype | str = torch.float16,
+    policy: str | Path | Mapping | None = None,
+    config: Config | None = None,
+) -> Report:
+    """Audit ``model`` for mixed precision.
+
+    ``example_inputs``: a tuple of positional args, a dict of kwargs or a tensor; when given,
+    the model runs once (fp32, no grad) so untraceable models are still audited.
+    ``policy``: a TOML file or a table with the ops.toml schema, layered over the catalog.
+    """
+    file, line = forward_location(model)
+    config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
+    inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
+    report = audit_model(model, inputs, build_catalog(config, policy), dtype_name(dtype),
+                         file=display_path(file), entry=type(model).__name__)
+    return finalize(report, config)
+
+
+def check_path(
+    spec: str,
+    *,
+    config: Config | None = None,
+    dtype: str | None = None,
+    allow_exec: bool = False,
+    input_shapes: Sequence[str] = (),
+    input_dtypes: Sequence[str] = (),
+    policy_files: Sequence[Path] = (),
+) -> Report:
+    """Audit the model that ``PATH[:NAME]`` defines (what ``ampaudit check`` runs)."""
+    path, _ = parse_target(spec)
+    config = config if config is not None else load_config(path if path.exists() else None)
+    dtype = dtype_name(dtype or config.dtype)
+    catalog = build_catalog(config, policy_files=policy_files)  # bad policy: fail before importing
+    loaded = load_target(spec, allow_exec=allow_exec, input_shapes=input_shapes, input_dtypes=input_dtypes)
+    if isinstance(loaded, NotImported):
+        report = _not_imported_report(loaded, dtype)
+    else:
+        report = _audit_loaded(loaded, catalog, dtype)
+    return finalize(report, config)
+
+
+def _audit_loaded(loaded: LoadedModel, catalog: Catalog, dtype: str) -> Report:
+    return audit_model(loaded.model, loaded.inputs, catalog, dtype,
+                       file=display_path(str(loaded.path)), entry=loaded.entry)
+
+
+def _not_imported_report(skipped: NotImported, dtype: str) -> Report:
+    file = display_path(str(skipped.path))
+    finding = rule("AMP003").finding(file, skipped.line, column=skipped.column, what=skipped.what)
+    note = (f"not imported: {skipped.what} at line {skipped.line} would run on import; "
+            "no graph audit ran (pass --exec to import it anyway)")
+    return Report(Target(file, skipped.entry, "none", [note]), dtype, [], [finding])

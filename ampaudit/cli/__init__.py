@@ -1,0 +1,1 @@
+"""The ``ampaudit`` command line. Imports nothing heavy at module level."""

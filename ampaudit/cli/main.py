@@ -1,0 +1,188 @@
+"""``ampaudit`` entry point. Heavy imports (torch, rich) happen inside the commands, so
+``ampaudit --help`` and ``--version`` stay fast.
+
+Exit codes, like ruff: 0 no finding at or above --fail-on, 1 findings, 2 usage or load error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ampaudit._version import __version__
+from ampaudit.core.errors import AmpauditError, UsageError
+
+EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+FORMATS = ("text", "json", "sarif", "github")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # usage errors: one line, exit 2 (argparse's default too)
+        self.exit(EXIT_ERROR, f"ampaudit: error: {message}\n(see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ampaudit", description="Precision auditing for PyTorch mixed-precision (AMP) training.")
+    parser.add_argument("--version", action="version", version=f"ampaudit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    check = sub.add_parser("check", help="audit a model file before enabling AMP",
+                           description="Trace the model defined in PATH, classify every op for mixed precision "
+                                       "and report what needs fp32, at your source lines.")
+    check.add_argument("target", metavar="PATH[:NAME]",
+                       help="model file; NAME picks an nn.Module instance, a no-arg class or a zero-arg factory")
+    check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    check.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
+    check.add_argument("--dtype", choices=("float16", "bfloat16"), help="target low-precision dtype "
+                       "(default: float16, or [tool.ampaudit] dtype)")
+    check.add_argument("--input-shape", action="append", default=[], metavar="SHAPE",
+                       help="example input shape such as 8,3,32,32; repeat once per positional argument")
+    check.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
+                       help="dtype of the --input-shape tensors (default float32; one, or one per shape)")
+    check.add_argument("--exec", dest="allow_exec", action="store_true",
+                       help="import the file even if its top level runs code (loops, calls)")
+    check.add_argument("--policy", action="append", default=[], type=Path, metavar="FILE",
+                       help="TOML file extending or overriding the op catalog (ops.toml schema); repeatable")
+    check.add_argument("--select", action="append", default=[], metavar="CODES",
+                       help="only report these rule codes or prefixes (comma-separated)")
+    check.add_argument("--ignore", action="append", default=[], metavar="CODES",
+                       help="do not report these rule codes or prefixes (comma-separated)")
+    check.add_argument("--fail-on", choices=("error", "warning", "info", "never"),
+                       help="lowest severity that makes the exit code 1 (default: warning)")
+    check.add_argument("--show-ops", action="store_true", help="also list every op with its precision")
+    check.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+    rules = sub.add_parser("rules", help="list the rules")
+    rules.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    explain = sub.add_parser("explain", help="show a rule's documentation")
+    explain.add_argument("code", help="rule code, e.g. AMP101")
+    return parser
+
+
+def _emit(text: str, output: Path | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+        return
+    from ampaudit.report.files import write_atomic
+
+    write_atomic(output, text)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ampaudit.check.api import check_path
+    from ampaudit.core.config import check_prefixes, load_config
+    from ampaudit.target.loader import parse_target
+
+    path, _ = parse_target(args.target)
+    config = load_config(path if path.exists() else None)
+    if args.select:
+        config.select = check_prefixes(args.select, "--select")
+    config.ignore += check_prefixes(args.ignore, "--ignore")
+    if args.fail_on:
+        config.fail_on = args.fail_on
+    # The user's model code may print; keep stdout for the report (JSON must stay parseable).
+    with contextlib.redirect_stdout(sys.stderr):
+        report = check_path(args.target, config=config, dtype=args.dtype, allow_exec=args.allow_exec,
+                            input_shapes=args.input_shape, input_dtypes=args.input_dtype,
+                            policy_files=args.policy)
+    if args.format == "text":
+        from ampaudit.report.terminal import make_console, render
+
+        if args.output is not None:
+            import io
+
+            buffer = io.StringIO()
+            render(report, make_console(buffer, width=120), show_ops=args.show_ops)
+            _emit(buffer.getvalue(), args.output)
+        else:
+            render(report, make_console(), show_ops=args.show_ops)
+    else:
+        from ampaudit.report.formats import render_machine
+
+        _emit(render_machine(report, args.format), args.output)
+    return EXIT_FINDINGS if config.fails(report) else EXIT_OK
+
+
+def cmd_rules(args: argparse.Namespace) -> int:
+    from ampaudit.core.rulebook import rulebook
+
+    rules = list(rulebook().values())
+    if args.format == "markdown":
+        from ampaudit.report.rule_docs import rules_markdown
+
+        sys.stdout.write(rules_markdown(rules))
+    elif args.format == "json":
+        import json
+
+        data = [{"code": r.code, "name": r.name, "severity": r.severity.value, "family": r.family,
+                 "message": r.message} for r in rules]
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        from rich.table import Table
+
+        from ampaudit.report.terminal import make_console
+
+        table = Table(title="ampaudit rules", title_justify="left")
+        for col in ("code", "name", "severity", "what it finds"):
+            table.add_column(col, overflow="fold")
+        for r in rules:
+            table.add_row(r.code, r.name, r.severity.value, r.what.split(". ")[0].rstrip(".") + ".")
+        make_console().print(table)
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from ampaudit.core.rulebook import rulebook
+
+    code = args.code.strip().upper()
+    rule = rulebook().get(code)
+    if rule is None:
+        raise UsageError(f"unknown rule {args.code!r} (`ampaudit rules` lists them)")
+    from rich.markdown import Markdown
+
+    from ampaudit.report.rule_docs import rule_markdown
+    from ampaudit.report.terminal import make_console
+
+    console = make_console()
+    if console.is_terminal:
+        console.print(Markdown(rule_markdown(rule)))
+    else:
+        sys.stdout.write(rule_markdown(rule))
+    return EXIT_OK
+
+
+COMMANDS = {"check": cmd_check, "rules": cmd_rules, "explain": cmd_explain}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_ERROR
+    debug = getattr(args, "debug", False)
+    try:
+        return COMMANDS[args.command](args)
+    except AmpauditError as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exception(exc.__cause__ or exc)
+        sys.stderr.write(f"ampaudit: error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("ampaudit: interrupted\n")
+        return 130
+    except Exception as exc:  # a bug in ampaudit or an unexpected failure in user code
+        if debug:
+            raise
+        sys.stderr.write(f"ampaudit: error: unexpected {type(exc).__name__}: {exc} "
+                         "(run with --debug for the traceback)\n")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

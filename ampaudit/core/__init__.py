@@ -1,0 +1,1 @@
+"""Shared by every pillar: the findings model, the op catalog, rule metadata, configuration."""

@@ -1,0 +1,215 @@
+"""The op-precision catalog: policy as data (rules/ops.toml), shared by every pillar.
+
+Every op the tools see - an fx ``call_function`` target, a tensor method, an aten
+overload, an ``nn.Module`` leaf - is reduced to one canonical *kind* (``linear``,
+``layer_norm``, ``softmax``...) by :func:`canonical_kind`, and the catalog maps kinds
+to a :class:`OpPolicy`. Users extend or override it with a TOML file of the same shape
+(``--policy FILE``) or ``[tool.ampaudit.policy]`` in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from ampaudit.core.errors import UsageError
+from ampaudit.core.findings import Precision
+from ampaudit.core.resources import load_toml, rules_dir
+
+AUTOCAST_BEHAVIOURS = ("fp16", "fp32", "promote", "banned", "none")
+
+
+@dataclass(frozen=True)
+class OpPolicy:
+    kind: str
+    precision: Precision
+    reason: str
+    source: str
+    # What CUDA autocast does with the op: runs it in fp16 ("fp16"), upcasts it ("fp32"),
+    # promotes to the widest input ("promote"), refuses it ("banned"), or leaves it ("none").
+    autocast: str = "none"
+    # True when the op already computes in fp32 under autocast without being upcast
+    # (fp32 weights, fp32 statistics inside the kernel), so nothing is left to do.
+    fp32_under_autocast: bool = False
+
+
+def _dunder_core(name: str) -> str:
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        core = name[2:-2]
+        # Reflected and in-place operator variants: __radd__ / __iadd__ -> add.
+        if core[:1] in ("r", "i") and core[1:] in _BINARY_DUNDERS:
+            core = core[1:]
+        return core
+    return name
+
+
+_BINARY_DUNDERS = frozenset(
+    "add sub mul truediv floordiv div mod pow matmul and or xor lshift rshift".split()
+)
+
+
+class Catalog:
+    """Op kinds -> policy, plus the name aliases and module-type mapping that find the kind."""
+
+    def __init__(
+        self,
+        ops: Mapping[str, OpPolicy],
+        aliases: Mapping[str, str],
+        modules: Mapping[str, str],
+    ) -> None:
+        self.ops = dict(ops)
+        self.aliases = dict(aliases)
+        self.modules = dict(modules)
+
+    # -- names -------------------------------------------------------------------------
+    def canonical_kind(self, name: str) -> str:
+        """Reduce a function, method or aten op name to its catalog kind.
+
+        ``__radd__`` -> add, ``add_`` -> add, ``aten::_softmax.default`` -> softmax,
+        ``truediv`` -> div (alias table).
+        """
+        if "::" in name:  # aten::name or aten::name.overload
+            name = name.split("::", 1)[1].split(".", 1)[0]
+        name = _dunder_core(name)
+        if name in self.ops:
+            return name
+        if name in self.aliases:
+            return self.aliases[name]
+        if name.endswith("_") and not name.startswith("_"):  # in-place variant: add_ -> add
+            name = name[:-1]
+        return self.aliases.get(name, name)
+
+    def kind_of_callable(self, fn: Any) -> str:
+        """Kind of an fx ``call_function`` target (torch.relu, F.linear, operator.add...)."""
+        overload = getattr(fn, "_schema", None)
+        if overload is not None:  # an aten OpOverload
+            return self.canonical_kind(str(overload.name))
+        return self.canonical_kind(getattr(fn, "__name__", None) or type(fn).__name__)
+
+    def kind_of_module_type(self, cls: type) -> str | None:
+        """Kind of an nn.Module leaf, following the MRO so subclasses of nn.Linear still map."""
+        for klass in cls.__mro__:
+            for key in _module_keys(klass):
+                if key in self.modules:
+                    return self.modules[key]
+        return None
+
+    def module_types(self) -> frozenset[str]:
+        return frozenset(self.modules)
+
+    # -- policy ------------------------------------------------------------------------
+    def lookup(self, kind: str) -> OpPolicy | None:
+        return self.ops.get(kind)
+
+    def merged(self, overlay: Mapping[str, Any], origin: str) -> Catalog:
+        """A new catalog with a user policy table (same schema as ops.toml) applied on top."""
+        ops, aliases, modules = _parse(overlay, origin, defaults={"source": f"user policy ({origin})"})
+        merged_ops = dict(self.ops)
+        for kind, entry in ops.items():
+            base = merged_ops.get(kind)
+            merged_ops[kind] = entry if base is None else replace(entry, autocast=_keep(entry, base))
+        return Catalog(merged_ops, {**self.aliases, **aliases}, {**self.modules, **modules})
+
+
+def _keep(entry: OpPolicy, base: OpPolicy) -> str:
+    # A user override changes our advice, not the fact of what autocast does.
+    return base.autocast if entry.autocast == "none" else entry.autocast
+
+
+def _module_keys(klass: type) -> Iterable[str]:
+    module = klass.__module__ or ""
+    qualname = klass.__qualname__
+    yield f"{module}.{qualname}"
+    if module.startswith("torch.nn.modules"):
+        yield f"torch.nn.{qualname}"
+    yield qualname
+
+
+_KIND_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _entry(kind: str, raw: Any, origin: str, defaults: Mapping[str, Any]) -> OpPolicy:
+    where = f"{origin}: ops.{kind}"
+    if isinstance(raw, str):
+        raw = {"precision": raw}
+    if not isinstance(raw, Mapping):
+        raise UsageError(f"{where} must be a table or a precision string")
+    data = {**defaults, **raw}
+    unknown = set(data) - {"precision", "reason", "source", "autocast", "fp32_under_autocast", "ops"}
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        precision = Precision(data.get("precision"))
+    except ValueError:
+        raise UsageError(
+            f"{where}.precision must be one of fp16, fp32, promote, neutral (got {data.get('precision')!r})"
+        ) from None
+    autocast = data.get("autocast", "none")
+    if autocast not in AUTOCAST_BEHAVIOURS:
+        raise UsageError(f"{where}.autocast must be one of {', '.join(AUTOCAST_BEHAVIOURS)}")
+    if not _KIND_RE.match(kind):
+        raise UsageError(f"{where}: {kind!r} is not an op name")
+    return OpPolicy(
+        kind=kind,
+        precision=precision,
+        reason=str(data.get("reason") or f"{precision.value} by {origin}"),
+        source=str(data.get("source", origin)),
+        autocast=autocast,
+        fp32_under_autocast=bool(data.get("fp32_under_autocast", False)),
+    )
+
+
+def _parse(
+    table: Mapping[str, Any], origin: str, defaults: Mapping[str, Any] | None = None
+) -> tuple[dict[str, OpPolicy], dict[str, str], dict[str, str]]:
+    defaults = dict(defaults or {})
+    unknown = set(table) - {"schema", "group", "ops", "aliases", "modules"}
+    if unknown:
+        raise UsageError(f"{origin}: unknown section(s) {', '.join(sorted(unknown))}")
+    ops: dict[str, OpPolicy] = {}
+    for index, group in enumerate(table.get("group", [])):
+        names = group.get("ops")
+        if not isinstance(names, list) or not names:
+            raise UsageError(f"{origin}: group #{index + 1} needs a non-empty ops list")
+        shared = {k: v for k, v in group.items() if k != "ops"}
+        for kind in names:
+            if kind in ops:
+                raise UsageError(f"{origin}: op {kind!r} is listed twice")
+            ops[kind] = _entry(kind, shared, origin, defaults)
+    for kind, raw in table.get("ops", {}).items():
+        if kind in ops and origin == "ops.toml":
+            raise UsageError(f"{origin}: op {kind!r} is listed twice")
+        ops[kind] = _entry(kind, raw, origin, defaults)
+    aliases = {str(k): str(v) for k, v in table.get("aliases", {}).items()}
+    modules = {str(k): str(v) for k, v in table.get("modules", {}).items()}
+    return ops, aliases, modules
+
+
+@cache
+def builtin_catalog() -> Catalog:
+    """The catalog shipped with ampaudit (rules/ops.toml)."""
+    ops, aliases, modules = _parse(load_toml(rules_dir() / "ops.toml"), "ops.toml")
+    missing = sorted({kind for kind in (*aliases.values(), *modules.values()) if kind not in ops})
+    if missing:
+        raise RuntimeError(f"ops.toml: aliases or modules point at unknown ops: {', '.join(missing)}")
+    return Catalog(ops, aliases, modules)
+
+
+def load_catalog(policy_files: Iterable[Path] = (), tables: Iterable[tuple[Mapping, str]] = ()) -> Catalog:
+    """The builtin catalog with pyproject tables, then ``--policy`` files, layered on top."""
+    catalog = builtin_catalog()
+    for table, origin in tables:
+        catalog = catalog.merged(table, origin)
+    for path in policy_files:
+        try:
+            table = load_toml(path)
+        except FileNotFoundError:
+            raise UsageError(f"policy file not found: {path}") from None
+        except Exception as exc:  # tomllib.TOMLDecodeError and OSError
+            raise UsageError(f"cannot read policy file {path}: {exc}") from None
+        catalog = catalog.merged(table, str(path))
+    return catalog

@@ -1,0 +1,146 @@
+"""The findings model shared by check, convert and watch.
+
+A :class:`Finding` is one actionable message pinned to a user's source line; a
+:class:`NodeDecision` is the precision verdict for one op of the model graph; a
+:class:`Report` bundles both with the target description and is what every output
+format renders. ``Report.to_dict()`` *is* the JSON document (see README: JSON schema).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ampaudit._version import __version__
+
+
+class Severity(str, enum.Enum):
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+    @property
+    def rank(self) -> int:
+        return {"info": 0, "warning": 1, "error": 2}[self.value]
+
+    @classmethod
+    def parse(cls, text: str) -> Severity:
+        try:
+            return cls(text.lower())
+        except ValueError:
+            raise ValueError(f"unknown severity {text!r} (expected error, warning or info)") from None
+
+
+class Precision(str, enum.Enum):
+    """Where an op belongs in a mixed-precision model."""
+
+    FP16 = "fp16"  # safe and profitable in the low-precision dtype (fp16 or bf16)
+    FP32 = "fp32"  # needs fp32 for range or accuracy
+    PROMOTE = "promote"  # runs in the widest dtype among its inputs
+    NEUTRAL = "neutral"  # follows its input (shape ops, elementwise activations, ...)
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    severity: Severity
+    message: str
+    file: str
+    line: int
+    column: int | None = None
+    module: str | None = None
+    node: str | None = None
+    fix: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "severity": self.severity.value,
+            "message": self.message,
+            "file": self.file,
+            "line": self.line,
+            "column": self.column,
+            "module": self.module,
+            "node": self.node,
+            "fix": self.fix,
+        }
+
+
+@dataclass
+class NodeDecision:
+    """One op of the audited graph and the precision it should run in."""
+
+    name: str
+    op: str  # fx opcode: call_function, call_module, call_method, placeholder, get_attr, output
+    kind: str  # canonical op name ("linear", "layer_norm", ...), also for modules
+    module: str | None
+    precision: Precision
+    reason: str
+    file: str
+    line: int
+    rule: str | None = None  # code of the most severe finding attached to this node
+    target: str = ""  # printable fx target, for humans only (not part of the JSON schema)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "op": self.op,
+            "kind": self.kind,
+            "module": self.module,
+            "precision": self.precision.value,
+            "reason": self.reason,
+            "rule": self.rule,
+            "file": self.file,
+            "line": self.line,
+        }
+
+
+@dataclass
+class Target:
+    file: str
+    entry: str
+    trace: str  # "fx", "fx-partial", "recorder" or "none"
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "entry": self.entry, "trace": self.trace, "notes": list(self.notes)}
+
+
+@dataclass
+class Report:
+    target: Target
+    dtype: str = "float16"
+    nodes: list[NodeDecision] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    version: str = __version__
+
+    def count(self, severity: Severity) -> int:
+        return sum(f.severity is severity for f in self.findings)
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "nodes": len(self.nodes),
+            "fp32": sum(n.precision is Precision.FP32 for n in self.nodes),
+            "fp16": sum(n.precision is Precision.FP16 for n in self.nodes),
+            "errors": self.count(Severity.ERROR),
+            "warnings": self.count(Severity.WARNING),
+            "infos": self.count(Severity.INFO),
+        }
+
+    def worst(self) -> Severity | None:
+        return max((f.severity for f in self.findings), key=lambda s: s.rank, default=None)
+
+    def sort(self) -> None:
+        self.findings.sort(key=lambda f: (f.file, f.line, f.column or 0, f.rule))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tool": "ampaudit",
+            "version": self.version,
+            "dtype": self.dtype,
+            "target": self.target.to_dict(),
+            "nodes": [n.to_dict() for n in self.nodes],
+            "findings": [f.to_dict() for f in self.findings],
+            "summary": self.summary(),
+        }

@@ -1,0 +1,82 @@
+"""Rule metadata (rules/rules.toml): codes, severities, messages and documentation.
+
+Code decides *where* a rule fires; this file decides what it is called, how severe it is
+and what it tells the user - so those can change without touching any pass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from ampaudit.core.findings import Finding, Severity
+from ampaudit.core.resources import load_toml, rules_dir
+
+CODE_RE = re.compile(r"^AMP\d{3}$")
+FAMILIES = {
+    "AMP0": "loading and tracing",
+    "AMP1": "op precision",
+    "AMP2": "numeric hazards",
+    "AMP3": "measured ranges",
+    "AMP4": "training scripts",
+    "AMP5": "conversion",
+    "AMP6": "runtime",
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    name: str
+    severity: Severity
+    message: str
+    what: str
+    why: str
+    example: str
+    fix: str
+
+    @property
+    def family(self) -> str:
+        return FAMILIES.get(self.code[:4], "other")
+
+    def format(self, **fields: Any) -> str:
+        return self.message.format(**fields)
+
+    def finding(
+        self,
+        file: str,
+        line: int,
+        *,
+        column: int | None = None,
+        module: str | None = None,
+        node: str | None = None,
+        fix: str | None = None,
+        **fields: Any,
+    ) -> Finding:
+        return Finding(self.code, self.severity, self.format(**fields), file, line, column, module, node, fix)
+
+
+@cache
+def rulebook() -> dict[str, Rule]:
+    table = load_toml(rules_dir() / "rules.toml")
+    rules = {}
+    for code, raw in table.items():
+        if not CODE_RE.match(code):
+            raise RuntimeError(f"rules.toml: {code!r} is not a rule code (AMP + 3 digits)")
+        rules[code] = Rule(
+            code=code,
+            name=raw["name"],
+            severity=Severity.parse(raw["severity"]),
+            message=raw["message"],
+            what=raw["what"],
+            why=raw["why"],
+            example=raw["example"].strip("\n"),
+            fix=raw["fix"],
+        )
+    return rules
+
+
+def rule(code: str) -> Rule:
+    return rulebook()[code]

@@ -1,0 +1,86 @@
+"""Which dtype each node would compute in under autocast - a pass over an fx graph.
+
+Autocast casts per op: listed ops run in the low dtype ("low") or are upcast ("fp32");
+everything else follows its inputs (type promotion for binary ops). Simulating that over
+the graph tells which fp32-needing ops autocast would leave in fp16 or bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import fx
+
+from ampaudit.core.catalog import Catalog
+from ampaudit.core.findings import Precision
+
+LOW = "low"  # the target low-precision dtype (float16 or bfloat16)
+FP32 = "fp32"
+
+_CAST_METHODS = {"half": LOW, "bfloat16": LOW, "float": FP32, "double": FP32}
+_NON_FLOAT = frozenset(
+    "eq ne lt le gt ge logical_and logical_or logical_not logical_xor isnan isinf isfinite argmax argmin "
+    "argsort size numel long int bool".split()
+)
+
+
+def _dtype_flow(dtype: torch.dtype) -> str | None:
+    if dtype in (torch.float16, torch.bfloat16):
+        return LOW
+    if dtype.is_floating_point:
+        return FP32
+    return None
+
+
+def explicit_cast(node: fx.Node) -> str | None | bool:
+    """LOW/FP32/None for a node that casts or fixes its dtype; False when it does not."""
+    if node.op == "call_method" and node.target in _CAST_METHODS:
+        return _CAST_METHODS[node.target]
+    dtype = node.kwargs.get("dtype")
+    if not isinstance(dtype, torch.dtype) and node.op == "call_method" and node.target in ("to", "type"):
+        dtype = next((a for a in node.args[1:] if isinstance(a, torch.dtype)), None)
+    if isinstance(dtype, torch.dtype):
+        return _dtype_flow(dtype)
+    return False
+
+
+def autocast_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog) -> dict[fx.Node, str | None]:
+    """Map every node to LOW, FP32, or None (not a floating-point tensor)."""
+    flow: dict[fx.Node, str | None] = {}
+    for node in gm.graph.nodes:
+        inputs = [flow[n] for n in node.all_input_nodes if flow.get(n) is not None]
+        if node.op in ("placeholder", "get_attr"):
+            flow[node] = FP32  # fp32 model inputs, weights and buffers
+            continue
+        if node.op == "output":
+            continue
+        cast = explicit_cast(node)
+        if cast is not False:
+            flow[node] = cast
+            continue
+        if node.op == "call_method" and node.target == "type_as" and len(node.args) > 1:
+            other = node.args[1]
+            flow[node] = flow.get(other) if isinstance(other, fx.Node) else None
+            continue
+        kind = kinds.get(node, "")
+        if kind in _NON_FLOAT:
+            flow[node] = None
+            continue
+        policy = catalog.lookup(kind)
+        autocast = policy.autocast if policy else "none"
+        if autocast == "fp16":
+            flow[node] = LOW
+        elif autocast in ("fp32", "banned"):
+            flow[node] = FP32
+        elif policy is not None and policy.precision is Precision.PROMOTE:
+            flow[node] = FP32 if FP32 in inputs else (LOW if inputs else FP32)
+        else:
+            # Unlisted ops follow their first floating input; with none (a lookup such as an
+            # embedding module, a factory such as arange) they produce fp32.
+            flow[node] = inputs[0] if inputs else FP32
+    return flow
+
+
+def first_float_input(node: fx.Node, flow: Mapping[fx.Node, str | None]) -> str | None:
+    return next((flow[n] for n in node.all_input_nodes if flow.get(n) is not None), None)

@@ -1,0 +1,106 @@
+"""torch.fx tracing that stamps every node with the user's file:line and module path."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from ampaudit.graph.userframe import traceback_location, user_location
+from ampaudit.core.catalog import Catalog
+
+LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
+MODULE = "ampaudit_module"  # node.meta key: qualified module path or None
+
+
+def forward_location(module: torch.nn.Module) -> tuple[str, int]:
+    """Where ``module.forward`` is defined: the line placeholders and outputs point at."""
+    fn = inspect.unwrap(type(module).forward)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("<unknown>", 1)
+    return code.co_filename, code.co_firstlineno
+
+
+def is_leaf(catalog: Catalog, module: torch.nn.Module, default: bool) -> bool:
+    """torch.nn modules (fx's default) and any module type the catalog classifies as a unit."""
+    return default or catalog.kind_of_module_type(type(module)) is not None
+
+
+class AuditTracer(fx.Tracer):
+    """An fx Tracer that records, per node, the innermost user frame and the module path.
+
+    ``opaque`` names submodules to keep as leaves because tracing through them failed.
+    """
+
+    def __init__(self, catalog: Catalog, opaque: Collection[str] = ()) -> None:
+        super().__init__()
+        self.catalog = catalog
+        self.opaque = frozenset(opaque)
+        self.failed_module: str | None = None  # innermost module whose forward raised
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.opaque:
+            return True
+        return is_leaf(self.catalog, m, super().is_leaf_module(m, module_qualified_name))
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_module is None:
+                self.failed_module = self.path_of_module(m)
+            raise
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta[LOC] = user_location(sys._getframe(1))
+        stack = node.meta.get("nn_module_stack")
+        if kind == "call_module":
+            node.meta[MODULE] = target
+        elif stack:
+            node.meta[MODULE] = next(reversed(stack.values()))[0]
+        else:
+            node.meta[MODULE] = None
+        return node
+
+
+@dataclass
+class FxFailure:
+    """Why tracing a module failed, and the user's line where it did."""
+
+    module: str  # qualified path, "" for the traced root
+    type_name: str
+    message: str
+    loc: tuple[str, int]  # the user's line where tracing failed (forward's def if unknown)
+
+
+def fx_trace(
+    root: torch.nn.Module, catalog: Catalog, opaque: Collection[str] = ()
+) -> tuple[fx.GraphModule | None, FxFailure | None]:
+    """Trace ``root``; on failure return which (innermost) module failed and where."""
+    tracer = AuditTracer(catalog, opaque)
+    try:
+        graph = tracer.trace(root)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
+        path = tracer.failed_module or ""
+        failed = root.get_submodule(path) if path else root
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        loc = traceback_location(exc.__traceback__) or forward_location(failed)
+        return None, FxFailure(path, type(failed).__name__, message, loc)
+    fill_missing_locations(graph, root)
+    return fx.GraphModule(tracer.root, graph, type(root).__name__), None
+
+
+def fill_missing_locations(graph: fx.Graph, root: torch.nn.Module) -> None:
+    """Placeholders, outputs and other nodes made outside user code point at forward's def."""
+    default = forward_location(root)
+    for node in graph.nodes:
+        if node.meta.get(LOC) is None:
+            node.meta[LOC] = default
+        node.meta.setdefault(MODULE, None)

@@ -1,0 +1,215 @@
+"""Fallback tracer: run the model on example inputs and record the ops that executed.
+
+A ``TorchFunctionMode`` sees every torch function, functional and tensor method the
+forward calls; module hooks give module paths and keep torch.nn leaves whole (as fx
+does). The result is an ordinary ``fx.GraphModule`` of the straight-line program that
+ran, so every later pass (classification, hazard rules, range audit) works on it
+unchanged. Branches not taken on these inputs are, by construction, not seen.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch.overrides import TorchFunctionMode
+
+from ampaudit.target.inputs import has_tensor
+from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
+from ampaudit.graph.userframe import user_location
+from ampaudit.core.catalog import Catalog
+
+# Tensor dunders that fx spells as operator functions; reflected ones swap operands.
+_BINARY = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+    "div": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow,
+    "matmul": operator.matmul, "and": operator.and_, "or": operator.or_, "xor": operator.xor,
+    "lshift": operator.lshift, "rshift": operator.rshift,
+}
+_UNARY_OR_COMPARE = ("eq", "ne", "lt", "le", "gt", "ge", "neg", "pos", "abs", "invert", "getitem")
+_OPERATORS: dict[str, tuple[Callable, bool]] = {
+    **{f"__{name}__": (fn, False) for name, fn in _BINARY.items()},
+    **{f"__r{name}__": (fn, True) for name, fn in _BINARY.items()},
+    **{f"__{name}__": (getattr(operator, name), False) for name in _UNARY_OR_COMPARE},
+}
+
+
+class _GraphBuilder:
+    """Turns observed calls into fx nodes, mapping live tensors back to their producers."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.graph = fx.Graph()
+        self.attrs: dict[str, Any] = {}  # get_attr / call_module targets for GraphModule(root=dict)
+        self._producers: dict[int, tuple[weakref.ref, fx.Node]] = {}
+        self._params = {id(t): name for name, t in root.named_parameters(remove_duplicate=False)}
+        self._params.update({id(t): name for name, t in root.named_buffers(remove_duplicate=False)})
+        self._owned: dict[int, torch.Tensor] = {}
+        self._constants = 0
+        self.module_path: list[str] = []
+
+    def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
+        self._producers[id(tensor)] = (weakref.ref(tensor), node)
+
+    def node_of(self, tensor: torch.Tensor, loc: tuple[str, int] | None) -> fx.Node:
+        hit = self._producers.get(id(tensor))
+        if hit is not None and hit[0]() is tensor:
+            return hit[1]
+        name = self._params.get(id(tensor))
+        if name is None:  # a tensor made outside any recorded op: keep it as a constant
+            name = f"_ampaudit_constant{self._constants}"
+            self._constants += 1
+        self.attrs[name] = tensor
+        node = self._node("get_attr", name, (), {}, loc)
+        self.bind(tensor, node)
+        return node
+
+    def lift(self, value: Any, loc: tuple[str, int] | None) -> Any:
+        """Replace tensors inside args with their nodes; leave other values as constants."""
+        if isinstance(value, torch.Tensor):
+            return self.node_of(value, loc)
+        if isinstance(value, (list, tuple)):
+            lifted = [self.lift(v, loc) for v in value]
+            return type(value)(lifted) if not hasattr(value, "_fields") else type(value)(*lifted)
+        if isinstance(value, dict):
+            return {k: self.lift(v, loc) for k, v in value.items()}
+        return value
+
+    def _node(self, op: str, target: Any, args: tuple, kwargs: dict, loc: tuple[str, int] | None) -> fx.Node:
+        node = self.graph.create_node(op, target, args, kwargs)
+        node.meta[LOC] = loc
+        node.meta[MODULE] = self.module_path[-1] if self.module_path else None
+        if op == "call_module":
+            node.meta[MODULE] = target
+        return node
+
+    def call(self, op: str, target: Any, args: tuple, kwargs: dict, out: Any, loc) -> fx.Node:
+        node = self._node(op, target, self.lift(tuple(args), loc), self.lift(dict(kwargs), loc), loc)
+        self.bind_outputs(node, out, loc)
+        return node
+
+    def bind_outputs(self, node: fx.Node, out: Any, loc) -> None:
+        if isinstance(out, torch.Tensor):
+            self.bind(out, node)
+        elif isinstance(out, (tuple, list)):
+            for index, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    self.bind(item, self._node("call_function", operator.getitem, (node, index), {}, loc))
+
+    def placeholder(self, name: str, value: Any) -> None:
+        node = self._node("placeholder", name, (), {}, None)
+        if isinstance(value, torch.Tensor):
+            self.bind(value, node)
+
+    def output(self, value: Any) -> None:
+        self._node("output", "output", (self.lift(_plain(value), None),), {}, None)
+
+
+def _plain(value: Any) -> Any:
+    """Model outputs as plain containers (ModelOutput and dataclasses become dicts)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value) if not hasattr(value, "_fields") else tuple(
+            _plain(v) for v in value)
+    return value
+
+
+class _RecordingMode(TorchFunctionMode):
+    def __init__(self, builder: _GraphBuilder) -> None:
+        super().__init__()
+        self.builder = builder
+        self.suppress = 0  # > 0 while inside a leaf module: its internals are not separate ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.suppress == 0:
+            self._record(func, args, kwargs, out, sys._getframe(1))
+        return out
+
+    def _record(self, func, args, kwargs, out, frame) -> None:
+        name = getattr(func, "__name__", "")
+        if name == "__setitem__":
+            # In place and returns None, but later reads of the tensor must see it.
+            self.builder.call("call_function", operator.setitem, args, kwargs, None, user_location(frame))
+            return
+        if not has_tensor(out):
+            return  # sizes, dims, items, bools: Python values, not ops to audit
+        loc = user_location(frame)
+        if name == "__get__":  # a tensor property such as x.T or x.mT
+            attr = getattr(getattr(func, "__self__", None), "__name__", "attr")
+            self.builder.call("call_function", getattr, (args[0], attr), {}, out, loc)
+        elif name in _OPERATORS:
+            fn, reflected = _OPERATORS[name]
+            operands = (args[1], args[0], *args[2:]) if reflected else args
+            self.builder.call("call_function", fn, operands, kwargs, out, loc)
+        elif getattr(torch.Tensor, name, None) is func:
+            self.builder.call("call_method", name, args, kwargs, out, loc)
+        else:
+            self.builder.call("call_function", func, args, kwargs, out, loc)
+
+
+def record_trace(
+    root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog
+) -> tuple[fx.GraphModule, Any]:
+    """Run ``root(*args, **kwargs)`` once, recording what ran. Returns (graph module, output)."""
+    builder = _GraphBuilder(root)
+    mode = _RecordingMode(builder)
+    names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    handles = []
+    # Modules that fx would keep whole (torch.nn leaves, catalog types) stay single nodes.
+    default_leaf = fx.Tracer().is_leaf_module
+    leaf_state: dict[int, bool] = {}
+
+    def is_leaf_module(module: torch.nn.Module) -> bool:
+        key = id(module)
+        if key not in leaf_state:
+            leaf_state[key] = module is not root and is_leaf(
+                catalog, module, default_leaf(module, names.get(key, "")))
+        return leaf_state[key]
+
+    calls: list[tuple | None] = []  # one entry per module call in flight
+
+    def pre_hook(module, hook_args, hook_kwargs):
+        if mode.suppress or module is root:
+            calls.append(None)  # inside a leaf, or the root itself: nothing to record
+            return
+        path = names.get(id(module), "")
+        leaf = is_leaf_module(module)
+        calls.append((path, leaf, hook_args, hook_kwargs, user_location(sys._getframe(1))))
+        builder.module_path.append(path)
+        if leaf:
+            mode.suppress += 1
+
+    def post_hook(module, hook_args, hook_kwargs, out):
+        call = calls.pop()
+        if call is None:
+            return
+        path, leaf, call_args, call_kwargs, loc = call
+        if leaf:
+            mode.suppress -= 1
+            builder.attrs[path] = module
+            builder.call("call_module", path, call_args, call_kwargs, out, loc)
+        builder.module_path.pop()
+
+    for module in root.modules():
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+    try:
+        bound = inspect.signature(root.forward).bind(*args, **kwargs)
+        for name, value in bound.arguments.items():
+            builder.placeholder(name, value)
+        with mode:
+            out = root(*args, **kwargs)
+        builder.output(out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    fill_missing_locations(builder.graph, root)
+    return fx.GraphModule(builder.attrs, builder.graph, type(root).__name__), out

@@ -1,0 +1,74 @@
+"""Find the user's source line behind an op: the innermost frame that is not torch's.
+
+Tracers stamp every node with ``(file, line)`` from here. Walking a few frames per node
+is far cheaper than fx's ``record_stack_traces`` (which formats the whole stack).
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import types
+from pathlib import Path
+
+import torch
+
+import ampaudit
+
+_INTERNAL_ROOTS = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in {
+        os.path.dirname(torch.__file__),
+        sysconfig.get_paths()["stdlib"],
+    }
+)
+_AMPAUDIT_ROOT = str(Path(ampaudit.__file__).resolve().parent) + os.sep
+_verdicts: dict[str, str] = {}  # filename -> "user" | "internal" | "ampaudit"
+
+
+def _classify(filename: str) -> str:
+    verdict = _verdicts.get(filename)
+    if verdict is None:
+        if filename.startswith("<"):  # <frozen ...>, <string>, fx-generated code
+            verdict = "internal"
+        else:
+            path = os.path.realpath(filename)
+            if path.startswith(_AMPAUDIT_ROOT):
+                verdict = "ampaudit"
+            elif path.startswith(_INTERNAL_ROOTS):
+                verdict = "internal"
+            else:
+                verdict = "user"
+        _verdicts[filename] = verdict
+    return verdict
+
+
+def is_user_file(filename: str) -> bool:
+    return _classify(filename) == "user"
+
+
+def user_location(frame: types.FrameType | None) -> tuple[str, int] | None:
+    """``(file, line)`` of the innermost user frame at or above ``frame``, or None.
+
+    Callers pass the frame *above* their own (``sys._getframe(1)``). The walk stops at
+    ampaudit's frames: anything beyond them is the caller of ampaudit (a script calling
+    ``ampaudit.check``), not model code.
+    """
+    while frame is not None:
+        verdict = _classify(frame.f_code.co_filename)
+        if verdict == "user":
+            return frame.f_code.co_filename, frame.f_lineno
+        if verdict == "ampaudit":
+            return None
+        frame = frame.f_back
+    return None
+
+
+def traceback_location(tb: types.TracebackType | None) -> tuple[str, int] | None:
+    """The innermost user frame of an exception's traceback (where the user's code failed)."""
+    found = None
+    while tb is not None:
+        if _classify(tb.tb_frame.f_code.co_filename) == "user":
+            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found

@@ -1,0 +1,1 @@
+"""Render a Report: rich terminal, JSON, SARIF, GitHub annotations."""

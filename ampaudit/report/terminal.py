@@ -1,0 +1,145 @@
+"""The rich terminal report: summary panel, fp32 ops by module, findings with their code.
+
+Colour follows rich's rules: off when NO_COLOR is set or output is not a terminal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from ampaudit.core.findings import Finding, Precision, Report, Severity
+
+_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+_PRECISION_STYLE = {"fp16": "green", "fp32": "magenta", "promote": "blue", "neutral": "dim"}
+
+
+def make_console(file=None, *, width: int | None = None) -> Console:
+    return Console(file=file, highlight=False, soft_wrap=False, width=width)
+
+
+def _summary_panel(report: Report) -> Panel:
+    counts = Counter(n.precision.value for n in report.nodes)
+    ops = Text()
+    ops.append(f"{len(report.nodes)} nodes: ")
+    parts = [(f"{counts.get(p, 0)} {p}", _PRECISION_STYLE[p]) for p in ("fp16", "fp32", "promote", "neutral")]
+    for i, (label, style) in enumerate(parts):
+        ops.append(label, style=style)
+        if i < len(parts) - 1:
+            ops.append(" · ")
+    s = report.summary()
+    findings = Text()
+    for i, (label, count, sev) in enumerate(
+        (("errors", s["errors"], Severity.ERROR), ("warnings", s["warnings"], Severity.WARNING),
+         ("infos", s["infos"], Severity.INFO))):
+        findings.append(f"{count} {label}", style=_STYLE[sev] if count else "dim")
+        if i < 2:
+            findings.append(" · ")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("target", f"{escape(report.target.file)} ({escape(report.target.entry)})")
+    grid.add_row("trace", report.target.trace)
+    grid.add_row("dtype", report.dtype)
+    grid.add_row("ops", ops)
+    grid.add_row("findings", findings)
+    for note in report.target.notes:
+        grid.add_row("note", Text(note, style="dim"))
+    return Panel(grid, title="ampaudit check", title_align="left", expand=False)
+
+
+def _fp32_table(report: Report) -> Table | None:
+    groups: dict[str, list] = defaultdict(list)
+    for node in report.nodes:
+        if node.precision is Precision.FP32:
+            groups[node.module or "(model)"].append(node)
+    if not groups:
+        return None
+    table = Table(title="Ops that need fp32, by module", title_justify="left", show_lines=False)
+    table.add_column("module")
+    table.add_column("op", style="magenta")
+    table.add_column("line", justify="right")
+    table.add_column("reason", overflow="fold")
+    for module, nodes in groups.items():
+        for i, node in enumerate(nodes):
+            table.add_row(escape(module) if i == 0 else "", escape(node.kind),
+                          f"{escape(node.file)}:{node.line}", escape(node.reason))
+    return table
+
+
+def _ops_table(report: Report) -> Table:
+    table = Table(title="Every op", title_justify="left")
+    for col in ("node", "kind", "module", "precision", "line", "reason"):
+        table.add_column(col, overflow="fold")
+    for node in report.nodes:
+        table.add_row(escape(node.name), escape(node.kind), escape(node.module or ""),
+                      Text(node.precision.value, style=_PRECISION_STYLE[node.precision.value]),
+                      f"{escape(node.file)}:{node.line}", escape(node.reason))
+    return table
+
+
+def _snippet(finding: Finding, color: bool) -> Syntax | Text | None:
+    try:
+        lines = Path(finding.file).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    if not 0 < finding.line <= len(lines):
+        return None
+    first, last = max(1, finding.line - 1), min(len(lines), finding.line + 1)
+    if color:
+        return Syntax("\n".join(lines), "python", line_numbers=True, line_range=(first, last),
+                      highlight_lines={finding.line}, word_wrap=False, theme="ansi_dark")
+    width = len(str(last))
+    text = Text()
+    for number in range(first, last + 1):
+        marker = ">" if number == finding.line else " "
+        text.append(f"{marker} {number:>{width}} | {lines[number - 1]}\n")
+    return text
+
+
+def _finding_block(finding: Finding, color: bool) -> Group:
+    head = Text()
+    head.append(f"{finding.file}:{finding.line}", style="bold")
+    if finding.column:
+        head.append(f":{finding.column}", style="bold")
+    head.append(" ")
+    head.append(finding.rule, style=_STYLE[finding.severity])
+    head.append(f" [{finding.severity.value}] ", style=_STYLE[finding.severity])
+    head.append(finding.message)
+    parts: list = [head]
+    if finding.module:
+        parts.append(Text(f"  in module {finding.module}", style="dim"))
+    snippet = _snippet(finding, color)
+    if snippet is not None:
+        parts.append(snippet)
+    if finding.fix:
+        parts.append(Text(f"  fix: {finding.fix}", style="green"))
+    return Group(*parts)
+
+
+def render(report: Report, console: Console, *, show_ops: bool = False) -> None:
+    color = console.color_system is not None
+    console.print(_summary_panel(report))
+    table = _fp32_table(report)
+    if table is not None:
+        console.print(table)
+    if show_ops and report.nodes:
+        console.print(_ops_table(report))
+    for finding in report.findings:
+        console.print()
+        console.print(_finding_block(finding, color))
+    console.print()
+    s = report.summary()
+    if report.findings:
+        codes = sorted({f.rule for f in report.findings})
+        console.print(f"Found {s['errors']} errors, {s['warnings']} warnings, {s['infos']} infos. "
+                      f"`ampaudit explain {codes[0]}` tells more about a rule.")
+    else:
+        console.print("No findings.", style="green")
