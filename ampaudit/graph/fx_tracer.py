@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ampaudit.graph.userframe import traceback_location, user_location
+from ampaudit.graph.userframe import boundary, traceback_location, user_location
 from ampaudit.core.catalog import Catalog
 
 LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
@@ -80,6 +80,7 @@ class FxFailure:
     loc: tuple[str, int]  # the user's line where tracing failed (forward's def if unknown)
 
 
+@boundary
 def fx_trace(
     root: torch.nn.Module, catalog: Catalog, opaque: Collection[str] = ()
 ) -> tuple[fx.GraphModule | None, FxFailure | None]:

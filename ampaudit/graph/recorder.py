@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from ampaudit.target.inputs import has_tensor
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
-from ampaudit.graph.userframe import user_location
+from ampaudit.graph.userframe import boundary, user_location
 from ampaudit.core.catalog import Catalog
 
 # Tensor dunders that fx spells as operator functions; reflected ones swap operands.
@@ -155,6 +155,7 @@ class _RecordingMode(TorchFunctionMode):
             self.builder.call("call_function", func, args, kwargs, out, loc)
 
 
+@boundary
 def record_trace(
     root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog
 ) -> tuple[fx.GraphModule, Any]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import sysconfig
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -24,6 +26,16 @@ _INTERNAL_ROOTS = tuple(
 )
 _AMPAUDIT_ROOT = str(Path(ampaudit.__file__).resolve().parent) + os.sep
 _verdicts: dict[str, str] = {}  # filename -> "user" | "internal" | "ampaudit"
+_BOUNDARIES: set[types.CodeType] = set()
+
+F = TypeVar("F", bound=Callable)
+
+
+def boundary(fn: F) -> F:
+    """Mark an ampaudit entry point: frame walks stop there, since what lies beyond it is
+    the code that called ampaudit (a test, a script calling ``ampaudit.check``), not the model."""
+    _BOUNDARIES.add(fn.__code__)
+    return fn
 
 
 def _classify(filename: str) -> str:
@@ -50,16 +62,14 @@ def is_user_file(filename: str) -> bool:
 def user_location(frame: types.FrameType | None) -> tuple[str, int] | None:
     """``(file, line)`` of the innermost user frame at or above ``frame``, or None.
 
-    Callers pass the frame *above* their own (``sys._getframe(1)``). The walk stops at
-    ampaudit's frames: anything beyond them is the caller of ampaudit (a script calling
-    ``ampaudit.check``), not model code.
+    Torch's and ampaudit's own frames are skipped; the walk ends at a :func:`boundary`.
     """
     while frame is not None:
-        verdict = _classify(frame.f_code.co_filename)
-        if verdict == "user":
-            return frame.f_code.co_filename, frame.f_lineno
-        if verdict == "ampaudit":
+        code = frame.f_code
+        if code in _BOUNDARIES:
             return None
+        if _classify(code.co_filename) == "user":
+            return code.co_filename, frame.f_lineno
         frame = frame.f_back
     return None
 

@@ -10,6 +10,7 @@ import torch
 
 from ampaudit.graph.userframe import traceback_location
 from ampaudit.core.errors import LoadError, UsageError
+from ampaudit.core.paths import display_path
 
 INPUT_FUNCTIONS = ("example_inputs", "get_example_inputs")
 
@@ -53,7 +54,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     try:
-        dims = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+        dims = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise UsageError(f"--input-shape {text!r}: expected comma-separated sizes such as 8,3,32,32") from None
     if not dims or any(d < 0 for d in dims):
@@ -97,7 +98,7 @@ def describe_exception(exc: BaseException) -> str:
     """``ValueError: msg (model.py:12)`` - the first line of the message and the user's line."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     where = traceback_location(exc.__traceback__)
-    suffix = f" ({where[0]}:{where[1]})" if where else ""
+    suffix = f" ({display_path(where[0])}:{where[1]})" if where else ""
     return f"{type(exc).__name__}: {text}{suffix}" if text else f"{type(exc).__name__}{suffix}"
 
 

@@ -23,6 +23,7 @@ from ampaudit.target.inputs import INPUT_FUNCTIONS, ExampleInputs, describe_exce
 from ampaudit.target.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
 from ampaudit.graph.userframe import traceback_location
 from ampaudit.core.errors import LoadError
+from ampaudit.core.paths import display_path
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -122,7 +123,7 @@ def _import_file(path: Path) -> ModuleType:
     except ModuleNotFoundError as exc:
         sys.modules.pop(module_name, None)
         where = traceback_location(exc.__traceback__)
-        at = f" ({where[0]}:{where[1]})" if where else ""
+        at = f" ({display_path(where[0])}:{where[1]})" if where else ""
         raise LoadError(f"cannot import {path}: no module named {exc.name!r}{at}") from exc
     except SystemExit as exc:
         sys.modules.pop(module_name, None)

@@ -1,0 +1,102 @@
+"""Loading PATH[:NAME]: entry-point order, example inputs, and never running a training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampaudit.core.errors import LoadError
+from ampaudit.target.loader import NotImported, load_target, parse_target
+from ampaudit.target.source_scan import scan_source
+from tests.conftest import line_of, model
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ("model.py", (Path("model.py"), None)),
+    ("model.py:Net", (Path("model.py"), "Net")),
+    ("dir/model.py:make_it", (Path("dir/model.py"), "make_it")),
+    ("C:/x/model.py", (Path("C:/x/model.py"), None)),  # a drive letter is not a NAME
+])
+def test_parse_target(spec, expected):
+    assert parse_target(spec) == expected
+
+
+def test_factory_wins_and_inputs_come_from_the_file():
+    loaded = load_target(model("clean_cnn.py"))
+    assert loaded.entry == "get_model()"
+    assert loaded.inputs.origin == "example_inputs()"
+    assert loaded.inputs.args[0].shape == (2, 3, 16, 16)
+    assert not loaded.model.training  # audited in eval mode
+
+
+def test_single_no_arg_class_is_constructed():
+    loaded = load_target(model("input_shape.py"))
+    assert loaded.entry == "MLP()"
+    assert loaded.inputs is None
+
+
+@pytest.mark.parametrize(("name", "entry", "width"), [("small", "small", 8), ("tiny", "tiny()", 4)])
+def test_named_instance_and_factory(name, entry, width):
+    loaded = load_target(f"{model('named_entries.py')}:{name}", input_shapes=[f"2,{width}"])
+    assert loaded.entry == entry
+    assert loaded.inputs.args[0].shape == (2, width)
+
+
+def test_dict_example_inputs_are_kwargs():
+    loaded = load_target(model("kwargs_inputs.py"))
+    assert set(loaded.inputs.kwargs) == {"input_ids", "attention_mask"}
+    assert loaded.inputs.args == ()
+
+
+def test_input_shape_and_dtype_flags():
+    loaded = load_target(model("input_shape.py"), input_shapes=["3,8", "5"], input_dtypes=["float32", "int64"])
+    first, second = loaded.inputs.args
+    assert first.shape == (3, 8) and first.dtype == torch.float32
+    assert second.shape == (5,) and second.dtype == torch.int64 and set(second.tolist()) <= {0, 1}
+
+
+def test_training_script_is_not_imported():
+    result = load_target(model("train_script.py"))
+    assert isinstance(result, NotImported)
+    assert (result.line, result.what) == (line_of(model("train_script.py"), "for step in range(10):"), "a for loop")
+
+
+def test_main_guard_is_never_run():
+    # guarded_script.py raises SystemExit("training ran!") first thing in its main block.
+    loaded = load_target(model("guarded_script.py"))
+    assert loaded.entry == "get_model()"
+
+
+def test_exec_imports_a_script_anyway():
+    loaded = load_target(model("train_script.py"), allow_exec=True)
+    assert loaded.entry == "model"
+
+
+@pytest.mark.parametrize(("source", "unsafe"), [
+    ("import torch\nx = 1\n", None),
+    ("def f():\n    pass\nf()\n", (3, "a call")),
+    ("while True:\n    pass\n", (1, "a while loop")),
+    ("with open('x') as fh:\n    pass\n", (1, "a with block")),
+    ("try:\n    import apex\nexcept ImportError:\n    apex = None\n", None),
+    ("if __name__ == '__main__':\n    train()\n", None),
+    ("'''doc'''\nif DEBUG:\n    run()\n", (3, "a call")),
+])
+def test_top_level_safety(source, unsafe):
+    scan = scan_source(Path("x.py"), source)
+    assert (scan.unsafe[0], scan.unsafe[2]) == unsafe if unsafe else scan.unsafe is None
+
+
+def test_file_folder_goes_on_sys_path(tmp_path):
+    (tmp_path / "layers.py").write_text("from torch import nn\nclass Block(nn.Linear):\n    pass\n")
+    (tmp_path / "net.py").write_text(
+        "from torch import nn\nfrom layers import Block\n\ndef get_model():\n    return nn.Sequential(Block(4, 4))\n")
+    assert load_target(str(tmp_path / "net.py")).entry == "get_model()"
+
+
+def test_factory_returning_non_module(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def get_model():\n    return 3\n")
+    with pytest.raises(LoadError, match=r"get_model\(\) is int, not an nn.Module"):
+        load_target(str(path))
