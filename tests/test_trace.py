@@ -26,7 +26,7 @@ def test_fx_stamps_user_lines_and_module_paths():
     files = {n.meta[LOC][0] for n in gm.graph.nodes}
     assert files == {str(ROOT / "fixtures/models/clean_transformer.py")}
     by_target = {}
-    for op, target, line, module in _ops(gm):
+    for _op, target, line, module in _ops(gm):
         by_target.setdefault(target, []).append((line, module))
     assert by_target["blocks.0.ln1"] == [(43, "blocks.0.ln1")]
     assert by_target["blocks.1.ln2"] == [(50, "blocks.1.ln2")]

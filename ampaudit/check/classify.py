@@ -7,8 +7,10 @@ catalog does not know). Trace coverage findings (AMP001/AMP002) come from
 
 from __future__ import annotations
 
+import operator
 import re
 
+import torch
 from torch import fx
 
 from ampaudit.core.catalog import Catalog
@@ -27,7 +29,9 @@ _STRUCTURAL = {
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    """A kind-shaped name for things the catalog does not know: ``FancyNorm`` -> fancy_norm."""
+    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name)
+    return re.sub(r"\W+", "_", name).strip("_").lower() or "unknown"
 
 
 def node_kind(node: fx.Node, gm: fx.GraphModule, catalog: Catalog) -> tuple[str, bool]:
@@ -42,15 +46,32 @@ def node_kind(node: fx.Node, gm: fx.GraphModule, catalog: Catalog) -> tuple[str,
         kind = catalog.canonical_kind(node.target)
     else:
         kind = catalog.kind_of_callable(node.target)
-    return kind, catalog.lookup(kind) is not None
+    if catalog.lookup(kind) is not None:
+        return kind, True
+    return _snake(kind), False
 
 
-def _printable_target(node: fx.Node) -> str:
+_NAMESPACES = (
+    ("torch", torch), ("torch.nn.functional", torch.nn.functional), ("torch.special", torch.special),
+    ("torch.linalg", torch.linalg), ("torch.fft", torch.fft), ("operator", operator),
+)
+
+
+def printable_target(node: fx.Node, gm: fx.GraphModule) -> str:
+    """How a user would write the op: ``torch.relu``, ``x.view``, ``blocks.0.ln (LayerNorm)``."""
     target = node.target
+    if node.op == "call_module":
+        return f"{target} ({type(gm.get_submodule(target)).__name__})"
+    if node.op == "call_method":
+        return f"Tensor.{target}"
     if callable(target):
+        name = getattr(target, "__name__", "")
+        for label, namespace in _NAMESPACES:
+            if name and getattr(namespace, name, None) is target:
+                return f"{label}.{name}"
         module = getattr(target, "__module__", None) or ""
-        name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
-        return f"{module}.{name}" if module and module not in ("builtins", "_operator") else name
+        qualname = getattr(target, "__qualname__", name) or repr(target)
+        return f"{module}.{qualname}" if module else qualname
     return str(target)
 
 
@@ -99,7 +120,7 @@ def _classify_graph(
         else:
             precision, reason = Precision.NEUTRAL, "not in the catalog: assumed to follow its input"
         decision = NodeDecision(name, node.op, kind, module, precision, reason, file, line,
-                                target=_printable_target(node))
+                                target=printable_target(node, gm))
         decisions.append(decision)
         if node.op in _STRUCTURAL or (node.op == "call_module" and module in opaque):
             continue

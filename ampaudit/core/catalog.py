@@ -48,7 +48,7 @@ def _dunder_core(name: str) -> str:
 
 
 _BINARY_DUNDERS = frozenset(
-    "add sub mul truediv floordiv div mod pow matmul and or xor lshift rshift".split()
+    ["add", "sub", "mul", "truediv", "floordiv", "div", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"]
 )
 
 

@@ -19,10 +19,11 @@ LOW = "low"  # the target low-precision dtype (float16 or bfloat16)
 FP32 = "fp32"
 
 _CAST_METHODS = {"half": LOW, "bfloat16": LOW, "float": FP32, "double": FP32}
-_NON_FLOAT = frozenset(
-    "eq ne lt le gt ge logical_and logical_or logical_not logical_xor isnan isinf isfinite argmax argmin "
-    "argsort size numel long int bool".split()
-)
+# Ops whose result is not a floating-point tensor (masks, indices, sizes).
+_NON_FLOAT = frozenset({
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
+    "isnan", "isinf", "isfinite", "argmax", "argmin", "argsort", "size", "numel", "long", "int", "bool",
+})
 
 
 def _dtype_flow(dtype: torch.dtype) -> str | None:
@@ -33,7 +34,7 @@ def _dtype_flow(dtype: torch.dtype) -> str | None:
     return None
 
 
-def explicit_cast(node: fx.Node) -> str | None | bool:
+def explicit_cast(node: fx.Node) -> str | bool | None:
     """LOW/FP32/None for a node that casts or fixes its dtype; False when it does not."""
     if node.op == "call_method" and node.target in _CAST_METHODS:
         return _CAST_METHODS[node.target]

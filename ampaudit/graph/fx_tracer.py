@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ampaudit.graph.userframe import boundary, traceback_location, user_location
 from ampaudit.core.catalog import Catalog
+from ampaudit.graph.userframe import boundary, traceback_location, user_location
 
 LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
 MODULE = "ampaudit_module"  # node.meta key: qualified module path or None

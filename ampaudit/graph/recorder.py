@@ -20,10 +20,10 @@ import torch
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
-from ampaudit.target.inputs import has_tensor
+from ampaudit.core.catalog import Catalog
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
 from ampaudit.graph.userframe import boundary, user_location
-from ampaudit.core.catalog import Catalog
+from ampaudit.target.inputs import has_tensor
 
 # Tensor dunders that fx spells as operator functions; reflected ones swap operands.
 _BINARY = {

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from ampaudit.target.inputs import ExampleInputs, run_model
+from ampaudit.core.catalog import Catalog
 from ampaudit.graph.fx_tracer import LOC, MODULE, FxFailure, forward_location, fx_trace, is_leaf
 from ampaudit.graph.recorder import record_trace
-from ampaudit.core.catalog import Catalog
+from ampaudit.target.inputs import ExampleInputs, run_model
 
 
 @dataclass

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ampaudit.graph.userframe import traceback_location
 from ampaudit.core.errors import LoadError, UsageError
 from ampaudit.core.paths import display_path
+from ampaudit.graph.userframe import traceback_location
 
 INPUT_FUNCTIONS = ("example_inputs", "get_example_inputs")
 

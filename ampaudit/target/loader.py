@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ampaudit.target.inputs import INPUT_FUNCTIONS, ExampleInputs, describe_exception, from_shapes
-from ampaudit.target.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
-from ampaudit.graph.userframe import traceback_location
 from ampaudit.core.errors import LoadError
 from ampaudit.core.paths import display_path
+from ampaudit.graph.userframe import traceback_location
+from ampaudit.target.inputs import INPUT_FUNCTIONS, ExampleInputs, describe_exception, from_shapes
+from ampaudit.target.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
