@@ -72,7 +72,8 @@ def _import_oracle() -> type:
     from torch.testing._internal.autocast_test_lists import AutocastTestLists
 
     if not was_frozen:
-        setattr(torch.backends, "__allow_nonbracketed_mutation_flag", True)
+        # torch.backends is a wrapper module: the flag lives in its functions' globals.
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
     return AutocastTestLists
 
 

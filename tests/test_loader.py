@@ -100,3 +100,12 @@ def test_factory_returning_non_module(tmp_path):
     path.write_text("def get_model():\n    return 3\n")
     with pytest.raises(LoadError, match=r"get_model\(\) is int, not an nn.Module"):
         load_target(str(path))
+
+
+def test_the_class_no_other_class_builds_is_the_model(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from torch import nn\n\nclass Part(nn.Module):\n    def forward(self, x):\n        return x\n\n"
+        "class Whole(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.p = Part()\n\n"
+        "    def forward(self, x):\n        return self.p(x)\n")
+    assert load_target(str(path)).entry == "Whole()"

@@ -184,6 +184,13 @@ def _resolve_model(module: ModuleType, scan: SourceScan, name: str | None, path:
         and issubclass(obj, torch.nn.Module) and obj.__module__ == module.__name__
     ]
     ready = [cls for cls in classes if not _needs_arguments(cls)]
+    if len(ready) > 1:
+        # Prefer the class no other candidate builds: Net, not the FusedNorm that Net contains.
+        def built_by_another(cls: type) -> bool:
+            return any(cls.__name__ in scan.class_refs.get(o.__name__, ()) for o in ready if o is not cls)
+
+        roots = [cls for cls in ready if not built_by_another(cls)]
+        ready = roots or ready
     if len(ready) == 1:
         return _as_model(ready[0], ready[0].__name__)
     if len(ready) > 1:

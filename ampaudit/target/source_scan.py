@@ -23,6 +23,7 @@ class SourceScan:
     factories: list[str] = field(default_factory=list)  # FACTORY_NAMES present, in lookup order
     has_model_attribute: bool = False
     classes: list[str] = field(default_factory=list)
+    class_refs: dict[str, set[str]] = field(default_factory=dict)  # class -> names its body mentions
     unsafe: tuple[int, int, str] | None = None  # (line, col, what) of the first statement that runs code
 
     @property
@@ -65,6 +66,7 @@ def _scan_block(body: list[ast.stmt], scan: SourceScan) -> None:
             scan.names.add(stmt.name)
             if stmt.bases:
                 scan.classes.append(stmt.name)
+                scan.class_refs[stmt.name] = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
             for target in targets:

@@ -1,0 +1,145 @@
+"""[tool.ampaudit] in pyproject.toml, --select/--ignore, inline suppression, --fail-on, policies."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from ampaudit.core.config import load_config, suppressed_codes
+from ampaudit.core.errors import UsageError
+
+HEAD = '''\
+"""A model whose LayerNorm output feeds var() and an unknown op."""
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+'''
+
+
+def _project(tmp_path, body: str, pyproject: str | None = None):
+    (tmp_path / "net.py").write_text(HEAD + textwrap.indent(textwrap.dedent(body), " " * 8))
+    if pyproject is not None:
+        (tmp_path / "pyproject.toml").write_text(textwrap.dedent(pyproject))
+    return str(tmp_path / "net.py")
+
+
+def _codes(result):
+    return [(f["rule"], f["line"]) for f in result.json()["findings"]]
+
+
+def test_pyproject_select_ignore_and_fail_on(cli, tmp_path):
+    path = _project(tmp_path, "v = h.var()\nreturn torch.special.i0(v)\n", """
+        [tool.ampaudit]
+        ignore = ["AMP102"]
+        fail-on = "info"
+    """)
+    result = cli("check", path, "--format", "json")
+    assert _codes(result) == [("AMP101", 13)]
+    assert result.code == 1  # fail-on info
+    result = cli("check", path, "--format", "json", "--fail-on", "never", "--select", "AMP1", "--ignore", "AMP101")
+    assert _codes(result) == [] and result.code == 0
+
+
+def test_inline_ignore_comments(cli, tmp_path):
+    path = _project(tmp_path, """\
+        v = h.var()  # ampaudit: ignore[AMP101]
+        w = h.std()  # ampaudit: ignore
+        u = h.mean()  # ampaudit: ignore[AMP102]
+        return v + w + u
+    """)
+    assert _codes(cli("check", path, "--format", "json")) == [("AMP101", 15)]
+
+
+def test_node_rule_points_at_the_kept_finding(cli, tmp_path):
+    path = _project(tmp_path, "return h.var()\n")
+    nodes = {n["kind"]: n for n in cli("check", path, "--format", "json").json()["nodes"]}
+    assert nodes["var"]["rule"] == "AMP101"
+    assert nodes["linear"]["rule"] is None
+
+
+def test_policy_in_pyproject_and_policy_file(cli, tmp_path):
+    path = _project(tmp_path, "return torch.special.i0(h)\n", """
+        [tool.ampaudit.policy.ops]
+        special_i0 = { precision = "fp32", reason = "grows like exp" }
+    """)
+    doc = cli("check", path, "--format", "json").json()
+    node = next(n for n in doc["nodes"] if n["kind"] == "special_i0")
+    assert (node["precision"], node["reason"]) == ("fp32", "grows like exp")
+    # Now known as fp32, and autocast does not upcast it: the input from fc is fp16.
+    assert [(f["rule"], f["line"]) for f in doc["findings"]] == [("AMP101", 13)]
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[ops.linear]\nprecision = "fp32"\nreason = "our accelerator has no fp16 GEMM"\n')
+    doc = cli("check", path, "--format", "json", "--policy", policy).json()
+    linear = next(n for n in doc["nodes"] if n["kind"] == "linear")
+    assert (linear["precision"], linear["reason"]) == ("fp32", "our accelerator has no fp16 GEMM")
+
+
+def test_policy_module_types_become_leaves(cli, tmp_path):
+    (tmp_path / "net.py").write_text(textwrap.dedent('''\
+        import torch
+        from torch import nn
+
+
+        class FusedNorm(nn.Module):
+            def forward(self, x):
+                return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm = FusedNorm()
+
+            def forward(self, x):
+                return self.norm(x)
+    '''))
+    (tmp_path / "pyproject.toml").write_text(textwrap.dedent('''\
+        [tool.ampaudit.policy.modules]
+        FusedNorm = "rms_norm"
+    '''))
+    doc = cli("check", tmp_path / "net.py", "--format", "json").json()
+    ops = [(n["op"], n["kind"], n["precision"], n["line"]) for n in doc["nodes"] if n["op"].startswith("call")]
+    assert ops == [("call_module", "rms_norm", "fp32", 16)]
+
+
+@pytest.mark.parametrize(("pyproject", "message"), [
+    ('[tool.ampaudit]\nfail-on = "sometimes"\n', "fail-on must be one of"),
+    ('[tool.ampaudit]\ncolour = true\n', "unknown key(s) colour"),
+    ('[tool.ampaudit]\nselect = ["XYZ"]\n', "'XYZ' is not a rule code"),
+    ('[tool.ampaudit.policy.ops]\nlinear = "fp64"\n', "ops.linear.precision must be one of"),
+])
+def test_bad_configuration_is_a_usage_error(cli, tmp_path, pyproject, message):
+    path = _project(tmp_path, "return h\n", pyproject)
+    result = cli("check", path)
+    assert result.code == 2
+    assert message in result.err and "Traceback" not in result.err
+
+
+def test_config_is_found_upwards(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.ampaudit]\ndtype = "bfloat16"\n')
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    config = load_config(tmp_path / "src" / "pkg")
+    assert config.dtype == "bfloat16" and config.source == tmp_path / "pyproject.toml"
+    with pytest.raises(UsageError):
+        (tmp_path / "pyproject.toml").write_text("[tool.ampaudit\n")
+        load_config(tmp_path / "src")
+
+
+@pytest.mark.parametrize(("line", "codes"), [
+    ("x = 1", None),
+    ("x = 1  # ampaudit: ignore", []),
+    ("x = 1  # ampaudit: ignore[AMP101, amp2]", ["AMP101", "AMP2"]),
+    ("x = 1  #ampaudit:ignore[AMP003]", ["AMP003"]),
+])
+def test_suppression_comment_syntax(line, codes):
+    assert suppressed_codes(line) == codes
