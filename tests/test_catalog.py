@@ -266,17 +266,22 @@ def test_overlay_adds_an_op_an_alias_and_a_module() -> None:
     assert len(merged.ops) == len(CATALOG.ops) + 1
 
 
+class FusedNorm(nn.Module):
+    """A user's own layer, mapped to a kind by a policy overlay."""
+
+
+class SubNorm(FusedNorm):
+    pass
+
+
 def test_overlay_maps_a_user_module_class_by_name() -> None:
-    class FusedNorm(nn.Module):
-        pass
-
-    class SubNorm(FusedNorm):
-        pass
-
-    merged = CATALOG.merged({"modules": {"FusedNorm": "layer_norm"}}, "t.toml")
-    assert merged.kind_of_module_type(FusedNorm) == "layer_norm"
-    assert merged.kind_of_module_type(SubNorm) == "layer_norm"
     assert CATALOG.kind_of_module_type(FusedNorm) is None
+    by_name = CATALOG.merged({"modules": {"FusedNorm": "layer_norm"}}, "t.toml")
+    assert by_name.kind_of_module_type(FusedNorm) == "layer_norm"
+    assert by_name.kind_of_module_type(SubNorm) == "layer_norm"
+    dotted = f"{FusedNorm.__module__}.FusedNorm"
+    by_path = CATALOG.merged({"modules": {dotted: "rms_norm"}}, "t.toml")
+    assert by_path.kind_of_module_type(SubNorm) == "rms_norm"
 
 
 def test_overlay_group_applies_to_many_ops() -> None:

@@ -1,0 +1,70 @@
+"""The command line: version, fast help, exit codes, dtype, the main job from README."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from ampaudit import __version__
+from tests.conftest import ROOT, model
+
+
+def test_version(cli, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        cli("--version")
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ampaudit {__version__}"
+
+
+def test_help_is_fast_and_does_not_import_torch():
+    code = ("import sys, time; t = time.perf_counter(); from ampaudit.cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', time.perf_counter() - t)")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - start
+    flag, seconds = proc.stdout.strip().splitlines()[-1].split()
+    assert flag == "NOTORCH"
+    assert float(seconds) < 0.5
+    assert wall < 2.0  # interpreter start-up included, on a loaded CI machine
+
+
+def test_no_command_prints_help_and_exits_2(cli):
+    result = cli()
+    assert result.code == 2 and "check" in result.out
+
+
+def test_exit_codes_follow_fail_on(cli):
+    path = model("untraceable_no_inputs.py")  # one AMP002 warning
+    assert cli("check", path).code == 1
+    assert cli("check", path, "--fail-on", "error").code == 0
+    assert cli("check", path, "--ignore", "AMP002").code == 0
+    assert cli("check", model("clean_cnn.py")).code == 0
+
+
+def test_bfloat16_dtype_is_reported(cli):
+    doc = cli("check", model("clean_cnn.py"), "--dtype", "bfloat16", "--format", "json").json()
+    assert doc["dtype"] == "bfloat16"
+
+
+def test_model_prints_do_not_corrupt_json(cli, tmp_path):
+    path = tmp_path / "noisy.py"
+    path.write_text("import torch\nfrom torch import nn\n\nprint('building')\n\n"
+                    "class Net(nn.Module):\n    def forward(self, x):\n        print('forward')\n"
+                    "        return x * 2\n\n\ndef example_inputs():\n    return (torch.ones(2),)\n")
+    # print() at the top level is a call: --exec imports it anyway.
+    result = cli("check", path, "--exec", "--format", "json")
+    assert result.json()["target"]["entry"] == "Net()"
+    assert "building" in result.err
+
+
+def test_not_imported_script_reports_why(cli):
+    result = cli("check", model("train_script.py"), "--format", "json")
+    doc = result.json()
+    assert result.code == 0
+    assert doc["target"]["trace"] == "none" and doc["nodes"] == []
+    assert [(f["rule"], f["line"], f["column"]) for f in doc["findings"]] == [("AMP003", 27, 1)]
+    assert "pass --exec" in doc["target"]["notes"][0]

@@ -1,0 +1,68 @@
+"""Every rule: a stable code, a message, docs, VALID and INVALID fixtures pinned to exact lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampaudit.check.api import check_path
+from ampaudit.core.config import Config
+from ampaudit.core.rulebook import CODE_RE, rulebook
+from ampaudit.report.rule_docs import rules_markdown
+from tests.conftest import ROOT, RULE_FIXTURES, expected_markers
+
+RULES = sorted(rulebook())
+
+
+def _found(path, code):
+    report = check_path(str(path.relative_to(ROOT)), config=Config(select=[code], fail_on="never"))
+    return [(f.line, f.rule) for f in report.findings]
+
+
+@pytest.mark.parametrize("code", RULES)
+def test_rule_is_documented(code):
+    rule = rulebook()[code]
+    assert CODE_RE.match(code)
+    assert rule.name == rule.name.lower() and " " not in rule.name
+    for field in ("message", "what", "why", "example", "fix"):
+        assert getattr(rule, field).strip(), f"{code} has no {field}"
+
+
+@pytest.mark.parametrize("code", RULES)
+def test_invalid_fixture_fires_on_the_marked_lines(code):
+    path = RULE_FIXTURES / f"{code}_invalid.py"
+    expected = [m for m in expected_markers(path) if m[1] == code]
+    assert expected, f"{path.name} marks no line with `# expect: {code}`"
+    assert _found(path, code) == expected
+
+
+@pytest.mark.parametrize("code", RULES)
+def test_valid_fixture_is_clean(code):
+    path = RULE_FIXTURES / f"{code}_valid.py"
+    assert not expected_markers(path)
+    assert _found(path, code) == []
+
+
+def test_every_fixture_belongs_to_a_rule():
+    stems = {p.stem.rsplit("_", 1)[0] for p in RULE_FIXTURES.glob("AMP*.py")}
+    assert stems == set(RULES)
+
+
+def test_codes_are_unique_and_names_too():
+    names = [r.name for r in rulebook().values()]
+    assert len(names) == len(set(names))
+
+
+def test_docs_rules_md_is_generated_from_rules_toml():
+    # docs/rules.md is committed for browsing; regenerate with `ampaudit rules --format markdown`.
+    assert (ROOT / "docs" / "rules.md").read_text() == rules_markdown(rulebook().values())
+
+
+def test_rules_and_explain_commands(cli):
+    result = cli("rules", "--format", "json")
+    assert [r["code"] for r in result.json()] == RULES
+    result = cli("explain", "amp101")
+    assert result.code == 0
+    assert result.out.startswith("# AMP101 `fp32-op-left-in-low-precision` (info)")
+    assert "**Why it matters.**" in result.out and "```python" in result.out
+    result = cli("explain", "AMP999")
+    assert result.code == 2 and "unknown rule 'AMP999'" in result.err
