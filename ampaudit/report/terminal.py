@@ -63,25 +63,31 @@ def _fp32_table(report: Report) -> Table | None:
     if not groups:
         return None
     table = Table(title="Ops that need fp32, by module", title_justify="left", show_lines=False)
-    table.add_column("module")
-    table.add_column("op", style="magenta")
-    table.add_column("line", justify="right")
-    table.add_column("reason", overflow="fold")
+    table.add_column("module", no_wrap=True)
+    table.add_column("op", style="magenta", no_wrap=True)
+    table.add_column("line", justify="right", no_wrap=True)
+    table.add_column("reason", overflow="fold", ratio=1)
     for module, nodes in groups.items():
         for i, node in enumerate(nodes):
             table.add_row(escape(module) if i == 0 else "", escape(node.kind),
-                          f"{escape(node.file)}:{node.line}", escape(node.reason))
+                          _where(node.file, node.line, report), escape(node.reason))
     return table
+
+
+def _where(file: str, line: int, report: Report) -> str:
+    """Just the line number in the target file; file:line elsewhere (library code)."""
+    return str(line) if file == report.target.file else f"{escape(file)}:{line}"
 
 
 def _ops_table(report: Report) -> Table:
     table = Table(title="Every op", title_justify="left")
-    for col in ("node", "kind", "module", "precision", "line", "reason"):
-        table.add_column(col, overflow="fold")
+    for col in ("node", "kind", "module", "precision", "line"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("reason", overflow="fold", ratio=1)
     for node in report.nodes:
         table.add_row(escape(node.name), escape(node.kind), escape(node.module or ""),
                       Text(node.precision.value, style=_PRECISION_STYLE[node.precision.value]),
-                      f"{escape(node.file)}:{node.line}", escape(node.reason))
+                      _where(node.file, node.line, report), escape(node.reason))
     return table
 
 

@@ -1,0 +1,86 @@
+"""Benchmark: `ampaudit check` on GPT-2 small vs a bare torch.fx.symbolic_trace.
+
+Splits check into load / trace / classify / report and compares trace+classify+report
+(no example inputs) with fx.symbolic_trace of the same model, in the same process.
+Target: <= 2x the bare trace. Run: python bench/check_speed.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch.fx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ampaudit.check.api import build_catalog  # noqa: E402
+from ampaudit.check.classify import classify  # noqa: E402
+from ampaudit.check.coverage import coverage  # noqa: E402
+from ampaudit.core.config import Config, finalize  # noqa: E402
+from ampaudit.core.findings import Report, Target  # noqa: E402
+from ampaudit.graph.trace import trace_model  # noqa: E402
+from ampaudit.report.formats import render_machine  # noqa: E402
+from ampaudit.report.terminal import make_console, render  # noqa: E402
+from ampaudit.target.loader import load_target  # noqa: E402
+
+MODEL = str(ROOT / "bench" / "gpt2_model.py")
+
+
+def timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def one_run() -> dict[str, float]:
+    loaded, t_load = timed(lambda: load_target(MODEL))
+    catalog = build_catalog(Config())
+    trace, t_trace = timed(lambda: trace_model(loaded.model, catalog, None))
+
+    def do_classify():
+        nodes, findings = classify(trace, catalog, "float16")
+        notes, more = coverage(trace, len(nodes))
+        return finalize(Report(Target(MODEL, loaded.entry, trace.method, notes), "float16", nodes, findings + more),
+                        Config())
+
+    report, t_classify = timed(do_classify)
+
+    def do_report():
+        render_machine(report, "json")
+        render(report, make_console(io.StringIO(), width=120))
+
+    _, t_report = timed(do_report)
+    _, t_bare = timed(lambda: torch.fx.symbolic_trace(loaded.model))
+    return {"load": t_load, "trace": t_trace, "classify": t_classify, "report": t_report, "bare_fx": t_bare,
+            "nodes": len(report.nodes)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the medians as JSON")
+    args = parser.parse_args()
+    one_run()  # warm-up: imports, first-call caches
+    runs = [one_run() for _ in range(args.repeat)]
+    med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    check = med["trace"] + med["classify"] + med["report"]
+    med["check_no_inputs"] = check
+    med["ratio_vs_bare_fx"] = check / med["bare_fx"]
+    if args.json:
+        print(json.dumps(med, indent=2))
+        return
+    print(f"GPT-2 small ({int(med['nodes'])} nodes), median of {args.repeat} runs")
+    for key in ("load", "trace", "classify", "report", "check_no_inputs", "bare_fx"):
+        print(f"  {key:<16} {med[key] * 1000:8.1f} ms")
+    print(f"  check / bare fx  {med['ratio_vs_bare_fx']:8.2f}x   (target <= 2x)")
+
+
+if __name__ == "__main__":
+    main()
