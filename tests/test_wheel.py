@@ -1,0 +1,44 @@
+"""The catalog ships inside the wheel, and an installed wheel finds it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    pytest.importorskip("hatchling", reason="the dev extra installs hatchling to build wheels offline")
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                    "--quiet", "-w", str(out)], check=True, timeout=300)
+    (path,) = out.glob("ampaudit-*.whl")
+    return path
+
+
+def test_wheel_contains_the_catalog_and_schema(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"ampaudit/_rules/ops.toml", "ampaudit/_rules/rules.toml", "ampaudit/report/report.schema.json"} <= names
+    entry_points = zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "ampaudit = ampaudit.cli.main:main" in entry_points
+
+
+def test_installed_wheel_loads_its_own_catalog(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(target),
+                    str(wheel)], check=True, timeout=300)
+    code = ("from ampaudit.core.resources import rules_dir; from ampaudit.core.catalog import builtin_catalog; "
+            "print(rules_dir()); print(len(builtin_catalog().ops))")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    where, count = proc.stdout.split()
+    assert where == str(target / "ampaudit" / "_rules")
+    assert int(count) > 100
