@@ -12,11 +12,12 @@ from ampaudit._version import __version__
 if TYPE_CHECKING:
     from ampaudit.check.api import check
     from ampaudit.core.findings import Finding, NodeDecision, Report
+else:
+    from ampaudit import check  # a callable package: ampaudit.check(model, ...) runs the audit
 
 __all__ = ["Finding", "NodeDecision", "Report", "__version__", "check"]
 
 _LAZY = {
-    "check": ("ampaudit.check.api", "check"),
     "Report": ("ampaudit.core.findings", "Report"),
     "Finding": ("ampaudit.core.findings", "Finding"),
     "NodeDecision": ("ampaudit.core.findings", "NodeDecision"),
