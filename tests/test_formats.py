@@ -42,7 +42,7 @@ def test_json_matches_the_pinned_schema(untraceable_json):
     assert amp001 == [{
         "rule": "AMP001", "severity": "info",
         "message": amp001[0]["message"], "file": "fixtures/models/untraceable.py", "line": 23,
-        "column": None, "module": None, "node": None, "fix": None,
+        "column": 12, "module": None, "node": None, "fix": None,  # the column of `x.abs().sum() > 0`
     }]
     s = doc["summary"]
     assert s["nodes"] == len(doc["nodes"])
@@ -77,7 +77,7 @@ def test_sarif_validates_against_the_official_schema(cli):
     assert res["level"] == "warning"
     loc = res["locations"][0]["physicalLocation"]
     assert loc["artifactLocation"] == {"uri": "fixtures/models/untraceable_no_inputs.py", "uriBaseId": "%SRCROOT%"}
-    assert loc["region"] == {"startLine": 21}
+    assert loc["region"] == {"startLine": 21, "startColumn": 12}
     assert run["tool"]["driver"]["rules"][res["ruleIndex"]]["id"] == "AMP002"
     # GitHub code scanning needs these to de-duplicate alerts between runs.
     assert res["partialFingerprints"]
@@ -87,7 +87,8 @@ def test_github_annotations(cli):
     result = cli("check", model("untraceable_no_inputs.py"), "--format", "github")
     lines = result.out.splitlines()
     assert lines[0].startswith(
-        "::warning file=fixtures/models/untraceable_no_inputs.py,line=21,title=ampaudit AMP002::torch.fx cannot trace")
+        "::warning file=fixtures/models/untraceable_no_inputs.py,line=21,col=12,title=ampaudit AMP002::"
+        "torch.fx cannot trace")
     assert all(line.startswith(("::warning ", "::notice ", "::error ")) for line in lines)
 
 

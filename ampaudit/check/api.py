@@ -78,7 +78,7 @@ def check(
     the model runs once (fp32, no grad) so untraceable models are still audited.
     ``policy``: a TOML file or a table with the ops.toml schema, layered over the catalog.
     """
-    file, _ = forward_location(model)
+    file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
     report = audit_model(model, inputs, build_catalog(config, policy), dtype_name(dtype),

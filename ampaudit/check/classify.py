@@ -105,8 +105,8 @@ def _classify_graph(
         kinds[node], known[node] = node_kind(node, gm, catalog)
     flow = autocast_flow(gm, kinds, catalog)
     for node in gm.graph.nodes:
-        file, line = node.meta[LOC]
-        file = display_path(file)
+        loc = node.meta[LOC]
+        file, line = display_path(loc.file), loc.line
         module = _qualify(sub.prefix, node.meta.get(MODULE))
         name = f"{sub.prefix}:{node.name}" if sub.prefix else node.name
         kind = kinds[node]
@@ -125,7 +125,7 @@ def _classify_graph(
         if node.op in _STRUCTURAL or (node.op == "call_module" and module in opaque):
             continue
         if not known[node]:
-            findings.append(rule("AMP102").finding(file, line, module=module, node=name,
+            findings.append(rule("AMP102").finding(file, line, column=loc.column, module=module, node=name,
                                                    target=decision.target))
         elif (
             policy.precision is Precision.FP32
@@ -135,6 +135,7 @@ def _classify_graph(
             and first_float_input(node, flow) == LOW
         ):
             findings.append(rule("AMP101").finding(
-                file, line, module=module, node=name, kind=kind, reason=policy.reason, dtype=dtype_name,
+                file, line, column=loc.column, module=module, node=name, kind=kind, reason=policy.reason,
+                dtype=dtype_name,
                 fix=f"cast the input of `{kind}` to fp32 with `.float()`",
             ))

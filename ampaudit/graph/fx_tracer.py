@@ -12,19 +12,19 @@ import torch
 from torch import fx
 
 from ampaudit.core.catalog import Catalog
-from ampaudit.graph.userframe import boundary, traceback_location, user_location
+from ampaudit.graph.userframe import Loc, boundary, traceback_location, user_location
 
 LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
 MODULE = "ampaudit_module"  # node.meta key: qualified module path or None
 
 
-def forward_location(module: torch.nn.Module) -> tuple[str, int]:
+def forward_location(module: torch.nn.Module) -> Loc:
     """Where ``module.forward`` is defined: the line placeholders and outputs point at."""
     fn = inspect.unwrap(type(module).forward)
     code = getattr(fn, "__code__", None)
     if code is None:
-        return ("<unknown>", 1)
-    return code.co_filename, code.co_firstlineno
+        return Loc("<unknown>", 1)
+    return Loc(code.co_filename, code.co_firstlineno)
 
 
 def is_leaf(catalog: Catalog, module: torch.nn.Module, default: bool) -> bool:
@@ -77,7 +77,7 @@ class FxFailure:
     module: str  # qualified path, "" for the traced root
     type_name: str
     message: str
-    loc: tuple[str, int]  # the user's line where tracing failed (forward's def if unknown)
+    loc: Loc  # the user's line where tracing failed (forward's def if unknown)
 
 
 @boundary

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.catalog import Catalog
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
-from ampaudit.graph.userframe import boundary, user_location
+from ampaudit.graph.userframe import Loc, boundary, user_location
 from ampaudit.target.inputs import has_tensor
 
 # Tensor dunders that fx spells as operator functions; reflected ones swap operands.
@@ -56,7 +56,7 @@ class _GraphBuilder:
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
         self._producers[id(tensor)] = (weakref.ref(tensor), node)
 
-    def node_of(self, tensor: torch.Tensor, loc: tuple[str, int] | None) -> fx.Node:
+    def node_of(self, tensor: torch.Tensor, loc: Loc | None) -> fx.Node:
         hit = self._producers.get(id(tensor))
         if hit is not None and hit[0]() is tensor:
             return hit[1]
@@ -69,7 +69,7 @@ class _GraphBuilder:
         self.bind(tensor, node)
         return node
 
-    def lift(self, value: Any, loc: tuple[str, int] | None) -> Any:
+    def lift(self, value: Any, loc: Loc | None) -> Any:
         """Replace tensors inside args with their nodes; leave other values as constants."""
         if isinstance(value, torch.Tensor):
             return self.node_of(value, loc)
@@ -80,7 +80,7 @@ class _GraphBuilder:
             return {k: self.lift(v, loc) for k, v in value.items()}
         return value
 
-    def _node(self, op: str, target: Any, args: tuple, kwargs: dict, loc: tuple[str, int] | None) -> fx.Node:
+    def _node(self, op: str, target: Any, args: tuple, kwargs: dict, loc: Loc | None) -> fx.Node:
         node = self.graph.create_node(op, target, args, kwargs)
         node.meta[LOC] = loc
         node.meta[MODULE] = self.module_path[-1] if self.module_path else None

@@ -18,6 +18,7 @@ from torch import fx
 from ampaudit.core.catalog import Catalog
 from ampaudit.graph.fx_tracer import LOC, MODULE, FxFailure, forward_location, fx_trace, is_leaf
 from ampaudit.graph.recorder import record_trace
+from ampaudit.graph.userframe import Loc
 from ampaudit.target.inputs import ExampleInputs, run_model
 
 
@@ -93,7 +94,7 @@ def _trace_children(owner: torch.nn.Module, prefix: str, catalog: Catalog, resul
             _trace_partial(child, path, catalog, failure, result)
 
 
-def _single_module_graph(name: str, child: torch.nn.Module, loc: tuple[str, int]) -> fx.GraphModule:
+def _single_module_graph(name: str, child: torch.nn.Module, loc: Loc) -> fx.GraphModule:
     graph = fx.Graph()
     node = graph.call_module(name, (graph.placeholder("input"),))
     graph.output(node)

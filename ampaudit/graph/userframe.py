@@ -11,7 +11,7 @@ import sysconfig
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -29,6 +29,30 @@ _verdicts: dict[str, str] = {}  # filename -> "user" | "internal" | "ampaudit"
 _BOUNDARIES: set[types.CodeType] = set()
 
 F = TypeVar("F", bound=Callable)
+
+
+class Loc(NamedTuple):
+    """A place in the user's source; ``column`` is 1-based, None where Python cannot tell."""
+
+    file: str
+    line: int
+    column: int | None = None
+
+
+_positions: dict[types.CodeType, list] = {}
+
+
+def _column(code: types.CodeType, lasti: int) -> int | None:
+    # Python 3.11+ keeps per-instruction source positions: the column of the very call.
+    if not hasattr(code, "co_positions"):
+        return None
+    positions = _positions.get(code)
+    if positions is None:
+        positions = _positions[code] = list(code.co_positions())
+    index = lasti // 2
+    if 0 <= index < len(positions) and positions[index][2] is not None:
+        return positions[index][2] + 1
+    return None
 
 
 def boundary(fn: F) -> F:
@@ -59,7 +83,7 @@ def is_user_file(filename: str) -> bool:
     return _classify(filename) == "user"
 
 
-def user_location(frame: types.FrameType | None) -> tuple[str, int] | None:
+def user_location(frame: types.FrameType | None) -> Loc | None:
     """``(file, line)`` of the innermost user frame at or above ``frame``, or None.
 
     Torch's and ampaudit's own frames are skipped; the walk ends at a :func:`boundary`.
@@ -69,16 +93,17 @@ def user_location(frame: types.FrameType | None) -> tuple[str, int] | None:
         if code in _BOUNDARIES:
             return None
         if _classify(code.co_filename) == "user":
-            return code.co_filename, frame.f_lineno
+            return Loc(code.co_filename, frame.f_lineno, _column(code, frame.f_lasti))
         frame = frame.f_back
     return None
 
 
-def traceback_location(tb: types.TracebackType | None) -> tuple[str, int] | None:
+def traceback_location(tb: types.TracebackType | None) -> Loc | None:
     """The innermost user frame of an exception's traceback (where the user's code failed)."""
     found = None
     while tb is not None:
         if _classify(tb.tb_frame.f_code.co_filename) == "user":
-            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+            code = tb.tb_frame.f_code
+            found = Loc(code.co_filename, tb.tb_lineno, _column(code, tb.tb_lasti))
         tb = tb.tb_next
     return found
