@@ -68,3 +68,23 @@ def test_not_imported_script_reports_why(cli):
     assert doc["target"]["trace"] == "none" and doc["nodes"] == []
     assert [(f["rule"], f["line"], f["column"]) for f in doc["findings"]] == [("AMP003", 27, 1)]
     assert "pass --exec" in doc["target"]["notes"][0]
+
+
+def test_ops_command_shows_the_catalog_with_a_policy(cli, tmp_path):
+    doc = cli("ops", "LayerNorm", "--format", "json").json()
+    assert [(e["kind"], e["precision"], e["autocast"]) for e in doc] == [("layer_norm", "fp32", "fp32")]
+    assert "torch.nn.LayerNorm" in doc[0]["also"] and "native_layer_norm" in doc[0]["also"]
+    policy = tmp_path / "p.toml"
+    policy.write_text('[ops.layer_norm]\nprecision = "fp16"\nreason = "our fused kernel"\n')
+    (entry,) = cli("ops", "layer_norm", "--format", "json", "--policy", policy).json()
+    assert (entry["precision"], entry["autocast"], entry["reason"]) == ("fp16", "fp32", "our fused kernel")
+    result = cli("ops", "no-such-op")
+    assert result.code == 2 and "no catalog entry matches 'no-such-op'" in result.err
+
+
+def test_show_ops_lists_every_op(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    out = cli("check", model("input_shape.py"), "--input-shape", "2,8", "--show-ops").out
+    assert "Every op" in out
+    for kind in ("placeholder", "linear", "relu", "output"):
+        assert f" {kind} " in out

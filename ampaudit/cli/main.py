@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     explain = sub.add_parser("explain", help="show a rule's documentation")
     explain.add_argument("code", help="rule code, e.g. AMP101")
+    ops = sub.add_parser("ops", help="show the op-precision catalog (with your policy applied)",
+                         description="List catalog entries whose kind, module type or alias contains PATTERN.")
+    ops.add_argument("pattern", nargs="?", default="", help="substring of an op kind, alias or module type")
+    ops.add_argument("--format", choices=("text", "json"), default="text")
+    ops.add_argument("--policy", action="append", default=[], type=Path, metavar="FILE",
+                     help="apply this policy file first (repeatable)")
     return parser
 
 
@@ -154,7 +160,48 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"check": cmd_check, "rules": cmd_rules, "explain": cmd_explain}
+def cmd_ops(args: argparse.Namespace) -> int:
+    from ampaudit.check.api import build_catalog
+    from ampaudit.core.config import load_config
+
+    catalog = build_catalog(load_config(Path.cwd()), policy_files=args.policy)
+    needle = args.pattern.lower()
+    names: dict[str, list[str]] = {kind: [] for kind in catalog.ops}
+    for alias, kind in catalog.aliases.items():
+        names.setdefault(kind, []).append(alias)
+    for module, kind in catalog.modules.items():
+        names.setdefault(kind, []).append(module)
+    hits = sorted(k for k, extra in names.items()
+                  if k in catalog.ops and (needle in k or any(needle in e.lower() for e in extra)))
+    if not hits:
+        raise UsageError(f"no catalog entry matches {args.pattern!r}")
+    if args.format == "json":
+        import json
+
+        data = [{"kind": k, "precision": p.precision.value, "autocast": p.autocast, "reason": p.reason,
+                 "source": p.source, "also": sorted(names[k])} for k in hits for p in [catalog.ops[k]]]
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return EXIT_OK
+    from rich.table import Table
+    from rich.text import Text
+
+    from ampaudit.report.terminal import make_console
+
+    table = Table(title=f"op catalog: {len(hits)} of {len(catalog.ops)} kinds", title_justify="left")
+    for col in ("kind", "precision", "autocast"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("reason / source / also matched by", overflow="fold", ratio=1)
+    for kind in hits:
+        p = catalog.ops[kind]
+        also = ", ".join(sorted(names[kind]))
+        detail = Text(p.reason + "\n")
+        detail.append(p.source + (f"; {also}" if also else ""), style="dim")
+        table.add_row(kind, p.precision.value, p.autocast, detail)
+    make_console().print(table)
+    return EXIT_OK
+
+
+COMMANDS = {"check": cmd_check, "rules": cmd_rules, "explain": cmd_explain, "ops": cmd_ops}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -107,6 +107,8 @@ def _snippet(finding: Finding, color: bool) -> Syntax | Text | None:
     for number in range(first, last + 1):
         marker = ">" if number == finding.line else " "
         text.append(f"{marker} {number:>{width}} | {lines[number - 1]}\n")
+        if number == finding.line and finding.column:
+            text.append(" " * (width + 5 + finding.column - 1) + "^\n")
     return text
 
 
