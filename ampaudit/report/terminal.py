@@ -5,6 +5,7 @@ Colour follows rich's rules: off when NO_COLOR is set or output is not a termina
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -22,7 +23,10 @@ _PRECISION_STYLE = {"fp16": "green", "fp32": "magenta", "promote": "blue", "neut
 
 
 def make_console(file=None, *, width: int | None = None) -> Console:
-    return Console(file=file, highlight=False, soft_wrap=False, width=width)
+    console = Console(file=file, highlight=False, soft_wrap=False, width=width)
+    if width is None and not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 120  # logs and pipes: rich's 80 columns would wrap code lines
+    return console
 
 
 def _summary_panel(report: Report) -> Panel:
@@ -103,7 +107,7 @@ def _snippet(finding: Finding, color: bool) -> Syntax | Text | None:
         return Syntax("\n".join(lines), "python", line_numbers=True, line_range=(first, last),
                       highlight_lines={finding.line}, word_wrap=False, theme="ansi_dark")
     width = len(str(last))
-    text = Text()
+    text = Text(no_wrap=True, overflow="ellipsis")
     for number in range(first, last + 1):
         marker = ">" if number == finding.line else " "
         text.append(f"{marker} {number:>{width}} | {lines[number - 1]}\n")
