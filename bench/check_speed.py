@@ -20,11 +20,8 @@ import torch.fx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ampaudit.check.api import build_catalog  # noqa: E402
-from ampaudit.check.classify import classify  # noqa: E402
-from ampaudit.check.coverage import coverage  # noqa: E402
+from ampaudit.check.api import analyse, build_catalog  # noqa: E402
 from ampaudit.core.config import Config, finalize  # noqa: E402
-from ampaudit.core.findings import Report, Target  # noqa: E402
 from ampaudit.graph.trace import trace_model  # noqa: E402
 from ampaudit.report.formats import render_machine  # noqa: E402
 from ampaudit.report.terminal import make_console, render  # noqa: E402
@@ -44,13 +41,8 @@ def one_run() -> dict[str, float]:
     catalog = build_catalog(Config())
     trace, t_trace = timed(lambda: trace_model(loaded.model, catalog, None))
 
-    def do_classify():
-        nodes, findings = classify(trace, catalog, "float16")
-        notes, more = coverage(trace, len(nodes))
-        return finalize(Report(Target(MODEL, loaded.entry, trace.method, notes), "float16", nodes, findings + more),
-                        Config())
-
-    report, t_classify = timed(do_classify)
+    report, t_classify = timed(lambda: finalize(analyse(trace, catalog, "float16", file=MODEL, entry=loaded.entry),
+                                                Config()))
 
     def do_report():
         render_machine(report, "json")

@@ -7,9 +7,9 @@ from torch import fx, nn
 
 import ampaudit
 from ampaudit.check.api import check_path
-from ampaudit.check.classify import node_kind
 from ampaudit.core.catalog import builtin_catalog
 from ampaudit.graph.dtype_flow import FP32, LOW, autocast_flow
+from ampaudit.graph.kinds import node_kind
 from tests.conftest import line_of, model
 
 

@@ -66,3 +66,10 @@ def test_rules_and_explain_commands(cli):
     assert "**Why it matters.**" in result.out and "```python" in result.out
     result = cli("explain", "AMP999")
     assert result.code == 2 and "unknown rule 'AMP999'" in result.err
+
+
+def test_graph_rules_are_registered_once_with_documented_codes():
+    from ampaudit.check.rules import GRAPH_RULES, fp32_left_low, run_graph_rules, unknown_op  # noqa: F401  # noqa: F401  (registration)
+
+    assert set(GRAPH_RULES) <= set(rulebook())
+    assert {code for code in rulebook() if code.startswith("AMP1")} <= set(GRAPH_RULES)

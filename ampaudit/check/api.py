@@ -10,14 +10,16 @@ import torch
 
 from ampaudit.check.classify import classify
 from ampaudit.check.coverage import coverage
+from ampaudit.check.graph_view import GraphView
+from ampaudit.check.rules import run_graph_rules
 from ampaudit.core.catalog import Catalog, load_catalog
 from ampaudit.core.config import DTYPES, Config, finalize, load_config
 from ampaudit.core.errors import UsageError
-from ampaudit.core.findings import Report, Target
+from ampaudit.core.findings import Finding, NodeDecision, Report, Target
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.fx_tracer import forward_location
-from ampaudit.graph.trace import trace_model
+from ampaudit.graph.trace import TraceResult, trace_model
 from ampaudit.target.inputs import ExampleInputs
 from ampaudit.target.loader import LoadedModel, NotImported, load_target, parse_target
 
@@ -56,9 +58,18 @@ def audit_model(
     file: str,
     entry: str,
 ) -> Report:
-    """The graph audit every front end shares: trace, classify, report coverage."""
-    trace = trace_model(model, catalog, inputs)
-    nodes, findings = classify(trace, catalog, dtype)
+    """The graph audit every front end shares: trace, then analyse."""
+    return analyse(trace_model(model, catalog, inputs), catalog, dtype, file=file, entry=entry)
+
+
+def analyse(trace: TraceResult, catalog: Catalog, dtype: str, *, file: str, entry: str) -> Report:
+    """Classify every node, run the graph rules, and say what the trace could not see."""
+    nodes: list[NodeDecision] = []
+    findings: list[Finding] = []
+    for sub in trace.graphs:
+        view = GraphView.build(sub, catalog, dtype, frozenset(trace.opaque))
+        nodes += classify(view)
+        findings += run_graph_rules(view)
     op_count = sum(n.op.startswith("call_") for n in nodes)
     notes, coverage_findings = coverage(trace, op_count)
     return Report(Target(file, entry, trace.method, notes), dtype, nodes, findings + coverage_findings)

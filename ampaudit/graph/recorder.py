@@ -49,7 +49,6 @@ class _GraphBuilder:
         self._producers: dict[int, tuple[weakref.ref, fx.Node]] = {}
         self._params = {id(t): name for name, t in root.named_parameters(remove_duplicate=False)}
         self._params.update({id(t): name for name, t in root.named_buffers(remove_duplicate=False)})
-        self._owned: dict[int, torch.Tensor] = {}
         self._constants = 0
         self.module_path: list[str] = []
 
@@ -75,7 +74,7 @@ class _GraphBuilder:
             return self.node_of(value, loc)
         if isinstance(value, (list, tuple)):
             lifted = [self.lift(v, loc) for v in value]
-            return type(value)(lifted) if not hasattr(value, "_fields") else type(value)(*lifted)
+            return type(value)(*lifted) if _is_namedtuple(value) else type(value)(lifted)
         if isinstance(value, dict):
             return {k: self.lift(v, loc) for k, v in value.items()}
         return value
@@ -83,9 +82,10 @@ class _GraphBuilder:
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, loc: Loc | None) -> fx.Node:
         node = self.graph.create_node(op, target, args, kwargs)
         node.meta[LOC] = loc
-        node.meta[MODULE] = self.module_path[-1] if self.module_path else None
         if op == "call_module":
             node.meta[MODULE] = target
+        else:
+            node.meta[MODULE] = self.module_path[-1] if self.module_path else None
         return node
 
     def call(self, op: str, target: Any, args: tuple, kwargs: dict, out: Any, loc) -> fx.Node:
@@ -110,13 +110,17 @@ class _GraphBuilder:
         self._node("output", "output", (self.lift(_plain(value), None),), {}, None)
 
 
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
 def _plain(value: Any) -> Any:
-    """Model outputs as plain containers (ModelOutput and dataclasses become dicts)."""
+    """Model outputs as plain containers fx can emit (ModelOutput becomes a dict, namedtuples tuples)."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value) if not hasattr(value, "_fields") else tuple(
-            _plain(v) for v in value)
+        items = [_plain(v) for v in value]
+        return tuple(items) if _is_namedtuple(value) else type(value)(items)
     return value
 
 
@@ -171,7 +175,7 @@ def record_trace(
     def is_leaf_module(module: torch.nn.Module) -> bool:
         key = id(module)
         if key not in leaf_state:
-            leaf_state[key] = module is not root and is_leaf(
+            leaf_state[key] = is_leaf(
                 catalog, module, default_leaf(module, names.get(key, "")))
         return leaf_state[key]
 
