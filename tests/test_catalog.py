@@ -262,7 +262,7 @@ def test_overlay_adds_an_op_an_alias_and_a_module() -> None:
     assert policy is not None
     assert (policy.precision, policy.autocast, policy.reason) == (Precision.FP32, "none", "fused RMS norm")
     assert merged.canonical_kind("aten::my_fused_norm_impl.default") == "my_fused_norm"
-    assert "mypkg.layers.FusedNorm" in merged.module_types()
+    assert "mypkg.layers.FusedNorm" in merged.modules
     assert len(merged.ops) == len(CATALOG.ops) + 1
 
 

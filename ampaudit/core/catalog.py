@@ -98,9 +98,6 @@ class Catalog:
                     return self.modules[key]
         return None
 
-    def module_types(self) -> frozenset[str]:
-        return frozenset(self.modules)
-
     # -- policy ------------------------------------------------------------------------
     def lookup(self, kind: str) -> OpPolicy | None:
         return self.ops.get(kind)

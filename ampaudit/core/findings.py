@@ -128,9 +128,6 @@ class Report:
             "infos": self.count(Severity.INFO),
         }
 
-    def worst(self) -> Severity | None:
-        return max((f.severity for f in self.findings), key=lambda s: s.rank, default=None)
-
     def sort(self) -> None:
         self.findings.sort(key=lambda f: (f.file, f.line, f.column or 0, f.rule))
 

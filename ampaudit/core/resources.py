@@ -30,7 +30,3 @@ def rules_dir() -> Path:
 def load_toml(path: Path) -> dict:
     with open(path, "rb") as fh:
         return tomllib.load(fh)
-
-
-def loads_toml(text: str) -> dict:
-    return tomllib.loads(text)

@@ -79,10 +79,6 @@ def _classify(filename: str) -> str:
     return verdict
 
 
-def is_user_file(filename: str) -> bool:
-    return _classify(filename) == "user"
-
-
 def user_location(frame: types.FrameType | None) -> Loc | None:
     """``(file, line)`` of the innermost user frame at or above ``frame``, or None.
 
