@@ -36,7 +36,8 @@ def test_json_matches_the_pinned_schema(untraceable_json):
     assert doc["target"]["file"] == "fixtures/models/untraceable.py"
     assert doc["target"]["entry"] == "Gated()"
     assert doc["target"]["trace"] == "recorder"
-    assert list(doc["nodes"][0]) == ["name", "op", "kind", "module", "precision", "reason", "rule", "file", "line"]
+    assert list(doc["nodes"][0]) == ["name", "op", "kind", "module", "precision", "reason", "rule", "file", "line",
+                                     "measured"]
     assert list(doc["summary"]) == ["nodes", "fp32", "fp16", "errors", "warnings", "infos"]
     amp001 = [f for f in doc["findings"] if f["rule"] == "AMP001"]
     assert amp001 == [{

@@ -11,6 +11,7 @@ import torch
 from ampaudit.check.classify import classify
 from ampaudit.check.coverage import coverage
 from ampaudit.check.graph_view import GraphView
+from ampaudit.check.measure import measure_ranges
 from ampaudit.check.rules import run_graph_rules
 from ampaudit.core.catalog import Catalog, load_catalog
 from ampaudit.core.config import DTYPES, Config, finalize, load_config
@@ -21,7 +22,7 @@ from ampaudit.core.rulebook import rule
 from ampaudit.graph.fx_tracer import forward_location
 from ampaudit.graph.trace import TraceResult, trace_model
 from ampaudit.target.inputs import ExampleInputs
-from ampaudit.target.loader import LoadedModel, NotImported, load_target, parse_target
+from ampaudit.target.loader import NotImported, load_target, parse_target
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -57,9 +58,24 @@ def audit_model(
     *,
     file: str,
     entry: str,
+    run: bool = True,
 ) -> Report:
-    """The graph audit every front end shares: trace, then analyse."""
-    return analyse(trace_model(model, catalog, inputs), catalog, dtype, file=file, entry=entry)
+    """The graph audit every front end shares: trace, measure (with inputs), analyse.
+
+    ``run=False`` never executes the model: example inputs are ignored.
+    """
+    measure = inputs is not None and run
+    trace = trace_model(model, catalog, inputs if run else None, validate=not measure)
+    if measure:
+        measure_ranges(trace.graphs[0].gm, inputs, catalog, dtype)
+    report = analyse(trace, catalog, dtype, file=file, entry=entry)
+    if measure:
+        report.target.notes.append(
+            f"measured value ranges on the example inputs ({inputs.origin}): one fp32 run, each op re-run "
+            f"in {dtype} on its fp32 inputs cast down")
+    elif inputs is not None:
+        report.target.notes.append("--no-run: the model was not executed; no value ranges were measured")
+    return report
 
 
 def analyse(trace: TraceResult, catalog: Catalog, dtype: str, *, file: str, entry: str) -> Report:
@@ -82,18 +98,20 @@ def check(
     dtype: torch.dtype | str = torch.float16,
     policy: str | Path | Mapping | None = None,
     config: Config | None = None,
+    run: bool = True,
 ) -> Report:
     """Audit ``model`` for mixed precision.
 
     ``example_inputs``: a tuple of positional args, a dict of kwargs or a tensor; when given,
     the model runs once (fp32, no grad) so untraceable models are still audited.
     ``policy``: a TOML file or a table with the ops.toml schema, layered over the catalog.
+    ``run=False``: never execute the model (no value ranges; untraceable parts stay unseen).
     """
     file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
     report = audit_model(model, inputs, build_catalog(config, policy), dtype_name(dtype),
-                         file=display_path(file), entry=type(model).__name__)
+                         file=display_path(file), entry=type(model).__name__, run=run)
     return finalize(report, config)
 
 
@@ -106,6 +124,7 @@ def check_path(
     input_shapes: Sequence[str] = (),
     input_dtypes: Sequence[str] = (),
     policy_files: Sequence[Path] = (),
+    run: bool = True,
 ) -> Report:
     """Audit the model that ``PATH[:NAME]`` defines (what ``ampaudit check`` runs)."""
     path, _ = parse_target(spec)
@@ -116,13 +135,9 @@ def check_path(
     if isinstance(loaded, NotImported):
         report = _not_imported_report(loaded, dtype)
     else:
-        report = _audit_loaded(loaded, catalog, dtype)
+        report = audit_model(loaded.model, loaded.inputs, catalog, dtype,
+                             file=display_path(str(loaded.path)), entry=loaded.entry, run=run)
     return finalize(report, config)
-
-
-def _audit_loaded(loaded: LoadedModel, catalog: Catalog, dtype: str) -> Report:
-    return audit_model(loaded.model, loaded.inputs, catalog, dtype,
-                       file=display_path(str(loaded.path)), entry=loaded.entry)
 
 
 def _not_imported_report(skipped: NotImported, dtype: str) -> Report:

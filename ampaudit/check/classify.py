@@ -7,6 +7,7 @@ from ampaudit.core.findings import NodeDecision, Precision
 from ampaudit.core.paths import display_path
 from ampaudit.graph.fx_tracer import LOC
 from ampaudit.graph.kinds import printable_target
+from ampaudit.graph.range_probe import MEASURED
 
 _STRUCTURAL_REASONS = {
     "placeholder": "model input",
@@ -30,8 +31,10 @@ def classify(view: GraphView) -> list[NodeDecision]:
         else:
             precision, reason = Precision.NEUTRAL, _UNKNOWN_REASON
         loc = node.meta[LOC]
+        measured = node.meta.get(MEASURED)
         decisions.append(NodeDecision(
             view.name(node), node.op, view.kinds[node], view.module(node), precision, reason,
             display_path(loc.file), loc.line, target=printable_target(node, view.sub.gm),
+            measured=measured.to_dict() if measured is not None else None,
         ))
     return decisions

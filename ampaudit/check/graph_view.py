@@ -12,7 +12,7 @@ from ampaudit.core.catalog import Catalog, OpPolicy
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
-from ampaudit.graph.dtype_flow import autocast_flow
+from ampaudit.graph.dtype_flow import LOW, autocast_flow, low_precision_flow
 from ampaudit.graph.fx_tracer import LOC, MODULE
 from ampaudit.graph.kinds import node_kind
 from ampaudit.graph.trace import SubGraph
@@ -29,6 +29,7 @@ class GraphView:
     kinds: dict[fx.Node, str] = field(default_factory=dict)
     known: dict[fx.Node, bool] = field(default_factory=dict)
     flow: dict[fx.Node, str | None] = field(default_factory=dict)  # dtype under autocast (dtype_flow)
+    low: dict[fx.Node, str | None] = field(default_factory=dict)  # dtype when the model runs in low precision
 
     @classmethod
     def build(cls, sub: SubGraph, catalog: Catalog, dtype: str, opaque: frozenset[str]) -> GraphView:
@@ -36,7 +37,15 @@ class GraphView:
         for node in sub.gm.graph.nodes:
             view.kinds[node], view.known[node] = node_kind(node, sub.gm, catalog)
         view.flow = autocast_flow(sub.gm, view.kinds, catalog)
+        view.low = low_precision_flow(sub.gm, view.kinds, catalog)
         return view
+
+    def kind(self, value: Any) -> str | None:
+        return self.kinds.get(value) if isinstance(value, fx.Node) else None
+
+    def runs_low(self, node: fx.Node) -> bool:
+        """Whether the node computes in fp16/bf16 unless the code itself upcasts it."""
+        return self.low.get(node) == LOW
 
     @property
     def nodes(self) -> list[fx.Node]:

@@ -81,6 +81,7 @@ class NodeDecision:
     line: int
     rule: str | None = None  # code of the most severe finding attached to this node
     target: str = ""  # printable fx target, for humans only (not part of the JSON schema)
+    measured: dict[str, Any] | None = None  # value ranges on the example inputs, when the model ran
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +94,7 @@ class NodeDecision:
             "rule": self.rule,
             "file": self.file,
             "line": self.line,
+            "measured": self.measured,
         }
 
 

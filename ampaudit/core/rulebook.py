@@ -7,7 +7,7 @@ and what it tells the user - so those can change without touching any pass.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -36,6 +36,7 @@ class Rule:
     why: str
     example: str
     fix: str
+    params: dict[str, Any] = field(default_factory=dict)  # thresholds, from [CODE.params]
 
     @property
     def family(self) -> str:
@@ -74,6 +75,7 @@ def rulebook() -> dict[str, Rule]:
             why=raw["why"],
             example=raw["example"].strip("\n"),
             fix=raw["fix"],
+            params=dict(raw.get("params", {})),
         )
     return rules
 

@@ -1,8 +1,12 @@
-"""Which dtype each node would compute in under autocast - a pass over an fx graph.
+"""Which dtype each node computes in - a pass over an fx graph, in two modes.
 
-Autocast casts per op: listed ops run in the low dtype ("low") or are upcast ("fp32");
-everything else follows its inputs (type promotion for binary ops). Simulating that over
-the graph tells which fp32-needing ops autocast would leave in fp16 or bf16.
+``autocast``: torch.autocast casts per op: listed ops run in the low dtype ("low") or are
+upcast ("fp32"); everything else follows its inputs (type promotion for binary ops). This
+tells which fp32-needing ops autocast would leave in fp16 or bf16.
+
+``low``: the model itself runs in the low dtype (``model.half()``, a converted model):
+inputs and weights are low, and only the casts written in the code produce fp32. Hazard
+rules use this mode: a pattern is unsafe unless the code upcasts it.
 """
 
 from __future__ import annotations
@@ -47,12 +51,21 @@ def explicit_cast(node: fx.Node) -> str | bool | None:
 
 
 def autocast_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog) -> dict[fx.Node, str | None]:
-    """Map every node to LOW, FP32, or None (not a floating-point tensor)."""
+    """Map every node to LOW, FP32, or None (not a floating-point tensor) under autocast."""
+    return _flow(gm, kinds, catalog, autocast=True)
+
+
+def low_precision_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog) -> dict[fx.Node, str | None]:
+    """The same map for a model whose inputs and weights are in the low dtype."""
+    return _flow(gm, kinds, catalog, autocast=False)
+
+
+def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *, autocast: bool):
     flow: dict[fx.Node, str | None] = {}
     for node in gm.graph.nodes:
         inputs = [flow[n] for n in node.all_input_nodes if flow.get(n) is not None]
         if node.op in ("placeholder", "get_attr"):
-            flow[node] = FP32  # fp32 model inputs, weights and buffers
+            flow[node] = FP32 if autocast else LOW  # model inputs, weights and buffers
             continue
         if node.op == "output":
             continue
@@ -69,16 +82,18 @@ def autocast_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Cat
             flow[node] = None
             continue
         policy = catalog.lookup(kind)
-        autocast = policy.autocast if policy else "none"
-        if autocast == "fp16":
+        behaviour = policy.autocast if policy and autocast else "none"
+        if behaviour == "fp16":
             flow[node] = LOW
-        elif autocast in ("fp32", "banned"):
+        elif behaviour in ("fp32", "banned"):
             flow[node] = FP32
+        elif node.op == "call_module" and not inputs:
+            flow[node] = FP32 if autocast else LOW  # e.g. an embedding: output follows its weight
         elif policy is not None and policy.precision is Precision.PROMOTE:
             flow[node] = FP32 if FP32 in inputs else (LOW if inputs else FP32)
         else:
-            # Unlisted ops follow their first floating input; with none (a lookup such as an
-            # embedding module, a factory such as arange) they produce fp32.
+            # Unlisted ops follow their first floating input; with none (a factory such as
+            # arange or full) they produce the default dtype, fp32.
             flow[node] = inputs[0] if inputs else FP32
     return flow
 

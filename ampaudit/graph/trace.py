@@ -39,10 +39,14 @@ class TraceResult:
     output: Any = None  # the model's output on the example inputs, when it ran
 
 
-def trace_model(model: torch.nn.Module, catalog: Catalog, inputs: ExampleInputs | None) -> TraceResult:
+def trace_model(
+    model: torch.nn.Module, catalog: Catalog, inputs: ExampleInputs | None, *, validate: bool = True
+) -> TraceResult:
+    """``validate``: run the model once on the inputs after a successful fx trace, so bad
+    inputs fail here (off when the range probe is about to run the graph anyway)."""
     gm, failure = fx_trace(model, catalog)
     if gm is not None:
-        output = run_model(model, inputs) if inputs is not None else None
+        output = run_model(model, inputs) if inputs is not None and validate else None
         return TraceResult("fx", [SubGraph("", gm)], output=output)
     if inputs is not None:
         gm, output = run_model(model, inputs, runner=lambda: record_trace(model, inputs.args, inputs.kwargs,

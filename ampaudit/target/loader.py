@@ -85,6 +85,7 @@ def load_target(
         line, column, what = scan.unsafe
         return NotImported(path, name or _static_entry(scan), line, column, what)
     module = _import_file(path)
+    torch.manual_seed(0)  # same weights and example inputs on every run: a stable report
     model, entry = _resolve_model(module, scan, name, path)
     inputs = from_shapes(input_shapes, input_dtypes) if input_shapes else _file_inputs(module)
     model.eval()  # the audit must not depend on dropout draws

@@ -1,6 +1,8 @@
-"""Graph rules: each is a function ``GraphView -> Iterable[Finding]`` registered under its code.
+"""Graph rules: each is a function ``GraphView -> Iterable[Finding]`` registered under the
+codes it emits (one concern, sometimes graded into several codes: overflow / flush / subnormal).
 
-A rule decides *where* it fires; its message, severity and docs live in rules/rules.toml.
+A rule decides *where* it fires; its message, severity, thresholds and docs live in
+rules/rules.toml.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ GraphRule = Callable[[GraphView], Iterable[Finding]]
 GRAPH_RULES: dict[str, GraphRule] = {}
 
 
-def graph_rule(code: str) -> Callable[[GraphRule], GraphRule]:
+def graph_rule(*codes: str) -> Callable[[GraphRule], GraphRule]:
     def register(fn: GraphRule) -> GraphRule:
-        if code in GRAPH_RULES:
-            raise RuntimeError(f"graph rule {code} registered twice")
-        GRAPH_RULES[code] = fn
+        for code in codes:
+            if code in GRAPH_RULES:
+                raise RuntimeError(f"graph rule {code} registered twice")
+            GRAPH_RULES[code] = fn
         return fn
 
     return register
@@ -26,6 +29,20 @@ def graph_rule(code: str) -> Callable[[GraphRule], GraphRule]:
 
 def run_graph_rules(view: GraphView) -> list[Finding]:
     # Import for the registration side effect: one module per rule.
-    from ampaudit.check.rules import fp32_left_low, unknown_op  # noqa: F401
+    from ampaudit.check.rules import (  # noqa: F401
+        banned_ops,
+        constants,
+        exp_overflow,
+        explicit_casts,
+        fp32_left_low,
+        large_reduction,
+        log_hazards,
+        low_variance,
+        measured_ranges,
+        pow_overflow,
+        unknown_op,
+        unsafe_division,
+    )
 
-    return [finding for rule in GRAPH_RULES.values() for finding in rule(view)]
+    rules = dict.fromkeys(GRAPH_RULES.values())  # each function once, in registration order
+    return [finding for rule in rules for finding in rule(view)]

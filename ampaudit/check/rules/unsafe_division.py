@@ -1,0 +1,24 @@
+"""AMP211: division by a norm or reduction with no eps: 0 / 0 = NaN, and small norms flush to 0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampaudit.check.graph_view import GraphView
+from ampaudit.check.patterns import arg, source
+from ampaudit.check.rules import graph_rule
+from ampaudit.core.findings import Finding
+
+_CAN_VANISH = frozenset({"norm", "vector_norm", "frobenius_norm", "sum", "mean", "sqrt", "std", "var", "amax"})
+
+
+@graph_rule("AMP211")
+def unsafe_division(view: GraphView) -> Iterator[Finding]:
+    for node in view.ops():
+        if view.kinds[node] != "div" or not view.runs_low(node):
+            continue
+        divisor = source(view, arg(node, 1, "other"))
+        kind = view.kind(divisor)
+        if kind in _CAN_VANISH:
+            yield view.finding("AMP211", node, divisor=kind, dtype=view.dtype,
+                               fix="add an eps (x / (n + eps)) or clamp the divisor: n.clamp_min(eps)")
