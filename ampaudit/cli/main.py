@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="example input shape such as 8,3,32,32; repeat once per positional argument")
     check.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
                        help="dtype of the --input-shape tensors (default float32; one, or one per shape)")
+    check.add_argument("--no-run", action="store_true",
+                       help="never execute the model: no value ranges, no recorder fallback")
     check.add_argument("--exec", dest="allow_exec", action="store_true",
                        help="import the file even if its top level runs code (loops, calls)")
     check.add_argument("--policy", action="append", default=[], type=Path, metavar="FILE",
@@ -93,7 +95,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         report = check_path(args.target, config=config, dtype=args.dtype, allow_exec=args.allow_exec,
                             input_shapes=args.input_shape, input_dtypes=args.input_dtype,
-                            policy_files=args.policy)
+                            policy_files=args.policy, run=not args.no_run)
     if args.format == "text":
         from ampaudit.report.terminal import make_console, render
 

@@ -66,16 +66,29 @@ def _fp32_table(report: Report) -> Table | None:
             groups[node.module or "(model)"].append(node)
     if not groups:
         return None
+    measured = any(n.measured for nodes in groups.values() for n in nodes)
     table = Table(title="Ops that need fp32, by module", title_justify="left", show_lines=False)
     table.add_column("module", no_wrap=True)
     table.add_column("op", style="magenta", no_wrap=True)
     table.add_column("line", justify="right", no_wrap=True)
+    if measured:  # what the range audit saw, had the op run in the low dtype
+        for col in ("absmax", "flushed", f"{report.dtype} error"):
+            table.add_column(col, justify="right", no_wrap=True)
     table.add_column("reason", overflow="fold", ratio=1)
     for module, nodes in groups.items():
         for i, node in enumerate(nodes):
-            table.add_row(escape(module) if i == 0 else "", escape(node.kind),
-                          _where(node.file, node.line, report), escape(node.reason))
+            cells = [escape(module) if i == 0 else "", escape(node.kind), _where(node.file, node.line, report)]
+            if measured:
+                cells += _measured_cells(node.measured)
+            table.add_row(*cells, escape(node.reason))
     return table
+
+
+def _measured_cells(m: dict | None) -> list[str]:
+    if not m:
+        return ["", "", ""]
+    error = "" if m["rel_error"] is None else f"{m['rel_error']:.1e} ({m['bits_lost']} bits)"
+    return [f"{m['absmax']:.3g}", f"{m['flush'] * 100:.0f}%", error]
 
 
 def _where(file: str, line: int, report: Report) -> str:
