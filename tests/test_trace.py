@@ -53,8 +53,12 @@ def test_recorder_sees_every_executed_op_with_its_line():
         ("call_module", "fc2", branch + 1, "fc2"),
         ("call_function", "<built-in method softmax", 27, None),
     ]
-    # The recorded graph is a faithful straight-line program for these inputs.
-    torch.testing.assert_close(gm(*loaded.inputs.args), out, rtol=0, atol=0)
+    # The recorded graph is a faithful straight-line program for these inputs: replayed in
+    # fp32 it gives the model's own fp32 output bit for bit (the recording itself ran in float64).
+    with torch.no_grad():
+        expected = loaded.model(*loaded.inputs.args)
+    torch.testing.assert_close(gm(*loaded.inputs.args), expected, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected)
 
 
 class _Branchy(nn.Module):
@@ -77,9 +81,11 @@ def test_recorder_handles_kwargs_buffers_reflected_ops_setitem_and_dict_outputs(
     x, shift = torch.randn(3, 4), torch.randn(4)
     gm, out = record_trace(m, (x,), {"shift": shift}, builtin_catalog())
     replay = gm(x, shift=shift)
-    assert replay.keys() == out.keys()
+    expected = m(x, shift=shift)
+    assert replay.keys() == out.keys() == expected.keys()
     for key in out:
-        torch.testing.assert_close(replay[key], out[key], rtol=0, atol=0)
+        torch.testing.assert_close(replay[key], expected[key], rtol=0, atol=0)
+        assert replay[key].dtype == torch.float32
     assert not [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_ampaudit_constant")]
 
 
@@ -127,3 +133,35 @@ def test_recorder_runs_only_with_inputs():
     gated = load_target(model("untraceable.py"))
     result = trace_model(gated.model, builtin_catalog(), ExampleInputs(gated.inputs.args, {}, "t"))
     assert result.output is not None
+
+
+class _Dtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > -1e9:  # untraceable: the recorder runs
+            up = h.to(torch.float32)  # written out: an upcast
+            back = up.softmax(-1).to(h.dtype)  # follows h
+            masked = h.masked_fill(h > 0, torch.finfo(h.dtype).min)  # follows h
+            fixed = h.masked_fill(h > 0, torch.finfo(torch.float32).min)  # written out
+            return back, masked, fixed
+
+
+def test_recorder_tells_written_dtypes_from_ones_that_follow_a_tensor():
+    from ampaudit.graph.recorder import DYNAMIC
+
+    m = _Dtypes()
+    weight = m.fc.weight
+    gm, out = record_trace(m, (torch.randn(2, 4),), {}, builtin_catalog())
+    casts = [(n.kwargs.get("dtype", n.args[1] if len(n.args) > 1 else None), bool(n.meta.get(DYNAMIC)))
+             for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert casts == [(torch.float32, False), (torch.float32, True)]
+    fills = [(n.args[2], bool(n.meta.get(DYNAMIC))) for n in gm.graph.nodes if n.target == "masked_fill"]
+    fp32_min = torch.finfo(torch.float32).min
+    assert fills == [(fp32_min, True), (fp32_min, False)]
+    # The model is left exactly as it was: same parameter objects, fp32 again.
+    assert m.fc.weight is weight and weight.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in out)

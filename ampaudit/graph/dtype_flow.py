@@ -18,6 +18,7 @@ from torch import fx
 
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.findings import Precision
+from ampaudit.graph.recorder import DYNAMIC
 
 LOW = "low"  # the target low-precision dtype (float16 or bfloat16)
 FP32 = "fp32"
@@ -68,6 +69,11 @@ def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *,
             flow[node] = FP32 if autocast else LOW  # model inputs, weights and buffers
             continue
         if node.op == "output":
+            continue
+        if node.meta.get(DYNAMIC) and node.op == "call_method" and node.target in ("to", "type"):
+            # x.to(other.dtype), recorded: in a low-precision model that is the working dtype;
+            # under autocast, take the input's (the usual case: casting back after an fp32 step).
+            flow[node] = (inputs[0] if inputs else FP32) if autocast else LOW
             continue
         cast = explicit_cast(node)
         if cast is not False:

@@ -5,15 +5,21 @@ forward calls; module hooks give module paths and keep torch.nn leaves whole (as
 does). The result is an ordinary ``fx.GraphModule`` of the straight-line program that
 ran, so every later pass (classification, hazard rules, range audit) works on it
 unchanged. Branches not taken on these inputs are, by construction, not seen.
+
+Recording bakes Python values into the graph: ``x.to(q.dtype)`` becomes a cast to one
+dtype, ``torch.finfo(x.dtype).min`` one number. To tell those from casts and limits
+written out in the code, the model runs in float64 while recording: whatever followed a
+tensor's dtype shows up as float64 and is put back as fp32, marked ``DYNAMIC``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +46,9 @@ _OPERATORS: dict[str, tuple[Callable, bool]] = {
 }
 
 
+_CONSTANT = "_ampaudit_constant"  # name prefix of tensors made outside any recorded op
+
+
 class _GraphBuilder:
     """Turns observed calls into fx nodes, mapping live tensors back to their producers."""
 
@@ -61,7 +70,7 @@ class _GraphBuilder:
             return hit[1]
         name = self._params.get(id(tensor))
         if name is None:  # a tensor made outside any recorded op: keep it as a constant
-            name = f"_ampaudit_constant{self._constants}"
+            name = f"{_CONSTANT}{self._constants}"
             self._constants += 1
         self.attrs[name] = tensor
         node = self._node("get_attr", name, (), {}, loc)
@@ -159,11 +168,94 @@ class _RecordingMode(TorchFunctionMode):
             self.builder.call("call_function", func, args, kwargs, out, loc)
 
 
+DYNAMIC = "ampaudit_dynamic_dtype"  # node.meta key: a dtype or dtype limit that followed a tensor
+
+_WIDE, _NARROW = torch.finfo(torch.float64), torch.finfo(torch.float32)
+_LIMITS = {_WIDE.max: _NARROW.max, -_WIDE.max: -_NARROW.max, _WIDE.eps: _NARROW.eps,
+           _WIDE.smallest_normal: _NARROW.smallest_normal}
+
+
+@contextlib.contextmanager
+def _in_float64(root: torch.nn.Module) -> Iterator[None]:
+    """fp32 parameters and buffers as float64 for the block; the originals are put back."""
+    saved = [(t, t.data) for t in (*root.parameters(), *root.buffers()) if t.dtype == torch.float32]
+    try:
+        for tensor, data in saved:
+            tensor.data = data.double()
+        yield
+    finally:
+        for tensor, data in saved:
+            tensor.data = data
+
+
+def _widen(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.double() if value.dtype == torch.float32 else value
+    if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
+        return type(value)(_widen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _widen(v) for k, v in value.items()}
+    return value
+
+
+def _narrow_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype == torch.float64 else value
+    if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
+        return type(value)(_narrow_tensors(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _narrow_tensors(v) for k, v in value.items()}
+    return value
+
+
+def _narrow_value(value: Any, hits: list[bool]) -> Any:
+    if value is torch.float64:
+        hits.append(True)
+        return torch.float32
+    if isinstance(value, float) and value in _LIMITS:
+        hits.append(True)
+        return _LIMITS[value]
+    if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
+        return type(value)(_narrow_value(v, hits) for v in value)
+    if isinstance(value, dict):
+        return {k: _narrow_value(v, hits) for k, v in value.items()}
+    return value
+
+
+def _narrow(gm: fx.GraphModule) -> None:
+    """Put a float64 recording back in fp32, marking what followed a tensor's dtype."""
+    for node in gm.graph.nodes:
+        hits: list[bool] = []
+        node.args = _narrow_value(node.args, hits)
+        node.kwargs = _narrow_value(node.kwargs, hits)
+        if hits:
+            node.meta[DYNAMIC] = True
+        if node.op == "get_attr" and node.target.startswith(_CONSTANT):
+            value = getattr(gm, node.target)
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
+                setattr(gm, node.target, value.float())
+    gm.recompile()
+
+
 @boundary
 def record_trace(
     root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog
 ) -> tuple[fx.GraphModule, Any]:
-    """Run ``root(*args, **kwargs)`` once, recording what ran. Returns (graph module, output)."""
+    """Run ``root(*args, **kwargs)`` once, recording what ran. Returns (graph module, output).
+
+    Records in float64 (see the module docstring); a model that cannot run in float64 is
+    recorded as it is, in fp32.
+    """
+    try:
+        with _in_float64(root):
+            gm, out = _record(root, _widen(args), _widen(kwargs), catalog)
+    except Exception:
+        return _record(root, args, kwargs, catalog)
+    _narrow(gm)
+    return gm, _narrow_tensors(out)
+
+
+def _record(root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog) -> tuple[fx.GraphModule, Any]:
     builder = _GraphBuilder(root)
     mode = _RecordingMode(builder)
     names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}

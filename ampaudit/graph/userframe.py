@@ -7,6 +7,7 @@ is far cheaper than fx's ``record_stack_traces`` (which formats the whole stack)
 from __future__ import annotations
 
 import os
+import site
 import sysconfig
 import types
 from collections.abc import Callable
@@ -17,13 +18,18 @@ import torch
 
 import ampaudit
 
-_INTERNAL_ROOTS = tuple(
-    str(Path(p).resolve()) + os.sep
-    for p in {
-        os.path.dirname(torch.__file__),
-        sysconfig.get_paths()["stdlib"],
-    }
-)
+def _folder(path: str) -> str:
+    return str(Path(path).resolve()) + os.sep
+
+
+_TORCH_ROOT = _folder(os.path.dirname(torch.__file__))
+_STDLIB_ROOT = _folder(sysconfig.get_paths()["stdlib"])
+# Installed packages often live under the stdlib folder (lib/python3.X/site-packages), but
+# they are model code as far as the user is concerned: transformers' modeling files, timm.
+_PACKAGE_ROOTS = tuple({
+    _folder(p) for p in (*site.getsitepackages(), site.getusersitepackages(),
+                         sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+})
 _AMPAUDIT_ROOT = str(Path(ampaudit.__file__).resolve().parent) + os.sep
 _verdicts: dict[str, str] = {}  # filename -> "user" | "internal" | "ampaudit"
 _BOUNDARIES: set[types.CodeType] = set()
@@ -71,7 +77,9 @@ def _classify(filename: str) -> str:
             path = os.path.realpath(filename)
             if path.startswith(_AMPAUDIT_ROOT):
                 verdict = "ampaudit"
-            elif path.startswith(_INTERNAL_ROOTS):
+            elif path.startswith(_TORCH_ROOT) or (
+                path.startswith(_STDLIB_ROOT) and not path.startswith(_PACKAGE_ROOTS)
+            ):
                 verdict = "internal"
             else:
                 verdict = "user"

@@ -21,6 +21,7 @@ from ampaudit.check.rules import graph_rule
 from ampaudit.core.findings import Finding
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.fx_tracer import LOC
+from ampaudit.graph.recorder import DYNAMIC
 
 
 def _value_args(kind: str) -> list[int | str]:
@@ -50,6 +51,8 @@ def _follows_dtype(node, c: float) -> bool:
     from a hard-coded ``torch.finfo(torch.float32).min``, so read the line that wrote it."""
     if abs(c) != torch.finfo(torch.float32).max:
         return False
+    if node.meta.get(DYNAMIC):  # recorded in float64: this limit followed a tensor's dtype
+        return True
     loc = node.meta[LOC]
     text = linecache.getline(loc.file, loc.line)
     return "finfo(" in text and not _FP32_FINFO.search(text)
