@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("transformers", reason="the dev extra installs transformers for these tests")
 
-from ampaudit.check.api import check_path  # noqa: E402
-from ampaudit.core.config import Config  # noqa: E402
-from tests.conftest import model  # noqa: E402
+from ampaudit.check.api import check_path
+from ampaudit.core.config import Config
+from tests.conftest import model
 
 LAYERS = 2
 

@@ -18,6 +18,7 @@ import torch
 
 import ampaudit
 
+
 def _folder(path: str) -> str:
     return str(Path(path).resolve()) + os.sep
 
