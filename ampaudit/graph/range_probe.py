@@ -22,7 +22,13 @@ SHAPE = "ampaudit_shape"  # node.meta key: output shape (tuple of ints)
 
 # Ops whose output is random by design: comparing two runs of them measures nothing.
 _RANDOM = frozenset({"rand", "randn", "rand_like", "randn_like", "randint", "bernoulli", "multinomial",
-                     "normal", "dropout", "uniform"})
+                     "normal", "uniform"})
+_SAMPLE_ROWS = 64  # rows of a linear layer's input re-run in low precision to estimate its error
+# Ops whose output holds exactly their input's values, rearranged: they inherit its
+# statistics and add no error, so the probe does not scan them again.
+_SAME_VALUES = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
+                          "unsqueeze", "squeeze", "detach", "clone", "t", "dropout", "identity", "alias",
+                          "view_as", "reshape_as", "movedim", "swapaxes"})
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Measured:
 
 
 class _Limits:
+    """The low dtype's limits, and where they fall among fp32 exponents (for the histogram)."""
+
     def __init__(self, dtype: torch.dtype) -> None:
         info = torch.finfo(dtype)
         self.dtype = dtype
@@ -57,32 +65,63 @@ class _Limits:
         self.normal = info.smallest_normal
         self.tiniest = info.smallest_normal * info.eps
         self.mantissa = -int(math.log2(info.eps))
+        # Round to nearest: values from max + half an ulp up become inf; below half the
+        # smallest subnormal, 0.
+        self.overflow_at = info.max + info.max * info.eps / 4
+        self.flush_exponent = _biased_exponent(self.tiniest / 2)  # exponents below flush to 0
+        self.normal_exponent = _biased_exponent(self.normal)  # exponents below are subnormal
+        self.overflow_exponent = _biased_exponent(self.overflow_at)  # above overflow; this one: look
+
+
+def _biased_exponent(value: float) -> int:
+    # fp32 subnormals all share exponent field 0, as zero does.
+    return max(0, math.frexp(value)[1] - 1 + 127)
+
+
+def exponent_histogram(a: torch.Tensor) -> torch.Tensor:
+    """Counts of |x| (fp32, non-negative) per fp32 biased exponent: 0 holds zeros, 255 inf/nan.
+
+    One pass over the bits instead of a comparison pass per statistic.
+    """
+    return torch.bincount((a.reshape(-1).view(torch.int32) >> 23), minlength=256)
 
 
 def _stats(x: torch.Tensor, limits: _Limits) -> tuple[int, float, float | None, float, float, float]:
-    a = x.detach().abs().float()
-    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype))
+    a = x.detach().float().abs()
     numel = a.numel()
     if numel == 0:
         return 0, 0.0, None, 0.0, 0.0, 0.0
-    nonzero = a > 0
-    count = int(nonzero.sum())
+    hist = exponent_histogram(a).tolist()
+    finite_count = numel - hist[255]
+    nonzero = finite_count - hist[0]
+    if hist[255]:  # inf or nan present: statistics over the finite values
+        a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype))
     absmax = float(a.max())
-    min_nonzero = float(torch.where(nonzero, a, torch.full((), math.inf)).min()) if count else None
-    overflow = float((a > limits.max).sum()) / numel
-    flush = float((nonzero & (a < limits.tiniest / 2)).sum()) / count if count else 0.0
-    sub = float(((a >= limits.tiniest / 2) & (a < limits.normal)).sum()) / count if count else 0.0
-    return numel, absmax, min_nonzero, overflow, flush, sub
+    lowest = next((e for e in range(1, 255) if hist[e]), None)
+    bits = None
+    min_nonzero = None
+    if lowest is not None:
+        bits = a.view(torch.int32) >> 23
+        min_nonzero = float(torch.where(bits == lowest, a, math.inf).min())
+    over = sum(hist[limits.overflow_exponent + 1:255])
+    if hist[limits.overflow_exponent]:
+        over += int((a >= limits.overflow_at).sum()) - sum(hist[limits.overflow_exponent + 1:255])
+    flush = sum(hist[1:max(1, limits.flush_exponent)])
+    sub = sum(hist[max(1, limits.flush_exponent):max(1, limits.normal_exponent)])
+    return (numel, absmax, min_nonzero, over / numel, flush / nonzero if nonzero else 0.0,
+            sub / nonzero if nonzero else 0.0)
 
 
 def _error(low: torch.Tensor, ref: torch.Tensor, limits: _Limits) -> tuple[float | None, int | None]:
     ref = ref.detach().float()
     low = low.detach().float()
-    finite = torch.isfinite(ref) & torch.isfinite(low)
-    if not bool(finite.any()):
-        return None, None
-    diff = torch.linalg.vector_norm(torch.where(finite, low - ref, 0.0))
-    scale = torch.linalg.vector_norm(torch.where(finite, ref, 0.0))
+    diff = torch.linalg.vector_norm(low - ref)
+    scale = torch.linalg.vector_norm(ref)
+    if not (math.isfinite(float(diff)) and math.isfinite(float(scale))):
+        # inf or nan (an overflow the probe reports on its own): compare the finite part
+        finite = torch.isfinite(ref) & torch.isfinite(low)
+        diff = torch.linalg.vector_norm(torch.where(finite, low - ref, 0.0))
+        scale = torch.linalg.vector_norm(torch.where(finite, ref, 0.0))
     if float(scale) == 0.0:
         return None, None
     rel = float(diff / scale)
@@ -112,6 +151,7 @@ class RangeProbe(fx.Interpreter):
         self.limits = _Limits(dtype)
         self.kinds = kinds
         self._rounded_state: dict[str, dict[str, torch.Tensor]] = {}
+        self._rounded: dict[fx.Node, Any] = {}  # node -> its output rounded to the low dtype
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -122,21 +162,62 @@ class RangeProbe(fx.Interpreter):
             n.meta[SHAPE] = tuple(result.shape)
             if result.is_floating_point():
                 n.meta[MEASURED] = self._measure(n, result)
+        for done in self.user_to_last_uses.get(n, ()):  # mirror the interpreter's freeing
+            self._rounded.pop(done, None)
         return result
 
     def _measure(self, n: fx.Node, result: torch.Tensor) -> Measured:
+        source = n.args[0] if n.args else None
+        if self.kinds.get(n) in _SAME_VALUES and isinstance(source, fx.Node) and MEASURED in source.meta:
+            m = source.meta[MEASURED]
+            return Measured(result.numel(), m.absmax, m.min_nonzero, m.overflow, m.flush, m.subnormal, 0.0, 0)
         numel, absmax, min_nz, overflow, flush, sub = _stats(result, self.limits)
         rel, lost = None, None
-        if n.op.startswith("call_") and self.kinds.get(n) not in _RANDOM:
-            low = self._run_low(n)
-            if isinstance(low, torch.Tensor) and low.shape == result.shape:
-                rel, lost = _error(low, result, self.limits)
+        if self.kinds.get(n) == "linear":
+            rel, lost = self._linear_error(n, result)
+        elif n.op.startswith("call_") and self.kinds.get(n) not in _RANDOM:
+            rel, lost = self._generic_error(n, result)
         return Measured(numel, absmax, min_nz, overflow, flush, sub, rel, lost)
+
+    def _linear_error(self, n: fx.Node, result: torch.Tensor) -> tuple[float | None, int | None]:
+        """A linear layer's rows are independent: estimate its error on a sample of rows.
+
+        Linear layers carry most of a model's compute; re-running every row would double
+        the audit's cost for no better estimate of a relative error.
+        """
+        if n.op == "call_module":
+            module = self.module.get_submodule(n.target)
+            if not isinstance(module, torch.nn.Linear):
+                return self._generic_error(n, result)
+            state = self._state(n.target, module)
+            weight, bias = state["weight"], state.get("bias")
+            x = self.env[n.args[0]] if isinstance(n.args[0], fx.Node) else n.args[0]
+        else:
+            x, weight = (self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:2])
+            bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+            bias = self.env[bias] if isinstance(bias, fx.Node) else bias
+            weight, bias = _round(weight, self.limits.dtype), _round(bias, self.limits.dtype)
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return self._generic_error(n, result)
+        rows = x.reshape(-1, x.shape[-1])[:_SAMPLE_ROWS]
+        low = _round(torch.nn.functional.linear(_round(rows, self.limits.dtype), weight, bias), self.limits.dtype)
+        return _error(low, result.reshape(-1, result.shape[-1])[: rows.shape[0]], self.limits)
+
+    def _generic_error(self, n: fx.Node, result: torch.Tensor) -> tuple[float | None, int | None]:
+        low = self._run_low(n)
+        if isinstance(low, torch.Tensor) and low.shape == result.shape:
+            return _error(low, result, self.limits)
+        return None, None
+
+    def _rounded_value(self, node: fx.Node) -> Any:
+        if node not in self._rounded:
+            self._rounded[node] = _round(self.env[node], self.limits.dtype)
+        return self._rounded[node]
 
     def _run_low(self, n: fx.Node) -> Any:
         dtype = self.limits.dtype
-        args = _round(self.map_nodes_to_values(n.args, n), dtype)
-        kwargs = _round(self.map_nodes_to_values(n.kwargs, n), dtype)
+        args = fx.node.map_arg(n.args, self._rounded_value)  # node values, each rounded once
+        kwargs = fx.node.map_arg(n.kwargs, self._rounded_value)
         try:
             with torch.no_grad():
                 if n.op == "call_module":
