@@ -130,10 +130,22 @@ def is_suppressed(finding: Finding, lines: _Lines) -> bool:
     return codes is not None and (not codes or any(finding.rule.startswith(c) for c in codes))
 
 
+def drop_superseded(findings: list[Finding]) -> list[Finding]:
+    """One cause, one finding: drop those another finding on the same node supersedes
+    (a measured overflow where the static rule already named the out-of-range constant)."""
+    from ampaudit.core.rulebook import rulebook
+
+    rules = rulebook()
+    covered = {(f.node, code) for f in findings if f.node is not None and f.rule in rules
+               for code in rules[f.rule].supersedes}
+    return [f for f in findings if (f.node, f.rule) not in covered]
+
+
 def finalize(report: Report, config: Config) -> Report:
-    """Drop deselected and inline-suppressed findings, sort, and attach codes to nodes."""
+    """Drop deselected, superseded and inline-suppressed findings, sort, attach codes to nodes."""
     lines = _Lines()
-    report.findings = [f for f in report.findings if config.enabled(f.rule) and not is_suppressed(f, lines)]
+    kept = [f for f in report.findings if config.enabled(f.rule) and not is_suppressed(f, lines)]
+    report.findings = drop_superseded(kept)
     report.sort()
     worst: dict[str, Finding] = {}
     for finding in report.findings:

@@ -37,6 +37,7 @@ class Rule:
     example: str
     fix: str
     params: dict[str, Any] = field(default_factory=dict)  # thresholds, from [CODE.params]
+    supersedes: tuple[str, ...] = ()  # codes this finding makes redundant on the same node
 
     @property
     def family(self) -> str:
@@ -76,6 +77,7 @@ def rulebook() -> dict[str, Rule]:
             example=raw["example"].strip("\n"),
             fix=raw["fix"],
             params=dict(raw.get("params", {})),
+            supersedes=tuple(raw.get("supersedes", ())),
         )
     return rules
 
