@@ -61,6 +61,43 @@ def of_kind(view: GraphView, nodes: Iterable[fx.Node], kinds: Iterable[str]) -> 
     return [n for n in nodes if view.kind(n) in wanted]
 
 
+_MAXIMA = frozenset({"max", "amax", "logsumexp", "maximum"})
+_BOUNDED_ABOVE = frozenset({"log_softmax", "logsigmoid", "log", "minimum"})
+_NON_NEGATIVE = frozenset({"abs", "relu", "softplus", "exp", "square", "sigmoid", "softmax"})
+MAX_SAFE_EXPONENT = 11.0  # exp(11.09) is float16's max
+
+
+def non_negative(view: GraphView, node: Any) -> bool:
+    kind = source_kind(view, node)
+    if kind == "pow":
+        exponent = number(view, arg(source(view, node), 1, "exponent"))
+        return exponent is not None and exponent % 2 == 0
+    return kind in _NON_NEGATIVE
+
+
+def bounded_exponent(view: GraphView, exponent: fx.Node | None) -> bool:
+    """Whether exp's argument is provably small: x - max(x), a log-probability, -|x|,
+    -0.5 * x**2, or clamped from above."""
+    if exponent is None:
+        return False
+    kind = view.kind(exponent)
+    if kind == "sub":
+        return source_kind(view, arg(exponent, 1, "other")) in _MAXIMA
+    if kind == "neg":
+        return non_negative(view, arg(exponent, 0))
+    if kind == "mul":  # a negative constant times something non-negative
+        a, b = arg(exponent, 0), arg(exponent, 1, "other")
+        for scale, other in ((a, b), (b, a)):
+            c = number(view, scale)
+            if c is not None and c <= 0 and non_negative(view, other):
+                return True
+        return False
+    if kind in ("clamp", "clamp_max"):
+        upper = number(view, arg(exponent, 2, "max") if kind == "clamp" else arg(exponent, 1, "max"))
+        return upper is not None and upper <= MAX_SAFE_EXPONENT
+    return kind in _BOUNDED_ABOVE
+
+
 def finfo(dtype: str) -> torch.finfo:
     return torch.finfo(getattr(torch, dtype))
 

@@ -11,28 +11,9 @@ from collections.abc import Iterator
 from torch import fx
 
 from ampaudit.check.graph_view import GraphView
-from ampaudit.check.patterns import arg, number, source, source_kind
+from ampaudit.check.patterns import arg, bounded_exponent, source
 from ampaudit.check.rules import graph_rule
 from ampaudit.core.findings import Finding
-from ampaudit.core.rulebook import rule
-
-_MAXIMA = frozenset({"max", "amax", "logsumexp", "maximum"})
-_BOUNDED_ABOVE = frozenset({"log_softmax", "logsigmoid", "log", "minimum"})
-
-
-def _shifted(view: GraphView, exponent: fx.Node | None) -> bool:
-    """exp's argument is provably small: x - max(x), a log-probability, a clamp from above."""
-    if exponent is None:
-        return False
-    kind = view.kind(exponent)
-    if kind == "sub" and source_kind(view, arg(exponent, 1, "other")) in _MAXIMA:
-        return True
-    if kind == "neg":  # exp(-x) with x >= 0 is bounded by 1
-        return source_kind(view, arg(exponent, 0)) in ("abs", "relu", "softplus", "exp", "square")
-    if kind in ("clamp", "clamp_max"):
-        upper = number(view, arg(exponent, 2, "max") if kind == "clamp" else arg(exponent, 1, "max"))
-        return upper is not None and upper <= rule("AMP204").params["max_safe_exponent"]
-    return kind in _BOUNDED_ABOVE
 
 
 def _handwritten(view: GraphView, exp: fx.Node) -> str | None:
@@ -55,7 +36,7 @@ def exp_overflow(view: GraphView) -> Iterator[Finding]:
         if view.kinds[node] not in ("exp", "exp2") or not view.runs_low(node):
             continue
         exponent = source(view, arg(node, 0, "input"))
-        if _shifted(view, exponent):
+        if bounded_exponent(view, exponent):
             continue
         pattern = _handwritten(view, node)
         if pattern is not None:

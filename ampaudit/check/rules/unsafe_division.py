@@ -5,11 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.graph_view import GraphView
-from ampaudit.check.patterns import arg, source
+from ampaudit.check.patterns import arg, bounded_exponent, source
 from ampaudit.check.rules import graph_rule
 from ampaudit.core.findings import Finding
 
 _CAN_VANISH = frozenset({"norm", "vector_norm", "frobenius_norm", "sum", "mean", "sqrt", "std", "var", "amax"})
+
+
+def _sum_of_shifted_exp(view: GraphView, total) -> bool:
+    terms = source(view, arg(total, 0, "input"))
+    return view.kind(terms) == "exp" and bounded_exponent(view, source(view, arg(terms, 0, "input")))
 
 
 @graph_rule("AMP211")
@@ -19,6 +24,8 @@ def unsafe_division(view: GraphView) -> Iterator[Finding]:
             continue
         divisor = source(view, arg(node, 1, "other"))
         kind = view.kind(divisor)
+        if kind == "sum" and _sum_of_shifted_exp(view, divisor):
+            continue  # a softmax denominator: one term is exp(0) = 1
         if kind in _CAN_VANISH:
             yield view.finding("AMP211", node, divisor=kind, dtype=view.dtype,
                                fix="add an eps (x / (n + eps)) or clamp the divisor: n.clamp_min(eps)")
