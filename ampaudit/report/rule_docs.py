@@ -9,7 +9,7 @@ from ampaudit.core.rulebook import FAMILIES, Rule
 
 
 def rule_markdown(rule: Rule, heading: str = "#") -> str:
-    return (
+    text = (
         f"{heading} {rule.code} `{rule.name}` ({rule.severity.value})\n\n"
         f"Message: {rule.message}\n\n"
         f"**What it does.** {rule.what}\n\n"
@@ -17,6 +17,18 @@ def rule_markdown(rule: Rule, heading: str = "#") -> str:
         f"**Example**\n\n```python\n{rule.example}\n```\n\n"
         f"**Fix.** {rule.fix}\n"
     )
+    if rule.params:
+        settings = ", ".join(f"`{key} = {_short(value)}`" for key, value in rule.params.items())
+        text += f"\n**Thresholds** (`[{rule.code}.params]` in rules/rules.toml): {settings}\n"
+    if rule.supersedes:
+        text += f"\n**Supersedes** on the same op: {', '.join(rule.supersedes)}\n"
+    return text
+
+
+def _short(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(sorted(value)) + "}"
+    return repr(value)
 
 
 def rules_markdown(rules: Iterable[Rule]) -> str:

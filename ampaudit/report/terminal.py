@@ -97,14 +97,21 @@ def _where(file: str, line: int, report: Report) -> str:
 
 
 def _ops_table(report: Report) -> Table:
+    measured = any(n.measured for n in report.nodes)
     table = Table(title="Every op", title_justify="left")
     for col in ("node", "kind", "module", "precision", "line"):
         table.add_column(col, no_wrap=True)
+    if measured:
+        for col in ("absmax", "flushed", f"{report.dtype} error"):
+            table.add_column(col, justify="right", no_wrap=True)
     table.add_column("reason", overflow="fold", ratio=1)
     for node in report.nodes:
-        table.add_row(escape(node.name), escape(node.kind), escape(node.module or ""),
-                      Text(node.precision.value, style=_PRECISION_STYLE[node.precision.value]),
-                      _where(node.file, node.line, report), escape(node.reason))
+        cells = [escape(node.name), escape(node.kind), escape(node.module or ""),
+                 Text(node.precision.value, style=_PRECISION_STYLE[node.precision.value]),
+                 _where(node.file, node.line, report)]
+        if measured:
+            cells += _measured_cells(node.measured)
+        table.add_row(*cells, escape(node.reason))
     return table
 
 
