@@ -10,14 +10,12 @@ import pytest
 from tests.conftest import ROOT, model
 
 CASES = {
-    "missing-file": (["fixtures/models/does_not_exist.py"], "no such file: fixtures/models/does_not_exist.py"),
-    "directory": (["fixtures/models"], "is a directory"),
+    "missing-file": (["fixtures/models/does_not_exist.py"],
+                     "no such file or folder: fixtures/models/does_not_exist.py"),
     "syntax-error": ([model("bad_syntax.py")], "syntax error in fixtures/models/bad_syntax.py:9:"),
     "import-error": ([model("bad_import.py")],
                      "no module named 'flash_attn_does_not_exist' (fixtures/models/bad_import.py:8)"),
-    "no-model": ([model("no_model.py")],
-                 "no model found in fixtures/models/no_model.py: looked for a function "
-                 "get_model/build_model/create_model/make_model"),
+    "no-model-named": ([model("no_model.py") + ":make"], "defines no top-level 'make'"),
     "ambiguous": ([model("ambiguous.py")], "several nn.Module classes (Encoder, Decoder)"),
     "unknown-name": ([model("named_entries.py") + ":nope"], "defines no top-level 'nope'"),
     "class-needs-args": ([model("named_entries.py") + ":Encoder"], "Encoder() needs arguments (dim)"),

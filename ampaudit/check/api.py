@@ -126,18 +126,36 @@ def check_path(
     policy_files: Sequence[Path] = (),
     run: bool = True,
 ) -> Report:
-    """Audit the model that ``PATH[:NAME]`` defines (what ``ampaudit check`` runs)."""
+    """What ``ampaudit check PATH[:NAME]`` reports: the graph audit when the file defines a
+    model, and the training-script lint on its source."""
+    from ampaudit.check.run import CheckOptions, check_targets
+
     path, _ = parse_target(spec)
     config = config if config is not None else load_config(path if path.exists() else None)
+    options = CheckOptions(dtype=dtype, allow_exec=allow_exec, input_shapes=input_shapes,
+                           input_dtypes=input_dtypes, policy_files=policy_files, run=run)
+    return check_targets([spec], config, options)
+
+
+def graph_report(
+    spec: str,
+    *,
+    config: Config,
+    dtype: str | None = None,
+    allow_exec: bool = False,
+    input_shapes: Sequence[str] = (),
+    input_dtypes: Sequence[str] = (),
+    policy_files: Sequence[Path] = (),
+    run: bool = True,
+) -> Report:
+    """The graph audit of the model ``PATH[:NAME]`` defines (not finalized)."""
     dtype = dtype_name(dtype or config.dtype)
     catalog = build_catalog(config, policy_files=policy_files)  # bad policy: fail before importing
     loaded = load_target(spec, allow_exec=allow_exec, input_shapes=input_shapes, input_dtypes=input_dtypes)
     if isinstance(loaded, NotImported):
-        report = _not_imported_report(loaded, dtype)
-    else:
-        report = audit_model(loaded.model, loaded.inputs, catalog, dtype,
-                             file=display_path(str(loaded.path)), entry=loaded.entry, run=run)
-    return finalize(report, config)
+        return _not_imported_report(loaded, dtype)
+    return audit_model(loaded.model, loaded.inputs, catalog, dtype,
+                       file=display_path(str(loaded.path)), entry=loaded.entry, run=run)
 
 
 def _not_imported_report(skipped: NotImported, dtype: str) -> Report:

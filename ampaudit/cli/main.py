@@ -29,11 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ampaudit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    check = sub.add_parser("check", help="audit a model file before enabling AMP",
-                           description="Trace the model defined in PATH, classify every op for mixed precision "
-                                       "and report what needs fp32, at your source lines.")
-    check.add_argument("target", metavar="PATH[:NAME]",
-                       help="model file; NAME picks an nn.Module instance, a no-arg class or a zero-arg factory")
+    check = sub.add_parser("check", help="audit a model or training script before enabling AMP",
+                           description="Lint PATH's source for AMP protocol bugs and, when PATH is one model file, "
+                                       "trace the model, classify every op for mixed precision and report what "
+                                       "needs fp32, at your source lines.")
+    check.add_argument("targets", metavar="PATH[:NAME]", nargs="+",
+                       help="Python files or folders; for one model file, NAME picks an nn.Module instance, a "
+                            "no-arg class or a zero-arg factory")
     check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     check.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
     check.add_argument("--dtype", choices=("float16", "bfloat16"), help="target low-precision dtype "
@@ -55,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--fail-on", choices=("error", "warning", "info", "never"),
                        help="lowest severity that makes the exit code 1 (default: warning)")
     check.add_argument("--show-ops", action="store_true", help="also list every op with its precision")
+    check.add_argument("--lint-only", action="store_true", help="only the training-script lint: no import, no graph")
+    check.add_argument("--fix", action="store_true", help="apply safe fixes in place (atomic writes)")
+    check.add_argument("--unsafe-fixes", action="store_true",
+                       help="with --fix or --diff, also apply fixes that change what the code does")
+    check.add_argument("--diff", action="store_true", help="print the fixes as a unified diff; write nothing")
+    check.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                       help="skip files or folders matching GLOB when walking folders (repeatable)")
     check.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
     rules = sub.add_parser("rules", help="list the rules")
@@ -80,22 +89,47 @@ def _emit(text: str, output: Path | None) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ampaudit.check.api import check_path
+    from ampaudit.check.run import CheckOptions, check_targets
     from ampaudit.core.config import check_prefixes, load_config
     from ampaudit.target.loader import parse_target
 
-    path, _ = parse_target(args.target)
-    config = load_config(path if path.exists() else None)
+    first, _ = parse_target(args.targets[0])
+    config = load_config(first if first.exists() else None)
     if args.select:
         config.select = check_prefixes(args.select, "--select")
     config.ignore += check_prefixes(args.ignore, "--ignore")
     if args.fail_on:
         config.fail_on = args.fail_on
-    # The user's model code may print; keep stdout for the report (JSON must stay parseable).
-    with contextlib.redirect_stdout(sys.stderr):
-        report = check_path(args.target, config=config, dtype=args.dtype, allow_exec=args.allow_exec,
-                            input_shapes=args.input_shape, input_dtypes=args.input_dtype,
-                            policy_files=args.policy, run=not args.no_run)
+    options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
+                           input_dtypes=args.input_dtype, policy_files=args.policy, run=not args.no_run,
+                           lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar)
+
+    def run():
+        # The user's model code may print; keep stdout for the report (JSON must stay parseable).
+        with contextlib.redirect_stdout(sys.stderr):
+            return check_targets(args.targets, config, options)
+
+    report = run()
+    if args.fix or args.diff:
+        from ampaudit.check.lint.fixer import fix_files, fixable
+
+        results = fix_files(report.findings, unsafe=args.unsafe_fixes, write=not args.diff)
+        count = sum(len(r.fixed) for r in results)
+        if args.diff:
+            sys.stdout.write("".join(r.diff for r in results))
+            sys.stderr.write(f"{count} fix{'es' if count != 1 else ''} would be applied to {len(results)} file(s)\n")
+            return EXIT_FINDINGS if results else EXIT_OK
+        sys.stderr.write(f"Fixed {count} finding{'s' if count != 1 else ''} in {len(results)} file(s).\n")
+        if results:
+            report = run()  # what is left, on the rewritten files
+        hidden = len(fixable(report.findings, unsafe=True)) - len(fixable(report.findings, unsafe=False))
+        if hidden and not args.unsafe_fixes:
+            sys.stderr.write(f"{hidden} more fixable with --unsafe-fixes.\n")
+    _render(report, args)
+    return EXIT_FINDINGS if config.fails(report) else EXIT_OK
+
+
+def _render(report, args: argparse.Namespace) -> None:
     if args.format == "text":
         from ampaudit.report.terminal import make_console, render
 
@@ -111,7 +145,26 @@ def cmd_check(args: argparse.Namespace) -> int:
         from ampaudit.report.formats import render_machine
 
         _emit(render_machine(report, args.format), args.output)
-    return EXIT_FINDINGS if config.fails(report) else EXIT_OK
+
+
+def _progress_bar(total: int):
+    """A progress bar on stderr while many files are linted (only on a terminal)."""
+    if not sys.stderr.isatty():
+        return lambda: None
+    from rich.progress import Progress
+
+    progress = Progress(transient=True, console=__import__("rich.console").console.Console(stderr=True))
+    task = progress.add_task("linting", total=total)
+    progress.start()
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        progress.advance(task)
+        if done[0] >= total:
+            progress.stop()
+
+    return tick
 
 
 def cmd_rules(args: argparse.Namespace) -> int:

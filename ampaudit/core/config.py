@@ -131,14 +131,14 @@ def is_suppressed(finding: Finding, lines: _Lines) -> bool:
 
 
 def drop_superseded(findings: list[Finding]) -> list[Finding]:
-    """One cause, one finding: drop those another finding on the same node supersedes
-    (a measured overflow where the static rule already named the out-of-range constant)."""
+    """One cause, one finding: drop those another finding on the same line supersedes (a
+    measured overflow, or the source lint's twin, where the graph rule already named the
+    out-of-range constant)."""
     from ampaudit.core.rulebook import rulebook
 
     rules = rulebook()
-    covered = {(f.node, code) for f in findings if f.node is not None and f.rule in rules
-               for code in rules[f.rule].supersedes}
-    return [f for f in findings if (f.node, f.rule) not in covered]
+    covered = {(f.file, f.line, code) for f in findings if f.rule in rules for code in rules[f.rule].supersedes}
+    return [f for f in findings if (f.file, f.line, f.rule) not in covered]
 
 
 def finalize(report: Report, config: Config) -> Report:

@@ -15,3 +15,7 @@ class UsageError(AmpauditError):
 
 class LoadError(AmpauditError):
     """The model file or its entry point could not be loaded or run."""
+
+
+class NoModelFound(LoadError):
+    """The file defines no model entry point ampaudit can use."""

@@ -42,6 +42,24 @@ class Precision(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Edit:
+    """Replace ``text[start:end]`` (character offsets in the file) with ``replacement``."""
+
+    start: int
+    end: int
+    replacement: str
+
+
+@dataclass(frozen=True)
+class Autofix:
+    """Edits that resolve a finding. ``safe``: keeps the program's behaviour (``--fix``);
+    otherwise it changes behaviour on purpose and needs ``--unsafe-fixes``."""
+
+    edits: tuple[Edit, ...]
+    safe: bool = True
+
+
+@dataclass(frozen=True)
 class Finding:
     rule: str
     severity: Severity
@@ -51,7 +69,8 @@ class Finding:
     column: int | None = None
     module: str | None = None
     node: str | None = None
-    fix: str | None = None
+    fix: str | None = None  # what to do, in words (the JSON "fix")
+    autofix: Autofix | None = None  # machine-applicable edits, for --fix / --diff (not in the JSON)
 
     def to_dict(self) -> dict[str, Any]:
         return {

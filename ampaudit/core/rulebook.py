@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from ampaudit.core.findings import Finding, Severity
+from ampaudit.core.findings import Autofix, Finding, Severity
 from ampaudit.core.resources import load_toml, rules_dir
 
 CODE_RE = re.compile(r"^AMP\d{3}$")
@@ -55,9 +55,11 @@ class Rule:
         module: str | None = None,
         node: str | None = None,
         fix: str | None = None,
+        autofix: Autofix | None = None,
         **fields: Any,
     ) -> Finding:
-        return Finding(self.code, self.severity, self.format(**fields), file, line, column, module, node, fix)
+        return Finding(self.code, self.severity, self.format(**fields), file, line, column, module, node, fix,
+                       autofix)
 
 
 @cache
@@ -79,7 +81,7 @@ def rulebook() -> dict[str, Rule]:
             params=dict(raw.get("params", {})),
             supersedes=tuple(raw.get("supersedes", ())),
         )
-    return rules
+    return dict(sorted(rules.items()))
 
 
 def rule(code: str) -> Rule:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ampaudit.core.errors import LoadError
+from ampaudit.core.errors import LoadError, NoModelFound
 from ampaudit.core.paths import display_path
 from ampaudit.graph.userframe import traceback_location
 from ampaudit.target.inputs import INPUT_FUNCTIONS, ExampleInputs, describe_exception, from_shapes
@@ -80,7 +80,7 @@ def load_target(
     if name is not None and name not in scan.names:
         raise LoadError(f"{path} defines no top-level {name!r}")
     if name is None and not scan.has_entry_point:
-        raise LoadError(_no_model_message(path))
+        raise NoModelFound(_no_model_message(path))
     if scan.unsafe is not None and not allow_exec:
         line, column, what = scan.unsafe
         return NotImported(path, name or _static_entry(scan), line, column, what)
@@ -197,7 +197,7 @@ def _resolve_model(module: ModuleType, scan: SourceScan, name: str | None, path:
     if len(ready) > 1:
         names = ", ".join(cls.__name__ for cls in ready)
         raise LoadError(f"{path} defines several nn.Module classes ({names}): name one with {path}:NAME")
-    raise LoadError(_no_model_message(path))
+    raise NoModelFound(_no_model_message(path))
 
 
 def _file_inputs(module: ModuleType) -> ExampleInputs | None:

@@ -48,6 +48,18 @@ _WHAT = {
 }
 
 
+# Base classes that rule a class out as a model: autograd Functions, datasets, enums...
+_NON_MODULE_BASES = frozenset({
+    "Function", "Exception", "BaseException", "Enum", "IntEnum", "StrEnum", "Flag", "Dataset", "IterableDataset",
+    "NamedTuple", "TypedDict", "Protocol", "ABC", "object", "Sampler", "Optimizer", "LRScheduler", "_LRScheduler",
+})
+
+
+def _not_a_module(base: ast.expr) -> bool:
+    name = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else None
+    return name is not None and (name in _NON_MODULE_BASES or name.endswith(("Error", "Exception")))
+
+
 def _bound_names(target: ast.AST) -> list[str]:
     if isinstance(target, ast.Name):
         return [target.id]
@@ -64,7 +76,7 @@ def _scan_block(body: list[ast.stmt], scan: SourceScan) -> None:
             scan.names.add(stmt.name)
         elif isinstance(stmt, ast.ClassDef):
             scan.names.add(stmt.name)
-            if stmt.bases:
+            if stmt.bases and not all(_not_a_module(b) for b in stmt.bases):
                 scan.classes.append(stmt.name)
                 scan.class_refs[stmt.name] = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):

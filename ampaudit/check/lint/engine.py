@@ -1,0 +1,54 @@
+"""Lint one file: parse once, collect facts in one visit, run every rule over them.
+
+Imports libcst but never torch, so linting (and the pre-commit hook) stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+
+from ampaudit.check.lint.facts import collect
+from ampaudit.check.lint.rules import run_lint_rules
+from ampaudit.core.errors import LoadError
+from ampaudit.core.findings import Finding
+from ampaudit.core.paths import display_path
+from ampaudit.core.rulebook import rule
+
+
+def lint_source(path: str, source: str) -> list[Finding]:
+    """Findings for ``source``; a syntax error raises libcst.ParserSyntaxError."""
+    return run_lint_rules(collect(path, source))
+
+
+def read_text(path: Path) -> str:
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:  # keep \r\n: fixes rewrite in place
+            return fh.read()
+    except UnicodeDecodeError:
+        raise LoadError(f"{path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise LoadError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def lint_file(path: Path, *, syntax_errors_as_findings: bool = False) -> list[Finding]:
+    """Lint a file. A syntax error is a LoadError (exit 2) - or, when walking a folder, an
+    AMP004 finding, so one broken file does not hide the rest."""
+    source = read_text(path)
+    try:
+        return lint_source(str(path), source)
+    except cst.ParserSyntaxError as exc:
+        line, column, reason = _syntax_error(source, str(path), exc)
+        if not syntax_errors_as_findings:
+            raise LoadError(f"syntax error in {display_path(str(path))}:{line}:{column}: {reason}") from exc
+        return [rule("AMP004").finding(display_path(str(path)), line, column=column, reason=reason)]
+
+
+def _syntax_error(source: str, path: str, exc: cst.ParserSyntaxError) -> tuple[int, int, str]:
+    """Where Python itself says the error is (libcst may point at the next token)."""
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as err:
+        return err.lineno or exc.raw_line, err.offset or exc.raw_column + 1, err.msg
+    return exc.raw_line, exc.raw_column + 1, exc.message  # valid Python that libcst cannot parse

@@ -1,0 +1,362 @@
+"""One libcst visit of a training script, collecting the facts every lint rule needs.
+
+The visit records each call (with its qualified name, receiver, enclosing function, loop,
+autocast block and statement), each assignment of a call result, each autocast block and
+the few other shapes rules look at. Rules are then plain functions over these facts -
+the file is parsed and walked once, whatever the number of rules.
+
+Scopes: each function body (nested functions separately) and the module's top level.
+Rules compare events of one scope only, so two unrelated functions never combine into a
+finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import libcst as cst
+import libcst.metadata as meta
+
+GRAD_SCALERS = frozenset({"torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.GradScaler",
+                          "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler"})
+AUTOCASTS = {  # qualified name -> the device it implies (None: given as an argument)
+    "torch.autocast": None, "torch.amp.autocast": None, "torch.amp.autocast_mode.autocast": None,
+    "torch.cuda.amp.autocast": "cuda", "torch.cpu.amp.autocast": "cpu",
+}
+FLOAT16 = frozenset({"torch.float16", "torch.half"})
+BFLOAT16 = frozenset({"torch.bfloat16"})
+
+
+@dataclass(eq=False)
+class Scope:
+    kind: str  # "module" or "function"
+    name: str
+    node: cst.CSTNode
+
+
+@dataclass(eq=False)
+class Autocast:
+    node: cst.With
+    item: cst.Call
+    device: str | None  # "cuda", "cpu", or None when not a literal
+    dtype: str | None  # "float16", "bfloat16", or None when not known statically
+    scope: Scope
+    line: int  # the `with` statement
+    column: int
+    end: int  # last line of the block
+    enabled: bool = True  # False for autocast(enabled=False): a region where AMP is off
+
+
+@dataclass(eq=False)
+class Call:
+    node: cst.Call
+    names: frozenset[str]  # qualified names of the callee ({} for methods on local objects)
+    method: str | None  # attribute name for `x.method(...)`
+    receiver: str | None  # dotted text of `x` in `x.method(...)`, when it is a plain name chain
+    scope: Scope
+    loop: cst.CSTNode | None  # innermost for/while around the call, in this scope
+    autocast: Autocast | None  # innermost autocast block around the call, in this scope
+    statement: cst.CSTNode | None  # the simple statement line holding the call
+    line: int
+    column: int  # 1-based
+    feeds_backward: bool = False  # `x.method(...).backward()`: the call whose result is backward-ed
+
+    def kwarg(self, keyword: str) -> cst.BaseExpression | None:
+        return next((a.value for a in self.node.args if a.keyword is not None and a.keyword.value == keyword), None)
+
+    def arg(self, index: int, keyword: str | None = None) -> cst.BaseExpression | None:
+        positional = [a for a in self.node.args if a.keyword is None and a.star == ""]
+        if keyword is not None:
+            for a in self.node.args:
+                if a.keyword is not None and a.keyword.value == keyword:
+                    return a.value
+        return positional[index].value if index < len(positional) else None
+
+
+@dataclass(eq=False)
+class Assignment:
+    target: str  # dotted text: "scaler", "self.scaler"
+    call: Call
+
+
+@dataclass(eq=False)
+class ClassDef:
+    node: cst.ClassDef
+    bases: frozenset[str]  # qualified names of the bases
+    decorated_methods: dict[str, frozenset[str]]  # method name -> qualified names of its decorators
+    line: int
+    column: int
+
+
+@dataclass(eq=False)
+class Import:
+    node: cst.Import | cst.ImportFrom
+    module: str  # "torch.cuda.amp" for `from torch.cuda.amp import x` and `import torch.cuda.amp`
+    names: tuple[tuple[str, str], ...]  # (imported name, bound alias) for `from m import n as a`
+    line: int
+    column: int
+
+
+@dataclass(eq=False)
+class Decorator:
+    node: cst.Decorator
+    names: frozenset[str]  # qualified names of the decorator (its callee, if called)
+    line: int
+    column: int
+
+
+@dataclass(eq=False)
+class BinaryOp:
+    node: cst.BinaryOperation
+    line: int
+    column: int
+
+
+@dataclass
+class ScriptFacts:
+    path: str
+    source: str
+    module: cst.Module
+    calls: list[Call] = field(default_factory=list)
+    assignments: list[Assignment] = field(default_factory=list)
+    autocasts: list[Autocast] = field(default_factory=list)
+    classes: list[ClassDef] = field(default_factory=list)
+    imports: list[Import] = field(default_factory=list)
+    decorators: list[Decorator] = field(default_factory=list)
+    binary_ops: list[BinaryOp] = field(default_factory=list)
+    positions: Mapping[cst.CSTNode, meta.CodeRange] = field(default_factory=dict, repr=False)
+    names: dict[cst.CSTNode, frozenset[str]] = field(default_factory=dict, repr=False)
+    _qualified: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)  # lazy provider values
+    _line_starts: list[int] = field(default_factory=list, repr=False)
+
+    # -- queries --------------------------------------------------------------------------
+    def calls_to(self, names: Iterable[str]) -> Iterator[Call]:
+        wanted = frozenset(names)
+        return (c for c in self.calls if c.names & wanted)
+
+    def method_calls(self, method: str, scope: Scope | None = None) -> Iterator[Call]:
+        return (c for c in self.calls if c.method == method and (scope is None or c.scope is scope))
+
+    def scopes(self) -> list[Scope]:
+        seen: dict[int, Scope] = {}
+        for call in self.calls:
+            seen.setdefault(id(call.scope), call.scope)
+        return list(seen.values())
+
+    def assigned(self, names: Iterable[str], scope: Scope | None = None) -> list[Assignment]:
+        wanted = frozenset(names)
+        return [a for a in self.assignments if a.call.names & wanted and (scope is None or a.call.scope is scope
+                                                                          or a.call.scope.kind == "module")]
+
+    def scalers(self, scope: Scope) -> set[str]:
+        """Names holding a GradScaler in ``scope``: assigned one here or at module level, or
+        used as one (``x.scale(loss).backward()``)."""
+        names = {a.target for a in self.assigned(GRAD_SCALERS, scope)}
+        names |= {c.receiver for c in self.method_calls("scale", scope) if c.receiver and c.feeds_backward}
+        return names
+
+    def qualified(self, node: cst.CSTNode) -> frozenset[str]:
+        """Qualified names of any expression (``torch.float16``, an imported alias...)."""
+        if node not in self.names:
+            value = self._qualified.get(node, ())
+            value = value() if callable(value) else value  # libcst computes these lazily
+            self.names[node] = frozenset(q.name for q in value)
+        return self.names[node]
+
+    def offset(self, line: int, column: int) -> int:
+        """Character offset of a libcst position (1-based line, 0-based column)."""
+        return self._line_starts[line - 1] + column
+
+    def span(self, node: cst.CSTNode) -> tuple[int, int]:
+        rng = self.positions[node]
+        return self.offset(rng.start.line, rng.start.column), self.offset(rng.end.line, rng.end.column)
+
+    def text(self, node: cst.CSTNode) -> str:
+        start, end = self.span(node)
+        return self.source[start:end]
+
+
+_EMPTY = cst.Module([])  # renders a node's code
+
+
+def dotted(node: cst.BaseExpression | None) -> str | None:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr.value}" if base else None
+    return None
+
+
+class _Collector(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (meta.PositionProvider, meta.QualifiedNameProvider)
+
+    def __init__(self, facts: ScriptFacts) -> None:
+        super().__init__()
+        self.facts = facts
+        self.scope = Scope("module", "<module>", facts.module)
+        self.loops: list[cst.CSTNode | None] = [None]
+        self.autocasts: list[Autocast | None] = [None]
+        self.statements: list[cst.CSTNode | None] = [None]
+        self.saved: list[tuple] = []  # enclosing scopes' state while inside a function
+        self.backward_receivers: set[cst.Call] = set()  # calls whose result is .backward()-ed
+        self.by_node: dict[cst.Call, Call] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _names(self, node: cst.CSTNode) -> frozenset[str]:
+        if node not in self.facts.names:
+            names = self.get_metadata(meta.QualifiedNameProvider, node, set())
+            self.facts.names[node] = frozenset(q.name for q in names)
+        return self.facts.names[node]
+
+    def _pos(self, node: cst.CSTNode) -> tuple[int, int]:
+        rng = self.get_metadata(meta.PositionProvider, node)
+        return rng.start.line, rng.start.column + 1
+
+    # -- scopes and blocks ----------------------------------------------------------------
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.saved.append((self.scope, self.loops, self.autocasts))
+        self.scope = Scope("function", node.name.value, node)
+        self.loops, self.autocasts = [None], [None]
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.scope, self.loops, self.autocasts = self.saved.pop()
+
+    def visit_For(self, node: cst.For) -> None:
+        self.loops.append(node)
+
+    def leave_For(self, original_node: cst.For) -> None:
+        self.loops.pop()
+
+    def visit_While(self, node: cst.While) -> None:
+        self.loops.append(node)
+
+    def leave_While(self, original_node: cst.While) -> None:
+        self.loops.pop()
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        self.statements.append(node)
+
+    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine) -> None:
+        self.statements.pop()
+
+    def visit_With(self, node: cst.With) -> None:
+        block = None
+        for item in node.items:
+            call = item.item
+            if isinstance(call, cst.Call) and (device := self._autocast_device(call)) is not False:
+                block = self._autocast(node, call, device)
+        self.autocasts.append(block or self.autocasts[-1])
+
+    def leave_With(self, original_node: cst.With) -> None:
+        self.autocasts.pop()
+
+    def _autocast_device(self, call: cst.Call) -> str | bool | None:
+        for name in self._names(call.func):
+            if name in AUTOCASTS:
+                return AUTOCASTS[name]
+        return False
+
+    def _autocast(self, node: cst.With, call: cst.Call, device: str | None) -> Autocast:
+        args = [a for a in call.args if a.keyword is None]
+        keywords = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+        if device is None:
+            value = keywords.get("device_type", args[0].value if args else None)
+            device = value.evaluated_value if isinstance(value, cst.SimpleString) else None
+        dtype_node = keywords.get("dtype", args[1].value if device is not None and len(args) > 1 else None)
+        dtype = None
+        if dtype_node is not None:
+            names = self._names(dtype_node)
+            dtype = "float16" if names & FLOAT16 else "bfloat16" if names & BFLOAT16 else None
+        elif device == "cuda":
+            dtype = "float16"  # CUDA autocast's default
+        elif device == "cpu":
+            dtype = "bfloat16"
+        line, column = self._pos(node)
+        end = self.get_metadata(meta.PositionProvider, node).end.line
+        enabled = keywords.get("enabled")
+        off = isinstance(enabled, cst.Name) and enabled.value == "False"
+        block = Autocast(node, call, device, dtype, self.scope, line, column, end, enabled=not off)
+        self.facts.autocasts.append(block)
+        return block
+
+    # -- events ---------------------------------------------------------------------------
+    def visit_Call(self, node: cst.Call) -> None:
+        method = receiver = None
+        if isinstance(node.func, cst.Attribute):
+            method = node.func.attr.value
+            receiver = dotted(node.func.value)
+        line, column = self._pos(node)
+        # x.scale(loss).backward(): the outer call is visited first; mark the inner one, so
+        # that scalers are also found by use.
+        if method == "backward" and isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call):
+            self.backward_receivers.add(node.func.value)
+        call = Call(node, self._names(node.func), method, receiver, self.scope, self.loops[-1],
+                    self.autocasts[-1], self.statements[-1], line, column,
+                    feeds_backward=node in self.backward_receivers)
+        self.facts.calls.append(call)
+        self.by_node[node] = call
+
+    def leave_Assign(self, original_node: cst.Assign) -> None:
+        value = original_node.value
+        if isinstance(value, cst.Call) and value in self.by_node:
+            for target in original_node.targets:
+                name = dotted(target.target)
+                if name:
+                    self.facts.assignments.append(Assignment(name, self.by_node[value]))
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        bases = frozenset(n for base in node.bases for n in self._names(base.value))
+        methods = {}
+        for stmt in node.body.body:
+            if isinstance(stmt, cst.FunctionDef):
+                methods[stmt.name.value] = frozenset(
+                    n for d in stmt.decorators for n in self._names(
+                        d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator))
+        line, column = self._pos(node)
+        self.facts.classes.append(ClassDef(node, bases, methods, line, column))
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if node.module is None or isinstance(node.names, cst.ImportStar):
+            return
+        line, column = self._pos(node)
+        module = "." * len(node.relative) + _EMPTY.code_for_node(node.module)
+        names = tuple((_EMPTY.code_for_node(a.name), _EMPTY.code_for_node(a.asname.name) if a.asname else
+                       _EMPTY.code_for_node(a.name)) for a in node.names)
+        self.facts.imports.append(Import(node, module, names, line, column))
+
+    def visit_Import(self, node: cst.Import) -> None:
+        line, column = self._pos(node)
+        for alias in node.names:
+            name = _EMPTY.code_for_node(alias.name)
+            bound = _EMPTY.code_for_node(alias.asname.name) if alias.asname else name.split(".")[0]
+            self.facts.imports.append(Import(node, name, ((name, bound),), line, column))
+
+    def visit_Decorator(self, node: cst.Decorator) -> None:
+        target = node.decorator.func if isinstance(node.decorator, cst.Call) else node.decorator
+        line, column = self._pos(node)
+        self.facts.decorators.append(Decorator(node, self._names(target), line, column))
+
+    def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
+        if isinstance(node.operator, (cst.Add, cst.Subtract)):
+            line, column = self._pos(node)
+            self.facts.binary_ops.append(BinaryOp(node, line, column))
+
+
+def collect(path: str, source: str) -> ScriptFacts:
+    """Parse ``source`` once and gather its facts; raises libcst.ParserSyntaxError."""
+    module = cst.parse_module(source)
+    facts = ScriptFacts(path, source, module)
+    starts, offset = [], 0
+    for line in source.splitlines(keepends=True):
+        starts.append(offset)
+        offset += len(line)
+    starts.append(offset)
+    facts._line_starts = starts
+    wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
+    wrapper.visit(_Collector(facts))
+    facts.positions = wrapper.resolve(meta.PositionProvider)  # computed once, for every node
+    facts._qualified = wrapper.resolve(meta.QualifiedNameProvider)
+    return facts

@@ -1,0 +1,46 @@
+"""Apply the autofixes of reported findings: in place (atomically) or as a unified diff."""
+
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ampaudit.check.lint import edits
+from ampaudit.check.lint.engine import read_text
+from ampaudit.core.findings import Finding
+from ampaudit.report.files import write_atomic
+
+
+@dataclass
+class FileFix:
+    path: str
+    fixed: list[Finding]  # the findings whose fix was applied
+    diff: str
+
+
+def fixable(findings: Iterable[Finding], *, unsafe: bool) -> list[Finding]:
+    return [f for f in findings if f.autofix is not None and (f.autofix.safe or unsafe)]
+
+
+def fix_files(findings: Iterable[Finding], *, unsafe: bool, write: bool) -> list[FileFix]:
+    """Apply the fixes of ``findings`` (only those: never anything not reported)."""
+    by_file: dict[str, list[Finding]] = defaultdict(list)
+    for finding in fixable(findings, unsafe=unsafe):
+        by_file[finding.file].append(finding)
+    results = []
+    for file, chosen in sorted(by_file.items()):
+        before = read_text(Path(file))
+        after, taken = edits.apply(before, (e for f in chosen for e in f.autofix.edits))
+        taken_set = set(taken)
+        fixed = [f for f in chosen if set(f.autofix.edits) <= taken_set]
+        if after == before:
+            continue
+        diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                            fromfile=f"a/{file}", tofile=f"b/{file}"))
+        if write:
+            write_atomic(Path(file), after)
+        results.append(FileFix(file, fixed, diff))
+    return results

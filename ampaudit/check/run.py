@@ -1,0 +1,130 @@
+"""``ampaudit check PATH...``: the source lint on every file, plus the graph audit when the
+target is one model file. Imports torch only when a graph audit actually runs."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ampaudit.check.lint.engine import lint_file
+from ampaudit.core.config import Config, finalize
+from ampaudit.core.errors import LoadError, NoModelFound
+from ampaudit.core.findings import Finding, Report, Target
+from ampaudit.core.paths import display_path
+
+# Folders never worth linting: VCS data, caches, build output, virtual environments.
+SKIP_DIRS = frozenset({
+    ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "env", ".env", "build", "dist", "node_modules",
+    ".tox", ".nox", ".eggs", "site-packages", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".ipynb_checkpoints",
+})
+PARALLEL_FROM = 24  # files; below this, worker start-up costs more than it saves
+
+
+@dataclass
+class CheckOptions:
+    dtype: str | None = None
+    allow_exec: bool = False
+    input_shapes: Sequence[str] = ()
+    input_dtypes: Sequence[str] = ()
+    policy_files: Sequence[Path] = ()
+    run: bool = True
+    lint_only: bool = False
+    exclude: Sequence[str] = ()
+    jobs: int | None = None  # worker processes for many files; None: all cores
+    progress: Callable[[int], Callable[[], None]] | None = None  # given a total, returns "one more done"
+    notes: list[str] = field(default_factory=list)
+
+
+def _excluded(path: Path, root: Path, patterns: Sequence[str]) -> bool:
+    rel = path.relative_to(root).as_posix() if path != root else path.name
+    return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(path.name, p) for p in patterns)
+
+
+def python_files(root: Path, exclude: Sequence[str] = ()) -> list[Path]:
+    """The .py files under ``root``, skipping caches, build folders and virtual environments."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        base = Path(folder)
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not (base / d / "pyvenv.cfg").exists()
+                         and not _excluded(base / d, root, exclude))
+        found += [base / f for f in sorted(files) if f.endswith(".py") and not _excluded(base / f, root, exclude)]
+    return found
+
+
+def _lint_many(files: list[Path], options: CheckOptions) -> list[Finding]:
+    tick = options.progress(len(files)) if options.progress and len(files) >= PARALLEL_FROM else None
+    if len(files) < PARALLEL_FROM or options.jobs == 1:
+        findings = []
+        for path in files:
+            findings += lint_file(path, syntax_errors_as_findings=True)
+            if tick:
+                tick()
+        return findings
+    findings = []
+    with ProcessPoolExecutor(max_workers=options.jobs) as pool:
+        for result in pool.map(_lint_in_worker, files, chunksize=8):
+            findings += result
+            if tick:
+                tick()
+    return findings
+
+
+def _lint_in_worker(path: Path) -> list[Finding]:
+    return lint_file(path, syntax_errors_as_findings=True)
+
+
+def check_targets(targets: Sequence[str], config: Config, options: CheckOptions) -> Report:
+    """Lint every target (files, folders) and, for a single model file, audit its graph."""
+    if len(targets) == 1:
+        single = _single_file(targets[0])
+        if single is not None:
+            return _check_file(targets[0], single, config, options)
+    files: list[Path] = []
+    for spec in targets:
+        path = Path(spec)
+        if not path.exists():
+            raise LoadError(f"no such file or folder: {spec}")
+        files += python_files(path, options.exclude) if path.is_dir() else [path]
+    findings = _lint_many(files, options)
+    target = Target(", ".join(display_path(t) for t in targets), "", "none",
+                    [f"linted {len(files)} Python file{'s' if len(files) != 1 else ''}", *options.notes])
+    return finalize(Report(target, config.dtype, [], findings), config)
+
+
+def _single_file(spec: str) -> Path | None:
+    from ampaudit.target.loader import parse_target
+
+    path, _ = parse_target(spec)
+    return path if path.is_file() else None
+
+
+def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) -> Report:
+    from ampaudit.target.loader import parse_target, read_source
+    from ampaudit.target.source_scan import scan_source
+
+    _, name = parse_target(spec)
+    scan = scan_source(path, read_source(path))  # syntax errors: exit 2 with file:line
+    lint = lint_file(path)
+    if options.lint_only or (name is None and not scan.has_entry_point):
+        why = "--lint-only" if options.lint_only else "no model entry point (get_model(), `model`, an nn.Module class)"
+        target = Target(display_path(str(path)), "", "none",
+                        [f"training-script lint only: {why}", *options.notes])
+        return finalize(Report(target, config.dtype or "float16", [], lint), config)
+    from ampaudit.check.api import graph_report  # imports torch
+
+    try:
+        report = graph_report(spec, config=config, dtype=options.dtype, allow_exec=options.allow_exec,
+                              input_shapes=options.input_shapes, input_dtypes=options.input_dtypes,
+                              policy_files=options.policy_files, run=options.run)
+    except NoModelFound as exc:
+        if name is not None:
+            raise
+        target = Target(display_path(str(path)), "", "none", [f"training-script lint only: {exc}", *options.notes])
+        return finalize(Report(target, config.dtype or "float16", [], lint), config)
+    report.findings += lint
+    report.target.notes += options.notes
+    return finalize(report, config)
