@@ -22,7 +22,8 @@ from ampaudit.core.rulebook import rule
 from ampaudit.graph.fx_tracer import forward_location
 from ampaudit.graph.trace import TraceResult, trace_model
 from ampaudit.target.inputs import ExampleInputs
-from ampaudit.target.loader import NotImported, load_target, parse_target
+from ampaudit.target.loader import NotImported, load_target
+from ampaudit.target.spec import parse_target
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -96,15 +96,15 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
 
 
 def _single_file(spec: str) -> Path | None:
-    from ampaudit.target.loader import parse_target
+    from ampaudit.target.spec import parse_target
 
     path, _ = parse_target(spec)
     return path if path.is_file() else None
 
 
 def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) -> Report:
-    from ampaudit.target.loader import parse_target, read_source
     from ampaudit.target.source_scan import scan_source
+    from ampaudit.target.spec import parse_target, read_source
 
     _, name = parse_target(spec)
     scan = scan_source(path, read_source(path))  # syntax errors: exit 2 with file:line

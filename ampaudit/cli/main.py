@@ -91,7 +91,7 @@ def _emit(text: str, output: Path | None) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from ampaudit.check.run import CheckOptions, check_targets
     from ampaudit.core.config import check_prefixes, load_config
-    from ampaudit.target.loader import parse_target
+    from ampaudit.target.spec import parse_target
 
     first, _ = parse_target(args.targets[0])
     config = load_config(first if first.exists() else None)

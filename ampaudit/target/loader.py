@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +23,7 @@ from ampaudit.core.paths import display_path
 from ampaudit.graph.userframe import traceback_location
 from ampaudit.target.inputs import INPUT_FUNCTIONS, ExampleInputs, describe_exception, from_shapes
 from ampaudit.target.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
-
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+from ampaudit.target.spec import NAME_RE, parse_target, read_source
 
 
 @dataclass
@@ -45,27 +43,6 @@ class NotImported:
     line: int
     column: int
     what: str  # "a for loop", "a call", ...
-
-
-def parse_target(spec: str) -> tuple[Path, str | None]:
-    """``model.py:Net`` -> (Path("model.py"), "Net"); a bare path -> (path, None)."""
-    path_text, sep, name = spec.rpartition(":")
-    if sep and _NAME.match(name) and path_text:
-        return Path(path_text), name
-    return Path(spec), None
-
-
-def read_source(path: Path) -> str:
-    if not path.exists():
-        raise LoadError(f"no such file: {path}")
-    if path.is_dir():
-        raise LoadError(f"{path} is a directory: give a Python file that defines the model")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise LoadError(f"{path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise LoadError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def load_target(
@@ -112,7 +89,7 @@ def _import_file(path: Path) -> ModuleType:
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)  # so the model file can import its siblings
-    module_name = path.stem if _NAME.match(path.stem) and path.stem not in sys.modules else (
+    module_name = path.stem if NAME_RE.match(path.stem) and path.stem not in sys.modules else (
         f"_ampaudit_target_{abs(hash(str(path.resolve())))}")
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:

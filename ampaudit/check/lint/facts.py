@@ -129,6 +129,7 @@ class ScriptFacts:
     positions: Mapping[cst.CSTNode, meta.CodeRange] = field(default_factory=dict, repr=False)
     names: dict[cst.CSTNode, frozenset[str]] = field(default_factory=dict, repr=False)
     _qualified: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)  # lazy provider values
+    _scopes: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)
     _line_starts: list[int] = field(default_factory=list, repr=False)
 
     # -- queries --------------------------------------------------------------------------
@@ -164,6 +165,13 @@ class ScriptFacts:
             value = value() if callable(value) else value  # libcst computes these lazily
             self.names[node] = frozenset(q.name for q in value)
         return self.names[node]
+
+    def references(self, node: cst.CSTNode, name: str) -> list[cst.CSTNode]:
+        """The nodes that read the name ``name`` as bound at ``node`` (an import, say)."""
+        scope = self._scopes.get(node)
+        if scope is None:
+            return []
+        return [access.node for assignment in scope.assignments[name] for access in assignment.references]
 
     def offset(self, line: int, column: int) -> int:
         """Character offset of a libcst position (1-based line, 0-based column)."""
@@ -359,4 +367,5 @@ def collect(path: str, source: str) -> ScriptFacts:
     wrapper.visit(_Collector(facts))
     facts.positions = wrapper.resolve(meta.PositionProvider)  # computed once, for every node
     facts._qualified = wrapper.resolve(meta.QualifiedNameProvider)
+    facts._scopes = wrapper.resolve(meta.ScopeProvider)  # already computed for the names above
     return facts

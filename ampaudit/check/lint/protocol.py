@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import libcst as cst
@@ -30,10 +31,18 @@ def is_optimizer(call: Call) -> bool:
                for n in call.names)
 
 
+# A receiver named like an optimizer (a function parameter, say): `optimizer.step()`,
+# `opt.step()`, `self.optim.step()` - but not `env.step()` or `scheduler.step()`.
+_OPTIMIZER_NAME = re.compile(r"(^|[._])(opt|optim|optimizer|optimiser)s?(_\w+)?$")
+
+
 def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
-    """Names that hold an optimizer here: built from torch.optim, or handed to a scaler."""
+    """Names that hold an optimizer here: built from torch.optim, handed to a scaler, or
+    named like one."""
     names = {a.target for a in facts.assignments if is_optimizer(a.call)
              and (a.call.scope is scope or a.call.scope.kind == "module")}
+    names |= {c.receiver for c in facts.method_calls("step", scope)
+              if c.receiver and _OPTIMIZER_NAME.search(c.receiver)}
     for call in facts.calls:
         if call.scope is scope and call.method in ("step", "unscale_") and call.receiver in facts.scalers(scope):
             target = dotted(call.arg(0, "optimizer"))

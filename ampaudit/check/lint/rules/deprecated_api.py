@@ -73,14 +73,8 @@ def _bound_names(imp: Import) -> set[str]:
 
 def _all_uses_fixable(facts: ScriptFacts, imp: Import, uses: list[_Use]) -> bool:
     """Every reference to the imported names is a call or decorator we rewrite."""
-    names = _bound_names(imp)
     fixed = {id(u.callee) for u in uses}
-    inside_import = facts.span(imp.node)
-    for node in facts.positions:
-        if (isinstance(node, cst.Name) and node.value in names and id(node) not in fixed
-                and not inside_import[0] <= facts.span(node)[0] < inside_import[1]):
-            return False
-    return True
+    return all(id(ref) in fixed for name in _bound_names(imp) for ref in facts.references(imp.node, name))
 
 
 @lint_rule("AMP401")

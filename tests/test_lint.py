@@ -1,0 +1,181 @@
+"""The training-script lint: aliases, scopes, clean loops, folders, --fix / --diff, pre-commit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampaudit.check.lint.engine import lint_source
+from ampaudit.check.run import CheckOptions, check_targets, python_files
+from ampaudit.core.config import Config
+from tests.conftest import ROOT, RULE_FIXTURES, expected_markers
+
+SCRIPTS = ROOT / "fixtures" / "scripts"
+
+
+def _codes(findings):
+    return [(f.line, f.rule) for f in findings]
+
+
+def test_aliases_resolve_to_their_torch_names():
+    path = SCRIPTS / "aliases.py"
+    findings = lint_source(str(path), path.read_text())
+    assert sorted(_codes(findings)) == sorted(expected_markers(path))
+
+
+@pytest.mark.parametrize("name", ["clean_amp_loop.py", "clean_bf16_loop.py"])
+def test_clean_loops_have_no_findings_at_all(cli, name):
+    result = cli("check", f"fixtures/scripts/{name}", "--format", "json", "--fail-on", "info")
+    assert result.code == 0
+    assert result.json()["findings"] == []
+
+
+def test_rules_stay_inside_one_function():
+    source = (
+        "import torch\n\n"
+        "def forward_only(model, x):\n"
+        "    with torch.autocast('cuda'):\n"
+        "        return model(x)\n\n"
+        "def learn(loss, optimizer):\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n\n"
+        "def scaled(loss, scaler, optimizer):\n"
+        "    scaler.scale(loss).backward()\n"
+        "    scaler.step(optimizer)\n"
+        "    scaler.update()\n"
+    )
+    assert lint_source("t.py", source) == []
+
+
+def _copy(tmp_path, name):
+    target = tmp_path / name
+    shutil.copy(RULE_FIXTURES / name, target)
+    return target
+
+
+def test_fix_rewrites_deprecated_apis_and_keeps_everything_else(cli, tmp_path):
+    path = _copy(tmp_path, "AMP401_invalid.py")
+    before = path.read_text()
+    os.chmod(path, 0o640)
+    result = cli("check", path, "--fix", "--format", "json")
+    assert "Fixed 6 findings in 1 file(s)." in result.err
+    after = path.read_text()
+    assert "from torch.amp import GradScaler, autocast  # expect: AMP401" in after
+    assert '    @torch.amp.custom_fwd(device_type="cuda")  # expect: AMP401' in after
+    assert '    scaler = GradScaler("cuda")  # expect: AMP401' in after
+    assert '        with autocast("cuda", dtype=torch.float16):  # expect: AMP401' in after
+    assert '    with torch.amp.autocast("cuda", enabled=True):  # expect: AMP401' in after
+    # Only the fixed spans changed: same number of lines, every other line identical.
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
+    assert len(changed) == 6
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert [f for f in result.json()["findings"] if f["rule"] == "AMP401"] == []
+    compile(after, str(path), "exec")
+
+
+@pytest.mark.parametrize(("name", "inserted"), [
+    ("AMP405_invalid.py", "        scaler.step(optimizer)  # expect: AMP405"),
+    ("AMP406_invalid.py", "        scaler.unscale_(optimizer)\n        nn.utils.clip_grad_norm_"),
+    ("AMP407_invalid.py", "        scaler.step(optimizer)  # expect: AMP407\n        scaler.update()\n"),
+    ("AMP414_invalid.py", "scores.masked_fill(mask, torch.finfo(scores.dtype).min)"),
+])
+def test_unsafe_fixes_need_the_flag_and_then_resolve_the_finding(cli, tmp_path, name, inserted):
+    code = name[:6]
+    path = _copy(tmp_path, name)
+    before = path.read_text()
+    result = cli("check", path, "--fix")
+    assert path.read_text() == before  # behaviour-changing: not applied by --fix alone
+    assert "more fixable with --unsafe-fixes" in result.err
+    result = cli("check", path, "--fix", "--unsafe-fixes", "--format", "json")
+    assert inserted in path.read_text()
+    remaining = [f["line"] for f in result.json()["findings"] if f["rule"] == code]
+    expected_left = {"AMP414": 1}.get(code, 0)  # torch.full(..., -1e5) has no automatic fix
+    assert len(remaining) == expected_left
+    compile(path.read_text(), str(path), "exec")
+
+
+def test_diff_prints_and_writes_nothing(cli, tmp_path):
+    path = _copy(tmp_path, "AMP401_invalid.py")
+    before = path.read_bytes()
+    mtime = path.stat().st_mtime_ns
+    result = cli("check", path, "--diff")
+    assert result.code == 1
+    assert path.read_bytes() == before and path.stat().st_mtime_ns == mtime
+    assert result.out.startswith(f"--- a/{path}\n+++ b/{path}\n")
+    assert '-from torch.cuda.amp import GradScaler, autocast  # expect: AMP401' in result.out
+    assert '+from torch.amp import GradScaler, autocast  # expect: AMP401' in result.out
+    assert "6 fixes would be applied to 1 file(s)" in result.err
+
+
+def test_fix_keeps_crlf_line_endings(cli, tmp_path):
+    path = tmp_path / "crlf.py"
+    path.write_bytes(b"import torch\r\n\r\nscaler = torch.cuda.amp.GradScaler()\r\n")
+    cli("check", path, "--fix")
+    assert path.read_bytes() == b'import torch\r\n\r\nscaler = torch.amp.GradScaler("cuda")\r\n'
+
+
+def _tree(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "train.py").write_text(
+        "import torch\n\ndef f(loss):\n    with torch.autocast('cuda'):\n        pass\n    loss.backward()\n")
+    (tmp_path / "pkg" / "broken.py").write_text("def f(:\n    pass\n")
+    for skipped in (".venv/lib", "build", ".git", "env_custom/lib"):
+        (tmp_path / skipped).mkdir(parents=True)
+        (tmp_path / skipped / "x.py").write_text("from torch.cuda.amp import autocast\n")
+    (tmp_path / "env_custom" / "pyvenv.cfg").write_text("home = /usr\n")  # a venv by its marker
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "old.py").write_text("from torch.cuda.amp import autocast\n")
+    return tmp_path
+
+
+def test_folder_walk_skips_environments_and_reports_everything_at_once(cli, tmp_path):
+    root = _tree(tmp_path)
+    files = python_files(root)
+    assert sorted(p.relative_to(root).as_posix() for p in files) == ["pkg/broken.py", "pkg/train.py",
+                                                                      "scripts/old.py"]
+    doc = cli("check", root, "--format", "json").json()
+    found = sorted((Path(f["file"]).name, f["rule"], f["line"]) for f in doc["findings"])
+    assert found == [("broken.py", "AMP004", 1), ("old.py", "AMP401", 1), ("train.py", "AMP403", 4)]
+    assert doc["target"]["notes"][0] == "linted 3 Python files"
+    doc = cli("check", root, "--exclude", "scripts", "--format", "json").json()
+    assert sorted(Path(f["file"]).name for f in doc["findings"]) == ["broken.py", "train.py"]
+
+
+def test_many_files_are_linted_in_parallel_with_the_same_result(tmp_path):
+    source = (RULE_FIXTURES / "AMP406_invalid.py").read_text()
+    for i in range(30):
+        (tmp_path / f"s{i:02d}.py").write_text(source)
+    serial = check_targets([str(tmp_path)], Config(), CheckOptions(jobs=1))
+    parallel = check_targets([str(tmp_path)], Config(), CheckOptions(jobs=2))
+    assert serial.findings == parallel.findings and len(serial.findings) == 30
+
+
+def test_precommit_hook_definition_and_entry():
+    yaml = pytest.importorskip("yaml")
+    (hook,) = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+    assert hook["id"] == "ampaudit" and hook["language"] == "python" and hook["types"] == ["python"]
+    assert hook["entry"] == "ampaudit check --lint-only"
+    # pre-commit appends the staged files to the entry: it must take several and never import them.
+    entry = [sys.executable, "-m", "ampaudit", *hook["entry"].split()[1:]]
+    files = ["fixtures/scripts/clean_amp_loop.py", "fixtures/scripts/clean_bf16_loop.py",
+             "fixtures/models/train_script.py"]
+    proc = subprocess.run([*entry, *files], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr  # train_script.py: AMP409
+    assert "AMP409" in proc.stdout and "Traceback" not in proc.stderr
+    proc = subprocess.run([*entry, *files[:2]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+
+
+def test_lint_only_never_imports_torch():
+    code = ("import sys; from ampaudit.cli.main import main\n"
+            "code = main(['check', '--lint-only', '--format', 'json', 'fixtures/scripts/clean_amp_loop.py'])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "raise SystemExit(code)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
