@@ -179,3 +179,35 @@ def test_lint_only_never_imports_torch():
             "raise SystemExit(code)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def _all_fixture_files():
+    return sorted((ROOT / "fixtures").rglob("*.py"))
+
+
+def test_skipping_irrelevant_code_changes_no_finding(monkeypatch):
+    # skeleton() blanks functions and classes that mention nothing the rules read; the
+    # findings must be exactly those of a full parse, on every fixture we have.
+    from ampaudit.check.lint import facts
+
+    def lint_all():
+        out = {}
+        for path in _all_fixture_files():
+            try:
+                out[path.name] = _codes(lint_source(str(path), path.read_text()))
+            except Exception as exc:  # the syntax-error fixtures
+                out[path.name] = type(exc).__name__
+        return out
+
+    fast = lint_all()
+    monkeypatch.setattr(facts, "skeleton", lambda source: source)
+    assert lint_all() == fast
+    assert sum(len(v) for v in fast.values() if isinstance(v, list)) > 40
+
+
+def test_progress_is_reported_per_file(tmp_path):
+    for i in range(25):
+        (tmp_path / f"s{i:02d}.py").write_text("import torch\n")
+    ticks = []
+    check_targets([str(tmp_path)], Config(), CheckOptions(jobs=1, progress=lambda total: lambda: ticks.append(total)))
+    assert ticks == [25] * 25
