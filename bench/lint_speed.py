@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ampaudit.check.run import CheckOptions, check_targets  # noqa: E402
-from ampaudit.core.config import Config  # noqa: E402
+from ampaudit.check.run import CheckOptions, check_targets
+from ampaudit.core.config import Config
 
 HEADER = '''"""Training script {i}: {task} on synthetic data."""
 
@@ -223,7 +223,8 @@ VARIANTS = {
 def script(i: int, rng: random.Random) -> str:
     pick = {k: rng.choice(v) for k, v in VARIANTS.items()}
     blocks = rng.randint(6, 10)
-    text = HEADER.format(i=i, task=rng.choice(["classification", "regression", "probing"]), amp_import=pick["amp_import"],
+    task = rng.choice(["classification", "regression", "probing"])
+    text = HEADER.format(i=i, task=task, amp_import=pick["amp_import"],
                          epochs=rng.randint(1, 20), batch=rng.choice([32, 64, 128]), lr=rng.choice([1e-3, 3e-4]),
                          hidden=rng.choice([128, 256]), layers=blocks)
     text += "".join(MODEL.format(k=k, mult=rng.choice([2, 4])) for k in range(blocks))
