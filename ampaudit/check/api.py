@@ -13,6 +13,7 @@ from ampaudit.check.coverage import coverage
 from ampaudit.check.graph_view import GraphView
 from ampaudit.check.measure import measure_ranges
 from ampaudit.check.rules import run_graph_rules
+from ampaudit.check.run import CheckOptions, check_targets
 from ampaudit.core.catalog import Catalog, load_catalog
 from ampaudit.core.config import DTYPES, Config, finalize, load_config
 from ampaudit.core.errors import UsageError
@@ -129,8 +130,6 @@ def check_path(
 ) -> Report:
     """What ``ampaudit check PATH[:NAME]`` reports: the graph audit when the file defines a
     model, and the training-script lint on its source."""
-    from ampaudit.check.run import CheckOptions, check_targets
-
     path, _ = parse_target(spec)
     config = config if config is not None else load_config(path if path.exists() else None)
     options = CheckOptions(dtype=dtype, allow_exec=allow_exec, input_shapes=input_shapes,
@@ -138,25 +137,16 @@ def check_path(
     return check_targets([spec], config, options)
 
 
-def graph_report(
-    spec: str,
-    *,
-    config: Config,
-    dtype: str | None = None,
-    allow_exec: bool = False,
-    input_shapes: Sequence[str] = (),
-    input_dtypes: Sequence[str] = (),
-    policy_files: Sequence[Path] = (),
-    run: bool = True,
-) -> Report:
+def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
     """The graph audit of the model ``PATH[:NAME]`` defines (not finalized)."""
-    dtype = dtype_name(dtype or config.dtype)
-    catalog = build_catalog(config, policy_files=policy_files)  # bad policy: fail before importing
-    loaded = load_target(spec, allow_exec=allow_exec, input_shapes=input_shapes, input_dtypes=input_dtypes)
+    dtype = dtype_name(options.dtype or config.dtype)
+    catalog = build_catalog(config, policy_files=options.policy_files)  # bad policy: fail before importing
+    loaded = load_target(spec, allow_exec=options.allow_exec, input_shapes=options.input_shapes,
+                         input_dtypes=options.input_dtypes)
     if isinstance(loaded, NotImported):
         return _not_imported_report(loaded, dtype)
     return audit_model(loaded.model, loaded.inputs, catalog, dtype,
-                       file=display_path(str(loaded.path)), entry=loaded.entry, run=run)
+                       file=display_path(str(loaded.path)), entry=loaded.entry, run=options.run)
 
 
 def _not_imported_report(skipped: NotImported, dtype: str) -> Report:

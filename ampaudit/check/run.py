@@ -117,9 +117,7 @@ def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) ->
     from ampaudit.check.api import graph_report  # imports torch
 
     try:
-        report = graph_report(spec, config=config, dtype=options.dtype, allow_exec=options.allow_exec,
-                              input_shapes=options.input_shapes, input_dtypes=options.input_dtypes,
-                              policy_files=options.policy_files, run=options.run)
+        report = graph_report(spec, config, options)
     except NoModelFound as exc:
         if name is not None:
             raise
