@@ -49,10 +49,12 @@ def _summary_panel(report: Report) -> Panel:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    grid.add_row("target", f"{escape(report.target.file)} ({escape(report.target.entry)})")
-    grid.add_row("trace", report.target.trace)
-    grid.add_row("dtype", report.dtype)
-    grid.add_row("ops", ops)
+    entry = f" ({escape(report.target.entry)})" if report.target.entry else ""
+    grid.add_row("target", f"{escape(report.target.file)}{entry}")
+    if report.nodes or report.target.trace != "none":
+        grid.add_row("trace", report.target.trace)
+        grid.add_row("dtype", report.dtype)
+        grid.add_row("ops", ops)
     grid.add_row("findings", findings)
     for note in report.target.notes:
         grid.add_row("note", Text(note, style="dim"))
@@ -144,6 +146,8 @@ def _finding_block(finding: Finding, color: bool) -> Group:
     head.append(" ")
     head.append(finding.rule, style=_STYLE[finding.severity])
     head.append(f" [{finding.severity.value}] ", style=_STYLE[finding.severity])
+    if finding.autofix is not None:
+        head.append("[fix] " if finding.autofix.safe else "[unsafe fix] ", style="green")
     head.append(finding.message)
     parts: list = [head]
     if finding.module:
@@ -173,5 +177,10 @@ def render(report: Report, console: Console, *, show_ops: bool = False) -> None:
         codes = sorted({f.rule for f in report.findings})
         console.print(f"Found {s['errors']} errors, {s['warnings']} warnings, {s['infos']} infos. "
                       f"`ampaudit explain {codes[0]}` tells more about a rule.")
+        safe = sum(f.autofix is not None and f.autofix.safe for f in report.findings)
+        unsafe = sum(f.autofix is not None and not f.autofix.safe for f in report.findings)
+        if safe or unsafe:
+            console.print(f"{safe} fixable with --fix" + (f", {unsafe} more with --unsafe-fixes" if unsafe else "")
+                          + " (--diff to preview).")
     else:
         console.print("No findings.", style="green")
