@@ -11,11 +11,13 @@ from ampaudit._version import __version__
 
 if TYPE_CHECKING:
     from ampaudit.check.api import check
+    from ampaudit.convert.api import convert
     from ampaudit.core.findings import Finding, NodeDecision, Report
 else:
-    from ampaudit import check  # a callable package: ampaudit.check(model, ...) runs the audit
+    # Callable packages: ampaudit.check(model, ...) audits, ampaudit.convert(model, ...) converts.
+    from ampaudit import check, convert
 
-__all__ = ["Finding", "NodeDecision", "Report", "__version__", "check"]
+__all__ = ["Finding", "NodeDecision", "Report", "__version__", "check", "convert"]
 
 _LAZY = {
     "Report": ("ampaudit.core.findings", "Report"),

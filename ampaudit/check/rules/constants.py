@@ -29,13 +29,15 @@ def _value_args(kind: str) -> list[int | str]:
     return rule("AMP201").params["value_args"].get(kind, [])
 
 
-def _constants(view: GraphView, node) -> Iterator[float]:
+def constant_values(view: GraphView, node) -> Iterator[tuple[int | str, float]]:
+    """(argument, value) for each nonzero constant the op turns into tensor data - except
+    dtype limits that followed a tensor's dtype (see ``_follows_dtype``)."""
     # A parameter is passed by position or by keyword, never both: no double counting.
     for where in _value_args(view.kinds[node]):
         value = arg(node, where) if isinstance(where, int) else node.kwargs.get(where)
         c = number(view, value)
-        if c is not None and c != 0.0:
-            yield c
+        if c is not None and c != 0.0 and not _follows_dtype(node, c):
+            yield where, c
 
 
 def _fmt(c: float) -> str:
@@ -66,9 +68,7 @@ def constants_out_of_range(view: GraphView) -> Iterator[Finding]:
         if not view.runs_low(node):
             continue  # an fp32 tensor holds the constant fine
         op = view.kinds[node]
-        for c in _constants(view, node):
-            if _follows_dtype(node, c):
-                continue
+        for _, c in constant_values(view, node):
             magnitude = abs(c)
             if magnitude > info.max:
                 yield view.finding("AMP201", node, value=_fmt(c), dtype=view.dtype, limit=f"{info.max:.6g}", op=op,

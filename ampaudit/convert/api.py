@@ -1,0 +1,136 @@
+"""``ampaudit.convert``: a model rewritten into explicit mixed precision (and, given an
+optimizer, one that keeps fp32 master weights and scales the loss)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from ampaudit.check.api import build_catalog, dtype_name
+from ampaudit.check.graph_view import GraphView
+from ampaudit.check.measure import measure_ranges
+from ampaudit.convert.plan import FP32, LOW, decide, plan_records
+from ampaudit.convert.rewrite import rewrite
+from ampaudit.convert.verify import output_error, search_promotions
+from ampaudit.core.catalog import Catalog
+from ampaudit.core.config import Config, load_config
+from ampaudit.core.errors import UsageError
+from ampaudit.graph.fx_tracer import forward_location
+from ampaudit.graph.trace import trace_model
+from ampaudit.target.inputs import ExampleInputs
+
+DEFAULT_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}  # relative L2 error of the outputs vs fp32
+
+
+@dataclass
+class ConversionSummary:
+    dtype: str
+    casts: int
+    ops_fp32: int
+    ops_low: int
+    param_bytes: dict[str, int]  # dtype name -> bytes of parameters stored in it
+    error_before: float | None = None  # output error vs fp32 before promotions (None: not verified)
+    error_after: float | None = None
+    promoted: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _split_args(optimizer_or_inputs: Any, example_inputs: Any) -> tuple[torch.optim.Optimizer | None, Any]:
+    if isinstance(optimizer_or_inputs, torch.optim.Optimizer):
+        return optimizer_or_inputs, example_inputs
+    if optimizer_or_inputs is not None and example_inputs is not None:
+        raise UsageError("convert(model, optimizer, example_inputs=...): the second argument is not an optimizer")
+    return None, optimizer_or_inputs if optimizer_or_inputs is not None else example_inputs
+
+
+def convert(
+    model: torch.nn.Module,
+    optimizer_or_inputs: Any = None,
+    example_inputs: Any = None,
+    *,
+    dtype: torch.dtype | str = torch.float16,
+    verify: bool = True,
+    policy: str | Path | Mapping | None = None,
+    keep_low_outputs: bool = False,
+    constants: str = "fp32",
+    tolerance: float | None = None,
+    loss_scale: str | float | None = "auto",
+    config: Config | None = None,
+):
+    """Rewrite ``model`` into explicit mixed precision.
+
+    ``convert(model, example_inputs)`` returns the converted module; ``convert(model,
+    optimizer, example_inputs=...)`` also returns an :class:`MixedPrecisionOptimizer` that
+    keeps fp32 master weights. With example inputs the value ranges are measured and, with
+    ``verify``, ops are promoted to fp32 until the outputs match fp32 within ``tolerance``.
+    ``constants``: "fp32" or "clamp" for constants the low dtype cannot hold.
+    """
+    optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
+    if constants not in ("fp32", "clamp"):
+        raise UsageError(f"constants must be 'fp32' or 'clamp' (got {constants!r})")
+    name = dtype_name(dtype)
+    low = getattr(torch, name)
+    file = forward_location(model).file
+    config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
+    catalog = build_catalog(config, policy)
+    inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
+    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[name]
+
+    def build(promoted: dict[str, str]) -> fx.GraphModule:
+        return _convert_once(model, catalog, name, low, inputs, promoted=promoted, constants=constants,
+                             keep_low_outputs=keep_low_outputs)
+
+    model_mp = build({})
+    if inputs is not None and verify:
+        model_mp = search_promotions(model, model_mp, build, inputs, tol)
+    elif inputs is not None:
+        model_mp.summary.error_before = model_mp.summary.error_after = output_error(model, model_mp, inputs)
+    if optimizer is None:
+        return model_mp
+    from ampaudit.convert.optimizer import MixedPrecisionOptimizer
+
+    return model_mp, MixedPrecisionOptimizer.from_optimizer(optimizer, model, model_mp, dtype=low,
+                                                            loss_scale=loss_scale)
+
+
+def _convert_once(model: torch.nn.Module, catalog: Catalog, name: str, low: torch.dtype,
+                  inputs: ExampleInputs | None, *, promoted: dict[str, str], constants: str,
+                  keep_low_outputs: bool) -> fx.GraphModule:
+    work = copy.deepcopy(model).eval()  # never touch the user's model
+    trace = trace_model(work, catalog, None)  # symbolic: the converted graph must keep every branch
+    if trace.method != "fx":
+        raise UsageError(f"{type(model).__name__} cannot be traced by torch.fx as a whole "
+                         f"({trace.failures[0].message}); convert its traceable submodules instead")
+    sub = trace.graphs[0]
+    if inputs is not None:
+        measure_ranges(sub.gm, inputs, catalog, name)
+    view = GraphView.build(sub, catalog, name, frozenset())
+    plan = decide(view, constants=constants, promoted=promoted)
+    stats = rewrite(sub.gm, plan, low, keep_low_outputs=keep_low_outputs)
+    gm = sub.gm
+    gm.plan = plan_records(view, plan, stats.produced)
+    gm.summary = ConversionSummary(
+        dtype=name, casts=stats.casts,
+        ops_fp32=sum(d.compute == FP32 for n, d in plan.items() if n.op.startswith("call_")),
+        ops_low=sum(d.compute == LOW for n, d in plan.items() if n.op.startswith("call_")),
+        param_bytes=_param_bytes(gm),
+        promoted=[{"node": k, "reason": v} for k, v in promoted.items()],
+    )
+    return gm
+
+
+def _param_bytes(module: torch.nn.Module) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in module.parameters():
+        key = str(p.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+    return out

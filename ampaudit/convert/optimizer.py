@@ -1,0 +1,186 @@
+"""FP32 master weights and loss scaling around any torch.optim optimizer (apex O2's recipe).
+
+The converted model holds low-precision working copies; the optimizer is re-pointed at
+fp32 masters of them, keeping its hyperparameters and state. A step copies the low
+gradients into the masters, unscales them, checks for inf/NaN with one host sync, skips the
+step (weights and optimizer state untouched) when it finds any, and otherwise updates the
+masters and copies them back into the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampaudit.core.errors import UsageError
+
+
+class LossScaler:
+    """Dynamic (or static) loss scale: backoff on overflow, growth after clean steps."""
+
+    def __init__(self, init_scale: float = 2.0**16, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, max_scale: float = 2.0**24, dynamic: bool = True) -> None:
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.max_scale, self.dynamic = growth_interval, max_scale, dynamic
+        self.clean_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale = min(self.scale * self.growth_factor, self.max_scale)
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "max_scale": self.max_scale, "dynamic": self.dynamic}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def make_scaler(loss_scale: str | float | LossScaler | None, dtype: torch.dtype) -> LossScaler | None:
+    """"auto": dynamic for fp16, none for bf16 (fp32's range); "dynamic"; a number: static."""
+    if isinstance(loss_scale, LossScaler) or loss_scale is None:
+        return loss_scale
+    if loss_scale == "auto":
+        return LossScaler() if dtype == torch.float16 else None
+    if loss_scale == "dynamic":
+        return LossScaler()
+    if isinstance(loss_scale, (int, float)):
+        return LossScaler(float(loss_scale), dynamic=False)
+    raise UsageError(f"loss_scale must be 'auto', 'dynamic', a number or None (got {loss_scale!r})")
+
+
+class MixedPrecisionOptimizer:
+    """Wraps the user's optimizer: ``backward(loss)``, ``unscale_()``, ``step()``, ``zero_grad()``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]],
+                 fp32_params: list[torch.nn.Parameter], scaler: LossScaler | None) -> None:
+        self.optimizer = optimizer
+        self.pairs = pairs  # (low-precision model parameter, its fp32 master)
+        self.fp32_params = fp32_params  # model parameters already in fp32: the optimizer updates them directly
+        self.scaler = scaler
+        self.skipped_steps = 0
+        self._unscaled: bool | None = None  # found_inf of the current step, once unscaled
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, original: torch.nn.Module, converted: torch.nn.Module,
+                       *, dtype: torch.dtype, loss_scale: str | float | LossScaler | None = "auto"
+                       ) -> MixedPrecisionOptimizer:
+        """Re-point ``optimizer`` (built on ``original``'s parameters) at fp32 masters of
+        ``converted``'s parameters, moving its per-parameter state along."""
+        converted_params = dict(converted.named_parameters(remove_duplicate=False))
+        replacement: dict[int, torch.nn.Parameter] = {}
+        pairs, fp32 = [], []
+        for name, param in original.named_parameters(remove_duplicate=False):
+            if id(param) in replacement:
+                continue
+            working = converted_params.get(name)
+            if working is None:  # not used by the converted graph: train the original, harmlessly
+                replacement[id(param)] = param
+            elif working.dtype != torch.float32 and working.is_floating_point():
+                master = torch.nn.Parameter(working.detach().float().clone())
+                master.data.copy_(param.detach())  # the exact fp32 values, not the rounded copy
+                pairs.append((working, master))
+                replacement[id(param)] = master
+            else:
+                fp32.append(working)
+                replacement[id(param)] = working
+        foreign = sum(id(p) not in replacement for g in optimizer.param_groups for p in g["params"])
+        if foreign:
+            raise UsageError(f"{foreign} of the optimizer's parameters are not the model's: build the optimizer "
+                             "on the parameters of the model you convert")
+        for group in optimizer.param_groups:
+            group["params"] = [replacement[id(p)] for p in group["params"]]
+        moved = {}
+        for param, state in list(optimizer.state.items()):
+            moved[replacement.get(id(param), param)] = state
+        optimizer.state.clear()
+        optimizer.state.update(moved)
+        return cls(optimizer, pairs, fp32, make_scaler(loss_scale, dtype))
+
+    # -- the training-loop API ------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with the loss multiplied by the current scale."""
+        (loss.float() * self.scale if self.scaler is not None else loss).backward(**kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for working, master in self.pairs:
+            working.grad = None
+            master.grad = None
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._unscaled = None
+
+    def unscale_(self) -> bool:
+        """Move gradients to the fp32 masters and divide by the scale (before clipping).
+        Returns whether any gradient is inf or NaN. Safe to call once per step or not at all."""
+        if self._unscaled is not None:
+            return self._unscaled
+        grads = []
+        for working, master in self.pairs:
+            master.grad = None if working.grad is None else working.grad.detach().float()
+            if master.grad is not None:
+                grads.append(master.grad)
+        grads += [p.grad for p in self.fp32_params if p.grad is not None]
+        if not grads:
+            self._unscaled = False
+            return False
+        if self.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+        bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+        self._unscaled = bool(bad.item())  # the one host sync per step
+        return self._unscaled
+
+    def step(self) -> bool:
+        """Update the masters and copy them into the model; skip the step on inf/NaN.
+        Returns whether the step was taken."""
+        found_inf = self.unscale_()
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            self.skipped_steps += 1
+            self.zero_grad()
+            return False
+        self.optimizer.step()
+        with torch.no_grad():
+            for working, master in self.pairs:
+                working.copy_(master)
+        self._unscaled = None
+        return True
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach().clone() for _, m in self.pairs],
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["masters"]) != len(self.pairs):
+            raise UsageError(f"checkpoint has {len(state['masters'])} master weights, this optimizer "
+                             f"{len(self.pairs)}: it belongs to another model")
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for (working, master), saved in zip(self.pairs, state["masters"], strict=True):
+                master.copy_(saved)
+                working.copy_(saved)
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)

@@ -1,0 +1,109 @@
+"""Decide each op's compute dtype - the conversion plan.
+
+Like TF's auto-mixed-precision painting: ops the catalog puts in fp16 run in the low dtype,
+fp32 ops in fp32, and everything else (neutral, promote, unknown) follows its inputs, so
+casts land only where an fp16 op meets an fp32 one. Then the safety overrides: an op
+holding a constant the low dtype cannot represent, or whose measured output overflowed it,
+runs in fp32 (or has its constant clamped), and ops promoted by verification do too.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from torch import fx
+
+from ampaudit.check.graph_view import STRUCTURAL_OPS, GraphView
+from ampaudit.check.patterns import finfo
+from ampaudit.check.rules.constants import constant_values
+from ampaudit.core.findings import Precision
+from ampaudit.core.paths import display_path
+from ampaudit.graph.fx_tracer import LOC
+from ampaudit.graph.range_probe import MEASURED
+
+LOW, FP32, FOLLOW = "low", "fp32", "follow"
+
+
+@dataclass
+class Decision:
+    compute: str  # LOW, FP32 or FOLLOW (inputs' promoted dtype, no cast inserted)
+    reason: str
+    rule: str | None = None  # the finding code behind an override
+    clamp: dict[int | str, float] | None = None  # argument -> clamped constant (constants="clamp")
+
+
+def decide(
+    view: GraphView, *, constants: str = "fp32", promoted: dict[str, str] | None = None
+) -> dict[fx.Node, Decision]:
+    """``constants``: "fp32" keeps an op with an out-of-range constant in fp32; "clamp"
+    clamps the constant to the dtype's finite limit instead. ``promoted``: node name ->
+    reason, for ops verification moved to fp32."""
+    promoted = promoted or {}
+    limit = finfo(view.dtype).max
+    plan: dict[fx.Node, Decision] = {}
+    for node in view.nodes:
+        name = view.name(node)
+        policy = view.policy(node)
+        if node.op in STRUCTURAL_OPS:
+            plan[node] = Decision(FOLLOW, "graph input, parameter or output")
+        elif view.is_opaque(node):
+            plan[node] = Decision(FP32, "not traced by torch.fx: kept in fp32")
+        elif name in promoted:
+            plan[node] = Decision(FP32, promoted[name], "verify")
+        elif policy is not None and policy.precision is Precision.FP16:
+            plan[node] = Decision(LOW, policy.reason)
+        elif policy is not None and policy.precision is Precision.FP32:
+            plan[node] = Decision(FP32, policy.reason)
+        else:
+            plan[node] = Decision(FOLLOW, policy.reason if policy else "not in the catalog: follows its inputs")
+        decision = plan[node]
+        if decision.compute == FP32 or node.op in STRUCTURAL_OPS:
+            continue
+        bad = {where: c for where, c in constant_values(view, node) if abs(c) > limit}
+        if bad and constants == "clamp":
+            clamped = {where: (limit if c > 0 else -limit) for where, c in bad.items()}
+            shown = ", ".join(f"{c:g} -> {clamped[w]:g}" for w, c in bad.items())
+            decision.clamp = clamped
+            decision.reason += f"; constant clamped to {view.dtype}'s finite range ({shown})"
+            decision.rule = "AMP201"
+            continue
+        if bad:  # the static cause first: the measured overflow below is its consequence
+            shown = ", ".join(f"{c:g}" for c in bad.values())
+            plan[node] = Decision(FP32, f"constant {shown} does not fit {view.dtype}: kept in fp32", "AMP201")
+            continue
+        measured = node.meta.get(MEASURED)
+        if measured is not None and measured.overflow > 0:
+            plan[node] = Decision(FP32, f"measured max |x| = {measured.absmax:.3g} exceeds {view.dtype} max "
+                                        f"{limit:.6g}", "AMP301")
+    _agree_on_shared_modules(plan)
+    return plan
+
+
+def _agree_on_shared_modules(plan: dict[fx.Node, Decision]) -> None:
+    """A module called at several places has one set of weights: if its calls disagree on
+    the dtype, all of them run in fp32."""
+    calls: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in plan:
+        if node.op == "call_module":
+            calls[node.target].append(node)
+    for nodes in calls.values():
+        if len({plan[n].compute for n in nodes}) > 1:
+            for n in nodes:
+                plan[n] = Decision(FP32, plan[n].reason + "; shared with a call that needs fp32", plan[n].rule)
+
+
+def plan_records(view: GraphView, plan: dict[fx.Node, Decision], produced: dict[fx.Node, str]) -> list[dict[str, Any]]:
+    """The plan as data (``model_mp.plan`` and plan.json): one entry per op."""
+    names = {LOW: view.dtype, FP32: "float32"}
+    records = []
+    for node, decision in plan.items():
+        loc = node.meta[LOC]
+        records.append({
+            "node": view.name(node), "op": node.op, "kind": view.kinds[node], "module": view.module(node),
+            "dtype": names.get(produced.get(node, FOLLOW), "follows"),
+            "compute": {LOW: view.dtype, FP32: "float32", FOLLOW: "follows its inputs"}[decision.compute],
+            "reason": decision.reason, "rule": decision.rule, "file": display_path(loc.file), "line": loc.line,
+        })
+    return records

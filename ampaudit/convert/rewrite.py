@@ -1,0 +1,121 @@
+"""Apply a plan to a GraphModule: casts at dtype boundaries, low-precision weight copies.
+
+Casts go in front of an op only where its input arrives in another dtype than the op
+computes in; ops that follow their inputs get none. Modules and parameters used only by
+low-precision ops are stored in the low dtype; everything else (norm weights, BatchNorm,
+buffers of fp32 ops) stays fp32. ``cast`` leaves non-float values alone, so token ids and
+masks pass through untouched even where the graph cannot tell their dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ampaudit.convert.plan import FP32, LOW, Decision
+from ampaudit.convert.runtime import cast
+
+
+@dataclass
+class RewriteStats:
+    casts: int
+    produced: dict[fx.Node, str]  # dtype each node's output has: LOW, FP32 (FOLLOW never remains)
+
+
+def _promote(dtypes: list[str]) -> str:
+    return FP32 if FP32 in dtypes or not dtypes else LOW
+
+
+def _low_parameters(gm: fx.GraphModule, plan: dict[fx.Node, Decision]) -> set[str]:
+    """get_attr targets whose every reader computes in the low dtype, and that no fp32
+    module call also owns (tied weights stay fp32, cast at the low-precision use)."""
+    fp32_owned = set()
+    for node, decision in plan.items():
+        if node.op == "call_module" and decision.compute != LOW:
+            fp32_owned |= {id(t) for t in gm.get_submodule(node.target).parameters()}
+            fp32_owned |= {id(t) for t in gm.get_submodule(node.target).buffers()}
+    low = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users:
+            continue
+        value = _attr(gm, node.target)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or id(value) in fp32_owned:
+            continue
+        if all(plan[user].compute == LOW for user in node.users):
+            low.add(node.target)
+    return low
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _store_low(gm: fx.GraphModule, target: str, dtype: torch.dtype) -> None:
+    owner_path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    value = getattr(owner, name)
+    if isinstance(value, torch.nn.Parameter):
+        setattr(owner, name, torch.nn.Parameter(value.detach().to(dtype), requires_grad=value.requires_grad))
+    else:
+        setattr(owner, name, value.to(dtype))
+
+
+def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtype, *,
+            keep_low_outputs: bool = False) -> RewriteStats:
+    graph = gm.graph
+    targets = {LOW: dtype, FP32: torch.float32}
+    low_params = _low_parameters(gm, plan)
+    for target in low_params:
+        _store_low(gm, target, dtype)
+    for node, decision in plan.items():
+        if node.op == "call_module" and decision.compute == LOW:
+            gm.get_submodule(node.target).to(dtype)
+
+    produced: dict[fx.Node, str] = {}
+    casts: dict[tuple[fx.Node, str], fx.Node] = {}
+
+    def cast_to(value, want: str, before: fx.Node):
+        if not isinstance(value, fx.Node) or produced.get(value) == want:
+            return value
+        key = (value, want)
+        if key not in casts:
+            with graph.inserting_before(before):
+                casts[key] = graph.call_function(cast, (value, targets[want]))
+            produced[casts[key]] = want
+        return casts[key]
+
+    for node in list(graph.nodes):
+        if node in produced:  # a cast inserted above
+            continue
+        decision = plan.get(node)
+        if node.op == "placeholder":
+            produced[node] = FP32
+        elif node.op == "get_attr":
+            produced[node] = LOW if node.target in low_params else FP32
+        elif node.op == "output":
+            if not keep_low_outputs:
+                node.args = fx.node.map_arg(node.args, lambda n, at=node: cast_to(n, FP32, at))
+        elif decision.compute in (LOW, FP32):
+            node.args = fx.node.map_arg(node.args, lambda n, at=node, d=decision: cast_to(n, d.compute, at))
+            node.kwargs = fx.node.map_arg(node.kwargs, lambda n, at=node, d=decision: cast_to(n, d.compute, at))
+            produced[node] = decision.compute
+        else:
+            produced[node] = _promote([produced[n] for n in node.all_input_nodes if n in produced])
+        if decision is not None and decision.clamp:
+            _apply_clamp(node, decision.clamp)
+    graph.lint()
+    gm.recompile()
+    return RewriteStats(len(casts), {n: d for n, d in produced.items() if n.op != "output"})
+
+
+def _apply_clamp(node: fx.Node, clamp: dict[int | str, float]) -> None:
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for where, value in clamp.items():
+        if isinstance(where, int) and where < len(args):
+            args[where] = value
+        elif isinstance(where, str) and where in kwargs:
+            kwargs[where] = value
+    node.args, node.kwargs = tuple(args), kwargs

@@ -1,0 +1,283 @@
+"""ampaudit.convert: explicit mixed precision, fp32 master weights, loss scaling, verification."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import fx, nn
+
+import ampaudit
+import ampaudit.core.errors
+from ampaudit.convert.optimizer import LossScaler, MixedPrecisionOptimizer
+from ampaudit.target.loader import load_target
+from tests.conftest import model
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("name", ["clean_cnn.py", "clean_transformer.py", "hf_style_rmsnorm.py", "kwargs_inputs.py"])
+def test_converted_fixtures_match_fp32(name):
+    loaded = load_target(model(name))
+    mp = ampaudit.convert(loaded.model, loaded.inputs)
+    assert isinstance(mp, fx.GraphModule)
+    with torch.no_grad():
+        ref = loaded.model(*loaded.inputs.args, **loaded.inputs.kwargs)
+        out = mp(*loaded.inputs.args, **loaded.inputs.kwargs)
+    assert out.dtype == torch.float32  # outputs come back in fp32 by default
+    assert _rel(out, ref) < 1e-2
+    assert mp.summary.error_after == mp.summary.error_before < 1e-2 and mp.summary.promoted == []
+    assert mp.summary.ops_low > 0 and mp.summary.casts > 0
+    assert "cast(" in mp.code
+
+
+def _dtypes_seen(gm: fx.GraphModule, *args) -> dict[str, torch.dtype]:
+    seen = {}
+
+    class Watch(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor) and n.op.startswith("call_"):
+                seen[n.name] = out.dtype
+            return out
+
+    with torch.no_grad():
+        Watch(gm).run(*args)
+    return seen
+
+
+def test_catalog_fp32_ops_really_run_in_fp32_and_matmuls_in_fp16():
+    loaded = load_target(model("clean_transformer.py"))
+    mp = ampaudit.convert(loaded.model, loaded.inputs)
+    seen = _dtypes_seen(mp, *loaded.inputs.args)
+    plan = {r["node"]: r for r in mp.plan}
+    kinds = {}
+    for name, dtype in seen.items():
+        if name in plan:
+            kinds.setdefault(plan[name]["kind"], set()).add(dtype)
+    assert kinds["layer_norm"] == {torch.float32}
+    assert kinds["cross_entropy"] == {torch.float32}
+    assert kinds["embedding"] == {torch.float32}
+    assert kinds["linear"] == {torch.float16}
+    assert kinds["scaled_dot_product_attention"] == {torch.float16}
+    # Weights follow their ops: fp16 copies for the linears, fp32 for norms and embeddings.
+    assert mp.get_submodule("blocks.0.q_proj").weight.dtype == torch.float16
+    assert mp.get_submodule("blocks.0.ln1").weight.dtype == torch.float32
+    assert mp.get_submodule("tok_emb").weight.dtype == torch.float32
+    # The user's model is untouched.
+    assert loaded.model.blocks[0].q_proj.weight.dtype == torch.float32
+
+
+def test_batchnorm_weights_and_running_stats_stay_fp32():
+    loaded = load_target(model("clean_cnn.py"))
+    mp = ampaudit.convert(loaded.model, loaded.inputs)
+    bn = mp.get_submodule("features.0.1")
+    assert bn.weight.dtype == bn.running_mean.dtype == bn.running_var.dtype == torch.float32
+    assert mp.get_submodule("features.0.0").weight.dtype == torch.float16
+    assert mp.summary.param_bytes["float16"] > 0 and mp.summary.param_bytes["float32"] > 0
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(-2, -1)
+        return torch.softmax(scores.masked_fill(mask, -1e9), -1)
+
+
+@pytest.mark.parametrize("constants", ["fp32", "clamp"])
+def test_out_of_range_mask_constant_converts_and_runs(constants):
+    torch.manual_seed(0)
+    m = _Masked().eval()
+    x, mask = torch.randn(2, 4, 8), torch.triu(torch.ones(4, 4, dtype=torch.bool), 1).expand(2, 4, 4)
+    mp = ampaudit.convert(m, (x, mask), constants=constants)
+    fill = next(r for r in mp.plan if r["kind"] == "masked_fill")
+    assert fill["rule"] == "AMP201"
+    if constants == "fp32":
+        assert fill["compute"] == "float32" and "does not fit float16: kept in fp32" in fill["reason"]
+    else:
+        assert "clamped" in fill["reason"] and "-1e+09 -> -65504" in fill["reason"]
+    with torch.no_grad():
+        assert _rel(mp(x, mask), m(x, mask)) < 1e-2
+
+
+class _Hot(nn.Module):
+    """One layer whose activations exceed 65504; a tanh then hides the inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        nn.init.constant_(self.up.weight, 100.0)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x) * 1e-4))
+
+
+def test_overflowing_layer_ends_in_fp32_and_output_matches():
+    m = _Hot().eval()
+    x = torch.full((2, 8), 100.0)
+    mp = ampaudit.convert(m, (x,))
+    up = next(r for r in mp.plan if r["node"] == "up")
+    assert up["compute"] == "float32" and up["rule"] == "AMP301"
+    down = next(r for r in mp.plan if r["node"] == "down")
+    assert down["compute"] == "float16"
+    with torch.no_grad():
+        assert _rel(mp(x), m(x)) < 1e-2
+
+
+class _Cancel(nn.Module):
+    """Two branches ~1000 apart from a tiny signal: their difference is noise in fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, 16))
+        self.b = nn.Sequential(nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            for branch in (self.a[0], self.b[0]):
+                branch.weight.mul_(1e-3)
+                branch.bias.fill_(1000.0)
+            self.head.bias.zero_()  # the output is the small difference itself
+
+    def forward(self, x):
+        return self.head(self.a(x) - self.b(x))
+
+
+def test_verification_promotes_the_modules_that_break_the_output():
+    torch.manual_seed(0)
+    m = _Cancel().eval()
+    x = torch.randn(4, 16)
+    mp = ampaudit.convert(m, (x,))
+    assert mp.summary.error_before > 0.05
+    assert mp.summary.error_after <= 1e-2
+    promoted = {p["node"] for p in mp.summary.promoted}
+    assert {"a_0", "b_0"} <= promoted and "head" not in promoted
+    with torch.no_grad():
+        assert _rel(mp(x), m(x)) <= 1e-2
+
+
+def test_master_weights_keep_updates_below_fp16_spacing():
+    # w = 1.0: fp16 spacing there is 2**-10; an update of 1e-4 is lost on fp16 weights.
+    lin = nn.Linear(1, 1, bias=False)
+    nn.init.constant_(lin.weight, 1.0)
+    x = torch.ones(1, 1)
+    half = copy.deepcopy(lin).half()
+    mp, opt = ampaudit.convert(lin, torch.optim.SGD(lin.parameters(), lr=1e-4), (x,), verify=False, loss_scale=None)
+    half_opt = torch.optim.SGD(half.parameters(), lr=1e-4)
+    for _ in range(10):
+        opt.zero_grad()
+        opt.backward(mp(x).sum())  # d/dw = 1
+        assert opt.step()
+        half_opt.zero_grad()
+        half(x.half()).sum().backward()
+        half_opt.step()
+    master = opt.pairs[0][1]
+    assert master.item() == pytest.approx(1.0 - 10 * 1e-4, abs=1e-6)
+    assert half.weight.item() == 1.0  # every update rounded away
+    assert mp.get_parameter("weight").dtype == torch.float16
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_non_finite_step_is_skipped_and_scale_backs_off():
+    net = _tiny()
+    x = torch.randn(3, 4)
+    mp, opt = ampaudit.convert(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), (x,), verify=False,
+                               loss_scale=LossScaler(256.0))
+    opt.zero_grad()
+    opt.backward(mp(x).sum())
+    opt.step()  # creates momentum state
+    before = [p.detach().clone() for p in mp.parameters()]
+    masters = [m.detach().clone() for _, m in opt.pairs]
+    momentum = {id(p): s["momentum_buffer"].clone() for p, s in opt.optimizer.state.items()}
+    scale = opt.scale
+    opt.zero_grad()
+    opt.backward(mp(x).sum() * float("inf"))
+    assert opt.step() is False
+    assert opt.scale == scale * 0.5 and opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, mp.parameters(), strict=True))
+    assert all(torch.equal(a, m) for a, (_, m) in zip(masters, opt.pairs, strict=True))
+    assert all(torch.equal(momentum[id(p)], s["momentum_buffer"]) for p, s in opt.optimizer.state.items())
+
+
+def test_scale_growth_and_backoff_schedule():
+    scaler = LossScaler(8.0, growth_interval=3, max_scale=32.0)
+    history = []
+    for found_inf in [False, False, False, False, True, False, False, False, False, False, False, False]:
+        scaler.update(found_inf)
+        history.append(scaler.scale)
+    assert history == [8, 8, 16, 16, 8, 8, 8, 16, 16, 16, 32, 32]
+    static = LossScaler(128.0, dynamic=False)
+    static.update(True)
+    assert static.scale == 128.0
+
+
+def _train(mp, opt, x, y, steps):
+    losses = []
+    for _ in range(steps):
+        loss = ((mp(x) - y) ** 2).mean()
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.unscale_()
+        nn.utils.clip_grad_norm_([m for _, m in opt.pairs], 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_an_optimizer_of_another_model_is_refused():
+    net, other = _tiny(), _tiny()
+    with pytest.raises(ampaudit.core.errors.UsageError, match="not the model's"):
+        ampaudit.convert(net, torch.optim.SGD(other.parameters(), lr=0.1), verify=False)
+
+
+def test_checkpoint_round_trip_gives_the_same_numbers(tmp_path):
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    net = _tiny()
+    mp, opt = ampaudit.convert(net, torch.optim.Adam(net.parameters(), lr=1e-2), (x,), verify=False)
+    _train(mp, opt, x, y, 5)
+    torch.save({"model": mp.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    straight_on = _train(mp, opt, x, y, 5)
+
+    net2 = _tiny()
+    mp2, opt2 = ampaudit.convert(net2, torch.optim.Adam(net2.parameters(), lr=1e-2), (x,), verify=False)
+    state = torch.load(tmp_path / "ckpt.pt")
+    mp2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["opt"])
+    assert _train(mp2, opt2, x, y, 5) == straight_on
+
+
+def test_bf16_keeps_master_weights_without_loss_scaling():
+    net = _tiny()
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    mp, opt = ampaudit.convert(net, torch.optim.SGD(net.parameters(), lr=0.05), (x,), dtype=torch.bfloat16)
+    assert opt.scaler is None and opt.scale == 1.0
+    assert mp.get_parameter("0.weight").dtype == torch.bfloat16
+    assert all(m.dtype == torch.float32 for _, m in opt.pairs)
+    losses = _train(mp, opt, x, y, 20)
+    assert losses[-1] < losses[0]
+
+
+def test_user_optimizer_state_moves_to_the_masters():
+    net = _tiny()
+    x = torch.randn(3, 4)
+    adam = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    net(x).sum().backward()
+    adam.step()  # state before conversion
+    exp_avg = [adam.state[p]["exp_avg"].clone() for p in net.parameters()]
+    mp, opt = ampaudit.convert(net, adam, example_inputs=(x,), verify=False)
+    assert isinstance(opt, MixedPrecisionOptimizer) and opt.optimizer is adam
+    assert adam.param_groups[0]["betas"] == (0.8, 0.9)
+    masters = adam.param_groups[0]["params"]
+    assert all(p.dtype == torch.float32 for p in masters)
+    assert all(torch.equal(adam.state[p]["exp_avg"], e) for p, e in zip(masters, exp_avg, strict=True))
+    assert {id(p) for p, _ in opt.pairs} == {id(p) for p in mp.parameters()}  # all low: Linear + ReLU
