@@ -66,6 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip files or folders matching GLOB when walking folders (repeatable)")
     check.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
+    conv = sub.add_parser("convert", help="rewrite a model into explicit mixed precision",
+                          description="Convert the model in PATH to fp16/bf16 compute with fp32 where needed, verify "
+                                      "it against fp32, and write a standalone module, its weights and plan.json.")
+    conv.add_argument("target", metavar="PATH[:NAME]", help="model file (entry points as for `check`)")
+    conv.add_argument("-o", "--output", type=Path, required=True, metavar="OUT_DIR", help="folder to write to")
+    conv.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
+    conv.add_argument("--tolerance", type=float, help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
+    conv.add_argument("--constants", choices=("fp32", "clamp"), default="fp32",
+                      help="ops with constants the dtype cannot hold: keep in fp32 (default) or clamp the constant")
+    conv.add_argument("--input-shape", action="append", default=[], metavar="SHAPE")
+    conv.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE")
+    conv.add_argument("--exec", dest="allow_exec", action="store_true")
+    conv.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
     rules = sub.add_parser("rules", help="list the rules")
     rules.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     explain = sub.add_parser("explain", help="show a rule's documentation")
@@ -256,7 +271,32 @@ def cmd_ops(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"check": cmd_check, "rules": cmd_rules, "explain": cmd_explain, "ops": cmd_ops}
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
+    from ampaudit.convert.export import export
+    from ampaudit.core.findings import Target
+    from ampaudit.report.conversion import render_conversion
+    from ampaudit.report.terminal import make_console
+    from ampaudit.target.loader import NotImported, load_target
+
+    with contextlib.redirect_stdout(sys.stderr):
+        loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
+                             input_dtypes=args.input_dtype)
+        if isinstance(loaded, NotImported):
+            raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
+                             "import (pass --exec to import it anyway)")
+        model_mp = convert(loaded.model, loaded.inputs, dtype=args.dtype, verify=not args.no_verify,
+                           constants=args.constants, tolerance=args.tolerance)
+    summary = model_mp.summary.to_dict()
+    files = export(model_mp, args.output, summary=summary)
+    render_conversion(summary, Target(str(loaded.path), loaded.entry, "fx"), [str(f) for f in files],
+                      make_console())
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+    after = summary["error_after"]
+    return EXIT_FINDINGS if after is not None and after > tolerance else EXIT_OK
+
+
+COMMANDS = {"check": cmd_check, "convert": cmd_convert, "rules": cmd_rules, "explain": cmd_explain, "ops": cmd_ops}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,14 +15,14 @@ from torch import fx
 from ampaudit.check.api import build_catalog, dtype_name
 from ampaudit.check.graph_view import GraphView
 from ampaudit.check.measure import measure_ranges
-from ampaudit.convert.plan import FP32, LOW, decide, plan_records
+from ampaudit.convert.plan import decide, plan_records
 from ampaudit.convert.rewrite import rewrite
 from ampaudit.convert.verify import output_error, search_promotions
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.config import Config, load_config
 from ampaudit.core.errors import UsageError
-from ampaudit.graph.fx_tracer import forward_location
-from ampaudit.graph.trace import trace_model
+from ampaudit.graph.fx_tracer import forward_location, fx_trace
+from ampaudit.graph.trace import SubGraph
 from ampaudit.target.inputs import ExampleInputs
 
 DEFAULT_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}  # relative L2 error of the outputs vs fp32
@@ -104,28 +104,73 @@ def convert(
 
 def _convert_once(model: torch.nn.Module, catalog: Catalog, name: str, low: torch.dtype,
                   inputs: ExampleInputs | None, *, promoted: dict[str, str], constants: str,
-                  keep_low_outputs: bool) -> fx.GraphModule:
+                  keep_low_outputs: bool) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
-    trace = trace_model(work, catalog, None)  # symbolic: the converted graph must keep every branch
-    if trace.method != "fx":
-        raise UsageError(f"{type(model).__name__} cannot be traced by torch.fx as a whole "
-                         f"({trace.failures[0].message}); convert its traceable submodules instead")
-    sub = trace.graphs[0]
-    if inputs is not None:
-        measure_ranges(sub.gm, inputs, catalog, name)
-    view = GraphView.build(sub, catalog, name, frozenset())
-    plan = decide(view, constants=constants, promoted=promoted)
-    stats = rewrite(sub.gm, plan, low, keep_low_outputs=keep_low_outputs)
-    gm = sub.gm
-    gm.plan = plan_records(view, plan, stats.produced)
-    gm.summary = ConversionSummary(
-        dtype=name, casts=stats.casts,
-        ops_fp32=sum(d.compute == FP32 for n, d in plan.items() if n.op.startswith("call_")),
-        ops_low=sum(d.compute == LOW for n, d in plan.items() if n.op.startswith("call_")),
-        param_bytes=_param_bytes(gm),
-        promoted=[{"node": k, "reason": v} for k, v in promoted.items()],
+    records: list[dict[str, Any]] = []
+    notes: list[str] = []
+    converted, casts = _convert_tree(work, "", catalog, name, low, inputs, promoted, constants, keep_low_outputs,
+                                     records, notes)
+    calls = [r for r in records if r["op"].startswith("call_")]
+    converted.plan = records
+    converted.summary = ConversionSummary(
+        dtype=name, casts=casts, ops_fp32=sum(r["compute"] == "float32" for r in calls),
+        ops_low=sum(r["compute"] == name for r in calls), param_bytes=_param_bytes(converted),
+        promoted=[{"node": k, "reason": v} for k, v in promoted.items()], notes=notes,
     )
-    return gm
+    if not isinstance(converted, fx.GraphModule):
+        converted.code = f"# {type(model).__name__}.forward is not traceable: its submodules were converted\n"
+    return converted
+
+
+def _convert_tree(module: torch.nn.Module, prefix: str, catalog: Catalog, name: str, low: torch.dtype,
+                  inputs: ExampleInputs | None, promoted: dict[str, str], constants: str, keep_low_outputs: bool,
+                  records: list[dict[str, Any]], notes: list[str]) -> tuple[torch.nn.Module, int]:
+    """Convert ``module``; where torch.fx cannot trace a forward, keep that forward in fp32
+    and convert the submodules it calls, recursively. Returns (module, casts inserted)."""
+    gm, failure = fx_trace(module, catalog)
+    opaque: list[str] = []
+    while gm is None and failure.module and failure.module not in opaque:
+        opaque.append(failure.module)  # keep the failing submodule whole; trace the rest
+        gm, failure = fx_trace(module, catalog, opaque)
+    label = prefix or type(module).__name__
+    if gm is None:
+        notes.append(f"{label}: forward not traceable by torch.fx ({failure.message}); kept in fp32, "
+                     "its submodules converted")
+        return module, _convert_children(module, prefix, catalog, name, low, promoted, constants, records, notes)
+    if inputs is not None:
+        measure_ranges(gm, inputs, catalog, name)
+    sub = SubGraph(prefix, gm)
+    view = GraphView.build(sub, catalog, name, frozenset(_join(prefix, p) for p in opaque))
+    plan = decide(view, constants=constants, promoted=promoted)
+    stats = rewrite(gm, plan, low, keep_low_outputs=keep_low_outputs)
+    records += plan_records(view, plan, stats.produced)
+    casts = stats.casts
+    for path in opaque:
+        notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "
+                     "converted")
+        casts += _convert_children(gm.get_submodule(path), _join(prefix, path), catalog, name, low, promoted,
+                                   constants, records, notes)
+    return gm, casts
+
+
+def _convert_children(owner: torch.nn.Module, prefix: str, catalog: Catalog, name: str, low: torch.dtype,
+                      promoted: dict[str, str], constants: str, records: list[dict[str, Any]],
+                      notes: list[str]) -> int:
+    """Replace each child of an untraceable module by its conversion. Children get fp32 in
+    and give fp32 out, so the untraceable forward around them works unchanged."""
+    casts = 0
+    for child_name, child in list(owner.named_children()):
+        if not any(True for _ in child.parameters()):
+            continue  # nothing to store in low precision
+        converted, added = _convert_tree(child, _join(prefix, child_name), catalog, name, low, None, promoted,
+                                         constants, False, records, notes)
+        setattr(owner, child_name, converted)
+        casts += added
+    return casts
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
 
 
 def _param_bytes(module: torch.nn.Module) -> dict[str, int]:
