@@ -38,7 +38,7 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
     torch.manual_seed(0)
     model = get_model().to(device)
     ids = torch.randint(0, 50257, (batch, tokens + 1), device=device)
-    ids, targets = ids[:, :-1], ids[:, 1:]  # next-token prediction
+    ids, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # next-token prediction
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     if variant == "convert":
         model, optimizer = ampaudit.convert(model, optimizer, example_inputs=(ids[:1, :64], targets[:1, :64]),
