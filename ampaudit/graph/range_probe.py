@@ -17,6 +17,8 @@ import torch
 from torch import fx
 from torch.func import functional_call
 
+from ampaudit.graph.tree import map_tensors
+
 MEASURED = "ampaudit_measured"  # node.meta key: Measured
 SHAPE = "ampaudit_shape"  # node.meta key: output shape (tuple of ints)
 
@@ -134,13 +136,7 @@ def _error(low: torch.Tensor, ref: torch.Tensor, limits: _Limits) -> tuple[float
 
 def _round(value: Any, dtype: torch.dtype) -> Any:
     """Float tensors (anywhere in args) rounded through the low dtype, back in fp32."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype).to(value.dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_round(v, dtype) for v in value) if not hasattr(value, "_fields") else value
-    if isinstance(value, dict):
-        return {k: _round(v, dtype) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.to(dtype).to(t.dtype) if t.is_floating_point() else t)
 
 
 class RangeProbe(fx.Interpreter):

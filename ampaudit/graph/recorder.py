@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.catalog import Catalog
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
+from ampaudit.graph.tree import is_namedtuple, map_tensors
 from ampaudit.graph.userframe import Loc, boundary, user_location
 from ampaudit.target.inputs import has_tensor
 
@@ -83,7 +84,7 @@ class _GraphBuilder:
             return self.node_of(value, loc)
         if isinstance(value, (list, tuple)):
             lifted = [self.lift(v, loc) for v in value]
-            return type(value)(*lifted) if _is_namedtuple(value) else type(value)(lifted)
+            return type(value)(*lifted) if is_namedtuple(value) else type(value)(lifted)
         if isinstance(value, dict):
             return {k: self.lift(v, loc) for k, v in value.items()}
         return value
@@ -119,17 +120,13 @@ class _GraphBuilder:
         self._node("output", "output", (self.lift(_plain(value), None),), {}, None)
 
 
-def _is_namedtuple(value: Any) -> bool:
-    return isinstance(value, tuple) and hasattr(value, "_fields")
-
-
 def _plain(value: Any) -> Any:
     """Model outputs as plain containers fx can emit (ModelOutput becomes a dict, namedtuples tuples)."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         items = [_plain(v) for v in value]
-        return tuple(items) if _is_namedtuple(value) else type(value)(items)
+        return tuple(items) if is_namedtuple(value) else type(value)(items)
     return value
 
 
@@ -189,23 +186,11 @@ def _in_float64(root: torch.nn.Module) -> Iterator[None]:
 
 
 def _widen(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.double() if value.dtype == torch.float32 else value
-    if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
-        return type(value)(_widen(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _widen(v) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.double() if t.dtype == torch.float32 else t)
 
 
 def _narrow_tensors(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype == torch.float64 else value
-    if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
-        return type(value)(_narrow_tensors(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _narrow_tensors(v) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.float() if t.dtype == torch.float64 else t)
 
 
 def _narrow_value(value: Any, hits: list[bool]) -> Any:
@@ -215,7 +200,7 @@ def _narrow_value(value: Any, hits: list[bool]) -> Any:
     if isinstance(value, float) and value in _LIMITS:
         hits.append(True)
         return _LIMITS[value]
-    if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
+    if isinstance(value, (list, tuple)) and not is_namedtuple(value):
         return type(value)(_narrow_value(v, hits) for v in value)
     if isinstance(value, dict):
         return {k: _narrow_value(v, hits) for k, v in value.items()}
