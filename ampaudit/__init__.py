@@ -13,11 +13,13 @@ if TYPE_CHECKING:
     from ampaudit.check.api import check
     from ampaudit.convert.api import convert
     from ampaudit.core.findings import Finding, NodeDecision, Report
+    from ampaudit.watch.monitor import watch
 else:
-    # Callable packages: ampaudit.check(model, ...) audits, ampaudit.convert(model, ...) converts.
-    from ampaudit import check, convert
+    # Callable packages: ampaudit.check(model, ...) audits, ampaudit.convert(model, ...) converts,
+    # ampaudit.watch(model, ...) monitors training.
+    from ampaudit import check, convert, watch
 
-__all__ = ["Finding", "NodeDecision", "Report", "__version__", "check", "convert"]
+__all__ = ["Finding", "NodeDecision", "Report", "__version__", "check", "convert", "watch"]
 
 _LAZY = {
     "Report": ("ampaudit.core.findings", "Report"),

@@ -81,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--exec", dest="allow_exec", action="store_true")
     conv.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
+    run = sub.add_parser("run", help="run a training script with ampaudit watch attached",
+                         description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
+                                     "of every module that runs forward and every optimizer that steps.")
+    run.add_argument("--log", type=Path, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")
+    run.add_argument("--every", type=int, default=1, help="record every N-th step (default 1)")
+    run.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                     help="the low-precision dtype to count overflow/underflow against")
+    run.add_argument("script", type=Path)
+    run.add_argument("args", nargs=argparse.REMAINDER)
+    report = sub.add_parser("report", help="summarize an ampaudit watch log")
+    report.add_argument("log", type=Path)
+    report.add_argument("--format", choices=("text", "json"), default="text")
+    report.add_argument("--plot", type=Path, metavar="PNG", help="also plot histograms and over/underflow")
+
     rules = sub.add_parser("rules", help="list the rules")
     rules.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     explain = sub.add_parser("explain", help="show a rule's documentation")
@@ -296,7 +310,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if after is not None and after > tolerance else EXIT_OK
 
 
-COMMANDS = {"check": cmd_check, "convert": cmd_convert, "rules": cmd_rules, "explain": cmd_explain, "ops": cmd_ops}
+def cmd_run(args: argparse.Namespace) -> int:
+    from ampaudit.watch.runner import run_script
+
+    return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from ampaudit.report.terminal import make_console
+    from ampaudit.report.watch_report import plot, render_summary
+    from ampaudit.watch.summary import read_log
+
+    builder = read_log(args.log)
+    summary = builder.summary()
+    if args.plot is not None:
+        plot(builder.records, summary, args.plot)
+    if args.format == "json":
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        render_summary(summary, make_console())
+    return EXIT_OK
+
+
+COMMANDS = {
+    "check": cmd_check, "convert": cmd_convert, "run": cmd_run, "report": cmd_report,
+    "rules": cmd_rules, "explain": cmd_explain, "ops": cmd_ops,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

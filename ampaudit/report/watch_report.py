@@ -1,0 +1,92 @@
+"""Rendering a watch summary: the rich terminal report and an optional matplotlib plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ampaudit.core.errors import UsageError
+
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _sparkline(hist: list[list[int]]) -> str:
+    """Magnitudes at a glance: one character per log2 bin, from the smallest exponent seen."""
+    if not hist:
+        return ""
+    low, high = hist[0][0], hist[-1][0]
+    counts = dict(map(tuple, hist))
+    peak = max(counts.values())
+    return "".join(_BARS[round(counts.get(e, 0) / peak * (len(_BARS) - 1))] for e in range(low, high + 1))
+
+
+def render_summary(summary: dict[str, Any], console: Console) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("steps", str(summary["steps"]))
+    grid.add_row("audited for", summary["dtype"])
+    first = summary["first_nonfinite"]
+    grid.add_row("first non-finite", Text(
+        f"{first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"
+        + (f" on rank {first['rank']}" if "rank" in first else ""), style="bold red") if first else
+        Text("none", style="green"))
+    scaler = summary.get("scaler")
+    if scaler:
+        grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")
+    console.print(Panel(grid, title="ampaudit watch", title_align="left", expand=False))
+    table = Table(title="Per module (summed over logged steps)", title_justify="left")
+    for col in ("module", "phase", "nan", "inf", "overflow", "underflow", "zero %", "absmax"):
+        table.add_column(col, justify="right" if col not in ("module", "phase") else "left", no_wrap=True)
+    table.add_column("log2 |x|", no_wrap=True)
+    for module, phases in summary["layers"].items():
+        for phase, s in phases.items():
+            bad = s["nan"] or s["inf"] or s["overflow"]
+            zero = 100 * s["zero"] / s["numel"] if s["numel"] else 0
+            table.add_row(module, phase, str(s["nan"]), str(s["inf"]), str(s["overflow"]), str(s["underflow"]),
+                          f"{zero:.0f}", f"{s['absmax']:.3g}", _sparkline(s["hist"]),
+                          style="red" if bad else None)
+    console.print(table)
+    if summary["params"]:
+        params = Table(title="Parameter gradients", title_justify="left")
+        for col in ("parameter", "norm", "nan", "inf", "underflow", "absmax"):
+            params.add_column(col, justify="left" if col == "parameter" else "right", no_wrap=True)
+        for name, s in summary["params"].items():
+            params.add_row(name, f"{s['norm']:.3g}" if s["norm"] is not None else "", str(s["nan"]), str(s["inf"]),
+                           str(s["underflow"]), f"{s['absmax']:.3g}")
+        console.print(params)
+
+
+def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    """Per-layer gradient-magnitude histograms and overflow/underflow over steps (matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib (pip install 'ampaudit[plot]')") from None
+    grads = [(m, p["backward"]) for m, p in summary["layers"].items() if "backward" in p]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8))
+    for module, s in grads[:12]:
+        if s["hist"]:
+            exps, counts = zip(*s["hist"], strict=True)
+            top.plot(exps, counts, label=module)
+    top.set_xlabel("log2 |gradient|")
+    top.set_ylabel("count")
+    top.set_yscale("log")
+    top.legend(fontsize="small")
+    steps = [r["step"] for r in records]
+    over = [sum(ph.get("overflow", 0) for m in r["layers"].values() for ph in m.values()) for r in records]
+    under = [sum(ph.get("underflow", 0) for m in r["layers"].values() for ph in m.values()) for r in records]
+    bottom.plot(steps, over, label="overflow")
+    bottom.plot(steps, under, label="underflow")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,362 @@
+"""Runtime hooks: per-module forward/backward statistics, parameter gradients, loss scale,
+and the first module that went non-finite - with at most one host sync per logged step.
+
+Hooks only add device tensors together; the step boundary (an optimizer step, a GradScaler
+update, or ``mon.step()``) concatenates everything into one buffer and reads it back once.
+The first non-finite event is found on the device too: each event gets a sequence number
+on the host, and the device keeps the smallest one whose tensor held NaN or Inf.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
+
+from ampaudit.core.errors import AmpauditError
+from ampaudit.watch import stats
+from ampaudit.watch.summary import SummaryBuilder
+
+NO_EVENT = 2**62  # "no non-finite tensor yet" on the device
+
+
+class NonFiniteError(AmpauditError):
+    """Raised at the step boundary with ``stop_on_nonfinite=True``."""
+
+    exit_code = 1
+
+
+def _tensors(value: Any, limit: int = 8) -> list[torch.Tensor]:
+    """Float tensors in a module output (a tensor, or a tuple/list/dict of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    found = []
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.is_floating_point():
+            found.append(item)
+        if len(found) >= limit:
+            break
+    return found
+
+
+class Monitor:
+    def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
+                 scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
+                 dtype: torch.dtype = torch.float16, stop_on_nonfinite: bool = False, inputs: bool = False) -> None:
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.every, self.stop_on_nonfinite, self.record_inputs = every, stop_on_nonfinite, inputs
+        self.limits = stats.Limits(dtype)
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        self.log_path = Path(log) if log is not None else None
+        self.builder = SummaryBuilder(self.dtype_name)
+        self.step_index = 0
+        self._handles: list[Any] = []
+        self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._param_names: dict[int, str] = {}
+        self._rows: dict[tuple[str, str], torch.Tensor] = {}
+        self._events: list[tuple[str, str, str]] = []
+        self._first: torch.Tensor | None = None
+        self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
+        self._param_rows: dict[str, torch.Tensor] = {}
+        self._optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
+        self._in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
+        self._log = None
+        self._original_update = None
+        self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> Monitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Monitor:
+        if self._handles:
+            return self
+        if self.model is not None:
+            self._name_tree(self.model, "")
+            for module in self.model.modules():
+                self._handles.append(module.register_forward_hook(self._forward_hook))
+                if self.record_inputs:
+                    self._handles.append(module.register_forward_pre_hook(self._input_hook))
+        else:  # ampaudit run: every module that runs forward, whoever built it
+            self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_pre_hook))
+            self._handles.append(module_hooks.register_module_forward_hook(self._global_forward_hook))
+        if self.scaler is not None:
+            self._wrap_scaler_update(self.scaler)
+        elif self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._boundary()))
+        elif self.model is None:
+            self._handles.append(optimizer_hooks.register_optimizer_step_pre_hook(self._global_step_hook))
+            self._patch_grad_scaler()
+        if self.log_path is not None and self._rank == 0:
+            self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed in stop)
+            self._write({"ampaudit_watch": 1, "dtype": self.dtype_name, "every": self.every, "world": self._world})
+        return self
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._original_update is not None:
+            target, original = self._original_update
+            if isinstance(target, type):
+                target.update, target.step = original
+            else:
+                target.__dict__.pop("update", None)
+            self._original_update = None
+        if self._rows or self._events:
+            self._flush_step(skipped=False)  # a partial last step still counts
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # -- names --------------------------------------------------------------------------------
+    def _name_tree(self, root: torch.nn.Module, prefix: str) -> None:
+        """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
+        "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
+        for name, module in root.named_modules(remove_duplicate=False):
+            label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
+            self._names.setdefault(id(module), label)
+        for name, param in root.named_parameters(remove_duplicate=False):
+            self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
+
+    def _global_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0 and id(module) not in self._names:
+            self._name_tree(module, "" if not self._names else type(module).__name__)
+        self._depth += 1
+        if self.record_inputs:
+            self._input_hook(module, args)
+
+    def _global_forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        self._forward_hook(module, args, output)
+
+    # -- per-tensor recording -------------------------------------------------------------------
+    @property
+    def logging(self) -> bool:
+        return self.step_index % self.every == 0
+
+    def _record(self, module: str, phase: str, tensor: torch.Tensor, label: str) -> None:
+        row = stats.tensor_row(tensor, self.limits)
+        key = (module, phase)
+        self._rows[key] = row if key not in self._rows else stats.merge(self._rows[key], row)
+        seq = len(self._events)
+        self._events.append((module, phase, label))
+        candidate = torch.where(stats.nonfinite(row), seq, NO_EVENT)
+        self._first = candidate if self._first is None else torch.minimum(self._first, candidate)
+
+    def _input_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self.logging:
+            name = self._names.get(id(module))
+            for i, t in enumerate(_tensors(args)):
+                if name is not None:
+                    self._record(name, "input", t, f"input[{i}]")
+
+    def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.logging:
+            return
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        for i, t in enumerate(_tensors(output)):
+            label = "output" if isinstance(output, torch.Tensor) else f"output[{i}]"
+            self._record(name, "forward", t, label)
+            if t.requires_grad:
+                t.register_hook(self._grad_hook(name, f"grad of {label}"))
+
+    def _grad_hook(self, name: str, label: str):
+        def hook(grad: torch.Tensor) -> None:
+            if self.logging and self._handles:
+                self._record(name, "backward", grad, label)
+
+        return hook
+
+    # -- step boundaries --------------------------------------------------------------------------
+    def _global_step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._in_scaler_step:
+            return  # a GradScaler drives this step: its update() is the boundary
+        self._optimizers = [optimizer]
+        self._boundary()
+
+    def _wrap_scaler_update(self, scaler: torch.amp.GradScaler) -> None:
+        original = scaler.update
+        monitor = self
+
+        def update(new_scale: Any = None) -> None:
+            monitor._boundary(scaler=scaler)
+            original(new_scale)
+
+        scaler.update = update  # instance attribute: removed in stop()
+        self._original_update = (scaler, original)
+
+    def _patch_grad_scaler(self) -> None:
+        """ampaudit run: every GradScaler's update() becomes a step boundary (a skipped step
+        included), and the optimizer it steps is the one whose gradients are recorded."""
+        cls = torch.amp.GradScaler
+        original_update, original_step = cls.update, cls.step
+        monitor = self
+
+        def step(self_scaler, optimizer, *args, **kwargs):
+            monitor._optimizers = [optimizer]
+            monitor._in_scaler_step = True
+            try:
+                return original_step(self_scaler, optimizer, *args, **kwargs)
+            finally:
+                monitor._in_scaler_step = False
+
+        def update(self_scaler, new_scale=None):
+            monitor._boundary(scaler=self_scaler)
+            return original_update(self_scaler, new_scale)
+
+        cls.update, cls.step = update, step
+        self._original_update = (cls, (original_update, original_step))
+
+    def step(self) -> None:
+        """Mark a step boundary by hand (loops without an optimizer or scaler hook)."""
+        self._boundary()
+
+    def _boundary(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        found_inf = None
+        scale = None
+        if scaler is not None and scaler.is_enabled():
+            scale = scaler._scale
+            flags = [v for state in scaler._per_optimizer_states.values()
+                     for v in state.get("found_inf_per_device", {}).values()]
+            found_inf = torch.stack([f.float().sum() for f in flags]).sum() if flags else None
+        if self.logging:
+            self._record_params(scale)
+        self._flush_step(found_inf=found_inf, scale=scale)
+
+    def _record_params(self, scale: torch.Tensor | None) -> None:
+        if self.model is not None:
+            params = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        else:
+            seen = [p for opt in self._optimizers for g in opt.param_groups for p in g["params"]]
+            params = [(self._param_names.get(id(p), f"param{i}"), p) for i, p in enumerate(seen) if p.grad is not None]
+        self._param_rows = {}
+        for name, p in params:
+            row = stats.tensor_row(p.grad, self.limits)
+            norm = torch.linalg.vector_norm(p.grad.detach().float()).to(torch.float64)
+            scaled = ((p.grad.detach().float().abs() * scale.float()) > self.limits.max).sum().to(torch.float64) \
+                if scale is not None else torch.zeros((), dtype=torch.float64, device=p.grad.device)
+            self._param_rows[name] = torch.cat([row, norm.reshape(1), scaled.reshape(1)])
+
+    def _flush_step(self, *, skipped: bool | None = None, found_inf: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> None:
+        step = self.step_index
+        if self.logging:
+            keys = sorted(self._rows)
+            param_keys = sorted(self._param_rows)
+            device = next((r.device for r in self._rows.values()), torch.device("cpu"))
+            parts = [self._rows[k].to(device) for k in keys] + [self._param_rows[k].to(device) for k in param_keys]
+            tail = torch.stack([
+                (self._first if self._first is not None else torch.tensor(NO_EVENT, device=device)).to(
+                    torch.float64).to(device),
+                (scale.to(torch.float64).to(device) if scale is not None else torch.tensor(-1.0, device=device,
+                                                                                            dtype=torch.float64)),
+                (found_inf.to(torch.float64).to(device) if found_inf is not None else
+                 torch.tensor(-1.0, device=device, dtype=torch.float64)),
+            ])
+            flat = torch.cat([*parts, tail]) if parts else tail
+            flat = self._reduce(flat, len(keys), len(param_keys))
+            values = flat.tolist()  # the one host sync of this step
+            self._record_step(step, keys, param_keys, values, skipped)
+        self._rows, self._events, self._first, self._param_rows = {}, [], None, {}
+        self.step_index += 1
+
+    def _reduce(self, flat: torch.Tensor, n_rows: int, n_params: int) -> torch.Tensor:
+        """Under torch.distributed: one all_gather of the buffer; counts summed, maxima kept,
+        and the first non-finite taken from the earliest rank."""
+        if self._world <= 1:
+            return flat
+        gathered = [torch.empty_like(flat) for _ in range(self._world)]
+        dist.all_gather(gathered, flat)
+        stacked = torch.stack(gathered)
+        out = stacked.sum(0)
+        width, pwidth = stats.WIDTH, stats.WIDTH + 2
+        for r in range(n_rows):
+            out[r * width + stats.ABSMAX] = stacked[:, r * width + stats.ABSMAX].max()
+        base = n_rows * width
+        for r in range(n_params):
+            out[base + r * pwidth + stats.ABSMAX] = stacked[:, base + r * pwidth + stats.ABSMAX].max()
+            out[base + r * pwidth + stats.WIDTH] = stacked[:, base + r * pwidth + stats.WIDTH].max()
+        firsts = stacked[:, -3]
+        rank = int(torch.argmin(firsts))
+        out[-3] = firsts[rank]
+        out[-2] = stacked[0, -2]
+        out[-1] = stacked[:, -1].max()
+        self._first_rank = rank
+        return out
+
+    def _record_step(self, step: int, keys: list, param_keys: list, values: list[float], skipped: bool | None) -> None:
+        width, pwidth = stats.WIDTH, stats.WIDTH + 2
+        layers: dict[str, dict] = {}
+        for i, (module, phase) in enumerate(keys):
+            layers.setdefault(module, {})[phase] = stats.to_stats(values[i * width:(i + 1) * width])
+        params = {}
+        base = len(keys) * width
+        nonfinite_params = []
+        for i, name in enumerate(param_keys):
+            row = values[base + i * pwidth: base + (i + 1) * pwidth]
+            entry = stats.to_stats(row[:width])
+            entry["norm"] = row[width]
+            if row[width + 1] >= 0 and values[-2] >= 0:
+                entry["overflow_at_scale"] = int(row[width + 1])
+            if entry["nan"] or entry["inf"]:
+                nonfinite_params.append(name)
+            params[name] = entry
+        first_seq, scale, found_inf = values[-3], values[-2], values[-1]
+        first = None
+        if first_seq < NO_EVENT and int(first_seq) < len(self._events):
+            module, phase, tensor = self._events[int(first_seq)]
+            first = {"step": step, "module": module, "phase": phase, "tensor": tensor}
+            if self._world > 1:
+                first["rank"] = getattr(self, "_first_rank", 0)
+        elif nonfinite_params:
+            first = {"step": step, "module": nonfinite_params[0], "phase": "backward", "tensor": "param grad"}
+        was_skipped = bool(found_inf > 0) if found_inf >= 0 else bool(skipped)
+        record = {"step": step, "steps_seen": step + 1, "layers": layers, "params": params,
+                  "scale": scale if scale >= 0 else None, "skipped": was_skipped,
+                  "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else []}
+        self.builder.add(record)
+        self._write(record)
+        if first is not None and self.stop_on_nonfinite:
+            raise NonFiniteError(f"non-finite values first in {first['module']} ({first['phase']}, "
+                                 f"{first['tensor']}) at step {first['step']}")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps(record) + "\n")
+            self._log.flush()  # a crash leaves every finished step readable
+
+    # -- results ----------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        result = self.builder.summary()
+        result["steps"] = max(result["steps"], self.step_index)
+        return result
+
+    def print(self, file: Any = None) -> None:
+        from ampaudit.report.terminal import make_console
+        from ampaudit.report.watch_report import render_summary
+
+        render_summary(self.summary(), make_console(file or sys.stdout))
+
+
+def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+          scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
+          dtype: torch.dtype = torch.float16, stop_on_nonfinite: bool = False, inputs: bool = False) -> Monitor:
+    """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
+    return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
+                   stop_on_nonfinite=stop_on_nonfinite, inputs=inputs)

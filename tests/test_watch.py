@@ -1,0 +1,308 @@
+"""ampaudit.watch: exact counts, first non-finite, loss scale, no harm, run/report, DDP."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ampaudit
+from ampaudit.watch import stats
+from ampaudit.watch.monitor import NonFiniteError
+from ampaudit.watch.summary import read_log
+from tests.conftest import ROOT
+
+KNOWN = [70000.0, 1e-6, 0.0, 1.0, float("inf"), float("nan"), -1e5, 3e-8]
+
+
+def test_row_counts_on_known_values():
+    row = stats.to_stats(stats.torch_row(torch.tensor(KNOWN), stats.Limits(torch.float16)).tolist())
+    assert {k: row[k] for k in stats.FIELDS} == {
+        "numel": 8, "nan": 1, "inf": 1, "overflow": 3, "underflow": 2, "zero": 1, "absmax": 1e5}
+    # floor(log2 |x|): 70000 -> 16, 1e-6 -> -20, 1 -> 0, 1e5 -> 16, 3e-8 -> -25
+    assert row["hist"] == [[-25, 1], [-20, 1], [0, 1], [16, 2]]
+    bf16 = stats.to_stats(stats.torch_row(torch.tensor(KNOWN), stats.Limits(torch.bfloat16)).tolist())
+    assert (bf16["overflow"], bf16["underflow"]) == (1, 0)  # only inf; bf16 has fp32's range
+
+
+def test_triton_kernel_matches_the_torch_path():
+    pytest.importorskip("triton", reason="triton runs the kernel in its CPU interpreter")
+    code = ("import torch\nfrom ampaudit.watch import stats, triton_stats\n"
+            "inf, nan = float('inf'), float('nan')\n"
+            f"x = torch.tensor({KNOWN!r} * 257)\nlim = stats.Limits(torch.float16)\n"
+            "assert triton_stats.available()\n"
+            "a, b = triton_stats.row(x, lim), stats.torch_row(x, lim)\n"
+            "assert torch.equal(a, b), (a[:7], b[:7])\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+class _Blowup(nn.Module):
+    def __init__(self, at_step: int):
+        super().__init__()
+        self.at_step, self.calls = at_step, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * (float("inf") if self.calls == self.at_step + 1 else 1.0)
+
+
+def _net(*middle):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), *middle, nn.Linear(8, 2))
+
+
+def _train(model, optimizer, steps, loss_scale=1.0):
+    x = torch.ones(3, 4)
+    for _ in range(steps):
+        loss = model(x).pow(2).mean() * loss_scale
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def test_first_nonfinite_in_forward():
+    model = _net(_Blowup(at_step=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        _train(model, opt, 4)
+    assert mon.summary()["first_nonfinite"] == {"step": 2, "module": "1", "phase": "forward", "tensor": "output"}
+
+
+class _Sqrt(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x * x)  # |x|: finite forward; at 0 the gradient is inf * 0 = nan
+
+
+def test_first_nonfinite_in_backward():
+    model = _net(_Sqrt())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()  # layer 0 outputs exactly 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        _train(model, opt, 1)
+    assert mon.summary()["first_nonfinite"] == {"step": 0, "module": "0", "phase": "backward",
+                                                "tensor": "grad of output"}
+
+
+def test_stop_on_nonfinite_names_the_module():
+    model = _net(_Blowup(at_step=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError, match=r"first in 1 \(forward, output\) at step 1"):
+        with ampaudit.watch(model, optimizer=opt, stop_on_nonfinite=True):
+            _train(model, opt, 3)
+    assert not model[1]._forward_hooks  # removed on the way out
+
+
+def test_gradient_underflow_in_a_starved_layer():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        _train(model, opt, 1, loss_scale=1e-9)
+    weight = mon.summary()["params"]["0.weight"]
+    nonzero = weight["numel"] - weight["zero"]
+    assert nonzero > 0 and weight["underflow"] == nonzero  # every nonzero gradient is below 6.1e-5
+    assert weight["norm"] < 1e-6
+
+
+def test_grad_scaler_history_and_skipped_steps():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    x = torch.ones(3, 4)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        for step in range(4):
+            loss = model(x).pow(2).mean() * (float("inf") if step == 1 else 1.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    summary = mon.summary()
+    assert summary["steps"] == 4
+    assert summary["scaler"]["skipped_steps"] == [1]
+    assert summary["scaler"]["history"] == [[0, 1024.0], [1, 1024.0], [2, 512.0], [3, 512.0]]
+    assert set(summary["scaler"]["nonfinite_params"]["1"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert summary["first_nonfinite"]["step"] == 1
+
+
+def test_every_n_samples_steps():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt, every=3) as mon:
+        _train(model, opt, 7)
+    summary = mon.summary()
+    assert summary["steps"] == 7
+    assert summary["layers"]["0"]["forward"]["numel"] == 3 * 8 * 3  # steps 0, 3, 6
+
+
+def test_watch_does_not_change_training_bit_for_bit():
+    def run(watched: bool):
+        model = _net(nn.GELU())
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+        losses, grads = [], []
+        mon = ampaudit.watch(model, optimizer=opt) if watched else None
+        if mon:
+            mon.start()
+        for _ in range(5):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            losses.append(loss.item())
+        if mon:
+            mon.stop()
+        return losses, grads
+
+    plain, watched = run(False), run(True)
+    assert plain[0] == watched[0]
+    assert all(torch.equal(a, b) for ga, gb in zip(plain[1], watched[1], strict=True) for a, b in zip(ga, gb))
+
+
+def test_hooks_are_removed_on_exit_and_on_exceptions():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt):
+        assert model[0]._forward_hooks and opt._optimizer_step_pre_hooks
+    assert not model[0]._forward_hooks and not opt._optimizer_step_pre_hooks
+    with pytest.raises(RuntimeError, match="boom"), ampaudit.watch(model, optimizer=opt):
+        raise RuntimeError("boom")
+    assert not any(m._forward_hooks for m in model.modules()) and not opt._optimizer_step_pre_hooks
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gc.get_objects() meets torch's deprecated aliases
+def test_memory_is_flat_over_1000_steps():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.ones(2, 4)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        def steps(n):
+            for _ in range(n):
+                loss = model(x).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        steps(100)
+        gc.collect()
+        objects, tensors = len(gc.get_objects()), sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+        steps(900)
+        gc.collect()
+        assert abs(len(gc.get_objects()) - objects) < 200
+        assert sum(isinstance(o, torch.Tensor) for o in gc.get_objects()) <= tensors
+    assert mon.summary()["steps"] == 1000
+
+
+@pytest.mark.parametrize("variant", ["autocast-bf16", "autocast-fp16", "half", "convert"])
+def test_works_with_mixed_precision_setups(variant):
+    model = _net()
+    x = torch.ones(3, 4)
+    if variant == "half":
+        model = model.half()
+        x = x.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if variant == "convert":
+        model, opt = ampaudit.convert(model, opt, (x,), verify=False, loss_scale=None)
+    with ampaudit.watch(model, optimizer=opt.optimizer if variant == "convert" else opt) as mon:
+        for _ in range(2):
+            dtype = torch.bfloat16 if variant == "autocast-bf16" else torch.float16
+            with torch.autocast("cpu", dtype=dtype, enabled=variant.startswith("autocast")):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            (opt.backward(loss) if variant == "convert" else loss.backward())
+            opt.step()
+    summary = mon.summary()
+    assert summary["steps"] == 2 and summary["first_nonfinite"] is None
+    assert summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8
+
+
+def test_log_and_report_round_trip(tmp_path, cli):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log) as mon:
+        _train(model, opt, 3)
+    lines = log.read_text().splitlines()
+    assert json.loads(lines[0])["ampaudit_watch"] == 1 and len(lines) == 4  # header + one line per step
+    assert read_log(log).summary() == mon.summary()
+    result = cli("report", log, "--format", "json")
+    assert result.json() == json.loads(json.dumps(mon.summary()))
+    # A run that died mid-write: the partial last line is skipped.
+    with open(log, "a") as fh:
+        fh.write('{"step": 3, "lay')
+    assert read_log(log).summary()["steps"] == 3
+    assert "ampaudit watch" in cli("report", log).out
+
+
+def test_run_attaches_to_a_plain_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\nimport torch\nfrom torch import nn\n\n"
+        "torch.manual_seed(0)\nmodel = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(int(sys.argv[1])):\n"
+        "    loss = model(torch.ones(2, 4)).sum() * (float('nan') if step == 2 else 1.0)\n"
+        "    opt.zero_grad()\n    loss.backward()\n    opt.step()\n"
+        "sys.exit(7)\n")
+    log = tmp_path / "watch.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", str(log), str(script), "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr  # the script's exit code
+    summary = read_log(log).summary()
+    assert summary["steps"] == 4
+    assert set(summary["layers"]) == {"(model)", "0", "1", "2"}
+    # The loss's gradient reaches the last layer's output first (the model returns that tensor).
+    assert summary["first_nonfinite"] == {"step": 2, "module": "2", "phase": "backward",
+                                          "tensor": "grad of output"}
+    assert "first non-finite" in proc.stderr
+
+
+DDP_SCRIPT = r'''
+import sys
+import torch, torch.distributed as dist
+from torch import nn
+import ampaudit
+
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2, init_method=f"tcp://127.0.0.1:{sys.argv[2]}")
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.ones(2, 4) * (float("inf") if dist.get_rank() == 1 else 1.0)
+with ampaudit.watch(model.module, optimizer=opt, log=sys.argv[3] if dist.get_rank() == 0 else None) as mon:
+    for step in range(3):
+        out = model(x if step == 1 else torch.ones(2, 4))
+        opt.zero_grad()
+        out.sum().backward()
+        opt.step()
+dist.destroy_process_group()
+'''
+
+
+def test_ddp_two_processes_one_log_and_the_rank_that_went_first(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    log = tmp_path / "ddp.jsonl"
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), str(log)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+    summary = read_log(log).summary()
+    assert summary["steps"] == 3
+    first = summary["first_nonfinite"]
+    assert (first["step"], first["module"], first["phase"], first["rank"]) == (1, "0", "forward", 1)
+    # Counts are summed over both ranks: 2 ranks x 3 steps x 2 x 8 outputs.
+    assert summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 16
