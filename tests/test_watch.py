@@ -96,9 +96,9 @@ def test_first_nonfinite_in_backward():
 def test_stop_on_nonfinite_names_the_module():
     model = _net(_Blowup(at_step=1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.raises(NonFiniteError, match=r"first in 1 \(forward, output\) at step 1"):
-        with ampaudit.watch(model, optimizer=opt, stop_on_nonfinite=True):
-            _train(model, opt, 3)
+    with (pytest.raises(NonFiniteError, match=r"first in 1 \(forward, output\) at step 1"),
+          ampaudit.watch(model, optimizer=opt, stop_on_nonfinite=True)):
+        _train(model, opt, 3)
     assert not model[1]._forward_hooks  # removed on the way out
 
 
@@ -165,7 +165,8 @@ def test_watch_does_not_change_training_bit_for_bit():
 
     plain, watched = run(False), run(True)
     assert plain[0] == watched[0]
-    assert all(torch.equal(a, b) for ga, gb in zip(plain[1], watched[1], strict=True) for a, b in zip(ga, gb))
+    pairs = [(a, b) for ga, gb in zip(plain[1], watched[1], strict=True) for a, b in zip(ga, gb, strict=True)]
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 def test_hooks_are_removed_on_exit_and_on_exceptions():
