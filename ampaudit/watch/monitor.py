@@ -62,11 +62,13 @@ class Monitor:
         self._handles: list[Any] = []
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._param_names: dict[int, str] = {}
-        self._rows: dict[tuple[str, str], torch.Tensor] = {}
-        self._events: list[tuple[str, str, str]] = []
-        self._first: torch.Tensor | None = None
+        self._event_rows: list[torch.Tensor] = []  # raw rows, in execution order
+        self._events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
-        self._param_rows: dict[str, torch.Tensor] = {}
+        self._param_rows: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._acc: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
+        self._acc_index: dict[tuple, int] = {}
+        self._last_norms: dict[str, float] = {}
         self._optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self._in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
         self._log = None
@@ -116,7 +118,7 @@ class Monitor:
             else:
                 target.__dict__.pop("update", None)
             self._original_update = None
-        if self._rows or self._events:
+        if self._events:
             self._flush_step(skipped=False)  # a partial last step still counts
         if self._log is not None:
             self._log.close()
@@ -149,13 +151,9 @@ class Monitor:
         return self.step_index % self.every == 0
 
     def _record(self, module: str, phase: str, tensor: torch.Tensor, label: str) -> None:
-        row = stats.tensor_row(tensor, self.limits)
-        key = (module, phase)
-        self._rows[key] = row if key not in self._rows else stats.merge(self._rows[key], row)
-        seq = len(self._events)
+        # Hot path: one raw row per tensor; everything else waits for the step boundary.
+        self._event_rows.append(stats.raw_row(tensor))
         self._events.append((module, phase, label))
-        candidate = torch.where(stats.nonfinite(row), seq, NO_EVENT)
-        self._first = candidate if self._first is None else torch.minimum(self._first, candidate)
 
     def _input_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self.logging:
@@ -247,34 +245,89 @@ class Monitor:
             params = [(self._param_names.get(id(p), f"param{i}"), p) for i, p in enumerate(seen) if p.grad is not None]
         self._param_rows = {}
         for name, p in params:
-            row = stats.tensor_row(p.grad, self.limits)
-            norm = torch.linalg.vector_norm(p.grad.detach().float()).to(torch.float64)
-            scaled = ((p.grad.detach().float().abs() * scale.float()) > self.limits.max).sum().to(torch.float64) \
-                if scale is not None else torch.zeros((), dtype=torch.float64, device=p.grad.device)
-            self._param_rows[name] = torch.cat([row, norm.reshape(1), scaled.reshape(1)])
+            grad = p.grad.detach()
+            norm = torch.linalg.vector_norm(grad.float()).to(torch.float64)
+            # With a GradScaler, also: how many gradients overflow at the current scale.
+            scaled = ((grad.float().abs() * scale.float()) > self.limits.max).sum().to(torch.float64) \
+                if scale is not None else torch.full((), -1.0, dtype=torch.float64, device=grad.device)
+            self._param_rows[name] = (stats.raw_row(grad), norm, scaled)
 
     def _flush_step(self, *, skipped: bool | None = None, found_inf: torch.Tensor | None = None,
                     scale: torch.Tensor | None = None) -> None:
         step = self.step_index
         if self.logging:
-            keys = sorted(self._rows)
+            keys = sorted(set((module, phase) for module, phase, _ in self._events))
             param_keys = sorted(self._param_rows)
-            device = next((r.device for r in self._rows.values()), torch.device("cpu"))
-            parts = [self._rows[k].to(device) for k in keys] + [self._param_rows[k].to(device) for k in param_keys]
-            tail = torch.stack([
-                (self._first if self._first is not None else torch.tensor(NO_EVENT, device=device)).to(
-                    torch.float64).to(device),
-                (scale.to(torch.float64).to(device) if scale is not None else torch.tensor(-1.0, device=device,
-                                                                                            dtype=torch.float64)),
-                (found_inf.to(torch.float64).to(device) if found_inf is not None else
-                 torch.tensor(-1.0, device=device, dtype=torch.float64)),
-            ])
-            flat = torch.cat([*parts, tail]) if parts else tail
-            flat = self._reduce(flat, len(keys), len(param_keys))
-            values = flat.tolist()  # the one host sync of this step
-            self._record_step(step, keys, param_keys, values, skipped)
-        self._rows, self._events, self._first, self._param_rows = {}, [], None, {}
+            flat = self._step_buffer(keys, param_keys, found_inf, scale)
+            if self._log is None and self._world <= 1:
+                # Nobody reads per-step numbers: keep the totals on the device and read back
+                # only what this step must decide (first non-finite, skipped, scale).
+                values = self._accumulate(flat, keys, param_keys)
+                self._record_step(step, [], param_keys, values, skipped, totals_on_device=True)
+            else:
+                flat = self._reduce(flat, len(keys), len(param_keys))
+                values = flat.tolist()  # the one host sync of this step
+                self._record_step(step, keys, param_keys, values, skipped)
+        self._event_rows, self._events, self._param_rows = [], [], {}
         self.step_index += 1
+
+    def _accumulate(self, flat: torch.Tensor, keys: list, param_keys: list) -> list[float]:
+        """Add this step's Stats rows to running totals on the device; return, read back,
+        the per-parameter rows' finiteness and norms plus the step's tail (one small sync)."""
+        width, n_params = stats.WIDTH, len(param_keys)
+        all_keys = [("layer", *k) for k in keys] + [("param", k) for k in param_keys]
+        rows = flat[: len(all_keys) * width].reshape(-1, width)
+        for key in all_keys:
+            if key not in self._acc_index:
+                self._acc_index[key] = len(self._acc_index)
+        grow = len(self._acc_index) - (0 if self._acc is None else self._acc.shape[0])
+        if grow:
+            pad = torch.zeros(grow, width, dtype=torch.float64, device=flat.device)
+            self._acc = pad if self._acc is None else torch.cat([self._acc, pad])
+        index = torch.tensor([self._acc_index[k] for k in all_keys], device=flat.device)
+        absmax = stats.FIELDS.index("absmax")
+        if len(all_keys):
+            peak = self._acc[:, absmax].clone().scatter_reduce_(0, index, rows[:, absmax], "amax")
+            self._acc.index_add_(0, index, rows)
+            self._acc[:, absmax] = peak
+        params = rows[len(keys):]
+        tail = flat[len(all_keys) * width:]  # norms, overflow at scale, first, scale, found_inf
+        small = torch.cat([params[:, stats.FIELDS.index("nan")] + params[:, stats.FIELDS.index("inf")], tail])
+        values = small.tolist()  # the one host sync of this step
+        self._last_norms = dict(zip(param_keys, values[n_params: 2 * n_params], strict=True))
+        return values
+
+    def _step_buffer(self, keys: list, param_keys: list, found_inf: torch.Tensor | None,
+                     scale: torch.Tensor | None) -> torch.Tensor:
+        """Everything this step recorded, reduced on the device into one flat float64 buffer:
+        Stats rows per (module, phase), per parameter, norms, overflow at scale, then the first
+        non-finite event, the scale and the found-inf flag."""
+        f64 = {"dtype": torch.float64}
+        rows = self._event_rows
+        device = rows[0][0].device if rows else next((r[1].device for r in self._param_rows.values()),
+                                                      torch.device("cpu"))
+        parts = []
+        if rows:
+            raw = stats.stack_raw(rows, device)
+            slot = {key: i for i, key in enumerate(keys)}
+            index = torch.tensor([slot[(m, p)] for m, p, _ in self._events], device=device)
+            summed = torch.zeros(len(keys), stats.RAW, device=device, **f64).index_add_(0, index, raw)
+            summed[:, stats.BINS] = torch.zeros(len(keys), device=device, **f64).scatter_reduce_(
+                0, index, raw[:, stats.BINS], "amax", include_self=False)
+            parts.append(stats.compact(summed, self.limits).reshape(-1))
+            bad = stats.nonfinite(raw)
+            first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(**f64).reshape(1)
+        else:
+            first = torch.full((1,), float(NO_EVENT), device=device, **f64)
+        if param_keys:
+            prows = [self._param_rows[k] for k in param_keys]
+            parts.append(stats.compact(stats.stack_raw([r for r, _, _ in prows], device), self.limits).reshape(-1))
+            parts.append(torch.stack([n.to(device) for _, n, _ in prows]))
+            parts.append(torch.stack([c.to(device) for _, _, c in prows]))
+        minus_one = torch.full((1,), -1.0, device=device, **f64)
+        tail = [first, scale.to(device, **f64).reshape(1) if scale is not None else minus_one,
+                found_inf.to(device, **f64).reshape(1) if found_inf is not None else minus_one]
+        return torch.cat([*parts, *tail])
 
     def _reduce(self, flat: torch.Tensor, n_rows: int, n_params: int) -> torch.Tensor:
         """Under torch.distributed: one all_gather of the buffer; counts summed, maxima kept,
@@ -285,38 +338,38 @@ class Monitor:
         dist.all_gather(gathered, flat)
         stacked = torch.stack(gathered)
         out = stacked.sum(0)
-        width, pwidth = stats.WIDTH, stats.WIDTH + 2
-        for r in range(n_rows):
-            out[r * width + stats.ABSMAX] = stacked[:, r * width + stats.ABSMAX].max()
-        base = n_rows * width
-        for r in range(n_params):
-            out[base + r * pwidth + stats.ABSMAX] = stacked[:, base + r * pwidth + stats.ABSMAX].max()
-            out[base + r * pwidth + stats.WIDTH] = stacked[:, base + r * pwidth + stats.WIDTH].max()
+        absmax = stats.FIELDS.index("absmax")
+        rows = n_rows + n_params
+        for r in range(rows):
+            out[r * stats.WIDTH + absmax] = stacked[:, r * stats.WIDTH + absmax].max()
+        norms = rows * stats.WIDTH
+        out[norms:norms + n_params] = stacked[:, norms:norms + n_params].max(0).values  # grads are all-reduced
         firsts = stacked[:, -3]
         rank = int(torch.argmin(firsts))
-        out[-3] = firsts[rank]
-        out[-2] = stacked[0, -2]
-        out[-1] = stacked[:, -1].max()
+        out[-3], out[-2], out[-1] = firsts[rank], stacked[0, -2], stacked[:, -1].max()
         self._first_rank = rank
         return out
 
-    def _record_step(self, step: int, keys: list, param_keys: list, values: list[float], skipped: bool | None) -> None:
-        width, pwidth = stats.WIDTH, stats.WIDTH + 2
+    def _record_step(self, step: int, keys: list, param_keys: list, values: list[float],
+                     skipped: bool | None, totals_on_device: bool = False) -> None:
+        width = stats.WIDTH
         layers: dict[str, dict] = {}
-        for i, (module, phase) in enumerate(keys):
-            layers.setdefault(module, {})[phase] = stats.to_stats(values[i * width:(i + 1) * width])
-        params = {}
-        base = len(keys) * width
-        nonfinite_params = []
-        for i, name in enumerate(param_keys):
-            row = values[base + i * pwidth: base + (i + 1) * pwidth]
-            entry = stats.to_stats(row[:width])
-            entry["norm"] = row[width]
-            if row[width + 1] >= 0 and values[-2] >= 0:
-                entry["overflow_at_scale"] = int(row[width + 1])
-            if entry["nan"] or entry["inf"]:
-                nonfinite_params.append(name)
-            params[name] = entry
+        params, nonfinite_params = {}, []
+        if totals_on_device:  # values: per-parameter nan+inf, norms, overflow at scale, tail
+            nonfinite_params = [name for name, bad in zip(param_keys, values, strict=False) if bad]
+        else:
+            for i, (module, phase) in enumerate(keys):
+                layers.setdefault(module, {})[phase] = stats.to_stats(values[i * width:(i + 1) * width])
+            base, n = len(keys) * width, len(param_keys)
+            norms, scaled = base + n * width, base + n * width + n
+            for i, name in enumerate(param_keys):
+                entry = stats.to_stats(values[base + i * width: base + (i + 1) * width])
+                entry["norm"] = values[norms + i]
+                if values[scaled + i] >= 0:
+                    entry["overflow_at_scale"] = int(values[scaled + i])
+                if entry["nan"] or entry["inf"]:
+                    nonfinite_params.append(name)
+                params[name] = entry
         first_seq, scale, found_inf = values[-3], values[-2], values[-1]
         first = None
         if first_seq < NO_EVENT and int(first_seq) < len(self._events):
@@ -345,6 +398,17 @@ class Monitor:
     def summary(self) -> dict[str, Any]:
         result = self.builder.summary()
         result["steps"] = max(result["steps"], self.step_index)
+        if self._acc is not None:  # totals kept on the device: read them back once, now
+            rows = self._acc.tolist()
+            for key, i in self._acc_index.items():
+                entry = stats.to_stats(rows[i])
+                if key[0] == "layer":
+                    result["layers"].setdefault(key[1], {})[key[2]] = entry
+                else:
+                    entry["norm"] = self._last_norms.get(key[1])
+                    result["params"][key[1]] = entry
+            result["layers"] = dict(sorted(result["layers"].items()))
+            result["params"] = dict(sorted(result["params"].items()))
         return result
 
     def print(self, file: Any = None) -> None:

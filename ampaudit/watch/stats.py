@@ -1,80 +1,99 @@
-"""Per-tensor statistics, accumulated on the device: one row of numbers per tensor.
+"""Per-tensor statistics without host syncs, in as few passes as the hardware allows.
 
-A row holds NaN, Inf, overflow (Inf or finite beyond the audited dtype's max), underflow
-(nonzero below its smallest normal), zero and element counts, the finite absmax, and a
-256-bin histogram of fp32 exponents (log2 magnitudes). The exponents come from the float
-bits in one pass, which also yields zero and underflow counts, so a tensor costs a handful
-of fused passes (one Triton kernel on CUDA, see ``triton_stats``) and no host sync.
+Each tensor becomes one *raw row*: 1024 counts of ``|x|``'s top float bits (8 exponent
+bits and the 2 leading mantissa bits: one shift) plus its finite absmax. That single
+histogram holds everything: zeros and underflow (the low exponents), overflow (the
+exponents at or beyond the audited dtype's rounding limit, rounded to the next power of two
+(float16: |x| >= 2**16), and Inf), Inf (exponent 255, mantissa 0) and NaN (exponent 255
+with the quiet bit - every NaN an operation produces), and the log2-magnitude histogram.
+On CUDA one Triton kernel builds the row (``triton_stats``); elsewhere a handful
+of torch passes do. Rows are reduced to the summary's Stats in one batched step at the
+step boundary (``compact``), right before the one host sync.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
-# Row layout: counts first (summed), then absmax (max-reduced), then the exponent histogram.
-NUMEL, NAN, INF, OVERFLOW, UNDERFLOW, ZERO, ABSMAX = range(7)
-HIST = 7
-BINS = 256
-WIDTH = HIST + BINS
+BINS = 256 * 4
+RAW = BINS + 1  # counts, then absmax
 FIELDS = ("numel", "nan", "inf", "overflow", "underflow", "zero", "absmax")
+HIST = len(FIELDS)  # compact rows: the fields above, then 256 exponent counts
+WIDTH = HIST + 256
 
 
 class Limits:
-    """Where the audited dtype's limits fall: its max and its smallest normal's exponent bin."""
+    """The audited dtype's limits, in fp32 bits."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         info = torch.finfo(dtype)
         self.dtype = dtype
         self.max = info.max
-        self.normal_bin = math.frexp(info.smallest_normal)[1] - 1 + 127  # bins below: underflow (and zero: bin 0)
+        # Round to nearest: from max + half an ulp up a value becomes inf; counted from the
+        # next power of two (the histogram's resolution), so 65520 <= |x| < 65536 is missed.
+        overflow_at = info.max + info.max * info.eps / 4
+        self.overflow_bin = min(255, math.floor(math.log2(overflow_at)) + 1 + 127)
+        self.normal_bin = math.frexp(info.smallest_normal)[1] - 1 + 127  # lower bins: underflow (bin 0: zero)
 
 
-def tensor_row(x: torch.Tensor, limits: Limits) -> torch.Tensor:
-    """One statistics row for ``x``, on x's device (no host sync)."""
+def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1024 bin counts, finite absmax) of ``x``, on x's device (no host sync). Two tensors
+    rather than one row: joining them would cost small ops on every tensor; the step
+    boundary stacks them all at once (``stack_raw``)."""
     if x.device.type == "cuda":
         from ampaudit.watch import triton_stats
 
         if triton_stats.available():
-            return triton_stats.row(x, limits)
-    return torch_row(x, limits)
+            return triton_stats.raw_row(x)
+    return torch_raw_row(x)
 
 
-def torch_row(x: torch.Tensor, limits: Limits) -> torch.Tensor:
-    a = x.detach().float().abs().reshape(-1)
-    bins = torch.bincount(a.view(torch.int32) >> 23, minlength=BINS).to(torch.float64)
-    nan = torch.isnan(a).sum()
-    head = torch.stack([
-        torch.tensor(float(a.numel()), dtype=torch.float64, device=a.device),
-        nan.to(torch.float64),
-        bins[255] - nan,  # exponent 255 holds both
-        (a > limits.max).sum().to(torch.float64),  # inf counts: it is beyond the max too
-        bins[1:limits.normal_bin].sum(),
-        bins[0],  # zero (and fp32 subnormals, which every low dtype flushes anyway)
-        torch.nan_to_num(a, nan=0.0, posinf=0.0).amax().to(torch.float64) if a.numel() else
-        torch.zeros((), dtype=torch.float64, device=a.device),
-    ])
-    return torch.cat([head, bins])
+def _top_bits(a: torch.Tensor) -> torch.Tensor:
+    """The 10 bits above the low 21 of each fp32 in ``a`` (>= 0): exponent and 2 mantissa bits."""
+    if sys.byteorder == "little":  # the high half-word of each float, read in place: half the bytes
+        return a.view(torch.int16)[1::2] >> 5
+    return a.view(torch.int32) >> 21
 
 
-def merge(into: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """Sum the counts and the histogram, keep the larger absmax."""
-    merged = into + row
-    merged[ABSMAX] = torch.maximum(into[ABSMAX], row[ABSMAX])
-    return merged
+def torch_raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
+    counts = torch.bincount(_top_bits(a), minlength=BINS)
+    absmax = a.nan_to_num_(nan=0.0, posinf=0.0).amax() if a.numel() else a.new_zeros(())
+    return counts, absmax
 
 
-def nonfinite(row: torch.Tensor) -> torch.Tensor:
-    return (row[NAN] + row[INF]) > 0
+def stack_raw(rows: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Raw rows as one N x RAW float64 matrix."""
+    counts = torch.stack([c.to(device) for c, _ in rows]).to(torch.float64)
+    absmax = torch.stack([m.to(device) for _, m in rows]).to(torch.float64)
+    return torch.cat([counts, absmax[:, None]], dim=1)
+
+
+def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
+    """Raw rows (N x RAW) to Stats rows (N x WIDTH): all tensors of a step at once."""
+    counts = raw[:, :BINS].reshape(-1, 256, 4)
+    hist = counts.sum(-1)
+    nan = counts[:, 255, 1:].sum(1)
+    inf = counts[:, 255, 0]
+    overflow = hist[:, limits.overflow_bin:].sum(1) - nan  # inf, and finite values that round to inf
+    underflow = hist[:, 1:limits.normal_bin].sum(1)
+    head = torch.stack([hist.sum(1), nan, inf, overflow, underflow, hist[:, 0], raw[:, BINS]], dim=1)
+    return torch.cat([head, hist], dim=1)
+
+
+def nonfinite(raw: torch.Tensor) -> torch.Tensor:
+    """Per raw row: whether the tensor held NaN or Inf (exponent 255)."""
+    return raw[:, 255 * 4: 256 * 4].sum(1) > 0
 
 
 def to_stats(row: list[float]) -> dict:
-    """A row read back on the host, as the summary's Stats: counts, absmax, and the
-    histogram as [log2 magnitude, count] pairs for the exponents seen (zeros excluded)."""
+    """A compact row read back on the host, as the summary's Stats: counts, absmax, and the
+    histogram as [log2 magnitude, count] pairs for the finite nonzero exponents seen."""
     stats = {name: (float(row[i]) if name == "absmax" else int(row[i])) for i, name in enumerate(FIELDS)}
-    hist = row[HIST:]
-    stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(hist) if c and 0 < e < 255]
+    stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(row[HIST:]) if c and 0 < e < 255]
     return stats
 
 

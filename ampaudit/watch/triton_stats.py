@@ -1,5 +1,6 @@
-"""The statistics row in one Triton kernel (CUDA): a single pass over the tensor computes
-every count, the absmax and the exponent histogram, accumulating with atomics.
+"""The raw statistics row in one Triton kernel (CUDA): a single pass over the tensor builds
+the key histogram and the finite absmax, accumulating with atomics. (fp32 counts: exact
+up to 2**24 elements per bin.)
 
 ``available()`` is False without Triton or without CUDA; callers then use the torch path.
 Set TRITON_INTERPRET=1 to run the kernel on the CPU (how the tests check it without a GPU).
@@ -23,27 +24,16 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def row_kernel(x_ptr, out_ptr, n, limit, normal_bin, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offsets = pid * BLOCK + tl.arange(0, BLOCK)
+    def raw_row_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        a = tl.abs(x)
+        a = tl.abs(tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
         bits = a.to(tl.int32, bitcast=True)
-        exponent = bits >> 23
-        is_nan = a != a
-        is_inf = (exponent == 255) & ~is_nan
-        finite = exponent < 255
-        tl.atomic_add(out_ptr + 1, tl.sum((is_nan & mask).to(tl.float32), axis=0))
-        tl.atomic_add(out_ptr + 2, tl.sum((is_inf & mask).to(tl.float32), axis=0))
-        tl.atomic_add(out_ptr + 3, tl.sum(((a > limit) & mask).to(tl.float32), axis=0))
-        under = (exponent >= 1) & (exponent < normal_bin) & mask
-        tl.atomic_add(out_ptr + 4, tl.sum(under.to(tl.float32), axis=0))
-        tl.atomic_add(out_ptr + 5, tl.sum(((exponent == 0) & mask).to(tl.float32), axis=0))
-        tl.atomic_max(out_ptr + 6, tl.max(tl.where(finite & mask, a, 0.0), axis=0))
-        tl.atomic_add(out_ptr + 7 + exponent, mask.to(tl.float32), mask=mask)
+        tl.atomic_add(out_ptr + (bits >> 21), tl.full([BLOCK], 1.0, tl.float32), mask=mask)
+        finite = (bits < 0x7F800000) & mask
+        tl.atomic_max(out_ptr + 1024, tl.max(tl.where(finite, a, 0.0), axis=0))
 
-    return row_kernel
+    return raw_row_kernel
 
 
 @cache
@@ -57,18 +47,16 @@ def available() -> bool:
     return True
 
 
-def row(x: torch.Tensor, limits: stats.Limits) -> torch.Tensor:
-    """The same row as ``stats.torch_row``, from one kernel launch."""
+def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (counts, absmax) as ``stats.torch_raw_row``, from one kernel launch."""
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    out = torch.zeros(stats.WIDTH, dtype=torch.float32, device=flat.device)
+    out = torch.zeros(stats.RAW, dtype=torch.float32, device=flat.device)
     n = flat.numel()
     if n:
-        grid = (triton_cdiv(n, BLOCK),)
-        _kernel()[grid](flat, out, n, float(limits.max), limits.normal_bin, BLOCK=BLOCK)
-    out[stats.NUMEL] = float(n)
-    return out.to(torch.float64)
+        _kernel()[(triton_cdiv(n, BLOCK),)](flat, out, n, BLOCK=BLOCK)
+    return out[: stats.BINS].to(torch.int64), out[stats.BINS]
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -1,0 +1,138 @@
+"""Benchmark: the cost of ampaudit.watch per training step, A/B interleaved in one run.
+
+Variants: a plain step; ampaudit.watch (every step, and every 10th); per-module hooks that
+call .item() on each statistic (the naive approach); torch.autograd.detect_anomaly.
+CPU: a small transformer in fp32, audited for float16. On a GPU (when there is one): the
+same model, larger. Target on CPU: watch <= 1.25x a plain step.
+
+Run: python bench/watch_overhead.py [--steps N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ampaudit
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=512, d=128, layers=4, heads=4, ctx=128) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def naive_hooks(model: nn.Module) -> list:
+    """What people write first: a forward hook that syncs on every statistic."""
+
+    def hook(module, args, out):
+        if isinstance(out, torch.Tensor):
+            _ = (torch.isnan(out).sum().item(), torch.isinf(out).sum().item(), out.abs().max().item())
+
+    return [m.register_forward_hook(hook) for m in model.modules()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = TinyGPT().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, 512, (8, 128), device=device)
+    targets = torch.roll(idx, -1, 1)
+
+    def step():
+        loss = model(idx, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def timed(n):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n
+
+    def plain(n):
+        return timed(n)
+
+    def watched(n, every=1):
+        with ampaudit.watch(model, optimizer=opt, every=every):
+            return timed(n)
+
+    def naive(n):
+        handles = naive_hooks(model)
+        try:
+            return timed(n)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def anomaly(n):
+        with torch.autograd.detect_anomaly(check_nan=True):
+            return timed(n)
+
+    variants = {"plain": plain, "watch": watched, "watch every=10": lambda n: watched(n, 10),
+                "naive .item() hooks": naive, "detect_anomaly": anomaly}
+    import warnings
+
+    warnings.filterwarnings("ignore")  # detect_anomaly warns that it is slow
+    for fn in variants.values():
+        fn(2)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.rounds):  # interleaved: drift hits every variant alike
+        for name, fn in variants.items():
+            times[name].append(fn(args.steps))
+    base = statistics.median(times["plain"])
+    print(f"TinyGPT (4 blocks, d=128, batch 8 x 128), {device}, {torch.get_num_threads()} threads, "
+          f"median of {args.rounds} rounds x {args.steps} steps")
+    for name, values in times.items():
+        med = statistics.median(values)
+        print(f"  {name:<20} {med * 1000:8.1f} ms/step  {med / base:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
