@@ -312,3 +312,54 @@ def test_ddp_two_processes_one_log_and_the_rank_that_went_first(tmp_path):
     assert (first["step"], first["module"], first["phase"], first["rank"]) == (1, "0", "forward", 1)
     # Counts are summed over both ranks: 2 ranks x 3 steps x 2 x 8 outputs.
     assert summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 16
+
+
+def test_summary_schema_is_pinned():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    x = torch.ones(3, 4)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        loss = model(x).sum()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    summary = mon.summary()
+    assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler"]
+    assert summary["dtype"] == "float16"
+    stats_keys = ["numel", "nan", "inf", "overflow", "underflow", "zero", "absmax", "hist"]
+    for phases in summary["layers"].values():
+        assert set(phases) <= {"forward", "backward", "input"}
+        for s in phases.values():
+            assert list(s) == stats_keys
+    for p in summary["params"].values():
+        assert list(p) == [*stats_keys, "norm", "overflow_at_scale"]
+    assert list(summary["scaler"]) == ["scale", "skipped_steps", "history", "nonfinite_params"]
+
+
+def test_run_keeps_the_log_when_the_script_raises(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nmodel = nn.Linear(2, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(3):\n    model(torch.ones(1, 2)).sum().backward()\n    opt.step()\n"
+        "raise RuntimeError('diverged')\n")
+    log = tmp_path / "crash.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", str(log), str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "RuntimeError: diverged" in proc.stderr and "ampaudit watch" in proc.stderr
+    assert read_log(log).summary()["steps"] == 3
+
+
+def test_report_plot_when_matplotlib_is_there(tmp_path, cli):
+    pytest.importorskip("matplotlib")
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log):
+        _train(model, opt, 3)
+    out = tmp_path / "plot.png"
+    assert cli("report", log, "--plot", out).code == 0
+    assert out.stat().st_size > 1000

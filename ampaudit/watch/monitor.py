@@ -69,6 +69,7 @@ class Monitor:
         self._acc: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
         self._acc_index: dict[tuple, int] = {}
         self._last_norms: dict[str, float] = {}
+        self._scaled_totals: dict[str, int] = {}
         self._optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self._in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
         self._log = None
@@ -295,6 +296,9 @@ class Monitor:
         small = torch.cat([params[:, stats.FIELDS.index("nan")] + params[:, stats.FIELDS.index("inf")], tail])
         values = small.tolist()  # the one host sync of this step
         self._last_norms = dict(zip(param_keys, values[n_params: 2 * n_params], strict=True))
+        for name, count in zip(param_keys, values[2 * n_params: 3 * n_params], strict=True):
+            if count >= 0:  # with a GradScaler: gradients overflowing at its current scale
+                self._scaled_totals[name] = self._scaled_totals.get(name, 0) + int(count)
         return values
 
     def _step_buffer(self, keys: list, param_keys: list, found_inf: torch.Tensor | None,
@@ -406,6 +410,8 @@ class Monitor:
                     result["layers"].setdefault(key[1], {})[key[2]] = entry
                 else:
                     entry["norm"] = self._last_norms.get(key[1])
+                    if key[1] in self._scaled_totals:
+                        entry["overflow_at_scale"] = self._scaled_totals[key[1]]
                     result["params"][key[1]] = entry
             result["layers"] = dict(sorted(result["layers"].items()))
             result["params"] = dict(sorted(result["params"].items()))

@@ -39,9 +39,13 @@ class SummaryBuilder:
                 slot = self.layers.setdefault(module, {})
                 slot[phase] = add_stats(slot.get(phase, {}), stats)
         for name, stats in record["params"].items():
-            norm = stats.get("norm")
-            merged = add_stats(self.params.get(name, {}), {k: v for k, v in stats.items() if k != "norm"})
-            merged["norm"] = norm
+            extra = {k: stats[k] for k in ("norm", "overflow_at_scale") if k in stats}
+            previous = self.params.get(name, {})
+            merged = add_stats({k: v for k, v in previous.items() if k not in extra},
+                               {k: v for k, v in stats.items() if k not in extra})
+            merged["norm"] = extra.get("norm")
+            if "overflow_at_scale" in extra:
+                merged["overflow_at_scale"] = previous.get("overflow_at_scale", 0) + extra["overflow_at_scale"]
             self.params[name] = merged
         if record.get("scale") is not None:
             self.scales.append([record["step"], record["scale"]])
