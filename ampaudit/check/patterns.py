@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -50,15 +49,6 @@ def source(view: GraphView, value: Any) -> fx.Node | None:
 def source_kind(view: GraphView, value: Any) -> str | None:
     node = source(view, value)
     return view.kind(node) if node is not None else None
-
-
-def users(node: fx.Node) -> Iterator[fx.Node]:
-    return iter(node.users)
-
-
-def of_kind(view: GraphView, nodes: Iterable[fx.Node], kinds: Iterable[str]) -> list[fx.Node]:
-    wanted = set(kinds)
-    return [n for n in nodes if view.kind(n) in wanted]
 
 
 _MAXIMA = frozenset({"max", "amax", "logsumexp", "maximum"})
