@@ -363,3 +363,15 @@ def test_report_plot_when_matplotlib_is_there(tmp_path, cli):
     out = tmp_path / "plot.png"
     assert cli("report", log, "--plot", out).code == 0
     assert out.stat().st_size > 1000
+
+
+def test_a_tensor_shared_by_a_container_and_its_child_is_counted_for_both():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        _train(model, opt, 1)
+    layers = mon.summary()["layers"]
+    # "1" returns "1.0"'s output tensor itself, and the model returns it too: same numbers.
+    assert layers["1"]["forward"] == layers["1.0"]["forward"] == layers["(model)"]["forward"]
+    assert layers["1"]["backward"] == layers["1.0"]["backward"]
+    assert layers["1.0"]["forward"]["numel"] == 3 * 2

@@ -64,6 +64,7 @@ class Monitor:
         self._param_names: dict[int, str] = {}
         self._event_rows: list[torch.Tensor] = []  # raw rows, in execution order
         self._events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
+        self._seen: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # this step's measured tensors
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._param_rows: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._acc: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
@@ -152,8 +153,13 @@ class Monitor:
         return self.step_index % self.every == 0
 
     def _record(self, module: str, phase: str, tensor: torch.Tensor, label: str) -> None:
-        # Hot path: one raw row per tensor; everything else waits for the step boundary.
-        self._event_rows.append(stats.raw_row(tensor))
+        # Hot path: one raw row per tensor; everything else waits for the step boundary. A
+        # container often returns its last child's very tensor: measured once, counted for both.
+        key = (id(tensor), tensor._version)
+        row = self._seen.get(key)
+        if row is None or row[0] is not tensor:
+            row = self._seen[key] = (tensor, stats.raw_row(tensor))
+        self._event_rows.append(row[1])
         self._events.append((module, phase, label))
 
     def _input_hook(self, module: torch.nn.Module, args: Any) -> None:
@@ -269,7 +275,7 @@ class Monitor:
                 flat = self._reduce(flat, len(keys), len(param_keys))
                 values = flat.tolist()  # the one host sync of this step
                 self._record_step(step, keys, param_keys, values, skipped)
-        self._event_rows, self._events, self._param_rows = [], [], {}
+        self._event_rows, self._events, self._param_rows, self._seen = [], [], {}, {}
         self.step_index += 1
 
     def _accumulate(self, flat: torch.Tensor, keys: list, param_keys: list) -> list[float]:
