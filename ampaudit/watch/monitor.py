@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ class Monitor:
         self._param_names: dict[int, str] = {}
         self._event_rows: list[torch.Tensor] = []  # raw rows, in execution order
         self._events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
-        self._seen: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}  # this step's measured tensors
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, Any]] = {}  # this step's measured tensors
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._param_rows: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._acc: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
@@ -157,8 +158,8 @@ class Monitor:
         # container often returns its last child's very tensor: measured once, counted for both.
         key = (id(tensor), tensor._version)
         row = self._seen.get(key)
-        if row is None or row[0] is not tensor:
-            row = self._seen[key] = (tensor, stats.raw_row(tensor))
+        if row is None or row[0]() is not tensor:  # a weak reference: never keeps activations alive
+            row = self._seen[key] = (weakref.ref(tensor), stats.raw_row(tensor))
         self._event_rows.append(row[1])
         self._events.append((module, phase, label))
 
