@@ -60,7 +60,7 @@ def _lint_many(files: list[Path], options: CheckOptions) -> list[Finding]:
     if len(files) < PARALLEL_FROM or options.jobs == 1:
         findings = []
         for path in files:
-            findings += lint_file(path, syntax_errors_as_findings=True)
+            findings += _lint_in_worker(path)
             if tick:
                 tick()
         return findings
@@ -74,6 +74,7 @@ def _lint_many(files: list[Path], options: CheckOptions) -> list[Finding]:
 
 
 def _lint_in_worker(path: Path) -> list[Finding]:
+    # A module-level function, so worker processes can receive it.
     return lint_file(path, syntax_errors_as_findings=True)
 
 
@@ -109,11 +110,11 @@ def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) ->
     _, name = parse_target(spec)
     scan = scan_source(path, read_source(path))  # syntax errors: exit 2 with file:line
     lint = lint_file(path)
-    if options.lint_only or (name is None and not scan.has_entry_point):
-        why = "--lint-only" if options.lint_only else "no model entry point (get_model(), `model`, an nn.Module class)"
-        target = Target(display_path(str(path)), "", "none",
-                        [f"training-script lint only: {why}", *options.notes])
-        return finalize(Report(target, config.dtype or "float16", [], lint), config)
+    if options.lint_only:
+        return _lint_only(path, lint, "--lint-only", config, options)
+    if name is None and not scan.has_entry_point:
+        return _lint_only(path, lint, "no model entry point (get_model(), `model`, an nn.Module class)", config,
+                          options)
     from ampaudit.check.api import graph_report  # imports torch
 
     try:
@@ -121,8 +122,12 @@ def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) ->
     except NoModelFound as exc:
         if name is not None:
             raise
-        target = Target(display_path(str(path)), "", "none", [f"training-script lint only: {exc}", *options.notes])
-        return finalize(Report(target, config.dtype or "float16", [], lint), config)
+        return _lint_only(path, lint, str(exc), config, options)
     report.findings += lint
     report.target.notes += options.notes
     return finalize(report, config)
+
+
+def _lint_only(path: Path, lint: list[Finding], why: str, config: Config, options: CheckOptions) -> Report:
+    target = Target(display_path(str(path)), "", "none", [f"training-script lint only: {why}", *options.notes])
+    return finalize(Report(target, config.dtype or "float16", [], lint), config)
