@@ -323,3 +323,24 @@ def test_cli_convert_bad_input_is_one_line(cli, tmp_path):
     result = cli("convert", model("train_script.py"), "-o", tmp_path / "x")
     assert result.code == 2 and "Traceback" not in result.err
     assert result.err.strip().endswith("(pass --exec to import it anyway)")
+
+
+class _Dropping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+def test_a_model_in_train_mode_is_verified_deterministically_and_keeps_its_mode():
+    m = _Dropping().train()
+    x = torch.randn(8, 4)
+    mp = ampaudit.convert(m, (x,))
+    assert m.training and mp.training  # modes as they were
+    assert mp.summary.error_after < 1e-2  # compared with dropout off on both sides
+    mp.eval()
+    with torch.no_grad():
+        assert _rel(mp(x), m.eval()(x)) < 1e-2

@@ -89,11 +89,17 @@ def convert(
         return _convert_once(model, catalog, name, low, inputs, promoted=promoted, constants=constants,
                              keep_low_outputs=keep_low_outputs)
 
-    model_mp = build({})
-    if inputs is not None and verify:
-        model_mp = search_promotions(model, model_mp, build, inputs, tol)
-    elif inputs is not None:
-        model_mp.summary.error_before = model_mp.summary.error_after = output_error(model, model_mp, inputs)
+    was_training = model.training
+    model.eval()  # compare deterministic outputs: dropout off on both sides
+    try:
+        model_mp = build({})
+        if inputs is not None and verify:
+            model_mp = search_promotions(model, model_mp, build, inputs, tol)
+        elif inputs is not None:
+            model_mp.summary.error_before = model_mp.summary.error_after = output_error(model, model_mp, inputs)
+    finally:
+        model.train(was_training)
+    model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual
     if optimizer is None:
         return model_mp
     from ampaudit.convert.optimizer import MixedPrecisionOptimizer
@@ -139,6 +145,9 @@ def _convert_tree(module: torch.nn.Module, prefix: str, catalog: Catalog, name: 
         return module, _convert_children(module, prefix, catalog, name, low, promoted, constants, records, notes)
     if inputs is not None:
         measure_ranges(gm, inputs, catalog, name)
+    if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
+        notes.append(f"{label}: F.dropout(..., training=self.training) was traced in eval mode and stays off in "
+                     "the converted model; nn.Dropout modules follow model_mp.train() as usual")
     sub = SubGraph(prefix, gm)
     view = GraphView.build(sub, catalog, name, frozenset(_join(prefix, p) for p in opaque))
     plan = decide(view, constants=constants, promoted=promoted)
