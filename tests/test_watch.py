@@ -375,3 +375,23 @@ def test_a_tensor_shared_by_a_container_and_its_child_is_counted_for_both():
     assert layers["1"]["forward"] == layers["1.0"]["forward"] == layers["(model)"]["forward"]
     assert layers["1"]["backward"] == layers["1.0"]["backward"]
     assert layers["1.0"]["forward"]["numel"] == 3 * 2
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["run", "--log", "x.jsonl", "no_such_script.py"], "no such script: no_such_script.py"),
+    (["report", "no_such_log.jsonl"], "cannot read no_such_log.jsonl"),
+    (["report", "README.md"], "README.md:1: not a JSON line"),
+    (["report", "fixtures/models/README.md"], "not a JSON line"),
+])
+def test_watch_commands_bad_input_is_one_line(cli, args, message):
+    result = cli(*args)
+    assert result.code == 2 and "Traceback" not in result.err
+    assert result.err.startswith("ampaudit: error: ") and message in result.err
+    assert len(result.err.strip().splitlines()) == 1
+
+
+def test_report_refuses_a_json_file_that_is_not_a_watch_log(cli, tmp_path):
+    log = tmp_path / "other.jsonl"
+    log.write_text('{"hello": 1}\n')
+    result = cli("report", log)
+    assert result.code == 2 and "is not an ampaudit watch log" in result.err
