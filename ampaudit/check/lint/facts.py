@@ -132,6 +132,7 @@ class ScriptFacts:
     names: dict[cst.CSTNode, frozenset[str]] = field(default_factory=dict, repr=False)
     _qualified: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)  # lazy provider values
     _scopes: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)
+    _scalers: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)  # per scope, once
     _line_starts: list[int] = field(default_factory=list, repr=False)
 
     # -- queries --------------------------------------------------------------------------
@@ -153,12 +154,14 @@ class ScriptFacts:
         return [a for a in self.assignments if a.call.names & wanted and (scope is None or a.call.scope is scope
                                                                           or a.call.scope.kind == "module")]
 
-    def scalers(self, scope: Scope) -> set[str]:
+    def scalers(self, scope: Scope) -> frozenset[str]:
         """Names holding a GradScaler in ``scope``: assigned one here or at module level, or
-        used as one (``x.scale(loss).backward()``)."""
-        names = {a.target for a in self.assigned(GRAD_SCALERS, scope)}
-        names |= {c.receiver for c in self.method_calls("scale", scope) if c.receiver and c.feeds_backward}
-        return names
+        used as one (``x.scale(loss).backward()``). Several rules ask, per scope: computed once."""
+        if id(scope) not in self._scalers:
+            names = {a.target for a in self.assigned(GRAD_SCALERS, scope)}
+            names |= {c.receiver for c in self.method_calls("scale", scope) if c.receiver and c.feeds_backward}
+            self._scalers[id(scope)] = frozenset(names)
+        return self._scalers[id(scope)]
 
     def qualified(self, node: cst.CSTNode) -> frozenset[str]:
         """Qualified names of any expression (``torch.float16``, an imported alias...)."""

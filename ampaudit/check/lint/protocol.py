@@ -43,15 +43,16 @@ def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
              and (a.call.scope is scope or a.call.scope.kind == "module")}
     names |= {c.receiver for c in facts.method_calls("step", scope)
               if c.receiver and _OPTIMIZER_NAME.search(c.receiver)}
+    scalers = facts.scalers(scope)
     for call in facts.calls:
-        if call.scope is scope and call.method in ("step", "unscale_") and call.receiver in facts.scalers(scope):
+        if call.scope is scope and call.method in ("step", "unscale_") and call.receiver in scalers:
             target = dotted(call.arg(0, "optimizer"))
             if target:
                 names.add(target)
     return names
 
 
-def scaled_backward(call: Call, scalers: set[str]) -> bool:
+def scaled_backward(call: Call, scalers: frozenset[str]) -> bool:
     """``s.scale(loss).backward()`` with ``s`` a scaler."""
     func = call.node.func
     if call.method != "backward" or not isinstance(func, cst.Attribute) or not isinstance(func.value, cst.Call):
