@@ -12,7 +12,7 @@ import ampaudit
 import ampaudit.core.errors
 from ampaudit.convert.optimizer import LossScaler, MixedPrecisionOptimizer
 from ampaudit.target.loader import load_target
-from tests.conftest import model
+from tests.conftest import RULE_FIXTURES, model
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,29 +106,17 @@ def test_out_of_range_mask_constant_converts_and_runs(constants):
         assert _rel(mp(x, mask), m(x, mask)) < 1e-2
 
 
-class _Hot(nn.Module):
-    """One layer whose activations exceed 65504; a tanh then hides the inf."""
-
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-        nn.init.constant_(self.up.weight, 100.0)
-
-    def forward(self, x):
-        return self.down(torch.tanh(self.up(x) * 1e-4))
-
-
 def test_overflowing_layer_ends_in_fp32_and_output_matches():
-    m = _Hot().eval()
-    x = torch.full((2, 8), 100.0)
-    mp = ampaudit.convert(m, (x,))
+    # The AMP301 fixture: `up` reaches 8e4 > 65504, and a tanh hides the inf from later layers.
+    loaded = load_target(str(RULE_FIXTURES.relative_to(RULE_FIXTURES.parents[1]) / "AMP301_invalid.py"))
+    mp = ampaudit.convert(loaded.model, loaded.inputs)
     up = next(r for r in mp.plan if r["node"] == "up")
     assert up["compute"] == "float32" and up["rule"] == "AMP301"
     down = next(r for r in mp.plan if r["node"] == "down")
     assert down["compute"] == "float16"
+    x = loaded.inputs.args[0]
     with torch.no_grad():
-        assert _rel(mp(x), m(x)) < 1e-2
+        assert _rel(mp(x), loaded.model(x)) < 1e-2
 
 
 class _Cancel(nn.Module):
