@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,16 @@ from ampaudit.cli.main import main
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "fixtures" / "models"
 RULE_FIXTURES = ROOT / "fixtures" / "rules"
+
+
+def pytest_configure(config):
+    # A fresh build cache per run: the suite compiles watch's C kernel itself (about 0.1 s)
+    # rather than trusting whatever an earlier version left in ~/.cache.
+    os.environ["AMPAUDIT_CACHE_DIR"] = config._ampaudit_cache = tempfile.mkdtemp(prefix="ampaudit-cache-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_ampaudit_cache", ""), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,16 @@
 """Per-tensor statistics without host syncs, in as few passes as the hardware allows.
 
 Each tensor becomes one *raw row*: 1024 counts of ``|x|``'s top float bits (8 exponent
-bits and the 2 leading mantissa bits: one shift) plus its finite absmax. That single
+bits and the 2 leading mantissa bits: one shift) plus its finite absmax. Bin 0 holds
+exact zeros only (fp32 subnormals too small to reach bin 1 are moved there). That single
 histogram holds everything: zeros and underflow (the low exponents), overflow (the
 exponents at or beyond the audited dtype's rounding limit, rounded to the next power of two
 (float16: |x| >= 2**16), and Inf), Inf (exponent 255, mantissa 0) and NaN (exponent 255
 with the quiet bit - every NaN an operation produces), and the log2-magnitude histogram.
-On CUDA one Triton kernel builds the row (``triton_stats``); elsewhere a handful
-of torch passes do. Rows are reduced to the summary's Stats in one batched step at the
-step boundary (``compact``), right before the one host sync.
+On CUDA one Triton kernel builds the row (``triton_stats``), on the CPU one C kernel
+(``cpu_kernel``, compiled on first use); without them a handful of torch passes do. Rows
+are reduced to the summary's Stats in one batched step at the step boundary
+(``compact``), right before the one host sync.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import math
 import sys
 
 import torch
+
+from ampaudit.watch import cpu_kernel
 
 BINS = 256 * 4
 RAW = BINS + 1  # counts, then absmax
@@ -48,6 +52,8 @@ def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         if triton_stats.available():
             return triton_stats.raw_row(x)
+    elif x.device.type == "cpu" and cpu_kernel.available():
+        return cpu_kernel.raw_row(x)
     return torch_raw_row(x)
 
 
@@ -61,6 +67,9 @@ def _top_bits(a: torch.Tensor) -> torch.Tensor:
 def torch_raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
     counts = torch.bincount(_top_bits(a), minlength=BINS)
+    zeros = a.numel() - torch.count_nonzero(a)
+    counts[1] += counts[0] - zeros  # subnormals below 2**-128 share bin 0 with the zeros
+    counts[0] = zeros
     absmax = a.nan_to_num_(nan=0.0, posinf=0.0).amax() if a.numel() else a.new_zeros(())
     return counts, absmax
 
@@ -78,9 +87,11 @@ def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
     hist = counts.sum(-1)
     nan = counts[:, 255, 1:].sum(1)
     inf = counts[:, 255, 0]
+    zero = counts[:, 0, 0]
+    hist[:, 0] -= zero  # exponent 0 without the zeros: the fp32 subnormals
     overflow = hist[:, limits.overflow_bin:].sum(1) - nan  # inf, and finite values that round to inf
-    underflow = hist[:, 1:limits.normal_bin].sum(1)
-    head = torch.stack([hist.sum(1), nan, inf, overflow, underflow, hist[:, 0], raw[:, BINS]], dim=1)
+    underflow = hist[:, :limits.normal_bin].sum(1)
+    head = torch.stack([counts.sum((1, 2)), nan, inf, overflow, underflow, zero, raw[:, BINS]], dim=1)
     return torch.cat([head, hist], dim=1)
 
 
@@ -91,9 +102,10 @@ def nonfinite(raw: torch.Tensor) -> torch.Tensor:
 
 def to_stats(row: list[float]) -> dict:
     """A compact row read back on the host, as the summary's Stats: counts, absmax, and the
-    histogram as [log2 magnitude, count] pairs for the finite nonzero exponents seen."""
+    histogram as [floor(log2 |x|), count] pairs for the finite nonzero values seen (-127:
+    the fp32 subnormals, all below 2**-126)."""
     stats = {name: (float(row[i]) if name == "absmax" else int(row[i])) for i, name in enumerate(FIELDS)}
-    stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(row[HIST:]) if c and 0 < e < 255]
+    stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(row[HIST:]) if c and e < 255]
     return stats
 
 

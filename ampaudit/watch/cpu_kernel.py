@@ -1,0 +1,114 @@
+"""The raw statistics row on the CPU in one fused pass (``cpu_stats.c``), built on first use.
+
+torch's CPU ops need six passes and a serial bincount for a row; the C kernel reads each
+element once, on torch's thread pool. It is compiled with the system C compiler (``$CC``,
+else cc/gcc/clang) into a cache directory - a fraction of a second, once per machine - and
+loaded with ctypes. Without a compiler, or with ``AMPAUDIT_CPU_KERNEL=0``, ``available()``
+is False and ``stats`` uses the torch ops; ``status()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_stats.c")
+_ENTRY = {torch.float32: "ampaudit_rows_f32", torch.float16: "ampaudit_rows_f16", torch.bfloat16: "ampaudit_rows_bf16"}
+_status = "not built yet"
+
+
+def status() -> str:
+    """Which CPU path rows take, and why: "C kernel (OpenMP)", or the reason it is not used."""
+    available()
+    return _status
+
+
+def cache_dir() -> Path:
+    """$AMPAUDIT_CACHE_DIR, else $XDG_CACHE_HOME/ampaudit, else ~/.cache/ampaudit."""
+    if os.environ.get("AMPAUDIT_CACHE_DIR"):
+        return Path(os.environ["AMPAUDIT_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ampaudit"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
+
+
+def _cached() -> Path:
+    """Where a build of this source for this machine lives (found without a compiler)."""
+    suffix = ".dll" if sys.platform == "win32" else ".so"
+    key = hashlib.sha256(SOURCE.read_bytes() + f"|{platform.machine()}|{sys.platform}".encode()).hexdigest()[:16]
+    return cache_dir() / f"cpu_stats-{key}{suffix}"
+
+
+def _build(compiler: str | None) -> Path:
+    """Compile the kernel (with OpenMP if the compiler has it) into the cache; reuse a build
+    of the same source, compiler and machine. Written to a temporary name and renamed, so
+    processes starting together (DDP ranks) never load a half-written library."""
+    target = _cached()
+    if target.exists():
+        return target
+    if compiler is None:
+        raise OSError("no C compiler found; set CC")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in (["-fopenmp"], []):
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
+        os.close(fd)
+        cmd = [*compiler.split(), "-O3", "-shared", "-fPIC", *flags, "-o", tmp, str(SOURCE)]
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            run, error = None, str(exc)
+        if run is not None and run.returncode == 0:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        errors.append(error if run is None else (run.stderr.strip().splitlines() or ["failed"])[-1])
+    raise OSError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+
+
+@cache
+def _functions() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
+    global _status
+    if os.environ.get("AMPAUDIT_CPU_KERNEL", "1") == "0":
+        _status = "torch ops (AMPAUDIT_CPU_KERNEL=0)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(_compiler())))
+    except OSError as exc:
+        _status = f"torch ops ({exc})"
+        return None
+    functions = {dtype: getattr(lib, name) for dtype, name in _ENTRY.items()}
+    for fn in functions.values():
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = None
+    _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
+    return functions
+
+
+def available() -> bool:
+    return _functions() is not None
+
+
+def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (counts, absmax) as ``stats.torch_raw_row``, for a CPU tensor, in one pass."""
+    flat = x.detach().reshape(-1)
+    if flat.dtype not in _ENTRY:
+        flat = flat.float()
+    flat = flat.contiguous()
+    counts = torch.zeros(1024, dtype=torch.int64)
+    peak = torch.zeros((), dtype=torch.int32)  # fp32 bits of the finite absmax
+    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), peak.data_ptr(),
+                             torch.get_num_threads())
+    return counts, peak.view(torch.float32)

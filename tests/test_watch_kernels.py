@@ -1,0 +1,102 @@
+"""The raw statistics row from each backend - torch ops, the C kernel, Triton - is the same."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ampaudit.watch import cpu_kernel, stats
+from tests.conftest import ROOT
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, 70000.0, -1e5, 6.1e-5, 6e-5, 1e-7, 6e-8, 3e-8, 1e-30,
+           1e-40, 3.4e38, float("inf"), -float("inf"), float("nan")]
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason=f"no C kernel: {cpu_kernel.status()}")
+
+
+def _values(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """n values over 60 decades with every special value in front, in ``dtype``."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.logspace(-30, 30, n, dtype=torch.float64)
+    x[: len(SPECIAL)] = torch.tensor(SPECIAL[:n], dtype=torch.float64)
+    return x.to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [0, 1, 19, 4099, 3 * 65536 + 7])  # 3 * 65536 + 7: several pieces, on threads
+def test_c_kernel_matches_the_torch_ops(dtype, n):
+    x = _values(n, dtype)
+    (counts, absmax), (want_counts, want_absmax) = cpu_kernel.raw_row(x), stats.torch_raw_row(x)
+    assert counts.dtype == torch.int64 and int(counts.sum()) == n
+    nan_bins = slice(255 * 4 + 1, 256 * 4)  # which quiet NaN a conversion makes is the library's choice
+    assert torch.equal(counts[: nan_bins.start], want_counts[: nan_bins.start])
+    assert int(counts[nan_bins].sum()) == int(want_counts[nan_bins].sum())
+    assert float(absmax) == float(want_absmax)
+
+
+@needs_kernel
+def test_c_kernel_reads_views_and_counts_known_fields():
+    base = torch.tensor(SPECIAL * 4).reshape(4, -1)
+    x = base.t()  # not contiguous
+    row = stats.to_stats(stats.compact(stats.stack_raw([cpu_kernel.raw_row(x)], x.device),
+                                       stats.Limits(torch.float16))[0].tolist())
+    # per copy: NaN; +-Inf; 70000, -1e5, 3.4e38 (and the infs) beyond fp16; 6.1e-5 .. 1e-40 below its normals
+    assert {k: row[k] for k in ("numel", "nan", "inf", "overflow", "underflow", "zero")} == {
+        "numel": 76, "nan": 4, "inf": 8, "overflow": 20, "underflow": 28, "zero": 8}
+    assert row["absmax"] == pytest.approx(3.4e38)
+
+
+@needs_kernel
+def test_c_kernel_counts_every_nan_as_nan():
+    # A signalling NaN whose payload sits in the low bits looks like Inf to the top-bits
+    # histogram; the kernel makes every NaN the quiet one first.
+    signalling = torch.tensor([0x7F800001, 0xFF800010]).to(torch.int32).view(torch.float32)
+    counts, absmax = cpu_kernel.raw_row(signalling)
+    assert int(counts[255 * 4 + 2]) == 2 and float(absmax) == 0.0
+    half = torch.tensor([0x7C01, 0xFC01, 0x7C00]).to(torch.int16).view(torch.float16)
+    counts, _ = cpu_kernel.raw_row(half)
+    assert (int(counts[255 * 4 + 2]), int(counts[255 * 4])) == (2, 1)
+
+
+@needs_kernel
+def test_stats_uses_the_c_kernel_on_the_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernel, "raw_row", lambda x: calls.append(x) or stats.torch_raw_row(x))
+    stats.raw_row(torch.ones(3))
+    assert len(calls) == 1
+
+
+def _status_in_subprocess(env: dict[str, str]) -> str:
+    code = ("from ampaudit.watch import cpu_kernel, stats\nimport torch\n"
+            "c, m = stats.raw_row(torch.tensor([1.0, 0.0]))\n"
+            "assert int(c.sum()) == 2 and float(m) == 1.0\nprint(cpu_kernel.status())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"AMPAUDIT_CPU_KERNEL": "0"}, "torch ops (AMPAUDIT_CPU_KERNEL=0)"),
+    ({"CC": "/nonexistent/cc"}, "torch ops (/nonexistent/cc could not build cpu_stats.c"),
+    ({"CC": "false"}, "torch ops (false could not build cpu_stats.c"),
+])
+def test_without_a_working_compiler_rows_fall_back_to_torch(tmp_path, env, says):
+    assert _status_in_subprocess({**env, "AMPAUDIT_CACHE_DIR": str(tmp_path)}).startswith(says)
+    assert not list(tmp_path.glob("*.so"))  # nothing half-built left behind
+    assert not list(tmp_path.iterdir())
+
+
+@needs_kernel
+def test_the_build_is_cached(tmp_path):
+    env = {"AMPAUDIT_CACHE_DIR": str(tmp_path)}
+    assert _status_in_subprocess(env).startswith("C kernel")
+    (built,) = tmp_path.iterdir()
+    stamp = built.stat().st_mtime_ns
+    assert _status_in_subprocess({**env, "CC": "false"}).startswith("C kernel")  # no compiler needed now
+    assert built.stat().st_mtime_ns == stamp
