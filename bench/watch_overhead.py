@@ -1,11 +1,12 @@
 """Benchmark: the cost of ampaudit.watch per training step, A/B interleaved in one run.
 
-Variants: a plain step; ampaudit.watch (every step, and every 10th); per-module hooks that
-call .item() on each statistic (the naive approach); torch.autograd.detect_anomaly.
-CPU: a small transformer in fp32, audited for float16. On a GPU (when there is one): the
-same model, larger. Target on CPU: watch <= 1.25x a plain step.
+Variants: a plain step; ampaudit.watch (every step, every 10th, and every step with the
+torch-op rows instead of the C kernel); per-module hooks that call .item() on each
+statistic (the naive approach); torch.autograd.detect_anomaly.
+CPU: a small transformer in fp32, audited for float16. Target on CPU: watch <= 1.25x a
+plain step. (The GPU benchmark, GPT-2 small with autocast, is bench/watch_gpu.py.)
 
-Run: python bench/watch_overhead.py [--steps N] [--rounds R]
+Run: python bench/watch_overhead.py [--steps N] [--rounds R] [--width D]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ampaudit
+from ampaudit.watch import cpu_kernel
 
 
 class Block(nn.Module):
@@ -72,10 +75,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--width", type=int, default=128, help="model width d (4 heads, 4 blocks)")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cpu"
     torch.manual_seed(0)
-    model = TinyGPT().to(device)
+    model = TinyGPT(d=args.width).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, 512, (8, 128), device=device)
     targets = torch.roll(idx, -1, 1)
@@ -87,13 +91,9 @@ def main() -> None:
         opt.step()
 
     def timed(n):
-        if device == "cuda":
-            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(n):
             step()
-        if device == "cuda":
-            torch.cuda.synchronize()
         return (time.perf_counter() - start) / n
 
     def plain(n):
@@ -102,6 +102,10 @@ def main() -> None:
     def watched(n, every=1):
         with ampaudit.watch(model, optimizer=opt, every=every):
             return timed(n)
+
+    def torch_rows(n):
+        with mock.patch.object(cpu_kernel, "available", lambda: False):
+            return watched(n)
 
     def naive(n):
         handles = naive_hooks(model)
@@ -116,7 +120,7 @@ def main() -> None:
             return timed(n)
 
     variants = {"plain": plain, "watch": watched, "watch every=10": lambda n: watched(n, 10),
-                "naive .item() hooks": naive, "detect_anomaly": anomaly}
+                "watch, torch-op rows": torch_rows, "naive .item() hooks": naive, "detect_anomaly": anomaly}
     import warnings
 
     warnings.filterwarnings("ignore")  # detect_anomaly warns that it is slow
@@ -127,11 +131,11 @@ def main() -> None:
         for name, fn in variants.items():
             times[name].append(fn(args.steps))
     base = statistics.median(times["plain"])
-    print(f"TinyGPT (4 blocks, d=128, batch 8 x 128), {device}, {torch.get_num_threads()} threads, "
-          f"median of {args.rounds} rounds x {args.steps} steps")
+    print(f"TinyGPT (4 blocks, d={args.width}, batch 8 x 128), {device}, {torch.get_num_threads()} threads, "
+          f"median of {args.rounds} rounds x {args.steps} steps; rows: {cpu_kernel.status()}")
     for name, values in times.items():
         med = statistics.median(values)
-        print(f"  {name:<20} {med * 1000:8.1f} ms/step  {med / base:5.2f}x")
+        print(f"  {name:<22} {med * 1000:8.1f} ms/step  {med / base:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -395,3 +395,47 @@ def test_report_refuses_a_json_file_that_is_not_a_watch_log(cli, tmp_path):
     log.write_text('{"hello": 1}\n')
     result = cli("report", log)
     assert result.code == 2 and "is not an ampaudit watch log" in result.err
+
+
+def test_report_writes_tensorboard_scalars(tmp_path, cli):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = _net(_Blowup(at_step=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    log, out = tmp_path / "run.jsonl", tmp_path / "tb"
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log):
+        for _ in range(3):
+            loss = model(torch.ones(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    result = cli("report", log, "--format", "json", "--tensorboard", out)
+    assert result.code == 0 and "scalars over 3 steps" in result.err
+    events = EventAccumulator(str(out))
+    events.Reload()
+
+    def series(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    assert series("loss_scale") == [(0, 1024.0), (1, 1024.0), (2, 512.0)]
+    assert series("skipped_step") == [(0, 0.0), (1, 1.0), (2, 0.0)]
+    # _Blowup multiplies its 3 x 8 input by inf at step 1: 24 Inf (or NaN, from 0 * inf) values
+    assert series("nonfinite/forward/1") == [(0, 0.0), (1, 24.0), (2, 0.0)]
+    assert series("overflow/forward/1")[1] == (1, 24.0)
+    assert [step for step, _ in series("grad_norm/0.weight")] == [0, 1, 2]
+
+
+def test_report_tensorboard_without_tensorboard_is_one_line(tmp_path, cli, monkeypatch):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log):
+        _train(model, opt, 1)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    result = cli("report", log, "--tensorboard", tmp_path / "tb")
+    assert result.code == 2
+    assert result.err.strip() == ("ampaudit: error: --tensorboard needs tensorboard "
+                                  "(pip install 'ampaudit[tensorboard]')")

@@ -100,3 +100,13 @@ def test_the_build_is_cached(tmp_path):
     stamp = built.stat().st_mtime_ns
     assert _status_in_subprocess({**env, "CC": "false"}).startswith("C kernel")  # no compiler needed now
     assert built.stat().st_mtime_ns == stamp
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_c_kernel_on_every_16_bit_pattern(dtype):
+    x = torch.arange(-(2**15), 2**15).to(torch.int16).view(dtype)
+    quiet = torch.where(x.isnan(), torch.tensor(float("nan"), dtype=dtype), x)  # the one NaN torch makes
+    (counts, absmax), (want_counts, want_absmax) = cpu_kernel.raw_row(x), stats.torch_raw_row(quiet)
+    assert torch.equal(counts, want_counts), (counts - want_counts).nonzero().flatten().tolist()
+    assert float(absmax) == float(want_absmax) == float(torch.finfo(dtype).max)

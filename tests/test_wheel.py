@@ -1,4 +1,4 @@
-"""The catalog ships inside the wheel, and an installed wheel finds it."""
+"""The catalog and watch's C kernel source ship inside the wheel, and an installed wheel finds them."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contains_the_catalog_and_schema(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"ampaudit/_rules/ops.toml", "ampaudit/_rules/rules.toml", "ampaudit/report/report.schema.json"} <= names
+    assert {"ampaudit/_rules/ops.toml", "ampaudit/_rules/rules.toml", "ampaudit/report/report.schema.json",
+            "ampaudit/watch/cpu_stats.c"} <= names
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "ampaudit = ampaudit.cli.main:main" in entry_points
@@ -35,10 +36,12 @@ def test_installed_wheel_loads_its_own_catalog(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(target),
                     str(wheel)], check=True, timeout=300)
     code = ("from ampaudit.core.resources import rules_dir; from ampaudit.core.catalog import builtin_catalog; "
-            "print(rules_dir()); print(len(builtin_catalog().ops))")
+            "from ampaudit.watch import cpu_kernel; "
+            "print(rules_dir()); print(len(builtin_catalog().ops)); print(cpu_kernel.SOURCE.is_file())")
     env = {**os.environ, "PYTHONPATH": str(target)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120, check=True)
-    where, count = proc.stdout.split()
+    where, count, kernel_source = proc.stdout.split()
     assert where == str(target / "ampaudit" / "_rules")
     assert int(count) > 100
+    assert kernel_source == "True"

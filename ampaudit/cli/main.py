@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("log", type=Path)
     report.add_argument("--format", choices=("text", "json"), default="text")
     report.add_argument("--plot", type=Path, metavar="PNG", help="also plot histograms and over/underflow")
+    report.add_argument("--tensorboard", type=Path, metavar="DIR",
+                        help="also write per-step scalars (overflow, underflow, loss scale, ...) for TensorBoard")
 
     rules = sub.add_parser("rules", help="list the rules")
     rules.add_argument("--format", choices=("text", "markdown", "json"), default="text")
@@ -327,6 +329,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     summary = builder.summary()
     if args.plot is not None:
         plot(builder.records, summary, args.plot)
+    if args.tensorboard is not None:
+        from ampaudit.report.tensorboard import write_tensorboard
+
+        points = write_tensorboard(builder.records, args.tensorboard)
+        print(f"wrote {points} scalars over {len(builder.records)} steps to {args.tensorboard}", file=sys.stderr)
     if args.format == "json":
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:

@@ -93,6 +93,7 @@ def _functions() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
     for fn in functions.values():
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         fn.restype = None
+    lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
     return functions
 

@@ -12,68 +12,76 @@
 #include <string.h>
 
 #define PIECE 65536 /* elements per task: per-lane counts stay far below 2**32 */
+#define BLOCK 512   /* elements whose bins are computed (vectorised) before they are counted */
 
-/* Loaders: |x| as fp32 bits, every NaN made the canonical quiet NaN (signalling ones too,
- * which the torch ops would count as Inf when their payload sits in the low bits). */
-static inline uint32_t quiet(uint32_t a) {
-    return a > 0x7f800000u ? 0x7fc00000u : a;
+/* Loaders: |x| as fp32 bits in an int32 (all below 2**31, so signed compares work and the
+ * compiler can vectorise them), every NaN made the canonical quiet NaN - signalling ones
+ * too, which a top-bits histogram would otherwise count as Inf. */
+static inline int32_t quiet(int32_t a) {
+    return a > 0x7f800000 ? 0x7fc00000 : a;
 }
 
-static inline uint32_t f32_abs(const void *x, int64_t i) {
-    return quiet(((const uint32_t *)x)[i] & 0x7fffffffu);
+static inline int32_t f32_abs(const void *x, int64_t i) {
+    return quiet(((const int32_t *)x)[i] & 0x7fffffff);
 }
 
-static inline uint32_t bf16_abs(const void *x, int64_t i) {
-    return quiet((uint32_t)(((const uint16_t *)x)[i] & 0x7fffu) << 16);
+static inline int32_t bf16_abs(const void *x, int64_t i) {
+    return quiet((int32_t)(((const uint16_t *)x)[i] & 0x7fffu) << 16);
 }
 
-/* Exact: every float16 is a float32. */
-static inline uint32_t f16_abs(const void *x, int64_t i) {
-    uint32_t h = ((const uint16_t *)x)[i] & 0x7fffu, e = h >> 10, m = h & 0x3ffu;
-    if (e == 0x1f) return m ? 0x7fc00000u : 0x7f800000u;
-    if (e) return ((e + 112u) << 23) | (m << 13);
-    if (!m) return 0;
-    uint32_t shift = 0; /* subnormal: m * 2**-24, normalised */
-    while (!(m & 0x400u)) { m <<= 1; shift++; }
-    return ((113u - shift) << 23) | ((m & 0x3ffu) << 13);
+/* float16 through a table of all 32768 magnitudes (filled by ampaudit_init, called once at
+ * load): exact, every float16 being a float32, and faster than converting each element. */
+static int32_t half_table[32768];
+
+static inline int32_t f16_abs(const void *x, int64_t i) {
+    return half_table[((const uint16_t *)x)[i] & 0x7fff];
 }
 
-/* One piece: four lanes of counts so that runs of equal bins do not serialise on one
- * counter. A macro rather than a function pointer so that each loader is inlined. */
-#define PIECE_BODY(LOAD)                                                          \
-    uint32_t c[4][1024];                                                          \
-    uint32_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;                                      \
-    memset(c, 0, sizeof c);                                                       \
-    int64_t i = lo;                                                               \
-    for (; i + 4 <= hi; i += 4) {                                                 \
-        uint32_t a0 = LOAD(x, i), a1 = LOAD(x, i + 1);                            \
-        uint32_t a2 = LOAD(x, i + 2), a3 = LOAD(x, i + 3);                        \
-        c[0][key(a0)]++; c[1][key(a1)]++; c[2][key(a2)]++; c[3][key(a3)]++;      \
-        m0 = finite_max(m0, a0); m1 = finite_max(m1, a1);                         \
-        m2 = finite_max(m2, a2); m3 = finite_max(m3, a3);                         \
-    }                                                                             \
-    for (; i < hi; i++) {                                                         \
-        uint32_t a = LOAD(x, i);                                                  \
-        c[0][key(a)]++;                                                           \
-        m0 = finite_max(m0, a);                                                   \
-    }                                                                             \
-    for (int k = 0; k < 1024; k++)                                                \
-        counts[k] += (int64_t)c[0][k] + c[1][k] + c[2][k] + c[3][k];             \
-    m0 = finite_max(finite_max(m0, m1), finite_max(m2, m3));                      \
-    *maxbits = m0 > *maxbits ? m0 : *maxbits;
+void ampaudit_init(void) {
+    for (int32_t h = 0; h < 32768; h++) {
+        int32_t e = h >> 10, m = h & 0x3ff, sub_bits;
+        float sub = (float)m * 0x1p-24f; /* exponent 0: m * 2**-24 */
+        memcpy(&sub_bits, &sub, sizeof sub_bits);
+        half_table[h] = e == 31 ? (m ? 0x7fc00000 : 0x7f800000) : e ? (h << 13) + (112 << 23) : sub_bits;
+    }
+}
 
 /* The bin: the top 10 bits, except that subnormals too small to reach bin 1 go there rather
  * than into bin 0, which holds exact zeros only. */
-static inline uint32_t key(uint32_t a) {
-    uint32_t k = a >> 21;
-    return k | (k == 0 && a != 0);
+static inline int32_t key(int32_t a) {
+    int32_t k = a >> 21, nonzero = a != 0;
+    return k > nonzero ? k : nonzero;
 }
 
-/* Inf and NaN (bits >= 0x7f800000) do not count for the finite max. */
-static inline uint32_t finite_max(uint32_t m, uint32_t a) {
-    a = a < 0x7f800000u ? a : 0;
-    return a > m ? a : m;
-}
+/* One piece, a block at a time: first the bins and the finite max of the block (a loop the
+ * compiler vectorises), then the counting, over four lanes of counts so that runs of equal
+ * bins do not serialise on one counter. A macro rather than a function pointer so that each
+ * loader is inlined. */
+#define PIECE_BODY(LOAD)                                                   \
+    uint32_t c[4][1024];                                                   \
+    int16_t keys[BLOCK];                                                   \
+    int32_t peak = 0;                                                      \
+    memset(c, 0, sizeof c);                                                \
+    for (int64_t b = lo; b < hi; b += BLOCK) {                             \
+        int len = hi - b < BLOCK ? (int)(hi - b) : BLOCK;                  \
+        for (int j = 0; j < len; j++) {                                    \
+            int32_t a = LOAD(x, b + j);                                    \
+            keys[j] = (int16_t)key(a);                                     \
+            int32_t finite = a < 0x7f800000 ? a : 0;                       \
+            peak = finite > peak ? finite : peak;                          \
+        }                                                                  \
+        int j = 0;                                                         \
+        for (; j + 4 <= len; j += 4) {                                     \
+            c[0][keys[j]]++;                                               \
+            c[1][keys[j + 1]]++;                                           \
+            c[2][keys[j + 2]]++;                                           \
+            c[3][keys[j + 3]]++;                                           \
+        }                                                                  \
+        for (; j < len; j++) c[0][keys[j]]++;                              \
+    }                                                                      \
+    for (int k = 0; k < 1024; k++)                                         \
+        counts[k] += (int64_t)c[0][k] + c[1][k] + c[2][k] + c[3][k];      \
+    if ((uint32_t)peak > *maxbits) *maxbits = (uint32_t)peak;
 
 /* The entry points: split into pieces, on OpenMP threads when there are several. */
 #define DEFINE_ROWS(NAME, LOAD)                                                                  \

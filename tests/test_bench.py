@@ -1,0 +1,33 @@
+"""The watch benchmarks run end to end (tiny settings; the numbers live in README.md)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _ratios(out: str) -> dict[str, float]:
+    return {m[1].strip(): float(m[2]) for m in re.finditer(r"^  (\S.*?)\s+[\d.]+ ms/step\s+([\d.]+)x$", out, re.M)}
+
+
+def test_cpu_watch_benchmark_runs_every_variant():
+    out = _run("bench/watch_overhead.py", "--steps", "1", "--rounds", "1", "--width", "32")
+    assert "rows: C kernel" in out or "rows: torch ops" in out
+    ratios = _ratios(out)
+    assert set(ratios) == {"plain", "watch", "watch every=10", "watch, torch-op rows", "naive .item() hooks",
+                           "detect_anomaly"}
+    assert ratios["plain"] == 1.0
+
+
+def test_gpu_watch_benchmark_smoke_mode_runs_on_the_cpu():
+    ratios = _ratios(_run("bench/watch_gpu.py", "--smoke"))
+    assert {"plain", "watch", "watch every=10", "naive .item() hooks", "detect_anomaly"} <= set(ratios)
