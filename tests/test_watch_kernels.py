@@ -110,3 +110,14 @@ def test_c_kernel_on_every_16_bit_pattern(dtype):
     (counts, absmax), (want_counts, want_absmax) = cpu_kernel.raw_row(x), stats.torch_raw_row(quiet)
     assert torch.equal(counts, want_counts), (counts - want_counts).nonzero().flatten().tolist()
     assert float(absmax) == float(want_absmax) == float(torch.finfo(dtype).max)
+
+
+@pytest.mark.parametrize("backend", ["torch", "c"])
+def test_fp32_subnormals_are_underflow_not_zeros(backend):
+    if backend == "c" and not cpu_kernel.available():
+        pytest.skip(f"no C kernel: {cpu_kernel.status()}")
+    row_of = stats.torch_raw_row if backend == "torch" else cpu_kernel.raw_row
+    x = torch.tensor([0.0, -0.0, 1e-45, 1e-40, -1e-39, 2.0**-126, 1.0])  # 3 subnormals, 2 of them below 2**-128
+    row = stats.to_stats(stats.compact(stats.stack_raw([row_of(x)], x.device), stats.Limits(torch.float16))[0].tolist())
+    assert (row["zero"], row["underflow"]) == (2, 4)  # the subnormals and 2**-126, all below fp16's normals
+    assert row["hist"] == [[-127, 3], [-126, 1], [0, 1]]
