@@ -23,9 +23,7 @@ KNOWN = [70000.0, 1e-6, 0.0, 1.0, float("inf"), float("nan"), -1e5, 3e-8]
 
 def test_row_counts_on_known_values():
     def row_of(values, dtype):
-        limits = stats.Limits(dtype)
-        raw = stats.stack_raw([stats.torch_raw_row(torch.tensor(values))], torch.device("cpu"))
-        return stats.to_stats(stats.compact(raw, limits)[0].tolist())
+        return stats.row_stats(*stats.torch_raw_row(torch.tensor(values)), stats.Limits(dtype))
 
     row = row_of(KNOWN, torch.float16)
     assert {k: row[k] for k in stats.FIELDS} == {
@@ -43,7 +41,17 @@ def test_triton_kernel_matches_the_torch_path():
             f"x = torch.tensor({[*KNOWN, 1e-40, -1e-45, 2.0**-126]!r} * 2000)\n"  # 22000: 3 blocks
             "assert triton_stats.available()\n"
             "(ca, ma), (cb, mb) = triton_stats.raw_row(x), stats.torch_raw_row(x)\n"
-            "assert torch.equal(ca, cb) and float(ma) == float(mb), ((ca - cb).nonzero(), ma, mb)\n")
+            "assert torch.equal(ca, cb) and float(ma) == float(mb), ((ca - cb).nonzero(), ma, mb)\n"
+            # parameter rows: the sum of squares and the count over the loss scale, fused
+            "g = torch.randn(20000, generator=torch.Generator().manual_seed(0)) * 40\n"
+            "kernel = [torch.zeros(1025, dtype=torch.int64), torch.zeros(2)]\n"
+            "ops = [torch.zeros(1025, dtype=torch.int64), torch.zeros(2)]\n"
+            "scale = torch.tensor(1024.0)\n"
+            "triton_stats.fill_row(g, *kernel, norm=True, scale=scale, limit=65504.0)\n"
+            "stats.torch_fill_row(g, *ops)\n"
+            "stats.fill_extras(g, *ops, norm=True, scale=scale, limit=65504.0)\n"
+            "assert torch.equal(kernel[0], ops[0]) and kernel[0][1024] > 0, (kernel[0][1024], ops[0][1024])\n"
+            "assert torch.allclose(kernel[1], ops[1], rtol=1e-5), (kernel[1], ops[1])\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -439,3 +447,41 @@ def test_report_tensorboard_without_tensorboard_is_one_line(tmp_path, cli, monke
     assert result.code == 2
     assert result.err.strip() == ("ampaudit: error: --tensorboard needs tensorboard "
                                   "(pip install 'ampaudit[tensorboard]')")
+
+
+def test_param_norms_and_overflow_at_scale_are_exact():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients read after are the logged ones
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14)
+    x = torch.linspace(-3, 3, 12).reshape(3, 4)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        loss = model(x).pow(2).sum() * 40
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    params = mon.summary()["params"]
+    for name, p in model.named_parameters():
+        assert params[name]["norm"] == pytest.approx(float(torch.linalg.vector_norm(p.grad)), rel=1e-6)
+        want = int((p.grad.abs() * 2.0**14 > 65504).sum())  # the gradients fp16 could not hold at that scale
+        assert params[name]["overflow_at_scale"] == want
+    assert sum(p["overflow_at_scale"] for p in params.values()) > 0  # the case is exercised
+
+
+def test_arena_rows_grow_by_chunks_and_reset_to_zero():
+    from ampaudit.watch.arena import RowArena
+
+    rows = RowArena(chunk=2)
+    handles = []
+    for value in range(5):  # three chunks
+        handle, counts, extras = rows.take(torch.device("cpu"))
+        counts[value] = value + 1
+        extras[1] = value
+        handles.append(handle)
+    counts, extras = rows.matrix(handles[::-1], torch.device("cpu"))
+    assert counts.shape == (5, 1025) and [int(counts[i, 4 - i]) for i in range(5)] == [5, 4, 3, 2, 1]
+    assert extras[:, 1].tolist() == [4.0, 3.0, 2.0, 1.0, 0.0]
+    rows.reset()
+    handle, counts, extras = rows.take(torch.device("cpu"))
+    assert handle == (torch.device("cpu"), 0) and not counts.any() and not extras.any()
+    assert all(not c.any() for c in rows._counts[torch.device("cpu")])

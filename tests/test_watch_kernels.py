@@ -43,8 +43,7 @@ def test_c_kernel_matches_the_torch_ops(dtype, n):
 def test_c_kernel_reads_views_and_counts_known_fields():
     base = torch.tensor(SPECIAL * 4).reshape(4, -1)
     x = base.t()  # not contiguous
-    row = stats.to_stats(stats.compact(stats.stack_raw([cpu_kernel.raw_row(x)], x.device),
-                                       stats.Limits(torch.float16))[0].tolist())
+    row = stats.row_stats(*cpu_kernel.raw_row(x), stats.Limits(torch.float16))
     # per copy: NaN; +-Inf; 70000, -1e5, 3.4e38 (and the infs) beyond fp16; 6.1e-5 .. 1e-40 below its normals
     assert {k: row[k] for k in ("numel", "nan", "inf", "overflow", "underflow", "zero")} == {
         "numel": 76, "nan": 4, "inf": 8, "overflow": 20, "underflow": 28, "zero": 8}
@@ -66,7 +65,7 @@ def test_c_kernel_counts_every_nan_as_nan():
 @needs_kernel
 def test_stats_uses_the_c_kernel_on_the_cpu(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_kernel, "raw_row", lambda x: calls.append(x) or stats.torch_raw_row(x))
+    monkeypatch.setattr(cpu_kernel, "fill_row", lambda x, c, e: calls.append(x) or stats.torch_fill_row(x, c, e))
     stats.raw_row(torch.ones(3))
     assert len(calls) == 1
 
@@ -118,6 +117,6 @@ def test_fp32_subnormals_are_underflow_not_zeros(backend):
         pytest.skip(f"no C kernel: {cpu_kernel.status()}")
     row_of = stats.torch_raw_row if backend == "torch" else cpu_kernel.raw_row
     x = torch.tensor([0.0, -0.0, 1e-45, 1e-40, -1e-39, 2.0**-126, 1.0])  # 3 subnormals, 2 of them below 2**-128
-    row = stats.to_stats(stats.compact(stats.stack_raw([row_of(x)], x.device), stats.Limits(torch.float16))[0].tolist())
+    row = stats.row_stats(*row_of(x), stats.Limits(torch.float16))
     assert (row["zero"], row["underflow"]) == (2, 4)  # the subnormals and 2**-126, all below fp16's normals
     assert row["hist"] == [[-127, 3], [-126, 1], [0, 1]]

@@ -102,14 +102,20 @@ def available() -> bool:
     return _functions() is not None
 
 
-def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same (counts, absmax) as ``stats.torch_raw_row``, for a CPU tensor, in one pass."""
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor) -> None:
+    """Add a CPU tensor's bin counts to ``counts[:1024]`` (int64) and raise ``extras[0]``
+    (float32, >= 0) to its finite absmax, in one pass."""
     flat = x.detach().reshape(-1)
     if flat.dtype not in _ENTRY:
         flat = flat.float()
     flat = flat.contiguous()
-    counts = torch.zeros(1024, dtype=torch.int64)
-    peak = torch.zeros((), dtype=torch.int32)  # fp32 bits of the finite absmax
-    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), peak.data_ptr(),
+    # The kernel keeps the absmax as fp32 bits: for values >= 0 their order is the floats' order.
+    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), extras.data_ptr(),
                              torch.get_num_threads())
-    return counts, peak.view(torch.float32)
+
+
+def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (counts, absmax) as ``stats.torch_raw_row``, for a CPU tensor, in one pass."""
+    counts, extras = torch.zeros(1024, dtype=torch.int64), torch.zeros(1)
+    fill_row(x, counts, extras)
+    return counts, extras[0]

@@ -21,7 +21,8 @@ from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
 from ampaudit.core.errors import AmpauditError
-from ampaudit.watch import stats
+from ampaudit.watch import arena, stats
+from ampaudit.watch.arena import RowArena
 from ampaudit.watch.summary import SummaryBuilder
 
 NO_EVENT = 2**62  # "no non-finite tensor yet" on the device
@@ -63,11 +64,12 @@ class Monitor:
         self._handles: list[Any] = []
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._param_names: dict[int, str] = {}
-        self._event_rows: list[torch.Tensor] = []  # raw rows, in execution order
+        self._arena = RowArena()  # this step's raw rows, filled in place by the kernels
+        self._event_rows: list[tuple] = []  # arena handles, in execution order
         self._events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Any]] = {}  # this step's measured tensors
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
-        self._param_rows: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._param_rows: dict[str, tuple] = {}  # parameter name -> arena handle
         self._acc: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
         self._acc_index: dict[tuple, int] = {}
         self._last_norms: dict[str, float] = {}
@@ -159,7 +161,9 @@ class Monitor:
         key = (id(tensor), tensor._version)
         row = self._seen.get(key)
         if row is None or row[0]() is not tensor:  # a weak reference: never keeps activations alive
-            row = self._seen[key] = (weakref.ref(tensor), stats.raw_row(tensor))
+            handle, counts, extras = self._arena.take(tensor.device)
+            stats.fill_row(tensor, counts, extras)
+            row = self._seen[key] = (weakref.ref(tensor), handle)
         self._event_rows.append(row[1])
         self._events.append((module, phase, label))
 
@@ -253,12 +257,10 @@ class Monitor:
             params = [(self._param_names.get(id(p), f"param{i}"), p) for i, p in enumerate(seen) if p.grad is not None]
         self._param_rows = {}
         for name, p in params:
-            grad = p.grad.detach()
-            norm = torch.linalg.vector_norm(grad.float()).to(torch.float64)
-            # With a GradScaler, also: how many gradients overflow at the current scale.
-            scaled = ((grad.float().abs() * scale.float()) > self.limits.max).sum().to(torch.float64) \
-                if scale is not None else torch.full((), -1.0, dtype=torch.float64, device=grad.device)
-            self._param_rows[name] = (stats.raw_row(grad), norm, scaled)
+            # The norm, and with a GradScaler how many gradients overflow at its current scale.
+            handle, counts, extras = self._arena.take(p.grad.device)
+            stats.fill_row(p.grad, counts, extras, norm=True, scale=scale, limit=self.limits.max)
+            self._param_rows[name] = handle
 
     def _flush_step(self, *, skipped: bool | None = None, found_inf: torch.Tensor | None = None,
                     scale: torch.Tensor | None = None) -> None:
@@ -277,6 +279,7 @@ class Monitor:
                 values = flat.tolist()  # the one host sync of this step
                 self._record_step(step, keys, param_keys, values, skipped)
         self._event_rows, self._events, self._param_rows, self._seen = [], [], {}, {}
+        self._arena.reset()
         self.step_index += 1
 
     def _accumulate(self, flat: torch.Tensor, keys: list, param_keys: list) -> list[float]:
@@ -314,27 +317,28 @@ class Monitor:
         Stats rows per (module, phase), per parameter, norms, overflow at scale, then the first
         non-finite event, the scale and the found-inf flag."""
         f64 = {"dtype": torch.float64}
-        rows = self._event_rows
-        device = rows[0][0].device if rows else next((r[1].device for r in self._param_rows.values()),
-                                                      torch.device("cpu"))
+        handles = self._event_rows + [self._param_rows[k] for k in param_keys]
+        device = handles[0][0] if handles else torch.device("cpu")
+        counts, extras = self._arena.matrix(handles, device)
+        raw = stats.raw_matrix(counts, extras)
+        events, n_events = raw[: len(self._event_rows)], len(self._event_rows)
         parts = []
-        if rows:
-            raw = stats.stack_raw(rows, device)
+        if n_events:
             slot = {key: i for i, key in enumerate(keys)}
             index = torch.tensor([slot[(m, p)] for m, p, _ in self._events], device=device)
-            summed = torch.zeros(len(keys), stats.RAW, device=device, **f64).index_add_(0, index, raw)
+            summed = torch.zeros(len(keys), stats.RAW, device=device, **f64).index_add_(0, index, events)
             summed[:, stats.BINS] = torch.zeros(len(keys), device=device, **f64).scatter_reduce_(
-                0, index, raw[:, stats.BINS], "amax", include_self=False)
+                0, index, events[:, stats.BINS], "amax", include_self=False)
             parts.append(stats.compact(summed, self.limits).reshape(-1))
-            bad = stats.nonfinite(raw)
+            bad = stats.nonfinite(events)
             first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(**f64).reshape(1)
         else:
             first = torch.full((1,), float(NO_EVENT), device=device, **f64)
         if param_keys:
-            prows = [self._param_rows[k] for k in param_keys]
-            parts.append(stats.compact(stats.stack_raw([r for r, _, _ in prows], device), self.limits).reshape(-1))
-            parts.append(torch.stack([n.to(device) for _, n, _ in prows]))
-            parts.append(torch.stack([c.to(device) for _, _, c in prows]))
+            parts.append(stats.compact(raw[n_events:], self.limits).reshape(-1))
+            parts.append(extras[n_events:, arena.SUMSQ].to(**f64).sqrt())
+            parts.append(counts[n_events:, arena.SCALED].to(**f64) if scale is not None
+                         else torch.full((len(param_keys),), -1.0, device=device, **f64))
         minus_one = torch.full((1,), -1.0, device=device, **f64)
         tail = [first, scale.to(device, **f64).reshape(1) if scale is not None else minus_one,
                 found_inf.to(device, **f64).reshape(1) if found_inf is not None else minus_one]

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from ampaudit.watch import cpu_kernel
+from ampaudit.watch import arena, cpu_kernel
 
 BINS = 256 * 4
 RAW = BINS + 1  # counts, then absmax
@@ -43,18 +43,43 @@ class Limits:
         self.normal_bin = math.frexp(info.smallest_normal)[1] - 1 + 127  # lower bins: underflow (bin 0: zero)
 
 
-def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1024 bin counts, finite absmax) of ``x``, on x's device (no host sync). Two tensors
-    rather than one row: joining them would cost small ops on every tensor; the step
-    boundary stacks them all at once (``stack_raw``)."""
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, *, norm: bool = False,
+             scale: torch.Tensor | None = None, limit: float = 0.0) -> None:
+    """Add ``x``'s statistics to a zeroed arena row (``arena.RowArena``), on x's device, with
+    no host sync: the 1024 bin counts and the finite absmax; with ``norm``, the sum of
+    squares; with ``scale`` (a device scalar), how many |x| * scale exceed ``limit``."""
     if x.device.type == "cuda":
         from ampaudit.watch import triton_stats
 
         if triton_stats.available():
-            return triton_stats.raw_row(x)
-    elif x.device.type == "cpu" and cpu_kernel.available():
-        return cpu_kernel.raw_row(x)
-    return torch_raw_row(x)
+            triton_stats.fill_row(x, counts, extras, norm=norm, scale=scale, limit=limit)
+            return
+    if x.device.type == "cpu" and cpu_kernel.available():
+        cpu_kernel.fill_row(x, counts, extras)
+    else:
+        torch_fill_row(x, counts, extras)
+    fill_extras(x, counts, extras, norm=norm, scale=scale, limit=limit)
+
+
+def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1024 bin counts, finite absmax) of one tensor, by its device's backend."""
+    counts = torch.zeros(arena.COUNTS, dtype=torch.int64, device=x.device)
+    extras = torch.zeros(arena.EXTRAS, device=x.device)
+    fill_row(x, counts, extras)
+    return counts[:BINS], extras[arena.ABSMAX]
+
+
+def fill_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, *, norm: bool,
+                scale: torch.Tensor | None, limit: float) -> None:
+    """The sum of squares and the count over the loss scale with torch ops (the CPU's rows
+    need them for parameter gradients only; the Triton kernel computes them itself)."""
+    if not (norm or scale is not None):
+        return
+    flat = x.detach().reshape(-1).float()
+    if norm:
+        extras[arena.SUMSQ] = torch.dot(flat, flat)
+    if scale is not None:
+        counts[arena.SCALED] = (flat.abs() * scale.to(flat.device, torch.float32) > limit).sum()
 
 
 def _top_bits(a: torch.Tensor) -> torch.Tensor:
@@ -64,7 +89,14 @@ def _top_bits(a: torch.Tensor) -> torch.Tensor:
     return a.view(torch.int32) >> 21
 
 
+def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor) -> None:
+    row, absmax = torch_raw_row(x)
+    counts[:BINS] += row
+    extras[arena.ABSMAX] = absmax
+
+
 def torch_raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1024 bin counts, finite absmax) with torch ops: the path without a kernel."""
     a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
     counts = torch.bincount(_top_bits(a), minlength=BINS)
     zeros = a.numel() - torch.count_nonzero(a)
@@ -74,11 +106,10 @@ def torch_raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, absmax
 
 
-def stack_raw(rows: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """Raw rows as one N x RAW float64 matrix."""
-    counts = torch.stack([c.to(device) for c, _ in rows]).to(torch.float64)
-    absmax = torch.stack([m.to(device) for _, m in rows]).to(torch.float64)
-    return torch.cat([counts, absmax[:, None]], dim=1)
+def raw_matrix(counts: torch.Tensor, extras: torch.Tensor) -> torch.Tensor:
+    """Arena rows (``RowArena.matrix``) as the N x RAW float64 matrix ``compact`` reads."""
+    return torch.cat([counts[:, :BINS].to(torch.float64), extras[:, arena.ABSMAX:arena.ABSMAX + 1].to(torch.float64)],
+                     dim=1)
 
 
 def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
@@ -93,6 +124,12 @@ def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
     underflow = hist[:, :limits.normal_bin].sum(1)
     head = torch.stack([counts.sum((1, 2)), nan, inf, overflow, underflow, zero, raw[:, BINS]], dim=1)
     return torch.cat([head, hist], dim=1)
+
+
+def row_stats(counts: torch.Tensor, absmax: torch.Tensor, limits: Limits) -> dict:
+    """The summary's Stats of one tensor's (counts, absmax) row, read back (a host sync)."""
+    raw = torch.cat([counts[:BINS].to(torch.float64).cpu(), absmax.to(torch.float64).cpu().reshape(1)])
+    return to_stats(compact(raw[None], limits)[0].tolist())
 
 
 def nonfinite(raw: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The raw statistics row in one Triton kernel (CUDA): a single pass over the tensor builds
-the key histogram and the finite absmax. Each program histograms BLOCK elements on chip
-and adds its 1024 bins to the row with integer atomics - one atomic per bin per block,
-not per element, so a tensor whose values share a few bins does not serialise on them.
+the bin histogram and the finite absmax, and for parameter gradients the sum of squares and
+the count that overflows at the loss scale. Each program histograms BLOCK elements on chip
+and adds its 1024 bins to the row with integer atomics - one atomic per bin per block, not
+per element, so a tensor whose values share a few bins does not serialise on them. The row
+is a slice of the step's arena: recording a tensor is one kernel launch.
 
 ``available()`` is False without Triton or without CUDA; callers then use the torch path.
 Set TRITON_INTERPRET=1 to run the kernel on the CPU (how the tests check it without a GPU).
@@ -14,8 +16,6 @@ from functools import cache
 
 import torch
 
-from ampaudit.watch import stats
-
 BLOCK = 8192
 
 
@@ -25,20 +25,31 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def raw_row_kernel(x_ptr, counts_ptr, absmax_ptr, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    def row_kernel(x_ptr, counts_ptr, extras_ptr, scale_ptr, n, limit,
+                   BLOCK: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
         mask = offsets < n
         a = tl.abs(tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32))
         bits = a.to(tl.int32, bitcast=True)
-        # Masked-off lanes load 0.0 and land in bin 0: the host subtracts them once (older
-        # Triton has no histogram mask).
         key = bits >> 21
         key = tl.where((key == 0) & (bits != 0), 1, key)  # bin 0: exact zeros only
-        tl.atomic_add(counts_ptr + tl.arange(0, 1024), tl.histogram(key, 1024))
+        hist = tl.histogram(key, 1024)
+        # Masked-off lanes load 0.0 and land in bin 0: take them back out (older Triton has
+        # no histogram mask).
+        pad = BLOCK - tl.minimum(n - start, BLOCK)
+        bins = tl.arange(0, 1024)
+        hist = tl.where(bins == 0, hist - pad, hist)
+        tl.atomic_add(counts_ptr + bins, hist.to(tl.int64))
         finite = (bits < 0x7F800000) & mask
-        tl.atomic_max(absmax_ptr, tl.max(tl.where(finite, a, 0.0), axis=0))
+        tl.atomic_max(extras_ptr, tl.max(tl.where(finite, a, 0.0), axis=0))
+        if NORM:
+            tl.atomic_add(extras_ptr + 1, tl.sum(a * a, axis=0))  # masked lanes are 0
+        if SCALED:
+            over = (a * tl.load(scale_ptr) > limit) & mask
+            tl.atomic_add(counts_ptr + 1024, tl.sum(over.to(tl.int64), axis=0))
 
-    return raw_row_kernel
+    return row_kernel
 
 
 @cache
@@ -52,16 +63,23 @@ def available() -> bool:
     return True
 
 
-def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same (counts, absmax) as ``stats.torch_raw_row``, from one kernel launch."""
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, *, norm: bool = False,
+             scale: torch.Tensor | None = None, limit: float = 0.0) -> None:
+    """``stats.fill_row`` in one kernel launch: counts (int64, 1025) and extras (float32, 2)
+    are a zeroed arena row on x's device."""
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    counts = torch.zeros(stats.BINS, dtype=torch.int32, device=flat.device)
-    absmax = torch.zeros((), dtype=torch.float32, device=flat.device)
     n = flat.numel()
     if n:
-        blocks = -(-n // BLOCK)
-        _kernel()[(blocks,)](flat, counts, absmax, n, BLOCK=BLOCK)
-        counts[0] -= blocks * BLOCK - n  # the masked-off lanes of the last block
-    return counts.to(torch.int64), absmax
+        scale_arg = scale.to(torch.float32) if scale is not None else extras
+        _kernel()[(-(-n // BLOCK),)](flat, counts, extras, scale_arg, n, float(limit), BLOCK=BLOCK,
+                                     NORM=norm, SCALED=scale is not None)
+
+
+def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (counts, absmax) as ``stats.torch_raw_row``, from one kernel launch."""
+    counts = torch.zeros(1025, dtype=torch.int64, device=x.device)
+    extras = torch.zeros(2, device=x.device)
+    fill_row(x, counts, extras)
+    return counts[:1024], extras[0]

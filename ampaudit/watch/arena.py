@@ -1,0 +1,69 @@
+"""Where a step's raw rows live: preallocated, zeroed device buffers that kernels fill in place.
+
+A row is 1025 int64 counts (the 1024 bins, then how many values overflow at the loss scale)
+and 2 float32 extras (finite absmax, sum of squares). Taking a row is a slice - no
+allocation, no kernel launch - so recording a tensor costs one kernel launch on a GPU. The
+buffers grow by chunks and are reused step after step: the step boundary reads the rows it
+used and zeroes them (``matrix`` then ``reset``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+COUNTS = 1024 + 1  # bins, then the count that overflows at the current loss scale
+SCALED = 1024
+EXTRAS = 2  # finite absmax, sum of squares
+ABSMAX, SUMSQ = 0, 1
+
+
+Handle = tuple[torch.device, int]
+
+
+class RowArena:
+    """Rows on each device a tensor was recorded on; a row is addressed by (device, index)."""
+
+    def __init__(self, chunk: int = 256) -> None:
+        self.chunk = chunk
+        self._counts: dict[torch.device, list[torch.Tensor]] = {}
+        self._extras: dict[torch.device, list[torch.Tensor]] = {}
+        self._used: dict[torch.device, int] = {}
+
+    def take(self, device: torch.device) -> tuple[Handle, torch.Tensor, torch.Tensor]:
+        """A zeroed row on ``device``: (handle, counts view, extras view)."""
+        used = self._used.get(device, 0)
+        chunk, offset = divmod(used, self.chunk)
+        counts = self._counts.setdefault(device, [])
+        if chunk == len(counts):
+            counts.append(torch.zeros(self.chunk, COUNTS, dtype=torch.int64, device=device))
+            self._extras.setdefault(device, []).append(torch.zeros(self.chunk, EXTRAS, device=device))
+        self._used[device] = used + 1
+        return (device, used), counts[chunk][offset], self._extras[device][chunk][offset]
+
+    def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows behind ``handles``, in that order, on ``device``: (counts N x 1025 int64,
+        extras N x 2 float32)."""
+        if not handles:
+            return (torch.zeros(0, COUNTS, dtype=torch.int64, device=device),
+                    torch.zeros(0, EXTRAS, device=device))
+        counts, extras, offsets, total = [], [], {}, 0
+        for dev, used in self._used.items():  # each device's used rows, one after another
+            offsets[dev], total = total, total + used
+            counts.append(self._rows(self._counts[dev], used).to(device))
+            extras.append(self._rows(self._extras[dev], used).to(device))
+        index = torch.tensor([offsets[dev] + i for dev, i in handles], device=device)
+        if len(counts) == 1:
+            return counts[0].index_select(0, index), extras[0].index_select(0, index)
+        return torch.cat(counts).index_select(0, index), torch.cat(extras).index_select(0, index)
+
+    def _rows(self, chunks: list[torch.Tensor], used: int) -> torch.Tensor:
+        needed = chunks[: -(-used // self.chunk)]
+        return (needed[0] if len(needed) == 1 else torch.cat(needed))[:used]
+
+    def reset(self) -> None:
+        """Zero the rows used this step, for the next one."""
+        for dev, used in self._used.items():
+            for i in range(0, used, self.chunk):
+                self._counts[dev][i // self.chunk][: used - i].zero_()
+                self._extras[dev][i // self.chunk][: used - i].zero_()
+        self._used.clear()
