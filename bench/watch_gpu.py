@@ -15,16 +15,17 @@ Run: python bench/watch_gpu.py [--steps N] [--rounds R]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import statistics
 import sys
-import time
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ab
 
 import ampaudit
 from ampaudit.watch import triton_stats
@@ -36,7 +37,6 @@ def build(smoke: bool, device: str):
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         os.environ.update(GPT2_LAYERS=str(layers), GPT2_EMBD=str(width))
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from gpt2_model import GPT
 
         return GPT().to(device), "GPT-2 (bench/gpt2_model.py)", False
@@ -49,6 +49,18 @@ def build(smoke: bool, device: str):
 
     model.loss_of = loss_of
     return model, "GPT2LMHeadModel (transformers config)", True
+
+
+@contextlib.contextmanager
+def hf_debug(model):
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    DebugUnderflowOverflow(model, max_frames_to_save=1)
+    try:
+        yield
+    finally:
+        for m in model.modules():  # it hooks every module and keeps no handles
+            m._forward_hooks.clear()
 
 
 def main() -> None:
@@ -80,67 +92,18 @@ def main() -> None:
         scaler.step(opt)
         scaler.update()
 
-    def timed(n):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / n
-
-    def watched(n, every=1):
-        with ampaudit.watch(model, optimizer=opt, scaler=scaler, every=every):
-            return timed(n)
-
-    def naive(n):
-        def hook(module, args, out):
-            if isinstance(out, torch.Tensor):
-                _ = (torch.isnan(out).sum().item(), torch.isinf(out).sum().item(), out.abs().max().item())
-
-        handles = [m.register_forward_hook(hook) for m in model.modules()]
-        try:
-            return timed(n)
-        finally:
-            for h in handles:
-                h.remove()
-
-    def anomaly(n):
-        with torch.autograd.detect_anomaly(check_nan=True):
-            return timed(n)
-
-    variants = {"plain": timed, "watch": watched, "watch every=10": lambda n: watched(n, 10),
-                "naive .item() hooks": naive, "detect_anomaly": anomaly}
+    variants = {"plain": contextlib.nullcontext,
+                "watch": lambda: ampaudit.watch(model, optimizer=opt, scaler=scaler),
+                "watch every=10": lambda: ampaudit.watch(model, optimizer=opt, scaler=scaler, every=10),
+                "naive .item() hooks": lambda: ab.item_hooks(model), "detect_anomaly": ab.anomaly}
     if is_hf:
-        from transformers.debug_utils import DebugUnderflowOverflow
-
-        def hf_debug(n):
-            debug = DebugUnderflowOverflow(model, max_frames_to_save=1)
-            try:
-                return timed(n)
-            finally:
-                for m in model.modules():  # it registers a forward hook on every module and keeps no handles
-                    m._forward_hooks.clear()
-                del debug
-
-        variants["HF DebugUnderflowOverflow"] = hf_debug
-    warnings.filterwarnings("ignore")  # detect_anomaly warns that it is slow
-    for fn in variants.values():
-        fn(1 if args.smoke else 3)  # warm-up (and Triton compilation)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.rounds):  # interleaved: drift hits every variant alike
-        for key, fn in variants.items():
-            times[key].append(fn(args.steps))
-    base = statistics.median(times["plain"])
+        variants["HF DebugUnderflowOverflow"] = lambda: hf_debug(model)
+    medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=1 if args.smoke else 3)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{name}, B={batch}, T={seq}, autocast fp16 + GradScaler, {gpu}; rows by "
           f"{'Triton' if device == 'cuda' and triton_stats.available() else 'torch ops / C kernel'}; "
           f"median of {args.rounds} rounds x {args.steps} steps")
-    for key, values in times.items():
-        med = statistics.median(values)
-        print(f"  {key:<26} {med * 1000:8.1f} ms/step  {med / base:5.2f}x")
-
+    ab.print_ratios(medians)
 
 if __name__ == "__main__":
     main()

@@ -12,9 +12,8 @@ Run: python bench/watch_overhead.py [--steps N] [--rounds R] [--width D]
 from __future__ import annotations
 
 import argparse
-import statistics
+import contextlib
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -23,6 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ab
 
 import ampaudit
 from ampaudit.watch import cpu_kernel
@@ -61,16 +63,6 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def naive_hooks(model: nn.Module) -> list:
-    """What people write first: a forward hook that syncs on every statistic."""
-
-    def hook(module, args, out):
-        if isinstance(out, torch.Tensor):
-            _ = (torch.isnan(out).sum().item(), torch.isinf(out).sum().item(), out.abs().max().item())
-
-    return [m.register_forward_hook(hook) for m in model.modules()]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
@@ -90,53 +82,21 @@ def main() -> None:
         loss.backward()
         opt.step()
 
-    def timed(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - start) / n
+    def watched(every=1):
+        return ampaudit.watch(model, optimizer=opt, every=every)
 
-    def plain(n):
-        return timed(n)
+    @contextlib.contextmanager
+    def torch_rows():
+        with mock.patch.object(cpu_kernel, "available", lambda: False), watched():
+            yield
 
-    def watched(n, every=1):
-        with ampaudit.watch(model, optimizer=opt, every=every):
-            return timed(n)
-
-    def torch_rows(n):
-        with mock.patch.object(cpu_kernel, "available", lambda: False):
-            return watched(n)
-
-    def naive(n):
-        handles = naive_hooks(model)
-        try:
-            return timed(n)
-        finally:
-            for h in handles:
-                h.remove()
-
-    def anomaly(n):
-        with torch.autograd.detect_anomaly(check_nan=True):
-            return timed(n)
-
-    variants = {"plain": plain, "watch": watched, "watch every=10": lambda n: watched(n, 10),
-                "watch, torch-op rows": torch_rows, "naive .item() hooks": naive, "detect_anomaly": anomaly}
-    import warnings
-
-    warnings.filterwarnings("ignore")  # detect_anomaly warns that it is slow
-    for fn in variants.values():
-        fn(2)  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.rounds):  # interleaved: drift hits every variant alike
-        for name, fn in variants.items():
-            times[name].append(fn(args.steps))
-    base = statistics.median(times["plain"])
+    variants = {"plain": contextlib.nullcontext, "watch": watched, "watch every=10": lambda: watched(10),
+                "watch, torch-op rows": torch_rows, "naive .item() hooks": lambda: ab.item_hooks(model),
+                "detect_anomaly": ab.anomaly}
+    medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=2)
     print(f"TinyGPT (4 blocks, d={args.width}, batch 8 x 128), {device}, {torch.get_num_threads()} threads, "
           f"median of {args.rounds} rounds x {args.steps} steps; rows: {cpu_kernel.status()}")
-    for name, values in times.items():
-        med = statistics.median(values)
-        print(f"  {name:<22} {med * 1000:8.1f} ms/step  {med / base:5.2f}x")
-
+    ab.print_ratios(medians)
 
 if __name__ == "__main__":
     main()

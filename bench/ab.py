@@ -1,0 +1,67 @@
+"""A/B timing shared by the watch benchmarks: each variant is a context manager around the
+same training step; rounds interleave the variants so that drift hits all of them alike."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+Variant = Callable[[], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def item_hooks(model: nn.Module) -> Iterator[None]:
+    """What people write first: a forward hook on every module that syncs on each statistic."""
+
+    def hook(module, args, out):
+        if isinstance(out, torch.Tensor):
+            _ = (torch.isnan(out).sum().item(), torch.isinf(out).sum().item(), out.abs().max().item())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def anomaly() -> contextlib.AbstractContextManager:
+    return torch.autograd.detect_anomaly(check_nan=True)
+
+
+def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps: int, rounds: int,
+                warmup: int) -> dict[str, float]:
+    """Median seconds per step of each variant; the first one is the baseline."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def timed(variant: Variant, n: int) -> float:
+        with variant():
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            return (time.perf_counter() - start) / n
+
+    warnings.filterwarnings("ignore")  # detect_anomaly warns that it is slow
+    for variant in variants.values():
+        timed(variant, warmup)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, variant in variants.items():
+            times[name].append(timed(variant, steps))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def print_ratios(medians: dict[str, float]) -> None:
+    base = next(iter(medians.values()))
+    for name, med in medians.items():
+        print(f"  {name:<26} {med * 1000:8.1f} ms/step  {med / base:5.2f}x")
