@@ -1,8 +1,9 @@
 """Runtime hooks: per-module forward/backward statistics, parameter gradients, loss scale,
 and the first module that went non-finite - with at most one host sync per logged step.
 
-Hooks only add device tensors together; the step boundary (an optimizer step, a GradScaler
-update, or ``mon.step()``) concatenates everything into one buffer and reads it back once.
+Hooks only fill rows of a preallocated device arena (one kernel per tensor, ``stats``); the
+step boundary (an optimizer step, a GradScaler update, or ``mon.step()``) reduces the rows
+into one buffer on the device and reads it back once.
 The first non-finite event is found on the device too: each event gets a sequence number
 on the host, and the device keeps the smallest one whose tensor held NaN or Inf.
 """
