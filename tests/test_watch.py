@@ -485,3 +485,22 @@ def test_arena_rows_grow_by_chunks_and_reset_to_zero():
     handle, counts, extras = rows.take(torch.device("cpu"))
     assert handle == (torch.device("cpu"), 0) and not counts.any() and not extras.any()
     assert all(not c.any() for c in rows._counts[torch.device("cpu")])
+
+
+@pytest.mark.parametrize(("flag", "needs", "message"), [
+    ("--tensorboard", "tensorboard", "cannot write TensorBoard events to {out}: File exists"),
+    ("--plot", "matplotlib", "cannot write the plot to {out}: No such file or directory"),
+])
+def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag, needs, message):
+    pytest.importorskip(needs)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log):
+        _train(model, opt, 1)
+    out = tmp_path / "taken"
+    out.write_text("")  # a file where TensorBoard's folder goes; the plot goes into a folder that isn't there
+    out = out if flag == "--tensorboard" else tmp_path / "missing" / "plot.png"
+    result = cli("report", log, flag, out)
+    assert result.code == 2
+    assert result.err.strip() == f"ampaudit: error: {message.format(out=out)}"

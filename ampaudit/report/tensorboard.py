@@ -46,12 +46,15 @@ def write_tensorboard(records: list[dict[str, Any]], directory: Path) -> int:
     if not records:
         raise UsageError("the log has no finished step to write")
     points = 0
-    writer = SummaryWriter(log_dir=str(directory))
     try:
-        for record in records:
-            for tag, value in scalars(record).items():
-                writer.add_scalar(tag, value, global_step=record["step"])
-                points += 1
-    finally:
-        writer.close()
+        writer = SummaryWriter(log_dir=str(directory))
+        try:
+            for record in records:
+                for tag, value in scalars(record).items():
+                    writer.add_scalar(tag, value, global_step=record["step"])
+                    points += 1
+        finally:
+            writer.close()
+    except OSError as exc:
+        raise UsageError(f"cannot write TensorBoard events to {directory}: {exc.strerror or exc}") from None
     return points

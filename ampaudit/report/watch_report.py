@@ -89,4 +89,9 @@ def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
     bottom.set_xlabel("step")
     bottom.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise UsageError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
