@@ -27,18 +27,21 @@ class RowArena:
         self.chunk = chunk
         self._counts: dict[torch.device, list[torch.Tensor]] = {}
         self._extras: dict[torch.device, list[torch.Tensor]] = {}
+        self._rows: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # views, made once
         self._used: dict[torch.device, int] = {}
 
     def take(self, device: torch.device) -> tuple[Handle, torch.Tensor, torch.Tensor]:
         """A zeroed row on ``device``: (handle, counts view, extras view)."""
         used = self._used.get(device, 0)
-        chunk, offset = divmod(used, self.chunk)
-        counts = self._counts.setdefault(device, [])
-        if chunk == len(counts):
-            counts.append(torch.zeros(self.chunk, COUNTS, dtype=torch.int64, device=device))
-            self._extras.setdefault(device, []).append(torch.zeros(self.chunk, EXTRAS, device=device))
+        rows = self._rows.setdefault(device, [])
+        if used == len(rows):
+            counts = torch.zeros(self.chunk, COUNTS, dtype=torch.int64, device=device)
+            extras = torch.zeros(self.chunk, EXTRAS, device=device)
+            self._counts.setdefault(device, []).append(counts)
+            self._extras.setdefault(device, []).append(extras)
+            rows.extend(zip(counts.unbind(0), extras.unbind(0), strict=True))
         self._used[device] = used + 1
-        return (device, used), counts[chunk][offset], self._extras[device][chunk][offset]
+        return (device, used), *rows[used]
 
     def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows behind ``handles``, in that order, on ``device``: (counts N x 1025 int64,
@@ -49,14 +52,14 @@ class RowArena:
         counts, extras, offsets, total = [], [], {}, 0
         for dev, used in self._used.items():  # each device's used rows, one after another
             offsets[dev], total = total, total + used
-            counts.append(self._rows(self._counts[dev], used).to(device))
-            extras.append(self._rows(self._extras[dev], used).to(device))
+            counts.append(self._used_rows(self._counts[dev], used).to(device))
+            extras.append(self._used_rows(self._extras[dev], used).to(device))
         index = torch.tensor([offsets[dev] + i for dev, i in handles], device=device)
         if len(counts) == 1:
             return counts[0].index_select(0, index), extras[0].index_select(0, index)
         return torch.cat(counts).index_select(0, index), torch.cat(extras).index_select(0, index)
 
-    def _rows(self, chunks: list[torch.Tensor], used: int) -> torch.Tensor:
+    def _used_rows(self, chunks: list[torch.Tensor], used: int) -> torch.Tensor:
         needed = chunks[: -(-used // self.chunk)]
         return (needed[0] if len(needed) == 1 else torch.cat(needed))[:used]
 

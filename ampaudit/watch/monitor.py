@@ -71,6 +71,7 @@ class Monitor:
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Any]] = {}  # this step's measured tensors
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._param_rows: dict[str, tuple] = {}  # parameter name -> arena handle
+        self._model_params: list[tuple[str, torch.nn.Parameter]] = []
         self._acc: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
         self._acc_index: dict[tuple, int] = {}
         self._last_norms: dict[str, float] = {}
@@ -94,6 +95,7 @@ class Monitor:
             return self
         if self.model is not None:
             self._name_tree(self.model, "")
+            self._model_params = list(self.model.named_parameters())  # walked once, not every step
             for module in self.model.modules():
                 self._handles.append(module.register_forward_hook(self._forward_hook))
                 if self.record_inputs:
@@ -252,7 +254,7 @@ class Monitor:
 
     def _record_params(self, scale: torch.Tensor | None) -> None:
         if self.model is not None:
-            params = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+            params = [(n, p) for n, p in self._model_params if p.grad is not None]
         else:
             seen = [p for opt in self._optimizers for g in opt.param_groups for p in g["params"]]
             params = [(self._param_names.get(id(p), f"param{i}"), p) for i, p in enumerate(seen) if p.grad is not None]
