@@ -61,6 +61,20 @@ def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def syncs_per_step(variant: Variant, step: Callable[[], None], steps: int = 3) -> float:
+    """CUDA host syncs per step under ``variant``, counted by torch's sync debug mode."""
+    with variant(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught) / steps
+
+
 def print_ratios(medians: dict[str, float]) -> None:
     base = next(iter(medians.values()))
     for name, med in medians.items():

@@ -104,6 +104,9 @@ def main() -> None:
           f"{'Triton' if device == 'cuda' and triton_stats.available() else 'torch ops / C kernel'}; "
           f"median of {args.rounds} rounds x {args.steps} steps")
     ab.print_ratios(medians)
+    if device == "cuda":
+        plain, watched = (ab.syncs_per_step(variants[k], step) for k in ("plain", "watch"))
+        print(f"host syncs per step: plain {plain:g}, watch {watched:g}")
 
 if __name__ == "__main__":
     main()
