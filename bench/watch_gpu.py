@@ -32,7 +32,7 @@ from ampaudit.watch import triton_stats
 
 
 def build(smoke: bool, device: str):
-    layers, width, vocab = (2, 64, 512) if smoke else (12, 768, 50257)
+    layers, width, vocab = (2, 96, 512) if smoke else (12, 768, 50257)
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:

@@ -31,3 +31,13 @@ def test_cpu_watch_benchmark_runs_every_variant():
 def test_gpu_watch_benchmark_smoke_mode_runs_on_the_cpu():
     ratios = _ratios(_run("bench/watch_gpu.py", "--smoke"))
     assert {"plain", "watch", "watch every=10", "naive .item() hooks", "detect_anomaly"} <= set(ratios)
+
+
+def test_gpu_watch_benchmark_runs_without_libcst_or_transformers():
+    # The GPU machine has neither: the benchmark must import only what watch needs, and fall
+    # back to the GPT-2 built in code.
+    code = ("import runpy, sys\nsys.modules['libcst'] = sys.modules['transformers'] = None\n"
+            "sys.argv = ['bench/watch_gpu.py', '--smoke']\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = _run("-c", code)
+    assert out.startswith("GPT-2 (bench/gpt2_model.py)")
+    assert set(_ratios(out)) == {"plain", "watch", "watch every=10", "naive .item() hooks", "detect_anomaly"}
