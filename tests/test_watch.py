@@ -23,7 +23,7 @@ KNOWN = [70000.0, 1e-6, 0.0, 1.0, float("inf"), float("nan"), -1e5, 3e-8]
 
 def test_row_counts_on_known_values():
     def row_of(values, dtype):
-        return stats.row_stats(*stats.torch_raw_row(torch.tensor(values)), stats.Limits(dtype))
+        return stats.tensor_stats(torch.tensor(values), stats.Limits(dtype), fill=stats.torch_fill_row)
 
     row = row_of(KNOWN, torch.float16)
     assert {k: row[k] for k in stats.FIELDS} == {
@@ -44,12 +44,13 @@ def test_triton_kernel_matches_the_torch_path():
             "assert torch.equal(ca, cb) and float(ma) == float(mb), ((ca - cb).nonzero(), ma, mb)\n"
             # parameter rows: the sum of squares and the count over the loss scale, fused
             "g = torch.randn(20000, generator=torch.Generator().manual_seed(0)) * 40\n"
-            "kernel = [torch.zeros(1025, dtype=torch.int64), torch.zeros(2)]\n"
-            "ops = [torch.zeros(1025, dtype=torch.int64), torch.zeros(2)]\n"
+            "g[:3] = torch.tensor([65519.0, 65520.0, -7e4])\n"  # the last fp16 value, then Inf
+            "kernel, ops, lim = stats.new_row(g.device), stats.new_row(g.device), stats.Limits(torch.float16)\n"
             "scale = torch.tensor(1024.0)\n"
-            "triton_stats.fill_row(g, *kernel, norm=True, scale=scale, limit=65504.0)\n"
-            "stats.torch_fill_row(g, *ops)\n"
-            "stats.fill_extras(g, *ops, norm=True, scale=scale, limit=65504.0)\n"
+            "triton_stats.fill_row(g, *kernel, lim.overflow_at, norm=True, scale=scale, limit=lim.max)\n"
+            "stats.torch_fill_row(g, *ops, lim)\n"
+            "stats.fill_param_extras(g, *ops, lim, norm=True, scale=scale)\n"
+            "assert int(kernel[0][1025]) == 2\n"
             "assert torch.equal(kernel[0], ops[0]) and kernel[0][1024] > 0, (kernel[0][1024], ops[0][1024])\n"
             "assert torch.allclose(kernel[1], ops[1], rtol=1e-5), (kernel[1], ops[1])\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -479,7 +480,7 @@ def test_arena_rows_grow_by_chunks_and_reset_to_zero():
         extras[1] = value
         handles.append(handle)
     counts, extras = rows.matrix(handles[::-1], torch.device("cpu"))
-    assert counts.shape == (5, 1025) and [int(counts[i, 4 - i]) for i in range(5)] == [5, 4, 3, 2, 1]
+    assert counts.shape == (5, 1026) and [int(counts[i, 4 - i]) for i in range(5)] == [5, 4, 3, 2, 1]
     assert extras[:, 1].tolist() == [4.0, 3.0, 2.0, 1.0, 0.0]
     rows.reset()
     handle, counts, extras = rows.take(torch.device("cpu"))

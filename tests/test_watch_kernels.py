@@ -15,6 +15,13 @@ from tests.conftest import ROOT
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, 70000.0, -1e5, 6.1e-5, 6e-5, 1e-7, 6e-8, 3e-8, 1e-30,
            1e-40, 3.4e38, float("inf"), -float("inf"), float("nan")]
 
+FP16 = stats.Limits(torch.float16)
+
+
+def c_fill(x, counts, extras, limits):
+    cpu_kernel.fill_row(x, counts, extras, limits.overflow_at)
+
+
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason=f"no C kernel: {cpu_kernel.status()}")
 
 
@@ -31,22 +38,27 @@ def _values(n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("n", [0, 1, 19, 4099, 3 * 65536 + 7])  # 3 * 65536 + 7: several pieces, on threads
 def test_c_kernel_matches_the_torch_ops(dtype, n):
     x = _values(n, dtype)
-    (counts, absmax), (want_counts, want_absmax) = cpu_kernel.raw_row(x), stats.torch_raw_row(x)
-    assert counts.dtype == torch.int64 and int(counts.sum()) == n
-    nan_bins = slice(255 * 4 + 1, 256 * 4)  # which quiet NaN a conversion makes is the library's choice
-    assert torch.equal(counts[: nan_bins.start], want_counts[: nan_bins.start])
-    assert int(counts[nan_bins].sum()) == int(want_counts[nan_bins].sum())
-    assert float(absmax) == float(want_absmax)
+    for limits in (FP16, stats.Limits(torch.bfloat16)):
+        (counts, extras), (want_counts, want_extras) = stats.new_row(x.device), stats.new_row(x.device)
+        c_fill(x, counts, extras, limits)
+        stats.torch_fill_row(x, want_counts, want_extras, limits)
+        assert int(counts[:1024].sum()) == n
+        nan_bins = slice(255 * 4 + 1, 256 * 4)  # which quiet NaN a conversion makes is the library's choice
+        assert torch.equal(counts[: nan_bins.start], want_counts[: nan_bins.start])
+        assert int(counts[nan_bins].sum()) == int(want_counts[nan_bins].sum())
+        assert torch.equal(counts[1024:], want_counts[1024:])  # the overflow count
+        assert torch.equal(extras, want_extras)  # the finite absmax
 
 
 @needs_kernel
 def test_c_kernel_reads_views_and_counts_known_fields():
     base = torch.tensor(SPECIAL * 4).reshape(4, -1)
     x = base.t()  # not contiguous
-    row = stats.row_stats(*cpu_kernel.raw_row(x), stats.Limits(torch.float16))
-    # per copy: NaN; +-Inf; 70000, -1e5, 3.4e38 (and the infs) beyond fp16; 6.1e-5 .. 1e-40 below its normals
+    row = stats.tensor_stats(x, FP16, fill=c_fill)
+    # per copy: NaN; +-Inf; 65520, 70000, -1e5, 3.4e38 (and the infs) round to Inf in fp16 (65504 does not);
+    # 6.1e-5 .. 1e-40 below its normals
     assert {k: row[k] for k in ("numel", "nan", "inf", "overflow", "underflow", "zero")} == {
-        "numel": 76, "nan": 4, "inf": 8, "overflow": 20, "underflow": 28, "zero": 8}
+        "numel": 76, "nan": 4, "inf": 8, "overflow": 24, "underflow": 28, "zero": 8}
     assert row["absmax"] == pytest.approx(3.4e38)
 
 
@@ -65,15 +77,16 @@ def test_c_kernel_counts_every_nan_as_nan():
 @needs_kernel
 def test_stats_uses_the_c_kernel_on_the_cpu(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_kernel, "fill_row", lambda x, c, e: calls.append(x) or stats.torch_fill_row(x, c, e))
-    stats.raw_row(torch.ones(3))
-    assert len(calls) == 1
+    monkeypatch.setattr(cpu_kernel, "fill_row", lambda x, *row_and_threshold: calls.append(x))
+    stats.tensor_stats(torch.ones(3), FP16)
+    assert len(calls) == 1 and calls[0].shape == (3,)
 
 
 def _status_in_subprocess(env: dict[str, str]) -> str:
     code = ("from ampaudit.watch import cpu_kernel, stats\nimport torch\n"
-            "c, m = stats.raw_row(torch.tensor([1.0, 0.0]))\n"
-            "assert int(c.sum()) == 2 and float(m) == 1.0\nprint(cpu_kernel.status())")
+            "row = stats.tensor_stats(torch.tensor([1.0, 0.0, 7e4]), stats.Limits(torch.float16))\n"
+            "assert (row['numel'], row['zero'], row['overflow'], row['absmax']) == (3, 1, 1, 7e4)\n"
+            "print(cpu_kernel.status())")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -115,8 +128,28 @@ def test_c_kernel_on_every_16_bit_pattern(dtype):
 def test_fp32_subnormals_are_underflow_not_zeros(backend):
     if backend == "c" and not cpu_kernel.available():
         pytest.skip(f"no C kernel: {cpu_kernel.status()}")
-    row_of = stats.torch_raw_row if backend == "torch" else cpu_kernel.raw_row
     x = torch.tensor([0.0, -0.0, 1e-45, 1e-40, -1e-39, 2.0**-126, 1.0])  # 3 subnormals, 2 of them below 2**-128
-    row = stats.row_stats(*row_of(x), stats.Limits(torch.float16))
+    row = stats.tensor_stats(x, FP16, fill=stats.torch_fill_row if backend == "torch" else c_fill)
     assert (row["zero"], row["underflow"]) == (2, 4)  # the subnormals and 2**-126, all below fp16's normals
     assert row["hist"] == [[-127, 3], [-126, 1], [0, 1]]
+
+
+@pytest.mark.parametrize("backend", ["torch", "c"])
+def test_overflow_counts_exactly_what_rounds_to_inf(backend):
+    if backend == "c" and not cpu_kernel.available():
+        pytest.skip(f"no C kernel: {cpu_kernel.status()}")
+    x = torch.tensor([65504.0, 65519.996, 65520.0, -65535.0, 65536.0, float("nan")])
+    assert torch.isinf(x.half()).tolist() == [False, False, True, True, True, False]  # what the cast does
+    row = stats.tensor_stats(x, FP16, fill=stats.torch_fill_row if backend == "torch" else c_fill)
+    assert (row["overflow"], row["inf"], row["nan"]) == (3, 0, 1)
+
+
+def test_overflow_threshold_is_max_plus_half_an_ulp():
+    from ampaudit.core.dtypes import overflow_at
+
+    assert overflow_at(torch.float16) == 65520.0
+    assert overflow_at(torch.bfloat16) == torch.finfo(torch.bfloat16).max + 2.0**119
+    for dtype in (torch.float16, torch.bfloat16):
+        at = torch.tensor(overflow_at(dtype))  # fp32, as audited tensors are
+        below = torch.nextafter(at, torch.tensor(0.0))
+        assert torch.isinf(at.to(dtype)) and not torch.isinf(below.to(dtype))

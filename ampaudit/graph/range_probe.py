@@ -17,6 +17,7 @@ import torch
 from torch import fx
 from torch.func import functional_call
 
+from ampaudit.core.dtypes import overflow_at
 from ampaudit.graph.tree import map_tensors
 
 MEASURED = "ampaudit_measured"  # node.meta key: Measured
@@ -69,7 +70,7 @@ class _Limits:
         self.mantissa = -int(math.log2(info.eps))
         # Round to nearest: values from max + half an ulp up become inf; below half the
         # smallest subnormal, 0.
-        self.overflow_at = info.max + info.max * info.eps / 4
+        self.overflow_at = overflow_at(dtype)
         self.flush_exponent = _biased_exponent(self.tiniest / 2)  # exponents below flush to 0
         self.normal_exponent = _biased_exponent(self.normal)  # exponents below are subnormal
         self.overflow_exponent = _biased_exponent(self.overflow_at)  # above overflow; this one: look

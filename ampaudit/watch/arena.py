@@ -1,18 +1,19 @@
 """Where a step's raw rows live: preallocated, zeroed device buffers that kernels fill in place.
 
-A row is 1025 int64 counts (the 1024 bins, then how many values overflow at the loss scale)
-and 2 float32 extras (finite absmax, sum of squares). Taking a row is a slice - no
-allocation, no kernel launch - so recording a tensor costs one kernel launch on a GPU. The
-buffers grow by chunks and are reused step after step: the step boundary reads the rows it
-used and zeroes them (``matrix`` then ``reset``).
+A row is 1026 int64 counts (the 1024 bins, how many values overflow at the loss scale, how
+many round to Inf in the audited dtype) and 2 float32 extras (finite absmax, sum of
+squares). Taking a row is a slice - no allocation, no kernel launch - so recording a tensor
+costs one kernel launch on a GPU. The buffers grow by chunks and are reused step after
+step: the step boundary reads the rows it used and zeroes them (``matrix`` then ``reset``).
 """
 
 from __future__ import annotations
 
 import torch
 
-COUNTS = 1024 + 1  # bins, then the count that overflows at the current loss scale
-SCALED = 1024
+COUNTS = 1024 + 2  # bins, then two counts:
+SCALED = 1024  # |x| * loss scale beyond the audited dtype's max (parameter gradients)
+OVERFLOW = 1025  # |x| that round to Inf in the audited dtype
 EXTRAS = 2  # finite absmax, sum of squares
 ABSMAX, SUMSQ = 0, 1
 
@@ -44,7 +45,7 @@ class RowArena:
         return (device, used), *rows[used]
 
     def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows behind ``handles``, in that order, on ``device``: (counts N x 1025 int64,
+        """The rows behind ``handles``, in that order, on ``device``: (counts N x 1026 int64,
         extras N x 2 float32)."""
         if not handles:
             return (torch.zeros(0, COUNTS, dtype=torch.int64, device=device),

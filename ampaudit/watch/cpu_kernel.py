@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from ampaudit.watch import arena
 
 SOURCE = Path(__file__).with_name("cpu_stats.c")
 _ENTRY = {torch.float32: "ampaudit_rows_f32", torch.float16: "ampaudit_rows_f16", torch.bfloat16: "ampaudit_rows_bf16"}
@@ -91,7 +95,8 @@ def _functions() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
         return None
     functions = {dtype: getattr(lib, name) for dtype, name in _ENTRY.items()}
     for fn in functions.values():
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_uint32, ctypes.c_int]
         fn.restype = None
     lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
@@ -102,20 +107,22 @@ def available() -> bool:
     return _functions() is not None
 
 
-def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor) -> None:
-    """Add a CPU tensor's bin counts to ``counts[:1024]`` (int64) and raise ``extras[0]``
-    (float32, >= 0) to its finite absmax, in one pass."""
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float) -> None:
+    """In one pass over a CPU tensor: add its bin counts to ``counts[:1024]`` and how many
+    |x| >= overflow_at to ``counts[1025]`` (int64), and raise ``extras[0]`` (float32, >= 0)
+    to its finite absmax."""
     flat = x.detach().reshape(-1)
     if flat.dtype not in _ENTRY:
         flat = flat.float()
     flat = flat.contiguous()
-    # The kernel keeps the absmax as fp32 bits: for values >= 0 their order is the floats' order.
-    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), extras.data_ptr(),
-                             torch.get_num_threads())
+    # The kernel compares fp32 bits: for values >= 0 their order is the floats' order.
+    over_bits = struct.unpack("<I", struct.pack("<f", overflow_at))[0]
+    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), counts[arena.OVERFLOW:].data_ptr(),
+                             extras.data_ptr(), over_bits, torch.get_num_threads())
 
 
 def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (counts, absmax) as ``stats.torch_raw_row``, for a CPU tensor, in one pass."""
-    counts, extras = torch.zeros(1024, dtype=torch.int64), torch.zeros(1)
-    fill_row(x, counts, extras)
-    return counts, extras[0]
+    counts, extras = torch.zeros(arena.COUNTS, dtype=torch.int64), torch.zeros(arena.EXTRAS)
+    fill_row(x, counts, extras, math.inf)
+    return counts[:1024], extras[arena.ABSMAX]

@@ -1,5 +1,6 @@
 /* The raw statistics row on the CPU in one pass (see stats.py for what the row means):
  * counts[k] += how many |x| have top 10 fp32 bits k (8 exponent bits, 2 mantissa bits),
+ * *overflow += how many |x| >= the fp32 value with bits over_bits (Inf included, NaN not),
  * *maxbits = max(*maxbits, fp32 bits of the largest finite |x|).
  *
  * torch has no fused CPU op for this; built from torch ops it takes six passes and a serial
@@ -61,15 +62,19 @@ static inline int32_t key(int32_t a) {
     uint32_t c[4][1024];                                                   \
     int16_t keys[BLOCK];                                                   \
     int32_t peak = 0;                                                      \
+    int64_t over = 0;                                                      \
     memset(c, 0, sizeof c);                                                \
     for (int64_t b = lo; b < hi; b += BLOCK) {                             \
         int len = hi - b < BLOCK ? (int)(hi - b) : BLOCK;                  \
+        int32_t block_over = 0; /* int32: the loop stays vectorised */   \
         for (int j = 0; j < len; j++) {                                    \
             int32_t a = LOAD(x, b + j);                                    \
             keys[j] = (int16_t)key(a);                                     \
             int32_t finite = a < 0x7f800000 ? a : 0;                       \
             peak = finite > peak ? finite : peak;                          \
+            block_over += a >= over_bits; /* NaN too: taken out below */   \
         }                                                                  \
+        over += block_over;                                                \
         int j = 0;                                                         \
         for (; j + 4 <= len; j += 4) {                                     \
             c[0][keys[j]]++;                                               \
@@ -81,32 +86,39 @@ static inline int32_t key(int32_t a) {
     }                                                                      \
     for (int k = 0; k < 1024; k++)                                         \
         counts[k] += (int64_t)c[0][k] + c[1][k] + c[2][k] + c[3][k];      \
+    /* every NaN is the quiet one, in bin 1022: one compare, not two */  \
+    *overflow += over - c[0][1022] - c[1][1022] - c[2][1022] - c[3][1022];\
     if ((uint32_t)peak > *maxbits) *maxbits = (uint32_t)peak;
 
 /* The entry points: split into pieces, on OpenMP threads when there are several. */
 #define DEFINE_ROWS(NAME, LOAD)                                                                  \
     static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t *counts,           \
-                             uint32_t *maxbits) {                                                \
+                             int64_t *overflow, uint32_t *maxbits, int32_t over_bits) {         \
         PIECE_BODY(LOAD)                                                                         \
     }                                                                                            \
-    void NAME(const void *x, int64_t n, int64_t *counts, uint32_t *maxbits, int threads) {     \
+    void NAME(const void *x, int64_t n, int64_t *counts, int64_t *overflow, uint32_t *maxbits,   \
+              uint32_t over_bits, int threads) {                                                 \
         int64_t pieces = (n + PIECE - 1) / PIECE;                                                \
+        int32_t over_at = over_bits > 0x7f800000u ? 0x7f800000 : (int32_t)over_bits;             \
         if (threads < 2 || pieces < 2) {                                                         \
             for (int64_t p = 0; p < pieces; p++)                                                 \
-                NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, counts, maxbits); \
+                NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, counts,         \
+                             overflow, maxbits, over_at);                                        \
             return;                                                                              \
         }                                                                                        \
         _Pragma("omp parallel num_threads(threads)")                                             \
         {                                                                                        \
-            int64_t local[1024];                                                                 \
+            int64_t local[1024], local_over = 0;                                                 \
             uint32_t peak = 0;                                                                   \
             memset(local, 0, sizeof local);                                                      \
             _Pragma("omp for schedule(static)")                                                  \
             for (int64_t p = 0; p < pieces; p++)                                                 \
-                NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, local, &peak);  \
+                NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, local,          \
+                             &local_over, &peak, over_at);                                       \
             _Pragma("omp critical")                                                              \
             {                                                                                    \
                 for (int k = 0; k < 1024; k++) counts[k] += local[k];                            \
+                *overflow += local_over;                                                         \
                 if (peak > *maxbits) *maxbits = peak;                                            \
             }                                                                                    \
         }                                                                                        \

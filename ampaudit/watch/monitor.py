@@ -165,7 +165,7 @@ class Monitor:
         row = self._seen.get(key)
         if row is None or row[0]() is not tensor:  # a weak reference: never keeps activations alive
             handle, counts, extras = self._arena.take(tensor.device)
-            stats.fill_row(tensor, counts, extras)
+            stats.fill_row(tensor, counts, extras, self.limits)
             row = self._seen[key] = (weakref.ref(tensor), handle)
         self._event_rows.append(row[1])
         self._events.append((module, phase, label))
@@ -262,7 +262,7 @@ class Monitor:
         for name, p in params:
             # The norm, and with a GradScaler how many gradients overflow at its current scale.
             handle, counts, extras = self._arena.take(p.grad.device)
-            stats.fill_row(p.grad, counts, extras, norm=True, scale=scale, limit=self.limits.max)
+            stats.fill_row(p.grad, counts, extras, self.limits, norm=True, scale=scale)
             self._param_rows[name] = handle
 
     def _flush_step(self, *, skipped: bool | None = None, found_inf: torch.Tensor | None = None,

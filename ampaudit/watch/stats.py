@@ -1,12 +1,12 @@
 """Per-tensor statistics without host syncs, in as few passes as the hardware allows.
 
-Each tensor becomes one *raw row*: 1024 counts of ``|x|``'s top float bits (8 exponent
-bits and the 2 leading mantissa bits: one shift) plus its finite absmax. Bin 0 holds
-exact zeros only (fp32 subnormals too small to reach bin 1 are moved there). That single
-histogram holds everything: zeros and underflow (the low exponents), overflow (the
-exponents at or beyond the audited dtype's rounding limit, rounded to the next power of two
-(float16: |x| >= 2**16), and Inf), Inf (exponent 255, mantissa 0) and NaN (exponent 255
-with the quiet bit - every NaN an operation produces), and the log2-magnitude histogram.
+Each tensor becomes one *raw row* (``arena``): 1024 counts of ``|x|``'s top float bits (8
+exponent bits and the 2 leading mantissa bits: one shift), how many |x| round to Inf in
+the audited dtype (|x| >= max + half an ulp: 65520 for float16 - finer than the bins), and
+the finite absmax. Bin 0 holds exact zeros only (fp32 subnormals too small to reach bin 1
+are moved there). The histogram gives the rest: zeros and underflow (the low exponents),
+Inf (exponent 255, mantissa 0), NaN (exponent 255 with the quiet bit - every NaN an
+operation produces) and the log2-magnitude histogram.
 On CUDA one Triton kernel builds the row (``triton_stats``), on the CPU one C kernel
 (``cpu_kernel``, compiled on first use); without them a handful of torch passes do. Rows
 are reduced to the summary's Stats in one batched step at the step boundary
@@ -20,66 +20,74 @@ import sys
 
 import torch
 
+from ampaudit.core.dtypes import overflow_at
 from ampaudit.watch import arena, cpu_kernel
 
 BINS = 256 * 4
-RAW = BINS + 1  # counts, then absmax
+RAW = BINS + 2  # counts, absmax, overflow
 FIELDS = ("numel", "nan", "inf", "overflow", "underflow", "zero", "absmax")
 HIST = len(FIELDS)  # compact rows: the fields above, then 256 exponent counts
 WIDTH = HIST + 256
 
 
 class Limits:
-    """The audited dtype's limits, in fp32 bits."""
+    """The audited dtype's limits."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         info = torch.finfo(dtype)
         self.dtype = dtype
         self.max = info.max
-        # Round to nearest: from max + half an ulp up a value becomes inf; counted from the
-        # next power of two (the histogram's resolution), so 65520 <= |x| < 65536 is missed.
-        overflow_at = info.max + info.max * info.eps / 4
-        self.overflow_bin = min(255, math.floor(math.log2(overflow_at)) + 1 + 127)
+        # Round to nearest even: from max + half an ulp up a value becomes inf (65520 for
+        # float16). Counted exactly, beside the histogram, whose bins are too coarse for it.
+        self.overflow_at = overflow_at(dtype)
         self.normal_bin = math.frexp(info.smallest_normal)[1] - 1 + 127  # lower bins: underflow (bin 0: zero)
 
 
-def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, *, norm: bool = False,
-             scale: torch.Tensor | None = None, limit: float = 0.0) -> None:
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits, *, norm: bool = False,
+             scale: torch.Tensor | None = None) -> None:
     """Add ``x``'s statistics to a zeroed arena row (``arena.RowArena``), on x's device, with
-    no host sync: the 1024 bin counts and the finite absmax; with ``norm``, the sum of
-    squares; with ``scale`` (a device scalar), how many |x| * scale exceed ``limit``."""
+    no host sync: the 1024 bin counts, how many |x| round to Inf in the audited dtype, and
+    the finite absmax; with ``norm``, the sum of squares; with ``scale`` (a device scalar),
+    how many |x| * scale exceed the dtype's max."""
     if x.device.type == "cuda":
         from ampaudit.watch import triton_stats
 
         if triton_stats.available():
-            triton_stats.fill_row(x, counts, extras, norm=norm, scale=scale, limit=limit)
+            triton_stats.fill_row(x, counts, extras, limits.overflow_at, norm=norm, scale=scale, limit=limits.max)
             return
     if x.device.type == "cpu" and cpu_kernel.available():
-        cpu_kernel.fill_row(x, counts, extras)
+        cpu_kernel.fill_row(x, counts, extras, limits.overflow_at)
     else:
-        torch_fill_row(x, counts, extras)
-    fill_extras(x, counts, extras, norm=norm, scale=scale, limit=limit)
+        torch_fill_row(x, counts, extras, limits)
+    fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
 
 
-def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1024 bin counts, finite absmax) of one tensor, by its device's backend."""
-    counts = torch.zeros(arena.COUNTS, dtype=torch.int64, device=x.device)
-    extras = torch.zeros(arena.EXTRAS, device=x.device)
-    fill_row(x, counts, extras)
-    return counts[:BINS], extras[arena.ABSMAX]
-
-
-def fill_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, *, norm: bool,
-                scale: torch.Tensor | None, limit: float) -> None:
-    """The sum of squares and the count over the loss scale with torch ops (the CPU's rows
-    need them for parameter gradients only; the Triton kernel computes them itself)."""
+def fill_param_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits, *,
+                      norm: bool, scale: torch.Tensor | None) -> None:
+    """The sum of squares and the count over the loss scale, with torch ops: parameter
+    gradients only, where they are cheap enough (the Triton kernel fuses them)."""
     if not (norm or scale is not None):
         return
     flat = x.detach().reshape(-1).float()
     if norm:
         extras[arena.SUMSQ] = torch.dot(flat, flat)
     if scale is not None:
-        counts[arena.SCALED] = (flat.abs() * scale.to(flat.device, torch.float32) > limit).sum()
+        counts[arena.SCALED] = (flat.abs() * scale.to(flat.device, torch.float32) > limits.max).sum()
+
+
+def new_row(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed row outside any arena: (counts, extras)."""
+    return (torch.zeros(arena.COUNTS, dtype=torch.int64, device=device),
+            torch.zeros(arena.EXTRAS, device=device))
+
+
+def tensor_stats(x: torch.Tensor, limits: Limits, fill=fill_row) -> dict:
+    """The summary's Stats of one tensor, read back (a host sync): for tools and tests.
+    ``fill`` picks the backend (default: the one for x's device)."""
+    counts, extras = new_row(x.device)
+    fill(x, counts, extras, limits)
+    raw = raw_matrix(counts[None], extras[None]).cpu()
+    return to_stats(compact(raw, limits)[0].tolist())
 
 
 def _top_bits(a: torch.Tensor) -> torch.Tensor:
@@ -89,27 +97,36 @@ def _top_bits(a: torch.Tensor) -> torch.Tensor:
     return a.view(torch.int32) >> 21
 
 
-def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor) -> None:
-    row, absmax = torch_raw_row(x)
+def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits) -> None:
+    """``fill_row`` with torch ops: the path without a kernel."""
+    row, absmax, overflow = _torch_row(x, limits.overflow_at)
     counts[:BINS] += row
+    counts[arena.OVERFLOW] += overflow
     extras[arena.ABSMAX] = absmax
 
 
 def torch_raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1024 bin counts, finite absmax) with torch ops: the path without a kernel."""
+    """(1024 bin counts, finite absmax) with torch ops."""
+    return _torch_row(x, math.inf)[:2]
+
+
+def _torch_row(x: torch.Tensor, overflow_at: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
     counts = torch.bincount(_top_bits(a), minlength=BINS)
     zeros = a.numel() - torch.count_nonzero(a)
     counts[1] += counts[0] - zeros  # subnormals below 2**-128 share bin 0 with the zeros
     counts[0] = zeros
+    overflow = (a >= overflow_at).sum()  # NaN compares False
     absmax = a.nan_to_num_(nan=0.0, posinf=0.0).amax() if a.numel() else a.new_zeros(())
-    return counts, absmax
+    return counts, absmax, overflow
 
 
 def raw_matrix(counts: torch.Tensor, extras: torch.Tensor) -> torch.Tensor:
-    """Arena rows (``RowArena.matrix``) as the N x RAW float64 matrix ``compact`` reads."""
-    return torch.cat([counts[:, :BINS].to(torch.float64), extras[:, arena.ABSMAX:arena.ABSMAX + 1].to(torch.float64)],
-                     dim=1)
+    """Arena rows (``RowArena.matrix``) as the N x RAW float64 matrix ``compact`` reads:
+    bins, absmax, overflow."""
+    f64 = torch.float64
+    return torch.cat([counts[:, :BINS].to(f64), extras[:, arena.ABSMAX, None].to(f64),
+                      counts[:, arena.OVERFLOW, None].to(f64)], dim=1)
 
 
 def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
@@ -120,16 +137,9 @@ def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
     inf = counts[:, 255, 0]
     zero = counts[:, 0, 0]
     hist[:, 0] -= zero  # exponent 0 without the zeros: the fp32 subnormals
-    overflow = hist[:, limits.overflow_bin:].sum(1) - nan  # inf, and finite values that round to inf
     underflow = hist[:, :limits.normal_bin].sum(1)
-    head = torch.stack([counts.sum((1, 2)), nan, inf, overflow, underflow, zero, raw[:, BINS]], dim=1)
+    head = torch.stack([counts.sum((1, 2)), nan, inf, raw[:, BINS + 1], underflow, zero, raw[:, BINS]], dim=1)
     return torch.cat([head, hist], dim=1)
-
-
-def row_stats(counts: torch.Tensor, absmax: torch.Tensor, limits: Limits) -> dict:
-    """The summary's Stats of one tensor's (counts, absmax) row, read back (a host sync)."""
-    raw = torch.cat([counts[:BINS].to(torch.float64).cpu(), absmax.to(torch.float64).cpu().reshape(1)])
-    return to_stats(compact(raw[None], limits)[0].tolist())
 
 
 def nonfinite(raw: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,16 @@ Set TRITON_INTERPRET=1 to run the kernel on the CPU (how the tests check it with
 
 from __future__ import annotations
 
+import math
 import os
 from functools import cache
 
 import torch
 
+from ampaudit.watch import arena
+
 BLOCK = 8192
+OVERFLOW, SCALED_SLOT = arena.OVERFLOW, arena.SCALED  # globals the kernel reads as constants
 
 
 @cache
@@ -25,7 +29,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def row_kernel(x_ptr, counts_ptr, extras_ptr, scale_ptr, n, limit,
+    def row_kernel(x_ptr, counts_ptr, extras_ptr, scale_ptr, n, overflow_at, limit,
                    BLOCK: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
         start = tl.program_id(0).to(tl.int64) * BLOCK
         offsets = start + tl.arange(0, BLOCK)
@@ -43,11 +47,13 @@ def _kernel():
         tl.atomic_add(counts_ptr + bins, hist.to(tl.int64))
         finite = (bits < 0x7F800000) & mask
         tl.atomic_max(extras_ptr, tl.max(tl.where(finite, a, 0.0), axis=0))
+        rounds_to_inf = (a >= overflow_at) & mask  # NaN compares False
+        tl.atomic_add(counts_ptr + OVERFLOW, tl.sum(rounds_to_inf.to(tl.int64), axis=0))
         if NORM:
             tl.atomic_add(extras_ptr + 1, tl.sum(a * a, axis=0))  # masked lanes are 0
         if SCALED:
             over = (a * tl.load(scale_ptr) > limit) & mask
-            tl.atomic_add(counts_ptr + 1024, tl.sum(over.to(tl.int64), axis=0))
+            tl.atomic_add(counts_ptr + SCALED_SLOT, tl.sum(over.to(tl.int64), axis=0))
 
     return row_kernel
 
@@ -63,9 +69,9 @@ def available() -> bool:
     return True
 
 
-def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, *, norm: bool = False,
-             scale: torch.Tensor | None = None, limit: float = 0.0) -> None:
-    """``stats.fill_row`` in one kernel launch: counts (int64, 1025) and extras (float32, 2)
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float, *,
+             norm: bool = False, scale: torch.Tensor | None = None, limit: float = 0.0) -> None:
+    """``stats.fill_row`` in one kernel launch: counts (int64, 1026) and extras (float32, 2)
     are a zeroed arena row on x's device."""
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
@@ -73,13 +79,13 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, *, nor
     n = flat.numel()
     if n:
         scale_arg = scale.to(torch.float32) if scale is not None else extras
-        _kernel()[(-(-n // BLOCK),)](flat, counts, extras, scale_arg, n, float(limit), BLOCK=BLOCK,
-                                     NORM=norm, SCALED=scale is not None)
+        _kernel()[(-(-n // BLOCK),)](flat, counts, extras, scale_arg, n, float(overflow_at), float(limit),
+                                     BLOCK=BLOCK, NORM=norm, SCALED=scale is not None)
 
 
 def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (counts, absmax) as ``stats.torch_raw_row``, from one kernel launch."""
-    counts = torch.zeros(1025, dtype=torch.int64, device=x.device)
-    extras = torch.zeros(2, device=x.device)
-    fill_row(x, counts, extras)
-    return counts[:1024], extras[0]
+    counts = torch.zeros(arena.COUNTS, dtype=torch.int64, device=x.device)
+    extras = torch.zeros(arena.EXTRAS, device=x.device)
+    fill_row(x, counts, extras, math.inf)
+    return counts[:1024], extras[arena.ABSMAX]
