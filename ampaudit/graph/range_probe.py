@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.func import functional_call
 
-from ampaudit.core.dtypes import overflow_at
+from ampaudit.core.dtypes import Limits
 from ampaudit.graph.tree import map_tensors
 
 MEASURED = "ampaudit_measured"  # node.meta key: Measured
@@ -58,29 +58,6 @@ class Measured:
         return data
 
 
-class _Limits:
-    """The low dtype's limits, and where they fall among fp32 exponents (for the histogram)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        info = torch.finfo(dtype)
-        self.dtype = dtype
-        self.max = info.max
-        self.normal = info.smallest_normal
-        self.tiniest = info.smallest_normal * info.eps
-        self.mantissa = -int(math.log2(info.eps))
-        # Round to nearest: values from max + half an ulp up become inf; below half the
-        # smallest subnormal, 0.
-        self.overflow_at = overflow_at(dtype)
-        self.flush_exponent = _biased_exponent(self.tiniest / 2)  # exponents below flush to 0
-        self.normal_exponent = _biased_exponent(self.normal)  # exponents below are subnormal
-        self.overflow_exponent = _biased_exponent(self.overflow_at)  # above overflow; this one: look
-
-
-def _biased_exponent(value: float) -> int:
-    # fp32 subnormals all share exponent field 0, as zero does.
-    return max(0, math.frexp(value)[1] - 1 + 127)
-
-
 def exponent_histogram(a: torch.Tensor) -> torch.Tensor:
     """Counts of |x| (fp32, non-negative) per fp32 biased exponent: 0 holds zeros, 255 inf/nan.
 
@@ -89,7 +66,7 @@ def exponent_histogram(a: torch.Tensor) -> torch.Tensor:
     return torch.bincount((a.reshape(-1).view(torch.int32) >> 23), minlength=256)
 
 
-def _stats(x: torch.Tensor, limits: _Limits) -> tuple[int, float, float | None, float, float, float]:
+def _stats(x: torch.Tensor, limits: Limits) -> tuple[int, float, float | None, float, float, float]:
     a = x.detach().float().abs()
     numel = a.numel()
     if numel == 0:
@@ -115,7 +92,7 @@ def _stats(x: torch.Tensor, limits: _Limits) -> tuple[int, float, float | None, 
             sub / nonzero if nonzero else 0.0)
 
 
-def _error(low: torch.Tensor, ref: torch.Tensor, limits: _Limits) -> tuple[float | None, int | None]:
+def _error(low: torch.Tensor, ref: torch.Tensor, limits: Limits) -> tuple[float | None, int | None]:
     ref = ref.detach().float()
     low = low.detach().float()
     diff = torch.linalg.vector_norm(low - ref)
@@ -145,7 +122,7 @@ class RangeProbe(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, dtype: torch.dtype, kinds: dict[fx.Node, str]) -> None:
         super().__init__(gm, garbage_collect_values=True)
-        self.limits = _Limits(dtype)
+        self.limits = Limits(dtype)
         self.kinds = kinds
         self._rounded_state: dict[str, dict[str, torch.Tensor]] = {}
         self._rounded: dict[fx.Node, Any] = {}  # node -> its output rounded to the low dtype

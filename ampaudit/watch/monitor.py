@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
+from ampaudit.core.dtypes import Limits
 from ampaudit.core.errors import AmpauditError
 from ampaudit.watch import arena, stats
 from ampaudit.watch.arena import RowArena
@@ -57,7 +58,7 @@ class Monitor:
             raise ValueError("every must be >= 1")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.stop_on_nonfinite, self.record_inputs = every, stop_on_nonfinite, inputs
-        self.limits = stats.Limits(dtype)
+        self.limits = Limits(dtype)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.log_path = Path(log) if log is not None else None
         self.builder = SummaryBuilder(self.dtype_name)

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from ampaudit.core.dtypes import overflow_at
+from ampaudit.core.dtypes import Limits
 from ampaudit.watch import arena, cpu_kernel
 
 BINS = 256 * 4
@@ -28,19 +28,6 @@ RAW = BINS + 2  # counts, absmax, overflow
 FIELDS = ("numel", "nan", "inf", "overflow", "underflow", "zero", "absmax")
 HIST = len(FIELDS)  # compact rows: the fields above, then 256 exponent counts
 WIDTH = HIST + 256
-
-
-class Limits:
-    """The audited dtype's limits."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        info = torch.finfo(dtype)
-        self.dtype = dtype
-        self.max = info.max
-        # Round to nearest even: from max + half an ulp up a value becomes inf (65520 for
-        # float16). Counted exactly, beside the histogram, whose bins are too coarse for it.
-        self.overflow_at = overflow_at(dtype)
-        self.normal_bin = math.frexp(info.smallest_normal)[1] - 1 + 127  # lower bins: underflow (bin 0: zero)
 
 
 def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits, *, norm: bool = False,
@@ -137,7 +124,7 @@ def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
     inf = counts[:, 255, 0]
     zero = counts[:, 0, 0]
     hist[:, 0] -= zero  # exponent 0 without the zeros: the fp32 subnormals
-    underflow = hist[:, :limits.normal_bin].sum(1)
+    underflow = hist[:, :limits.normal_exponent].sum(1)
     head = torch.stack([counts.sum((1, 2)), nan, inf, raw[:, BINS + 1], underflow, zero, raw[:, BINS]], dim=1)
     return torch.cat([head, hist], dim=1)
 
