@@ -82,6 +82,16 @@ def _train(model, optimizer, steps, loss_scale=1.0):
         optimizer.step()
 
 
+def _logged_run(tmp_path, steps):
+    """A small watched run that writes a log; returns the log's path."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log):
+        _train(model, opt, steps)
+    return log
+
+
 def test_first_nonfinite_in_forward():
     model = _net(_Blowup(at_step=2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -364,11 +374,7 @@ def test_run_keeps_the_log_when_the_script_raises(tmp_path):
 
 def test_report_plot_when_matplotlib_is_there(tmp_path, cli):
     pytest.importorskip("matplotlib")
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    log = tmp_path / "run.jsonl"
-    with ampaudit.watch(model, optimizer=opt, log=log):
-        _train(model, opt, 3)
+    log = _logged_run(tmp_path, steps=3)
     out = tmp_path / "plot.png"
     assert cli("report", log, "--plot", out).code == 0
     assert out.stat().st_size > 1000
@@ -438,11 +444,7 @@ def test_report_writes_tensorboard_scalars(tmp_path, cli):
 
 
 def test_report_tensorboard_without_tensorboard_is_one_line(tmp_path, cli, monkeypatch):
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    log = tmp_path / "run.jsonl"
-    with ampaudit.watch(model, optimizer=opt, log=log):
-        _train(model, opt, 1)
+    log = _logged_run(tmp_path, steps=1)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
     result = cli("report", log, "--tensorboard", tmp_path / "tb")
     assert result.code == 2
@@ -494,11 +496,7 @@ def test_arena_rows_grow_by_chunks_and_reset_to_zero():
 ])
 def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag, needs, message):
     pytest.importorskip(needs)
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    log = tmp_path / "run.jsonl"
-    with ampaudit.watch(model, optimizer=opt, log=log):
-        _train(model, opt, 1)
+    log = _logged_run(tmp_path, steps=1)
     out = tmp_path / "taken"
     out.write_text("")  # a file where TensorBoard's folder goes; the plot goes into a folder that isn't there
     out = out if flag == "--tensorboard" else tmp_path / "missing" / "plot.png"
