@@ -357,10 +357,9 @@ class Monitor:
         dist.all_gather(gathered, flat)
         stacked = torch.stack(gathered)
         out = stacked.sum(0)
-        absmax = stats.FIELDS.index("absmax")
         rows = n_rows + n_params
-        for r in range(rows):
-            out[r * stats.WIDTH + absmax] = stacked[:, r * stats.WIDTH + absmax].max()
+        peaks = torch.arange(rows, device=flat.device) * stats.WIDTH + stats.FIELDS.index("absmax")
+        out[peaks] = stacked[:, peaks].max(0).values
         norms = rows * stats.WIDTH
         out[norms:norms + n_params] = stacked[:, norms:norms + n_params].max(0).values  # grads are all-reduced
         firsts = stacked[:, -3]
