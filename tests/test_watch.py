@@ -503,3 +503,32 @@ def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag,
     result = cli("report", log, flag, out)
     assert result.code == 2
     assert result.err.strip() == f"ampaudit: error: {message.format(out=out)}"
+
+
+def test_ddp_reduce_sums_counts_keeps_maxima_and_the_earliest_rank(monkeypatch):
+    from ampaudit.watch.monitor import Monitor
+
+    mon = Monitor(_net())
+    mon._world = 3
+    n_rows, n_params, width = 2, 1, stats.WIDTH
+    size = (n_rows + n_params) * width + 2 * n_params + 3
+    buffers = [torch.zeros(size, dtype=torch.float64) for _ in range(3)]
+    absmax = stats.FIELDS.index("absmax")
+    for rank, buf in enumerate(buffers):
+        buf[:(n_rows + n_params) * width] = rank + 1  # every count and absmax
+        buf[1 * width + absmax] = [5.0, 9.0, 7.0][rank]  # the second row's absmax
+        buf[-5], buf[-4] = [1.5, 0.5, 2.5][rank], rank + 1  # the parameter's norm, overflow at scale
+        buf[-3] = [7.0, 4.0, 4.0][rank]  # first non-finite event: ranks 1 and 2 at event 4
+        buf[-2], buf[-1] = 1024.0, [0.0, 1.0, 0.0][rank]  # scale, found_inf
+
+    def all_gather(out, tensor):
+        for dst, src in zip(out, buffers, strict=True):
+            dst.copy_(src)
+
+    monkeypatch.setattr("torch.distributed.all_gather", all_gather)
+    out = mon._reduce(buffers[0], n_rows, n_params)
+    assert out[0] == 6.0 and out[width] == 6.0  # counts: 1 + 2 + 3
+    assert out[absmax] == 3.0 and out[width + absmax] == 9.0 and out[2 * width + absmax] == 3.0
+    assert out[-5] == 2.5 and out[-4] == 6.0  # the largest norm; overflow-at-scale counts summed
+    assert divmod(int(out[-3]), 3) == (4, 1)  # the earliest event, from the lowest rank that had it
+    assert (out[-2], out[-1]) == (1024.0, 1.0)

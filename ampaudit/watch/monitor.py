@@ -350,7 +350,8 @@ class Monitor:
 
     def _reduce(self, flat: torch.Tensor, n_rows: int, n_params: int) -> torch.Tensor:
         """Under torch.distributed: one all_gather of the buffer; counts summed, maxima kept,
-        and the first non-finite taken from the earliest rank."""
+        and the first non-finite taken from the earliest rank - kept on the device as
+        sequence * world + rank, so that the step still reads back once."""
         if self._world <= 1:
             return flat
         gathered = [torch.empty_like(flat) for _ in range(self._world)]
@@ -362,10 +363,9 @@ class Monitor:
         out[peaks] = stacked[:, peaks].max(0).values
         norms = rows * stats.WIDTH
         out[norms:norms + n_params] = stacked[:, norms:norms + n_params].max(0).values  # grads are all-reduced
-        firsts = stacked[:, -3]
-        rank = int(torch.argmin(firsts))
-        out[-3], out[-2], out[-1] = firsts[rank], stacked[0, -2], stacked[:, -1].max()
-        self._first_rank = rank
+        ranks = torch.arange(self._world, device=flat.device, dtype=flat.dtype)
+        out[-3] = (stacked[:, -3] * self._world + ranks).min()
+        out[-2], out[-1] = stacked[0, -2], stacked[:, -1].max()
         return out
 
     def _record_step(self, step: int, keys: list, param_keys: list, values: list[float],
@@ -389,12 +389,15 @@ class Monitor:
                     nonfinite_params.append(name)
                 params[name] = entry
         first_seq, scale, found_inf = values[-3], values[-2], values[-1]
+        rank = 0
+        if self._world > 1:  # _reduce packed it as sequence * world + rank
+            first_seq, rank = divmod(int(first_seq), self._world)
         first = None
         if first_seq < NO_EVENT and int(first_seq) < len(self._events):
             module, phase, tensor = self._events[int(first_seq)]
             first = {"step": step, "module": module, "phase": phase, "tensor": tensor}
             if self._world > 1:
-                first["rank"] = getattr(self, "_first_rank", 0)
+                first["rank"] = rank
         elif nonfinite_params:
             first = {"step": step, "module": nonfinite_params[0], "phase": "backward", "tensor": "param grad"}
         was_skipped = bool(found_inf > 0) if found_inf >= 0 else bool(skipped)
