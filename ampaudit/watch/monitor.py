@@ -51,6 +51,12 @@ def _tensors(value: Any, limit: int = 8) -> list[torch.Tensor]:
 
 
 class Monitor:
+    """Hooks on ``model`` (or, with ``model=None``, on every module that runs forward and every
+    optimizer that steps: ``ampaudit run``). Steps end at ``optimizer.step()``, at
+    ``scaler.update()`` when a GradScaler is given, or at ``step()``; every ``every``-th one
+    is recorded, audited against ``dtype``, and written to ``log`` (JSON lines) if given.
+    Use as a context manager, or ``start()`` / ``stop()``; read ``summary()`` or ``print()``."""
+
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
                  dtype: torch.dtype = torch.float16, stop_on_nonfinite: bool = False, inputs: bool = False) -> None:
