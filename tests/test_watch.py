@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import io
 import json
 import os
 import subprocess
@@ -469,6 +470,12 @@ def test_param_norms_and_overflow_at_scale_are_exact():
         want = int((p.grad.abs() * 2.0**14 > 65504).sum())  # the gradients fp16 could not hold at that scale
         assert params[name]["overflow_at_scale"] == want
     assert sum(p["overflow_at_scale"] for p in params.values()) > 0  # the case is exercised
+    out = io.StringIO()
+    mon.print(file=out)
+    header = next(line for line in out.getvalue().splitlines() if "parameter" in line and "norm" in line)
+    assert "over at scale" in header
+    row = next(line for line in out.getvalue().splitlines() if line.strip("│ ").startswith("0.weight"))
+    assert row.rstrip(" │").endswith(str(params["0.weight"]["overflow_at_scale"]))
 
 
 def test_arena_rows_grow_by_chunks_and_reset_to_zero():
