@@ -153,3 +153,14 @@ def test_overflow_threshold_is_max_plus_half_an_ulp():
         at = torch.tensor(overflow_at(dtype))  # fp32, as audited tensors are
         below = torch.nextafter(at, torch.tensor(0.0))
         assert torch.isinf(at.to(dtype)) and not torch.isinf(below.to(dtype))
+
+
+def test_index_tensors_are_made_once_and_bounded():
+    from ampaudit.watch import arena
+
+    first = arena.index_tensor([3, 1, 2], torch.device("cpu"))
+    assert first.tolist() == [3, 1, 2] and first.dtype == torch.int64
+    assert arena.index_tensor([3, 1, 2], torch.device("cpu")) is first  # the same tensor, step after step
+    for i in range(100):
+        arena.index_tensor([i], torch.device("cpu"))
+    assert len(arena._INDEXES) == 64 and arena.index_tensor([3, 1, 2], torch.device("cpu")) is not first

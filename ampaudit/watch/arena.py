@@ -20,6 +20,25 @@ ABSMAX, SUMSQ = 0, 1
 
 Handle = tuple[torch.device, int]
 
+_INDEXES: dict[tuple, torch.Tensor] = {}  # recently used index tensors, oldest first
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` without a host sync. A plain
+    ``torch.tensor(values, device="cuda")`` waits for the copy, a sync per step; this copies
+    from pinned memory without waiting, and keeps the result: a training loop asks for the
+    same indices step after step."""
+    key = (tuple(values), device)
+    found = _INDEXES.get(key)
+    if found is None:
+        found = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            found = found.pin_memory().to(device, non_blocking=True)
+        if len(_INDEXES) >= 64:
+            del _INDEXES[next(iter(_INDEXES))]
+        _INDEXES[key] = found
+    return found
+
 
 class RowArena:
     """Rows on each device a tensor was recorded on; a row is addressed by (device, index)."""
@@ -55,7 +74,7 @@ class RowArena:
             offsets[dev], total = total, total + used
             counts.append(self._used_rows(self._counts[dev], used).to(device))
             extras.append(self._used_rows(self._extras[dev], used).to(device))
-        index = torch.tensor([offsets[dev] + i for dev, i in handles], device=device)
+        index = index_tensor([offsets[dev] + i for dev, i in handles], device)
         if len(counts) == 1:
             return counts[0].index_select(0, index), extras[0].index_select(0, index)
         return torch.cat(counts).index_select(0, index), torch.cat(extras).index_select(0, index)

@@ -305,7 +305,7 @@ class Monitor:
         if grow:
             pad = torch.zeros(grow, width, dtype=torch.float64, device=flat.device)
             self._acc = pad if self._acc is None else torch.cat([self._acc, pad])
-        index = torch.tensor([self._acc_index[k] for k in all_keys], device=flat.device)
+        index = arena.index_tensor([self._acc_index[k] for k in all_keys], flat.device)
         absmax = stats.FIELDS.index("absmax")
         if len(all_keys):
             peak = self._acc[:, absmax].clone().scatter_reduce_(0, index, rows[:, absmax], "amax")
@@ -335,7 +335,7 @@ class Monitor:
         parts = []
         if n_events:
             slot = {key: i for i, key in enumerate(keys)}
-            index = torch.tensor([slot[(m, p)] for m, p, _ in self._events], device=device)
+            index = arena.index_tensor([slot[(m, p)] for m, p, _ in self._events], device)
             summed = torch.zeros(len(keys), stats.RAW, device=device, **f64).index_add_(0, index, events)
             summed[:, stats.BINS] = torch.zeros(len(keys), device=device, **f64).scatter_reduce_(
                 0, index, events[:, stats.BINS], "amax", include_self=False)
