@@ -47,6 +47,15 @@ def test_triton_rows_match_the_torch_ops(dtype, n):
     assert torch.isnan(extras[1]) == torch.isnan(ops[1][1])  # the NaN makes the sum of squares NaN
 
 
+def test_torch_op_rows_on_the_gpu_match_the_cpu():
+    limits = Limits(torch.float16)
+    x = _values(100_003, torch.float32)
+    gpu, cpu = stats.new_row(torch.device("cuda")), stats.new_row(torch.device("cpu"))
+    stats.torch_fill_row(x.cuda(), *gpu, limits)
+    stats.torch_fill_row(x, *cpu, limits)
+    assert torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1])
+
+
 def test_triton_sum_of_squares_of_a_large_gradient():
     g = torch.randn(5_000_000, generator=torch.Generator().manual_seed(0))
     counts, extras = stats.new_row(torch.device("cuda"))
@@ -77,8 +86,11 @@ def _syncs(fn) -> int:
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("rows", ["triton", "torch ops"])
 @pytest.mark.parametrize("log", [False, True])
-def test_one_host_sync_per_logged_step(tmp_path, log):
+def test_one_host_sync_per_logged_step(tmp_path, monkeypatch, log, rows):
+    if rows == "torch ops":
+        monkeypatch.setattr(triton_stats, "available", lambda: False)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -99,7 +99,12 @@ def torch_raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _torch_row(x: torch.Tensor, overflow_at: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
-    counts = torch.bincount(_top_bits(a), minlength=BINS)
+    keys = _top_bits(a)
+    if a.device.type == "cpu":
+        counts = torch.bincount(keys, minlength=BINS)
+    else:  # bincount sizes its output from the data's max: a host sync on a GPU
+        ones = torch.ones((), dtype=torch.int64, device=a.device).expand(keys.numel())
+        counts = torch.zeros(BINS, dtype=torch.int64, device=a.device).scatter_add_(0, keys.long(), ones)
     zeros = a.numel() - torch.count_nonzero(a)
     counts[1] += counts[0] - zeros  # subnormals below 2**-128 share bin 0 with the zeros
     counts[0] = zeros
