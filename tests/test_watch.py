@@ -472,7 +472,7 @@ def test_param_norms_and_overflow_at_scale_are_exact():
     assert sum(p["overflow_at_scale"] for p in params.values()) > 0  # the case is exercised
     out = io.StringIO()
     mon.print(file=out)
-    header = next(line for line in out.getvalue().splitlines() if "parameter" in line and "norm" in line)
+    header = next(line for line in out.getvalue().splitlines() if "parameter" in line and "last norm" in line)
     assert "over at scale" in header
     row = next(line for line in out.getvalue().splitlines() if line.strip("│ ").startswith("0.weight"))
     assert row.rstrip(" │").endswith(str(params["0.weight"]["overflow_at_scale"]))

@@ -55,7 +55,8 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     if summary["params"]:
         scaled = any("overflow_at_scale" in s for s in summary["params"].values())
         params = Table(title="Parameter gradients", title_justify="left")
-        for col in ("parameter", "norm", "nan", "inf", "underflow", "absmax", *(["over at scale"] if scaled else [])):
+        columns = ["parameter", "last norm", "nan", "inf", "underflow", "absmax"]
+        for col in columns + (["over at scale"] if scaled else []):
             params.add_column(col, justify="left" if col == "parameter" else "right", no_wrap=True)
         for name, s in summary["params"].items():
             cells = [name, f"{s['norm']:.3g}" if s["norm"] is not None else "", str(s["nan"]), str(s["inf"]),
