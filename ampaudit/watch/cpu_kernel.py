@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import platform
 import shutil
@@ -57,7 +56,7 @@ def _cached() -> Path:
 
 def _build(compiler: str | None) -> Path:
     """Compile the kernel (with OpenMP if the compiler has it) into the cache; reuse a build
-    of the same source, compiler and machine. Written to a temporary name and renamed, so
+    of the same source for the same machine. Written to a temporary name and renamed, so
     processes starting together (DDP ranks) never load a half-written library."""
     target = _cached()
     if target.exists():
@@ -117,12 +116,7 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
     flat = flat.contiguous()
     # The kernel compares fp32 bits: for values >= 0 their order is the floats' order.
     over_bits = struct.unpack("<I", struct.pack("<f", overflow_at))[0]
-    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), counts[arena.OVERFLOW:].data_ptr(),
-                             extras.data_ptr(), over_bits, torch.get_num_threads())
+    overflow_ptr = counts.data_ptr() + arena.OVERFLOW * counts.element_size()
+    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), overflow_ptr, extras.data_ptr(),
+                             over_bits, torch.get_num_threads())
 
-
-def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same (counts, absmax) as ``stats.torch_raw_row``, for a CPU tensor, in one pass."""
-    counts, extras = torch.zeros(arena.COUNTS, dtype=torch.int64), torch.zeros(arena.EXTRAS)
-    fill_row(x, counts, extras, math.inf)
-    return counts[:1024], extras[arena.ABSMAX]

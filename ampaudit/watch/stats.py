@@ -15,7 +15,6 @@ are reduced to the summary's Stats in one batched step at the step boundary
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -86,31 +85,20 @@ def _top_bits(a: torch.Tensor) -> torch.Tensor:
 
 def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits) -> None:
     """``fill_row`` with torch ops: the path without a kernel."""
-    row, absmax, overflow = _torch_row(x, limits.overflow_at)
-    counts[:BINS] += row
-    counts[arena.OVERFLOW] += overflow
-    extras[arena.ABSMAX] = absmax
-
-
-def torch_raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1024 bin counts, finite absmax) with torch ops."""
-    return _torch_row(x, math.inf)[:2]
-
-
-def _torch_row(x: torch.Tensor, overflow_at: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
     keys = _top_bits(a)
     if a.device.type == "cpu":
-        counts = torch.bincount(keys, minlength=BINS)
+        row = torch.bincount(keys, minlength=BINS)
     else:  # bincount sizes its output from the data's max: a host sync on a GPU
         ones = torch.ones((), dtype=torch.int64, device=a.device).expand(keys.numel())
-        counts = torch.zeros(BINS, dtype=torch.int64, device=a.device).scatter_add_(0, keys.long(), ones)
+        row = torch.zeros(BINS, dtype=torch.int64, device=a.device).scatter_add_(0, keys.long(), ones)
     zeros = a.numel() - torch.count_nonzero(a)
-    counts[1] += counts[0] - zeros  # subnormals below 2**-128 share bin 0 with the zeros
-    counts[0] = zeros
-    overflow = (a >= overflow_at).sum()  # NaN compares False
-    absmax = a.nan_to_num_(nan=0.0, posinf=0.0).amax() if a.numel() else a.new_zeros(())
-    return counts, absmax, overflow
+    row[1] += row[0] - zeros  # subnormals below 2**-128 share bin 0 with the zeros
+    row[0] = zeros
+    counts[:BINS] += row
+    counts[arena.OVERFLOW] += (a >= limits.overflow_at).sum()  # NaN compares False
+    if a.numel():
+        extras[arena.ABSMAX] = a.nan_to_num_(nan=0.0, posinf=0.0).amax()
 
 
 def raw_matrix(counts: torch.Tensor, extras: torch.Tensor) -> torch.Tensor:

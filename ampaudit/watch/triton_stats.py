@@ -11,7 +11,6 @@ Set TRITON_INTERPRET=1 to run the kernel on the CPU (how the tests check it with
 
 from __future__ import annotations
 
-import math
 import os
 from functools import cache
 
@@ -82,10 +81,3 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
         _kernel()[(-(-n // BLOCK),)](flat, counts, extras, scale_arg, n, float(overflow_at), float(limit),
                                      BLOCK=BLOCK, NORM=norm, SCALED=scale is not None)
 
-
-def raw_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same (counts, absmax) as ``stats.torch_raw_row``, from one kernel launch."""
-    counts = torch.zeros(arena.COUNTS, dtype=torch.int64, device=x.device)
-    extras = torch.zeros(arena.EXTRAS, device=x.device)
-    fill_row(x, counts, extras, math.inf)
-    return counts[:1024], extras[arena.ABSMAX]
