@@ -24,13 +24,17 @@ import torch.fx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ampaudit.check.api import analyse, audit_model, build_catalog  # noqa: E402
-from ampaudit.core.config import Config, finalize  # noqa: E402
+from ampaudit.check.audit import analyse, audit_model  # noqa: E402
+from ampaudit.core.catalog import build_catalog  # noqa: E402
+from ampaudit.core.config import Config  # noqa: E402
+from ampaudit.core.console import make_console  # noqa: E402
+from ampaudit.core.dtypes import FLOAT16  # noqa: E402
+from ampaudit.core.finalize import finalize  # noqa: E402
+from ampaudit.graph.forward import ExampleInputs  # noqa: E402
 from ampaudit.graph.trace import trace_model  # noqa: E402
+from ampaudit.load.loader import load_target  # noqa: E402
 from ampaudit.report.formats import render_machine  # noqa: E402
-from ampaudit.report.terminal import make_console, render  # noqa: E402
-from ampaudit.target.inputs import ExampleInputs  # noqa: E402
-from ampaudit.target.loader import load_target  # noqa: E402
+from ampaudit.report.terminal import render  # noqa: E402
 
 MODEL = str(ROOT / "bench" / "gpt2_model.py")
 
@@ -46,7 +50,7 @@ def one_run() -> dict[str, float]:
     catalog = build_catalog(Config())
     trace, t_trace = timed(lambda: trace_model(loaded.model, catalog, None))
 
-    report, t_classify = timed(lambda: finalize(analyse(trace, catalog, "float16", file=MODEL, entry=loaded.entry),
+    report, t_classify = timed(lambda: finalize(analyse(trace, catalog, FLOAT16, file=MODEL, entry=loaded.entry),
                                                 Config()))
 
     def do_report():
@@ -63,7 +67,7 @@ def ranged_run(model: torch.nn.Module, inputs: ExampleInputs) -> dict[str, float
     catalog = build_catalog(Config())
     with torch.no_grad():
         _, t_forward = timed(lambda: model(*inputs.args))
-    _, t_check = timed(lambda: finalize(audit_model(model, inputs, catalog, "float16", file=MODEL, entry="GPT"),
+    _, t_check = timed(lambda: finalize(audit_model(model, inputs, catalog, FLOAT16, file=MODEL, entry="GPT"),
                                         Config()))
     return {"forward": t_forward, "check_with_ranges": t_check}
 

@@ -99,7 +99,7 @@ def test_autocast_dtype_flow():
 
 def test_python_api_points_at_the_callers_model_source():
     report = ampaudit.check(_Mixed(), (torch.randn(2, 4), torch.tensor([1, 2])), dtype=torch.bfloat16)
-    assert report.dtype == "bfloat16"
+    assert report.dtype.name == "bfloat16"
     assert report.target.file == "tests/test_classify.py" and report.target.entry == "_Mixed"
     var = [f for f in report.findings if f.rule == "AMP101"]
     assert [(f.file, f.line, f.node) for f in var] == [

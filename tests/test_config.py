@@ -6,8 +6,9 @@ import textwrap
 
 import pytest
 
-from ampaudit.core.config import load_config, suppressed_codes
+from ampaudit.core.config import load_config
 from ampaudit.core.errors import UsageError
+from ampaudit.core.finalize import suppressed_codes
 
 HEAD = '''\
 """A model whose LayerNorm output feeds var() and an unknown op."""
@@ -129,7 +130,7 @@ def test_config_is_found_upwards(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[tool.ampaudit]\ndtype = "bfloat16"\n')
     (tmp_path / "src" / "pkg").mkdir(parents=True)
     config = load_config(tmp_path / "src" / "pkg")
-    assert config.dtype == "bfloat16" and config.source == tmp_path / "pyproject.toml"
+    assert config.dtype.name == "bfloat16" and config.source == tmp_path / "pyproject.toml"
     with pytest.raises(UsageError):
         (tmp_path / "pyproject.toml").write_text("[tool.ampaudit\n")
         load_config(tmp_path / "src")

@@ -11,7 +11,7 @@ from torch import fx, nn
 import ampaudit
 import ampaudit.core.errors
 from ampaudit.convert.optimizer import LossScaler, MixedPrecisionOptimizer
-from ampaudit.target.loader import load_target
+from ampaudit.load.loader import load_target
 from tests.conftest import RULE_FIXTURES, model
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ampaudit.core.errors import LoadError
-from ampaudit.target.loader import NotImported, load_target
-from ampaudit.target.source_scan import scan_source
-from ampaudit.target.spec import parse_target
+from ampaudit.load.loader import NotImported, load_target
+from ampaudit.load.source_scan import scan_source
+from ampaudit.load.spec import parse_target
 from tests.conftest import line_of, model
 
 

@@ -75,8 +75,8 @@ def test_rules_and_explain_commands(cli):
 
 
 def test_every_rule_is_implemented_once_and_documented():
-    from ampaudit.check.lint.rules import LINT_RULES
-    from ampaudit.check.rules import GRAPH_RULES
+    from ampaudit.check.graph_rules import GRAPH_RULES
+    from ampaudit.check.script_rules import LINT_RULES
 
     graph, lint = set(GRAPH_RULES.load()), set(LINT_RULES.load())
     assert not graph & lint

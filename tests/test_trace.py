@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from ampaudit.core.catalog import builtin_catalog
+from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fx_tracer import LOC, MODULE, fx_trace
 from ampaudit.graph.recorder import record_trace
 from ampaudit.graph.trace import trace_model
-from ampaudit.target.inputs import ExampleInputs
-from ampaudit.target.loader import load_target
+from ampaudit.load.loader import load_target
 from tests.conftest import ROOT, line_of, model
 
 

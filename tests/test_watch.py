@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import ampaudit
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import stats
 from ampaudit.watch.monitor import NonFiniteError
 from ampaudit.watch.summary import read_log
@@ -24,7 +25,7 @@ KNOWN = [70000.0, 1e-6, 0.0, 1.0, float("inf"), float("nan"), -1e5, 3e-8]
 
 def test_row_counts_on_known_values():
     def row_of(values, dtype):
-        return stats.tensor_stats(torch.tensor(values), stats.Limits(dtype), fill=stats.torch_fill_row)
+        return stats.tensor_stats(torch.tensor(values), LowDtype.parse(dtype), fill=stats.torch_fill_row)
 
     row = row_of(KNOWN, torch.float16)
     assert {k: row[k] for k in stats.FIELDS} == {
@@ -37,11 +38,11 @@ def test_row_counts_on_known_values():
 
 def test_triton_kernel_matches_the_torch_path():
     pytest.importorskip("triton", reason="triton runs the kernel in its CPU interpreter")
-    code = ("import torch\nfrom ampaudit.watch import stats, triton_stats\n"
+    code = ("import torch\nfrom ampaudit.core.dtypes import LowDtype\nfrom ampaudit.watch import stats, triton_stats\n"
             "inf, nan = float('inf'), float('nan')\n"
             f"x = torch.tensor({[*KNOWN, 1e-40, -1e-45, 2.0**-126]!r} * 2000)\n"  # 22000: 3 blocks
             "assert triton_stats.available()\n"
-            "lim = stats.Limits(torch.float16)\n"
+            "lim = LowDtype.parse(torch.float16)\n"
             "kernel, ops = stats.new_row(x.device), stats.new_row(x.device)\n"
             "triton_stats.fill_row(x, *kernel, lim.overflow_at)\n"
             "stats.torch_fill_row(x, *ops, lim)\n"

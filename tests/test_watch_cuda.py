@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampaudit
-from ampaudit.core.dtypes import Limits
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import stats, triton_stats
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,7 +30,7 @@ def _values(n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("n", [15, 8193, 3 * 2**20 + 5])
 def test_triton_rows_match_the_torch_ops(dtype, n):
     assert triton_stats.available()
-    limits = Limits(torch.float16)
+    limits = LowDtype.parse(torch.float16)
     x = _values(n, dtype)
     scale = torch.tensor(1024.0, device="cuda")
     kernel = stats.new_row(torch.device("cuda"))
@@ -48,7 +48,7 @@ def test_triton_rows_match_the_torch_ops(dtype, n):
 
 
 def test_torch_op_rows_on_the_gpu_match_the_cpu():
-    limits = Limits(torch.float16)
+    limits = LowDtype.parse(torch.float16)
     x = _values(100_003, torch.float32)
     gpu, cpu = stats.new_row(torch.device("cuda")), stats.new_row(torch.device("cpu"))
     stats.torch_fill_row(x.cuda(), *gpu, limits)
@@ -59,7 +59,7 @@ def test_torch_op_rows_on_the_gpu_match_the_cpu():
 def test_triton_sum_of_squares_of_a_large_gradient():
     g = torch.randn(5_000_000, generator=torch.Generator().manual_seed(0))
     counts, extras = stats.new_row(torch.device("cuda"))
-    triton_stats.fill_row(g.cuda(), counts, extras, Limits(torch.float16).overflow_at, norm=True)
+    triton_stats.fill_row(g.cuda(), counts, extras, LowDtype.parse(torch.float16).overflow_at, norm=True)
     assert float(extras[1]) == pytest.approx(float(g.double().square().sum()), rel=1e-4)
 
 

@@ -9,13 +9,14 @@ import sys
 import pytest
 import torch
 
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import cpu_kernel, stats
 from tests.conftest import ROOT
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, 70000.0, -1e5, 6.1e-5, 6e-5, 1e-7, 6e-8, 3e-8, 1e-30,
            1e-40, 3.4e38, float("inf"), -float("inf"), float("nan")]
 
-FP16 = stats.Limits(torch.float16)
+FP16 = LowDtype.parse(torch.float16)
 
 
 def c_fill(x, counts, extras, limits):
@@ -45,7 +46,7 @@ def _values(n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("n", [0, 1, 19, 4099, 3 * 65536 + 7])  # 3 * 65536 + 7: several pieces, on threads
 def test_c_kernel_matches_the_torch_ops(dtype, n):
     x = _values(n, dtype)
-    for limits in (FP16, stats.Limits(torch.bfloat16)):
+    for limits in (FP16, LowDtype.parse(torch.bfloat16)):
         (counts, extras), (want_counts, want_extras) = stats.new_row(x.device), stats.new_row(x.device)
         c_fill(x, counts, extras, limits)
         stats.torch_fill_row(x, want_counts, want_extras, limits)
@@ -90,8 +91,8 @@ def test_stats_uses_the_c_kernel_on_the_cpu(monkeypatch):
 
 
 def _status_in_subprocess(env: dict[str, str]) -> str:
-    code = ("from ampaudit.watch import cpu_kernel, stats\nimport torch\n"
-            "row = stats.tensor_stats(torch.tensor([1.0, 0.0, 7e4]), stats.Limits(torch.float16))\n"
+    code = ("from ampaudit.core.dtypes import LowDtype\nfrom ampaudit.watch import cpu_kernel, stats\nimport torch\n"
+            "row = stats.tensor_stats(torch.tensor([1.0, 0.0, 7e4]), LowDtype.parse(torch.float16))\n"
             "assert (row['numel'], row['zero'], row['overflow'], row['absmax']) == (3, 1, 1, 7e4)\n"
             "print(cpu_kernel.status())")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env},
@@ -152,12 +153,10 @@ def test_overflow_counts_exactly_what_rounds_to_inf(backend):
 
 
 def test_overflow_threshold_is_max_plus_half_an_ulp():
-    from ampaudit.core.dtypes import overflow_at
-
-    assert overflow_at(torch.float16) == 65520.0
-    assert overflow_at(torch.bfloat16) == torch.finfo(torch.bfloat16).max + 2.0**119
+    assert LowDtype.parse(torch.float16).overflow_at == 65520.0
+    assert LowDtype.parse(torch.bfloat16).overflow_at == torch.finfo(torch.bfloat16).max + 2.0**119
     for dtype in (torch.float16, torch.bfloat16):
-        at = torch.tensor(overflow_at(dtype))  # fp32, as audited tensors are
+        at = torch.tensor(LowDtype.parse(dtype).overflow_at)  # fp32, as audited tensors are
         below = torch.nextafter(at, torch.tensor(0.0))
         assert torch.isinf(at.to(dtype)) and not torch.isinf(below.to(dtype))
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ampaudit.check.graph_view import STRUCTURAL_OPS, GraphView
 from ampaudit.core.findings import NodeDecision, Precision
 from ampaudit.core.paths import display_path
 from ampaudit.graph.fx_tracer import LOC
 from ampaudit.graph.kinds import printable_target
 from ampaudit.graph.range_probe import MEASURED
+from ampaudit.graph.view import STRUCTURAL_OPS, GraphView
 
 _STRUCTURAL_REASONS = {
     "placeholder": "model input",

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampaudit.check.lint.engine import lint_file
-from ampaudit.core.config import Config, finalize
+from ampaudit.check.options import CheckOptions
+from ampaudit.core.config import Config
 from ampaudit.core.errors import LoadError, NoModelFound
+from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
 from ampaudit.core.paths import display_path
 
@@ -22,21 +23,6 @@ SKIP_DIRS = frozenset({
     ".tox", ".nox", ".eggs", "site-packages", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".ipynb_checkpoints",
 })
 PARALLEL_FROM = 24  # files; below this, worker start-up costs more than it saves
-
-
-@dataclass
-class CheckOptions:
-    dtype: str | None = None
-    allow_exec: bool = False
-    input_shapes: Sequence[str] = ()
-    input_dtypes: Sequence[str] = ()
-    policy_files: Sequence[Path] = ()
-    run: bool = True
-    lint_only: bool = False
-    exclude: Sequence[str] = ()
-    jobs: int | None = None  # worker processes for many files; None: all cores
-    progress: Callable[[int], Callable[[], None]] | None = None  # given a total, returns "one more done"
-    notes: list[str] = field(default_factory=list)
 
 
 def _excluded(path: Path, root: Path, patterns: Sequence[str]) -> bool:
@@ -97,15 +83,15 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
 
 
 def _single_file(spec: str) -> Path | None:
-    from ampaudit.target.spec import parse_target
+    from ampaudit.load.spec import parse_target
 
     path, _ = parse_target(spec)
     return path if path.is_file() else None
 
 
 def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) -> Report:
-    from ampaudit.target.source_scan import scan_source
-    from ampaudit.target.spec import parse_target, read_source
+    from ampaudit.load.source_scan import scan_source
+    from ampaudit.load.spec import parse_target, read_source
 
     _, name = parse_target(spec)
     scan = scan_source(path, read_source(path))  # syntax errors: exit 2 with file:line
@@ -115,7 +101,7 @@ def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) ->
     if name is None and not scan.has_entry_point:
         return _lint_only(path, lint, "no model entry point (get_model(), `model`, an nn.Module class)", config,
                           options)
-    from ampaudit.check.api import graph_report  # imports torch
+    from ampaudit.check.audit import graph_report  # imports torch
 
     try:
         report = graph_report(spec, config, options)
@@ -130,4 +116,4 @@ def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) ->
 
 def _lint_only(path: Path, lint: list[Finding], why: str, config: Config, options: CheckOptions) -> Report:
     target = Target(display_path(str(path)), "", "none", [f"training-script lint only: {why}", *options.notes])
-    return finalize(Report(target, config.dtype or "float16", [], lint), config)
+    return finalize(Report(target, config.dtype, [], lint), config)

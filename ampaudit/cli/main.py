@@ -114,7 +114,7 @@ def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
         return
-    from ampaudit.report.files import write_atomic
+    from ampaudit.core.files import write_atomic
 
     write_atomic(output, text)
 
@@ -122,7 +122,7 @@ def _emit(text: str, output: Path | None) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from ampaudit.check.run import CheckOptions, check_targets
     from ampaudit.core.config import check_prefixes, load_config
-    from ampaudit.target.spec import parse_target
+    from ampaudit.load.spec import parse_target
 
     first, _ = parse_target(args.targets[0])
     config = load_config(first if first.exists() else None)
@@ -162,7 +162,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _render(report, args: argparse.Namespace) -> None:
     if args.format == "text":
-        from ampaudit.report.terminal import make_console, render
+        from ampaudit.core.console import make_console
+        from ampaudit.report.terminal import render
 
         if args.output is not None:
             import io
@@ -215,7 +216,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
     else:
         from rich.table import Table
 
-        from ampaudit.report.terminal import make_console
+        from ampaudit.core.console import make_console
 
         table = Table(title="ampaudit rules", title_justify="left")
         for col in ("code", "name", "severity", "what it finds"):
@@ -235,8 +236,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown rule {args.code!r} (`ampaudit rules` lists them)")
     from rich.markdown import Markdown
 
+    from ampaudit.core.console import make_console
     from ampaudit.report.rule_docs import rule_markdown
-    from ampaudit.report.terminal import make_console
 
     console = make_console()
     if console.is_terminal:
@@ -247,7 +248,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_ops(args: argparse.Namespace) -> int:
-    from ampaudit.check.api import build_catalog
+    from ampaudit.core.catalog import build_catalog
     from ampaudit.core.config import load_config
 
     catalog = build_catalog(load_config(Path.cwd()), policy_files=args.policy)
@@ -271,7 +272,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from ampaudit.report.terminal import make_console
+    from ampaudit.core.console import make_console
 
     table = Table(title=f"op catalog: {len(hits)} of {len(catalog.ops)} kinds", title_justify="left")
     for col in ("kind", "precision", "autocast"):
@@ -290,10 +291,10 @@ def cmd_ops(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
     from ampaudit.convert.export import export
+    from ampaudit.core.console import make_console
     from ampaudit.core.findings import Target
+    from ampaudit.load.loader import NotImported, load_target
     from ampaudit.report.conversion import render_conversion
-    from ampaudit.report.terminal import make_console
-    from ampaudit.target.loader import NotImported, load_target
 
     with contextlib.redirect_stdout(sys.stderr):
         loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
@@ -313,7 +314,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ampaudit.watch.runner import run_script
+    from ampaudit.cli.run_script import run_script
 
     return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype)
 
@@ -321,8 +322,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     import json
 
-    from ampaudit.report.terminal import make_console
-    from ampaudit.report.watch_report import plot, render_summary
+    from ampaudit.core.console import make_console
+    from ampaudit.report.watch_plot import plot
+    from ampaudit.watch.render import render_summary
     from ampaudit.watch.summary import read_log
 
     builder = read_log(args.log)

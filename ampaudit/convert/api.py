@@ -12,18 +12,18 @@ from typing import Any
 import torch
 from torch import fx
 
-from ampaudit.check.api import build_catalog, dtype_name
-from ampaudit.check.graph_view import GraphView
-from ampaudit.check.measure import measure_ranges
 from ampaudit.convert.plan import decide, plan_records
 from ampaudit.convert.rewrite import rewrite
 from ampaudit.convert.verify import output_error, search_promotions
-from ampaudit.core.catalog import Catalog
+from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config, load_config
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
+from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
+from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.trace import SubGraph
-from ampaudit.target.inputs import ExampleInputs
+from ampaudit.graph.view import GraphView
 
 DEFAULT_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}  # relative L2 error of the outputs vs fp32
 
@@ -57,7 +57,7 @@ def convert(
     optimizer_or_inputs: Any = None,
     example_inputs: Any = None,
     *,
-    dtype: torch.dtype | str = torch.float16,
+    dtype: LowDtype | torch.dtype | str = torch.float16,
     verify: bool = True,
     policy: str | Path | Mapping | None = None,
     keep_low_outputs: bool = False,
@@ -77,16 +77,15 @@ def convert(
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
     if constants not in ("fp32", "clamp"):
         raise UsageError(f"constants must be 'fp32' or 'clamp' (got {constants!r})")
-    name = dtype_name(dtype)
-    low = getattr(torch, name)
+    low = LowDtype.parse(dtype)
     file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     catalog = build_catalog(config, policy)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
-    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[name]
+    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
 
     def build(promoted: dict[str, str]) -> fx.GraphModule:
-        return _convert_once(model, catalog, name, low, inputs, promoted=promoted, constants=constants,
+        return _convert_once(model, catalog, low, inputs, promoted=promoted, constants=constants,
                              keep_low_outputs=keep_low_outputs)
 
     was_training = model.training
@@ -104,23 +103,23 @@ def convert(
         return model_mp
     from ampaudit.convert.optimizer import MixedPrecisionOptimizer
 
-    return model_mp, MixedPrecisionOptimizer.from_optimizer(optimizer, model, model_mp, dtype=low,
+    return model_mp, MixedPrecisionOptimizer.from_optimizer(optimizer, model, model_mp, dtype=low.torch,
                                                             loss_scale=loss_scale)
 
 
-def _convert_once(model: torch.nn.Module, catalog: Catalog, name: str, low: torch.dtype,
+def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, *, promoted: dict[str, str], constants: str,
                   keep_low_outputs: bool) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
     records: list[dict[str, Any]] = []
     notes: list[str] = []
-    converted, casts = _convert_tree(work, "", catalog, name, low, inputs, promoted, constants, keep_low_outputs,
+    converted, casts = _convert_tree(work, "", catalog, low, inputs, promoted, constants, keep_low_outputs,
                                      records, notes)
     calls = [r for r in records if r["op"].startswith("call_")]
     converted.plan = records
     converted.summary = ConversionSummary(
-        dtype=name, casts=casts, ops_fp32=sum(r["compute"] == "float32" for r in calls),
-        ops_low=sum(r["compute"] == name for r in calls), param_bytes=_param_bytes(converted),
+        dtype=low.name, casts=casts, ops_fp32=sum(r["compute"] == "float32" for r in calls),
+        ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(converted),
         promoted=[{"node": k, "reason": v} for k, v in promoted.items()], notes=notes,
     )
     if not isinstance(converted, fx.GraphModule):
@@ -128,7 +127,7 @@ def _convert_once(model: torch.nn.Module, catalog: Catalog, name: str, low: torc
     return converted
 
 
-def _convert_tree(module: torch.nn.Module, prefix: str, catalog: Catalog, name: str, low: torch.dtype,
+def _convert_tree(module: torch.nn.Module, prefix: str, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, promoted: dict[str, str], constants: str, keep_low_outputs: bool,
                   records: list[dict[str, Any]], notes: list[str]) -> tuple[torch.nn.Module, int]:
     """Convert ``module``; where torch.fx cannot trace a forward, keep that forward in fp32
@@ -142,27 +141,27 @@ def _convert_tree(module: torch.nn.Module, prefix: str, catalog: Catalog, name: 
     if gm is None:
         notes.append(f"{label}: forward not traceable by torch.fx ({failure.message}); kept in fp32, "
                      "its submodules converted")
-        return module, _convert_children(module, prefix, catalog, name, low, promoted, constants, records, notes)
+        return module, _convert_children(module, prefix, catalog, low, promoted, constants, records, notes)
     if inputs is not None:
-        measure_ranges(gm, inputs, catalog, name)
+        measure_ranges(gm, inputs, catalog, low)
     if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
         notes.append(f"{label}: F.dropout(..., training=self.training) was traced in eval mode and stays off in "
                      "the converted model; nn.Dropout modules follow model_mp.train() as usual")
     sub = SubGraph(prefix, gm)
-    view = GraphView.build(sub, catalog, name, frozenset(_join(prefix, p) for p in opaque))
+    view = GraphView.build(sub, catalog, low, frozenset(_join(prefix, p) for p in opaque))
     plan = decide(view, constants=constants, promoted=promoted)
-    stats = rewrite(gm, plan, low, keep_low_outputs=keep_low_outputs)
+    stats = rewrite(gm, plan, low.torch, keep_low_outputs=keep_low_outputs)
     records += plan_records(view, plan, stats.produced)
     casts = stats.casts
     for path in opaque:
         notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "
                      "converted")
-        casts += _convert_children(gm.get_submodule(path), _join(prefix, path), catalog, name, low, promoted,
+        casts += _convert_children(gm.get_submodule(path), _join(prefix, path), catalog, low, promoted,
                                    constants, records, notes)
     return gm, casts
 
 
-def _convert_children(owner: torch.nn.Module, prefix: str, catalog: Catalog, name: str, low: torch.dtype,
+def _convert_children(owner: torch.nn.Module, prefix: str, catalog: Catalog, low: LowDtype,
                       promoted: dict[str, str], constants: str, records: list[dict[str, Any]],
                       notes: list[str]) -> int:
     """Replace each child of an untraceable module by its conversion. Children get fp32 in
@@ -171,7 +170,7 @@ def _convert_children(owner: torch.nn.Module, prefix: str, catalog: Catalog, nam
     for child_name, child in list(owner.named_children()):
         if not any(True for _ in child.parameters()):
             continue  # nothing to store in low precision
-        converted, added = _convert_tree(child, _join(prefix, child_name), catalog, name, low, None, promoted,
+        converted, added = _convert_tree(child, _join(prefix, child_name), catalog, low, None, promoted,
                                          constants, False, records, notes)
         setattr(owner, child_name, converted)
         casts += added

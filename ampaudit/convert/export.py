@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ampaudit.convert import runtime
-from ampaudit.report.files import write_atomic
+from ampaudit.core.files import write_atomic
 
 _HEADER = '''"""{title}
 

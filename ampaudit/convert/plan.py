@@ -15,13 +15,12 @@ from typing import Any
 
 from torch import fx
 
-from ampaudit.check.graph_view import STRUCTURAL_OPS, GraphView
-from ampaudit.check.patterns import finfo
-from ampaudit.check.rules.constants import constant_values
 from ampaudit.core.findings import Precision
 from ampaudit.core.paths import display_path
+from ampaudit.graph.constants import constant_values
 from ampaudit.graph.fx_tracer import LOC
 from ampaudit.graph.range_probe import MEASURED
+from ampaudit.graph.view import STRUCTURAL_OPS, GraphView
 
 LOW, FP32, FOLLOW = "low", "fp32", "follow"
 
@@ -41,7 +40,7 @@ def decide(
     clamps the constant to the dtype's finite limit instead. ``promoted``: node name ->
     reason, for ops verification moved to fp32."""
     promoted = promoted or {}
-    limit = finfo(view.dtype).max
+    limit = view.dtype.max
     plan: dict[fx.Node, Decision] = {}
     for node in view.nodes:
         name = view.name(node)
@@ -52,7 +51,7 @@ def decide(
             plan[node] = Decision(FP32, "not traced by torch.fx: kept in fp32")
         elif name in promoted:
             plan[node] = Decision(FP32, promoted[name], "verify")
-        elif policy is not None and policy.precision is Precision.FP16:
+        elif policy is not None and policy.precision is Precision.LOW:
             plan[node] = Decision(LOW, policy.reason)
         elif policy is not None and policy.precision is Precision.FP32:
             plan[node] = Decision(FP32, policy.reason)
@@ -96,14 +95,14 @@ def _agree_on_shared_modules(plan: dict[fx.Node, Decision]) -> None:
 
 def plan_records(view: GraphView, plan: dict[fx.Node, Decision], produced: dict[fx.Node, str]) -> list[dict[str, Any]]:
     """The plan as data (``model_mp.plan`` and plan.json): one entry per op."""
-    names = {LOW: view.dtype, FP32: "float32"}
+    names = {LOW: view.dtype.name, FP32: "float32"}
     records = []
     for node, decision in plan.items():
         loc = node.meta[LOC]
         records.append({
             "node": view.name(node), "op": node.op, "kind": view.kinds[node], "module": view.module(node),
             "dtype": names.get(produced.get(node, FOLLOW), "follows"),
-            "compute": {LOW: view.dtype, FP32: "float32", FOLLOW: "follows its inputs"}[decision.compute],
+            "compute": {LOW: view.dtype.name, FP32: "float32", FOLLOW: "follows its inputs"}[decision.compute],
             "reason": decision.reason, "rule": decision.rule, "file": display_path(loc.file), "line": loc.line,
         })
     return records

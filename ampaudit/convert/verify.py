@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.range_probe import MEASURED
-from ampaudit.target.inputs import ExampleInputs
 
 Build = Callable[[dict[str, str]], fx.GraphModule]
 MAX_ROUNDS = 6  # attribution rounds: 1, 2, 4, ... ops promoted

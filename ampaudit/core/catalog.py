@@ -14,11 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ampaudit.core.errors import UsageError
 from ampaudit.core.findings import Precision
 from ampaudit.core.resources import load_toml, rules_dir
+
+if TYPE_CHECKING:
+    from ampaudit.core.config import Config
 
 AUTOCAST_BEHAVIOURS = ("fp16", "fp32", "promote", "banned", "none")
 
@@ -210,3 +213,18 @@ def load_catalog(policy_files: Iterable[Path] = (), tables: Iterable[tuple[Mappi
             raise UsageError(f"cannot read policy file {path}: {exc}") from None
         catalog = catalog.merged(table, str(path))
     return catalog
+
+
+def build_catalog(config: Config, policy: str | Path | Mapping | None = None,
+                  policy_files: Iterable[Path] = ()) -> Catalog:
+    """The catalog a run uses: builtin, then the config's ``[tool.ampaudit.policy]``, then a
+    ``policy`` argument (a table or a file) and ``--policy`` files."""
+    tables: list[tuple[Mapping, str]] = []
+    if config.policy:
+        tables.append((config.policy, f"{config.source or 'pyproject.toml'} [tool.ampaudit.policy]"))
+    files = list(policy_files)
+    if isinstance(policy, Mapping):
+        tables.append((policy, "policy argument"))
+    elif policy is not None:
+        files.append(Path(policy))
+    return load_catalog(files, tables)

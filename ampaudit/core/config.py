@@ -1,8 +1,6 @@
 """Settings from ``[tool.ampaudit]`` in pyproject.toml, merged with the command line.
 
-Which findings are kept (``select`` / ``ignore`` by code prefix, inline
-``# ampaudit: ignore[CODE]``) is decided here, once, for every pillar.
-"""
+Which findings they keep is applied by ``core/finalize.py``."""
 
 from __future__ import annotations
 
@@ -12,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ampaudit.core.dtypes import FLOAT16, LOW_DTYPES, LowDtype
 from ampaudit.core.errors import UsageError
-from ampaudit.core.findings import Finding, Report, Severity
+from ampaudit.core.findings import Report, Severity
 from ampaudit.core.resources import load_toml
 
-DTYPES = ("float16", "bfloat16")
 FAIL_ON = ("error", "warning", "info", "never")
 _KEYS = {"select", "ignore", "fail-on", "dtype", "policy"}
 _PREFIX = re.compile(r"^AMP\d{0,3}$")
@@ -27,7 +25,7 @@ class Config:
     select: list[str] = field(default_factory=list)  # code prefixes; empty selects every rule
     ignore: list[str] = field(default_factory=list)
     fail_on: str = "warning"
-    dtype: str = "float16"
+    dtype: LowDtype = FLOAT16
     policy: dict[str, Any] = field(default_factory=dict)  # [tool.ampaudit.policy], ops.toml schema
     source: Path | None = None  # the pyproject.toml it came from
 
@@ -85,7 +83,7 @@ def load_config(start: Path | None) -> Config:
     config.select = check_prefixes(table.get("select", []), f"{path} select")
     config.ignore = check_prefixes(table.get("ignore", []), f"{path} ignore")
     config.fail_on = validate_choice(table.get("fail-on", "warning"), FAIL_ON, f"{path} fail-on")
-    config.dtype = validate_choice(table.get("dtype", "float16"), DTYPES, f"{path} dtype")
+    config.dtype = LowDtype.parse(validate_choice(table.get("dtype", "float16"), LOW_DTYPES, f"{path} dtype"))
     policy = table.get("policy", {})
     if not isinstance(policy, dict):
         raise UsageError(f"{path} [tool.ampaudit.policy] must be a table")
@@ -97,63 +95,3 @@ def validate_choice(value: Any, choices: Sequence[str], what: str) -> str:
     if value not in choices:
         raise UsageError(f"{what} must be one of {', '.join(choices)} (got {value!r})")
     return value
-
-
-_SUPPRESS = re.compile(r"#\s*ampaudit:\s*ignore(?:\[(?P<codes>[^\]]*)\])?", re.IGNORECASE)
-
-
-def suppressed_codes(source_line: str) -> list[str] | None:
-    """Codes an inline comment silences: None if no comment, [] meaning all."""
-    match = _SUPPRESS.search(source_line)
-    if match is None:
-        return None
-    codes = match.group("codes")
-    return [c.strip().upper() for c in codes.split(",") if c.strip()] if codes else []
-
-
-class _Lines:
-    def __init__(self) -> None:
-        self._cache: dict[str, list[str]] = {}
-
-    def get(self, file: str, line: int) -> str:
-        if file not in self._cache:
-            try:
-                self._cache[file] = Path(file).read_text(encoding="utf-8", errors="replace").splitlines()
-            except OSError:
-                self._cache[file] = []
-        lines = self._cache[file]
-        return lines[line - 1] if 0 < line <= len(lines) else ""
-
-
-def is_suppressed(finding: Finding, lines: _Lines) -> bool:
-    codes = suppressed_codes(lines.get(finding.file, finding.line))
-    return codes is not None and (not codes or any(finding.rule.startswith(c) for c in codes))
-
-
-def drop_superseded(findings: list[Finding]) -> list[Finding]:
-    """One cause, one finding: drop those another finding on the same line supersedes (a
-    measured overflow, or the source lint's twin, where the graph rule already named the
-    out-of-range constant)."""
-    from ampaudit.core.rulebook import rulebook
-
-    rules = rulebook()
-    covered = {(f.file, f.line, code) for f in findings if f.rule in rules for code in rules[f.rule].supersedes}
-    return [f for f in findings if (f.file, f.line, f.rule) not in covered]
-
-
-def finalize(report: Report, config: Config) -> Report:
-    """Drop deselected, superseded and inline-suppressed findings, sort, attach codes to nodes."""
-    lines = _Lines()
-    kept = [f for f in report.findings if config.enabled(f.rule) and not is_suppressed(f, lines)]
-    report.findings = drop_superseded(kept)
-    report.sort()
-    worst: dict[str, Finding] = {}
-    for finding in report.findings:
-        if finding.node is not None:
-            best = worst.get(finding.node)
-            if best is None or finding.severity.rank > best.severity.rank:
-                worst[finding.node] = finding
-    for node in report.nodes:
-        hit = worst.get(node.name)
-        node.rule = hit.rule if hit else None
-    return report

@@ -1,19 +1,21 @@
-"""Where a low-precision dtype's range ends, in the terms both range audits need: check's
-range probe (graph/range_probe.py) and watch's statistics (watch/stats.py)."""
+"""The low-precision dtype an audit is for: one value type that every pillar passes around.
+
+Check's graph rules and range probe, convert's plan and watch's statistics all ask the same
+questions of it - its name, its torch dtype, where its range ends (max, the overflow
+threshold, the smallest normal and subnormal) and how many mantissa bits it keeps. The
+numbers follow from the format's bit widths, so this module needs no torch: the lint (which
+never imports torch) names dtypes with it too. ``tests/test_dtypes.py`` checks every number
+against ``torch.finfo``.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
-import torch
-
-
-def overflow_at(dtype: torch.dtype) -> float:
-    """The smallest magnitude that becomes Inf when cast to ``dtype``: its max plus half an
-    ulp, where round-to-nearest-even breaks the tie upwards (65520 for float16)."""
-    info = torch.finfo(dtype)
-    digits = 1 - round(math.log2(info.eps))  # significand bits, the implicit one included
-    return info.max + math.ldexp(1.0, math.frexp(info.max)[1] - digits - 1)
+from ampaudit.core.errors import UsageError
 
 
 def fp32_exponent(value: float) -> int:
@@ -21,19 +23,83 @@ def fp32_exponent(value: float) -> int:
     return max(0, math.frexp(value)[1] - 1 + 127)
 
 
-class Limits:
-    """The audited dtype's limits, and where they fall among fp32 exponents (the histograms
-    both audits keep are indexed by fp32 exponent)."""
+@dataclass(frozen=True)
+class LowDtype:
+    """A binary floating-point format narrower than fp32: float16 or bfloat16."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        info = torch.finfo(dtype)
-        self.dtype = dtype
-        self.max = info.max
-        self.normal = info.smallest_normal
-        self.tiniest = info.smallest_normal * info.eps  # the smallest subnormal
-        self.mantissa = -round(math.log2(info.eps))  # stored mantissa bits
-        self.overflow_at = overflow_at(dtype)
-        # Round to nearest: below half the smallest subnormal a value becomes 0.
-        self.flush_exponent = fp32_exponent(self.tiniest / 2)  # exponents below flush to 0
-        self.normal_exponent = fp32_exponent(self.normal)  # exponents below are subnormal
-        self.overflow_exponent = fp32_exponent(self.overflow_at)  # above: overflow; this one: compare
+    name: str  # torch's name: "float16", "bfloat16"
+    short: str  # what tables print: "fp16", "bf16"
+    exponent_bits: int
+    mantissa: int  # stored mantissa bits (the implicit leading one not counted)
+
+    @cached_property
+    def torch(self) -> Any:
+        """The ``torch.dtype`` (imports torch on first use)."""
+        import torch
+
+        return getattr(torch, self.name)
+
+    @cached_property
+    def eps(self) -> float:
+        return math.ldexp(1.0, -self.mantissa)
+
+    @cached_property
+    def max(self) -> float:
+        bias = 2 ** (self.exponent_bits - 1) - 1
+        return math.ldexp(2.0 - self.eps, bias)
+
+    @cached_property
+    def normal(self) -> float:
+        """The smallest positive normal number."""
+        return math.ldexp(1.0, 2 - 2 ** (self.exponent_bits - 1))
+
+    @cached_property
+    def tiniest(self) -> float:
+        """The smallest positive subnormal number; below half of it a value rounds to 0."""
+        return self.normal * self.eps
+
+    @cached_property
+    def overflow_at(self) -> float:
+        """The smallest magnitude that becomes Inf when cast: max plus half an ulp, where
+        round-to-nearest-even breaks the tie upwards (65520 for float16)."""
+        return self.max + math.ldexp(1.0, math.frexp(self.max)[1] - (self.mantissa + 1) - 1)
+
+    # Where the limits fall among fp32 exponents: both range audits keep histograms by them.
+    @cached_property
+    def flush_exponent(self) -> int:
+        """fp32 exponents below this flush to zero in this dtype."""
+        return fp32_exponent(self.tiniest / 2)
+
+    @cached_property
+    def normal_exponent(self) -> int:
+        """fp32 exponents below this are subnormal in this dtype."""
+        return fp32_exponent(self.normal)
+
+    @cached_property
+    def overflow_exponent(self) -> int:
+        """fp32 exponents above this overflow; at this one, compare with ``overflow_at``."""
+        return fp32_exponent(self.overflow_at)
+
+    @classmethod
+    def parse(cls, value: Any) -> LowDtype:
+        """From ``"fp16"``, ``"float16"``, ``"half"``, ``"bf16"``, ``"bfloat16"``, a
+        ``torch.dtype`` or a LowDtype; anything else is a UsageError."""
+        if isinstance(value, LowDtype):
+            return value
+        key = str(value).lower().removeprefix("torch.")
+        found = _BY_ALIAS.get(key)
+        if found is None:
+            raise UsageError(f"dtype must be float16 or bfloat16 (got {value!r})")
+        return found
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FLOAT16 = LowDtype("float16", "fp16", exponent_bits=5, mantissa=10)
+BFLOAT16 = LowDtype("bfloat16", "bf16", exponent_bits=8, mantissa=7)
+LOW_DTYPES: tuple[str, ...] = (FLOAT16.name, BFLOAT16.name)  # the choices the CLI and config accept
+_BY_ALIAS = {
+    "float16": FLOAT16, "fp16": FLOAT16, "half": FLOAT16,
+    "bfloat16": BFLOAT16, "bf16": BFLOAT16,
+}

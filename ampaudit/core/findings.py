@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampaudit._version import __version__
+from ampaudit.core.dtypes import FLOAT16, LowDtype
 
 
 class Severity(str, enum.Enum):
@@ -33,9 +34,12 @@ class Severity(str, enum.Enum):
 
 
 class Precision(str, enum.Enum):
-    """Where an op belongs in a mixed-precision model."""
+    """Where an op belongs in a mixed-precision model.
 
-    FP16 = "fp16"  # safe and profitable in the low-precision dtype (fp16 or bf16)
+    LOW is written "fp16" in ops.toml, policies and the JSON report (a stable spelling); it
+    means the audited low-precision dtype, float16 or bfloat16, which reports print."""
+
+    LOW = "fp16"  # safe and profitable in the low-precision dtype (fp16 or bf16)
     FP32 = "fp32"  # needs fp32 for range or accuracy
     PROMOTE = "promote"  # runs in the widest dtype among its inputs
     NEUTRAL = "neutral"  # follows its input (shape ops, elementwise activations, ...)
@@ -131,10 +135,13 @@ class Target:
 @dataclass
 class Report:
     target: Target
-    dtype: str = "float16"
+    dtype: LowDtype = FLOAT16
     nodes: list[NodeDecision] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     version: str = __version__
+
+    def __post_init__(self) -> None:
+        self.dtype = LowDtype.parse(self.dtype)  # "float16", "bf16" and torch dtypes are accepted
 
     def count(self, severity: Severity) -> int:
         return sum(f.severity is severity for f in self.findings)
@@ -143,7 +150,7 @@ class Report:
         return {
             "nodes": len(self.nodes),
             "fp32": sum(n.precision is Precision.FP32 for n in self.nodes),
-            "fp16": sum(n.precision is Precision.FP16 for n in self.nodes),
+            "fp16": sum(n.precision is Precision.LOW for n in self.nodes),  # low precision, as the schema spells it
             "errors": self.count(Severity.ERROR),
             "warnings": self.count(Severity.WARNING),
             "infos": self.count(Severity.INFO),
@@ -156,7 +163,7 @@ class Report:
         return {
             "tool": "ampaudit",
             "version": self.version,
-            "dtype": self.dtype,
+            "dtype": self.dtype.name,
             "target": self.target.to_dict(),
             "nodes": [n.to_dict() for n in self.nodes],
             "findings": [f.to_dict() for f in self.findings],

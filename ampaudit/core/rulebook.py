@@ -27,7 +27,9 @@ FAMILIES = {
 
 
 @dataclass(frozen=True)
-class Rule:
+class RuleInfo:
+    """What rules.toml says of one code: its name, severity, message template and docs."""
+
     code: str
     name: str
     severity: Severity
@@ -63,13 +65,13 @@ class Rule:
 
 
 @cache
-def rulebook() -> dict[str, Rule]:
+def rulebook() -> dict[str, RuleInfo]:
     table = load_toml(rules_dir() / "rules.toml")
     rules = {}
     for code, raw in table.items():
         if not CODE_RE.match(code):
             raise RuntimeError(f"rules.toml: {code!r} is not a rule code (AMP + 3 digits)")
-        rules[code] = Rule(
+        rules[code] = RuleInfo(
             code=code,
             name=raw["name"],
             severity=Severity.parse(raw["severity"]),
@@ -84,5 +86,5 @@ def rulebook() -> dict[str, Rule]:
     return dict(sorted(rules.items()))
 
 
-def rule(code: str) -> Rule:
+def rule(code: str) -> RuleInfo:
     return rulebook()[code]

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.func import functional_call
 
-from ampaudit.core.dtypes import Limits
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.graph.tree import map_tensors
 
 MEASURED = "ampaudit_measured"  # node.meta key: Measured
@@ -66,7 +66,7 @@ def exponent_histogram(a: torch.Tensor) -> torch.Tensor:
     return torch.bincount((a.reshape(-1).view(torch.int32) >> 23), minlength=256)
 
 
-def _stats(x: torch.Tensor, limits: Limits) -> tuple[int, float, float | None, float, float, float]:
+def _stats(x: torch.Tensor, limits: LowDtype) -> tuple[int, float, float | None, float, float, float]:
     a = x.detach().float().abs()
     numel = a.numel()
     if numel == 0:
@@ -92,7 +92,7 @@ def _stats(x: torch.Tensor, limits: Limits) -> tuple[int, float, float | None, f
             sub / nonzero if nonzero else 0.0)
 
 
-def _error(low: torch.Tensor, ref: torch.Tensor, limits: Limits) -> tuple[float | None, int | None]:
+def _error(low: torch.Tensor, ref: torch.Tensor, limits: LowDtype) -> tuple[float | None, int | None]:
     ref = ref.detach().float()
     low = low.detach().float()
     diff = torch.linalg.vector_norm(low - ref)
@@ -120,9 +120,9 @@ def _round(value: Any, dtype: torch.dtype) -> Any:
 class RangeProbe(fx.Interpreter):
     """Runs the graph in fp32, recording per node its range and its low-precision error."""
 
-    def __init__(self, gm: fx.GraphModule, dtype: torch.dtype, kinds: dict[fx.Node, str]) -> None:
+    def __init__(self, gm: fx.GraphModule, dtype: LowDtype | torch.dtype, kinds: dict[fx.Node, str]) -> None:
         super().__init__(gm, garbage_collect_values=True)
-        self.limits = Limits(dtype)
+        self.limits = LowDtype.parse(dtype)
         self.kinds = kinds
         self._rounded_state: dict[str, dict[str, torch.Tensor]] = {}
         self._rounded: dict[fx.Node, Any] = {}  # node -> its output rounded to the low dtype
@@ -170,11 +170,11 @@ class RangeProbe(fx.Interpreter):
             x, weight = (self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:2])
             bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
             bias = self.env[bias] if isinstance(bias, fx.Node) else bias
-            weight, bias = _round(weight, self.limits.dtype), _round(bias, self.limits.dtype)
+            weight, bias = _round(weight, self.limits.torch), _round(bias, self.limits.torch)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return self._generic_error(n, result)
         rows = x.reshape(-1, x.shape[-1])[:_SAMPLE_ROWS]
-        low = _round(torch.nn.functional.linear(_round(rows, self.limits.dtype), weight, bias), self.limits.dtype)
+        low = _round(torch.nn.functional.linear(_round(rows, self.limits.torch), weight, bias), self.limits.torch)
         return _error(low, result.reshape(-1, result.shape[-1])[: rows.shape[0]], self.limits)
 
     def _generic_error(self, n: fx.Node, result: torch.Tensor) -> tuple[float | None, int | None]:
@@ -185,11 +185,11 @@ class RangeProbe(fx.Interpreter):
 
     def _rounded_value(self, node: fx.Node) -> Any:
         if node not in self._rounded:
-            self._rounded[node] = _round(self.env[node], self.limits.dtype)
+            self._rounded[node] = _round(self.env[node], self.limits.torch)
         return self._rounded[node]
 
     def _run_low(self, n: fx.Node) -> Any:
-        dtype = self.limits.dtype
+        dtype = self.limits.torch
         args = fx.node.map_arg(n.args, self._rounded_value)  # node values, each rounded once
         kwargs = fx.node.map_arg(n.kwargs, self._rounded_value)
         try:
@@ -208,7 +208,7 @@ class RangeProbe(fx.Interpreter):
     def _state(self, target: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if target not in self._rounded_state:
             state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-            self._rounded_state[target] = {k: _round(v.detach(), self.limits.dtype) for k, v in state.items()}
+            self._rounded_state[target] = {k: _round(v.detach(), self.limits.torch) for k, v in state.items()}
         return self._rounded_state[target]
 
 
@@ -238,7 +238,8 @@ class ProbeError(Exception):
         self.error = error
 
 
-def probe(gm: fx.GraphModule, dtype: torch.dtype, kinds: dict[fx.Node, str], args: tuple, kwargs: dict) -> Any:
+def probe(gm: fx.GraphModule, dtype: LowDtype | torch.dtype, kinds: dict[fx.Node, str], args: tuple,
+          kwargs: dict) -> Any:
     """Run ``gm`` on the inputs, leaving a :class:`Measured` in each float node's meta."""
     values = placeholder_values(gm, args, kwargs)
     with torch.no_grad():

@@ -16,8 +16,6 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-import ampaudit
-
 
 def _folder(path: str) -> str:
     return str(Path(path).resolve()) + os.sep
@@ -31,7 +29,7 @@ _PACKAGE_ROOTS = tuple({
     _folder(p) for p in (*site.getsitepackages(), site.getusersitepackages(),
                          sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
 })
-_AMPAUDIT_ROOT = str(Path(ampaudit.__file__).resolve().parent) + os.sep
+_AMPAUDIT_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep  # the ampaudit package
 _verdicts: dict[str, str] = {}  # filename -> "user" | "internal" | "ampaudit"
 _BOUNDARIES: set[types.CodeType] = set()
 

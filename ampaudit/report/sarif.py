@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from ampaudit.core.findings import Finding, Report, Severity
-from ampaudit.core.rulebook import Rule, rulebook
+from ampaudit.core.rulebook import RuleInfo, rulebook
 
 SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 INFORMATION_URI = "https://github.com/ampaudit/ampaudit"
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
 
 
-def _rule_descriptor(rule: Rule) -> dict[str, Any]:
+def _rule_descriptor(rule: RuleInfo) -> dict[str, Any]:
     help_text = f"{rule.what}\n\nWhy: {rule.why}\n\nFix: {rule.fix}"
     help_md = (f"{rule.what}\n\n**Why it matters.** {rule.why}\n\n**Example**\n\n```python\n{rule.example}\n```"
                f"\n\n**Fix.** {rule.fix}")
@@ -81,6 +81,6 @@ def to_sarif(report: Report) -> dict[str, Any]:
             }},
             "originalUriBaseIds": {"%SRCROOT%": {"uri": Path.cwd().as_uri() + "/"}},
             "results": [_result(f, index) for f in report.findings],
-            "properties": {"dtype": report.dtype, "target": report.target.to_dict()},
+            "properties": {"dtype": report.dtype.name, "target": report.target.to_dict()},
         }],
     }

@@ -5,7 +5,6 @@ Colour follows rich's rules: off when NO_COLOR is set or output is not a termina
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -19,21 +18,20 @@ from rich.text import Text
 from ampaudit.core.findings import Finding, Precision, Report, Severity
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
-_PRECISION_STYLE = {"fp16": "green", "fp32": "magenta", "promote": "blue", "neutral": "dim"}
+_PRECISION_STYLE = {Precision.LOW: "green", Precision.FP32: "magenta", Precision.PROMOTE: "blue",
+                    Precision.NEUTRAL: "dim"}
 
 
-def make_console(file=None, *, width: int | None = None) -> Console:
-    console = Console(file=file, highlight=False, soft_wrap=False, width=width)
-    if width is None and not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 120  # logs and pipes: rich's 80 columns would wrap code lines
-    return console
+def _precision_label(precision: Precision, report: Report) -> str:
+    """LOW is printed as the audited dtype (fp16 or bf16); the rest by name."""
+    return report.dtype.short if precision is Precision.LOW else precision.value
 
 
 def _summary_panel(report: Report) -> Panel:
-    counts = Counter(n.precision.value for n in report.nodes)
+    counts = Counter(n.precision for n in report.nodes)
     ops = Text()
     ops.append(f"{len(report.nodes)} nodes: ")
-    parts = [(f"{counts.get(p, 0)} {p}", _PRECISION_STYLE[p]) for p in ("fp16", "fp32", "promote", "neutral")]
+    parts = [(f"{counts.get(p, 0)} {_precision_label(p, report)}", _PRECISION_STYLE[p]) for p in Precision]
     for i, (label, style) in enumerate(parts):
         ops.append(label, style=style)
         if i < len(parts) - 1:
@@ -53,7 +51,7 @@ def _summary_panel(report: Report) -> Panel:
     grid.add_row("target", f"{escape(report.target.file)}{entry}")
     if report.nodes or report.target.trace != "none":
         grid.add_row("trace", report.target.trace)
-        grid.add_row("dtype", report.dtype)
+        grid.add_row("dtype", report.dtype.name)
         grid.add_row("ops", ops)
     grid.add_row("findings", findings)
     for note in report.target.notes:
@@ -109,7 +107,7 @@ def _ops_table(report: Report) -> Table:
     table.add_column("reason", overflow="fold", ratio=1)
     for node in report.nodes:
         cells = [escape(node.name), escape(node.kind), escape(node.module or ""),
-                 Text(node.precision.value, style=_PRECISION_STYLE[node.precision.value]),
+                 Text(_precision_label(node.precision, report), style=_PRECISION_STYLE[node.precision]),
                  _where(node.file, node.line, report)]
         if measured:
             cells += _measured_cells(node.measured)

@@ -2,21 +2,10 @@
 wrong - per-layer NaN/Inf/overflow/underflow counts, gradient magnitudes, the loss scale,
 and the first module to go non-finite - at about one host sync per step.
 
-``ampaudit.watch`` is both this package and the API function (see ampaudit.check for why).
+``ampaudit.watch`` is both this package and the API function :func:`ampaudit.watch.monitor.watch`
+(see ampaudit/core/callable_package.py).
 """
 
-from __future__ import annotations
+from ampaudit.core.callable_package import make_callable
 
-import sys
-import types
-from typing import Any
-
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ampaudit.watch.monitor import watch
-
-        return watch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+make_callable(__name__, "ampaudit.watch.monitor", "watch")

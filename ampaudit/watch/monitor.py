@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
-from ampaudit.core.dtypes import Limits
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import AmpauditError
 from ampaudit.watch import arena, stats
 from ampaudit.watch.arena import RowArena
@@ -64,8 +64,8 @@ class Monitor:
             raise ValueError("every must be >= 1")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.stop_on_nonfinite, self.record_inputs = every, stop_on_nonfinite, inputs
-        self.limits = Limits(dtype)
-        self.dtype_name = str(dtype).removeprefix("torch.")
+        self.limits = LowDtype.parse(dtype)
+        self.dtype_name = self.limits.name
         self.log_path = Path(log) if log is not None else None
         self.builder = SummaryBuilder(self.dtype_name)
         self.step_index = 0
@@ -441,8 +441,8 @@ class Monitor:
         return result
 
     def print(self, file: Any = None) -> None:
-        from ampaudit.report.terminal import make_console
-        from ampaudit.report.watch_report import render_summary
+        from ampaudit.core.console import make_console
+        from ampaudit.watch.render import render_summary
 
         render_summary(self.summary(), make_console(file or sys.stdout))
 

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ampaudit.core.dtypes import Limits
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import arena, cpu_kernel
 
 BINS = 256 * 4
@@ -29,7 +29,7 @@ HIST = len(FIELDS)  # compact rows: the fields above, then 256 exponent counts
 WIDTH = HIST + 256
 
 
-def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits, *, norm: bool = False,
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype, *, norm: bool = False,
              scale: torch.Tensor | None = None) -> None:
     """Add ``x``'s statistics to a zeroed arena row (``arena.RowArena``), on x's device, with
     no host sync: the 1024 bin counts, how many |x| round to Inf in the audited dtype, and
@@ -48,7 +48,7 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
     fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
 
 
-def fill_param_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits, *,
+def fill_param_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype, *,
                       norm: bool, scale: torch.Tensor | None) -> None:
     """The sum of squares and the count over the loss scale, with torch ops: parameter
     gradients only, where they are cheap enough (the Triton kernel fuses them)."""
@@ -67,7 +67,7 @@ def new_row(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.zeros(arena.EXTRAS, device=device))
 
 
-def tensor_stats(x: torch.Tensor, limits: Limits, fill=fill_row) -> dict:
+def tensor_stats(x: torch.Tensor, limits: LowDtype, fill=fill_row) -> dict:
     """The summary's Stats of one tensor, read back (a host sync): for tools and tests.
     ``fill`` picks the backend (default: the one for x's device)."""
     counts, extras = new_row(x.device)
@@ -83,7 +83,7 @@ def _top_bits(a: torch.Tensor) -> torch.Tensor:
     return a.view(torch.int32) >> 21
 
 
-def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: Limits) -> None:
+def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
     """``fill_row`` with torch ops: the path without a kernel."""
     a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
     keys = _top_bits(a)
@@ -109,7 +109,7 @@ def raw_matrix(counts: torch.Tensor, extras: torch.Tensor) -> torch.Tensor:
                       counts[:, arena.OVERFLOW, None].to(f64)], dim=1)
 
 
-def compact(raw: torch.Tensor, limits: Limits) -> torch.Tensor:
+def compact(raw: torch.Tensor, limits: LowDtype) -> torch.Tensor:
     """Raw rows (N x RAW) to Stats rows (N x WIDTH): all tensors of a step at once."""
     counts = raw[:, :BINS].reshape(-1, 256, 4)
     hist = counts.sum(-1)

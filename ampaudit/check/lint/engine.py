@@ -10,7 +10,7 @@ from pathlib import Path
 import libcst as cst
 
 from ampaudit.check.lint.facts import collect
-from ampaudit.check.lint.rules import run_lint_rules
+from ampaudit.check.script_rules import LINT_RULES, run_lint_rules
 from ampaudit.core.errors import LoadError
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
@@ -19,7 +19,7 @@ from ampaudit.core.rulebook import rule
 
 def lint_source(path: str, source: str) -> list[Finding]:
     """Findings for ``source``; a syntax error raises libcst.ParserSyntaxError."""
-    return run_lint_rules(collect(path, source))
+    return run_lint_rules(collect(path, source, LINT_RULES.read_pattern()))
 
 
 def read_text(path: Path) -> str:

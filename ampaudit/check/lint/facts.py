@@ -358,17 +358,9 @@ class _Collector(cst.CSTVisitor):
             self.facts.binary_ops.append(BinaryOp(node, line, column))
 
 
-# A top-level function or class whose text mentions none of these cannot hold anything a
-# rule looks at (AMP APIs, backward/step, casts, optimizers, fills, small constants).
-_RELEVANT = re.compile(
-    r"autocast|GradScaler|scaler|\.scale\(|backward|\.step\(|\.update\(|unscale_|clip_grad|custom_[fb]wd|apex|"
-    r"\bamp\b|half|float16|bfloat16|optim|\bAdam|binary_cross_entropy|BCELoss|fill|full|where|clamp|finfo|"
-    r"Function|\.train\(|\de-\d"
-)
-
-
-def skeleton(source: str) -> str:
-    """``source`` with irrelevant top-level functions and classes blanked out, line for line.
+def skeleton(source: str, relevant: re.Pattern[str]) -> str:
+    """``source`` with the top-level functions and classes that ``relevant`` (what the rules
+    read) does not match blanked out, line for line.
 
     Scope analysis and position tracking in libcst cost a pass over every node; model code
     (layers, datasets, configs) holds nothing the protocol rules read, so it is not parsed.
@@ -384,7 +376,7 @@ def skeleton(source: str) -> str:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.end_lineno is None:
             continue
         first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
-        if _RELEVANT.search("".join(lines[first:node.end_lineno])):
+        if relevant.search("".join(lines[first:node.end_lineno])):
             continue
         for index in range(first, node.end_lineno):
             ending = "\r\n" if lines[index].endswith("\r\n") else "\n" if lines[index].endswith("\n") else ""
@@ -393,9 +385,12 @@ def skeleton(source: str) -> str:
     return "".join(lines) if blank else source
 
 
-def collect(path: str, source: str) -> ScriptFacts:
-    """Parse ``source`` once and gather its facts; raises libcst.ParserSyntaxError."""
-    module = cst.parse_module(skeleton(source))
+def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> ScriptFacts:
+    """Parse ``source`` once and gather its facts; raises libcst.ParserSyntaxError.
+
+    ``relevant``: what the rules read (``RuleRegistry.read_pattern``); top-level functions
+    and classes it does not match are skipped. None parses everything."""
+    module = cst.parse_module(skeleton(source, relevant) if relevant is not None else source)
     facts = ScriptFacts(path, source, module)
     starts, offset = [], 0
     for line in source.splitlines(keepends=True):

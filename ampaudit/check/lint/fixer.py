@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.engine import read_text
+from ampaudit.core.files import write_atomic
 from ampaudit.core.findings import Finding
-from ampaudit.report.files import write_atomic
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""The graph audit of one model: trace it, measure its ranges on example inputs, classify
+every op and run the graph rules. Shared by the ``check()`` API and ``ampaudit check``."""
+
+from __future__ import annotations
+
+import torch
+
+from ampaudit.check.classify import classify
+from ampaudit.check.coverage import coverage
+from ampaudit.check.graph_rules import run_graph_rules
+from ampaudit.check.options import CheckOptions
+from ampaudit.core.catalog import Catalog, build_catalog
+from ampaudit.core.config import Config
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.findings import Finding, NodeDecision, Report, Target
+from ampaudit.core.paths import display_path
+from ampaudit.core.rulebook import rule
+from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.measure import measure_ranges
+from ampaudit.graph.trace import TraceResult, trace_model
+from ampaudit.graph.view import GraphView
+from ampaudit.load.loader import NotImported, load_target
+
+
+def audit_model(
+    model: torch.nn.Module,
+    inputs: ExampleInputs | None,
+    catalog: Catalog,
+    dtype: LowDtype,
+    *,
+    file: str,
+    entry: str,
+    run: bool = True,
+) -> Report:
+    """The graph audit every front end shares: trace, measure (with inputs), analyse.
+
+    ``run=False`` never executes the model: example inputs are ignored.
+    """
+    measure = inputs is not None and run
+    trace = trace_model(model, catalog, inputs if run else None, validate=not measure)
+    if measure:
+        measure_ranges(trace.graphs[0].gm, inputs, catalog, dtype)
+    report = analyse(trace, catalog, dtype, file=file, entry=entry)
+    if measure:
+        report.target.notes.append(
+            f"measured value ranges on the example inputs ({inputs.origin}): one fp32 run, each op re-run "
+            f"in {dtype} on its fp32 inputs cast down")
+    elif inputs is not None:
+        report.target.notes.append("--no-run: the model was not executed; no value ranges were measured")
+    return report
+
+
+def analyse(trace: TraceResult, catalog: Catalog, dtype: LowDtype, *, file: str, entry: str) -> Report:
+    """Classify every node, run the graph rules, and say what the trace could not see."""
+    nodes: list[NodeDecision] = []
+    findings: list[Finding] = []
+    for sub in trace.graphs:
+        view = GraphView.build(sub, catalog, dtype, frozenset(trace.opaque))
+        nodes += classify(view)
+        findings += run_graph_rules(view)
+    op_count = sum(n.op.startswith("call_") for n in nodes)
+    notes, coverage_findings = coverage(trace, op_count)
+    return Report(Target(file, entry, trace.method, notes), dtype, nodes, findings + coverage_findings)
+
+
+def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
+    """The graph audit of the model ``PATH[:NAME]`` defines (not finalized)."""
+    dtype = LowDtype.parse(options.dtype or config.dtype)
+    catalog = build_catalog(config, policy_files=options.policy_files)  # bad policy: fail before importing
+    loaded = load_target(spec, allow_exec=options.allow_exec, input_shapes=options.input_shapes,
+                         input_dtypes=options.input_dtypes)
+    if isinstance(loaded, NotImported):
+        return _not_imported_report(loaded, dtype)
+    return audit_model(loaded.model, loaded.inputs, catalog, dtype,
+                       file=display_path(str(loaded.path)), entry=loaded.entry, run=options.run)
+
+
+def _not_imported_report(skipped: NotImported, dtype: LowDtype) -> Report:
+    file = display_path(str(skipped.path))
+    finding = rule("AMP003").finding(file, skipped.line, column=skipped.column, what=skipped.what)
+    note = (f"not imported: {skipped.what} at line {skipped.line} would run on import; "
+            "no graph audit ran (pass --exec to import it anyway)")
+    return Report(Target(file, skipped.entry, "none", [note]), dtype, [], [finding])

@@ -1,0 +1,55 @@
+"""AMP301-AMP303: what the range probe measured on the example inputs.
+
+Reported where the op runs in low precision unless the code upcasts it. Overflow is
+reported at its origin - the node whose own output leaves the range while its inputs fit -
+so an inf that a later tanh or clamp hides is still pinned to the op that produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import fx
+
+from ampaudit.check.graph_rules import graph_rule
+from ampaudit.core.findings import Finding, Precision
+from ampaudit.core.rulebook import rule
+from ampaudit.graph.range_probe import MEASURED, Measured
+from ampaudit.graph.view import GraphView
+
+
+def _measured(node: fx.Node) -> Measured | None:
+    return node.meta.get(MEASURED)
+
+
+def _overflows(node: fx.Node) -> bool:
+    m = _measured(node)
+    return m is not None and m.overflow > 0
+
+
+@graph_rule("AMP301", "AMP302", "AMP303")
+def measured_ranges(view: GraphView) -> Iterator[Finding]:
+    limit = view.dtype.max
+    min_flush = rule("AMP302").params["min_fraction"]
+    min_lost = rule("AMP303").params["min_bits_lost"]
+    for node in view.ops():
+        m = _measured(node)
+        if m is None or not view.runs_low(node):
+            continue
+        if m.overflow > 0 and not any(_overflows(i) for i in node.all_input_nodes):
+            yield view.finding("AMP301", node, absmax=f"{m.absmax:.3g}", dtype=view.dtype, limit=f"{limit:.6g}",
+                               percent=_percent(m.overflow),
+                               fix="run this op in fp32 (keep it out of autocast, or upcast its input)")
+        elif m.flush >= min_flush:
+            yield view.finding("AMP302", node, percent=_percent(m.flush), dtype=view.dtype,
+                               smallest=f"{m.min_nonzero:.3g}" if m.min_nonzero is not None else "0",
+                               fix="keep this op in fp32 or rescale its values")
+        elif (m.bits_lost is not None and m.bits_lost >= min_lost
+              and view.policy(node) is not None and view.policy(node).precision is not Precision.FP32):
+            yield view.finding("AMP303", node, lost=m.bits_lost, dtype=view.dtype,
+                               total=view.dtype.mantissa, sqnr=f"{m.sqnr_db:.1f}",
+                               fix="keep this op in fp32")
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%"

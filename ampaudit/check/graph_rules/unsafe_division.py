@@ -1,0 +1,31 @@
+"""AMP211: division by a norm or reduction with no eps: 0 / 0 = NaN, and small norms flush to 0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampaudit.check.graph_rules import graph_rule
+from ampaudit.core.findings import Finding
+from ampaudit.graph.patterns import arg, bounded_exponent, source
+from ampaudit.graph.view import GraphView
+
+_CAN_VANISH = frozenset({"norm", "vector_norm", "frobenius_norm", "sum", "mean", "sqrt", "std", "var", "amax"})
+
+
+def _sum_of_shifted_exp(view: GraphView, total) -> bool:
+    terms = source(view, arg(total, 0, "input"))
+    return view.kind(terms) == "exp" and bounded_exponent(view, source(view, arg(terms, 0, "input")))
+
+
+@graph_rule("AMP211")
+def unsafe_division(view: GraphView) -> Iterator[Finding]:
+    for node in view.ops():
+        if view.kinds[node] != "div" or not view.runs_low(node):
+            continue
+        divisor = source(view, arg(node, 1, "other"))
+        kind = view.kind(divisor)
+        if kind == "sum" and _sum_of_shifted_exp(view, divisor):
+            continue  # a softmax denominator: one term is exp(0) = 1
+        if kind in _CAN_VANISH:
+            yield view.finding("AMP211", node, divisor=kind, dtype=view.dtype,
+                               fix="add an eps (x / (n + eps)) or clamp the divisor: n.clamp_min(eps)")

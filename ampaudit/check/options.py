@@ -1,0 +1,27 @@
+"""What ``ampaudit check`` was asked to do, beyond the configuration: the command line's
+choices, shared by the runner (which files) and the graph audit (how)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ampaudit.core.dtypes import LowDtype
+
+
+@dataclass
+class CheckOptions:
+    """Options of one ``ampaudit check`` run (the CLI flags); the config holds the rest."""
+
+    dtype: LowDtype | str | None = None  # None: the config's
+    allow_exec: bool = False
+    input_shapes: Sequence[str] = ()
+    input_dtypes: Sequence[str] = ()
+    policy_files: Sequence[Path] = ()
+    run: bool = True
+    lint_only: bool = False
+    exclude: Sequence[str] = ()
+    jobs: int | None = None  # worker processes for many files; None: all cores
+    progress: Callable[[int], Callable[[], None]] | None = None  # given a total, returns "one more done"
+    notes: list[str] = field(default_factory=list)

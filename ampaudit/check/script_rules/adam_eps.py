@@ -1,0 +1,34 @@
+"""AMP412: Adam-family eps that is 0 in fp16, on fp16 parameters: the update divides by
+sqrt(v) + 0 and blows up where v underflows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import libcst as cst
+
+from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.protocol import ADAMS, finding, half_casts
+from ampaudit.check.lint.values import literal_number
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Finding
+from ampaudit.core.rulebook import rule
+
+
+@lint_rule("AMP412", reads=(r"\bAdam", "optim", "half", "float16"))
+def adam_eps_underflow(facts: ScriptFacts) -> Iterator[Finding]:
+    halves = {name for name, _ in half_casts(facts)}
+    if not halves:
+        return
+    smallest = rule("AMP412").params["smallest_subnormal"]
+    for call in facts.calls_to(ADAMS):
+        params = call.node.args[0].value if call.node.args else None
+        owner = None
+        if isinstance(params, cst.Call) and isinstance(params.func, cst.Attribute):
+            owner = dotted(params.func.value)
+        if owner not in halves:
+            continue
+        eps_node = call.kwarg("eps")
+        eps = literal_number(eps_node) if eps_node is not None else rule("AMP412").params["default_eps"]
+        if eps is not None and eps < smallest:
+            yield finding(facts, "AMP412", call, eps=f"{eps:g}", fix="eps=1e-4 (or keep fp32 master weights)")

@@ -1,0 +1,39 @@
+"""AMP406: gradient clipping after scaler.scale(loss).backward() without scaler.unscale_():
+the clip threshold is compared against gradients multiplied by the loss scale.
+Fix (unsafe: changes what runs): insert ``scaler.unscale_(optimizer)`` before the clip."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampaudit.check.lint import edits
+from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.protocol import CLIPS, backward_calls, finding, scaled_backward
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Autofix, Finding
+
+
+@lint_rule("AMP406", reads=("clip_grad", "unscale_", "backward", r"\.scale\(", "scaler", r"\.step\("))
+def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
+    for scope in facts.scopes():
+        scalers = facts.scalers(scope)
+        backwards = [c for c in backward_calls(facts, scope) if scaled_backward(c, scalers)]
+        if not backwards:
+            continue
+        scaler = dotted(backwards[0].node.func.value.func.value)
+        unscales = [c.line for c in facts.method_calls("unscale_", scope) if c.receiver == scaler]
+        steps = [dotted(c.arg(0, "optimizer")) for c in facts.method_calls("step", scope) if c.receiver == scaler]
+        optimizer = steps[0] if len(set(steps)) == 1 else None
+        for clip in facts.calls_to(CLIPS):
+            if clip.scope is not scope:
+                continue
+            before = [b.line for b in backwards if b.line < clip.line]
+            if not before or any(max(before) <= u < clip.line for u in unscales):
+                continue
+            autofix = None
+            if optimizer and clip.statement is not None:
+                autofix = Autofix((edits.insert_line_before(facts, clip.statement,
+                                                            f"{scaler}.unscale_({optimizer})"),), safe=False)
+            yield finding(facts, "AMP406", clip, scaler=scaler, optimizer=optimizer or "optimizer",
+                          fix=f"call {scaler}.unscale_({optimizer or 'optimizer'}) before clipping",
+                          autofix=autofix)

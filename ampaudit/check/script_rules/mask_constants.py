@@ -1,0 +1,68 @@
+"""AMP414: a mask or fill constant that fp16 cannot hold, in source: a literal beyond 65504,
+or ``torch.finfo(torch.float32).min/max`` (the twin of the graph rule AMP201, for scripts).
+Fix (unsafe: changes the value): ``torch.finfo(x.dtype).min/max`` of the filled tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import libcst as cst
+
+from ampaudit.check.lint import edits
+from ampaudit.check.lint.facts import Call, ScriptFacts
+from ampaudit.check.lint.protocol import finding
+from ampaudit.check.lint.values import literal_number
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Autofix, Finding
+from ampaudit.core.rulebook import rule
+
+_FP32 = frozenset({"torch.float32", "torch.float"})
+
+
+def _value_args(call: Call) -> list[cst.BaseExpression]:
+    """The arguments of a fill-like call that become tensor data (rules.toml AMP414.params)."""
+    table = rule("AMP414").params
+    slots = table["methods"].get(call.method or "") if call.receiver else None
+    if slots is None:
+        slots = next((table["functions"][n] for n in call.names if n in table["functions"]), None)
+    values = []
+    for slot in slots or ():
+        value = call.arg(slot) if isinstance(slot, int) else call.kwarg(slot)
+        if value is not None:
+            values.append(value)
+    return values
+
+
+def _finfo_fp32_limit(facts: ScriptFacts, node: cst.BaseExpression) -> str | None:
+    """'min' or 'max' for ``torch.finfo(torch.float32).min`` / ``.max``."""
+    if isinstance(node, cst.UnaryOperation):
+        node = node.expression
+    if not (isinstance(node, cst.Attribute) and node.attr.value in ("min", "max")):
+        return None
+    call = node.value
+    if not isinstance(call, cst.Call) or "torch.finfo" not in facts.qualified(call.func) or not call.args:
+        return None
+    return node.attr.value if facts.qualified(call.args[0].value) & _FP32 else None
+
+
+@lint_rule("AMP414", reads=("fill", "full", "where", "clamp", "finfo"))
+def mask_constants(facts: ScriptFacts) -> Iterator[Finding]:
+    limit = rule("AMP414").params["float16_max"]
+    for call in facts.calls:
+        for value in _value_args(call):
+            number = literal_number(value)
+            bound = _finfo_fp32_limit(facts, value)
+            if number is not None and abs(number) > limit:
+                shown = facts.text(value)
+                which = "min" if number < 0 else "max"
+            elif bound is not None:
+                shown, which = facts.text(value), bound
+            else:
+                continue
+            autofix = None
+            if call.receiver and call.method in ("masked_fill", "masked_fill_"):
+                autofix = Autofix((edits.replace(facts, value, f"torch.finfo({call.receiver}.dtype).{which}"),),
+                                  safe=False)
+            replacement = f"torch.finfo({call.receiver or 'x'}.dtype).{which}"
+            yield finding(facts, "AMP414", call, value=shown, replacement=replacement, fix=f"use {replacement}",
+                          autofix=autofix)

@@ -1,0 +1,32 @@
+"""AMP407: scaler.step() without scaler.update() in the same loop: the scale never adapts,
+and after the first overflow every step is skipped.
+Fix (unsafe: changes what runs): insert ``scaler.update()`` after the step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampaudit.check.lint import edits
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.protocol import finding
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Autofix, Finding
+
+
+@lint_rule("AMP407", reads=(r"\.step\(", r"\.update\(", "scaler", "GradScaler"))
+def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
+    for scope in facts.scopes():
+        scalers = facts.scalers(scope)
+        for step in facts.method_calls("step", scope):
+            if step.receiver not in scalers or not step.node.args:
+                continue
+            updates = [u for u in facts.method_calls("update", scope) if u.receiver == step.receiver
+                       and (step.loop is None or u.loop is step.loop)]
+            if updates:
+                continue
+            autofix = None
+            if step.statement is not None:
+                autofix = Autofix((edits.insert_line_after(facts, step.statement, f"{step.receiver}.update()"),),
+                                  safe=False)
+            yield finding(facts, "AMP407", step, scaler=step.receiver, fix=f"call {step.receiver}.update() after it",
+                          autofix=autofix)

@@ -1,0 +1,27 @@
+"""AMP405: optimizer.step() where a GradScaler is in use: the step skips unscaling and the
+inf/NaN check. Fix (unsafe: changes what runs): ``scaler.step(optimizer)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampaudit.check.lint import edits
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.protocol import finding, optimizers, scaler_in_use
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Autofix, Finding
+
+
+@lint_rule("AMP405", reads=(r"\.step\(", "GradScaler", "scaler", "optim"))
+def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
+    for scope in facts.scopes():
+        scalers = scaler_in_use(facts, scope)
+        if not scalers:
+            continue
+        opts = optimizers(facts, scope)
+        scaler = sorted(scalers)[0]
+        for call in facts.method_calls("step", scope):
+            if call.receiver in opts and call.receiver not in scalers and not call.node.args:
+                autofix = Autofix((edits.replace(facts, call.node, f"{scaler}.step({call.receiver})"),), safe=False)
+                yield finding(facts, "AMP405", call, optimizer=call.receiver, scaler=scaler,
+                              fix=f"{scaler}.step({call.receiver})", autofix=autofix if len(scalers) == 1 else None)

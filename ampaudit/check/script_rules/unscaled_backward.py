@@ -1,0 +1,23 @@
+"""AMP404: a GradScaler is in use, yet this backward() runs on the unscaled loss."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.protocol import backward_calls, finding, scaled_backward, scaler_in_use
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Finding
+
+
+@lint_rule("AMP404", reads=("backward", "GradScaler", "scaler", r"\.scale\("))
+def unscaled_backward(facts: ScriptFacts) -> Iterator[Finding]:
+    for scope in facts.scopes():
+        scalers = scaler_in_use(facts, scope)
+        if not scalers:
+            continue
+        scaler = sorted(scalers)[0]
+        for call in backward_calls(facts, scope):
+            if not scaled_backward(call, facts.scalers(scope)):
+                yield finding(facts, "AMP404", call, scaler=scaler,
+                              fix=f"{scaler}.scale(loss).backward()")

@@ -1,0 +1,30 @@
+"""AMP409 / AMP410: a GradScaler that cannot help - with bf16 autocast, or fp16 parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampaudit.check.lint.facts import GRAD_SCALERS, ScriptFacts
+from ampaudit.check.lint.protocol import finding, half_casts
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Finding
+
+
+def _disabled(call) -> bool:
+    enabled = call.kwarg("enabled")
+    return enabled is not None and getattr(enabled, "value", None) == "False"
+
+
+@lint_rule("AMP409", "AMP410", reads=("GradScaler", "autocast", "bfloat16", "half", "float16"))
+def useless_scaler(facts: ScriptFacts) -> Iterator[Finding]:
+    creations = [c for c in facts.calls_to(GRAD_SCALERS) if not _disabled(c)]
+    if not creations:
+        return
+    dtypes = {block.dtype for block in facts.autocasts if block.enabled}
+    halves = half_casts(facts)
+    for scaler in creations:
+        if dtypes == {"bfloat16"}:
+            yield finding(facts, "AMP409", scaler, fix="drop the GradScaler: bf16 has fp32's exponent range")
+        elif halves:
+            yield finding(facts, "AMP410", scaler, model=halves[0][0],
+                          fix="keep the model in fp32 and use torch.autocast, or use ampaudit.convert")

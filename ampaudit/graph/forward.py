@@ -1,0 +1,79 @@
+"""Running the model once on example inputs: the inputs' container, the fp32 no-grad
+forward every audit starts from, and turning its failures into one-line errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ampaudit.core.errors import LoadError
+from ampaudit.core.paths import display_path
+from ampaudit.graph.userframe import traceback_location
+
+
+@dataclass
+class ExampleInputs:
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    origin: str = ""  # where they came from, for messages: "example_inputs()", "--input-shape"
+
+    @classmethod
+    def coerce(cls, value: Any, origin: str) -> ExampleInputs:
+        """A tuple/list of positional args, a dict of kwargs, or a single tensor."""
+        if isinstance(value, ExampleInputs):
+            return value
+        if isinstance(value, dict):
+            return cls((), dict(value), origin)
+        if isinstance(value, (tuple, list)):
+            return cls(tuple(value), {}, origin)
+        if isinstance(value, torch.Tensor):
+            return cls((value,), {}, origin)
+        raise LoadError(
+            f"{origin} gave {type(value).__name__}; expected a tuple of positional arguments, "
+            "a dict of keyword arguments, or a tensor"
+        )
+
+
+def has_tensor(value: Any) -> bool:
+    """Whether a (nested) output holds a tensor; dict subclasses such as HF's ModelOutput count."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(has_tensor(v) for v in value)
+    return False
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``ValueError: msg (model.py:12)`` - the first line of the message and the user's line."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    where = traceback_location(exc.__traceback__)
+    suffix = f" ({display_path(where[0])}:{where[1]})" if where else ""
+    return f"{type(exc).__name__}: {text}{suffix}" if text else f"{type(exc).__name__}{suffix}"
+
+
+def run_model(
+    model: torch.nn.Module, inputs: ExampleInputs, runner: Callable[[], Any] | None = None
+) -> Any:
+    """Run one forward in fp32 without autograd; bad inputs or outputs become a LoadError.
+
+    ``runner`` replaces the plain call (the recorder runs the model itself); whatever it
+    returns is passed through, and the model output is expected as its last element.
+    """
+    try:
+        with torch.no_grad():
+            result = runner() if runner is not None else model(*inputs.args, **inputs.kwargs)
+    except Exception as exc:
+        raise LoadError(f"the example inputs ({inputs.origin}) fail to run the model: "
+                        f"{describe_exception(exc)}") from exc
+    output = result[-1] if runner is not None else result
+    if not has_tensor(output):
+        raise LoadError(
+            f"the model's output holds no tensor (got {type(output).__name__}): "
+            "ampaudit audits models whose forward returns tensors"
+        )
+    return result

@@ -1,0 +1,63 @@
+"""The rich terminal view of a watch summary: a panel with the verdict, a row per module
+and phase, and the parameter gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _sparkline(hist: list[list[int]]) -> str:
+    """Magnitudes at a glance: one character per log2 bin, from the smallest exponent seen."""
+    if not hist:
+        return ""
+    low, high = hist[0][0], hist[-1][0]
+    counts = dict(map(tuple, hist))
+    peak = max(counts.values())
+    return "".join(_BARS[round(counts.get(e, 0) / peak * (len(_BARS) - 1))] for e in range(low, high + 1))
+
+
+def render_summary(summary: dict[str, Any], console: Console) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("steps", str(summary["steps"]))
+    grid.add_row("audited for", summary["dtype"])
+    first = summary["first_nonfinite"]
+    grid.add_row("first non-finite", Text(
+        f"{first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"
+        + (f" on rank {first['rank']}" if "rank" in first else ""), style="bold red") if first else
+        Text("none", style="green"))
+    scaler = summary.get("scaler")
+    if scaler:
+        grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")
+    console.print(Panel(grid, title="ampaudit watch", title_align="left", expand=False))
+    table = Table(title="Per module (summed over logged steps)", title_justify="left")
+    for col in ("module", "phase", "nan", "inf", "overflow", "underflow", "zero %", "absmax"):
+        table.add_column(col, justify="right" if col not in ("module", "phase") else "left", no_wrap=True)
+    table.add_column("log2 |x|", no_wrap=True)
+    for module, phases in summary["layers"].items():
+        for phase, s in phases.items():
+            bad = s["nan"] or s["inf"] or s["overflow"]
+            zero = 100 * s["zero"] / s["numel"] if s["numel"] else 0
+            table.add_row(module, phase, str(s["nan"]), str(s["inf"]), str(s["overflow"]), str(s["underflow"]),
+                          f"{zero:.0f}", f"{s['absmax']:.3g}", _sparkline(s["hist"]),
+                          style="red" if bad else None)
+    console.print(table)
+    if summary["params"]:
+        scaled = any("overflow_at_scale" in s for s in summary["params"].values())
+        params = Table(title="Parameter gradients", title_justify="left")
+        columns = ["parameter", "last norm", "nan", "inf", "underflow", "absmax"]
+        for col in columns + (["over at scale"] if scaled else []):
+            params.add_column(col, justify="left" if col == "parameter" else "right", no_wrap=True)
+        for name, s in summary["params"].items():
+            cells = [name, f"{s['norm']:.3g}" if s["norm"] is not None else "", str(s["nan"]), str(s["inf"]),
+                     str(s["underflow"]), f"{s['absmax']:.3g}"]
+            params.add_row(*cells, *([str(s.get("overflow_at_scale", ""))] if scaled else []))
+        console.print(params)
