@@ -2,9 +2,9 @@
 converted by ampaudit.convert - step time, peak memory and loss after N steps, one process
 per variant (so peak memory is each variant's own).
 
-On a GPU: GPT-2 small, batch 8 x 1024 tokens (the reference numbers: autocast 62.9 ms and
-12.4 GiB, fp32 176.9 ms and 14.13 GiB on an H200). On a CPU the model and batch shrink and
-the ratios are what matters (fp16 matmuls are slow on most CPUs).
+On a GPU: GPT-2 small, batch 8 x 1024 tokens (not run on a GPU yet, so there are no GPU
+numbers to compare with). On a CPU the model and batch shrink and the ratios are what
+matters (fp16 matmuls are slow on most CPUs); docs/benchmarks.md has the CPU numbers.
 
 Run: python bench/convert_speed.py [--steps N] [--layers L] [--batch B] [--tokens T]
 """

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ampaudit.check.run import CheckOptions, check_targets
+from ampaudit.check.options import CheckOptions
+from ampaudit.check.run import check_targets
 from ampaudit.core.config import Config
 
 HEADER = '''"""Training script {i}: {task} on synthetic data."""

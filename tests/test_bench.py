@@ -1,4 +1,4 @@
-"""The watch benchmarks run end to end (tiny settings; the numbers live in README.md)."""
+"""The watch benchmarks run end to end (tiny settings; the numbers live in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ampaudit.check.lint.engine import lint_source
-from ampaudit.check.run import CheckOptions, check_targets, python_files
+from ampaudit.check.lint_file import lint_source
+from ampaudit.check.options import CheckOptions
+from ampaudit.check.run import check_targets, python_files
 from ampaudit.core.config import Config
 from tests.conftest import ROOT, RULE_FIXTURES, expected_markers
 
@@ -211,3 +212,47 @@ def test_progress_is_reported_per_file(tmp_path):
     ticks = []
     check_targets([str(tmp_path)], Config(), CheckOptions(jobs=1, progress=lambda total: lambda: ticks.append(total)))
     assert ticks == [25] * 25
+
+
+def test_a_new_rule_is_heard_inside_functions_it_declares_it_reads(monkeypatch):
+    # The lint skips top-level functions that mention nothing any rule reads. A rule keyed
+    # on a new API declares its words with the rule and fires inside such a function - no
+    # second list to update.
+    from ampaudit.check.lint.protocol import finding
+    from ampaudit.check.script_rules import LINT_RULES, lint_rule
+
+    LINT_RULES.load()
+    monkeypatch.setattr(LINT_RULES, "by_code", dict(LINT_RULES.by_code))
+    monkeypatch.setattr(LINT_RULES, "reads", dict(LINT_RULES.reads))
+    monkeypatch.setattr(LINT_RULES, "_pattern", None)
+    source = "def train(model):\n    model.frobnicate()\n"
+    assert lint_source("t.py", source) == []
+
+    @lint_rule("AMP499", reads=(r"\.frobnicate\(",))
+    def frobnicate(facts):
+        for call in facts.calls:
+            if call.method == "frobnicate":
+                yield finding(facts, "AMP402", call, use="frobnicate()", fix="none")
+
+    found = lint_source("t.py", source)
+    assert [(f.rule, f.line) for f in found] == [("AMP402", 2)]
+    monkeypatch.setattr(LINT_RULES, "_pattern", None)  # the registry's cache is rebuilt without it afterwards
+
+
+def test_a_lint_rule_must_say_what_it_reads():
+    from ampaudit.check.script_rules import lint_rule
+
+    with pytest.raises(ValueError, match="AMP498 must declare the source text it reads"):
+        lint_rule("AMP498", reads=())
+
+
+def test_every_lint_rule_declares_patterns_that_compile():
+    import re
+
+    from ampaudit.check.script_rules import LINT_RULES
+
+    LINT_RULES.load()
+    for fn, words in LINT_RULES.reads.items():
+        assert words, fn.__name__
+        for word in words:
+            re.compile(word)

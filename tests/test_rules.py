@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ampaudit.check.api import check_path
-from ampaudit.check.run import CheckOptions, check_targets
+from ampaudit.check.options import CheckOptions
+from ampaudit.check.run import check_targets
 from ampaudit.core.config import Config
 from ampaudit.core.rulebook import CODE_RE, rulebook
 from ampaudit.report.rule_docs import rules_markdown

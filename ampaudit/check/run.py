@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from ampaudit.check.lint.engine import lint_file
+from ampaudit.check.lint_file import lint_file
 from ampaudit.check.options import CheckOptions
 from ampaudit.core.config import Config
 from ampaudit.core.errors import LoadError, NoModelFound

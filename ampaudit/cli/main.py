@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ampaudit._version import __version__
+from ampaudit.core.dtypes import LOW_DTYPES
 from ampaudit.core.errors import AmpauditError, UsageError
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "no-arg class or a zero-arg factory")
     check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     check.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
-    check.add_argument("--dtype", choices=("float16", "bfloat16"), help="target low-precision dtype "
+    check.add_argument("--dtype", choices=LOW_DTYPES, help="target low-precision dtype "
                        "(default: float16, or [tool.ampaudit] dtype)")
     check.add_argument("--input-shape", action="append", default=[], metavar="SHAPE",
                        help="example input shape such as 8,3,32,32; repeat once per positional argument")
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "it against fp32, and write a standalone module, its weights and plan.json.")
     conv.add_argument("target", metavar="PATH[:NAME]", help="model file (entry points as for `check`)")
     conv.add_argument("-o", "--output", type=Path, required=True, metavar="OUT_DIR", help="folder to write to")
-    conv.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    conv.add_argument("--dtype", choices=LOW_DTYPES, default="float16")
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
     conv.add_argument("--tolerance", type=float, help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
     conv.add_argument("--constants", choices=("fp32", "clamp"), default="fp32",
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "of every module that runs forward and every optimizer that steps.")
     run.add_argument("--log", type=Path, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")
     run.add_argument("--every", type=int, default=1, help="record every N-th step (default 1)")
-    run.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+    run.add_argument("--dtype", choices=LOW_DTYPES, default="float16",
                      help="the low-precision dtype to count overflow/underflow against")
     run.add_argument("script", type=Path)
     run.add_argument("args", nargs=argparse.REMAINDER)
@@ -120,7 +121,8 @@ def _emit(text: str, output: Path | None) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ampaudit.check.run import CheckOptions, check_targets
+    from ampaudit.check.options import CheckOptions
+    from ampaudit.check.run import check_targets
     from ampaudit.core.config import check_prefixes, load_config
     from ampaudit.load.spec import parse_target
 
@@ -142,7 +144,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     report = run()
     if args.fix or args.diff:
-        from ampaudit.check.lint.fixer import fix_files, fixable
+        from ampaudit.check.fix import fix_files, fixable
 
         results = fix_files(report.findings, unsafe=args.unsafe_fixes, write=not args.diff)
         count = sum(len(r.fixed) for r in results)

@@ -1,4 +1,4 @@
-"""The op-precision catalog: policy as data (rules/ops.toml), shared by every pillar.
+"""The op-precision catalog: policy as data (rules/ops.toml), read by check and convert.
 
 Every op the tools see - an fx ``call_function`` target, a tensor method, an aten
 overload, an ``nn.Module`` leaf - is reduced to one canonical *kind* (``linear``,

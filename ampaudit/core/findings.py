@@ -1,9 +1,11 @@
-"""The findings model shared by check, convert and watch.
+"""The findings model: what ``check`` reports and every output format renders.
 
 A :class:`Finding` is one actionable message pinned to a user's source line; a
 :class:`NodeDecision` is the precision verdict for one op of the model graph; a
-:class:`Report` bundles both with the target description and is what every output
-format renders. ``Report.to_dict()`` *is* the JSON document (see README: JSON schema).
+:class:`Report` bundles both with the target description. ``Report.to_dict()`` *is* the
+JSON document (docs/check.md: JSON schema). convert reports a ConversionSummary and watch
+a summary dict; the AMP5xx and AMP6xx code families are reserved for when they report
+through Findings too.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ FAMILIES = {
     "AMP2": "numeric hazards",
     "AMP3": "measured ranges",
     "AMP4": "training scripts",
-    "AMP5": "conversion",
-    "AMP6": "runtime",
+    "AMP5": "conversion",  # reserved: convert reports a ConversionSummary, no findings yet
+    "AMP6": "runtime",  # reserved: watch reports a summary, no findings yet
 }
 
 

@@ -1,4 +1,4 @@
-"""Machine-readable renderings of a Report: JSON (the schema in README), SARIF, GitHub."""
+"""Machine-readable renderings of a Report: JSON (the schema in docs/check.md), SARIF, GitHub."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
-from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
 from ampaudit.watch import arena, stats
 from ampaudit.watch.arena import RowArena
@@ -59,7 +59,8 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
-                 dtype: torch.dtype = torch.float16, stop_on_nonfinite: bool = False, inputs: bool = False) -> None:
+                 dtype: LowDtype | torch.dtype | str = FLOAT16, stop_on_nonfinite: bool = False,
+                 inputs: bool = False) -> None:
         if every < 1:
             raise ValueError("every must be >= 1")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -449,7 +450,8 @@ class Monitor:
 
 def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
           scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
-          dtype: torch.dtype = torch.float16, stop_on_nonfinite: bool = False, inputs: bool = False) -> Monitor:
+          dtype: LowDtype | torch.dtype | str = FLOAT16, stop_on_nonfinite: bool = False,
+          inputs: bool = False) -> Monitor:
     """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
     return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
                    stop_on_nonfinite=stop_on_nonfinite, inputs=inputs)

@@ -21,14 +21,16 @@ from typing import Any
 import libcst as cst
 import libcst.metadata as meta
 
+from ampaudit.core.dtypes import BFLOAT16, FLOAT16, LowDtype
+
 GRAD_SCALERS = frozenset({"torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.GradScaler",
                           "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler"})
 AUTOCASTS = {  # qualified name -> the device it implies (None: given as an argument)
     "torch.autocast": None, "torch.amp.autocast": None, "torch.amp.autocast_mode.autocast": None,
     "torch.cuda.amp.autocast": "cuda", "torch.cpu.amp.autocast": "cpu",
 }
-FLOAT16 = frozenset({"torch.float16", "torch.half"})
-BFLOAT16 = frozenset({"torch.bfloat16"})
+FLOAT16_NAMES = frozenset({"torch.float16", "torch.half"})
+BFLOAT16_NAMES = frozenset({"torch.bfloat16"})
 
 
 @dataclass(eq=False)
@@ -43,7 +45,7 @@ class Autocast:
     node: cst.With
     item: cst.Call
     device: str | None  # "cuda", "cpu", or None when not a literal
-    dtype: str | None  # "float16", "bfloat16", or None when not known statically
+    dtype: LowDtype | None  # None when not known statically
     scope: Scope
     line: int  # the `with` statement
     column: int
@@ -282,11 +284,11 @@ class _Collector(cst.CSTVisitor):
         dtype = None
         if dtype_node is not None:
             names = self._names(dtype_node)
-            dtype = "float16" if names & FLOAT16 else "bfloat16" if names & BFLOAT16 else None
+            dtype = FLOAT16 if names & FLOAT16_NAMES else BFLOAT16 if names & BFLOAT16_NAMES else None
         elif device == "cuda":
-            dtype = "float16"  # CUDA autocast's default
+            dtype = FLOAT16  # CUDA autocast's default
         elif device == "cpu":
-            dtype = "bfloat16"
+            dtype = BFLOAT16
         line, column = self._pos(node)
         end = self.get_metadata(meta.PositionProvider, node).end.line
         enabled = keywords.get("enabled")

@@ -8,7 +8,7 @@ from typing import Any
 
 import libcst as cst
 
-from ampaudit.check.lint.facts import FLOAT16, Call, Scope, ScriptFacts, dotted
+from ampaudit.check.lint.facts import FLOAT16_NAMES, Call, Scope, ScriptFacts, dotted
 from ampaudit.core.findings import Autofix, Finding
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
@@ -73,7 +73,7 @@ def scaler_in_use(facts: ScriptFacts, scope: Scope) -> set[str]:
 
 
 def is_float16(facts: ScriptFacts, node: cst.BaseExpression | None) -> bool:
-    return node is not None and bool(facts.qualified(node) & FLOAT16)
+    return node is not None and bool(facts.qualified(node) & FLOAT16_NAMES)
 
 
 def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from ampaudit.check.lint.facts import GRAD_SCALERS, ScriptFacts
 from ampaudit.check.lint.protocol import finding, half_casts
 from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.dtypes import BFLOAT16
 from ampaudit.core.findings import Finding
 
 
@@ -23,7 +24,7 @@ def useless_scaler(facts: ScriptFacts) -> Iterator[Finding]:
     dtypes = {block.dtype for block in facts.autocasts if block.enabled}
     halves = half_casts(facts)
     for scaler in creations:
-        if dtypes == {"bfloat16"}:
+        if dtypes == {BFLOAT16}:
             yield finding(facts, "AMP409", scaler, fix="drop the GradScaler: bf16 has fp32's exponent range")
         elif halves:
             yield finding(facts, "AMP410", scaler, model=halves[0][0],

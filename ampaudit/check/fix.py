@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.engine import read_text
+from ampaudit.check.lint_file import read_text
 from ampaudit.core.files import write_atomic
 from ampaudit.core.findings import Finding
 
