@@ -1,1 +1,3 @@
-"""Shared by every pillar: the findings model, the op catalog, rule metadata, configuration."""
+"""The bottom layer, imported by every other: the findings model, the op catalog, rule
+metadata and registry, configuration and finalize, the low-precision dtype, errors, atomic
+files and the console. Nothing here imports another ampaudit layer (docs/design.md)."""
