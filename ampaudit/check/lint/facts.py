@@ -8,6 +8,11 @@ the file is parsed and walked once, whatever the number of rules.
 Scopes: each function body (nested functions separately) and the module's top level.
 Rules compare events of one scope only, so two unrelated functions never combine into a
 finding.
+
+Paths: each call also records the conditions it runs under (``guards``: the ``if`` /
+``else`` branches and conditional expressions around it, and the early ``return`` /
+``continue`` before it). Which of them switch AMP on or off is decided after the visit,
+when every scaler and ``enabled=`` flag of the file is known (check/lint/guards.py).
 """
 
 from __future__ import annotations
@@ -51,6 +56,15 @@ class Autocast:
     column: int
     end: int  # last line of the block
     enabled: bool = True  # False for autocast(enabled=False): a region where AMP is off
+    bound: str | None = None  # `ctx = torch.autocast(...)` ... `with ctx:` - the name used
+    dtype_text: str | None = None  # the dtype argument as written, when not a literal dtype
+    guards: tuple[Guard, ...] = ()
+
+
+# A condition a statement runs under: the test expression and whether it held (True: the
+# ``if`` body, or after an early exit from its ``else``; False: the ``else``, or after an
+# early exit from the body).
+Guard = tuple[cst.BaseExpression, bool]
 
 
 @dataclass(eq=False)
@@ -66,6 +80,21 @@ class Call:
     line: int
     column: int  # 1-based
     feeds_backward: bool = False  # `x.method(...).backward()`: the call whose result is backward-ed
+    guards: tuple[Guard, ...] = ()  # outermost first
+    in_scale_loss: bool = False  # inside apex's `with amp.scale_loss(loss, opt) as scaled:`
+    block_exits: bool = False  # its block ends in return/raise/continue/break: what follows never sees it
+
+    @property
+    def disabled(self) -> bool:
+        """``enabled=False`` written out: a GradScaler or autocast that does nothing."""
+        enabled = self.kwarg("enabled")
+        return isinstance(enabled, cst.Name) and enabled.value == "False"
+
+    @property
+    def maybe_enabled(self) -> bool:
+        """``enabled=<expression>``: on or off depending on the run."""
+        enabled = self.kwarg("enabled")
+        return enabled is not None and not (isinstance(enabled, cst.Name) and enabled.value in ("True", "False"))
 
     def kwarg(self, keyword: str) -> cst.BaseExpression | None:
         return next((a.value for a in self.node.args if a.keyword is not None and a.keyword.value == keyword), None)
@@ -130,6 +159,9 @@ class ScriptFacts:
     imports: list[Import] = field(default_factory=list)
     decorators: list[Decorator] = field(default_factory=list)
     binary_ops: list[BinaryOp] = field(default_factory=list)
+    enabled_flags: set[str] = field(default_factory=set)  # dotted names passed as enabled= to AMP APIs
+    local_backward_classes: set[str] = field(default_factory=set)  # classes defined here with a backward()
+    instances: dict[str, str] = field(default_factory=dict)  # name -> local class it was built from
     positions: Mapping[cst.CSTNode, meta.CodeRange] = field(default_factory=dict, repr=False)
     names: dict[cst.CSTNode, frozenset[str]] = field(default_factory=dict, repr=False)
     _qualified: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)  # lazy provider values
@@ -158,9 +190,10 @@ class ScriptFacts:
 
     def scalers(self, scope: Scope) -> frozenset[str]:
         """Names holding a GradScaler in ``scope``: assigned one here or at module level, or
-        used as one (``x.scale(loss).backward()``). Several rules ask, per scope: computed once."""
+        used as one (``x.scale(loss).backward()``). ``GradScaler(enabled=False)`` is not one.
+        Several rules ask, per scope: computed once."""
         if id(scope) not in self._scalers:
-            names = {a.target for a in self.assigned(GRAD_SCALERS, scope)}
+            names = {a.target for a in self.assigned(GRAD_SCALERS, scope) if not a.call.disabled}
             names |= {c.receiver for c in self.method_calls("scale", scope) if c.receiver and c.feeds_backward}
             self._scalers[id(scope)] = frozenset(names)
         return self._scalers[id(scope)]
@@ -218,6 +251,13 @@ class _Collector(cst.CSTVisitor):
         self.saved: list[tuple] = []  # enclosing scopes' state while inside a function
         self.backward_receivers: set[cst.Call] = set()  # calls whose result is .backward()-ed
         self.by_node: dict[cst.Call, Call] = {}
+        self.guards: list[Guard] = []
+        self.blocks: list[cst.CSTNode] = [facts.module]  # the statement lists we are in
+        self.block_exits: list[bool] = [False]
+        self.function_bodies: set[cst.BaseSuite] = set()
+        self.exits: list[tuple[cst.CSTNode, int]] = []  # (block, guards to drop when it ends)
+        self.contexts: dict[str, cst.Call] = {}  # `ctx = torch.autocast(...)`: name -> the call
+        self.scale_loss: list[bool] = [False]
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _names(self, node: cst.CSTNode) -> frozenset[str]:
@@ -232,12 +272,60 @@ class _Collector(cst.CSTVisitor):
 
     # -- scopes and blocks ----------------------------------------------------------------
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.saved.append((self.scope, self.loops, self.autocasts))
+        self.saved.append((self.scope, self.loops, self.autocasts, self.guards, self.scale_loss))
         self.scope = Scope("function", node.name.value, node)
-        self.loops, self.autocasts = [None], [None]
+        self.loops, self.autocasts, self.guards, self.scale_loss = [None], [None], [], [False]
+        self.function_bodies.add(node.body)
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self.scope, self.loops, self.autocasts = self.saved.pop()
+        self.scope, self.loops, self.autocasts, self.guards, self.scale_loss = self.saved.pop()
+
+    # -- paths: the conditions a statement runs under ------------------------------------
+    def visit_If_body(self, node: cst.If) -> None:
+        self.guards.append((node.test, True))
+
+    def leave_If_body(self, node: cst.If) -> None:
+        self.guards.pop()
+
+    def visit_If_orelse(self, node: cst.If) -> None:
+        self.guards.append((node.test, False))
+
+    def leave_If_orelse(self, node: cst.If) -> None:
+        self.guards.pop()
+
+    def leave_If(self, original_node: cst.If) -> None:
+        # `if not use_amp: loss.backward(); continue` - the rest of the block runs only
+        # when the test was false (and vice versa for an else that exits).
+        body_exits = _exits(original_node.body)
+        orelse = original_node.orelse
+        else_exits = isinstance(orelse, cst.Else) and _exits(orelse.body)
+        if body_exits != else_exits:
+            self.guards.append((original_node.test, not body_exits))
+            self.exits.append((self.blocks[-1], 1))
+
+    def visit_IfExp_body(self, node: cst.IfExp) -> None:
+        self.guards.append((node.test, True))
+
+    def leave_IfExp_body(self, node: cst.IfExp) -> None:
+        self.guards.pop()
+
+    def visit_IfExp_orelse(self, node: cst.IfExp) -> None:
+        self.guards.append((node.test, False))
+
+    def leave_IfExp_orelse(self, node: cst.IfExp) -> None:
+        self.guards.pop()
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self.blocks.append(node)
+        # A function's own body returning is not an early exit; a branch that returns is.
+        self.block_exits.append(node not in self.function_bodies and _exits(node))
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock) -> None:
+        while self.exits and self.exits[-1][0] is original_node:
+            self.guards.pop()
+            self.exits.pop()
+        self.blocks.pop()
+        self.block_exits.pop()
 
     def visit_For(self, node: cst.For) -> None:
         self.loops.append(node)
@@ -259,32 +347,39 @@ class _Collector(cst.CSTVisitor):
 
     def visit_With(self, node: cst.With) -> None:
         block = None
+        scale_loss = self.scale_loss[-1]
         for item in node.items:
-            call = item.item
+            call, bound = item.item, None
+            if not isinstance(call, cst.Call) or self._autocast_device(call) is False:
+                bound = dotted(call.func if isinstance(call, cst.Call) else call)  # `with ctx:` / `with ctx():`
+                call = self.contexts.get(bound or "")
             if isinstance(call, cst.Call) and (device := self._autocast_device(call)) is not False:
-                block = self._autocast(node, call, device)
+                block = self._autocast(node, call, device, bound)
+            elif isinstance(item.item, cst.Call) and isinstance(item.item.func, cst.Attribute) \
+                    and item.item.func.attr.value == "scale_loss":
+                scale_loss = True  # apex: backward inside runs on the scaled loss
         self.autocasts.append(block or self.autocasts[-1])
+        self.scale_loss.append(scale_loss)
 
     def leave_With(self, original_node: cst.With) -> None:
         self.autocasts.pop()
+        self.scale_loss.pop()
 
     def _autocast_device(self, call: cst.Call) -> str | bool | None:
-        for name in self._names(call.func):
-            if name in AUTOCASTS:
-                return AUTOCASTS[name]
-        return False
+        return self._autocast_device_of(call.func)
 
-    def _autocast(self, node: cst.With, call: cst.Call, device: str | None) -> Autocast:
+    def _autocast(self, node: cst.With, call: cst.Call, device: str | None, bound: str | None = None) -> Autocast:
         args = [a for a in call.args if a.keyword is None]
         keywords = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
         if device is None:
             value = keywords.get("device_type", args[0].value if args else None)
             device = value.evaluated_value if isinstance(value, cst.SimpleString) else None
         dtype_node = keywords.get("dtype", args[1].value if device is not None and len(args) > 1 else None)
-        dtype = None
+        dtype = dtype_text = None
         if dtype_node is not None:
             names = self._names(dtype_node)
             dtype = FLOAT16 if names & FLOAT16_NAMES else BFLOAT16 if names & BFLOAT16_NAMES else None
+            dtype_text = None if dtype else _EMPTY.code_for_node(dtype_node)
         elif device == "cuda":
             dtype = FLOAT16  # CUDA autocast's default
         elif device == "cpu":
@@ -293,7 +388,8 @@ class _Collector(cst.CSTVisitor):
         end = self.get_metadata(meta.PositionProvider, node).end.line
         enabled = keywords.get("enabled")
         off = isinstance(enabled, cst.Name) and enabled.value == "False"
-        block = Autocast(node, call, device, dtype, self.scope, line, column, end, enabled=not off)
+        block = Autocast(node, call, device, dtype, self.scope, line, column, end, enabled=not off, bound=bound,
+                         dtype_text=dtype_text, guards=tuple(self.guards))
         self.facts.autocasts.append(block)
         return block
 
@@ -310,17 +406,48 @@ class _Collector(cst.CSTVisitor):
             self.backward_receivers.add(node.func.value)
         call = Call(node, self._names(node.func), method, receiver, self.scope, self.loops[-1],
                     self.autocasts[-1], self.statements[-1], line, column,
-                    feeds_backward=node in self.backward_receivers)
+                    feeds_backward=node in self.backward_receivers, guards=tuple(self.guards),
+                    in_scale_loss=self.scale_loss[-1], block_exits=self.block_exits[-1])
+        enabled = call.kwarg("enabled")
+        if enabled is not None and call.names & _AMP_SWITCHES:
+            self.facts.enabled_flags.update(_flag_names(enabled))
         self.facts.calls.append(call)
         self.by_node[node] = call
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
         value = original_node.value
-        if isinstance(value, cst.Call) and value in self.by_node:
-            for target in original_node.targets:
-                name = dotted(target.target)
-                if name:
-                    self.facts.assignments.append(Assignment(name, self.by_node[value]))
+        for target in original_node.targets:
+            name = dotted(target.target)
+            if not name:
+                continue
+            context = self._autocast_in(value)
+            if context is not None:
+                self.contexts[name] = context
+            call = value if isinstance(value, cst.Call) else _conditional_call(value)
+            if call is not None and call in self.by_node:
+                self.facts.assignments.append(Assignment(name, self.by_node[call]))
+                callee = dotted(call.func)
+                if callee in self.facts.local_backward_classes:
+                    self.facts.instances[name] = callee
+
+    def _autocast_in(self, value: cst.BaseExpression) -> cst.Call | None:
+        """The autocast call a context variable holds: ``torch.autocast(...)``, one side of
+        ``nullcontext() if cpu else torch.autocast(...)``, or ``partial(torch.autocast, ...)``."""
+        for candidate in (value, *(getattr(value, side, None) for side in ("body", "orelse"))):
+            if not isinstance(candidate, cst.Call):
+                continue
+            if self._autocast_device(candidate) is not False:
+                return candidate
+            if "functools.partial" in self._names(candidate.func) and candidate.args \
+                    and self._autocast_device_of(candidate.args[0].value) is not False:
+                return candidate.with_changes(func=candidate.args[0].value, args=candidate.args[1:])
+        return None
+
+    def _autocast_device_of(self, func: cst.BaseExpression) -> str | bool | None:
+        for name in self._names(func):
+            if name in AUTOCASTS:
+                return AUTOCASTS[name]
+        return False
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         bases = frozenset(n for base in node.bases for n in self._names(base.value))
@@ -330,6 +457,8 @@ class _Collector(cst.CSTVisitor):
                 methods[stmt.name.value] = frozenset(
                     n for d in stmt.decorators for n in self._names(
                         d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator))
+        if "backward" in methods and not bases & _AUTOGRAD_FUNCTIONS:
+            self.facts.local_backward_classes.add(node.name.value)  # its backward is not torch's
         line, column = self._pos(node)
         self.facts.classes.append(ClassDef(node, bases, methods, line, column))
 
@@ -406,3 +535,43 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
     facts._qualified = wrapper.resolve(meta.QualifiedNameProvider)
     facts._scopes = wrapper.resolve(meta.ScopeProvider)  # already computed for the names above
     return facts
+
+
+_AMP_SWITCHES = GRAD_SCALERS | frozenset(AUTOCASTS)
+_AUTOGRAD_FUNCTIONS = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
+_EXITS = (cst.Return, cst.Continue, cst.Break, cst.Raise)
+
+
+def _exits(block: cst.BaseSuite) -> bool:
+    """Whether a block always leaves its enclosing block: it ends in return/continue/break/raise."""
+    body = block.body
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, cst.SimpleStatementLine):
+        return isinstance(last.body[-1], _EXITS)
+    return isinstance(last, _EXITS)
+
+
+def _flag_names(expr: cst.BaseExpression) -> set[str]:
+    """The names an ``enabled=`` expression reads: ``use_amp``, ``args.amp``, and each side of
+    ``dtype == "float16"`` or ``not x``."""
+    name = dotted(expr)
+    if name:
+        return {name}
+    found: set[str] = set()
+    for child in expr.children:
+        if isinstance(child, cst.BaseExpression):
+            found |= _flag_names(child)
+        elif isinstance(child, (cst.ComparisonTarget,)):
+            found |= _flag_names(child.comparator)
+    return found
+
+
+def _conditional_call(value: cst.BaseExpression) -> cst.Call | None:
+    """The call in ``Call(...) if cond else None`` (either side), which still builds the value."""
+    if isinstance(value, cst.IfExp):
+        for side in (value.body, value.orelse):
+            if isinstance(side, cst.Call):
+                return side
+    return None

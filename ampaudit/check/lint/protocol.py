@@ -1,15 +1,24 @@
 """What the AMP training protocol rules share: findings at a call, and who is who in a scope
-(optimizers, scalers, backward calls, models cast to fp16)."""
+(optimizers, scalers, backward calls, models cast to fp16).
+
+Protocol rules look at the calls that run when AMP is on: a call in the branch of an AMP
+switch that turns it off (``else: loss.backward()`` after ``if use_amp:``) is the fp32 path
+and follows fp32 rules. A finding on a guarded path says which guard it assumed; one that
+rests on a GradScaler built with ``enabled=<expression>`` (on in some runs only) is never
+more severe than a warning.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import libcst as cst
 
-from ampaudit.check.lint.facts import FLOAT16_NAMES, Call, Scope, ScriptFacts, dotted
-from ampaudit.core.findings import Autofix, Finding
+from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts, dotted
+from ampaudit.check.lint.guards import OFF, amp_state
+from ampaudit.core.findings import Autofix, Finding, Severity
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 
@@ -24,6 +33,44 @@ def finding(facts: ScriptFacts, code: str, at: Any, *, fix: str | None = None,
     """A finding at a fact (anything with ``line`` and ``column``)."""
     return rule(code).finding(display_path(facts.path), at.line, column=at.column, fix=fix, autofix=autofix,
                               **fields)
+
+
+def on_path(facts: ScriptFacts, code: str, call: Call, *, via: str | None = None, **fields: Any) -> Finding:
+    """A protocol finding at ``call``, on the AMP path: names the guard it assumed, and is at
+    most a warning when it rests on a scaler (``via``) that is on in some runs only."""
+    result = finding(facts, code, call, **fields)
+    state, guard = amp_state(facts, call)
+    message = result.message
+    severity = result.severity
+    if state is not None and guard:
+        message += f" (on the path where {guard})"
+    elif via is not None and maybe_scaler(facts, call.scope, via) and severity is Severity.ERROR:
+        severity = Severity.WARNING
+        message += f" (when {via} is enabled)"
+    return replace(result, message=message, severity=severity)
+
+
+def maybe_scaler(facts: ScriptFacts, scope: Scope, name: str) -> bool:
+    """``name`` is built only as ``GradScaler(enabled=<expression>)``: on in some runs only."""
+    built = [a.call for a in facts.assigned(GRAD_SCALERS, scope) if a.target == name]
+    return bool(built) and all(c.maybe_enabled for c in built)
+
+
+def amp_path(facts: ScriptFacts, call: Call) -> bool:
+    """Whether ``call`` can run with AMP on (it is not in a branch that turns AMP off)."""
+    return amp_state(facts, call)[0] != OFF
+
+
+def guard_prefix(facts: ScriptFacts, call: Call, scaler: str) -> str:
+    """``if scaler is not None: `` when code that uses ``scaler`` must not run where it may be
+    None - it was built conditionally (``GradScaler() if amp else None``, inside an ``if``) -
+    and ``call`` is not already on a guarded path; else nothing."""
+    if amp_state(facts, call)[0] is not None:
+        return ""
+    built = [a for a in facts.assignments if a.target == scaler and a.call.names & GRAD_SCALERS]
+    if any(a.call.guards for a in built):
+        return f"if {scaler} is not None: "
+    return ""
 
 
 def is_optimizer(call: Call) -> bool:
@@ -61,25 +108,47 @@ def scaled_backward(call: Call, scalers: frozenset[str]) -> bool:
     return isinstance(inner, cst.Attribute) and inner.attr.value == "scale" and dotted(inner.value) in scalers
 
 
+def is_raw_backward(facts: ScriptFacts, call: Call) -> bool:
+    """torch's own ``loss.backward()`` - not a wrapper that scales for you
+    (``accelerator.backward(loss)``, any ``x.backward(loss)`` given the loss, apex's
+    ``scaled_loss.backward()`` inside ``amp.scale_loss``) and not a class's own ``backward``."""
+    if "torch.autograd.backward" in call.names:
+        return True
+    if call.method != "backward" or call.in_scale_loss or call.arg(0) is not None:
+        return False
+    receiver = call.receiver or ""
+    root = receiver.split(".")[0]
+    return root != "self" and receiver not in facts.instances
+
+
 def backward_calls(facts: ScriptFacts, scope: Scope) -> list[Call]:
-    return [c for c in facts.calls if c.scope is scope and c.method == "backward"]
+    """Raw backward calls in ``scope`` that can run with AMP on."""
+    return [c for c in facts.calls if c.scope is scope and is_raw_backward(facts, c) and amp_path(facts, c)]
 
 
 def scaler_in_use(facts: ScriptFacts, scope: Scope) -> set[str]:
     """Scalers this scope actually uses (scale / step / unscale_ / update)."""
     scalers = facts.scalers(scope)
     return {c.receiver for c in facts.calls if c.scope is scope and c.receiver in scalers
-            and c.method in ("scale", "step", "unscale_", "update")}
+            and c.method in ("scale", "step", "unscale_", "update") and amp_path(facts, c)}
 
 
 def is_float16(facts: ScriptFacts, node: cst.BaseExpression | None) -> bool:
     return node is not None and bool(facts.qualified(node) & FLOAT16_NAMES)
 
 
+def _to_half(facts: ScriptFacts, call: Call) -> bool:
+    return call.method == "half" or (call.method == "to" and (
+        is_float16(facts, call.arg(0, "dtype")) or is_float16(facts, call.arg(1))))
+
+
 def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
-    """(model name, call) for ``m.half()`` / ``m.to(torch.float16)`` whose model is trained:
-    its parameters go to an optimizer, or it is put in train mode."""
+    """(model name, call) for ``m.half()`` / ``m.to(torch.float16)`` whose model is trained
+    afterwards: its parameters go to an optimizer, or it is put in train mode, on a later
+    line. Not a cast straight back (``m.half().float()``, which rounds the weights), nor one
+    in a block that returns before training (an inference-only branch)."""
     trained = set()
+    last = 0  # the last line that trains: an optimizer built, train mode, backward or step
     for call in facts.calls:
         if is_optimizer(call) and call.node.args:
             first = call.node.args[0].value
@@ -90,14 +159,16 @@ def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
                     trained.add(name)
         if call.method == "train" and call.receiver:
             trained.add(call.receiver)
+        if is_optimizer(call) or call.method in ("train", "backward", "step"):
+            last = max(last, call.line)
     targets = {id(a.call.node): a.target for a in facts.assignments}
+    back_to_fp32 = {id(c.node.func.value) for c in facts.calls if c.method in ("float", "double")
+                    and isinstance(c.node.func, cst.Attribute) and isinstance(c.node.func.value, cst.Call)}
     casts = []
     for call in facts.calls:
-        to_half = call.method == "half" or (call.method == "to" and (
-            is_float16(facts, call.arg(0, "dtype")) or is_float16(facts, call.arg(1))))
-        if not to_half:
+        if not _to_half(facts, call) or id(call.node) in back_to_fp32 or call.block_exits:
             continue
         name = targets.get(id(call.node), call.receiver)  # model = Net().half() or model.half()
-        if name in trained:
+        if name in trained and call.line < last:
             casts.append((name, call))
     return casts

@@ -15,10 +15,12 @@ _MODULES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss"})
 
 @lint_rule("AMP413", reads=("binary_cross_entropy", "BCELoss", "autocast"))
 def bce_under_autocast(facts: ScriptFacts) -> Iterator[Finding]:
-    losses = {a.target for a in facts.assignments if a.call.names & _MODULES}
+    losses = [(a.target, a.call.scope) for a in facts.assignments if a.call.names & _MODULES]
     for call in facts.calls:
         if call.autocast is None or not call.autocast.enabled:
             continue
-        if call.names & _FUNCTIONS or dotted(call.node.func) in losses:
+        # a loss module named in this function or at module level (not another function's)
+        local = {name for name, scope in losses if scope is call.scope or scope.kind == "module"}
+        if call.names & _FUNCTIONS or dotted(call.node.func) in local:
             yield finding(facts, "AMP413", call,
                           fix="use F.binary_cross_entropy_with_logits / nn.BCEWithLogitsLoss on the logits")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts, dotted
-from ampaudit.check.lint.protocol import CLIPS, backward_calls, finding, scaled_backward
+from ampaudit.check.lint.protocol import CLIPS, amp_path, backward_calls, guard_prefix, on_path, scaled_backward
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding
 
@@ -25,15 +25,15 @@ def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
         steps = [dotted(c.arg(0, "optimizer")) for c in facts.method_calls("step", scope) if c.receiver == scaler]
         optimizer = steps[0] if len(set(steps)) == 1 else None
         for clip in facts.calls_to(CLIPS):
-            if clip.scope is not scope:
+            if clip.scope is not scope or not amp_path(facts, clip):
                 continue
             before = [b.line for b in backwards if b.line < clip.line]
             if not before or any(max(before) <= u < clip.line for u in unscales):
                 continue
             autofix = None
             if optimizer and clip.statement is not None:
-                autofix = Autofix((edits.insert_line_before(facts, clip.statement,
-                                                            f"{scaler}.unscale_({optimizer})"),), safe=False)
-            yield finding(facts, "AMP406", clip, scaler=scaler, optimizer=optimizer or "optimizer",
+                code = f"{guard_prefix(facts, clip, scaler)}{scaler}.unscale_({optimizer})"
+                autofix = Autofix((edits.insert_line_before(facts, clip.statement, code),), safe=False)
+            yield on_path(facts, "AMP406", clip, via=scaler, scaler=scaler, optimizer=optimizer or "optimizer",
                           fix=f"call {scaler}.unscale_({optimizer or 'optimizer'}) before clipping",
                           autofix=autofix)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts
-from ampaudit.check.lint.protocol import finding
+from ampaudit.check.lint.protocol import amp_path, guard_prefix, on_path
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding
 
@@ -18,15 +18,15 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
     for scope in facts.scopes():
         scalers = facts.scalers(scope)
         for step in facts.method_calls("step", scope):
-            if step.receiver not in scalers or not step.node.args:
+            if step.receiver not in scalers or not step.node.args or not amp_path(facts, step):
                 continue
             updates = [u for u in facts.method_calls("update", scope) if u.receiver == step.receiver
-                       and (step.loop is None or u.loop is step.loop)]
+                       and (step.loop is None or u.loop is step.loop) and amp_path(facts, u)]
             if updates:
                 continue
             autofix = None
             if step.statement is not None:
-                autofix = Autofix((edits.insert_line_after(facts, step.statement, f"{step.receiver}.update()"),),
-                                  safe=False)
-            yield finding(facts, "AMP407", step, scaler=step.receiver, fix=f"call {step.receiver}.update() after it",
-                          autofix=autofix)
+                code = f"{guard_prefix(facts, step, step.receiver)}{step.receiver}.update()"
+                autofix = Autofix((edits.insert_line_after(facts, step.statement, code),), safe=False)
+            yield on_path(facts, "AMP407", step, via=step.receiver, scaler=step.receiver,
+                          fix=f"call {step.receiver}.update() after it", autofix=autofix)
