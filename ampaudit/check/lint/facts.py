@@ -83,6 +83,7 @@ class Call:
     guards: tuple[Guard, ...] = ()  # outermost first
     in_scale_loss: bool = False  # inside apex's `with amp.scale_loss(loss, opt) as scaled:`
     block_exits: bool = False  # its block ends in return/raise/continue/break: what follows never sees it
+    compat: bool = False  # in a fallback for old torch: try/except ImportError, or under a version check
 
     @property
     def disabled(self) -> bool:
@@ -130,6 +131,19 @@ class Import:
     names: tuple[tuple[str, str], ...]  # (imported name, bound alias) for `from m import n as a`
     line: int
     column: int
+    compat: bool = False  # in a fallback for old torch (see Call.compat)
+
+
+@dataclass(eq=False)
+class Reference:
+    """An attribute such as ``torch.cuda.amp.autocast`` used as a value (not called):
+    ``ac = torch.cuda.amp.autocast``, ``partial(torch.cuda.amp.GradScaler, ...)``."""
+
+    node: cst.Attribute
+    names: frozenset[str]
+    line: int
+    column: int
+    compat: bool = False
 
 
 @dataclass(eq=False)
@@ -159,6 +173,7 @@ class ScriptFacts:
     imports: list[Import] = field(default_factory=list)
     decorators: list[Decorator] = field(default_factory=list)
     binary_ops: list[BinaryOp] = field(default_factory=list)
+    amp_references: list[Reference] = field(default_factory=list)
     enabled_flags: set[str] = field(default_factory=set)  # dotted names passed as enabled= to AMP APIs
     local_backward_classes: set[str] = field(default_factory=set)  # classes defined here with a backward()
     instances: dict[str, str] = field(default_factory=dict)  # name -> local class it was built from
@@ -258,6 +273,9 @@ class _Collector(cst.CSTVisitor):
         self.exits: list[tuple[cst.CSTNode, int]] = []  # (block, guards to drop when it ends)
         self.contexts: dict[str, cst.Call] = {}  # `ctx = torch.autocast(...)`: name -> the call
         self.scale_loss: list[bool] = [False]
+        self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
+        self.try_compat: list[bool] = []
+        self.version_tests: dict[cst.CSTNode, bool] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _names(self, node: cst.CSTNode) -> frozenset[str]:
@@ -302,6 +320,40 @@ class _Collector(cst.CSTVisitor):
         if body_exits != else_exits:
             self.guards.append((original_node.test, not body_exits))
             self.exits.append((self.blocks[-1], 1))
+
+    # -- fallbacks for old torch: try/except ImportError, version checks --------------------
+    def visit_Try(self, node: cst.Try) -> None:
+        self.try_compat.append(any(_catches_compat(h) for h in node.handlers))
+
+    def leave_Try(self, original_node: cst.Try) -> None:
+        self.try_compat.pop()
+
+    def visit_Try_body(self, node: cst.Try) -> None:
+        self.compat.append(self.compat[-1] or self.try_compat[-1])
+
+    def leave_Try_body(self, node: cst.Try) -> None:
+        self.compat.pop()
+
+    def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
+        self.compat.append(self.compat[-1] or _catches_compat(node))
+
+    def leave_ExceptHandler(self, original_node: cst.ExceptHandler) -> None:
+        self.compat.pop()
+
+    def _in_compat(self) -> bool:
+        if self.compat[-1]:
+            return True
+        for test, _ in self.guards:
+            if test not in self.version_tests:
+                self.version_tests[test] = bool(_VERSION_TEST.search(_EMPTY.code_for_node(test)))
+            if self.version_tests[test]:
+                return True
+        return False
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if node.attr.value in _AMP_ATTRIBUTES:
+            line, column = self._pos(node)
+            self.facts.amp_references.append(Reference(node, self._names(node), line, column, self._in_compat()))
 
     def visit_IfExp_body(self, node: cst.IfExp) -> None:
         self.guards.append((node.test, True))
@@ -407,7 +459,7 @@ class _Collector(cst.CSTVisitor):
         call = Call(node, self._names(node.func), method, receiver, self.scope, self.loops[-1],
                     self.autocasts[-1], self.statements[-1], line, column,
                     feeds_backward=node in self.backward_receivers, guards=tuple(self.guards),
-                    in_scale_loss=self.scale_loss[-1], block_exits=self.block_exits[-1])
+                    in_scale_loss=self.scale_loss[-1], block_exits=self.block_exits[-1], compat=self._in_compat())
         enabled = call.kwarg("enabled")
         if enabled is not None and call.names & _AMP_SWITCHES:
             self.facts.enabled_flags.update(_flag_names(enabled))
@@ -469,14 +521,14 @@ class _Collector(cst.CSTVisitor):
         module = "." * len(node.relative) + _EMPTY.code_for_node(node.module)
         names = tuple((_EMPTY.code_for_node(a.name), _EMPTY.code_for_node(a.asname.name) if a.asname else
                        _EMPTY.code_for_node(a.name)) for a in node.names)
-        self.facts.imports.append(Import(node, module, names, line, column))
+        self.facts.imports.append(Import(node, module, names, line, column, self._in_compat()))
 
     def visit_Import(self, node: cst.Import) -> None:
         line, column = self._pos(node)
         for alias in node.names:
             name = _EMPTY.code_for_node(alias.name)
             bound = _EMPTY.code_for_node(alias.asname.name) if alias.asname else name.split(".")[0]
-            self.facts.imports.append(Import(node, name, ((name, bound),), line, column))
+            self.facts.imports.append(Import(node, name, ((name, bound),), line, column, self._in_compat()))
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         target = node.decorator.func if isinstance(node.decorator, cst.Call) else node.decorator
@@ -540,6 +592,21 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
 _AMP_SWITCHES = GRAD_SCALERS | frozenset(AUTOCASTS)
 _AUTOGRAD_FUNCTIONS = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
 _EXITS = (cst.Return, cst.Continue, cst.Break, cst.Raise)
+_COMPAT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "AttributeError"})
+# `if version.parse(torch.__version__) < ...`, `TORCH_2_4`, `is_torch_greater_or_equal(...)`,
+# `hasattr(torch.amp, "GradScaler")`: code chosen by the installed torch's version.
+_VERSION_TEST = re.compile(r"version|TORCH_\d|hasattr\(\s*torch", re.IGNORECASE)
+_AMP_ATTRIBUTES = frozenset({"autocast", "GradScaler", "custom_fwd", "custom_bwd"})
+
+
+def _catches_compat(handler: cst.ExceptHandler) -> bool:
+    """``except ImportError`` / ``except (ImportError, AttributeError)``: a fallback for an
+    API an older (or newer) torch lacks."""
+    kind = handler.type
+    if kind is None:
+        return False
+    names = [kind] if not isinstance(kind, cst.Tuple) else [e.value for e in kind.elements]
+    return any((dotted(n) or "").rsplit(".", 1)[-1] in _COMPAT_ERRORS for n in names)
 
 
 def _exits(block: cst.BaseSuite) -> bool:

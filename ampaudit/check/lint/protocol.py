@@ -99,6 +99,23 @@ def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
     return names
 
 
+def scaler_for(facts: ScriptFacts, call: Call, scalers: set[str], optimizer: str | None = None) -> str:
+    """Which of the scope's scalers ``call`` belongs with, when there are several (a GAN's
+    d_scaler and g_scaler): the one that steps or unscales ``optimizer`` elsewhere, else the
+    one used nearest to the call."""
+    ordered = sorted(scalers)
+    if len(ordered) == 1:
+        return ordered[0]
+    uses = [c for c in facts.calls if c.scope is call.scope and c.receiver in scalers and amp_path(facts, c)]
+    if optimizer is not None:
+        paired = {c.receiver for c in uses if c.method in ("step", "unscale_")
+                  and dotted(c.arg(0, "optimizer")) == optimizer}
+        if len(paired) == 1:
+            return paired.pop()
+    nearest = min(uses, key=lambda c: (abs(c.line - call.line), c.line), default=None)
+    return nearest.receiver if nearest is not None and nearest.receiver else ordered[0]
+
+
 def scaled_backward(call: Call, scalers: frozenset[str]) -> bool:
     """``s.scale(loss).backward()`` with ``s`` a scaler."""
     func = call.node.func

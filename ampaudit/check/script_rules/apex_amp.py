@@ -18,11 +18,17 @@ def _is_apex_amp(module: str, names: tuple[tuple[str, str], ...]) -> bool:
 
 @lint_rule("AMP402", reads=("apex", r"\bamp\b"))
 def apex_amp(facts: ScriptFacts) -> Iterator[Finding]:
-    for imp in facts.imports:
-        if _is_apex_amp(imp.module, imp.names):
-            yield finding(facts, "AMP402", imp, use=f"import of {imp.module}",
-                          fix="torch.amp.autocast + torch.amp.GradScaler")
+    # One finding a file, at the first use, with the count: a trainer built on apex uses it
+    # in a dozen places, and one migration fixes them all.
+    uses: list[tuple[object, str]] = [(imp, f"import of {imp.module}") for imp in facts.imports
+                                      if _is_apex_amp(imp.module, imp.names)]
     for call in facts.calls:
         name = next((n for n in call.names if n.startswith("apex.amp.")), None)
         if name is not None:
-            yield finding(facts, "AMP402", call, use=f"{name}()", fix="torch.amp.autocast + torch.amp.GradScaler")
+            uses.append((call, f"{name}()"))
+    if not uses:
+        return
+    uses.sort(key=lambda u: (u[0].line, u[0].column))
+    first, label = uses[0]
+    more = f" and {len(uses) - 1} more use{'s' if len(uses) > 2 else ''} in this file" if len(uses) > 1 else ""
+    yield finding(facts, "AMP402", first, use=label + more, fix="torch.amp.autocast + torch.amp.GradScaler")

@@ -3,8 +3,12 @@
 Fix (safe): the torch.amp spelling with the device made explicit -
 ``torch.cuda.amp.autocast(...)`` -> ``torch.amp.autocast("cuda", ...)``,
 ``@torch.cuda.amp.custom_fwd`` -> ``@torch.amp.custom_fwd(device_type="cuda")``. A name
-imported from the old module is fixed together with the import and every use of it - or,
-when some use cannot be fixed, not at all.
+imported from the old module, or the module under an alias (``from torch.cuda import amp``,
+``import torch.cuda.amp as amp``), is fixed together with the import and every use of it -
+or, when some use cannot be fixed, not at all. A reference that is not called
+(``ac = torch.cuda.amp.autocast``, ``partial(torch.cuda.amp.GradScaler, ...)``) is reported
+without a fix. Code in a fallback for old torch (``try``/``except ImportError``, a branch
+on the torch version) is left alone: it is there on purpose.
 """
 
 from __future__ import annotations
@@ -55,9 +59,37 @@ def _uses(facts: ScriptFacts) -> list[_Use]:
             seen.add(id(call))
     for c in facts.calls:
         old = next((n for n in c.names if n in _DEPRECATED), None)
-        if old is not None and id(c.node) not in seen:
+        if old is not None and id(c.node) not in seen and not c.compat:
             uses.append(_Use(c, c.node.func, c.node, old))
     return uses
+
+
+def _module_aliases(facts: ScriptFacts) -> dict[str, Import]:
+    """Names bound to an old amp module: ``from torch.cuda import amp``, ``import torch.cuda.amp as amp``."""
+    found = {}
+    for imp in facts.imports:
+        if imp.compat:
+            continue
+        for name, bound in imp.names:
+            full = f"{imp.module}.{name}" if isinstance(imp.node, cst.ImportFrom) else name
+            if full in _OLD_MODULES and (isinstance(imp.node, cst.ImportFrom) or bound != name.split(".")[0]):
+                found[bound] = imp
+    return found
+
+
+def _alias_fix(facts: ScriptFacts, imp: Import, bound: str, uses: list[_Use]) -> tuple[Edit, ...] | None:
+    """Point the alias at torch.amp and give every use its device - if every reference to
+    the alias is such a use, and the import binds nothing else."""
+    members = [u for u in uses if isinstance(u.callee, cst.Attribute) and dotted(u.callee.value) == bound]
+    bases = {id(u.callee.value) for u in members}
+    if len(imp.names) != 1 or not members or any(id(r) not in bases for r in facts.references(imp.node, bound)):
+        return None
+    node = imp.node
+    if isinstance(node, cst.ImportFrom):  # from torch.cuda import amp -> from torch import amp
+        fixed = edits.replace(facts, node.module, "torch")
+    else:  # import torch.cuda.amp as amp -> import torch.amp as amp
+        fixed = edits.replace(facts, node.names[0].name, "torch.amp")
+    return (fixed, *(_device_edit(facts, u) for u in members))
 
 
 def _device_edit(facts: ScriptFacts, use: _Use) -> Edit:
@@ -80,7 +112,8 @@ def _all_uses_fixable(facts: ScriptFacts, imp: Import, uses: list[_Use]) -> bool
 @lint_rule("AMP401", reads=("autocast", "GradScaler", "custom_[fb]wd", r"\bamp\b"))
 def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
     uses = _uses(facts)
-    imports = [i for i in facts.imports if i.module in _OLD_MODULES and isinstance(i.node, cst.ImportFrom)]
+    imports = [i for i in facts.imports if i.module in _OLD_MODULES and isinstance(i.node, cst.ImportFrom)
+               and not i.compat]
     by_name = {bound: imp for imp in imports for bound in _bound_names(imp)}
     groups: dict[int, tuple[Edit, ...] | None] = {}
     for imp in imports:
@@ -91,15 +124,33 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
         yield finding(facts, "AMP401", imp, old=f"from {imp.module} import", new="from torch.amp import",
                       fix="import from torch.amp and pass the device to each use",
                       autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
+    aliases = _module_aliases(facts)
+    for bound, imp in aliases.items():
+        groups[id(imp)] = _alias_fix(facts, imp, bound, uses)
+        old = f"from {imp.module} import {bound}" if isinstance(imp.node, cst.ImportFrom) \
+            else f"import {imp.names[0][0]} as {bound}"
+        new = f"from torch import {bound}" if isinstance(imp.node, cst.ImportFrom) else f"import torch.amp as {bound}"
+        yield finding(facts, "AMP401", imp, old=old, new=new, fix="import torch.amp and pass the device to each use",
+                      autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
     for use in uses:
         new = _DEPRECATED[use.old][0]
         imp = by_name.get(use.callee.value) if isinstance(use.callee, cst.Name) else None
+        alias = aliases.get(dotted(use.callee.value) or "") if isinstance(use.callee, cst.Attribute) else None
         if imp is not None:
             fix_edits = groups[id(imp)]
+        elif alias is not None:
+            fix_edits = groups[id(alias)]
         elif dotted(use.callee) == use.old:  # spelled out in full: rename in place
             fix_edits = (edits.replace(facts, use.callee, new), _device_edit(facts, use))
         else:
-            fix_edits = None  # an alias such as `amp.autocast`: left to the user
+            fix_edits = None
         yield finding(facts, "AMP401", use.at, old=use.old, new=f"{new}({_device(use.old)}, ...)",
                       fix=f"use {new} and pass {_device(use.old)}",
                       autofix=Autofix(fix_edits) if fix_edits else None)
+    used = {id(u.callee) for u in uses}
+    for ref in facts.amp_references:
+        old = next((n for n in ref.names if n in _DEPRECATED), None)
+        if old is not None and id(ref.node) not in used and not ref.compat:
+            new = _DEPRECATED[old][0]
+            yield finding(facts, "AMP401", ref, old=old, new=f"{new} with {_device(old)}",
+                          fix=f"use {new} and pass {_device(old)} where it is called")

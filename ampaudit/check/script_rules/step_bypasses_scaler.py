@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts
-from ampaudit.check.lint.protocol import amp_path, guard_prefix, on_path, optimizers, scaler_in_use
+from ampaudit.check.lint.protocol import amp_path, guard_prefix, on_path, optimizers, scaler_for, scaler_in_use
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding
 
@@ -19,13 +19,13 @@ def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
         if not scalers:
             continue
         opts = optimizers(facts, scope)
-        scaler = sorted(scalers)[0]
         for call in facts.method_calls("step", scope):
             if call.receiver in opts and call.receiver not in scalers and not call.node.args \
                     and amp_path(facts, call):
+                scaler = scaler_for(facts, call, scalers, call.receiver)
                 fixed = f"{scaler}.step({call.receiver})"
                 if guard_prefix(facts, call, scaler):  # the scaler may be None here: keep the fp32 step
                     fixed = f"{fixed} if {scaler} is not None else {call.receiver}.step()"
                 autofix = Autofix((edits.replace(facts, call.node, fixed),), safe=False)
                 yield on_path(facts, "AMP405", call, via=scaler, optimizer=call.receiver, scaler=scaler,
-                              fix=f"{scaler}.step({call.receiver})", autofix=autofix if len(scalers) == 1 else None)
+                              fix=f"{scaler}.step({call.receiver})", autofix=autofix)

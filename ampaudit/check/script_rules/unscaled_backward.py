@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import ScriptFacts
-from ampaudit.check.lint.protocol import backward_calls, on_path, scaled_backward, scaler_in_use
+from ampaudit.check.lint.protocol import backward_calls, on_path, scaled_backward, scaler_for, scaler_in_use
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
 
@@ -16,8 +16,8 @@ def unscaled_backward(facts: ScriptFacts) -> Iterator[Finding]:
         scalers = scaler_in_use(facts, scope)
         if not scalers:
             continue
-        scaler = sorted(scalers)[0]
         for call in backward_calls(facts, scope):
             if not scaled_backward(call, facts.scalers(scope)):
+                scaler = scaler_for(facts, call, scalers)
                 yield on_path(facts, "AMP404", call, via=scaler, scaler=scaler,
                               fix=f"{scaler}.scale(loss).backward()")
