@@ -155,6 +155,13 @@ class Decorator:
 
 
 @dataclass(eq=False)
+class Comparison:
+    node: cst.Comparison
+    line: int
+    column: int
+
+
+@dataclass(eq=False)
 class BinaryOp:
     node: cst.BinaryOperation
     line: int
@@ -174,6 +181,7 @@ class ScriptFacts:
     decorators: list[Decorator] = field(default_factory=list)
     binary_ops: list[BinaryOp] = field(default_factory=list)
     amp_references: list[Reference] = field(default_factory=list)
+    scale_comparisons: list[Comparison] = field(default_factory=list)  # == / != with a get_scale() side
     enabled_flags: set[str] = field(default_factory=set)  # dotted names passed as enabled= to AMP APIs
     local_backward_classes: set[str] = field(default_factory=set)  # classes defined here with a backward()
     instances: dict[str, str] = field(default_factory=dict)  # name -> local class it was built from
@@ -231,6 +239,11 @@ class ScriptFacts:
     def offset(self, line: int, column: int) -> int:
         """Character offset of a libcst position (1-based line, 0-based column)."""
         return self._line_starts[line - 1] + column
+
+    def lines(self, node: cst.CSTNode) -> tuple[int, int]:
+        """First and last line of a node."""
+        rng = self.positions[node]
+        return rng.start.line, rng.end.line
 
     def span(self, node: cst.CSTNode) -> tuple[int, int]:
         rng = self.positions[node]
@@ -349,6 +362,15 @@ class _Collector(cst.CSTVisitor):
             if self.version_tests[test]:
                 return True
         return False
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        # `scaler.get_scale() != before`: kept for the skip-check rule; the sides are read there
+        if len(node.comparisons) == 1 and isinstance(node.comparisons[0].operator, (cst.NotEqual, cst.Equal)):
+            sides = (node.left, node.comparisons[0].comparator)
+            if any(isinstance(x, cst.Call) and isinstance(x.func, cst.Attribute) and x.func.attr.value == "get_scale"
+                   for x in sides):
+                line, column = self._pos(node)
+                self.facts.scale_comparisons.append(Comparison(node, line, column))
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if node.attr.value in _AMP_ATTRIBUTES:
