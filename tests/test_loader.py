@@ -77,12 +77,12 @@ def test_exec_imports_a_script_anyway():
 
 @pytest.mark.parametrize(("source", "unsafe"), [
     ("import torch\nx = 1\n", None),
-    ("def f():\n    pass\nf()\n", (3, "a call")),
+    ("def f():\n    pass\nf()\n", (3, "a call to `f()`")),
     ("while True:\n    pass\n", (1, "a while loop")),
     ("with open('x') as fh:\n    pass\n", (1, "a with block")),
     ("try:\n    import apex\nexcept ImportError:\n    apex = None\n", None),
     ("if __name__ == '__main__':\n    train()\n", None),
-    ("'''doc'''\nif DEBUG:\n    run()\n", (3, "a call")),
+    ("'''doc'''\nif DEBUG:\n    run()\n", (3, "a call to `run()`")),
 ])
 def test_top_level_safety(source, unsafe):
     scan = scan_source(Path("x.py"), source)
