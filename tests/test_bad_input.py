@@ -13,13 +13,13 @@ CASES = {
     "missing-file": (["fixtures/models/does_not_exist.py"],
                      "no such file or folder: fixtures/models/does_not_exist.py"),
     "syntax-error": ([model("bad_syntax.py")], "syntax error in fixtures/models/bad_syntax.py:9:"),
-    "import-error": ([model("bad_import.py")],
+    # A named model that cannot be built is an error; unnamed, the file is linted (AMP005, tests/test_graph_skipped.py).
+    "import-error": ([model("bad_import.py") + ":get_model"],
                      "no module named 'flash_attn_does_not_exist' (fixtures/models/bad_import.py:8)"),
     "no-model-named": ([model("no_model.py") + ":make"], "defines no top-level 'make'"),
-    "ambiguous": ([model("ambiguous.py")], "several nn.Module classes (Encoder, Decoder)"),
     "unknown-name": ([model("named_entries.py") + ":nope"], "defines no top-level 'nope'"),
     "class-needs-args": ([model("named_entries.py") + ":Encoder"], "Encoder() needs arguments (dim)"),
-    "factory-raises": ([model("factory_raises.py")],
+    "factory-raises": ([model("factory_raises.py") + ":get_model"],
                        "get_model() raised ValueError: unsupported config: hidden=7 is not divisible by heads=2 "
                        "(fixtures/models/factory_raises.py:23)"),
     "inputs-fail": ([model("bad_inputs.py")],
@@ -49,7 +49,7 @@ def test_bad_input_is_one_line_and_exit_2(cli, case):
 
 
 def test_debug_shows_the_traceback(cli):
-    result = cli("check", model("factory_raises.py"), "--debug")
+    result = cli("check", model("factory_raises.py") + ":get_model", "--debug")
     assert result.code == 2
     assert "Traceback" in result.err
     assert "hidden=7 is not divisible" in result.err
@@ -63,7 +63,7 @@ def test_unknown_option_is_a_usage_error(cli):
 
 def test_console_script_exit_code_and_no_traceback():
     # The real entry point, in a fresh process: the same contract holds end to end.
-    proc = subprocess.run([sys.executable, "-m", "ampaudit", "check", model("bad_import.py")],
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "check", model("bad_import.py") + ":get_model"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

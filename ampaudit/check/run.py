@@ -12,10 +12,11 @@ from pathlib import Path
 from ampaudit.check.lint_file import lint_file
 from ampaudit.check.options import CheckOptions
 from ampaudit.core.config import Config
-from ampaudit.core.errors import LoadError, NoModelFound
+from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound
 from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
 from ampaudit.core.paths import display_path
+from ampaudit.core.rulebook import rule
 
 # Folders never worth linting: VCS data, caches, build output, virtual environments.
 SKIP_DIRS = frozenset({
@@ -109,6 +110,10 @@ def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) ->
         if name is not None:
             raise
         return _lint_only(path, lint, str(exc), config, options)
+    except ModelNotBuilt as exc:
+        if name is not None:  # the user named the model: building it is the point
+            raise
+        return _graph_skipped(path, lint, exc, config, options)
     report.findings += lint
     report.target.notes += options.notes
     return finalize(report, config)
@@ -117,3 +122,14 @@ def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) ->
 def _lint_only(path: Path, lint: list[Finding], why: str, config: Config, options: CheckOptions) -> Report:
     target = Target(display_path(str(path)), "", "none", [f"training-script lint only: {why}", *options.notes])
     return finalize(Report(target, config.dtype, [], lint), config)
+
+
+def _graph_skipped(path: Path, lint: list[Finding], exc: ModelNotBuilt, config: Config,
+                   options: CheckOptions) -> Report:
+    """Importing the file or building its model failed: the lint still stands, and an AMP005
+    finding says why there is no graph audit and how to get one."""
+    file = display_path(str(path))
+    finding = rule("AMP005").finding(file, exc.line or 1, reason=exc.reason, hint=exc.hint)
+    target = Target(file, "", "none", [f"training-script lint only: graph audit skipped ({exc.reason})",
+                                       *options.notes])
+    return finalize(Report(target, config.dtype, [], [finding, *lint]), config)

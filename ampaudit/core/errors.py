@@ -19,3 +19,13 @@ class LoadError(AmpauditError):
 
 class NoModelFound(LoadError):
     """The file defines no model entry point ampaudit can use."""
+
+
+class ModelNotBuilt(LoadError):
+    """Importing the model file, or building the model it defines, failed. The graph audit
+    cannot run, but the file can still be linted: ``reason`` says what failed, ``hint`` how to
+    get the audit, ``line`` where in the file (None when unknown)."""
+
+    def __init__(self, message: str, *, reason: str, hint: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.hint, self.line = reason, hint, line

@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import torch
 
-from ampaudit.core.errors import LoadError, NoModelFound
+from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound
 from ampaudit.core.paths import display_path
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.userframe import traceback_location
@@ -62,7 +62,7 @@ def load_target(
     if scan.unsafe is not None and not allow_exec:
         line, column, what = scan.unsafe
         return NotImported(path, name or _static_entry(scan), line, column, what)
-    module = _import_file(path)
+    module = _import_file(path, scan)
     torch.manual_seed(0)  # same weights and example inputs on every run: a stable report
     model, entry = _resolve_model(module, scan, name, path)
     inputs = from_shapes(input_shapes, input_dtypes) if input_shapes else _file_inputs(module)
@@ -86,12 +86,33 @@ def _no_model_message(path: Path) -> str:
     )
 
 
-def _import_file(path: Path) -> ModuleType:
+def _package_root(path: Path) -> tuple[Path, str] | None:
+    """For a file inside a package (folders with __init__.py): the folder above the top
+    package, and the file's dotted module name (``mingpt/model.py`` -> ``mingpt.model``)."""
+    folder, parts = path.resolve().parent, [path.stem]
+    while (folder / "__init__.py").is_file() and NAME_RE.match(folder.name):
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return (folder, ".".join(parts)) if len(parts) > 1 else None
+
+
+def _import_file(path: Path, scan: SourceScan) -> ModuleType:
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)  # so the model file can import its siblings
-    module_name = path.stem if NAME_RE.match(path.stem) and path.stem not in sys.modules else (
-        f"_ampaudit_target_{abs(hash(str(path.resolve())))}")
+    package = _package_root(path)
+    if package is not None and str(package[0]) not in sys.path:
+        sys.path.insert(1, str(package[0]))  # ... and its own package (`from mingpt.utils import ...`)
+    if package is not None and scan.relative_imports and package[1] not in sys.modules:
+        module_name = package[1]  # `from .layers import ...` needs the package
+        try:
+            importlib.import_module(module_name.rsplit(".", 1)[0])
+        except (Exception, SystemExit) as exc:  # the package's __init__ failed: say so like the file's own
+            raise _import_failure(path, exc) from exc
+    elif NAME_RE.match(path.stem) and path.stem not in sys.modules:
+        module_name = path.stem
+    else:
+        module_name = f"_ampaudit_target_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise LoadError(f"cannot import {path}")
@@ -99,49 +120,88 @@ def _import_file(path: Path) -> ModuleType:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except ModuleNotFoundError as exc:
+    except (Exception, SystemExit) as exc:
         sys.modules.pop(module_name, None)
-        where = traceback_location(exc.__traceback__)
-        at = f" ({display_path(where[0])}:{where[1]})" if where else ""
-        raise LoadError(f"cannot import {path}: no module named {exc.name!r}{at}") from exc
-    except SystemExit as exc:
-        sys.modules.pop(module_name, None)
-        raise LoadError(f"importing {path} called exit({exc.code!r})") from exc
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise LoadError(f"importing {path} raised {describe_exception(exc)}") from exc
+        raise _import_failure(path, exc) from exc
     return module
 
 
-def _call(fn: Any, label: str) -> Any:
+def _line_in(path: Path, tb: TracebackType | None) -> int | None:
+    """The innermost line of ``path`` in a traceback (the import, call or statement that failed)."""
+    target, line = str(path.resolve()), None
+    while tb is not None:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()) == target:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+_PIP_NAMES = {"cv2": "opencv-python", "PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml",
+              "skimage": "scikit-image", "attr": "attrs"}
+
+
+def _import_failure(path: Path, exc: BaseException) -> ModelNotBuilt:
+    line = _line_in(path, exc.__traceback__)
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        where = traceback_location(exc.__traceback__)
+        at = f" ({display_path(where[0])}:{where[1]})" if where else ""
+        top = exc.name.split(".")[0]
+        if any((parent / top).is_dir() or (parent / f"{top}.py").is_file() for parent in path.resolve().parents):
+            hint = (f"`{top}` is part of this project: run ampaudit from the folder that contains it, or put that "
+                    "folder on PYTHONPATH")
+        else:
+            pip = f" (pip install {_PIP_NAMES[top]})" if top in _PIP_NAMES else ""
+            hint = f"install `{top}`{pip} to audit the graph"
+        return ModelNotBuilt(f"cannot import {path}: no module named {exc.name!r}{at}",
+                             reason=f"no module named {exc.name!r}", hint=hint, line=line)
+    if isinstance(exc, SystemExit):
+        return ModelNotBuilt(f"importing {path} called exit({exc.code!r})",
+                             reason=f"importing the file called exit({exc.code!r})",
+                             hint='move that call under `if __name__ == "__main__":` to audit the graph', line=line)
+    text = describe_exception(exc)
+    if "CUDA" in text or "NVIDIA" in text:
+        hint = ('this machine has no usable CUDA: move the `.cuda()` / device code under `if __name__ == '
+                '"__main__":`, or run where CUDA works, to audit the graph')
+    else:
+        hint = 'fix that, or move the code that fails under `if __name__ == "__main__":`, to audit the graph'
+    return ModelNotBuilt(f"importing {path} raised {text}", reason=f"importing the file raised {text}", hint=hint,
+                         line=line)
+
+
+def _call(fn: Any, label: str, path: Path) -> Any:
     try:
         return fn()
     except Exception as exc:
-        raise LoadError(f"{label} raised {describe_exception(exc)}") from exc
+        text = f"{label} raised {describe_exception(exc)}"
+        raise ModelNotBuilt(text, reason=text, hint=f"name a model that builds with {path}:NAME",
+                            line=_line_in(path, exc.__traceback__)) from exc
 
 
-def _needs_arguments(cls: type) -> list[str]:
+def _needs_arguments(fn: Any) -> list[str]:
     try:
-        params = inspect.signature(cls).parameters.values()
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return []
     return [p.name for p in params
             if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _as_model(value: Any, label: str) -> tuple[torch.nn.Module, str]:
+def _needs_arguments_error(label: str, missing: list[str], path: Path, line: int | None) -> ModelNotBuilt:
+    reason = f"{label}() needs arguments ({', '.join(missing)})"
+    return ModelNotBuilt(f"{reason}: name a factory or an instance", reason=reason,
+                         hint=f"name a model that builds with {path}:NAME", line=line)
+
+
+def _as_model(value: Any, label: str, path: Path, line: int | None = None) -> tuple[torch.nn.Module, str]:
     """Turn an instance, a no-arg class or a zero-arg factory into a module."""
     if isinstance(value, torch.nn.Module):
         return value, label
-    if isinstance(value, type) and issubclass(value, torch.nn.Module):
+    if callable(value):
         missing = _needs_arguments(value)
         if missing:
-            raise LoadError(f"{label}() needs arguments ({', '.join(missing)}): name a factory or an instance")
+            raise _needs_arguments_error(label, missing, path, line)
         label = f"{label}()"
-        value = _call(value, label)
-    elif callable(value):
-        label = f"{label}()"
-        value = _call(value, label)
+        value = _call(value, label, path)
     if not isinstance(value, torch.nn.Module):
         raise LoadError(f"{label} is {type(value).__name__}, not an nn.Module")
     return value, label
@@ -151,10 +211,10 @@ def _resolve_model(module: ModuleType, scan: SourceScan, name: str | None, path:
     if name is not None:
         if not hasattr(module, name):
             raise LoadError(f"{path} defines no top-level {name!r}")
-        return _as_model(getattr(module, name), name)
+        return _as_model(getattr(module, name), name, path, scan.lines.get(name))
     for factory in scan.factories:
         if callable(getattr(module, factory, None)):
-            return _as_model(getattr(module, factory), factory)
+            return _as_model(getattr(module, factory), factory, path, scan.lines.get(factory))
     if isinstance(getattr(module, MODEL_ATTRIBUTE, None), torch.nn.Module):
         return getattr(module, MODEL_ATTRIBUTE), MODEL_ATTRIBUTE
     classes = [
@@ -162,19 +222,23 @@ def _resolve_model(module: ModuleType, scan: SourceScan, name: str | None, path:
         if isinstance(obj := getattr(module, cls_name, None), type)
         and issubclass(obj, torch.nn.Module) and obj.__module__ == module.__name__
     ]
-    ready = [cls for cls in classes if not _needs_arguments(cls)]
-    if len(ready) > 1:
-        # Prefer the class no other candidate builds: Net, not the FusedNorm that Net contains.
-        def built_by_another(cls: type) -> bool:
-            return any(cls.__name__ in scan.class_refs.get(o.__name__, ()) for o in ready if o is not cls)
 
-        roots = [cls for cls in ready if not built_by_another(cls)]
-        ready = roots or ready
+    # The model is a class no other class of the file builds: Net, not the FusedNorm that Net contains.
+    def built_by_another(cls: type) -> bool:
+        return any(cls.__name__ in scan.class_refs.get(o.__name__, ()) for o in classes if o is not cls)
+
+    roots = [cls for cls in classes if not built_by_another(cls)] or classes
+    ready = [cls for cls in roots if not _needs_arguments(cls)]
     if len(ready) == 1:
-        return _as_model(ready[0], ready[0].__name__)
+        return _as_model(ready[0], ready[0].__name__, path)
     if len(ready) > 1:
         names = ", ".join(cls.__name__ for cls in ready)
-        raise LoadError(f"{path} defines several nn.Module classes ({names}): name one with {path}:NAME")
+        reason = f"the file defines several nn.Module classes ({names})"
+        raise ModelNotBuilt(f"{path} defines several nn.Module classes ({names}): name one with {path}:NAME",
+                            reason=reason, hint=f"name one with {path}:NAME", line=scan.lines.get(ready[0].__name__))
+    if roots:
+        cls = roots[-1]  # the last one defined: usually the whole model, built from the others
+        raise _needs_arguments_error(cls.__name__, _needs_arguments(cls), path, scan.lines.get(cls.__name__))
     raise NoModelFound(_no_model_message(path))
 
 
@@ -184,6 +248,13 @@ def _file_inputs(module: ModuleType) -> ExampleInputs | None:
         if value is None:
             continue
         if callable(value):
-            return ExampleInputs.coerce(_call(value, f"{name}()"), f"{name}()")
+            return ExampleInputs.coerce(_call_inputs(value, f"{name}()"), f"{name}()")
         return ExampleInputs.coerce(value, name)
     return None
+
+
+def _call_inputs(fn: Any, label: str) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        raise LoadError(f"{label} raised {describe_exception(exc)}") from exc
