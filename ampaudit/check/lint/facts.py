@@ -257,6 +257,13 @@ class ScriptFacts:
 _EMPTY = cst.Module([])  # renders a node's code
 
 
+def unwrap_cast(node: cst.BaseExpression) -> cst.BaseExpression:
+    """The value inside ``typing.cast(T, value)`` (a type checker's wrapper), else ``node``."""
+    if isinstance(node, cst.Call) and len(node.args) == 2 and (dotted(node.func) or "").rsplit(".", 1)[-1] == "cast":
+        return node.args[1].value
+    return node
+
+
 def dotted(node: cst.BaseExpression | None) -> str | None:
     if isinstance(node, cst.Name):
         return node.value
@@ -477,7 +484,7 @@ class _Collector(cst.CSTVisitor):
         # x.scale(loss).backward(): the outer call is visited first; mark the inner one, so
         # that scalers are also found by use.
         if method == "backward" and isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call):
-            self.backward_receivers.add(node.func.value)
+            self.backward_receivers.add(unwrap_cast(node.func.value))
         call = Call(node, self._names(node.func), method, receiver, self.scope, self.loops[-1],
                     self.autocasts[-1], self.statements[-1], line, column,
                     feeds_backward=node in self.backward_receivers, guards=tuple(self.guards),
@@ -521,6 +528,8 @@ class _Collector(cst.CSTVisitor):
         for name in self._names(func):
             if name in AUTOCASTS:
                 return AUTOCASTS[name]
+        if isinstance(func, cst.Attribute) and func.attr.value == "autocast":
+            return None  # accelerator.autocast(), a trainer's own: AMP of some dtype
         return False
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:

@@ -6,9 +6,11 @@
 A test is an *AMP switch* when it reads a GradScaler (``if scaler``, ``scaler is None``,
 ``scaler.is_enabled()``), a name that is passed as ``enabled=`` to autocast or GradScaler
 anywhere in the file, or a flag named for AMP (``use_amp``, ``args.fp16``,
-``cfg.mixed_precision``, ``self.scaler``); ``not``, ``and``, ``or``, ``is None`` and
-comparisons with a precision string (``precision == "16-mixed"``) are followed. A call's AMP
-state is decided by its innermost switch: "on", "off", or None when no switch guards it.
+``cfg.mixed_precision``, ``self.scaler``, ``config["use_fp16"]``) - or for fp32, the other
+way round (``not self.fp32``); ``not``, ``and``, ``or``, ``is None``, ``== True`` and
+comparisons with a precision (``precision == "16-mixed"``, ``dtype == torch.float32``,
+``self.amp_type == AmpType.PYTORCH``) are followed. A call's AMP state is decided by its
+innermost switch: "on", "off", or None when no switch guards it.
 """
 
 from __future__ import annotations
@@ -24,16 +26,44 @@ Effect = tuple[str | None, str | None]  # the AMP state when the test holds, whe
 
 _FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "autocast", "scaler", "apex"})
 _NOT_FLAG_WORDS = frozenset({"bf16", "bfloat16", "fp32", "full", "no", "disable", "disabled"})
+_FP32_FLAG_WORDS = frozenset({"fp32", "float32"})  # `if self.fp32:` - true means AMP is off
+_OFF_CONSTANTS = frozenset({"none", "off", "no", "disabled", "fp32", "float32", "full"})
 _LOW_STRING = re.compile(r"16|amp|mixed|half", re.IGNORECASE)
 _FP32_STRING = re.compile(r"^(fp32|float32|32|32-true|no|none|full)$", re.IGNORECASE)
 _EMPTY = cst.Module([])
+_FP32_DTYPES = frozenset({"torch.float32", "torch.float"})
+_FP16_DTYPES = frozenset({"torch.float16", "torch.half"})
 
 
 def _is_flag(facts: ScriptFacts, name: str, scalers: frozenset[str]) -> bool:
+    return _flag(facts, name, scalers) == (ON, OFF)
+
+
+def _flag(facts: ScriptFacts, name: str, scalers: frozenset[str]) -> Effect:
+    """A name's effect as a test: AMP flags (ON, OFF), fp32 flags (OFF, ON), else nothing."""
     if name in scalers or name in facts.enabled_flags:
-        return True
+        return ON, OFF
     words = set(re.split(r"[_\W]+", name.rsplit(".", 1)[-1].lower()))
-    return bool(words & _FLAG_WORDS) and not words & _NOT_FLAG_WORDS
+    if words & _FLAG_WORDS and not words & _NOT_FLAG_WORDS:
+        return ON, OFF
+    if words & _FP32_FLAG_WORDS and not words & _FLAG_WORDS:
+        return OFF, ON
+    return None, None
+
+
+def _name(test: cst.BaseExpression) -> str | None:
+    """``a.b``, and the key of ``cfg["use_fp16"]`` / ``cfg.get("use_fp16")``."""
+    name = dotted(test)
+    if name is not None:
+        return name
+    if isinstance(test, cst.Subscript) and len(test.slice) == 1:
+        index = test.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+            return str(index.value.evaluated_value)
+    if isinstance(test, cst.Call) and isinstance(test.func, cst.Attribute) and test.func.attr.value == "get" \
+            and test.args and isinstance(test.args[0].value, cst.SimpleString):
+        return str(test.args[0].value.evaluated_value)
+    return None
 
 
 def effect(facts: ScriptFacts, test: cst.BaseExpression, scalers: frozenset[str]) -> Effect:
@@ -43,43 +73,59 @@ def effect(facts: ScriptFacts, test: cst.BaseExpression, scalers: frozenset[str]
         return when_false, when_true
     if isinstance(test, cst.BooleanOperation):
         left, right = effect(facts, test.left, scalers), effect(facts, test.right, scalers)
+        # A part that is no AMP switch (`torch.cuda.is_available()`) is taken as the
+        # environment: the switch decides both branches.
+        if right == (None, None):
+            return left
+        if left == (None, None):
+            return right
         if isinstance(test.operator, cst.And):  # true: both hold; false: one fails
             return left[0] or right[0], left[1] if left[1] == right[1] else None
         return left[0] if left[0] == right[0] else None, left[1] or right[1]  # or
     if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
         return _comparison(facts, test, scalers)
-    if isinstance(test, cst.Call) and isinstance(test.func, cst.Attribute):
-        if test.func.attr.value == "is_enabled" and _is_flag(facts, dotted(test.func.value) or "", scalers):
-            return ON, OFF
-        return None, None
-    name = dotted(test)
-    if name and _is_flag(facts, name, scalers):
-        return ON, OFF
-    return None, None
+    if isinstance(test, cst.Call) and isinstance(test.func, cst.Attribute) and test.func.attr.value == "is_enabled":
+        return (ON, OFF) if _is_flag(facts, dotted(test.func.value) or "", scalers) else (None, None)
+    name = _name(test)
+    return _flag(facts, name, scalers) if name else (None, None)
 
 
 def _comparison(facts: ScriptFacts, test: cst.Comparison, scalers: frozenset[str]) -> Effect:
     target = test.comparisons[0]
     operator, other = target.operator, target.comparator
-    name = dotted(test.left)
-    if name is None or (not _is_flag(facts, name, scalers) and not isinstance(other, cst.SimpleString)):
+    equal = isinstance(operator, (cst.Equal, cst.Is))
+    if not equal and not isinstance(operator, (cst.NotEqual, cst.IsNot)):
         return None, None
+    dtypes = facts.qualified(other)
+    if dtypes & _FP32_DTYPES or dtypes & _FP16_DTYPES:  # dtype == torch.float32 / torch.float16
+        state = (OFF, ON) if dtypes & _FP32_DTYPES else (ON, OFF)
+        return state if equal else (state[1], state[0])
+    name = _name(test.left)
+    if name is None:
+        return None, None
+    flag = _flag(facts, name, scalers)
+    if isinstance(other, cst.Name) and other.value in ("True", "False"):  # fp16 == True
+        same = equal == (other.value == "True")
+        return flag if same else (flag[1], flag[0])
     if isinstance(other, cst.Name) and other.value == "None":  # scaler is None / is not None
-        if isinstance(operator, (cst.IsNot, cst.NotEqual)):
-            return ON, OFF
-        if isinstance(operator, (cst.Is, cst.Equal)):
-            return OFF, ON
-    if isinstance(other, cst.SimpleString):  # precision == "16-mixed", dtype == "float16"
-        value = str(other.evaluated_value)
-        state = OFF if _FP32_STRING.match(value) else ON if _LOW_STRING.search(value) and "bf" not in value \
-            else None
-        if state is None:
+        if flag == (None, None) and name not in scalers:
             return None, None
-        if isinstance(operator, cst.Equal):
-            return state, None
-        if isinstance(operator, cst.NotEqual):
-            return None, state
-    return None, None
+        return (OFF, ON) if equal else (ON, OFF)
+    if flag == (ON, OFF) and isinstance(other, (cst.Name, cst.Attribute, cst.SimpleString)):
+        # amp_type == AmpType.PYTORCH / "pytorch": one kind of AMP (AmpType.NONE: none of them)
+        constant = str(other.evaluated_value) if isinstance(other, cst.SimpleString) else dotted(other) or ""
+        constant = constant.rsplit(".", 1)[-1]
+        off = constant.lower() in _OFF_CONSTANTS or bool(_FP32_STRING.match(constant))
+        state = (OFF, ON) if off else (ON, OFF)
+        return state if equal else (state[1], state[0])
+    if not isinstance(other, cst.SimpleString):
+        return None, None
+    value = str(other.evaluated_value)  # precision == "16-mixed", dtype == "float16"
+    state = OFF if _FP32_STRING.match(value) else ON if _LOW_STRING.search(value) and "bf" not in value else None
+    if state is None:
+        return None, None
+    other_state = OFF if state == ON else ON
+    return (state, other_state) if equal else (other_state, state)
 
 
 def decide(facts: ScriptFacts, guards: tuple[Guard, ...], scalers: frozenset[str]) -> tuple[str | None, str | None]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import libcst as cst
 
-from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts, dotted
+from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts, dotted, unwrap_cast
 from ampaudit.check.lint.guards import OFF, amp_state
 from ampaudit.core.findings import Autofix, Finding, Severity
 from ampaudit.core.paths import display_path
@@ -119,9 +119,12 @@ def scaler_for(facts: ScriptFacts, call: Call, scalers: set[str], optimizer: str
 def scaled_backward(call: Call, scalers: frozenset[str]) -> bool:
     """``s.scale(loss).backward()`` with ``s`` a scaler."""
     func = call.node.func
-    if call.method != "backward" or not isinstance(func, cst.Attribute) or not isinstance(func.value, cst.Call):
+    if call.method != "backward" or not isinstance(func, cst.Attribute):
         return False
-    inner = func.value.func
+    scaled = unwrap_cast(func.value)  # cast(torch.Tensor, scaler.scale(loss)).backward() too
+    if not isinstance(scaled, cst.Call):
+        return False
+    inner = scaled.func
     return isinstance(inner, cst.Attribute) and inner.attr.value == "scale" and dotted(inner.value) in scalers
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.facts import ScriptFacts, dotted, unwrap_cast
 from ampaudit.check.lint.protocol import CLIPS, amp_path, backward_calls, guard_prefix, on_path, scaled_backward
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding
@@ -20,16 +20,19 @@ def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
         backwards = [c for c in backward_calls(facts, scope) if scaled_backward(c, scalers)]
         if not backwards:
             continue
-        scaler = dotted(backwards[0].node.func.value.func.value)
-        unscales = [c.line for c in facts.method_calls("unscale_", scope) if c.receiver == scaler]
-        steps = [dotted(c.arg(0, "optimizer")) for c in facts.method_calls("step", scope) if c.receiver == scaler]
-        optimizer = steps[0] if len(set(steps)) == 1 else None
         for clip in facts.calls_to(CLIPS):
             if clip.scope is not scope or not amp_path(facts, clip):
                 continue
-            before = [b.line for b in backwards if b.line < clip.line]
-            if not before or any(max(before) <= u < clip.line for u in unscales):
+            before = [b for b in backwards if b.line < clip.line]
+            if not before:
                 continue
+            last = max(before, key=lambda b: b.line)  # the backward these gradients come from
+            scaler = dotted(unwrap_cast(last.node.func.value).func.value)
+            if any(last.line <= c.line < clip.line for c in facts.method_calls("unscale_", scope)
+                   if c.receiver == scaler):
+                continue
+            steps = {dotted(c.arg(0, "optimizer")) for c in facts.method_calls("step", scope) if c.receiver == scaler}
+            optimizer = steps.pop() if len(steps) == 1 else None
             autofix = None
             if optimizer and clip.statement is not None:
                 code = f"{guard_prefix(facts, clip, scaler)}{scaler}.unscale_({optimizer})"

@@ -1,0 +1,263 @@
+"""Path-aware protocol rules: every shape of AMP switch real trainers use keeps the fp32
+branch out of the scaler protocol, and a bug on the AMP branch is still found."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from ampaudit.check.lint_file import lint_source
+
+TEMPLATE = '''
+import torch
+
+
+class Trainer:
+    def step(self, model, x, optimizer, scaler, use_amp, args, cfg, config, dtype):
+        loss = model(x).sum()
+        if {test}:
+            {amp_branch}
+        else:
+            {fp32_branch}
+'''
+AMP_OK = "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"
+FP32 = "loss.backward(); optimizer.step()"
+
+# (test that is true when AMP is on) - the AMP code in the body, the fp32 code in the else
+ON_TESTS = [
+    "use_amp", "args.fp16", "self.fp16", "cfg.mixed_precision", "self.use_amp", "scaler is not None",
+    "scaler", "scaler.is_enabled()", "args.fp16 == True", "config['use_fp16']", "cfg.get('amp')",
+    "self.amp_type == 'pytorch'", "self.amp_type == AmpType.PYTORCH", "dtype != torch.float32",
+    "dtype == torch.float16", "args.precision == '16-mixed'", "use_amp and torch.cuda.is_available()",
+    "not self.fp32", "self.amp_type != AmpType.NONE",
+]
+# the same, written the other way round: true when AMP is off
+OFF_TESTS = ["not use_amp", "scaler is None", "dtype == torch.float32", "self.fp32", "args.fp16 == False",
+             "args.precision == 'fp32'", "not args.fp16 or not torch.cuda.is_available()"]
+
+
+def _codes(source: str) -> list[tuple[str, int]]:
+    return sorted((f.rule, f.line) for f in lint_source("t.py", textwrap.dedent(source)))
+
+
+@pytest.mark.parametrize("test", ON_TESTS)
+def test_fp32_branch_of_an_amp_switch_is_not_held_to_the_scaler_protocol(test):
+    assert _codes(TEMPLATE.format(test=test, amp_branch=AMP_OK, fp32_branch=FP32)) == []
+
+
+@pytest.mark.parametrize("test", OFF_TESTS)
+def test_a_switch_written_the_other_way_round(test):
+    assert _codes(TEMPLATE.format(test=test, amp_branch=FP32, fp32_branch=AMP_OK)) == []
+
+
+@pytest.mark.parametrize("test", ["use_amp", "scaler is not None", "self.amp_type == AmpType.PYTORCH"])
+def test_a_bug_on_the_amp_branch_is_still_found_and_names_the_guard(test):
+    bug = "scaler.scale(loss).backward(); optimizer.step(); scaler.update()"
+    found = lint_source("t.py", TEMPLATE.format(test=test, amp_branch=bug, fp32_branch=FP32))
+    assert [(f.rule, f.line) for f in found] == [("AMP405", 9)]
+    assert found[0].message.endswith(f"(on the path where `{test}`)")
+
+
+def test_elif_chain_of_amp_kinds_leaves_the_last_else_fp32():
+    source = '''
+    def step(self, loss, optimizer):
+        if self.amp_type == AmpType.APEX:
+            with apex.amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+        elif self.amp_type == AmpType.PYTORCH:
+            self.amp_grad_scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if self.amp_type == AmpType.PYTORCH:
+            self.amp_grad_scaler.step(optimizer)
+            self.amp_grad_scaler.update()
+        else:
+            optimizer.step()
+    '''
+    assert [c for c, _ in _codes(source) if c != "AMP402"] == []
+
+
+def test_early_continue_leaves_the_rest_of_the_loop_on_the_amp_path():
+    source = '''
+    import torch
+    def train(model, loader, optimizer, use_amp):
+        scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+        for x in loader:
+            loss = model(x).sum()
+            if not use_amp:
+                loss.backward()
+                optimizer.step()
+                continue
+            scaler.scale(loss).backward()
+            optimizer.step()
+            scaler.update()
+    '''
+    assert _codes(source) == [("AMP405", 12)]
+
+
+def test_a_maybe_scaler_alone_makes_a_warning_not_an_error():
+    source = '''
+    import torch
+    def train(model, loader, optimizer, use_amp):
+        scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+        for x in loader:
+            with torch.autocast("cuda", enabled=use_amp):
+                loss = model(x).sum()
+            scaler.scale(loss).backward()
+            optimizer.step()
+            scaler.update()
+    '''
+    (found,) = lint_source("t.py", textwrap.dedent(source))
+    assert (found.rule, found.line, found.severity.value) == ("AMP405", 9, "warning")
+    assert found.message.endswith("(when scaler is enabled)")
+
+
+def test_disabled_scaler_is_no_scaler():
+    source = '''
+    import torch
+    def train(model, x, optimizer):
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+    '''
+    assert _codes(source) == []
+
+
+@pytest.mark.parametrize("backward", [
+    "accelerator.backward(loss)", "self.manual_backward(loss)", "self.backward(loss)",
+    "engine.backward(loss)", "loss_scaler(loss, optimizer, parameters=model.parameters())",
+])
+def test_wrapper_backwards_are_not_raw_backward(backward):
+    source = f'''
+    import torch
+    def train(self, model, x, optimizer, accelerator, engine, loss_scaler):
+        with torch.autocast("cuda"):
+            loss = model(x).sum()
+        {backward}
+    '''
+    assert _codes(source) == []
+
+
+def test_apex_scale_loss_backward_is_scaled():
+    source = '''
+    import torch
+    from apex import amp
+    def train(model, x, optimizer, use_apex):
+        scaler = torch.amp.GradScaler("cuda")
+        loss = model(x).sum()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        scaler.step(optimizer)
+        scaler.update()
+    '''
+    assert _codes(source) == [("AMP402", 3)]
+
+
+def test_scaled_backward_through_typing_cast():
+    source = '''
+    import torch
+    from typing import cast
+    def train(model, x, optimizer, scaler):
+        with torch.autocast("cuda"):
+            loss = model(x).sum()
+        cast(torch.Tensor, scaler.scale(loss)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    '''
+    assert _codes(source) == []
+
+
+def test_autocast_bound_to_a_name_with_a_variable_dtype():
+    source = '''
+    import torch
+    from contextlib import nullcontext
+    dtype = "float16"
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+    def train(model, x, optimizer):
+        with ctx:
+            loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+    '''
+    (found,) = lint_source("t.py", textwrap.dedent(source))
+    assert (found.rule, found.line, found.severity.value) == ("AMP403", 8, "warning")
+    assert found.message.endswith("(if ptdtype is float16)")
+
+
+def test_two_scalers_each_with_its_own_optimizer():
+    source = '''
+    import torch
+    def train(G, D, g_opt, d_opt, x):
+        d_scaler = torch.amp.GradScaler("cuda")
+        g_scaler = torch.amp.GradScaler("cuda")
+        d_scaler.scale(D(x).mean()).backward()
+        d_scaler.unscale_(d_opt)
+        torch.nn.utils.clip_grad_norm_(D.parameters(), 1.0)
+        d_scaler.step(d_opt)
+        d_scaler.update()
+        g_scaler.scale(D(G(x)).mean()).backward()
+        g_opt.step()
+        g_scaler.update()
+    '''
+    (found,) = lint_source("t.py", textwrap.dedent(source))
+    assert (found.rule, found.line) == ("AMP405", 12)
+    assert "g_scaler.step(g_opt)" in found.message
+
+
+def test_unsafe_fix_guards_a_scaler_that_may_be_none(tmp_path, cli):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent('''
+    import torch
+    def train(model, x, optimizer, use_amp):
+        scaler = torch.amp.GradScaler("cpu") if use_amp else None
+        loss = model(x).sum()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    '''))
+    result = cli("check", str(script), "--lint-only", "--fix", "--unsafe-fixes")
+    assert result.code == 0, result.out + result.err
+    fixed = script.read_text()
+    assert "    if scaler is not None: scaler.unscale_(optimizer)\n    torch.nn.utils.clip_grad_norm_" in fixed
+    namespace: dict = {}
+    exec(compile(fixed, str(script), "exec"), namespace)
+    for use_amp in (True, False):  # the fixed script runs with AMP on and off
+        model = torch.nn.Linear(4, 1)
+        namespace["train"](model, torch.randn(2, 4), torch.optim.SGD(model.parameters(), lr=0.1), use_amp)
+
+
+import torch  # noqa: E402  (used by the last test only)
+
+
+def test_deprecated_api_in_a_fallback_is_left_alone():
+    source = '''
+    import torch
+    from packaging import version
+    try:
+        from torch.amp import GradScaler
+    except ImportError:
+        from torch.cuda.amp import GradScaler
+    if version.parse(torch.__version__) >= version.parse("2.4"):
+        autocast = torch.amp.autocast
+    else:
+        autocast = torch.cuda.amp.autocast
+    '''
+    assert _codes(source) == []
+
+
+def test_deprecated_module_alias_is_fixed_with_its_uses(tmp_path, cli):
+    script = tmp_path / "train.py"
+    script.write_text("from torch.cuda import amp\n\nscaler = amp.GradScaler()\nwith amp.autocast():\n    pass\n")
+    assert cli("check", str(script), "--lint-only", "--fix").code == 0
+    assert script.read_text() == ('from torch import amp\n\nscaler = amp.GradScaler("cuda")\n'
+                                  'with amp.autocast("cuda"):\n    pass\n')
