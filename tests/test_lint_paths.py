@@ -261,3 +261,39 @@ def test_deprecated_module_alias_is_fixed_with_its_uses(tmp_path, cli):
     assert cli("check", str(script), "--lint-only", "--fix").code == 0
     assert script.read_text() == ('from torch import amp\n\nscaler = amp.GradScaler("cuda")\n'
                                   'with amp.autocast("cuda"):\n    pass\n')
+
+
+@pytest.mark.parametrize("cast", [
+    "model = model.half().float()",  # rounds the weights, trains in fp32
+    "if mode == 'inference':\n            if use_amp:\n                model = model.half()\n            return evaluate(model)",
+])
+def test_half_casts_that_do_not_train_in_fp16(cast):
+    source = f'''
+    import torch
+    def main(model, loader, mode, use_amp, evaluate):
+        scaler = torch.amp.GradScaler("cuda")
+        {cast}
+        optimizer = torch.optim.Adam(model.parameters(), eps=1e-8)
+        for x in loader:
+            with torch.autocast("cuda"):
+                loss = model(x).sum()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    '''
+    assert _codes(source) == []
+
+
+def test_a_half_model_that_trains_is_still_found():
+    source = '''
+    import torch
+    def main(model, loader):
+        scaler = torch.amp.GradScaler("cuda")
+        model = model.half()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in loader:
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    '''
+    assert _codes(source) == [("AMP410", 4), ("AMP411", 5)]

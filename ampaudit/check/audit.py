@@ -15,6 +15,7 @@ from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding, NodeDecision, Report, Target
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
+from ampaudit.graph.declared import Declared, declared_precision
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.trace import TraceResult, trace_model
@@ -40,7 +41,7 @@ def audit_model(
     trace = trace_model(model, catalog, inputs if run else None, validate=not measure)
     if measure:
         measure_ranges(trace.graphs[0].gm, inputs, catalog, dtype)
-    report = analyse(trace, catalog, dtype, file=file, entry=entry)
+    report = analyse(trace, catalog, dtype, file=file, entry=entry, declared=declared_precision(model, dtype))
     if measure:
         report.target.notes.append(
             f"measured value ranges on the example inputs ({inputs.origin}): one fp32 run, each op re-run "
@@ -50,12 +51,17 @@ def audit_model(
     return report
 
 
-def analyse(trace: TraceResult, catalog: Catalog, dtype: LowDtype, *, file: str, entry: str) -> Report:
-    """Classify every node, run the graph rules, and say what the trace could not see."""
+def analyse(trace: TraceResult, catalog: Catalog, dtype: LowDtype, *, file: str, entry: str,
+            declared: Declared | None = None) -> Report:
+    """Classify every node, run the graph rules, and say what the trace could not see.
+
+    ``declared``: what the model declares about its own precision (fp32 modules, the dtype
+    it was trained in)."""
     nodes: list[NodeDecision] = []
     findings: list[Finding] = []
-    for sub in trace.graphs:
-        view = GraphView.build(sub, catalog, dtype, frozenset(trace.opaque))
+    for index, sub in enumerate(trace.graphs):
+        view = GraphView.build(sub, catalog, dtype, frozenset(trace.opaque), declared=declared,
+                               model_wide=index == 0)
         nodes += classify(view)
         findings += run_graph_rules(view)
     op_count = sum(n.op.startswith("call_") for n in nodes)

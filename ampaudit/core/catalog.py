@@ -63,10 +63,13 @@ class Catalog:
         ops: Mapping[str, OpPolicy],
         aliases: Mapping[str, str],
         modules: Mapping[str, str],
+        declared: OpPolicy | None = None,
     ) -> None:
         self.ops = dict(ops)
         self.aliases = dict(aliases)
         self.modules = dict(modules)
+        # How ops in a module the model itself keeps in fp32 are classified ([declared]).
+        self.declared = declared
 
     # -- names -------------------------------------------------------------------------
     def canonical_kind(self, name: str) -> str:
@@ -107,12 +110,13 @@ class Catalog:
 
     def merged(self, overlay: Mapping[str, Any], origin: str) -> Catalog:
         """A new catalog with a user policy table (same schema as ops.toml) applied on top."""
-        ops, aliases, modules = _parse(overlay, origin, defaults={"source": f"user policy ({origin})"})
+        ops, aliases, modules, declared = _parse(overlay, origin, defaults={"source": f"user policy ({origin})"})
         merged_ops = dict(self.ops)
         for kind, entry in ops.items():
             base = merged_ops.get(kind)
             merged_ops[kind] = entry if base is None else replace(entry, autocast=_keep(entry, base))
-        return Catalog(merged_ops, {**self.aliases, **aliases}, {**self.modules, **modules})
+        return Catalog(merged_ops, {**self.aliases, **aliases}, {**self.modules, **modules},
+                       declared or self.declared)
 
 
 def _keep(entry: OpPolicy, base: OpPolicy) -> str:
@@ -165,9 +169,9 @@ def _entry(kind: str, raw: Any, origin: str, defaults: Mapping[str, Any]) -> OpP
 
 def _parse(
     table: Mapping[str, Any], origin: str, defaults: Mapping[str, Any] | None = None
-) -> tuple[dict[str, OpPolicy], dict[str, str], dict[str, str]]:
+) -> tuple[dict[str, OpPolicy], dict[str, str], dict[str, str], OpPolicy | None]:
     defaults = dict(defaults or {})
-    unknown = set(table) - {"schema", "group", "ops", "aliases", "modules"}
+    unknown = set(table) - {"schema", "group", "ops", "aliases", "modules", "declared"}
     if unknown:
         raise UsageError(f"{origin}: unknown section(s) {', '.join(sorted(unknown))}")
     ops: dict[str, OpPolicy] = {}
@@ -186,17 +190,18 @@ def _parse(
         ops[kind] = _entry(kind, raw, origin, defaults)
     aliases = {str(k): str(v) for k, v in table.get("aliases", {}).items()}
     modules = {str(k): str(v) for k, v in table.get("modules", {}).items()}
-    return ops, aliases, modules
+    declared = _entry("declared", table["declared"], origin, defaults) if "declared" in table else None
+    return ops, aliases, modules, declared
 
 
 @cache
 def builtin_catalog() -> Catalog:
     """The catalog shipped with ampaudit (rules/ops.toml)."""
-    ops, aliases, modules = _parse(load_toml(rules_dir() / "ops.toml"), "ops.toml")
+    ops, aliases, modules, declared = _parse(load_toml(rules_dir() / "ops.toml"), "ops.toml")
     missing = sorted({kind for kind in (*aliases.values(), *modules.values()) if kind not in ops})
     if missing:
         raise RuntimeError(f"ops.toml: aliases or modules point at unknown ops: {', '.join(missing)}")
-    return Catalog(ops, aliases, modules)
+    return Catalog(ops, aliases, modules, declared)
 
 
 def load_catalog(policy_files: Iterable[Path] = (), tables: Iterable[tuple[Mapping, str]] = ()) -> Catalog:

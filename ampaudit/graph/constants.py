@@ -36,6 +36,17 @@ def constant_values(view: GraphView, node) -> Iterator[tuple[int | str, float]]:
             yield where, c
 
 
+def holds_dtype_limit(view: GraphView, node) -> bool:
+    """Whether the op takes a dtype limit that followed a tensor's dtype (``torch.finfo(x.dtype).min``):
+    measured in fp32 it is fp32's limit, beyond the low dtype; in the low dtype it is that dtype's own."""
+    for where in _value_args(view.kinds[node]):
+        value = arg(node, where) if isinstance(where, int) else node.kwargs.get(where)
+        c = number(view, value)
+        if c is not None and _follows_dtype(node, c):
+            return True
+    return False
+
+
 _FP32_FINFO = re.compile(r"finfo\(\s*torch\.float(32)?\s*\)")
 
 

@@ -11,13 +11,14 @@ rules use this mode: a pattern is unsafe unless the code upcasts it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import fx
 
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.findings import Precision
+from ampaudit.graph.range_probe import DTYPE
 from ampaudit.graph.recorder import DYNAMIC
 
 LOW = "low"  # the target low-precision dtype (float16 or bfloat16)
@@ -39,6 +40,26 @@ def _dtype_flow(dtype: torch.dtype) -> str | None:
     return None
 
 
+def _not_float(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A node known to hold a non-float tensor: an integer or bool buffer (a causal mask),
+    or any node the range probe saw produce one (token ids, masks, indices)."""
+    dtype = node.meta.get(DTYPE)
+    if dtype is None and node.op == "get_attr":
+        try:
+            value = _fetch(gm, node.target)
+        except AttributeError:
+            value = None
+        dtype = value.dtype if isinstance(value, torch.Tensor) else None
+    return isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def explicit_cast(node: fx.Node) -> str | bool | None:
     """LOW/FP32/None for a node that casts or fixes its dtype; False when it does not."""
     if node.op == "call_method" and node.target in _CAST_METHODS:
@@ -51,20 +72,33 @@ def explicit_cast(node: fx.Node) -> str | bool | None:
     return False
 
 
-def autocast_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog) -> dict[fx.Node, str | None]:
-    """Map every node to LOW, FP32, or None (not a floating-point tensor) under autocast."""
-    return _flow(gm, kinds, catalog, autocast=True)
+def autocast_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *,
+                  python: Collection[fx.Node] = ()) -> dict[fx.Node, str | None]:
+    """Map every node to LOW, FP32, or None (not a floating-point tensor) under autocast.
+
+    ``python``: nodes that compute Python values (sizes, flags): None."""
+    return _flow(gm, kinds, catalog, autocast=True, python=python)
 
 
-def low_precision_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog) -> dict[fx.Node, str | None]:
-    """The same map for a model whose inputs and weights are in the low dtype."""
-    return _flow(gm, kinds, catalog, autocast=False)
+def low_precision_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *,
+                       python: Collection[fx.Node] = (), fp32: Collection[fx.Node] = ()) -> dict[fx.Node, str | None]:
+    """The same map for a model whose inputs and weights are in the low dtype. ``fp32``: nodes
+    of modules the model keeps in fp32 when it is cast down (their weights stay fp32); under
+    autocast they would still run in the low dtype, so only this mode reads them."""
+    return _flow(gm, kinds, catalog, autocast=False, python=python, fp32=fp32)
 
 
-def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *, autocast: bool):
+def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *, autocast: bool,
+          python: Collection[fx.Node] = (), fp32: Collection[fx.Node] = ()):
     flow: dict[fx.Node, str | None] = {}
     for node in gm.graph.nodes:
         inputs = [flow[n] for n in node.all_input_nodes if flow.get(n) is not None]
+        if node in python or _not_float(gm, node):
+            flow[node] = None
+            continue
+        if node in fp32:
+            flow[node] = FP32
+            continue
         if node.op in ("placeholder", "get_attr"):
             flow[node] = FP32 if autocast else LOW  # model inputs, weights and buffers
             continue

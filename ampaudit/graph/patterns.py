@@ -8,13 +8,14 @@ from typing import Any
 
 from torch import fx
 
+from ampaudit.graph.kinds import IDENTITY_LIKE
 from ampaudit.graph.view import GraphView
 
 # Ops that move or reshape values without changing them: looked through when asking
-# "where does this value come from?".
-TRANSPARENT = frozenset({
-    "getitem", "getattr", "detach", "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as",
-    "contiguous", "clone", "flatten", "transpose", "permute", "to", "float", "type_as",
+# "where does this value come from?" - nn.Identity and dropout (identities in eval) too.
+TRANSPARENT = IDENTITY_LIKE | frozenset({
+    "getitem", "getattr", "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as",
+    "flatten", "transpose", "permute", "to", "float", "type_as",
 })
 
 

@@ -18,10 +18,12 @@ from torch import fx
 from torch.func import functional_call
 
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.graph.kinds import IDENTITY_LIKE
 from ampaudit.graph.tree import map_tensors
 
 MEASURED = "ampaudit_measured"  # node.meta key: Measured
 SHAPE = "ampaudit_shape"  # node.meta key: output shape (tuple of ints)
+DTYPE = "ampaudit_dtype"  # node.meta key: output torch.dtype, where the output is a tensor
 
 # Ops whose output is random by design: comparing two runs of them measures nothing.
 _RANDOM = frozenset({"rand", "randn", "rand_like", "randn_like", "randint", "bernoulli", "multinomial",
@@ -29,9 +31,9 @@ _RANDOM = frozenset({"rand", "randn", "rand_like", "randn_like", "randint", "ber
 _SAMPLE_ROWS = 64  # rows of a linear layer's input re-run in low precision to estimate its error
 # Ops whose output holds exactly their input's values, rearranged: they inherit its
 # statistics and add no error, so the probe does not scan them again.
-_SAME_VALUES = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
-                          "unsqueeze", "squeeze", "detach", "clone", "t", "dropout", "identity", "alias",
-                          "view_as", "reshape_as", "movedim", "swapaxes"})
+_SAME_VALUES = IDENTITY_LIKE | frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten",
+                                         "unsqueeze", "squeeze", "t", "view_as", "reshape_as", "movedim",
+                                         "swapaxes"})
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,54 @@ def _round(value: Any, dtype: torch.dtype) -> Any:
     return map_tensors(value, lambda t: t.to(dtype).to(t.dtype) if t.is_floating_point() else t)
 
 
+_NOT_RUN = object()  # no low-precision run made ahead of the fp32 one
+
+
+def writes_in_place(node: fx.Node, root: torch.nn.Module) -> bool:
+    """Whether the op overwrites its first input: an ``inplace=True`` module or argument, a
+    trailing-underscore method or function (``relu_``, ``add_``), an in-place operator (``__iadd__``)."""
+    if node.op == "call_module":
+        return getattr(root.get_submodule(node.target), "inplace", False) is True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.kwargs.get("inplace") is True:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if not isinstance(name, str):
+        return False
+    if name.startswith("__i") and name.endswith("__"):
+        return True
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _input_versions(node: fx.Node, env: dict[fx.Node, Any]) -> list[tuple[torch.Tensor, int]]:
+    """The input tensors and their version counters (bumped by every in-place write)."""
+    out: list[tuple[torch.Tensor, int]] = []
+    for arg in node.all_input_nodes:
+        map_tensors(env.get(arg), lambda t: out.append((t, t._version)))
+    return out
+
+
+def untrained_batch_norm(module: torch.nn.Module) -> bool:
+    """A BatchNorm whose running statistics were never updated (a model built, not trained):
+    in eval mode it would normalise with mean 0 and variance 1, that is not at all."""
+    if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or not module.track_running_stats:
+        return False
+    mean, var, count = module.running_mean, module.running_var, module.num_batches_tracked
+    return (mean is not None and var is not None and (count is None or int(count) == 0)
+            and not bool(mean.any()) and bool((var == 1).all()))
+
+
+def _batch_statistics(module: torch.nn.Module, x: Any, state: dict[str, torch.Tensor] | None = None) -> Any:
+    """An untrained BatchNorm normalising with the batch's own statistics, as training does
+    (the running statistics are left alone); None when the batch has one value per channel."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() <= x.shape[1]:
+        return None
+    state = state if state is not None else dict(module.named_parameters())
+    return torch.nn.functional.batch_norm(x, None, None, state.get("weight"), state.get("bias"), True, 0.0,
+                                          module.eps)
+
+
 class RangeProbe(fx.Interpreter):
     """Runs the graph in fp32, recording per node its range and its low-precision error."""
 
@@ -126,30 +176,59 @@ class RangeProbe(fx.Interpreter):
         self.kinds = kinds
         self._rounded_state: dict[str, dict[str, torch.Tensor]] = {}
         self._rounded: dict[fx.Node, Any] = {}  # node -> its output rounded to the low dtype
+        self._untrained: dict[str, bool] = {}  # module target -> an untrained BatchNorm
 
     def run_node(self, n: fx.Node) -> Any:
+        # An in-place op (nn.SiLU(inplace=True), F.relu(x, inplace=True), x.add_(y)) overwrites
+        # its input: its low-precision twin runs first, on the values it really receives.
+        early = self._run_low(n, copy=True) if self._writes_float_in_place(n) else _NOT_RUN
+        inputs = _input_versions(n, self.env)
         try:
             result = super().run_node(n)
         except Exception as exc:
             raise ProbeError(n, exc) from exc
+        mutated = any(t._version != version for t, version in inputs)
+        if mutated or early is not _NOT_RUN:
+            # Rounded copies made before the write are stale (for the input and its views).
+            self._rounded.clear()
         if isinstance(result, torch.Tensor):
             n.meta[SHAPE] = tuple(result.shape)
+            n.meta[DTYPE] = result.dtype
             if result.is_floating_point():
-                n.meta[MEASURED] = self._measure(n, result)
+                # A write the op's name did not announce: its input is gone, nothing to compare.
+                n.meta[MEASURED] = self._measure(n, result, early, comparable=early is not _NOT_RUN or not mutated)
         for done in self.user_to_last_uses.get(n, ()):  # mirror the interpreter's freeing
             self._rounded.pop(done, None)
         return result
 
-    def _measure(self, n: fx.Node, result: torch.Tensor) -> Measured:
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        module = self.fetch_attr(target)
+        if self._untrained_norm(target, module) and not kwargs:
+            out = _batch_statistics(module, args[0] if args else None)
+            if out is not None:
+                return out
+        return super().call_module(target, args, kwargs)
+
+    def _untrained_norm(self, target: str, module: torch.nn.Module) -> bool:
+        if target not in self._untrained:
+            self._untrained[target] = untrained_batch_norm(module)
+        return self._untrained[target]
+
+    def _measure(self, n: fx.Node, result: torch.Tensor, early: Any = None, *, comparable: bool = True) -> Measured:
         source = n.args[0] if n.args else None
         if self.kinds.get(n) in _SAME_VALUES and isinstance(source, fx.Node) and MEASURED in source.meta:
             m = source.meta[MEASURED]
             return Measured(result.numel(), m.absmax, m.min_nonzero, m.overflow, m.flush, m.subnormal, 0.0, 0)
         numel, absmax, min_nz, overflow, flush, sub = _stats(result, self.limits)
         rel, lost = None, None
-        if self.kinds.get(n) == "linear":
+        if not comparable or not n.op.startswith("call_") or self.kinds.get(n) in _RANDOM:
+            pass
+        elif early is not _NOT_RUN:
+            if isinstance(early, torch.Tensor) and early.shape == result.shape:
+                rel, lost = _error(early, result, self.limits)
+        elif self.kinds.get(n) == "linear":
             rel, lost = self._linear_error(n, result)
-        elif n.op.startswith("call_") and self.kinds.get(n) not in _RANDOM:
+        else:
             rel, lost = self._generic_error(n, result)
         return Measured(numel, absmax, min_nz, overflow, flush, sub, rel, lost)
 
@@ -188,15 +267,31 @@ class RangeProbe(fx.Interpreter):
             self._rounded[node] = _round(self.env[node], self.limits.torch)
         return self._rounded[node]
 
-    def _run_low(self, n: fx.Node) -> Any:
+    def _writes_float_in_place(self, n: fx.Node) -> bool:
+        first = n.args[0] if n.args else None
+        value = self.env.get(first) if isinstance(first, fx.Node) else None
+        return isinstance(value, torch.Tensor) and value.is_floating_point() and writes_in_place(n, self.module)
+
+    def _run_low(self, n: fx.Node, *, copy: bool = False) -> Any:
+        """The op on its inputs rounded to the low dtype. ``copy``: an in-place op, run on
+        copies so that it writes into none of the probe's values (integer tensors are not rounded)."""
         dtype = self.limits.torch
-        args = fx.node.map_arg(n.args, self._rounded_value)  # node values, each rounded once
-        kwargs = fx.node.map_arg(n.kwargs, self._rounded_value)
+        value = self._rounded_value
+        if copy:
+            def value(node: fx.Node) -> Any:
+                return map_tensors(self._rounded_value(node), lambda t: t.clone())
+        args = fx.node.map_arg(n.args, value)  # node values, each rounded once
+        kwargs = fx.node.map_arg(n.kwargs, value)
         try:
             with torch.no_grad():
                 if n.op == "call_module":
                     module = self.module.get_submodule(n.target)
-                    out = functional_call(module, self._state(n.target, module), tuple(args), kwargs)
+                    state = self._state(n.target, module)
+                    out = None
+                    if self._untrained_norm(n.target, module) and not kwargs:
+                        out = _batch_statistics(module, args[0] if args else None, state)
+                    if out is None:
+                        out = functional_call(module, state, tuple(args), kwargs)
                 elif n.op == "call_method":
                     out = getattr(args[0], n.target)(*args[1:], **kwargs)
                 else:

@@ -13,9 +13,11 @@ from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
+from ampaudit.graph.declared import Declared, Fp32Module
 from ampaudit.graph.dtype_flow import LOW, autocast_flow, low_precision_flow
 from ampaudit.graph.fx_tracer import LOC, MODULE
 from ampaudit.graph.kinds import node_kind
+from ampaudit.graph.python_values import python_values
 from ampaudit.graph.trace import SubGraph
 
 STRUCTURAL_OPS = frozenset({"placeholder", "get_attr", "output"})
@@ -31,14 +33,24 @@ class GraphView:
     known: dict[fx.Node, bool] = field(default_factory=dict)
     flow: dict[fx.Node, str | None] = field(default_factory=dict)  # dtype under autocast (dtype_flow)
     low: dict[fx.Node, str | None] = field(default_factory=dict)  # dtype when the model runs in low precision
+    python: frozenset[fx.Node] = frozenset()  # nodes computing Python values (sizes), not tensors
+    declared: Declared = field(default_factory=Declared)  # what the model declares about its precision
+    fp32_declared: dict[fx.Node, Fp32Module] = field(default_factory=dict)  # ops in modules it keeps fp32
+    model_wide: bool = True  # the graph that reports findings about the whole model (one per report)
 
     @classmethod
-    def build(cls, sub: SubGraph, catalog: Catalog, dtype: LowDtype, opaque: frozenset[str]) -> GraphView:
-        view = cls(sub, catalog, dtype, opaque)
+    def build(cls, sub: SubGraph, catalog: Catalog, dtype: LowDtype, opaque: frozenset[str], *,
+              declared: Declared | None = None, model_wide: bool = True) -> GraphView:
+        view = cls(sub, catalog, dtype, opaque, declared=declared or Declared(), model_wide=model_wide)
         for node in sub.gm.graph.nodes:
             view.kinds[node], view.known[node] = node_kind(node, sub.gm, catalog)
-        view.flow = autocast_flow(sub.gm, view.kinds, catalog)
-        view.low = low_precision_flow(sub.gm, view.kinds, catalog)
+        view.python = python_values(sub.gm)
+        for node in sub.gm.graph.nodes:
+            module = view.declared.fp32_module(view.module(node)) if node.op.startswith("call_") else None
+            if module is not None and node not in view.python:
+                view.fp32_declared[node] = module
+        view.flow = autocast_flow(sub.gm, view.kinds, catalog, python=view.python)
+        view.low = low_precision_flow(sub.gm, view.kinds, catalog, python=view.python, fp32=view.fp32_declared)
         return view
 
     def kind(self, value: Any) -> str | None:
@@ -53,8 +65,10 @@ class GraphView:
         return list(self.sub.gm.graph.nodes)
 
     def ops(self) -> list[fx.Node]:
-        """Nodes that compute something: not inputs, attributes, outputs or opaque modules."""
-        return [n for n in self.sub.gm.graph.nodes if n.op not in STRUCTURAL_OPS and not self.is_opaque(n)]
+        """Nodes that compute something: not inputs, attributes, outputs, opaque modules or
+        Python arithmetic on sizes."""
+        return [n for n in self.sub.gm.graph.nodes
+                if n.op not in STRUCTURAL_OPS and not self.is_opaque(n) and n not in self.python]
 
     def is_opaque(self, node: fx.Node) -> bool:
         return node.op == "call_module" and self.module(node) in self.opaque

@@ -3,23 +3,46 @@
 Reported where the op runs in low precision unless the code upcasts it. Overflow is
 reported at its origin - the node whose own output leaves the range while its inputs fit -
 so an inf that a later tanh or clamp hides is still pinned to the op that produced it.
+Flushing is reported where values first vanish: not again on an identity, a dropout, a
+reshape or a later layer fed the flushed values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from torch import fx
 
 from ampaudit.check.graph_rules import graph_rule
 from ampaudit.core.findings import Finding, Precision
 from ampaudit.core.rulebook import rule
+from ampaudit.graph.constants import holds_dtype_limit
 from ampaudit.graph.range_probe import MEASURED, Measured
 from ampaudit.graph.view import GraphView
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _measured(node: fx.Node) -> Measured | None:
     return node.meta.get(MEASURED)
+
+
+def _flushed_before(view: GraphView, node: fx.Node, min_flush: float) -> bool:
+    """An op fed values that already flushed in an op before it: reported there, where they
+    first vanish (as overflow is reported where it starts), not once per later layer - nor
+    as this op's precision loss, which is the same zeros seen again."""
+    for source in node.all_input_nodes:
+        m = _measured(source)
+        if m is not None and source.op.startswith("call_") and m.flush >= min_flush and view.runs_low(source):
+            return True
+    return False
+
+
+def _limit_only(view: GraphView, node: fx.Node, m: Measured) -> bool:
+    """The overflow is a ``torch.finfo(x.dtype).min`` fill measured in fp32: in the low dtype it
+    would be that dtype's own limit."""
+    return m.absmax >= _FP32_MAX and holds_dtype_limit(view, node)
 
 
 def _overflows(node: fx.Node) -> bool:
@@ -36,10 +59,12 @@ def measured_ranges(view: GraphView) -> Iterator[Finding]:
         m = _measured(node)
         if m is None or not view.runs_low(node):
             continue
-        if m.overflow > 0 and not any(_overflows(i) for i in node.all_input_nodes):
+        if m.overflow > 0 and not any(_overflows(i) for i in node.all_input_nodes) and not _limit_only(view, node, m):
             yield view.finding("AMP301", node, absmax=f"{m.absmax:.3g}", dtype=view.dtype, limit=f"{limit:.6g}",
                                percent=_percent(m.overflow),
                                fix="run this op in fp32 (keep it out of autocast, or upcast its input)")
+        elif _flushed_before(view, node, min_flush):
+            continue  # its inputs vanished already: their op is the one to fix
         elif m.flush >= min_flush:
             yield view.finding("AMP302", node, percent=_percent(m.flush), dtype=view.dtype,
                                smallest=f"{m.min_nonzero:.3g}" if m.min_nonzero is not None else "0",

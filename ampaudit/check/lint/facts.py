@@ -398,8 +398,10 @@ class _Collector(cst.CSTVisitor):
 
     def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
         self.blocks.append(node)
-        # A function's own body returning is not an early exit; a branch that returns is.
-        self.block_exits.append(node not in self.function_bodies and _exits(node))
+        # A branch that returns (or a block inside one) is left before the code after it;
+        # a function's own body returning is not an early exit.
+        inside = node not in self.function_bodies and (self.block_exits[-1] or _exits(node))
+        self.block_exits.append(inside)
 
     def leave_IndentedBlock(self, original_node: cst.IndentedBlock) -> None:
         while self.exits and self.exits[-1][0] is original_node:
