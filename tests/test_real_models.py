@@ -90,3 +90,76 @@ def test_rmsnorm_without_the_upcast_is_flagged(monkeypatch):
 def test_report_is_stable(reports):
     again = _check("hf_gpt2.py")
     assert again.to_dict() == reports["gpt2"].to_dict()
+
+
+# -- precision the model declares -----------------------------------------------------------------
+
+
+def test_t5_keeps_wo_in_fp32_as_transformers_does(reports):
+    # T5ForConditionalGeneration._keep_in_fp32_modules = ["wo"]: its feed-forward output
+    # overflows fp16, so transformers loads it in fp32 when the model is loaded in float16.
+    wo = [n for n in reports["t5"].nodes if n.kind == "linear" and n.module.endswith("DenseReluDense.wo")]
+    assert len(wo) == 2 * LAYERS  # encoder and decoder blocks
+    assert all(n.precision.value == "fp32" for n in wo)
+    assert wo[0].reason.startswith("the model keeps this module in fp32 "
+                                   "(T5ForConditionalGeneration._keep_in_fp32_modules names 'wo')")
+    wi = [n for n in reports["t5"].nodes if n.kind == "linear" and n.module.endswith("DenseReluDense.wi")]
+    assert wi and all(n.precision.value == "fp16" for n in wi)
+
+
+def test_t5_in_bfloat16_keeps_nothing_in_fp32():
+    # _keep_in_fp32_modules applies to float16 only (the strict variant to bfloat16 too).
+    report = check_path(model("hf_t5.py"), config=Config(fail_on="never"), dtype="bfloat16")
+    wo = [n for n in report.nodes if n.kind == "linear" and n.module.endswith("DenseReluDense.wo")]
+    assert wo and all(n.precision.value == "fp16" for n in wo)
+
+
+def test_bf16_pretrained_llama_warns_for_float16():
+    import torch
+
+    import ampaudit
+    from fixtures.models import hf_llama
+
+    torch.manual_seed(0)
+    llama = hf_llama.get_model()
+    llama.config.dtype = torch.bfloat16  # what the hub config of a bf16-pretrained checkpoint says
+    report = ampaudit.check(llama, hf_llama.example_inputs(), config=Config(fail_on="never"))
+    (finding,) = [f for f in report.findings if f.rule == "AMP103"]
+    assert finding.severity.value == "warning" and finding.message.startswith("LlamaForCausalLM's config says")
+    assert finding.file.endswith("modeling_llama.py")
+    assert report.summary()["errors"] == 0
+
+
+# -- more architectures -----------------------------------------------------------------------------
+
+# What each reports besides AMP001 (fx cannot trace them; the recorder does): real hazards of
+# the model as written, on its random weights.
+EXPECTED = {
+    # gelu_new computes x**3 in the input dtype (transformers/activations.py), as in GPT-2
+    "gpt_neo": {"AMP206": LAYERS},
+    # layer_scale_init_value=1e-6: at initialisation the residual branches flush to zero in a
+    # model cast to float16 (under autocast the fp32 parameter promotes the product)
+    "convnext": {"AMP302": 2},
+    # logit_scale.exp() (exp of a learned scalar; CLIP clamps it in training, the model does
+    # not) and _get_vector_norm's pow(2).sum() without an upcast, for text and image embeddings
+    "clip": {"AMP204": 1, "AMP209": 2},
+}
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma", "qwen2", "gpt_neo", "bart", "mt5", "whisper", "vit",
+                                  "convnext", "swin", "resnet", "clip"])
+def test_more_architectures_report_only_their_real_hazards(name):
+    import torch
+
+    import ampaudit
+    from fixtures.models.hf_more import MODELS
+
+    torch.manual_seed(0)
+    build, inputs = MODELS[name]
+    report = ampaudit.check(build(), inputs(), config=Config(fail_on="never"))
+    counts = Counter(f.rule for f in report.findings if f.rule != "AMP001")
+    assert dict(counts) == EXPECTED.get(name, {})
+    assert report.summary()["errors"] == 0
+    if name == "mt5":  # MT5 keeps wo in fp32 too
+        wo = [n for n in report.nodes if n.kind == "linear" and n.module.endswith(".wo")]
+        assert wo and all(n.precision.value == "fp32" for n in wo)
