@@ -165,3 +165,33 @@ def test_a_missing_module_of_the_project_says_so(cli, tmp_path):
     (package / "model.py").write_text("from helpers.utils import WIDTH\n" + MODEL)
     _, report = _check(cli, package / "model.py")
     assert "`helpers` is part of this project" in report["findings"][0]["message"]
+
+
+def test_several_model_classes_that_need_arguments_are_listed(cli, tmp_path):
+    path = _write(tmp_path, "zoo.py", '''
+        from torch import nn
+
+
+        class RNN(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+
+
+        class MLP(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+    ''')
+    _, report = _check(cli, path)
+    [finding] = report["findings"]
+    assert "the nn.Module classes RNN, MLP all need arguments" in finding["message"]
+    assert f'{path}:"RNN(...)"' in finding["message"]
+
+
+def test_a_script_whose_model_comes_from_a_package_says_where(cli, tmp_path):
+    # deit's main.py: `from timm.models import create_model` is not the file's own entry point.
+    source = "import torch\nfrom timm.models import create_model\n\n\ndef main():\n    pass\n"
+    path = _write(tmp_path, "main.py", source + TRAIN)
+    result, report = _check(cli, path)
+    assert result.code == 1 and _codes(report) == ["AMP401"]  # linted; nothing imported
+    assert ("its create_model comes from timm.models: audit a model that builds with "
+            '`ampaudit check timm.models:"create_model(...)"`') in report["target"]["notes"][0]

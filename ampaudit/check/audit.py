@@ -70,15 +70,18 @@ def analyse(trace: TraceResult, catalog: Catalog, dtype: LowDtype, *, file: str,
 
 
 def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
-    """The graph audit of the model ``PATH[:NAME]`` defines (not finalized)."""
+    """The graph audit of the model a target spec names (``PATH[:NAME_OR_EXPR]``,
+    ``module:NAME_OR_EXPR``, ``hf:MODEL_TYPE``; not finalized)."""
     dtype = LowDtype.parse(options.dtype or config.dtype)
     catalog = build_catalog(config, policy_files=options.policy_files)  # bad policy: fail before importing
     loaded = load_target(spec, allow_exec=options.allow_exec, input_shapes=options.input_shapes,
-                         input_dtypes=options.input_dtypes)
+                         input_dtypes=options.input_dtypes, model_config=options.model_config)
     if isinstance(loaded, NotImported):
         return _not_imported_report(loaded, dtype)
-    return audit_model(loaded.model, loaded.inputs, catalog, dtype,
-                       file=display_path(str(loaded.path)), entry=loaded.entry, run=options.run)
+    report = audit_model(loaded.model, loaded.inputs, catalog, dtype, file=loaded.label, entry=loaded.entry,
+                         run=options.run)
+    report.target.notes += loaded.notes
+    return report
 
 
 def _not_imported_report(skipped: NotImported, dtype: LowDtype) -> Report:

@@ -18,6 +18,7 @@ class CheckOptions:
     allow_exec: bool = False
     input_shapes: Sequence[str] = ()
     input_dtypes: Sequence[str] = ()
+    model_config: Sequence[str] = ()  # --config KEY=VALUE for an hf:MODEL_TYPE target
     policy_files: Sequence[Path] = ()
     run: bool = True
     lint_only: bool = False

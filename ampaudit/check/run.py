@@ -12,7 +12,7 @@ from pathlib import Path
 from ampaudit.check.lint_file import lint_file
 from ampaudit.check.options import CheckOptions
 from ampaudit.core.config import Config
-from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound
+from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
 from ampaudit.core.paths import display_path
@@ -66,11 +66,19 @@ def _lint_in_worker(path: Path) -> list[Finding]:
 
 
 def check_targets(targets: Sequence[str], config: Config, options: CheckOptions) -> Report:
-    """Lint every target (files, folders) and, for a single model file, audit its graph."""
+    """Lint every target (files, folders) and, for a single model file, audit its graph; a
+    model named without a file (``torch.nn:"Linear(4, 4)"``, ``hf:gpt2``) has only the graph."""
+    from ampaudit.load.spec import parse_spec
+
+    specs = [parse_spec(t) for t in targets]
+    models = [s.text for s in specs if s.kind != "file"]
+    if models and (len(targets) > 1 or options.lint_only):
+        raise UsageError(f"{models[0]} names a model, not a file: check it on its own, without --lint-only")
     if len(targets) == 1:
-        single = _single_file(targets[0])
-        if single is not None:
-            return _check_file(targets[0], single, config, options)
+        if models:
+            return _check_model(targets[0], config, options)
+        if specs[0].path.is_file():
+            return _check_file(targets[0], specs[0].path, specs[0].selector, config, options)
     files: list[Path] = []
     for spec in targets:
         path = Path(spec)
@@ -83,25 +91,31 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
     return finalize(Report(target, config.dtype, [], findings), config)
 
 
-def _single_file(spec: str) -> Path | None:
-    from ampaudit.load.spec import parse_target
+def _check_model(spec: str, config: Config, options: CheckOptions) -> Report:
+    from ampaudit.check.audit import graph_report  # imports torch
 
-    path, _ = parse_target(spec)
-    return path if path.is_file() else None
+    report = graph_report(spec, config, options)
+    report.target.notes += options.notes
+    return finalize(report, config)
 
 
-def _check_file(spec: str, path: Path, config: Config, options: CheckOptions) -> Report:
-    from ampaudit.load.source_scan import scan_source
-    from ampaudit.load.spec import parse_target, read_source
+def _check_file(spec: str, path: Path, name: str | None, config: Config, options: CheckOptions) -> Report:
+    """``name``: what the user named after the colon (NAME or EXPR), None for the file's own entry point."""
+    from ampaudit.load.source_scan import FACTORY_NAMES, scan_source
+    from ampaudit.load.spec import read_source
 
-    _, name = parse_target(spec)
     scan = scan_source(path, read_source(path))  # syntax errors: exit 2 with file:line
     lint = lint_file(path)
     if options.lint_only:
         return _lint_only(path, lint, "--lint-only", config, options)
     if name is None and not scan.has_entry_point:
-        return _lint_only(path, lint, "no model entry point (get_model(), `model`, an nn.Module class)", config,
-                          options)
+        why = "no model entry point (get_model(), `model`, an nn.Module class)"
+        imported = [f for f in FACTORY_NAMES if f in scan.imported_from]
+        if imported:
+            source = scan.imported_from[imported[0]]
+            why += (f"; its {imported[0]} comes from {source}: audit a model that builds with "
+                    f"`ampaudit check {source}:\"{imported[0]}(...)\"`")
+        return _lint_only(path, lint, why, config, options)
     from ampaudit.check.audit import graph_report  # imports torch
 
     try:

@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "needs fp32, at your source lines.")
     check.add_argument("targets", metavar="PATH[:NAME]", nargs="+",
                        help="Python files or folders; for one model file, NAME picks an nn.Module instance, a "
-                            "no-arg class or a zero-arg factory")
+                            "no-arg class or a zero-arg factory, or an expression builds it "
+                            "(model.py:\"GPT(GPTConfig(n_layer=2))\"); a model alone: module.path:NAME_OR_EXPR "
+                            "(torch.nn:\"Linear(4, 4)\") or hf:MODEL_TYPE (hf:gpt2)")
     check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     check.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
     check.add_argument("--dtype", choices=LOW_DTYPES, help="target low-precision dtype "
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="example input shape such as 8,3,32,32; repeat once per positional argument")
     check.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
                        help="dtype of the --input-shape tensors (default float32; one, or one per shape)")
+    check.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", dest="model_config",
+                       help="for hf:MODEL_TYPE, set a field of the model's config (repeatable): --config n_layer=4")
     check.add_argument("--no-run", action="store_true",
                        help="never execute the model: no value ranges, no recorder fallback")
     check.add_argument("--exec", dest="allow_exec", action="store_true",
@@ -70,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="rewrite a model into explicit mixed precision",
                           description="Convert the model in PATH to fp16/bf16 compute with fp32 where needed, verify "
                                       "it against fp32, and write a standalone module, its weights and plan.json.")
-    conv.add_argument("target", metavar="PATH[:NAME]", help="model file (entry points as for `check`)")
+    conv.add_argument("target", metavar="PATH[:NAME]",
+                      help="model file (entry points as for `check`), module.path:NAME_OR_EXPR or hf:MODEL_TYPE")
     conv.add_argument("-o", "--output", type=Path, required=True, metavar="OUT_DIR", help="folder to write to")
     conv.add_argument("--dtype", choices=LOW_DTYPES, default="float16")
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
@@ -79,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ops with constants the dtype cannot hold: keep in fp32 (default) or clamp the constant")
     conv.add_argument("--input-shape", action="append", default=[], metavar="SHAPE")
     conv.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE")
+    conv.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", dest="model_config",
+                      help="for hf:MODEL_TYPE, set a field of the model's config (repeatable)")
     conv.add_argument("--exec", dest="allow_exec", action="store_true")
     conv.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
@@ -124,17 +131,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ampaudit.check.options import CheckOptions
     from ampaudit.check.run import check_targets
     from ampaudit.core.config import check_prefixes, load_config
-    from ampaudit.load.spec import parse_target
+    from ampaudit.load.spec import parse_spec
 
-    first, _ = parse_target(args.targets[0])
-    config = load_config(first if first.exists() else None)
+    first = parse_spec(args.targets[0])
+    config = load_config(first.path if first.kind == "file" and first.path.exists() else
+                         Path.cwd() if first.kind != "file" else None)
     if args.select:
         config.select = check_prefixes(args.select, "--select")
     config.ignore += check_prefixes(args.ignore, "--ignore")
     if args.fail_on:
         config.fail_on = args.fail_on
     options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
-                           input_dtypes=args.input_dtype, policy_files=args.policy, run=not args.no_run,
+                           input_dtypes=args.input_dtype, model_config=args.model_config,
+                           policy_files=args.policy, run=not args.no_run,
                            lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar)
 
     def run():
@@ -300,7 +309,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     with contextlib.redirect_stdout(sys.stderr):
         loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
-                             input_dtypes=args.input_dtype)
+                             input_dtypes=args.input_dtype, model_config=args.model_config)
         if isinstance(loaded, NotImported):
             raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
                              "import (pass --exec to import it anyway)")
@@ -308,7 +317,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                            constants=args.constants, tolerance=args.tolerance)
     summary = model_mp.summary.to_dict()
     files = export(model_mp, args.output, summary=summary)
-    render_conversion(summary, Target(str(loaded.path), loaded.entry, "fx"), [str(f) for f in files],
+    render_conversion(summary, Target(loaded.label, loaded.entry, "fx"), [str(f) for f in files],
                       make_console())
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
     after = summary["error_after"]

@@ -11,6 +11,7 @@ from ampaudit.core.errors import UsageError
 from ampaudit.graph.forward import ExampleInputs
 
 INPUT_FUNCTIONS = ("example_inputs", "get_example_inputs")
+SEQUENCE = (2, 8)  # batch, tokens of the default token-id inputs
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -55,3 +56,41 @@ def from_shapes(shapes: Sequence[str], dtypes: Sequence[str] = ()) -> ExampleInp
         else:
             args.append(torch.randint(0, 2, shape, generator=generator, dtype=dtype))
     return ExampleInputs(tuple(args), {}, "--input-shape")
+
+
+def default_inputs(model: torch.nn.Module) -> ExampleInputs | None:
+    """Example inputs for a model named without a file that gives them, from its type: token
+    ids for a transformers language model or a model whose first layer is an Embedding, images
+    for a transformers or timm vision model or a model whose first layer is a Conv2d; None when
+    the type says nothing."""
+    generator = torch.Generator().manual_seed(0)
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    if config is not None and main == "input_ids":
+        vocab = getattr(config, "vocab_size", None) or 2
+        kwargs = {"input_ids": torch.randint(0, vocab, SEQUENCE, generator=generator)}
+        if getattr(config, "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = torch.randint(0, vocab, SEQUENCE, generator=generator)
+        return ExampleInputs((), kwargs, f"token ids {SEQUENCE[0]}x{SEQUENCE[1]}, the default for a language model")
+    if config is not None and main == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        shape = (2, getattr(config, "num_channels", 3), *size)
+        return ExampleInputs((), {"pixel_values": torch.randn(shape, generator=generator)},
+                             f"images {'x'.join(map(str, shape))}, the default for a vision model")
+    timm_cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
+    if isinstance(timm_cfg, dict) and len(timm_cfg.get("input_size", ())) == 3:
+        shape = (1, *timm_cfg["input_size"])
+        return ExampleInputs((torch.randn(shape, generator=generator),), {},
+                             f"images {'x'.join(map(str, shape))}, the model's input_size")
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if isinstance(first, torch.nn.Embedding):
+        ids = torch.randint(0, first.num_embeddings, SEQUENCE, generator=generator)
+        return ExampleInputs((ids,), {}, f"token ids {SEQUENCE[0]}x{SEQUENCE[1]}, the default for a model that "
+                                         "starts with an Embedding")
+    if isinstance(first, torch.nn.Conv2d):
+        shape = (1, first.in_channels, 224, 224)
+        return ExampleInputs((torch.randn(shape, generator=generator),), {},
+                             f"images {'x'.join(map(str, shape))}, the default for a model that starts with a Conv2d")
+    return None
+

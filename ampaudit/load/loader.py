@@ -1,38 +1,47 @@
-"""Load a user's model (and example inputs) from ``PATH[:NAME]`` - safely.
+"""Load a user's model (and example inputs) from a target spec - safely.
 
-The file is imported only when its source statically defines an entry point (or the user
-named one) and its top level only imports, defines, assigns and guards; ``--exec`` lifts
-the second condition. Every failure is a :class:`LoadError` with a one-line cause.
+``PATH[:NAME_OR_EXPR]``: the file is imported only when its source statically defines an
+entry point (or the user named one) and its top level runs none of the user's code
+(``--exec`` lifts that); an EXPR is evaluated in the file's namespace after import.
+``module.path:NAME_OR_EXPR`` imports an installed module; ``hf:MODEL_TYPE`` builds a small
+transformers model (load/hf.py). Every failure is a :class:`LoadError` with a one-line cause.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any
 
 import torch
 
-from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound
+from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.paths import display_path
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.userframe import traceback_location
-from ampaudit.load.inputs import INPUT_FUNCTIONS, from_shapes
+from ampaudit.load.inputs import INPUT_FUNCTIONS, default_inputs, from_shapes
 from ampaudit.load.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
-from ampaudit.load.spec import NAME_RE, parse_target, read_source
+from ampaudit.load.spec import NAME_RE, ModelSpec, parse_spec, read_source
 
 
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    entry: str  # how it was obtained: "get_model()", "model", "SmallCNN()"
+    entry: str  # how it was obtained: "get_model()", "model", "SmallCNN()", "GPT(GPTConfig(n_layer=2))"
     inputs: ExampleInputs | None
-    path: Path
+    path: Path | None  # the model file; None for a module or hf: target
+    label: str = ""  # what reports call the target: the file, or the spec as written
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            self.label = display_path(str(self.path)) if self.path is not None else self.entry
 
 
 @dataclass
@@ -47,27 +56,110 @@ class NotImported:
 
 
 def load_target(
-    spec: str,
+    spec: str | ModelSpec,
     *,
     allow_exec: bool = False,
     input_shapes: Sequence[str] = (),
     input_dtypes: Sequence[str] = (),
+    model_config: Sequence[str] = (),
 ) -> LoadedModel | NotImported:
-    path, name = parse_target(spec)
+    target = spec if isinstance(spec, ModelSpec) else parse_spec(spec)
+    if model_config and target.kind != "hf":
+        raise UsageError("--config KEY=VALUE sets fields of an hf:MODEL_TYPE model's config; "
+                         f"{target.text} is not one")
+    if target.kind == "hf":
+        from ampaudit.load.hf import build_hf
+
+        torch.manual_seed(0)
+        model, entry = build_hf(target.module, model_config)
+        return _finish(model, entry, None, target.text, input_shapes, input_dtypes, None)
+    if target.kind == "module":
+        module = _import_module(target.module)
+        torch.manual_seed(0)
+        model, entry = _select(module, target, Path(target.module), None)  # hints say torch.nn:"..."
+        return _finish(model, entry, None, target.module, input_shapes, input_dtypes, None)
+    path, name = target.path, target.name
     scan = scan_source(path, read_source(path))
     if name is not None and name not in scan.names:
         raise LoadError(f"{path} defines no top-level {name!r}")
-    if name is None and not scan.has_entry_point:
+    if target.selector is None and not scan.has_entry_point:
         raise NoModelFound(_no_model_message(path))
     if scan.unsafe is not None and not allow_exec:
         line, column, what = scan.unsafe
-        return NotImported(path, name or _static_entry(scan), line, column, what)
+        return NotImported(path, target.selector or _static_entry(scan), line, column, what)
     module = _import_file(path, scan)
     torch.manual_seed(0)  # same weights and example inputs on every run: a stable report
-    model, entry = _resolve_model(module, scan, name, path)
-    inputs = from_shapes(input_shapes, input_dtypes) if input_shapes else _file_inputs(module)
+    if target.selector is None:
+        model, entry = _resolve_model(module, scan, path)
+    else:
+        model, entry = _select(module, target, path, scan)
+    file_inputs = None if input_shapes else _file_inputs(module)
+    return _finish(model, entry, path, None, input_shapes, input_dtypes, file_inputs,
+                   defaults=target.expr is not None)
+
+
+def _finish(model: torch.nn.Module, entry: str, path: Path | None, label: str | None, input_shapes: Sequence[str],
+            input_dtypes: Sequence[str], file_inputs: ExampleInputs | None, *, defaults: bool = True) -> LoadedModel:
+    """Example inputs (the flags, the file's, or the model type's default) and eval mode."""
+    notes: list[str] = []
+    if input_shapes:
+        inputs = from_shapes(input_shapes, input_dtypes)
+    elif file_inputs is not None or not defaults:
+        inputs = file_inputs
+    else:
+        inputs = default_inputs(model)
+        if inputs is not None:
+            try:
+                with torch.no_grad():
+                    model.eval()(*inputs.args, **inputs.kwargs)
+            except Exception as exc:
+                notes.append(f"the default example inputs ({inputs.origin}) fail to run the model "
+                             f"({describe_exception(exc)}): no inputs; pass --input-shape")
+                inputs = None
     model.eval()  # the audit must not depend on dropout draws
-    return LoadedModel(model, entry, inputs, path)
+    return LoadedModel(model, entry, inputs, path, label or "", notes)
+
+
+def _import_module(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or name
+        raise LoadError(f"cannot import {name}: no module named {missing!r} (is it installed? "
+                        f"pip install {_PIP_NAMES.get(missing.split('.')[0], missing.split('.')[0])})") from exc
+    except Exception as exc:
+        raise LoadError(f"importing {name} raised {describe_exception(exc)}") from exc
+
+
+class _Namespace(dict):
+    """Names an expression reads: the module's attributes, lazy ones too (transformers)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        super().__init__()
+        self.module = module
+
+    def __missing__(self, key: str) -> Any:
+        try:
+            return getattr(self.module, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+
+def _select(module: ModuleType, target: ModelSpec, path: Path, scan: SourceScan | None) -> tuple[torch.nn.Module, str]:
+    """The model the user named after the colon: NAME, or EXPR evaluated in the module's namespace."""
+    where = target.module if target.kind == "module" else str(path)
+    if target.name is not None:
+        if not hasattr(module, target.name):
+            raise LoadError(f"{where} defines no top-level {target.name!r}")
+        line = scan.lines.get(target.name) if scan is not None else None
+        return _as_model(getattr(module, target.name), target.name, path, line)
+    expr = target.expr
+    try:
+        code = compile(expr, f"<{target.text}>", "eval")
+        value = eval(code, vars(module), _Namespace(module))  # the user's own expression, named on the command line
+    except Exception as exc:
+        raise LoadError(f"{expr} (in {where}) raised {describe_exception(exc)}") from exc
+    return _as_model(value, expr, path)
 
 
 def _static_entry(scan: SourceScan) -> str:
@@ -173,7 +265,7 @@ def _call(fn: Any, label: str, path: Path) -> Any:
         return fn()
     except Exception as exc:
         text = f"{label} raised {describe_exception(exc)}"
-        raise ModelNotBuilt(text, reason=text, hint=f"name a model that builds with {path}:NAME",
+        raise ModelNotBuilt(text, reason=text, hint=f'name a model that builds: {path}:NAME or {path}:"EXPR"',
                             line=_line_in(path, exc.__traceback__)) from exc
 
 
@@ -188,8 +280,8 @@ def _needs_arguments(fn: Any) -> list[str]:
 
 def _needs_arguments_error(label: str, missing: list[str], path: Path, line: int | None) -> ModelNotBuilt:
     reason = f"{label}() needs arguments ({', '.join(missing)})"
-    return ModelNotBuilt(f"{reason}: name a factory or an instance", reason=reason,
-                         hint=f"name a model that builds with {path}:NAME", line=line)
+    return ModelNotBuilt(f'{reason}: name a factory or an instance, or an expression ({path}:"{label}(...)")',
+                         reason=reason, hint=f'name it with an expression: {path}:"{label}(...)"', line=line)
 
 
 def _as_model(value: Any, label: str, path: Path, line: int | None = None) -> tuple[torch.nn.Module, str]:
@@ -207,11 +299,8 @@ def _as_model(value: Any, label: str, path: Path, line: int | None = None) -> tu
     return value, label
 
 
-def _resolve_model(module: ModuleType, scan: SourceScan, name: str | None, path: Path):
-    if name is not None:
-        if not hasattr(module, name):
-            raise LoadError(f"{path} defines no top-level {name!r}")
-        return _as_model(getattr(module, name), name, path, scan.lines.get(name))
+def _resolve_model(module: ModuleType, scan: SourceScan, path: Path) -> tuple[torch.nn.Module, str]:
+    """The file's own entry point: a factory, `model`, or the outermost nn.Module class."""
     for factory in scan.factories:
         if callable(getattr(module, factory, None)):
             return _as_model(getattr(module, factory), factory, path, scan.lines.get(factory))
@@ -236,9 +325,15 @@ def _resolve_model(module: ModuleType, scan: SourceScan, name: str | None, path:
         reason = f"the file defines several nn.Module classes ({names})"
         raise ModelNotBuilt(f"{path} defines several nn.Module classes ({names}): name one with {path}:NAME",
                             reason=reason, hint=f"name one with {path}:NAME", line=scan.lines.get(ready[0].__name__))
-    if roots:
-        cls = roots[-1]  # the last one defined: usually the whole model, built from the others
+    if len(roots) == 1:
+        cls = roots[0]
         raise _needs_arguments_error(cls.__name__, _needs_arguments(cls), path, scan.lines.get(cls.__name__))
+    if roots:
+        names = ", ".join(cls.__name__ for cls in roots)
+        reason = f"the nn.Module classes {names} all need arguments"
+        raise ModelNotBuilt(f"{path}: {reason}: name one with an expression ({path}:\"{roots[0].__name__}(...)\")",
+                            reason=reason, hint=f'name one with an expression: {path}:"{roots[0].__name__}(...)"',
+                            line=scan.lines.get(roots[0].__name__))
     raise NoModelFound(_no_model_message(path))
 
 

@@ -32,6 +32,7 @@ class SourceScan:
     path: Path
     names: set[str] = field(default_factory=set)  # every top-level name bound by def/class/assign/import
     imported: set[str] = field(default_factory=set)  # the top-level names bound only by an import
+    imported_from: dict[str, str] = field(default_factory=dict)  # `from timm import create_model`: name -> module
     factories: list[str] = field(default_factory=list)  # FACTORY_NAMES the file defines, in lookup order
     has_model_attribute: bool = False
     classes: list[str] = field(default_factory=list)
@@ -347,6 +348,8 @@ def _scan_block(body: list[ast.stmt], scan: SourceScan) -> None:
             scan.imported.update(bound)
             if isinstance(stmt, ast.ImportFrom) and stmt.level:
                 scan.relative_imports = True
+            elif isinstance(stmt, ast.ImportFrom) and stmt.module:
+                scan.imported_from.update({a.asname or a.name: stmt.module for a in stmt.names})
         elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             scan.names.add(stmt.name)
             scan.lines.setdefault(stmt.name, stmt.lineno)

@@ -1,0 +1,110 @@
+"""``hf:MODEL_TYPE``: a small Hugging Face transformers model built from its config class.
+
+No download: the config class's defaults, shrunk (2 layers, width 32, vocabulary 100), with
+``--config KEY=VALUE`` on top, and random weights. Attention is eager, so the softmax is an
+op of its own. The head is the model type's language-model head when it has one
+(seq2seq, then masked, then causal LM), else the bare model.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ampaudit.core.errors import LoadError, UsageError
+from ampaudit.graph.forward import describe_exception
+
+# Field -> small value, under transformers' standard names (each config maps them to its own
+# through attribute_map: n_layer for GPT-2, d_model for T5). Only the fields a config has are set.
+SMALL = {
+    "num_hidden_layers": 2, "num_decoder_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+    "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+    "intermediate_size": 64, "d_ff": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+    "vocab_size": 100, "max_position_embeddings": 64, "relative_attention_num_buckets": 8,
+    "image_size": 32, "patch_size": 8,
+}
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+              "cls_token_id", "mask_token_id")
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["n_layer=4", "activation_function='relu'"]`` -> {"n_layer": 4, ...}; a value that is
+    not a Python literal stays a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--config {item!r}: expected KEY=VALUE, such as n_layer=4")
+        try:
+            out[key] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            out[key] = text.strip()
+    return out
+
+
+def _config_class(model_type: str):
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        raise LoadError(f"hf:{model_type} needs transformers: pip install transformers") from None
+    if model_type not in CONFIG_MAPPING:
+        known = sorted(CONFIG_MAPPING.keys())
+        close = difflib.get_close_matches(model_type, known, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "e.g. gpt2, llama, bert, t5"
+        raise LoadError(f"hf:{model_type}: unknown transformers model type ({hint})")
+    return CONFIG_MAPPING[model_type]
+
+
+def _head(config) -> type[torch.nn.Module]:
+    from transformers.models.auto import modeling_auto as auto
+
+    kinds = (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, auto.MODEL_FOR_MASKED_LM_MAPPING,
+             auto.MODEL_FOR_CAUSAL_LM_MAPPING, auto.MODEL_MAPPING)
+    if not config.is_encoder_decoder:
+        kinds = kinds[1:]
+    for mapping in kinds:
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise LoadError(f"hf:{config.model_type}: transformers has no model class for {type(config).__name__}")
+
+
+def build_hf(model_type: str, overrides: Sequence[str] = ()) -> tuple[torch.nn.Module, str]:
+    """The model and how it was built (``GPT2LMHeadModel(GPT2Config(n_embd=32, ...))``)."""
+    config_class = _config_class(model_type)
+    default = config_class()
+    aliases = getattr(default, "attribute_map", {}) or {}
+    fields = {aliases.get(k, k): v for k, v in SMALL.items() if hasattr(default, aliases.get(k, k))}
+    for key, value in parse_overrides(overrides).items():
+        real = aliases.get(key, key)
+        if not hasattr(default, real):
+            close = difflib.get_close_matches(real, [k for k in vars(default) if not k.startswith("_")], n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"--config {key}: {config_class.__name__} has no field {key!r}{hint}")
+        fields[real] = value
+    layers = fields.get(aliases.get("num_hidden_layers", "num_hidden_layers"))
+    if hasattr(default, "attention_types") and isinstance(layers, int) and layers % 2 == 0 \
+            and "attention_types" not in fields:  # GPT-Neo: one (global, local) pattern per two layers
+        fields["attention_types"] = [[["global", "local"], layers // 2]]
+    label = f"{config_class.__name__}({', '.join(f'{k}={v!r}' for k, v in sorted(fields.items()))})"
+    vocab = fields.get(aliases.get("vocab_size", "vocab_size"))
+    for name in _TOKEN_IDS:  # special tokens of the full vocabulary would index past the small one
+        value = getattr(default, name, None)
+        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab and name not in fields:
+            fields[name] = 0
+    try:
+        config = config_class(**fields)
+        config._attn_implementation = "eager"
+        head = _head(config)
+        model = head(config)
+    except (LoadError, UsageError):
+        raise
+    except Exception as exc:
+        raise LoadError(f"hf:{model_type}: building {label} raised {describe_exception(exc)} "
+                        "(set fields with --config KEY=VALUE)") from exc
+    return model, f"{head.__name__}({label})"
