@@ -265,7 +265,8 @@ def test_deprecated_module_alias_is_fixed_with_its_uses(tmp_path, cli):
 
 @pytest.mark.parametrize("cast", [
     "model = model.half().float()",  # rounds the weights, trains in fp32
-    "if mode == 'inference':\n            if use_amp:\n                model = model.half()\n            return evaluate(model)",
+    "if mode == 'inference':\n            if use_amp:\n                model = model.half()\n"
+    "            return evaluate(model)",
 ])
 def test_half_casts_that_do_not_train_in_fp16(cast):
     source = f'''

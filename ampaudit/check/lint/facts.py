@@ -182,6 +182,7 @@ class ScriptFacts:
     binary_ops: list[BinaryOp] = field(default_factory=list)
     amp_references: list[Reference] = field(default_factory=list)
     scale_comparisons: list[Comparison] = field(default_factory=list)  # == / != with a get_scale() side
+    low_names: dict[tuple[int, str], int] = field(default_factory=dict)  # (scope id, name) -> line: holds fp16/bf16
     enabled_flags: set[str] = field(default_factory=set)  # dotted names passed as enabled= to AMP APIs
     local_backward_classes: set[str] = field(default_factory=set)  # classes defined here with a backward()
     instances: dict[str, str] = field(default_factory=dict)  # name -> local class it was built from
@@ -218,6 +219,12 @@ class ScriptFacts:
         if id(scope) not in self._scalers:
             names = {a.target for a in self.assigned(GRAD_SCALERS, scope) if not a.call.disabled}
             names |= {c.receiver for c in self.method_calls("scale", scope) if c.receiver and c.feeds_backward}
+            # built elsewhere (a parameter, a helper's result, self.scaler from __init__): known by
+            # its use - unscale_() is GradScaler's alone; step/update/scale on a scaler-named object
+            for c in self.calls:
+                if c.scope is scope and c.receiver and (c.method == "unscale_" or (
+                        c.method in ("scale", "step", "update", "get_scale") and _SCALER_NAME.search(c.receiver))):
+                    names.add(c.receiver)
             self._scalers[id(scope)] = frozenset(names)
         return self._scalers[id(scope)]
 
@@ -499,7 +506,17 @@ class _Collector(cst.CSTVisitor):
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
         value = original_node.value
+        block = self.autocasts[-1]
+        # a value computed under enabled autocast, or cast with .half(), is low precision
+        low = (block is not None and block.enabled) or (
+            isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "half")
         for target in original_node.targets:
+            for element in _targets(target.target):
+                name = dotted(element)
+                if name and low:
+                    self.facts.low_names.setdefault((id(self.scope), name), self._pos(original_node)[0])
+                elif name:
+                    self.facts.low_names.pop((id(self.scope), name), None)  # reassigned in fp32
             name = dotted(target.target)
             if not name:
                 continue
@@ -623,6 +640,7 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
 
 
 _AMP_SWITCHES = GRAD_SCALERS | frozenset(AUTOCASTS)
+_SCALER_NAME = re.compile(r"(^|[._])(grad_|amp_|loss_|amp_grad_|d_|g_)?scaler(_\w+)?$", re.IGNORECASE)
 _AUTOGRAD_FUNCTIONS = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
 _EXITS = (cst.Return, cst.Continue, cst.Break, cst.Raise)
 _COMPAT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "AttributeError"})
@@ -666,6 +684,13 @@ def _flag_names(expr: cst.BaseExpression) -> set[str]:
         elif isinstance(child, (cst.ComparisonTarget,)):
             found |= _flag_names(child.comparator)
     return found
+
+
+def _targets(target: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The names an assignment binds: ``a``, ``self.a``, each of ``a, b = ...``."""
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [t for e in target.elements for t in _targets(e.value)]
+    return [target]
 
 
 def _conditional_call(value: cst.BaseExpression) -> cst.Call | None:

@@ -27,7 +27,9 @@ Effect = tuple[str | None, str | None]  # the AMP state when the test holds, whe
 _FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "autocast", "scaler", "apex"})
 _NOT_FLAG_WORDS = frozenset({"bf16", "bfloat16", "fp32", "full", "no", "disable", "disabled"})
 _FP32_FLAG_WORDS = frozenset({"fp32", "float32"})  # `if self.fp32:` - true means AMP is off
-_OFF_CONSTANTS = frozenset({"none", "off", "no", "disabled", "fp32", "float32", "full"})
+# constants that mean "not torch's AMP": none at all, or apex (which scales with its own
+# scale_loss, so GradScaler's protocol does not apply on its branch)
+_OFF_CONSTANTS = frozenset({"none", "off", "no", "disabled", "fp32", "float32", "full", "apex"})
 _LOW_STRING = re.compile(r"16|amp|mixed|half", re.IGNORECASE)
 _FP32_STRING = re.compile(r"^(fp32|float32|32|32-true|no|none|full)$", re.IGNORECASE)
 _EMPTY = cst.Module([])

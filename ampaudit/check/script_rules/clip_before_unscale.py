@@ -8,7 +8,15 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts, dotted, unwrap_cast
-from ampaudit.check.lint.protocol import CLIPS, amp_path, backward_calls, guard_prefix, on_path, scaled_backward
+from ampaudit.check.lint.protocol import (
+    CLIPS,
+    amp_path,
+    backward_calls,
+    guard_prefix,
+    on_path,
+    optimizers,
+    scaled_backward,
+)
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding
 
@@ -32,6 +40,9 @@ def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
                    if c.receiver == scaler):
                 continue
             steps = {dotted(c.arg(0, "optimizer")) for c in facts.method_calls("step", scope) if c.receiver == scaler}
+            if not steps:  # the optimizer steps by itself (AMP405): it is still the one to unscale
+                opts = optimizers(facts, scope)
+                steps = {c.receiver for c in facts.method_calls("step", scope) if c.receiver in opts}
             optimizer = steps.pop() if len(steps) == 1 else None
             autofix = None
             if optimizer and clip.statement is not None:

@@ -22,7 +22,7 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
                 continue
             updates = [u for u in facts.method_calls("update", scope) if u.receiver == step.receiver
                        and (step.loop is None or u.loop is step.loop) and amp_path(facts, u)]
-            if updates:
+            if updates or _updated_elsewhere(facts, step):
                 continue
             autofix = None
             if step.statement is not None:
@@ -30,3 +30,11 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
                 autofix = Autofix((edits.insert_line_after(facts, step.statement, code),), safe=False)
             yield on_path(facts, "AMP407", step, via=step.receiver, scaler=step.receiver,
                           fix=f"call {step.receiver}.update() after it", autofix=autofix)
+
+
+def _updated_elsewhere(facts: ScriptFacts, step) -> bool:
+    """``self.scaler.update()`` in another method of the class (a trainer's after-step hook)."""
+    if not (step.receiver or "").startswith("self.") or step.loop is not None:
+        return False
+    return any(c.method == "update" and c.receiver == step.receiver and c.scope is not step.scope
+               for c in facts.calls)

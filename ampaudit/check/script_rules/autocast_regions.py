@@ -1,0 +1,78 @@
+"""AMP421 / AMP422: autocast regions that do not cover what they are meant to.
+
+AMP421: a GradScaler scales a loss whose model forward runs outside every autocast region of
+the function (only the loss is autocast): the model never runs in low precision.
+AMP422: an ``autocast(enabled=False)`` region - the usual way to run a loss or a matcher in
+fp32 - whose torch functions or loss modules take values computed under autocast (or
+``.half()``-ed) without ``.float()``: disabling autocast does not cast its inputs, so the
+region still computes in fp16.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import libcst as cst
+
+from ampaudit.check.lint.facts import Call, ScriptFacts, dotted
+from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Finding
+
+# `model(x)`, `self.net(x)`, `model.forward(x)`: a call of something named like the model
+_MODEL = re.compile(r"(^|\.)(model|net|network|backbone|generator|discriminator)s?(\.forward)?$", re.IGNORECASE)
+
+
+@lint_rule("AMP421", reads=("autocast",))
+def forward_outside_autocast(facts: ScriptFacts) -> Iterator[Finding]:
+    for scope in facts.scopes():
+        blocks = [b for b in facts.autocasts if b.scope is scope and b.enabled]
+        scalers = facts.scalers(scope)
+        backwards = [c for c in facts.calls if c.scope is scope and scaled_backward(c, scalers)]
+        if not blocks or not backwards:
+            continue
+        first_backward = min(c.line for c in backwards)
+        models = [c for c in facts.calls if c.scope is scope and c.line < first_backward and amp_path(facts, c)
+                  and _MODEL.search(dotted(c.node.func) or "") and not _constructor(c)]
+        if models and all(c.autocast is None for c in models):
+            call = models[0]
+            yield finding(facts, "AMP421", call, model=facts.text(call.node.func), block_line=blocks[0].line,
+                          fix=f"run {facts.text(call.node.func)}(...) inside the `with` autocast block")
+
+
+@lint_rule("AMP422", reads=("autocast",))
+def fp32_region_fed_low_precision(facts: ScriptFacts) -> Iterator[Finding]:
+    # Only torch's own functions and loss modules: a function of the user's may cast its
+    # inputs itself (VITS' losses do), which the lint cannot see from here.
+    torch_modules = {a.target for a in facts.assignments if any(n.startswith("torch.nn.") for n in a.call.names)}
+    for call in facts.calls:
+        block = call.autocast
+        if block is None or block.enabled or _is_cast(call):
+            continue
+        if not any(n.startswith("torch.") for n in call.names) and dotted(call.node.func) not in torch_modules:
+            continue
+        for arg in call.node.args:
+            name = _root_name(arg.value)
+            line = facts.low_names.get((id(call.scope), name or ""))
+            if name is not None and line is not None and line < block.line:
+                yield finding(facts, "AMP422", call, name=name, line_low=line,
+                              fix=f"pass {facts.text(arg.value)}.float() into the fp32 region")
+                break
+
+
+def _root_name(value: cst.BaseExpression) -> str | None:
+    """``out`` for ``out``, ``out["logits"]``, ``out.logits`` - not for ``out.float()``."""
+    while isinstance(value, (cst.Subscript, cst.Attribute)):
+        value = value.value
+    return dotted(value) if isinstance(value, cst.Name) else None
+
+
+def _is_cast(call: Call) -> bool:
+    return call.method in ("float", "double", "to", "type")
+
+
+def _constructor(call: Call) -> bool:
+    """``Generator()``: building the model, not running it."""
+    name = (dotted(call.node.func) or "").rsplit(".", 1)[-1]
+    return name[:1].isupper()
