@@ -246,3 +246,14 @@ def test_default_inputs_that_fail_are_dropped_with_a_note(cli):
     assert any("the default example inputs (images 1x3x224x224" in n and "pass --input-shape" in n
                for n in report["target"]["notes"])
     assert report["target"]["trace"] == "fx"
+
+
+def test_library_lines_show_the_file_name_in_the_terminal_table():
+    from ampaudit.core.findings import Report, Target
+    from ampaudit.report.terminal import _where
+
+    report = Report(Target("hf:gpt2", "GPT2LMHeadModel(...)", "recorder", []), "float16", [], [])
+    path = "/usr/lib/python3/site-packages/transformers/models/gpt2/modeling_gpt2.py"
+    assert _where(path, 254, report) == "modeling_gpt2.py:254"
+    assert _where("fixtures/models/layers.py", 3, report) == "fixtures/models/layers.py:3"
+    assert _where("hf:gpt2", 3, report) == "3"

@@ -5,6 +5,7 @@ Colour follows rich's rules: off when NO_COLOR is set or output is not a termina
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -92,8 +93,11 @@ def _measured_cells(m: dict | None) -> list[str]:
 
 
 def _where(file: str, line: int, report: Report) -> str:
-    """Just the line number in the target file; file:line elsewhere (library code)."""
-    return str(line) if file == report.target.file else f"{escape(file)}:{line}"
+    """Just the line number in the target file; file:line elsewhere, and only the file's name
+    for library code outside the working folder (``modeling_gpt2.py:254``)."""
+    if file == report.target.file:
+        return str(line)
+    return f"{escape(os.path.basename(file) if os.path.isabs(file) else file)}:{line}"
 
 
 def _ops_table(report: Report) -> Table:
