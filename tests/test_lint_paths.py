@@ -298,3 +298,50 @@ def test_a_half_model_that_trains_is_still_found():
             scaler.update()
     '''
     assert _codes(source) == [("AMP410", 4), ("AMP411", 5)]
+
+
+def test_framework_trainer_shapes_are_not_protocol_errors():
+    # Shapes seen in large trainers (speechbrain, audiocraft, composer, fastai): the scaled loss
+    # held in a variable, per-optimizer loops with one update after them, an update in another
+    # method, and a `use_grad_scaling` switch.
+    source = '''
+    import torch
+    from typing import cast
+    class Brain:
+        def fit_batch(self, batch, use_grad_scaling):
+            loss = self.compute(batch)
+            scaled_loss = self.scaler.scale(loss)
+            scaled_loss.backward()
+            held = cast(torch.Tensor, self.scaler.scale(loss))
+            held.backward()
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
+            for opt in self.optimizers:
+                torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 1.0)
+            for opt in self.optimizers:
+                if use_grad_scaling:
+                    self.scaler.step(opt)
+                else:
+                    opt.step()
+            self.scaler.update()
+
+        def before_step(self):
+            self.scaler.step(self.opt)
+
+        def after_step(self):
+            self.learn.scaler.update()
+    '''
+    assert _codes(source) == []
+
+
+def test_a_hand_unscaled_optimizer_beside_a_scaled_one_is_a_warning():
+    source = '''
+    import torch
+    def weight_update(scaler, mlp_optimizer, embedding_optimizer):
+        scaler.step(mlp_optimizer)
+        scaler.unscale_(embedding_optimizer)
+        embedding_optimizer.step()
+        scaler.update()
+    '''
+    (found,) = lint_source("t.py", textwrap.dedent(source))
+    assert (found.rule, found.line, found.severity.value) == ("AMP405", 6, "warning")

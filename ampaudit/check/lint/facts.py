@@ -183,6 +183,7 @@ class ScriptFacts:
     amp_references: list[Reference] = field(default_factory=list)
     scale_comparisons: list[Comparison] = field(default_factory=list)  # == / != with a get_scale() side
     low_names: dict[tuple[int, str], int] = field(default_factory=dict)  # (scope id, name) -> line: holds fp16/bf16
+    scaled_values: dict[tuple[int, str], str] = field(default_factory=dict)  # `loss = scaler.scale(loss)`: -> scaler
     enabled_flags: set[str] = field(default_factory=set)  # dotted names passed as enabled= to AMP APIs
     local_backward_classes: set[str] = field(default_factory=set)  # classes defined here with a backward()
     instances: dict[str, str] = field(default_factory=dict)  # name -> local class it was built from
@@ -510,7 +511,15 @@ class _Collector(cst.CSTVisitor):
         # a value computed under enabled autocast, or cast with .half(), is low precision
         low = (block is not None and block.enabled) or (
             isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "half")
+        scaled = unwrap_cast(value)
+        scaler = dotted(scaled.func.value) if isinstance(scaled, cst.Call) and isinstance(scaled.func, cst.Attribute) \
+            and scaled.func.attr.value == "scale" else None
         for target in original_node.targets:
+            name = dotted(target.target)
+            if name and scaler:
+                self.facts.scaled_values[(id(self.scope), name)] = scaler
+            elif name:
+                self.facts.scaled_values.pop((id(self.scope), name), None)
             for element in _targets(target.target):
                 name = dotted(element)
                 if name and low:

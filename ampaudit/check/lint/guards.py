@@ -24,7 +24,7 @@ from ampaudit.check.lint.facts import Call, Guard, ScriptFacts, dotted
 ON, OFF = "on", "off"
 Effect = tuple[str | None, str | None]  # the AMP state when the test holds, when it does not
 
-_FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "autocast", "scaler", "apex"})
+_FLAG_WORDS = frozenset({"amp", "fp16", "half", "mixed", "autocast", "scaler", "scaling", "apex"})
 _NOT_FLAG_WORDS = frozenset({"bf16", "bfloat16", "fp32", "full", "no", "disable", "disabled"})
 _FP32_FLAG_WORDS = frozenset({"fp32", "float32"})  # `if self.fp32:` - true means AMP is off
 # constants that mean "not torch's AMP": none at all, or apex (which scales with its own

@@ -116,16 +116,31 @@ def scaler_for(facts: ScriptFacts, call: Call, scalers: set[str], optimizer: str
     return nearest.receiver if nearest is not None and nearest.receiver else ordered[0]
 
 
-def scaled_backward(call: Call, scalers: frozenset[str]) -> bool:
-    """``s.scale(loss).backward()`` with ``s`` a scaler."""
+def backward_scaler(facts: ScriptFacts, call: Call, scalers: frozenset[str]) -> str | None:
+    """The scaler whose scaled loss this backward runs on: ``s.scale(loss).backward()``,
+    ``cast(T, s.scale(loss)).backward()``, or ``scaled = s.scale(loss)`` ... ``scaled.backward()``."""
     func = call.node.func
     if call.method != "backward" or not isinstance(func, cst.Attribute):
-        return False
-    scaled = unwrap_cast(func.value)  # cast(torch.Tensor, scaler.scale(loss)).backward() too
-    if not isinstance(scaled, cst.Call):
-        return False
-    inner = scaled.func
-    return isinstance(inner, cst.Attribute) and inner.attr.value == "scale" and dotted(inner.value) in scalers
+        return None
+    scaled = unwrap_cast(func.value)
+    if isinstance(scaled, cst.Call):
+        inner = scaled.func
+        if isinstance(inner, cst.Attribute) and inner.attr.value == "scale" and dotted(inner.value) in scalers:
+            return dotted(inner.value)
+        return None
+    scaler = facts.scaled_values.get((id(call.scope), dotted(scaled) or ""))
+    return scaler if scaler in scalers else None
+
+
+def loops_over(call: Call, value: cst.BaseExpression | None) -> bool:
+    """Whether ``call`` sits in a ``for`` loop whose variable is ``value``: ``for opt in
+    optimizers: scaler.unscale_(opt)`` handles each optimizer once, not one many times."""
+    loop = call.loop
+    return isinstance(loop, cst.For) and value is not None and dotted(loop.target) == dotted(value) is not None
+
+
+def scaled_backward(facts: ScriptFacts, call: Call, scalers: frozenset[str]) -> bool:
+    return backward_scaler(facts, call, scalers) is not None
 
 
 def is_raw_backward(facts: ScriptFacts, call: Call) -> bool:

@@ -29,7 +29,7 @@ def forward_outside_autocast(facts: ScriptFacts) -> Iterator[Finding]:
     for scope in facts.scopes():
         blocks = [b for b in facts.autocasts if b.scope is scope and b.enabled]
         scalers = facts.scalers(scope)
-        backwards = [c for c in facts.calls if c.scope is scope and scaled_backward(c, scalers)]
+        backwards = [c for c in facts.calls if c.scope is scope and scaled_backward(facts, c, scalers)]
         if not blocks or not backwards:
             continue
         first_backward = min(c.line for c in backwards)

@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import ScriptFacts, dotted, unwrap_cast
+from ampaudit.check.lint.facts import ScriptFacts, dotted
 from ampaudit.check.lint.protocol import (
     CLIPS,
     amp_path,
     backward_calls,
+    backward_scaler,
     guard_prefix,
     on_path,
     optimizers,
@@ -25,7 +26,7 @@ from ampaudit.core.findings import Autofix, Finding
 def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
     for scope in facts.scopes():
         scalers = facts.scalers(scope)
-        backwards = [c for c in backward_calls(facts, scope) if scaled_backward(c, scalers)]
+        backwards = [c for c in backward_calls(facts, scope) if scaled_backward(facts, c, scalers)]
         if not backwards:
             continue
         for clip in facts.calls_to(CLIPS):
@@ -35,7 +36,7 @@ def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
             if not before:
                 continue
             last = max(before, key=lambda b: b.line)  # the backward these gradients come from
-            scaler = dotted(unwrap_cast(last.node.func.value).func.value)
+            scaler = backward_scaler(facts, last, scalers)
             if any(last.line <= c.line < clip.line for c in facts.method_calls("unscale_", scope)
                    if c.receiver == scaler):
                 continue

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts
-from ampaudit.check.lint.protocol import amp_path, guard_prefix, on_path
+from ampaudit.check.lint.protocol import amp_path, guard_prefix, loops_over, on_path
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding
 
@@ -20,8 +20,9 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
         for step in facts.method_calls("step", scope):
             if step.receiver not in scalers or not step.node.args or not amp_path(facts, step):
                 continue
+            per_optimizer = loops_over(step, step.arg(0, "optimizer"))  # update after the loop is right
             updates = [u for u in facts.method_calls("update", scope) if u.receiver == step.receiver
-                       and (step.loop is None or u.loop is step.loop) and amp_path(facts, u)]
+                       and (step.loop is None or u.loop is step.loop or per_optimizer) and amp_path(facts, u)]
             if updates or _updated_elsewhere(facts, step):
                 continue
             autofix = None
@@ -33,8 +34,11 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
 
 
 def _updated_elsewhere(facts: ScriptFacts, step) -> bool:
-    """``self.scaler.update()`` in another method of the class (a trainer's after-step hook)."""
-    if not (step.receiver or "").startswith("self.") or step.loop is not None:
+    """``self.scaler.update()`` (or ``self.learn.scaler.update()``) in another method: a
+    trainer's after-step hook updates the scaler the step used."""
+    receiver = step.receiver or ""
+    if not receiver.startswith("self."):
         return False
-    return any(c.method == "update" and c.receiver == step.receiver and c.scope is not step.scope
-               for c in facts.calls)
+    attribute = receiver.rsplit(".", 1)[-1]
+    return any(c.method == "update" and c.scope is not step.scope and (c.receiver or "").startswith("self.")
+               and c.receiver.rsplit(".", 1)[-1] == attribute for c in facts.calls)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import ScriptFacts, dotted
-from ampaudit.check.lint.protocol import amp_path, on_path
+from ampaudit.check.lint.protocol import amp_path, loops_over, on_path
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
 
@@ -17,7 +17,8 @@ def unscale_more_than_once_per_step(facts: ScriptFacts) -> Iterator[Finding]:
         scalers = facts.scalers(scope)
         steps = [c for c in facts.method_calls("step", scope) if c.receiver in scalers and amp_path(facts, c)]
         for unscale in facts.method_calls("unscale_", scope):
-            if unscale.receiver not in scalers or unscale.loop is None or not amp_path(facts, unscale):
+            if unscale.receiver not in scalers or unscale.loop is None or not amp_path(facts, unscale) \
+                    or loops_over(unscale, unscale.arg(0, "optimizer")):
                 continue
             optimizer = dotted(unscale.arg(0, "optimizer"))
             first, last = facts.lines(unscale.loop)

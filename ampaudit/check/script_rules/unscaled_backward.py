@@ -17,7 +17,7 @@ def unscaled_backward(facts: ScriptFacts) -> Iterator[Finding]:
         if not scalers:
             continue
         for call in backward_calls(facts, scope):
-            if not scaled_backward(call, facts.scalers(scope)):
+            if not scaled_backward(facts, call, facts.scalers(scope)):
                 scaler = scaler_for(facts, call, scalers)
                 yield on_path(facts, "AMP404", call, via=scaler, scaler=scaler,
                               fix=f"{scaler}.scale(loss).backward()")
