@@ -345,3 +345,15 @@ def test_a_hand_unscaled_optimizer_beside_a_scaled_one_is_a_warning():
     '''
     (found,) = lint_source("t.py", textwrap.dedent(source))
     assert (found.rule, found.line, found.severity.value) == ("AMP405", 6, "warning")
+
+
+def test_backward_inside_an_uncalled_autocast_bound_to_a_name():
+    source = '''
+    from contextlib import nullcontext
+    def step(self, loss_fn, batch, use_amp):
+        ctx_mgr = self.accelerator.autocast if use_amp else nullcontext
+        with ctx_mgr():
+            loss = loss_fn(batch)
+            self.accelerator.backward(loss)
+    '''
+    assert _codes(source) == [("AMP408", 7)]

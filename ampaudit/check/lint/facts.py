@@ -541,8 +541,11 @@ class _Collector(cst.CSTVisitor):
 
     def _autocast_in(self, value: cst.BaseExpression) -> cst.Call | None:
         """The autocast call a context variable holds: ``torch.autocast(...)``, one side of
-        ``nullcontext() if cpu else torch.autocast(...)``, or ``partial(torch.autocast, ...)``."""
+        ``nullcontext() if cpu else torch.autocast(...)``, ``partial(torch.autocast, ...)``, or
+        the uncalled function (``accelerator.autocast if amp else nullcontext``)."""
         for candidate in (value, *(getattr(value, side, None) for side in ("body", "orelse"))):
+            if isinstance(candidate, (cst.Name, cst.Attribute)) and self._autocast_device_of(candidate) is not False:
+                return cst.Call(func=candidate)  # `ctx = accelerator.autocast if amp else nullcontext`
             if not isinstance(candidate, cst.Call):
                 continue
             if self._autocast_device(candidate) is not False:
