@@ -132,14 +132,9 @@ def test_runnable_fixtures_are_scripts_with_an_amp_switch(path):
 # --------------------------------------------------------------------------- lint
 
 
-# Planted bugs the lint does not see yet (issue 11 stays open for them): each needs a
-# framework-aware rule, not a tweak. strict: when the lint learns them, these flip to XPASS.
-NOT_YET = {
-    "04_accelerate_bug.py": "torch's clip_grad_norm_ after accelerator.backward() with fp16 accelerate "
-                            "(should be accelerator.clip_grad_norm_)",
-    "06_lightning_manual_bug.py": "loss.backward() in a LightningModule trained with precision='16-mixed' "
-                                  "(should be self.manual_backward)",
-}
+# Planted bugs the lint does not see yet go here, with the reason; strict: when the lint
+# learns one, its test flips to XPASS and fails until the entry is removed.
+NOT_YET: dict[str, str] = {}  # fixture name -> why the lint cannot see its planted bug yet
 
 
 def _known_gap(path: Path):

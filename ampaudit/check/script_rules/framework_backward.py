@@ -1,0 +1,91 @@
+"""AMP423 / AMP424: mixed precision owned by a framework, and code that steps around it.
+
+AMP423: accelerate with ``mixed_precision="fp16"`` scales in ``accelerator.backward`` and
+unscales in ``accelerator.clip_grad_norm_``; torch's own clip after it sees scaled gradients.
+AMP424: in a LightningModule, ``self.manual_backward(loss)`` is what Lightning's precision
+plugin scales; a raw ``loss.backward()`` is not (an error when the file's Trainer uses a
+16-bit precision, else a warning).
+Fixes (unsafe: they change what runs): ``accelerator.clip_grad_norm_(...)``,
+``self.manual_backward(loss)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import libcst as cst
+
+from ampaudit.check.lint import edits
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.protocol import CLIPS, finding, is_raw_backward
+from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.findings import Autofix, Finding, Severity
+from ampaudit.core.rulebook import rule
+
+_ACCELERATORS = frozenset({"accelerate.Accelerator", "accelerate.accelerator.Accelerator"})
+_LIGHTNING_MODULES = frozenset({"lightning.LightningModule", "lightning.pytorch.LightningModule",
+                                "pytorch_lightning.LightningModule", "lightning.pytorch.core.module.LightningModule",
+                                "pytorch_lightning.core.module.LightningModule"})
+_TRAINERS = frozenset({"lightning.Trainer", "lightning.pytorch.Trainer", "pytorch_lightning.Trainer"})
+
+
+def _fp16(call) -> bool | None:
+    """True for ``mixed_precision="fp16"``, None when not a literal, False otherwise."""
+    value = call.kwarg("mixed_precision")
+    if value is None:
+        return False
+    return value.evaluated_value == "fp16" if isinstance(value, cst.SimpleString) else None
+
+
+@lint_rule("AMP423", reads=("clip_grad", "accelerator", "Accelerator"))
+def torch_clip_after_accelerator_backward(facts: ScriptFacts) -> Iterator[Finding]:
+    accelerators = {a.target: _fp16(a.call) for a in facts.assignments if a.call.names & _ACCELERATORS}
+    if not any(state is not False for state in accelerators.values()):
+        return
+    for clip in facts.calls_to(CLIPS):
+        backwards = [c for c in facts.calls if c.scope is clip.scope and c.method == "backward"
+                     and c.receiver in accelerators and accelerators[c.receiver] is not False and c.line < clip.line]
+        if not backwards:
+            continue
+        accelerator = backwards[-1].receiver
+        method = "clip_grad_value_" if "value" in facts.text(clip.node.func) else "clip_grad_norm_"
+        autofix = Autofix((edits.replace(facts, clip.node.func, f"{accelerator}.{method}"),), safe=False)
+        found = finding(facts, "AMP423", clip, clip=facts.text(clip.node.func), accelerator=accelerator,
+                        fix=f"{accelerator}.{method}(...)", autofix=autofix)
+        if accelerators[accelerator] is None:  # mixed_precision=<expression>: fp16 in some runs
+            found = replace(found, severity=Severity.WARNING, message=f"{found.message} (when it is fp16)")
+        yield found
+
+
+@lint_rule("AMP424", reads=("LightningModule", "backward"))
+def backward_in_lightning_module(facts: ScriptFacts) -> Iterator[Finding]:
+    modules = [c for c in facts.classes if c.bases & _LIGHTNING_MODULES]
+    if not modules:
+        return
+    severe = _sixteen_bit_trainer(facts)
+    for call in facts.calls:
+        if not is_raw_backward(facts, call) or call.receiver is None:
+            continue
+        if not any(_inside(facts, m.node, call.line) for m in modules):
+            continue
+        autofix = Autofix((edits.replace(facts, call.node, f"self.manual_backward({call.receiver})"),), safe=False)
+        found = finding(facts, "AMP424", call, call=f"{call.receiver}.backward()",
+                        fix=f"self.manual_backward({call.receiver})", autofix=autofix)
+        yield replace(found, severity=Severity.ERROR) if severe else found
+
+
+def _inside(facts: ScriptFacts, node: cst.CSTNode, line: int) -> bool:
+    start, end = facts.lines(node)
+    return start <= line <= end
+
+
+def _sixteen_bit_trainer(facts: ScriptFacts) -> bool:
+    wanted = set(rule("AMP424").params["error_when_precision"])
+    for call in facts.calls_to(_TRAINERS):
+        value = call.kwarg("precision")
+        if isinstance(value, cst.SimpleString) and str(value.evaluated_value) in wanted:
+            return True
+        if isinstance(value, cst.Integer) and value.value in wanted:
+            return True
+    return False
