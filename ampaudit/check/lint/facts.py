@@ -392,17 +392,9 @@ class _Collector(cst.CSTVisitor):
             line, column = self._pos(node)
             self.facts.amp_references.append(Reference(node, self._names(node), line, column, self._in_compat()))
 
-    def visit_IfExp_body(self, node: cst.IfExp) -> None:
-        self.guards.append((node.test, True))
-
-    def leave_IfExp_body(self, node: cst.IfExp) -> None:
-        self.guards.pop()
-
-    def visit_IfExp_orelse(self, node: cst.IfExp) -> None:
-        self.guards.append((node.test, False))
-
-    def leave_IfExp_orelse(self, node: cst.IfExp) -> None:
-        self.guards.pop()
+    # `a if test else b`: the same guards as an if statement (both nodes have test/body/orelse)
+    visit_IfExp_body, leave_IfExp_body = visit_If_body, leave_If_body
+    visit_IfExp_orelse, leave_IfExp_orelse = visit_If_orelse, leave_If_orelse
 
     def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
         self.blocks.append(node)
