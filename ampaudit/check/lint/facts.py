@@ -18,10 +18,10 @@ when every scaler and ``enabled=`` flag of the file is known (check/lint/guards.
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import libcst as cst
 import libcst.metadata as meta
@@ -189,8 +189,8 @@ class ScriptFacts:
     instances: dict[str, str] = field(default_factory=dict)  # name -> local class it was built from
     positions: Mapping[cst.CSTNode, meta.CodeRange] = field(default_factory=dict, repr=False)
     names: dict[cst.CSTNode, frozenset[str]] = field(default_factory=dict, repr=False)
-    _qualified: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)  # lazy provider values
-    _scopes: Mapping[cst.CSTNode, Any] = field(default_factory=dict, repr=False)
+    imports_map: ImportMap = field(default_factory=lambda: ImportMap({}), repr=False)
+    _references: dict[str, list[cst.Name]] = field(default_factory=dict, repr=False)
     _scalers: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)  # per scope, once
     _line_starts: list[int] = field(default_factory=list, repr=False)
 
@@ -232,17 +232,13 @@ class ScriptFacts:
     def qualified(self, node: cst.CSTNode) -> frozenset[str]:
         """Qualified names of any expression (``torch.float16``, an imported alias...)."""
         if node not in self.names:
-            value = self._qualified.get(node, ())
-            value = value() if callable(value) else value  # libcst computes these lazily
-            self.names[node] = frozenset(q.name for q in value)
+            self.names[node] = self.imports_map.qualify(node)
         return self.names[node]
 
     def references(self, node: cst.CSTNode, name: str) -> list[cst.CSTNode]:
-        """The nodes that read the name ``name`` as bound at ``node`` (an import, say)."""
-        scope = self._scopes.get(node)
-        if scope is None:
-            return []
-        return [access.node for assignment in scope.assignments[name] for access in assignment.references]
+        """The nodes that read ``name``, bound by the import ``node`` (names an import of an
+        old AMP module binds are tracked; the lint never sees a rebinding of them)."""
+        return list(self._references.get(name, ()))
 
     def offset(self, line: int, column: int) -> int:
         """Character offset of a libcst position (1-based line, 0-based column)."""
@@ -282,7 +278,7 @@ def dotted(node: cst.BaseExpression | None) -> str | None:
 
 
 class _Collector(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (meta.PositionProvider, meta.QualifiedNameProvider)
+    METADATA_DEPENDENCIES = (meta.PositionProvider,)
 
     def __init__(self, facts: ScriptFacts) -> None:
         super().__init__()
@@ -304,13 +300,14 @@ class _Collector(cst.CSTVisitor):
         self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
         self.try_compat: list[bool] = []
         self.version_tests: dict[cst.CSTNode, bool] = {}
+        # names an import of an old AMP module binds: their reads are collected (references)
+        self.tracked = {name for name, target in facts.imports_map.bound.items()
+                        if target.startswith(("torch.cuda.amp", "torch.cpu.amp"))}
+        self.not_reads: set[int] = set()  # Name nodes that are attributes, keywords, import aliases
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _names(self, node: cst.CSTNode) -> frozenset[str]:
-        if node not in self.facts.names:
-            names = self.get_metadata(meta.QualifiedNameProvider, node, set())
-            self.facts.names[node] = frozenset(q.name for q in names)
-        return self.facts.names[node]
+        return self.facts.qualified(node)
 
     def _pos(self, node: cst.CSTNode) -> tuple[int, int]:
         rng = self.get_metadata(meta.PositionProvider, node)
@@ -387,7 +384,19 @@ class _Collector(cst.CSTVisitor):
                 line, column = self._pos(node)
                 self.facts.scale_comparisons.append(Comparison(node, line, column))
 
+    def visit_Name(self, node: cst.Name) -> None:
+        if node.value in self.tracked and id(node) not in self.not_reads:
+            self.facts._references.setdefault(node.value, []).append(node)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if node.keyword is not None:
+            self.not_reads.add(id(node.keyword))
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
+        return False  # the names an import binds are not reads of them
+
     def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.not_reads.add(id(node.attr))
         if node.attr.value in _AMP_ATTRIBUTES:
             line, column = self._pos(node)
             self.facts.amp_references.append(Reference(node, self._names(node), line, column, self._in_compat()))
@@ -635,11 +644,10 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
         offset += len(line)
     starts.append(offset)
     facts._line_starts = starts
+    facts.imports_map = ImportMap.of(source)
     wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
     wrapper.visit(_Collector(facts))
     facts.positions = wrapper.resolve(meta.PositionProvider)  # computed once, for every node
-    facts._qualified = wrapper.resolve(meta.QualifiedNameProvider)
-    facts._scopes = wrapper.resolve(meta.ScopeProvider)  # already computed for the names above
     return facts
 
 
@@ -704,3 +712,51 @@ def _conditional_call(value: cst.BaseExpression) -> cst.Call | None:
             if isinstance(side, cst.Call):
                 return side
     return None
+
+
+class ImportMap:
+    """What each imported name stands for: ``F`` -> ``torch.nn.functional``, ``amp`` ->
+    ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast``. Read with ``ast`` from
+    every import in the file (module level, functions, ``try`` blocks alike) - the lint only
+    asks about torch's, apex's and the frameworks' names, which scripts do not rebind - so
+    no scope analysis is needed: that was most of the lint's time."""
+
+    def __init__(self, bound: dict[str, str]) -> None:
+        self.bound = bound
+
+    @classmethod
+    def of(cls, source: str) -> ImportMap:
+        bound: dict[str, str] = {}
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            return cls(bound)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:
+                        root = alias.name.split(".")[0]
+                        bound.setdefault(root, root)
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                module = "." * node.level + node.module
+                for alias in node.names:
+                    if alias.name != "*":
+                        bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+        return cls(bound)
+
+    def qualify(self, node: cst.CSTNode) -> frozenset[str]:
+        """``{"torch.cuda.amp.autocast"}`` for ``amp.autocast`` after ``from torch.cuda import
+        amp``; a name nothing imports keeps its own spelling (``scaler.step``)."""
+        name = dotted(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
+        if name is None:
+            return frozenset()
+        root, dot, rest = name.partition(".")
+        target = self.bound.get(root)
+        if target is None:
+            return frozenset({f"builtins.{name}" if name in _BUILTINS else name})
+        return frozenset({target + dot + rest})
+
+
+_BUILTINS = frozenset(dir(builtins))
