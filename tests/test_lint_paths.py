@@ -357,3 +357,20 @@ def test_backward_inside_an_uncalled_autocast_bound_to_a_name():
             self.accelerator.backward(loss)
     '''
     assert _codes(source) == [("AMP408", 7)]
+
+
+@pytest.mark.parametrize("params", [
+    "model.parameters()", "get_trainable_params(model)", "filter(lambda p: p.requires_grad, model.parameters())",
+    '[{"params": model.parameters(), "lr": 1e-3}]',
+])
+def test_parameters_through_a_helper_are_the_models(params):
+    source = f'''
+    import torch
+    def main(model, loader, get_trainable_params):
+        model = model.half()
+        optimizer = torch.optim.Adam({params}, eps=1e-8)
+        for x in loader:
+            model(x).sum().backward()
+            optimizer.step()
+    '''
+    assert ("AMP412", 5) in _codes(source)

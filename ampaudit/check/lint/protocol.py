@@ -177,6 +177,32 @@ def _to_half(facts: ScriptFacts, call: Call) -> bool:
         is_float16(facts, call.arg(0, "dtype")) or is_float16(facts, call.arg(1))))
 
 
+_PARAMETERS = frozenset({"parameters", "named_parameters"})
+
+
+def parameters_of(value: cst.BaseExpression, depth: int = 0) -> str | None:
+    """The model whose parameters an optimizer gets: ``model.parameters()``, and through
+    wrappers - ``filter(lambda p: p.requires_grad, model.parameters())``,
+    ``get_trainable_params(model)``, ``[{"params": model.parameters()}]``."""
+    if depth > 4:
+        return None
+    if isinstance(value, cst.Call):
+        if isinstance(value.func, cst.Attribute) and value.func.attr.value in _PARAMETERS:
+            return dotted(value.func.value)
+        inner = [parameters_of(a.value, depth + 1) for a in value.args]
+        found = next((n for n in inner if n), None)
+        if found:
+            return found
+        plain = [dotted(a.value) for a in value.args if a.keyword is None]
+        return plain[-1] if len(plain) == 1 else None  # helper(model): its one argument
+    if isinstance(value, (cst.List, cst.Tuple)):
+        return next((n for e in value.elements if (n := parameters_of(e.value, depth + 1))), None)
+    if isinstance(value, cst.Dict):
+        return next((n for e in value.elements if isinstance(e, cst.DictElement)
+                     and (n := parameters_of(e.value, depth + 1))), None)
+    return None
+
+
 def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
     """(model name, call) for ``m.half()`` / ``m.to(torch.float16)`` whose model is trained
     afterwards: its parameters go to an optimizer, or it is put in train mode, on a later
@@ -186,12 +212,9 @@ def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
     last = 0  # the last line that trains: an optimizer built, train mode, backward or step
     for call in facts.calls:
         if is_optimizer(call) and call.node.args:
-            first = call.node.args[0].value
-            if isinstance(first, cst.Call) and isinstance(first.func, cst.Attribute) \
-                    and first.func.attr.value == "parameters":
-                name = dotted(first.func.value)
-                if name:
-                    trained.add(name)
+            name = parameters_of(call.node.args[0].value)
+            if name:
+                trained.add(name)
         if call.method == "train" and call.receiver:
             trained.add(call.receiver)
         if is_optimizer(call) or call.method in ("train", "backward", "step"):

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import libcst as cst
-
-from ampaudit.check.lint.facts import ScriptFacts, dotted
-from ampaudit.check.lint.protocol import ADAMS, finding, half_casts
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.protocol import ADAMS, finding, half_casts, parameters_of
 from ampaudit.check.lint.values import literal_number
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -22,10 +20,7 @@ def adam_eps_underflow(facts: ScriptFacts) -> Iterator[Finding]:
         return
     smallest = rule("AMP412").params["smallest_subnormal"]
     for call in facts.calls_to(ADAMS):
-        params = call.node.args[0].value if call.node.args else None
-        owner = None
-        if isinstance(params, cst.Call) and isinstance(params.func, cst.Attribute):
-            owner = dotted(params.func.value)
+        owner = parameters_of(call.node.args[0].value) if call.node.args else None
         if owner not in halves:
             continue
         eps_node = call.kwarg("eps")
