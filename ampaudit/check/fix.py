@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint_file import read_text
-from ampaudit.core.files import write_atomic
+from ampaudit.core.errors import UsageError
+from ampaudit.core.files import digest, locked, write_atomic
 from ampaudit.core.findings import Finding
 
 
@@ -32,15 +33,25 @@ def fix_files(findings: Iterable[Finding], *, unsafe: bool, write: bool) -> list
         by_file[finding.file].append(finding)
     results = []
     for file, chosen in sorted(by_file.items()):
-        before = read_text(Path(file))
-        after, taken = edits.apply(before, (e for f in chosen for e in f.autofix.edits))
-        taken_set = set(taken)
-        fixed = [f for f in chosen if set(f.autofix.edits) <= taken_set]
-        if after == before:
-            continue
-        diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
-                                            fromfile=f"a/{file}", tofile=f"b/{file}"))
-        if write:
-            write_atomic(Path(file), after)
-        results.append(FileFix(file, fixed, diff))
+        with locked(Path(file)):  # a second --fix on this file waits, then finds it changed
+            result = _fix_one(file, chosen, write=write)
+        if result is not None:
+            results.append(result)
     return results
+
+
+def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None:
+    before = read_text(Path(file))
+    if any(f.autofix.source not in (None, digest(before)) for f in chosen):
+        # the edits' offsets are for the text that was linted: never apply them to another
+        raise UsageError(f"{file} changed since it was checked: nothing written (run the command again)")
+    after, taken = edits.apply(before, (e for f in chosen for e in f.autofix.edits))
+    taken_set = set(taken)
+    fixed = [f for f in chosen if set(f.autofix.edits) <= taken_set]
+    if after == before:
+        return None
+    diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                        fromfile=f"a/{file}", tofile=f"b/{file}"))
+    if write:
+        write_atomic(Path(file), after, expected=before)
+    return FileFix(file, fixed, diff)

@@ -5,6 +5,7 @@ Imports libcst but never torch, so linting (and the pre-commit hook) stays fast.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import libcst as cst
@@ -12,14 +13,20 @@ import libcst as cst
 from ampaudit.check.lint.facts import collect
 from ampaudit.check.script_rules import LINT_RULES, run_lint_rules
 from ampaudit.core.errors import LoadError
+from ampaudit.core.files import digest
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 
 
 def lint_source(path: str, source: str) -> list[Finding]:
-    """Findings for ``source``; a syntax error raises libcst.ParserSyntaxError."""
-    return run_lint_rules(collect(path, source, LINT_RULES.read_pattern()))
+    """Findings for ``source``; a syntax error raises libcst.ParserSyntaxError. Each fix
+    remembers which text its offsets refer to, so it is never applied to another."""
+    findings = run_lint_rules(collect(path, source, LINT_RULES.read_pattern()))
+    if any(f.autofix is not None for f in findings):
+        stamp = digest(source)
+        findings = [replace(f, autofix=replace(f.autofix, source=stamp)) if f.autofix else f for f in findings]
+    return findings
 
 
 def read_text(path: Path) -> str:

@@ -31,14 +31,24 @@ def _excluded(path: Path, root: Path, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(path.name, p) for p in patterns)
 
 
-def python_files(root: Path, exclude: Sequence[str] = ()) -> list[Path]:
-    """The .py files under ``root``, skipping caches, build folders and virtual environments."""
+def python_files(root: Path, exclude: Sequence[str] = (), skipped: list[Path] | None = None) -> list[Path]:
+    """The .py files under ``root``, skipping caches, build folders and virtual environments,
+    and links to files outside ``root`` (added to ``skipped``: a walk never leaves the tree)."""
     found = []
+    inside = os.path.realpath(root) + os.sep
     for folder, dirs, files in os.walk(root):
         base = Path(folder)
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not (base / d / "pyvenv.cfg").exists()
                          and not _excluded(base / d, root, exclude))
-        found += [base / f for f in sorted(files) if f.endswith(".py") and not _excluded(base / f, root, exclude)]
+        for name in sorted(files):
+            path = base / name
+            if not name.endswith(".py") or _excluded(path, root, exclude):
+                continue
+            if path.is_symlink() and not os.path.realpath(path).startswith(inside):
+                if skipped is not None:
+                    skipped.append(path)
+                continue
+            found.append(path)
     return found
 
 
@@ -80,14 +90,18 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
         if specs[0].path.is_file():
             return _check_file(targets[0], specs[0].path, specs[0].selector, config, options)
     files: list[Path] = []
+    skipped: list[Path] = []
     for spec in targets:
         path = Path(spec)
         if not path.exists():
             raise LoadError(f"no such file or folder: {spec}")
-        files += python_files(path, options.exclude) if path.is_dir() else [path]
+        files += python_files(path, options.exclude, skipped) if path.is_dir() else [path]
     findings = _lint_many(files, options)
-    target = Target(", ".join(display_path(t) for t in targets), "", "none",
-                    [f"linted {len(files)} Python file{'s' if len(files) != 1 else ''}", *options.notes])
+    notes = [f"linted {len(files)} Python file{'s' if len(files) != 1 else ''}", *options.notes]
+    if skipped:
+        notes.append(f"skipped {len(skipped)} link{'s' if len(skipped) != 1 else ''} to files outside the "
+                     f"folder: {', '.join(display_path(str(p)) for p in skipped[:3])}")
+    target = Target(", ".join(display_path(t) for t in targets), "", "none", notes)
     return finalize(Report(target, config.dtype, [], findings), config)
 
 

@@ -118,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_overwriting_inputs(output: Path | None, inputs, flag: str) -> None:
+    """An output path that names one of the command's inputs would destroy it: refuse."""
+    if output is None:
+        return
+    from ampaudit.core.files import same_file
+
+    for path in inputs:
+        if path is not None and Path(path).is_file() and Path(output).exists() and same_file(output, path):
+            raise UsageError(f"{flag} {output} is an input of this command ({path}): refusing to overwrite it")
+
+
 def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
@@ -141,6 +152,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     config.ignore += check_prefixes(args.ignore, "--ignore")
     if args.fail_on:
         config.fail_on = args.fail_on
+    inputs = [parse_spec(t).path for t in args.targets] + list(args.policy) + [config.source]
+    _refuse_overwriting_inputs(args.output, inputs, "-o")
     options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                            input_dtypes=args.input_dtype, model_config=args.model_config,
                            policy_files=args.policy, run=not args.no_run,
@@ -327,6 +340,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from ampaudit.cli.run_script import run_script
 
+    _refuse_overwriting_inputs(args.log, [args.script], "--log")
     return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype)
 
 
@@ -340,6 +354,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     builder = read_log(args.log)
     summary = builder.summary()
+    _refuse_overwriting_inputs(args.plot, [args.log], "--plot")
     if args.plot is not None:
         plot(builder.records, summary, args.plot)
     if args.tensorboard is not None:

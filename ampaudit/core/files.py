@@ -1,23 +1,76 @@
-"""Writing files without ever leaving a half-written one behind."""
+"""Writing files without ever losing what the user had.
+
+Every write goes to a temporary file in the target's folder and is renamed over it, so no
+reader sees half a file. A symlink is written through: the file it points to is replaced and
+the link stays a link. A read-only file is refused, not overwritten. A rewrite of a file the
+tool read first (``--fix``) is compare-and-swap: under an advisory lock, the file must still
+hold exactly what was read, or nothing is written.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from ampaudit.core.errors import UsageError
 
+try:  # POSIX advisory locks; elsewhere the compare-and-swap alone guards the write
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename it over ``path``.
 
-    The text is written as is (no newline translation) and an existing file keeps its
-    permission bits, so a rewrite changes exactly the characters that were edited.
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _read(path: Path) -> str | None:
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` (another ``--fix`` on it waits)."""
+    if fcntl is None or not Path(path).exists():
+        yield
+        return
+    with open(path, "rb") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def write_atomic(path: Path, text: str, *, expected: str | None = None) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename.
+
+    The text is written as is (no newline translation); an existing file keeps its
+    permission bits, a new one gets the umask's. ``expected``: the content ``path`` must still
+    hold right before the rename (compare-and-swap); otherwise nothing is written and a
+    UsageError says the file changed.
     """
-    path = Path(path)
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)  # write through a link
+    if path.is_dir():
+        raise UsageError(f"cannot write {path}: it is a folder")
+    existing = path.exists()
+    if existing and not os.access(path, os.W_OK):
+        raise UsageError(f"{path} is read-only: not rewritten (make it writable to allow it)")
     folder = path.parent if str(path.parent) else Path(".")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
@@ -26,10 +79,20 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        mode = stat.S_IMODE(os.stat(path).st_mode) if existing else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        if expected is not None and _read(path) != expected:
+            raise UsageError(f"{path} changed since ampaudit read it: nothing written (run the command again)")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (through links, relative parts, hard links)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)

@@ -63,6 +63,7 @@ class Autofix:
 
     edits: tuple[Edit, ...]
     safe: bool = True
+    source: str | None = None  # sha256 of the text the edit offsets refer to (set by the lint)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,128 @@
+"""ampaudit never destroys a user's file (issue 12, data-loss items 1, 2, 4, 5): fixes are
+compare-and-swap under a lock, links are written through, read-only files are refused, new
+files get the umask's mode, and no output may land on an input."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from ampaudit.core.errors import UsageError
+from ampaudit.core.files import write_atomic
+
+DEPRECATED = "import torch\n\nscaler = torch.cuda.amp.GradScaler()\n"
+FIXED = 'import torch\n\nscaler = torch.amp.GradScaler("cuda")\n'
+
+
+def test_a_file_changed_between_check_and_fix_is_not_written(tmp_path, monkeypatch):
+    from ampaudit.check import fix
+    from ampaudit.check.lint_file import lint_file
+
+    script = tmp_path / "train.py"
+    script.write_text(DEPRECATED)
+    findings = lint_file(script)
+    edited = "# the user saved a new version\n" + DEPRECATED
+    script.write_text(edited)
+    with pytest.raises(UsageError, match="changed since it was checked: nothing written"):
+        fix.fix_files(findings, unsafe=False, write=True)
+    assert script.read_text() == edited
+
+
+def test_compare_and_swap_refuses_a_change_made_during_the_write(tmp_path):
+    target = tmp_path / "train.py"
+    target.write_text("a = 1\n")
+    target.write_text("a = 2\n")  # someone else wrote after we read "a = 1"
+    with pytest.raises(UsageError, match="changed since ampaudit read it"):
+        write_atomic(target, "a = 3\n", expected="a = 1\n")
+    assert target.read_text() == "a = 2\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["train.py"]  # no temporary file left
+
+
+def test_concurrent_fixes_leave_valid_python(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(DEPRECATED * 1)
+    run = [sys.executable, "-m", "ampaudit", "check", str(script), "--lint-only", "--fix"]
+    procs = [subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert script.read_text() == FIXED  # fixed exactly once, never garbled
+    compile(script.read_text(), str(script), "exec")
+    for (_out, err), proc in zip(results, procs, strict=True):
+        assert proc.returncode in (0, 2), err
+        assert "Traceback" not in err
+
+
+def test_fix_through_a_symlink_fixes_the_target_and_keeps_the_link(tmp_path, cli):
+    real = tmp_path / "real.py"
+    real.write_text(DEPRECATED)
+    link = tmp_path / "link.py"
+    link.symlink_to(real)
+    assert cli("check", str(link), "--lint-only", "--fix").code == 0
+    assert link.is_symlink() and real.read_text() == FIXED
+
+
+def test_read_only_files_are_refused(tmp_path, cli):
+    script = tmp_path / "train.py"
+    script.write_text(DEPRECATED)
+    script.chmod(0o444)
+    if os.access(script, os.W_OK):
+        pytest.skip("running as a user who can write read-only files (root)")
+    result = cli("check", str(script), "--lint-only", "--fix")
+    assert result.code == 2 and "read-only: not rewritten" in result.err
+    assert script.read_text() == DEPRECATED
+
+
+def test_read_only_check_uses_access_not_the_mode_bits(tmp_path, monkeypatch):
+    target = tmp_path / "f.py"
+    target.write_text("x = 1\n")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(UsageError, match="read-only"):
+        write_atomic(target, "x = 2\n")
+    assert target.read_text() == "x = 1\n"
+
+
+def test_new_files_get_the_umask_mode_and_rewrites_keep_theirs(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "report.json", "{}\n")
+        assert stat.S_IMODE((tmp_path / "report.json").stat().st_mode) == 0o644
+        script = tmp_path / "run.py"
+        script.write_text("x = 1\n")
+        script.chmod(0o750)
+        write_atomic(script, "x = 2\n")
+        assert stat.S_IMODE(script.stat().st_mode) == 0o750
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("argv", [
+    ("check", "{script}", "--lint-only", "-o", "{script}"),
+    ("check", "{script}", "--lint-only", "--format", "json", "-o", "{link}"),
+    ("run", "--log", "{script}", "{script}"),
+])
+def test_no_output_lands_on_an_input(tmp_path, cli, argv):
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    (tmp_path / "link.py").symlink_to(script)
+    result = cli(*(a.format(script=script, link=tmp_path / "link.py") for a in argv))
+    assert result.code == 2 and "is an input of this command" in result.err
+    assert script.read_text() == "x = 1\n"
+
+
+def test_folder_walk_does_not_follow_links_out_of_the_tree(tmp_path, cli):
+    outside = tmp_path / "outside.py"
+    outside.write_text(DEPRECATED)
+    tree = tmp_path / "project"
+    tree.mkdir()
+    (tree / "inside.py").write_text(DEPRECATED)
+    (tree / "escape.py").symlink_to(outside)
+    (tree / "alias.py").symlink_to(tree / "inside.py")  # a link inside the tree is fine
+    result = cli("check", str(tree), "--lint-only", "--format", "json", "--fail-on", "never")
+    import json
+
+    doc = json.loads(result.out)
+    assert sorted({os.path.basename(f["file"]) for f in doc["findings"]}) == ["alias.py", "inside.py"]
+    assert any("skipped 1 link to files outside the folder" in n for n in doc["target"]["notes"])
