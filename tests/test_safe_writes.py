@@ -126,3 +126,49 @@ def test_folder_walk_does_not_follow_links_out_of_the_tree(tmp_path, cli):
     doc = json.loads(result.out)
     assert sorted({os.path.basename(f["file"]) for f in doc["findings"]}) == ["alias.py", "inside.py"]
     assert any("skipped 1 link to files outside the folder" in n for n in doc["target"]["notes"])
+
+
+def test_one_bad_file_does_not_stop_a_folder_walk(tmp_path, cli):
+    import json
+
+    (tmp_path / "good.py").write_text(DEPRECATED)
+    (tmp_path / "latin.py").write_bytes(b"x = '\xe9'\n")  # not UTF-8, and no cookie
+    (tmp_path / "dangling.py").symlink_to(tmp_path / "gone.py")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    os.mkfifo(tmp_path / "pipe.py")  # never opened: reading it would block forever
+    result = cli("check", str(tmp_path), "--lint-only", "--format", "json", "--fail-on", "never")
+    assert result.code == 0, result.err
+    found = sorted((os.path.basename(f["file"]), f["rule"], f["message"]) for f in json.loads(result.out)["findings"])
+    assert [(name, code) for name, code, _ in found] == [
+        ("broken.py", "AMP004"), ("dangling.py", "AMP004"), ("good.py", "AMP401"), ("latin.py", "AMP004")]
+    messages = {name: message for name, _, message in found}
+    assert messages["latin.py"] == "not linted: is not utf-8 text"
+    assert messages["dangling.py"].startswith("not linted: cannot read")
+    assert messages["broken.py"].startswith("not linted: syntax error:")
+
+
+@pytest.mark.parametrize("header, body", [
+    (b"# -*- coding: latin-1 -*-\n", "x = '\xe9'\n".encode("latin-1")),
+    (b"\xef\xbb\xbf", b"x = 1\n"),  # a UTF-8 BOM, as Windows editors write it
+])
+def test_encodings_python_accepts_are_linted(tmp_path, cli, header, body):
+    script = tmp_path / "train.py"
+    script.write_bytes(header + body + b"import torch\nscaler = torch.cuda.amp.GradScaler()\n")
+    compile(script.read_bytes(), str(script), "exec")  # python runs it
+    result = cli("check", str(script), "--lint-only", "--format", "json", "--fail-on", "never")
+    import json
+
+    assert result.code == 0, result.err
+    assert [f["rule"] for f in json.loads(result.out)["findings"]] == ["AMP401"]
+
+
+@pytest.mark.parametrize("code", [
+    "x = " + " + ".join(["1"] * 1000) + "\n",
+    "y = a" + ".b" * 1000 + "\n",
+])
+def test_deeply_nested_valid_code_is_linted(tmp_path, cli, code):
+    script = tmp_path / "deep.py"
+    script.write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n" + code)
+    result = cli("check", str(script), "--lint-only", "--fail-on", "never")
+    assert result.code == 0, result.err
+    assert "AMP401" in result.out and "RecursionError" not in result.err

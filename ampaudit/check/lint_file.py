@@ -16,6 +16,7 @@ from ampaudit.core.errors import LoadError
 from ampaudit.core.files import digest
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
+from ampaudit.core.python_source import decode, encoding_of, run_deep
 from ampaudit.core.rulebook import rule
 
 
@@ -30,26 +31,41 @@ def lint_source(path: str, source: str) -> list[Finding]:
 
 
 def read_text(path: Path) -> str:
+    """The file's text as Python reads it: a PEP 263 coding cookie and a UTF-8 BOM are
+    honoured (the BOM is dropped; fixes are offered only for UTF-8 files, see ``encoding``)."""
     try:
-        with open(path, encoding="utf-8", newline="") as fh:  # keep \r\n: fixes rewrite in place
-            return fh.read()
-    except UnicodeDecodeError:
-        raise LoadError(f"{path} is not UTF-8 text") from None
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except OSError as exc:
         raise LoadError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return decode(raw)
+    except (UnicodeDecodeError, LookupError):
+        raise LoadError(f"{path} is not {encoding_of(raw)} text") from None
 
 
 def lint_file(path: Path, *, syntax_errors_as_findings: bool = False) -> list[Finding]:
-    """Lint a file. A syntax error is a LoadError (exit 2) - or, when walking a folder, an
-    AMP004 finding, so one broken file does not hide the rest."""
-    source = read_text(path)
+    """Lint a file. A file that cannot be linted (syntax error, unreadable, not text, nested
+    too deeply) is a LoadError (exit 2) - or, when walking a folder, an AMP004 finding, so one
+    bad file does not hide the rest."""
     try:
-        return lint_source(str(path), source)
+        source = read_text(path)
+    except LoadError as exc:
+        if not syntax_errors_as_findings:
+            raise
+        return [rule("AMP004").finding(display_path(str(path)), 1, reason=str(exc).replace(f"{path} ", ""))]
+    try:
+        return run_deep(lint_source, str(path), source)
     except cst.ParserSyntaxError as exc:
         line, column, reason = _syntax_error(source, str(path), exc)
         if not syntax_errors_as_findings:
             raise LoadError(f"syntax error in {display_path(str(path))}:{line}:{column}: {reason}") from exc
-        return [rule("AMP004").finding(display_path(str(path)), line, column=column, reason=reason)]
+        return [rule("AMP004").finding(display_path(str(path)), line, column=column, reason=f"syntax error: {reason}")]
+    except RecursionError:
+        reason = "nested too deeply to parse (more than Python's own parser allows)"
+        if not syntax_errors_as_findings:
+            raise LoadError(f"{display_path(str(path))}: {reason}") from None
+        return [rule("AMP004").finding(display_path(str(path)), 1, reason=reason)]
 
 
 def _syntax_error(source: str, path: str, exc: cst.ParserSyntaxError) -> tuple[int, int, str]:

@@ -48,6 +48,8 @@ def python_files(root: Path, exclude: Sequence[str] = (), skipped: list[Path] | 
                 if skipped is not None:
                     skipped.append(path)
                 continue
+            if path.exists() and not path.is_file():
+                continue  # a FIFO or device named *.py: opening it could block forever
             found.append(path)
     return found
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampaudit.core.errors import LoadError
+from ampaudit.core.python_source import run_deep
 
 FACTORY_NAMES = ("get_model", "build_model", "create_model", "make_model")
 MODEL_ATTRIBUTE = "model"
@@ -377,7 +378,12 @@ def _scan_block(body: list[ast.stmt], scan: SourceScan) -> None:
 
 
 def scan_source(path: Path, source: str) -> SourceScan:
-    """Parse ``source``; a syntax error becomes a LoadError naming file:line."""
+    """Parse ``source``; a syntax error becomes a LoadError naming file:line. The walk is
+    recursive: deeply nested valid code gets a deep stack (core/python_source.run_deep)."""
+    return run_deep(_scan_source, path, source)
+
+
+def _scan_source(path: Path, source: str) -> SourceScan:
     try:
         tree = ast.parse(source, filename=str(path))
     except SyntaxError as exc:

@@ -1,0 +1,61 @@
+"""Python source as the interpreter sees it, and room to analyse it.
+
+``decode`` honours a PEP 263 coding cookie and a UTF-8 BOM exactly as Python does, so a file
+Python runs is a file ampaudit reads. ``run_deep`` gives the recursive passes over a syntax
+tree (libcst's visitors, the import guard's walk) a large stack and recursion limit, so valid
+code nested a thousand levels deep (a long sum, a long attribute chain) is analysed instead
+of ending in RecursionError.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+import tokenize
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_STACK = 256 * 1024 * 1024  # bytes of address space for the worker thread (reserved, not used)
+_LIMIT = 50_000
+
+
+def encoding_of(raw: bytes) -> str:
+    """``utf-8``, ``utf-8-sig`` (a BOM) or the coding cookie's encoding."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    except SyntaxError:  # a malformed cookie: Python refuses the file; say it is not UTF-8
+        return "utf-8"
+    return encoding
+
+
+def decode(raw: bytes) -> str:
+    """The text of a Python file; UnicodeDecodeError / LookupError when Python could not read it."""
+    return raw.decode(encoding_of(raw))
+
+
+def run_deep(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread with a large stack and a high recursion limit."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn(*args))
+        except BaseException as exc:  # re-raised in the caller's thread
+            error.append(exc)
+
+    old_limit, old_stack = sys.getrecursionlimit(), threading.stack_size()
+    try:
+        threading.stack_size(_STACK)
+        sys.setrecursionlimit(max(old_limit, _LIMIT))
+        worker = threading.Thread(target=target, name="ampaudit-deep")
+        worker.start()
+        worker.join()
+    finally:
+        threading.stack_size(old_stack)
+        sys.setrecursionlimit(old_limit)
+    if error:
+        raise error[0]
+    return result[0]
