@@ -172,3 +172,14 @@ def test_deeply_nested_valid_code_is_linted(tmp_path, cli, code):
     result = cli("check", str(script), "--lint-only", "--fail-on", "never")
     assert result.code == 0, result.err
     assert "AMP401" in result.out and "RecursionError" not in result.err
+
+
+@pytest.mark.parametrize("header, body, encoding", [
+    (b"# -*- coding: latin-1 -*-\n", "s = '\xe9t\xe9'\n", "latin-1"),
+    (b"\xef\xbb\xbf", "s = '\xe9t\xe9'\n", "utf-8"),
+])
+def test_fix_keeps_the_files_encoding(tmp_path, cli, header, body, encoding):
+    script = tmp_path / "train.py"
+    script.write_bytes(header + body.encode(encoding) + DEPRECATED.encode())
+    assert cli("check", str(script), "--lint-only", "--fix").code == 0
+    assert script.read_bytes() == header + body.encode(encoding) + FIXED.encode()

@@ -13,6 +13,7 @@ from ampaudit.check.lint_file import read_text
 from ampaudit.core.errors import UsageError
 from ampaudit.core.files import digest, locked, write_atomic
 from ampaudit.core.findings import Finding
+from ampaudit.core.python_source import encoding_of
 
 
 @dataclass
@@ -53,5 +54,6 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
     diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
                                         fromfile=f"a/{file}", tofile=f"b/{file}"))
     if write:
-        write_atomic(Path(file), after, expected=before)
+        encoding = encoding_of(Path(file).read_bytes())  # written back as it was: cookie, BOM
+        write_atomic(Path(file), after, expected=before, encoding=encoding)
     return FileFix(file, fixed, diff)

@@ -35,9 +35,9 @@ def _umask() -> int:
     return mask
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path, encoding: str) -> str | None:
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
+        with open(path, encoding=encoding, newline="") as fh:
             return fh.read()
     except FileNotFoundError:
         return None
@@ -57,13 +57,14 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def write_atomic(path: Path, text: str, *, expected: str | None = None) -> None:
+def write_atomic(path: Path, text: str, *, expected: str | None = None, encoding: str = "utf-8") -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename.
 
     The text is written as is (no newline translation); an existing file keeps its
     permission bits, a new one gets the umask's. ``expected``: the content ``path`` must still
     hold right before the rename (compare-and-swap); otherwise nothing is written and a
-    UsageError says the file changed.
+    UsageError says the file changed. ``encoding``: the file's own (a fixed latin-1 file with
+    its coding cookie stays latin-1; ``utf-8-sig`` keeps a BOM).
     """
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)  # write through a link
     if path.is_dir():
@@ -77,11 +78,11 @@ def write_atomic(path: Path, text: str, *, expected: str | None = None) -> None:
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+        with os.fdopen(fd, "w", encoding=encoding, newline="") as fh:
             fh.write(text)
         mode = stat.S_IMODE(os.stat(path).st_mode) if existing else 0o666 & ~_umask()
         os.chmod(tmp, mode)
-        if expected is not None and _read(path) != expected:
+        if expected is not None and _read(path, encoding) != expected:
             raise UsageError(f"{path} changed since ampaudit read it: nothing written (run the command again)")
         os.replace(tmp, path)
     except BaseException:
