@@ -183,3 +183,40 @@ def test_fix_keeps_the_files_encoding(tmp_path, cli, header, body, encoding):
     script.write_bytes(header + body.encode(encoding) + DEPRECATED.encode())
     assert cli("check", str(script), "--lint-only", "--fix").code == 0
     assert script.read_bytes() == header + body.encode(encoding) + FIXED.encode()
+
+
+def test_convert_refuses_a_folder_of_the_users_files(tmp_path, cli):
+    from tests.conftest import ROOT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "module.py").write_text("# mine\n")
+    (out / "notes.txt").write_text("keep\n")
+    result = cli("convert", str(ROOT / "fixtures/models/clean_cnn.py"), "-o", str(out))
+    assert result.code == 2 and "is not empty and holds no earlier ampaudit export" in result.err
+    assert (out / "module.py").read_text() == "# mine\n" and sorted(p.name for p in out.iterdir()) == [
+        "module.py", "notes.txt"]
+    assert cli("convert", str(ROOT / "fixtures/models/clean_cnn.py"), "-o", str(out), "--force").code == 0
+    assert (out / "notes.txt").read_text() == "keep\n"  # --force replaces the export's own names only
+
+
+def test_a_second_export_replaces_the_first_completely(tmp_path, cli):
+    from tests.conftest import ROOT
+
+    out = tmp_path / "out"
+    assert cli("convert", str(ROOT / "fixtures/models/untraceable.py"), "-o", str(out)).code == 0
+    assert (out / "model.pt").is_file()
+    assert cli("convert", str(ROOT / "fixtures/models/clean_cnn.py"), "-o", str(out)).code == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ampaudit-export.json", "module.py", "modules.pt", "plan.json", "weights.pt"]  # no stale model.pt
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging folder left
+
+
+def test_convert_never_overwrites_the_model_file(tmp_path, cli):
+    from tests.conftest import ROOT
+
+    model = tmp_path / "module.py"
+    model.write_text((ROOT / "fixtures/models/clean_cnn.py").read_text())
+    result = cli("convert", str(model), "-o", str(tmp_path), "--force")
+    assert result.code == 2 and "would overwrite the model file" in result.err
+    assert model.read_text() == (ROOT / "fixtures/models/clean_cnn.py").read_text()

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", dest="model_config",
                       help="for hf:MODEL_TYPE, set a field of the model's config (repeatable)")
     conv.add_argument("--exec", dest="allow_exec", action="store_true")
+    conv.add_argument("--force", action="store_true",
+                      help="write into a non-empty OUT_DIR that holds no earlier ampaudit export")
     conv.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
     run = sub.add_parser("run", help="run a training script with ampaudit watch attached",
@@ -314,12 +316,15 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
-    from ampaudit.convert.export import export
+    from ampaudit.convert.export import check_export_folder, export
     from ampaudit.core.console import make_console
     from ampaudit.core.findings import Target
     from ampaudit.load.loader import NotImported, load_target
+    from ampaudit.load.spec import parse_spec
     from ampaudit.report.conversion import render_conversion
 
+    model_file = parse_spec(args.target).path
+    check_export_folder(args.output, force=args.force, inputs=[model_file] if model_file else [])  # before the work
     with contextlib.redirect_stdout(sys.stderr):
         loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                              input_dtypes=args.input_dtype, model_config=args.model_config)
@@ -329,7 +334,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         model_mp = convert(loaded.model, loaded.inputs, dtype=args.dtype, verify=not args.no_verify,
                            constants=args.constants, tolerance=args.tolerance)
     summary = model_mp.summary.to_dict()
-    files = export(model_mp, args.output, summary=summary)
+    files = export(model_mp, args.output, summary=summary, force=args.force,
+                   inputs=[model_file] if model_file else [])
     render_conversion(summary, Target(loaded.label, loaded.entry, "fx"), [str(f) for f in files],
                       make_console())
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]

@@ -4,13 +4,23 @@
 ``modules.pt`` the submodules with their mixed-dtype weights; ``weights.pt`` tensors owned
 by the model itself. Loading needs torch only (and the model's own classes, if the model
 kept untraceable parts of its own).
+
+An export never destroys files: everything is written into a fresh folder beside OUT_DIR and
+moved into place at the end; ``ampaudit-export.json`` lists what an export wrote, so the next
+export into the same folder replaces exactly those files. A non-empty folder that is not an
+earlier export is refused unless ``force``, and no file the export writes may be an input.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import os
+import shutil
+import tempfile
 import textwrap
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +28,8 @@ import torch
 from torch import fx
 
 from ampaudit.convert import runtime
-from ampaudit.core.files import write_atomic
+from ampaudit.core.errors import UsageError
+from ampaudit.core.files import same_file
 
 _HEADER = '''"""{title}
 
@@ -53,18 +64,66 @@ class {cls}(nn.Module):
 '''
 
 
+MANIFEST = "ampaudit-export.json"
+_FILES = ("plan.json", "model.pt", "modules.pt", "weights.pt", "module.py")  # what an export may write
+
+
+def check_export_folder(folder: Path, *, force: bool = False, inputs: Iterable[Path] = ()) -> None:
+    """Refuse an OUT_DIR that would lose the user's files - before any work is done."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"-o {folder} is a file: give a folder to write the converted model to")
+    for name in _FILES:
+        for source in inputs:
+            if (folder / name).exists() and Path(source).is_file() and same_file(folder / name, source):
+                raise UsageError(f"-o {folder} would overwrite the model file {source}: choose another folder")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).is_file() and not force:
+        raise UsageError(f"-o {folder} is not empty and holds no earlier ampaudit export: choose an empty "
+                         "folder, or pass --force to write into it")
+
+
 def export(model: torch.nn.Module, folder: Path, *, class_name: str = "ConvertedModel",
-           summary: dict[str, Any] | None = None) -> list[Path]:
+           summary: dict[str, Any] | None = None, force: bool = False, inputs: Iterable[Path] = ()) -> list[Path]:
     """Write the model, its weights and plan.json into ``folder``; returns the files."""
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
+    folder = Path(folder)
+    inputs = list(inputs)
+    check_export_folder(folder, force=force, inputs=inputs)
+    parent = folder.parent if str(folder.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.ampaudit-", dir=parent))
+    try:
+        names = _write(model, staging, class_name, summary)
+        (staging / MANIFEST).write_text(json.dumps({"tool": "ampaudit", "files": names}, indent=2) + "\n")
+        _publish(staging, folder, [*names, MANIFEST])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [folder / name for name in names]
+
+
+def _publish(staging: Path, folder: Path, names: list[str]) -> None:
+    """Move the staged files into ``folder``, removing what the earlier export there wrote."""
+    if not folder.exists():
+        os.replace(staging, folder)  # the whole export appears at once
+        staging.mkdir()  # for the caller's cleanup
+        return
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            for name in json.loads(manifest.read_text()).get("files", []):
+                stale = folder / name
+                if name in _FILES and name not in names and stale.is_file() and not stale.is_symlink():
+                    stale.unlink()  # an earlier export's file this one does not write again
+    for name in names:
+        os.replace(staging / name, folder / name)
+
+
+def _write(model: torch.nn.Module, folder: Path, class_name: str, summary: dict[str, Any] | None) -> list[str]:
     plan = {"summary": summary or {}, "plan": getattr(model, "plan", [])}
-    write_atomic(folder / "plan.json", json.dumps(plan, indent=2, default=str) + "\n")
-    written.append(folder / "plan.json")
+    (folder / "plan.json").write_text(json.dumps(plan, indent=2, default=str) + "\n")
     if not isinstance(model, fx.GraphModule):
         # The top-level forward is the user's own Python: keep the whole module, pickled.
         torch.save(model, folder / "model.pt")
-        return [*written, folder / "model.pt"]
+        return ["plan.json", "model.pt"]
     children = dict(model.named_children())
     torch.save(children, folder / "modules.pt")
     own = {name: (t.detach(), True) for name, t in model.named_parameters(recurse=False)}
@@ -76,8 +135,8 @@ def export(model: torch.nn.Module, folder: Path, *, class_name: str = "Converted
     source = _HEADER.format(title=f"{class_name}: {type(model).__name__} in explicit mixed precision",
                             cls=class_name, cast_source=_cast_source())
     source += "\n" + textwrap.indent(model.code.strip("\n"), "    ") + "\n"
-    write_atomic(folder / "module.py", source)
-    return [*written, folder / "modules.pt", folder / "weights.pt", folder / "module.py"]
+    (folder / "module.py").write_text(source)
+    return ["plan.json", "modules.pt", "weights.pt", "module.py"]
 
 
 def _cast_source() -> str:
