@@ -220,3 +220,31 @@ def test_convert_never_overwrites_the_model_file(tmp_path, cli):
     result = cli("convert", str(model), "-o", str(tmp_path), "--force")
     assert result.code == 2 and "would overwrite the model file" in result.err
     assert model.read_text() == (ROOT / "fixtures/models/clean_cnn.py").read_text()
+
+
+def test_report_json_is_strict_json_even_with_an_inf_norm(tmp_path, cli):
+    import json
+
+    import torch
+
+    import ampaudit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(3e38)  # the gradient norm overflows to inf
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log):
+        for _ in range(2):
+            opt.zero_grad()
+            (model(torch.ones(2, 4)) * 3e38).sum().backward()
+            opt.step()
+    result = cli("report", str(log), "--format", "json")
+    assert result.code == 0, result.err
+
+    def refuse(constant):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    doc = json.loads(result.out, parse_constant=refuse)
+    assert "inf" in json.dumps(doc)  # the non-finite values are spelled as strings

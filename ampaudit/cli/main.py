@@ -351,7 +351,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    import json
 
     from ampaudit.core.console import make_console
     from ampaudit.report.watch_plot import plot
@@ -369,7 +368,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         points = write_tensorboard(builder.records, args.tensorboard)
         print(f"wrote {points} scalars over {len(builder.records)} steps to {args.tensorboard}", file=sys.stderr)
     if args.format == "json":
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        from ampaudit.report.formats import strict_json
+
+        sys.stdout.write(strict_json(summary))
     else:
         render_summary(summary, make_console())
     return EXIT_OK
