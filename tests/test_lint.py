@@ -201,7 +201,7 @@ def test_skipping_irrelevant_code_changes_no_finding(monkeypatch):
         return out
 
     fast = lint_all()
-    monkeypatch.setattr(facts, "skeleton", lambda source, relevant: source)
+    monkeypatch.setattr(facts, "skeleton", lambda source, relevant, tree=None: source)
     assert lint_all() == fast
     assert sum(len(v) for v in fast.values() if isinstance(v, list)) > 35
 

@@ -56,9 +56,7 @@ class Autocast:
     column: int
     end: int  # last line of the block
     enabled: bool = True  # False for autocast(enabled=False): a region where AMP is off
-    bound: str | None = None  # `ctx = torch.autocast(...)` ... `with ctx:` - the name used
     dtype_text: str | None = None  # the dtype argument as written, when not a literal dtype
-    guards: tuple[Guard, ...] = ()
 
 
 # A condition a statement runs under: the test expression and whether it held (True: the
@@ -88,8 +86,7 @@ class Call:
     @property
     def disabled(self) -> bool:
         """``enabled=False`` written out: a GradScaler or autocast that does nothing."""
-        enabled = self.kwarg("enabled")
-        return isinstance(enabled, cst.Name) and enabled.value == "False"
+        return _is_false(self.kwarg("enabled"))
 
     @property
     def maybe_enabled(self) -> bool:
@@ -192,6 +189,7 @@ class ScriptFacts:
     imports_map: ImportMap = field(default_factory=lambda: ImportMap({}), repr=False)
     _references: dict[str, list[cst.Name]] = field(default_factory=dict, repr=False)
     _scalers: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)  # per scope, once
+    amp_states: dict[Call, tuple[str | None, str | None]] = field(default_factory=dict, repr=False)  # guards.py
     _line_starts: list[int] = field(default_factory=list, repr=False)
 
     # -- queries --------------------------------------------------------------------------
@@ -235,9 +233,9 @@ class ScriptFacts:
             self.names[node] = self.imports_map.qualify(node)
         return self.names[node]
 
-    def references(self, node: cst.CSTNode, name: str) -> list[cst.CSTNode]:
-        """The nodes that read ``name``, bound by the import ``node`` (names an import of an
-        old AMP module binds are tracked; the lint never sees a rebinding of them)."""
+    def references(self, name: str) -> list[cst.CSTNode]:
+        """The nodes that read ``name``, a name an import of an old AMP module binds (those are
+        tracked; the lint never sees a rebinding of them)."""
         return list(self._references.get(name, ()))
 
     def offset(self, line: int, column: int) -> int:
@@ -294,7 +292,7 @@ class _Collector(cst.CSTVisitor):
         self.blocks: list[cst.CSTNode] = [facts.module]  # the statement lists we are in
         self.block_exits: list[bool] = [False]
         self.function_bodies: set[cst.BaseSuite] = set()
-        self.exits: list[tuple[cst.CSTNode, int]] = []  # (block, guards to drop when it ends)
+        self.exits: list[cst.CSTNode] = []  # per early-exit guard: the block whose end drops it
         self.contexts: dict[str, cst.Call] = {}  # `ctx = torch.autocast(...)`: name -> the call
         self.scale_loss: list[bool] = [False]
         self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
@@ -344,7 +342,7 @@ class _Collector(cst.CSTVisitor):
         else_exits = isinstance(orelse, cst.Else) and _exits(orelse.body)
         if body_exits != else_exits:
             self.guards.append((original_node.test, not body_exits))
-            self.exits.append((self.blocks[-1], 1))
+            self.exits.append(self.blocks[-1])
 
     # -- fallbacks for old torch: try/except ImportError, version checks --------------------
     def visit_Try(self, node: cst.Try) -> None:
@@ -413,7 +411,7 @@ class _Collector(cst.CSTVisitor):
         self.block_exits.append(inside)
 
     def leave_IndentedBlock(self, original_node: cst.IndentedBlock) -> None:
-        while self.exits and self.exits[-1][0] is original_node:
+        while self.exits and self.exits[-1] is original_node:
             self.guards.pop()
             self.exits.pop()
         self.blocks.pop()
@@ -441,12 +439,12 @@ class _Collector(cst.CSTVisitor):
         block = None
         scale_loss = self.scale_loss[-1]
         for item in node.items:
-            call, bound = item.item, None
-            if not isinstance(call, cst.Call) or self._autocast_device(call) is False:
+            call = item.item
+            if not isinstance(call, cst.Call) or self._autocast_device(call.func) is False:
                 bound = dotted(call.func if isinstance(call, cst.Call) else call)  # `with ctx:` / `with ctx():`
                 call = self.contexts.get(bound or "")
-            if isinstance(call, cst.Call) and (device := self._autocast_device(call)) is not False:
-                block = self._autocast(node, call, device, bound)
+            if isinstance(call, cst.Call) and (device := self._autocast_device(call.func)) is not False:
+                block = self._autocast(node, call, device)
             elif isinstance(item.item, cst.Call) and isinstance(item.item.func, cst.Attribute) \
                     and item.item.func.attr.value == "scale_loss":
                 scale_loss = True  # apex: backward inside runs on the scaled loss
@@ -457,10 +455,7 @@ class _Collector(cst.CSTVisitor):
         self.autocasts.pop()
         self.scale_loss.pop()
 
-    def _autocast_device(self, call: cst.Call) -> str | bool | None:
-        return self._autocast_device_of(call.func)
-
-    def _autocast(self, node: cst.With, call: cst.Call, device: str | None, bound: str | None = None) -> Autocast:
+    def _autocast(self, node: cst.With, call: cst.Call, device: str | None) -> Autocast:
         args = [a for a in call.args if a.keyword is None]
         keywords = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
         if device is None:
@@ -478,10 +473,8 @@ class _Collector(cst.CSTVisitor):
             dtype = BFLOAT16
         line, column = self._pos(node)
         end = self.get_metadata(meta.PositionProvider, node).end.line
-        enabled = keywords.get("enabled")
-        off = isinstance(enabled, cst.Name) and enabled.value == "False"
-        block = Autocast(node, call, device, dtype, self.scope, line, column, end, enabled=not off, bound=bound,
-                         dtype_text=dtype_text, guards=tuple(self.guards))
+        block = Autocast(node, call, device, dtype, self.scope, line, column, end,
+                         enabled=not _is_false(keywords.get("enabled")), dtype_text=dtype_text)
         self.facts.autocasts.append(block)
         return block
 
@@ -516,20 +509,19 @@ class _Collector(cst.CSTVisitor):
         scaler = dotted(scaled.func.value) if isinstance(scaled, cst.Call) and isinstance(scaled.func, cst.Attribute) \
             and scaled.func.attr.value == "scale" else None
         for target in original_node.targets:
-            name = dotted(target.target)
-            if name and scaler:
-                self.facts.scaled_values[(id(self.scope), name)] = scaler
-            elif name:
-                self.facts.scaled_values.pop((id(self.scope), name), None)
             for element in _targets(target.target):
-                name = dotted(element)
-                if name and low:
-                    self.facts.low_names.setdefault((id(self.scope), name), self._pos(original_node)[0])
-                elif name:
-                    self.facts.low_names.pop((id(self.scope), name), None)  # reassigned in fp32
+                bound = dotted(element)
+                if bound and low:
+                    self.facts.low_names.setdefault((id(self.scope), bound), self._pos(original_node)[0])
+                elif bound:
+                    self.facts.low_names.pop((id(self.scope), bound), None)  # reassigned in fp32
             name = dotted(target.target)
             if not name:
                 continue
+            if scaler:
+                self.facts.scaled_values[(id(self.scope), name)] = scaler
+            else:
+                self.facts.scaled_values.pop((id(self.scope), name), None)
             context = self._autocast_in(value)
             if context is not None:
                 self.contexts[name] = context
@@ -545,18 +537,20 @@ class _Collector(cst.CSTVisitor):
         ``nullcontext() if cpu else torch.autocast(...)``, ``partial(torch.autocast, ...)``, or
         the uncalled function (``accelerator.autocast if amp else nullcontext``)."""
         for candidate in (value, *(getattr(value, side, None) for side in ("body", "orelse"))):
-            if isinstance(candidate, (cst.Name, cst.Attribute)) and self._autocast_device_of(candidate) is not False:
+            if isinstance(candidate, (cst.Name, cst.Attribute)) and self._autocast_device(candidate) is not False:
                 return cst.Call(func=candidate)  # `ctx = accelerator.autocast if amp else nullcontext`
             if not isinstance(candidate, cst.Call):
                 continue
-            if self._autocast_device(candidate) is not False:
+            if self._autocast_device(candidate.func) is not False:
                 return candidate
             if "functools.partial" in self._names(candidate.func) and candidate.args \
-                    and self._autocast_device_of(candidate.args[0].value) is not False:
+                    and self._autocast_device(candidate.args[0].value) is not False:
                 return candidate.with_changes(func=candidate.args[0].value, args=candidate.args[1:])
         return None
 
-    def _autocast_device_of(self, func: cst.BaseExpression) -> str | bool | None:
+    def _autocast_device(self, func: cst.BaseExpression) -> str | bool | None:
+        """The device an autocast callee implies (None: an argument, or a framework's own
+        ``x.autocast``); False when ``func`` is no autocast."""
         for name in self._names(func):
             if name in AUTOCASTS:
                 return AUTOCASTS[name]
@@ -604,18 +598,17 @@ class _Collector(cst.CSTVisitor):
             self.facts.binary_ops.append(BinaryOp(node, line, column))
 
 
-def skeleton(source: str, relevant: re.Pattern[str]) -> str:
+def skeleton(source: str, relevant: re.Pattern[str], tree: ast.Module | None = None) -> str:
     """``source`` with the top-level functions and classes that ``relevant`` (what the rules
-    read) does not match blanked out, line for line.
+    read) does not match blanked out, line for line. ``tree``: ``source`` already parsed.
 
-    Scope analysis and position tracking in libcst cost a pass over every node; model code
-    (layers, datasets, configs) holds nothing the protocol rules read, so it is not parsed.
-    Kept lines are unchanged, so every line, column and offset stays valid for the original.
+    Parsing and position tracking in libcst cost a pass over every node; model code (layers,
+    datasets, configs) holds nothing the protocol rules read, so it is not parsed. Kept lines
+    are unchanged, so every line, column and offset stays valid for the original.
     """
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return source  # libcst reports it
+    tree = tree if tree is not None else _parse(source)
+    if tree is None:
+        return source  # libcst reports the syntax error
     lines = source.splitlines(keepends=True)
     blank = False
     for node in tree.body:
@@ -636,7 +629,8 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
 
     ``relevant``: what the rules read (``RuleRegistry.read_pattern``); top-level functions
     and classes it does not match are skipped. None parses everything."""
-    module = cst.parse_module(skeleton(source, relevant) if relevant is not None else source)
+    tree = _parse(source)  # read once, for the skip and the import map
+    module = cst.parse_module(skeleton(source, relevant, tree) if relevant is not None else source)
     facts = ScriptFacts(path, source, module)
     starts, offset = [], 0
     for line in source.splitlines(keepends=True):
@@ -644,7 +638,7 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
         offset += len(line)
     starts.append(offset)
     facts._line_starts = starts
-    facts.imports_map = ImportMap.of(source)
+    facts.imports_map = ImportMap.of(tree)
     wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
     wrapper.visit(_Collector(facts))
     facts.positions = wrapper.resolve(meta.PositionProvider)  # computed once, for every node
@@ -660,6 +654,17 @@ _COMPAT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "AttributeErro
 # `hasattr(torch.amp, "GradScaler")`: code chosen by the installed torch's version.
 _VERSION_TEST = re.compile(r"version|TORCH_\d|hasattr\(\s*torch", re.IGNORECASE)
 _AMP_ATTRIBUTES = frozenset({"autocast", "GradScaler", "custom_fwd", "custom_bwd"})
+
+
+def _parse(source: str) -> ast.Module | None:
+    try:
+        return ast.parse(source)
+    except SyntaxError:  # libcst reports it, with its position
+        return None
+
+
+def _is_false(value: cst.BaseExpression | None) -> bool:
+    return isinstance(value, cst.Name) and value.value == "False"
 
 
 def _catches_compat(handler: cst.ExceptHandler) -> bool:
@@ -725,13 +730,9 @@ class ImportMap:
         self.bound = bound
 
     @classmethod
-    def of(cls, source: str) -> ImportMap:
+    def of(cls, tree: ast.Module | None) -> ImportMap:
         bound: dict[str, str] = {}
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            return cls(bound)
-        for node in ast.walk(tree):
+        for node in ast.walk(tree) if tree is not None else ():
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname:

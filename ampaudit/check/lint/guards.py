@@ -37,6 +37,11 @@ _FP32_DTYPES = frozenset({"torch.float32", "torch.float"})
 _FP16_DTYPES = frozenset({"torch.float16", "torch.half"})
 
 
+def _swap(state: Effect) -> Effect:
+    """The effect of the negated test: the two branches trade places."""
+    return state[1], state[0]
+
+
 def _is_flag(facts: ScriptFacts, name: str, scalers: frozenset[str]) -> bool:
     return _flag(facts, name, scalers) == (ON, OFF)
 
@@ -71,8 +76,7 @@ def _name(test: cst.BaseExpression) -> str | None:
 def effect(facts: ScriptFacts, test: cst.BaseExpression, scalers: frozenset[str]) -> Effect:
     """The AMP state in the branch where ``test`` holds, and in the one where it does not."""
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
-        when_true, when_false = effect(facts, test.expression, scalers)
-        return when_false, when_true
+        return _swap(effect(facts, test.expression, scalers))
     if isinstance(test, cst.BooleanOperation):
         left, right = effect(facts, test.left, scalers), effect(facts, test.right, scalers)
         # A part that is no AMP switch (`torch.cuda.is_available()`) is taken as the
@@ -101,14 +105,14 @@ def _comparison(facts: ScriptFacts, test: cst.Comparison, scalers: frozenset[str
     dtypes = facts.qualified(other)
     if dtypes & _FP32_DTYPES or dtypes & _FP16_DTYPES:  # dtype == torch.float32 / torch.float16
         state = (OFF, ON) if dtypes & _FP32_DTYPES else (ON, OFF)
-        return state if equal else (state[1], state[0])
+        return state if equal else _swap(state)
     name = _name(test.left)
     if name is None:
         return None, None
     flag = _flag(facts, name, scalers)
     if isinstance(other, cst.Name) and other.value in ("True", "False"):  # fp16 == True
         same = equal == (other.value == "True")
-        return flag if same else (flag[1], flag[0])
+        return flag if same else _swap(flag)
     if isinstance(other, cst.Name) and other.value == "None":  # scaler is None / is not None
         if flag == (None, None) and name not in scalers:
             return None, None
@@ -119,15 +123,15 @@ def _comparison(facts: ScriptFacts, test: cst.Comparison, scalers: frozenset[str
         constant = constant.rsplit(".", 1)[-1]
         off = constant.lower() in _OFF_CONSTANTS or bool(_FP32_STRING.match(constant))
         state = (OFF, ON) if off else (ON, OFF)
-        return state if equal else (state[1], state[0])
+        return state if equal else _swap(state)
     if not isinstance(other, cst.SimpleString):
         return None, None
     value = str(other.evaluated_value)  # precision == "16-mixed", dtype == "float16"
     state = OFF if _FP32_STRING.match(value) else ON if _LOW_STRING.search(value) and "bf" not in value else None
     if state is None:
         return None, None
-    other_state = OFF if state == ON else ON
-    return (state, other_state) if equal else (other_state, state)
+    both = (state, OFF if state == ON else ON)
+    return both if equal else _swap(both)
 
 
 def decide(facts: ScriptFacts, guards: tuple[Guard, ...], scalers: frozenset[str]) -> tuple[str | None, str | None]:
@@ -143,5 +147,8 @@ def decide(facts: ScriptFacts, guards: tuple[Guard, ...], scalers: frozenset[str
 
 
 def amp_state(facts: ScriptFacts, call: Call) -> tuple[str | None, str | None]:
-    """The AMP state of a call's path: "on", "off" or None, and the guard that says so."""
-    return decide(facts, call.guards, facts.scalers(call.scope))
+    """The AMP state of a call's path: "on", "off" or None, and the guard that says so.
+    Every protocol rule asks it of the same calls: decided once per call."""
+    if call not in facts.amp_states:
+        facts.amp_states[call] = decide(facts, call.guards, facts.scalers(call.scope))
+    return facts.amp_states[call]

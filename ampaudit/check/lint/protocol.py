@@ -40,14 +40,18 @@ def on_path(facts: ScriptFacts, code: str, call: Call, *, via: str | None = None
     most a warning when it rests on a scaler (``via``) that is on in some runs only."""
     result = finding(facts, code, call, **fields)
     state, guard = amp_state(facts, call)
-    message = result.message
-    severity = result.severity
     if state is not None and guard:
-        message += f" (on the path where {guard})"
-    elif via is not None and maybe_scaler(facts, call.scope, via) and severity is Severity.ERROR:
-        severity = Severity.WARNING
-        message += f" (when {via} is enabled)"
-    return replace(result, message=message, severity=severity)
+        return replace(result, message=f"{result.message} (on the path where {guard})")
+    if via is not None and maybe_scaler(facts, call.scope, via) and result.severity is Severity.ERROR:
+        return softened(result, f"when {via} is enabled")
+    return result
+
+
+def softened(found: Finding, condition: str | None = None) -> Finding:
+    """``found`` as a warning: it holds only under ``condition`` (said in the message) or only
+    in some runs."""
+    message = f"{found.message} ({condition})" if condition else found.message
+    return replace(found, severity=Severity.WARNING, message=message)
 
 
 def maybe_scaler(facts: ScriptFacts, scope: Scope, name: str) -> bool:

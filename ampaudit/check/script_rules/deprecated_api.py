@@ -82,7 +82,7 @@ def _alias_fix(facts: ScriptFacts, imp: Import, bound: str, uses: list[_Use]) ->
     the alias is such a use, and the import binds nothing else."""
     members = [u for u in uses if isinstance(u.callee, cst.Attribute) and dotted(u.callee.value) == bound]
     bases = {id(u.callee.value) for u in members}
-    if len(imp.names) != 1 or not members or any(id(r) not in bases for r in facts.references(imp.node, bound)):
+    if len(imp.names) != 1 or not members or any(id(r) not in bases for r in facts.references(bound)):
         return None
     node = imp.node
     if isinstance(node, cst.ImportFrom):  # from torch.cuda import amp -> from torch import amp
@@ -106,7 +106,7 @@ def _bound_names(imp: Import) -> set[str]:
 def _all_uses_fixable(facts: ScriptFacts, imp: Import, uses: list[_Use]) -> bool:
     """Every reference to the imported names is a call or decorator we rewrite."""
     fixed = {id(u.callee) for u in uses}
-    return all(id(ref) in fixed for name in _bound_names(imp) for ref in facts.references(imp.node, name))
+    return all(id(ref) in fixed for name in _bound_names(imp) for ref in facts.references(name))
 
 
 @lint_rule("AMP401", reads=("autocast", "GradScaler", "custom_[fb]wd", r"\bamp\b"))

@@ -18,7 +18,7 @@ import libcst as cst
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts
-from ampaudit.check.lint.protocol import CLIPS, finding, is_raw_backward
+from ampaudit.check.lint.protocol import CLIPS, finding, is_raw_backward, softened
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding, Severity
 from ampaudit.core.rulebook import rule
@@ -53,9 +53,8 @@ def torch_clip_after_accelerator_backward(facts: ScriptFacts) -> Iterator[Findin
         autofix = Autofix((edits.replace(facts, clip.node.func, f"{accelerator}.{method}"),), safe=False)
         found = finding(facts, "AMP423", clip, clip=facts.text(clip.node.func), accelerator=accelerator,
                         fix=f"{accelerator}.{method}(...)", autofix=autofix)
-        if accelerators[accelerator] is None:  # mixed_precision=<expression>: fp16 in some runs
-            found = replace(found, severity=Severity.WARNING, message=f"{found.message} (when it is fp16)")
-        yield found
+        # mixed_precision=<expression>: fp16 in some runs
+        yield softened(found, "when it is fp16") if accelerators[accelerator] is None else found
 
 
 @lint_rule("AMP424", reads=("LightningModule", "backward"))

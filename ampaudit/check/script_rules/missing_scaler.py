@@ -4,13 +4,12 @@ callable wrapping one, such as timm's ``loss_scaler(loss, optimizer)``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 from ampaudit.check.lint.facts import Scope, ScriptFacts, dotted
-from ampaudit.check.lint.protocol import backward_calls, finding
+from ampaudit.check.lint.protocol import backward_calls, finding, softened
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.dtypes import FLOAT16
-from ampaudit.core.findings import Finding, Severity
+from ampaudit.core.findings import Finding
 
 
 @lint_rule("AMP403", reads=("autocast", "backward", "GradScaler", "scaler"))
@@ -23,10 +22,8 @@ def fp16_autocast_without_scaler(facts: ScriptFacts) -> Iterator[Finding]:
                 and not _scaler_wrapper_called(facts, block.scope):
             found = finding(facts, "AMP403", block,
                             fix='create scaler = torch.amp.GradScaler("cuda") and call scaler.scale(loss).backward()')
-            if maybe_fp16:  # the dtype is a variable: an error only if it is float16
-                found = replace(found, severity=Severity.WARNING,
-                                message=f"{found.message} (if {block.dtype_text} is float16)")
-            yield found
+            # the dtype is a variable: an error only if it is float16
+            yield softened(found, f"if {block.dtype_text} is float16") if maybe_fp16 else found
 
 
 def _mentions_float16(facts: ScriptFacts) -> bool:

@@ -4,13 +4,20 @@ inf/NaN check. Fix (unsafe: changes what runs): ``scaler.step(optimizer)``."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts, dotted
-from ampaudit.check.lint.protocol import amp_path, guard_prefix, on_path, optimizers, scaler_for, scaler_in_use
+from ampaudit.check.lint.protocol import (
+    amp_path,
+    guard_prefix,
+    on_path,
+    optimizers,
+    scaler_for,
+    scaler_in_use,
+    softened,
+)
 from ampaudit.check.script_rules import lint_rule
-from ampaudit.core.findings import Autofix, Finding, Severity
+from ampaudit.core.findings import Autofix, Finding
 
 
 @lint_rule("AMP405", reads=(r"\.step\(", "GradScaler", "scaler", "optim"))
@@ -28,15 +35,11 @@ def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
                 if guard_prefix(facts, call, scaler):  # the scaler may be None here: keep the fp32 step
                     fixed = f"{fixed} if {scaler} is not None else {call.receiver}.step()"
                 autofix = Autofix((edits.replace(facts, call.node, fixed),), safe=False)
-                if _unscaled_by_hand(facts, call, scaler):
-                    # `scaler.unscale_(opt); opt.step()`: deliberate (a sparse optimizer, say) -
-                    # the gradients are right, only the inf/NaN skip is lost
-                    yield replace(on_path(facts, "AMP405", call, via=scaler, optimizer=call.receiver, scaler=scaler,
-                                          fix=f"{scaler}.step({call.receiver})", autofix=autofix),
-                              severity=Severity.WARNING)
-                    continue
-                yield on_path(facts, "AMP405", call, via=scaler, optimizer=call.receiver, scaler=scaler,
-                              fix=f"{scaler}.step({call.receiver})", autofix=autofix)
+                found = on_path(facts, "AMP405", call, via=scaler, optimizer=call.receiver, scaler=scaler,
+                                fix=f"{scaler}.step({call.receiver})", autofix=autofix)
+                # `scaler.unscale_(opt); opt.step()`: deliberate (a sparse optimizer, say) - the
+                # gradients are right, only the inf/NaN skip is lost
+                yield softened(found) if _unscaled_by_hand(facts, call, scaler) else found
 
 
 def _unscaled_by_hand(facts: ScriptFacts, step, scaler: str) -> bool:

@@ -11,14 +11,9 @@ from ampaudit.core.dtypes import BFLOAT16
 from ampaudit.core.findings import Finding
 
 
-def _disabled(call) -> bool:
-    enabled = call.kwarg("enabled")
-    return enabled is not None and getattr(enabled, "value", None) == "False"
-
-
 @lint_rule("AMP409", "AMP410", reads=("GradScaler", "autocast", "bfloat16", "half", "float16"))
 def useless_scaler(facts: ScriptFacts) -> Iterator[Finding]:
-    creations = [c for c in facts.calls_to(GRAD_SCALERS) if not _disabled(c)]
+    creations = [c for c in facts.calls_to(GRAD_SCALERS) if not c.disabled]
     if not creations:
         return
     dtypes = {block.dtype for block in facts.autocasts if block.enabled}
