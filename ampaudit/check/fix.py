@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint_file import read_text
 from ampaudit.core.errors import UsageError
 from ampaudit.core.files import digest, locked, write_atomic
 from ampaudit.core.findings import Finding
-from ampaudit.core.python_source import encoding_of
+from ampaudit.core.python_source import read_python
 
 
 @dataclass
@@ -42,8 +41,9 @@ def fix_files(findings: Iterable[Finding], *, unsafe: bool, write: bool) -> list
 
 
 def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None:
-    before = read_text(Path(file))
-    if any(f.autofix.source not in (None, digest(before)) for f in chosen):
+    before, encoding = read_python(Path(file))  # written back the same way: cookie, BOM
+    read = digest(before)
+    if any(f.autofix.source not in (None, read) for f in chosen):
         # the edits' offsets are for the text that was linted: never apply them to another
         raise UsageError(f"{file} changed since it was checked: nothing written (run the command again)")
     after, taken = edits.apply(before, (e for f in chosen for e in f.autofix.edits))
@@ -54,6 +54,5 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
     diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
                                         fromfile=f"a/{file}", tofile=f"b/{file}"))
     if write:
-        encoding = encoding_of(Path(file).read_bytes())  # written back as it was: cookie, BOM
         write_atomic(Path(file), after, expected=before, encoding=encoding)
     return FileFix(file, fixed, diff)

@@ -16,7 +16,7 @@ from ampaudit.core.errors import LoadError
 from ampaudit.core.files import digest
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
-from ampaudit.core.python_source import decode, encoding_of, run_deep
+from ampaudit.core.python_source import read_python, run_deep
 from ampaudit.core.rulebook import rule
 
 
@@ -32,16 +32,8 @@ def lint_source(path: str, source: str) -> list[Finding]:
 
 def read_text(path: Path) -> str:
     """The file's text as Python reads it: a PEP 263 coding cookie and a UTF-8 BOM are
-    honoured (the BOM is dropped; fixes are offered only for UTF-8 files, see ``encoding``)."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as exc:
-        raise LoadError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        return decode(raw)
-    except (UnicodeDecodeError, LookupError):
-        raise LoadError(f"{path} is not {encoding_of(raw)} text") from None
+    honoured (the BOM is dropped)."""
+    return read_python(path)[0]
 
 
 def lint_file(path: Path, *, syntax_errors_as_findings: bool = False) -> list[Finding]:

@@ -104,7 +104,6 @@ def _publish(staging: Path, folder: Path, names: list[str]) -> None:
     """Move the staged files into ``folder``, removing what the earlier export there wrote."""
     if not folder.exists():
         os.replace(staging, folder)  # the whole export appears at once
-        staging.mkdir()  # for the caller's cleanup
         return
     manifest = folder / MANIFEST
     if manifest.is_file():

@@ -1,6 +1,6 @@
 """Python source as the interpreter sees it, and room to analyse it.
 
-``decode`` honours a PEP 263 coding cookie and a UTF-8 BOM exactly as Python does, so a file
+``read_python`` honours a PEP 263 coding cookie and a UTF-8 BOM exactly as Python does, so a file
 Python runs is a file ampaudit reads. ``run_deep`` gives the recursive passes over a syntax
 tree (libcst's visitors, the import guard's walk) a large stack and recursion limit, so valid
 code nested a thousand levels deep (a long sum, a long attribute chain) is analysed instead
@@ -14,7 +14,10 @@ import sys
 import threading
 import tokenize
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
+
+from ampaudit.core.errors import LoadError
 
 T = TypeVar("T")
 _STACK = 256 * 1024 * 1024  # bytes of address space for the worker thread (reserved, not used)
@@ -30,9 +33,18 @@ def encoding_of(raw: bytes) -> str:
     return encoding
 
 
-def decode(raw: bytes) -> str:
-    """The text of a Python file; UnicodeDecodeError / LookupError when Python could not read it."""
-    return raw.decode(encoding_of(raw))
+def read_python(path: Path) -> tuple[str, str]:
+    """A Python file's text and the encoding it is written in (``utf-8-sig`` for a BOM, so a
+    rewrite can keep it); a LoadError when it cannot be read or decoded."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise LoadError(f"cannot read {path}: {exc.strerror}") from None
+    encoding = encoding_of(raw)
+    try:
+        return raw.decode(encoding), encoding
+    except (UnicodeDecodeError, LookupError):
+        raise LoadError(f"{path} is not {encoding} text") from None
 
 
 def run_deep(fn: Callable[..., T], *args: Any) -> T:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampaudit.core.errors import LoadError, UsageError
-from ampaudit.core.python_source import decode, encoding_of
+from ampaudit.core.python_source import read_python
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -91,11 +91,4 @@ def read_source(path: Path) -> str:
         raise LoadError(f"no such file: {path}")
     if path.is_dir():
         raise LoadError(f"{path} is a directory: give a Python file that defines the model")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise LoadError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        return decode(raw)  # a coding cookie or a BOM, as Python reads the file
-    except (UnicodeDecodeError, LookupError):
-        raise LoadError(f"{path} is not {encoding_of(raw)} text") from None
+    return read_python(path)[0]  # a coding cookie or a BOM, as Python reads the file
