@@ -189,6 +189,7 @@ class ScriptFacts:
     imports_map: ImportMap = field(default_factory=lambda: ImportMap({}), repr=False)
     _references: dict[str, list[cst.Name]] = field(default_factory=dict, repr=False)
     _scalers: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)  # per scope, once
+    _by_scope: dict[Scope, list[Call]] | None = field(default=None, repr=False)  # calls_in
     amp_states: dict[Call, tuple[str | None, str | None]] = field(default_factory=dict, repr=False)  # guards.py
     _line_starts: list[int] = field(default_factory=list, repr=False)
 
@@ -198,13 +199,24 @@ class ScriptFacts:
         return (c for c in self.calls if c.names & wanted)
 
     def method_calls(self, method: str, scope: Scope | None = None) -> Iterator[Call]:
-        return (c for c in self.calls if c.method == method and (scope is None or c.scope is scope))
+        return (c for c in (self.calls if scope is None else self.calls_in(scope)) if c.method == method)
+
+    def calls_in(self, scope: Scope) -> list[Call]:
+        """The calls of one function (or the module's top level), in order."""
+        return self._grouped().get(scope, [])
 
     def scopes(self) -> list[Scope]:
-        seen: dict[int, Scope] = {}
-        for call in self.calls:
-            seen.setdefault(id(call.scope), call.scope)
-        return list(seen.values())
+        """The scopes that hold calls, in the order their first call appears."""
+        return list(self._grouped())
+
+    def _grouped(self) -> dict[Scope, list[Call]]:
+        # Rules ask per scope, many times: grouped once, so the lint stays linear in the
+        # number of scopes instead of scanning every call for each one.
+        if self._by_scope is None:
+            self._by_scope = {}
+            for call in self.calls:
+                self._by_scope.setdefault(call.scope, []).append(call)
+        return self._by_scope
 
     def assigned(self, names: Iterable[str], scope: Scope | None = None) -> list[Assignment]:
         wanted = frozenset(names)
@@ -220,8 +232,8 @@ class ScriptFacts:
             names |= {c.receiver for c in self.method_calls("scale", scope) if c.receiver and c.feeds_backward}
             # built elsewhere (a parameter, a helper's result, self.scaler from __init__): known by
             # its use - unscale_() is GradScaler's alone; step/update/scale on a scaler-named object
-            for c in self.calls:
-                if c.scope is scope and c.receiver and (c.method == "unscale_" or (
+            for c in self.calls_in(scope):
+                if c.receiver and (c.method == "unscale_" or (
                         c.method in ("scale", "step", "update", "get_scale") and _SCALER_NAME.search(c.receiver))):
                     names.add(c.receiver)
             self._scalers[id(scope)] = frozenset(names)
@@ -630,15 +642,17 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
     ``relevant``: what the rules read (``RuleRegistry.read_pattern``); top-level functions
     and classes it does not match are skipped. None parses everything."""
     tree = _parse(source)  # read once, for the skip and the import map
-    module = cst.parse_module(skeleton(source, relevant, tree) if relevant is not None else source)
-    facts = ScriptFacts(path, source, module)
+    imports_map = ImportMap.of(tree)
+    kept = skeleton(source, relevant, tree) if relevant is not None else source
+    del tree  # a large file's ast must not stay alive beside its libcst tree
+    module = cst.parse_module(kept)
+    facts = ScriptFacts(path, source, module, imports_map=imports_map)
     starts, offset = [], 0
     for line in source.splitlines(keepends=True):
         starts.append(offset)
         offset += len(line)
     starts.append(offset)
     facts._line_starts = starts
-    facts.imports_map = ImportMap.of(tree)
     wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
     wrapper.visit(_Collector(facts))
     facts.positions = wrapper.resolve(meta.PositionProvider)  # computed once, for every node

@@ -110,7 +110,7 @@ def scaler_for(facts: ScriptFacts, call: Call, scalers: set[str], optimizer: str
     ordered = sorted(scalers)
     if len(ordered) == 1:
         return ordered[0]
-    uses = [c for c in facts.calls if c.scope is call.scope and c.receiver in scalers and amp_path(facts, c)]
+    uses = [c for c in facts.calls_in(call.scope) if c.receiver in scalers and amp_path(facts, c)]
     if optimizer is not None:
         paired = {c.receiver for c in uses if c.method in ("step", "unscale_")
                   and dotted(c.arg(0, "optimizer")) == optimizer}
@@ -162,13 +162,13 @@ def is_raw_backward(facts: ScriptFacts, call: Call) -> bool:
 
 def backward_calls(facts: ScriptFacts, scope: Scope) -> list[Call]:
     """Raw backward calls in ``scope`` that can run with AMP on."""
-    return [c for c in facts.calls if c.scope is scope and is_raw_backward(facts, c) and amp_path(facts, c)]
+    return [c for c in facts.calls_in(scope) if is_raw_backward(facts, c) and amp_path(facts, c)]
 
 
 def scaler_in_use(facts: ScriptFacts, scope: Scope) -> set[str]:
     """Scalers this scope actually uses (scale / step / unscale_ / update)."""
     scalers = facts.scalers(scope)
-    return {c.receiver for c in facts.calls if c.scope is scope and c.receiver in scalers
+    return {c.receiver for c in facts.calls_in(scope) if c.receiver in scalers
             and c.method in ("scale", "step", "unscale_", "update") and amp_path(facts, c)}
 
 

@@ -29,11 +29,11 @@ def forward_outside_autocast(facts: ScriptFacts) -> Iterator[Finding]:
     for scope in facts.scopes():
         blocks = [b for b in facts.autocasts if b.scope is scope and b.enabled]
         scalers = facts.scalers(scope)
-        backwards = [c for c in facts.calls if c.scope is scope and scaled_backward(facts, c, scalers)]
+        backwards = [c for c in facts.calls_in(scope) if scaled_backward(facts, c, scalers)]
         if not blocks or not backwards:
             continue
         first_backward = min(c.line for c in backwards)
-        models = [c for c in facts.calls if c.scope is scope and c.line < first_backward and amp_path(facts, c)
+        models = [c for c in facts.calls_in(scope) if c.line < first_backward and amp_path(facts, c)
                   and _MODEL.search(dotted(c.node.func) or "") and not _constructor(c)]
         if models and all(c.autocast is None for c in models):
             call = models[0]

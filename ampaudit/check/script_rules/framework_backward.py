@@ -44,7 +44,7 @@ def torch_clip_after_accelerator_backward(facts: ScriptFacts) -> Iterator[Findin
     if not any(state is not False for state in accelerators.values()):
         return
     for clip in facts.calls_to(CLIPS):
-        backwards = [c for c in facts.calls if c.scope is clip.scope and c.method == "backward"
+        backwards = [c for c in facts.calls_in(clip.scope) if c.method == "backward"
                      and c.receiver in accelerators and accelerators[c.receiver] is not False and c.line < clip.line]
         if not backwards:
             continue

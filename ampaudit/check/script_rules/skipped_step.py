@@ -26,10 +26,10 @@ def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
         scalers = facts.scalers(scope)
         steps = [c for c in facts.method_calls("step", scope) if c.receiver in scalers and c.node.args
                  and amp_path(facts, c)]
-        if not steps or any("get_scale" in c.method for c in facts.calls if c.scope is scope and c.method):
+        if not steps or any("get_scale" in c.method for c in facts.calls_in(scope) if c.method):
             continue  # no scaled step, or the code already looks at the scale
-        for call in facts.calls:
-            if call.scope is not scope or call.receiver is None:
+        for call in facts.calls_in(scope):
+            if call.receiver is None:
                 continue
             follows = (call.method == "step" and _SCHEDULE.search(call.receiver)) or \
                 (call.method in ("update", "update_parameters") and _EMA.search(call.receiver))

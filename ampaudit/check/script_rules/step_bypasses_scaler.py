@@ -45,7 +45,7 @@ def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
 def _unscaled_by_hand(facts: ScriptFacts, step, scaler: str) -> bool:
     """The code unscales this optimizer itself and steps another one through the scaler: it
     knows scaler.step() and chose the plain step here (DLRM's sparse embedding optimizer)."""
-    same_scope = [c for c in facts.calls if c.scope is step.scope and c.receiver == scaler]
+    same_scope = [c for c in facts.calls_in(step.scope) if c.receiver == scaler]
     unscaled = any(c.method == "unscale_" and c.line < step.line and dotted(c.arg(0, "optimizer")) == step.receiver
                    for c in same_scope)
     steps_others = any(c.method == "step" and dotted(c.arg(0, "optimizer")) not in (None, step.receiver)
