@@ -248,3 +248,20 @@ def test_report_json_is_strict_json_even_with_an_inf_norm(tmp_path, cli):
 
     doc = json.loads(result.out, parse_constant=refuse)
     assert "inf" in json.dumps(doc)  # the non-finite values are spelled as strings
+
+
+def test_the_fix_lock_never_turns_an_unreadable_file_into_a_traceback(tmp_path, monkeypatch):
+    import builtins
+
+    from ampaudit.core import files
+
+    target = tmp_path / "train.py"
+    target.write_text("x = 1\n")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    with files.locked(target):  # the read after it reports the file, in one line
+        entered = True
+    assert entered

@@ -46,10 +46,14 @@ def _read(path: Path, encoding: str) -> str | None:
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (another ``--fix`` on it waits)."""
-    if fcntl is None or not Path(path).exists():
+    try:
+        fh = open(path, "rb") if fcntl is not None else None  # noqa: SIM115 - closed below
+    except OSError:  # missing or unreadable: the read that follows says so, in one line
+        fh = None
+    if fh is None:
         yield
         return
-    with open(path, "rb") as fh:
+    with fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             yield
