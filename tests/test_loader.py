@@ -110,3 +110,44 @@ def test_the_class_no_other_class_builds_is_the_model(tmp_path):
         "class Whole(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.p = Part()\n\n"
         "    def forward(self, x):\n        return self.p(x)\n")
     assert load_target(str(path)).entry == "Whole()"
+
+
+def test_user_siblings_never_shadow_ampaudit_imports(tmp_path):
+    # A sibling named like a stdlib module: the model file gets it (as `python net.py` would),
+    # ampaudit's own later imports get the real one, and sys.path keeps its order.
+    import sys
+
+    (tmp_path / "colorsys.py").write_text("SIBLING = True\n")
+    (tmp_path / "net.py").write_text(
+        "from torch import nn\nimport colorsys\n\n"
+        "def get_model():\n    assert colorsys.SIBLING\n    return nn.Linear(2, 2)\n")
+    before = list(sys.path)
+    sys.modules.pop("colorsys", None)
+    loaded = load_target(str(tmp_path / "net.py"))
+    assert loaded.entry == "get_model()" and isinstance(loaded.model, torch.nn.Linear)
+    assert sys.path[: len(before)] == before and sys.path[len(before):] == [str(tmp_path.resolve())]
+    import colorsys
+
+    assert not hasattr(colorsys, "SIBLING") and hasattr(colorsys, "rgb_to_hsv")
+    sys.path[:] = before
+
+
+def test_file_named_like_a_stdlib_module_gets_a_private_name(tmp_path):
+    import sys
+
+    (tmp_path / "html.py").write_text("from torch import nn\n\ndef get_model():\n    return nn.Linear(2, 2)\n")
+    sys.modules.pop("html", None)
+    assert isinstance(load_target(str(tmp_path / "html.py")).model, torch.nn.Linear)
+    import html
+
+    assert hasattr(html, "escape")
+
+
+def test_lazy_sibling_import_still_resolves_after_load(tmp_path):
+    (tmp_path / "helpers_lazy_x1.py").write_text("def scale(x):\n    return x * 2\n")
+    (tmp_path / "net.py").write_text(
+        "import torch\nfrom torch import nn\n\nclass Net(nn.Module):\n    def forward(self, x):\n"
+        "        from helpers_lazy_x1 import scale\n        return scale(x)\n\n"
+        "def get_model():\n    return Net()\n")
+    model = load_target(str(tmp_path / "net.py")).model
+    assert model(torch.ones(1)).item() == 2.0

@@ -26,6 +26,7 @@ from ampaudit.core.paths import display_path
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.userframe import traceback_location
 from ampaudit.load.inputs import INPUT_FUNCTIONS, default_inputs, from_shapes
+from ampaudit.load.isolation import shadows, user_folders
 from ampaudit.load.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
 from ampaudit.load.spec import NAME_RE, ModelSpec, parse_spec, read_source
 
@@ -189,20 +190,24 @@ def _package_root(path: Path) -> tuple[Path, str] | None:
 
 
 def _import_file(path: Path, scan: SourceScan) -> ModuleType:
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)  # so the model file can import its siblings
+    folders = [path.resolve().parent]  # so the model file can import its siblings
     package = _package_root(path)
-    if package is not None and str(package[0]) not in sys.path:
-        sys.path.insert(1, str(package[0]))  # ... and its own package (`from mingpt.utils import ...`)
+    if package is not None:
+        folders.append(package[0])  # ... and its own package (`from mingpt.utils import ...`)
+    own_name = NAME_RE.match(path.stem) is not None and not shadows(path.stem, folders)
+    with user_folders(folders):
+        return _exec_file(path, scan, package, own_name)
+
+
+def _exec_file(path: Path, scan: SourceScan, package: tuple[Path, str] | None, own_name: bool) -> ModuleType:
     if package is not None and scan.relative_imports and package[1] not in sys.modules:
         module_name = package[1]  # `from .layers import ...` needs the package
         try:
             importlib.import_module(module_name.rsplit(".", 1)[0])
         except (Exception, SystemExit) as exc:  # the package's __init__ failed: say so like the file's own
             raise _import_failure(path, exc) from exc
-    elif NAME_RE.match(path.stem) and path.stem not in sys.modules:
-        module_name = path.stem
+    elif own_name and path.stem not in sys.modules:
+        module_name = path.stem  # reports name the user's functions `model.attention`, as they would
     else:
         module_name = f"_ampaudit_target_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
