@@ -11,6 +11,7 @@ import torch
 from ampaudit.check.audit import audit_model
 from ampaudit.check.options import CheckOptions
 from ampaudit.check.run import check_targets
+from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import build_catalog
 from ampaudit.core.config import Config, load_config
 from ampaudit.core.dtypes import LowDtype
@@ -38,6 +39,7 @@ def check(
     ``policy``: a TOML file or a table with the ops.toml schema, layered over the catalog.
     ``run=False``: never execute the model (no value ranges; untraceable parts stay unseen).
     """
+    require_module(model, "ampaudit.check")
     file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None

@@ -16,7 +16,7 @@ from ampaudit.core.findings import Finding, NodeDecision, Report, Target
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.declared import Declared, declared_precision
-from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.trace import TraceResult, trace_model
 from ampaudit.graph.view import GraphView
@@ -38,6 +38,8 @@ def audit_model(
     ``run=False`` never executes the model: example inputs are ignored.
     """
     measure = inputs is not None and run
+    if measure:
+        refuse_meta(model, inputs, "pass --no-run (run=False) to audit the graph without running it")
     trace = trace_model(model, catalog, inputs if run else None, validate=not measure)
     if measure:
         measure_ranges(trace.graphs[0].gm, inputs, catalog, dtype)
@@ -75,7 +77,8 @@ def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
     dtype = LowDtype.parse(options.dtype or config.dtype)
     catalog = build_catalog(config, policy_files=options.policy_files)  # bad policy: fail before importing
     loaded = load_target(spec, allow_exec=options.allow_exec, input_shapes=options.input_shapes,
-                         input_dtypes=options.input_dtypes, model_config=options.model_config)
+                         input_dtypes=options.input_dtypes, model_config=options.model_config,
+                         import_timeout=options.import_timeout)
     if isinstance(loaded, NotImported):
         return _not_imported_report(loaded, dtype)
     report = audit_model(loaded.model, loaded.inputs, catalog, dtype, file=loaded.label, entry=loaded.entry,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.load.time_limit import DEFAULT_SECONDS
 
 
 @dataclass
@@ -16,6 +17,7 @@ class CheckOptions:
 
     dtype: LowDtype | str | None = None  # None: the config's
     allow_exec: bool = False
+    import_timeout: float | None = DEFAULT_SECONDS  # for the model file's import and model build; None: no limit
     input_shapes: Sequence[str] = ()
     input_dtypes: Sequence[str] = ()
     model_config: Sequence[str] = ()  # --config KEY=VALUE for an hf:MODEL_TYPE target

@@ -15,14 +15,35 @@ from pathlib import Path
 from ampaudit._version import __version__
 from ampaudit.core.dtypes import LOW_DTYPES
 from ampaudit.core.errors import AmpauditError, UsageError
+from ampaudit.load.time_limit import DEFAULT_SECONDS  # torch-free, as --help must be
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 FORMATS = ("text", "json", "sarif", "github")
 
 
+def _number(kind: type, *, least: float, what: str):
+    """An argparse type: a finite number of ``kind`` that is at least ``least``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+_SECONDS = _number(float, least=0, what="a number of seconds >= 0")
+_TOLERANCE = _number(float, least=0, what="a finite relative error >= 0")
+_EVERY = _number(int, least=1, what="a whole number >= 1")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # usage errors: one line, exit 2 (argparse's default too)
-        self.exit(EXIT_ERROR, f"ampaudit: error: {message}\n(see `{self.prog} --help`)\n")
+        self.exit(EXIT_ERROR, f"ampaudit: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="never execute the model: no value ranges, no recorder fallback")
     check.add_argument("--exec", dest="allow_exec", action="store_true",
                        help="import the file even if its top level runs code (loops, calls)")
+    check.add_argument("--import-timeout", type=_SECONDS, default=DEFAULT_SECONDS, metavar="SECONDS",
+                       help="stop importing the model file and building its model after this long "
+                            f"(default {DEFAULT_SECONDS:g}; 0: no limit)")
     check.add_argument("--policy", action="append", default=[], type=Path, metavar="FILE",
                        help="TOML file extending or overriding the op catalog (ops.toml schema); repeatable")
     check.add_argument("--select", action="append", default=[], metavar="CODES",
@@ -79,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("-o", "--output", type=Path, required=True, metavar="OUT_DIR", help="folder to write to")
     conv.add_argument("--dtype", choices=LOW_DTYPES, default="float16")
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
-    conv.add_argument("--tolerance", type=float, help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
+    conv.add_argument("--tolerance", type=_TOLERANCE,
+                      help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
     conv.add_argument("--constants", choices=("fp32", "clamp"), default="fp32",
                       help="ops with constants the dtype cannot hold: keep in fp32 (default) or clamp the constant")
     conv.add_argument("--input-shape", action="append", default=[], metavar="SHAPE")
@@ -87,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", dest="model_config",
                       help="for hf:MODEL_TYPE, set a field of the model's config (repeatable)")
     conv.add_argument("--exec", dest="allow_exec", action="store_true")
+    conv.add_argument("--import-timeout", type=_SECONDS, default=DEFAULT_SECONDS, metavar="SECONDS",
+                      help=f"as for check (default {DEFAULT_SECONDS:g}; 0: no limit)")
     conv.add_argument("--force", action="store_true",
                       help="write into a non-empty OUT_DIR that holds no earlier ampaudit export")
     conv.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -95,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
                                      "of every module that runs forward and every optimizer that steps.")
     run.add_argument("--log", type=Path, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")
-    run.add_argument("--every", type=int, default=1, help="record every N-th step (default 1)")
+    run.add_argument("--every", type=_EVERY, default=1, help="record every N-th step (default 1)")
     run.add_argument("--dtype", choices=LOW_DTYPES, default="float16",
                      help="the low-precision dtype to count overflow/underflow against")
     run.add_argument("script", type=Path)
@@ -158,7 +185,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     _refuse_overwriting_inputs(args.output, inputs, "-o")
     options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                            input_dtypes=args.input_dtype, model_config=args.model_config,
-                           policy_files=args.policy, run=not args.no_run,
+                           policy_files=args.policy, run=not args.no_run, import_timeout=args.import_timeout,
                            lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar)
 
     def run():
@@ -327,7 +354,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     check_export_folder(args.output, force=args.force, inputs=[model_file] if model_file else [])  # before the work
     with contextlib.redirect_stdout(sys.stderr):
         loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
-                             input_dtypes=args.input_dtype, model_config=args.model_config)
+                             input_dtypes=args.input_dtype, model_config=args.model_config,
+                             import_timeout=args.import_timeout)
         if isinstance(loaded, NotImported):
             raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
                              "import (pass --exec to import it anyway)")
@@ -351,22 +379,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-
     from ampaudit.core.console import make_console
-    from ampaudit.report.watch_plot import plot
+    from ampaudit.report.watch_plot import check_plot_path, plot
+    from ampaudit.watch.log_file import open_log
     from ampaudit.watch.render import render_summary
     from ampaudit.watch.summary import read_log
 
-    builder = read_log(args.log)
-    summary = builder.summary()
     _refuse_overwriting_inputs(args.plot, [args.log], "--plot")
     if args.plot is not None:
-        plot(builder.records, summary, args.plot)
+        check_plot_path(args.plot)
+    summary = read_log(args.log).summary()  # streamed; the plots read the log again, also streamed
+    if args.plot is not None:
+        plot(open_log(args.log)[1], summary, args.plot)
     if args.tensorboard is not None:
         from ampaudit.report.tensorboard import write_tensorboard
 
-        points = write_tensorboard(builder.records, args.tensorboard)
-        print(f"wrote {points} scalars over {len(builder.records)} steps to {args.tensorboard}", file=sys.stderr)
+        points = write_tensorboard(open_log(args.log)[1], args.tensorboard)
+        print(f"wrote {points} scalars over {summary['steps']} steps to {args.tensorboard}", file=sys.stderr)
     if args.format == "json":
         from ampaudit.report.formats import strict_json
 
@@ -401,11 +430,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("ampaudit: interrupted\n")
         return 130
-    except Exception as exc:  # a bug in ampaudit or an unexpected failure in user code
+    except BaseException as exc:  # a bug in ampaudit, or user code that failed or called exit()
         if debug:
-            raise
-        sys.stderr.write(f"ampaudit: error: unexpected {type(exc).__name__}: {exc} "
-                         "(run with --debug for the traceback)\n")
+            import traceback
+
+            traceback.print_exception(exc)
+        if isinstance(exc, SystemExit):  # ampaudit's commands never exit(): the user's code did
+            cause = f"the model's code called exit({exc.code!r})"
+        else:
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # one line, always
+            cause = f"unexpected {type(exc).__name__}: {text}" if text else f"unexpected {type(exc).__name__}"
+        sys.stderr.write(f"ampaudit: error: {cause}{'' if debug else ' (run with --debug for the traceback)'}\n")
         return EXIT_ERROR
 
 

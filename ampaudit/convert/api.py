@@ -15,11 +15,12 @@ from torch import fx
 from ampaudit.convert.plan import decide, plan_records
 from ampaudit.convert.rewrite import rewrite
 from ampaudit.convert.verify import output_error, search_promotions
+from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config, load_config
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
-from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.trace import SubGraph
@@ -74,6 +75,7 @@ def convert(
     ``verify``, ops are promoted to fp32 until the outputs match fp32 within ``tolerance``.
     ``constants``: "fp32" or "clamp" for constants the low dtype cannot hold.
     """
+    require_module(model, "ampaudit.convert")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
     if constants not in ("fp32", "clamp"):
         raise UsageError(f"constants must be 'fp32' or 'clamp' (got {constants!r})")
@@ -82,6 +84,8 @@ def convert(
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     catalog = build_catalog(config, policy)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
+    if inputs is not None and verify:
+        refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
 
     def build(promoted: dict[str, str]) -> fx.GraphModule:

@@ -9,6 +9,7 @@ to a :class:`OpPolicy`. Users extend or override it with a TOML file of the same
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -115,6 +116,7 @@ class Catalog:
         for kind, entry in ops.items():
             base = merged_ops.get(kind)
             merged_ops[kind] = entry if base is None else replace(entry, autocast=_keep(entry, base))
+        _unknown_kinds({**aliases, **modules}, merged_ops, origin)
         return Catalog(merged_ops, {**self.aliases, **aliases}, {**self.modules, **modules},
                        declared or self.declared)
 
@@ -175,7 +177,10 @@ def _parse(
     if unknown:
         raise UsageError(f"{origin}: unknown section(s) {', '.join(sorted(unknown))}")
     ops: dict[str, OpPolicy] = {}
-    for index, group in enumerate(table.get("group", [])):
+    groups = table.get("group", [])
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise UsageError(f"{origin}: group must be an array of tables ([[group]])")
+    for index, group in enumerate(groups):
         names = group.get("ops")
         if not isinstance(names, list) or not names:
             raise UsageError(f"{origin}: group #{index + 1} needs a non-empty ops list")
@@ -184,14 +189,37 @@ def _parse(
             if kind in ops:
                 raise UsageError(f"{origin}: op {kind!r} is listed twice")
             ops[kind] = _entry(kind, shared, origin, defaults)
-    for kind, raw in table.get("ops", {}).items():
+    for kind, raw in _section(table, "ops", origin).items():
         if kind in ops and origin == "ops.toml":
             raise UsageError(f"{origin}: op {kind!r} is listed twice")
         ops[kind] = _entry(kind, raw, origin, defaults)
-    aliases = {str(k): str(v) for k, v in table.get("aliases", {}).items()}
-    modules = {str(k): str(v) for k, v in table.get("modules", {}).items()}
+    aliases = {str(k): _op_name(v, f"{origin}: aliases.{k}") for k, v in _section(table, "aliases", origin).items()}
+    modules = {str(k): _op_name(v, f"{origin}: modules.{k}") for k, v in _section(table, "modules", origin).items()}
     declared = _entry("declared", table["declared"], origin, defaults) if "declared" in table else None
     return ops, aliases, modules, declared
+
+
+def _section(table: Mapping[str, Any], key: str, origin: str) -> Mapping[str, Any]:
+    section = table.get(key, {})
+    if not isinstance(section, Mapping):
+        raise UsageError(f"{origin}: {key} must be a table ([{key}]), not {type(section).__name__}")
+    return section
+
+
+def _op_name(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise UsageError(f"{where} must be an op name (a string), not {type(value).__name__}")
+    return value
+
+
+def _unknown_kinds(mapping: Mapping[str, str], ops: Mapping[str, OpPolicy], origin: str) -> None:
+    """A module type or alias mapped to an op kind the catalog lacks would be silently
+    'neutral': refuse it, naming the nearest kind."""
+    for key, kind in mapping.items():
+        if kind not in ops:
+            near = difflib.get_close_matches(kind, list(ops), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else " (`ampaudit ops` lists the kinds)"
+            raise UsageError(f"{origin}: {key} = {kind!r} is not an op kind{hint}")
 
 
 @cache

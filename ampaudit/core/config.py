@@ -66,7 +66,12 @@ def find_pyproject(start: Path) -> Path | None:
                 data = load_toml(path)
             except Exception as exc:
                 raise UsageError(f"cannot read {path}: {exc}") from None
-            if "ampaudit" in data.get("tool", {}):
+            tool = data.get("tool", {})
+            if not isinstance(tool, dict):
+                raise UsageError(f"{path}: [tool] must be a table, not {type(tool).__name__}")
+            if "ampaudit" in tool:
+                if not isinstance(tool["ampaudit"], dict):
+                    raise UsageError(f"{path}: [tool.ampaudit] must be a table, not {type(tool['ampaudit']).__name__}")
                 return path
     return None
 
@@ -80,8 +85,8 @@ def load_config(start: Path | None) -> Config:
     if unknown:
         raise UsageError(f"{path} [tool.ampaudit]: unknown key(s) {', '.join(sorted(unknown))}")
     config = Config(source=path)
-    config.select = check_prefixes(table.get("select", []), f"{path} select")
-    config.ignore = check_prefixes(table.get("ignore", []), f"{path} ignore")
+    config.select = check_prefixes(_codes(table, "select", path), f"{path} select")
+    config.ignore = check_prefixes(_codes(table, "ignore", path), f"{path} ignore")
     config.fail_on = validate_choice(table.get("fail-on", "warning"), FAIL_ON, f"{path} fail-on")
     config.dtype = LowDtype.parse(validate_choice(table.get("dtype", "float16"), LOW_DTYPES, f"{path} dtype"))
     policy = table.get("policy", {})
@@ -89,6 +94,17 @@ def load_config(start: Path | None) -> Config:
         raise UsageError(f"{path} [tool.ampaudit.policy] must be a table")
     config.policy = policy
     return config
+
+
+def _codes(table: dict[str, Any], key: str, path: Path) -> list[str]:
+    """``select = ["AMP1", "AMP203"]``; one string (``"AMP1,AMP203"``) is accepted too."""
+    value = table.get(key, [])
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"{path} {key} must be a list of rule codes or prefixes such as [\"AMP1\"], "
+                         f"not {value!r}")
+    return value
 
 
 def validate_choice(value: Any, choices: Sequence[str], what: str) -> str:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# What the user's code (a model's import, factory, forward, example_inputs()) may raise that
+# ampaudit reports as that code's failure: exit() and GeneratorExit too, but never Ctrl-C.
+USER_CODE_ERRORS = (Exception, SystemExit, GeneratorExit)
+
 
 class AmpauditError(Exception):
     """Base class: ``str(err)`` is the one-line message shown to the user."""

@@ -75,6 +75,8 @@ def write_atomic(path: Path, text: str, *, expected: str | None = None, encoding
         raise UsageError(f"cannot write {path}: it is a folder")
     existing = path.exists()
     if existing and not os.access(path, os.W_OK):
+        if path.stat().st_mode & 0o222:  # its mode allows writing: a file attribute or the mount forbids it
+            raise UsageError(f"{path} cannot be written (immutable, or on a read-only file system): not rewritten")
         raise UsageError(f"{path} is read-only: not rewritten (make it writable to allow it)")
     folder = path.parent if str(path.parent) else Path(".")
     try:

@@ -3,13 +3,14 @@ forward every audit starts from, and turning its failures into one-line errors."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ampaudit.core.errors import LoadError
+from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.paths import display_path
 from ampaudit.graph.userframe import traceback_location
 
@@ -37,19 +38,38 @@ class ExampleInputs:
         )
 
 
+def refuse_meta(model: torch.nn.Module, inputs: ExampleInputs | None, remedy: str) -> None:
+    """Meta tensors have shapes but no values: nothing can run on them or be measured."""
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        raise LoadError(f"the model's weights are meta tensors (no values): they cannot run; {remedy}")
+    if inputs is not None and any(t.is_meta for t in _tensors((inputs.args, inputs.kwargs))):
+        raise LoadError(f"the example inputs ({inputs.origin}) are meta tensors (no values): they cannot run; "
+                        f"{remedy}")
+
+
 def has_tensor(value: Any) -> bool:
     """Whether a (nested) output holds a tensor; dict subclasses such as HF's ModelOutput count."""
+    return next(_tensors(value), None) is not None
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a nest of tuples, lists and mappings."""
     if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(has_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(has_tensor(v) for v in value)
-    return False
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 def describe_exception(exc: BaseException) -> str:
-    """``ValueError: msg (model.py:12)`` - the first line of the message and the user's line."""
+    """``ValueError: msg (model.py:12)`` - the first line of the message and the user's line;
+    ``exit(4) (model.py:12)`` for a call to exit()."""
+    if isinstance(exc, SystemExit):
+        where = traceback_location(exc.__traceback__)
+        return f"exit({exc.code!r})" + (f" ({display_path(where[0])}:{where[1]})" if where else "")
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     where = traceback_location(exc.__traceback__)
     suffix = f" ({display_path(where[0])}:{where[1]})" if where else ""
@@ -67,7 +87,7 @@ def run_model(
     try:
         with torch.no_grad():
             result = runner() if runner is not None else model(*inputs.args, **inputs.kwargs)
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         raise LoadError(f"the example inputs ({inputs.origin}) fail to run the model: "
                         f"{describe_exception(exc)}") from exc
     output = result[-1] if runner is not None else result

@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from ampaudit.core.catalog import Catalog
+from ampaudit.core.errors import USER_CODE_ERRORS
 from ampaudit.graph.userframe import Loc, boundary, traceback_location, user_location
 
 LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
@@ -52,7 +53,7 @@ class AuditTracer(fx.Tracer):
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         try:
             return super().call_module(m, forward, args, kwargs)
-        except Exception:
+        except USER_CODE_ERRORS:
             if self.failed_module is None:
                 self.failed_module = self.path_of_module(m)
             raise
@@ -88,7 +89,7 @@ def fx_trace(
     tracer = AuditTracer(catalog, opaque)
     try:
         graph = tracer.trace(root)
-    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
+    except USER_CODE_ERRORS as exc:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
         path = tracer.failed_module or ""
         failed = root.get_submodule(path) if path else root
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -13,7 +13,8 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound, UsageError
+from ampaudit.core.errors import USER_CODE_ERRORS, LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.paths import display_path
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.userframe import traceback_location
@@ -29,6 +30,7 @@ from ampaudit.load.inputs import INPUT_FUNCTIONS, default_inputs, from_shapes
 from ampaudit.load.isolation import shadows, user_folders
 from ampaudit.load.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
 from ampaudit.load.spec import NAME_RE, ModelSpec, parse_spec, read_source
+from ampaudit.load.time_limit import DEFAULT_SECONDS, TimeLimitExceeded, time_limit
 
 
 @dataclass
@@ -63,7 +65,10 @@ def load_target(
     input_shapes: Sequence[str] = (),
     input_dtypes: Sequence[str] = (),
     model_config: Sequence[str] = (),
+    import_timeout: float | None = DEFAULT_SECONDS,
 ) -> LoadedModel | NotImported:
+    """Load the model a target spec names. ``import_timeout``: seconds the user's code
+    (import, model build, ``example_inputs()``) may run; None or 0: no limit."""
     target = spec if isinstance(spec, ModelSpec) else parse_spec(spec)
     if model_config and target.kind != "hf":
         raise UsageError("--config KEY=VALUE sets fields of an hf:MODEL_TYPE model's config; "
@@ -75,9 +80,10 @@ def load_target(
         model, entry = build_hf(target.module, model_config)
         return _finish(model, entry, None, target.text, input_shapes, input_dtypes, None)
     if target.kind == "module":
-        module = _import_module(target.module)
-        torch.manual_seed(0)
-        model, entry = _select(module, target, Path(target.module), None)  # hints say torch.nn:"..."
+        with _limited(import_timeout, None, target.module):
+            module = _import_module(target.module)
+            torch.manual_seed(0)
+            model, entry = _select(module, target, Path(target.module), None)  # hints say torch.nn:"..."
         return _finish(model, entry, None, target.module, input_shapes, input_dtypes, None)
     path, name = target.path, target.name
     scan = scan_source(path, read_source(path))
@@ -88,15 +94,32 @@ def load_target(
     if scan.unsafe is not None and not allow_exec:
         line, column, what = scan.unsafe
         return NotImported(path, target.selector or _static_entry(scan), line, column, what)
-    module = _import_file(path, scan)
-    torch.manual_seed(0)  # same weights and example inputs on every run: a stable report
-    if target.selector is None:
-        model, entry = _resolve_model(module, scan, path)
-    else:
-        model, entry = _select(module, target, path, scan)
-    file_inputs = None if input_shapes else _file_inputs(module)
+    with _limited(import_timeout, path, str(path)):
+        module = _import_file(path, scan)
+        torch.manual_seed(0)  # same weights and example inputs on every run: a stable report
+        if target.selector is None:
+            model, entry = _resolve_model(module, scan, path)
+        else:
+            model, entry = _select(module, target, path, scan)
+        file_inputs = None if input_shapes else _file_inputs(module)
     return _finish(model, entry, path, None, input_shapes, input_dtypes, file_inputs,
                    defaults=target.expr is not None)
+
+
+@contextmanager
+def _limited(seconds: float | None, path: Path | None, label: str) -> Iterator[None]:
+    """Run the user's code under ``--import-timeout``; a stop says where it was stopped."""
+    try:
+        with time_limit(seconds):
+            yield
+    except TimeLimitExceeded as exc:
+        line = _line_in(path, exc.__traceback__) if path is not None else None
+        at = f" at line {line}" if line is not None else ""
+        raise ModelNotBuilt(
+            f"importing {label} was stopped after {seconds:g} s{at} (--import-timeout)",
+            reason=f"importing the file or building its model was still running after {seconds:g} s, stopped{at}",
+            hint='move long-running code under `if __name__ == "__main__":`, or raise --import-timeout',
+            line=line) from None
 
 
 def _finish(model: torch.nn.Module, entry: str, path: Path | None, label: str | None, input_shapes: Sequence[str],
@@ -113,7 +136,7 @@ def _finish(model: torch.nn.Module, entry: str, path: Path | None, label: str | 
             try:
                 with torch.no_grad():
                     model.eval()(*inputs.args, **inputs.kwargs)
-            except Exception as exc:
+            except USER_CODE_ERRORS as exc:
                 notes.append(f"the default example inputs ({inputs.origin}) fail to run the model "
                              f"({describe_exception(exc)}): no inputs; pass --input-shape")
                 inputs = None
@@ -128,7 +151,7 @@ def _import_module(name: str) -> ModuleType:
         missing = exc.name or name
         raise LoadError(f"cannot import {name}: no module named {missing!r} (is it installed? "
                         f"pip install {_PIP_NAMES.get(missing.split('.')[0], missing.split('.')[0])})") from exc
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         raise LoadError(f"importing {name} raised {describe_exception(exc)}") from exc
 
 
@@ -204,7 +227,7 @@ def _exec_file(path: Path, scan: SourceScan, package: tuple[Path, str] | None, o
         module_name = package[1]  # `from .layers import ...` needs the package
         try:
             importlib.import_module(module_name.rsplit(".", 1)[0])
-        except (Exception, SystemExit) as exc:  # the package's __init__ failed: say so like the file's own
+        except USER_CODE_ERRORS as exc:  # the package's __init__ failed: say so like the file's own
             raise _import_failure(path, exc) from exc
     elif own_name and path.stem not in sys.modules:
         module_name = path.stem  # reports name the user's functions `model.attention`, as they would
@@ -217,7 +240,7 @@ def _exec_file(path: Path, scan: SourceScan, package: tuple[Path, str] | None, o
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
+    except USER_CODE_ERRORS as exc:
         sys.modules.pop(module_name, None)
         raise _import_failure(path, exc) from exc
     return module
@@ -268,7 +291,7 @@ def _import_failure(path: Path, exc: BaseException) -> ModelNotBuilt:
 def _call(fn: Any, label: str, path: Path) -> Any:
     try:
         return fn()
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         text = f"{label} raised {describe_exception(exc)}"
         raise ModelNotBuilt(text, reason=text, hint=f'name a model that builds: {path}:NAME or {path}:"EXPR"',
                             line=_line_in(path, exc.__traceback__)) from exc
@@ -356,5 +379,5 @@ def _file_inputs(module: ModuleType) -> ExampleInputs | None:
 def _call_inputs(fn: Any, label: str) -> Any:
     try:
         return fn()
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         raise LoadError(f"{label} raised {describe_exception(exc)}") from exc

@@ -11,6 +11,8 @@ Tags, one point per logged step:
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +38,22 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def write_tensorboard(records: list[dict[str, Any]], directory: Path) -> int:
+def write_tensorboard(records: Iterable[dict[str, Any]], directory: Path) -> int:
     """Write every record's scalars as one event file under ``directory``; returns how many
     points were written."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UsageError("--tensorboard needs tensorboard (pip install 'ampaudit[tensorboard]')") from None
-    if not records:
+    records = iter(records)
+    first = next(records, None)
+    if first is None:
         raise UsageError("the log has no finished step to write")
     points = 0
     try:
         writer = SummaryWriter(log_dir=str(directory))
         try:
-            for record in records:
+            for record in itertools.chain([first], records):
                 for tag, value in scalars(record).items():
                     writer.add_scalar(tag, value, global_step=record["step"])
                     points += 1

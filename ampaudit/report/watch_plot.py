@@ -3,14 +3,28 @@ steps, drawn with matplotlib from a watch log."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ampaudit.core.errors import UsageError
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
 
-def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    """Per-layer gradient-magnitude histograms and overflow/underflow over steps (matplotlib)."""
+
+def check_plot_path(path: Path) -> None:
+    """Before reading a log: matplotlib picks the format from the suffix."""
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot {path}: name an image file ({', '.join(PLOT_SUFFIXES[:3])}, ...)")
+    if path.is_dir():
+        raise UsageError(f"--plot {path} is a folder: name an image file")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"--plot {path}: no folder {path.parent}")
+
+
+def plot(records: Iterable[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    """Per-layer gradient-magnitude histograms and overflow/underflow over steps (matplotlib).
+    ``records`` are streamed: only three numbers per step are kept."""
     try:
         import matplotlib
 
@@ -28,9 +42,13 @@ def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
     top.set_ylabel("count")
     top.set_yscale("log")
     top.legend(fontsize="small")
-    steps = [r["step"] for r in records]
-    over = [sum(ph.get("overflow", 0) for m in r["layers"].values() for ph in m.values()) for r in records]
-    under = [sum(ph.get("underflow", 0) for m in r["layers"].values() for ph in m.values()) for r in records]
+    steps: list[int] = []
+    over: list[int] = []
+    under: list[int] = []
+    for record in records:
+        steps.append(record["step"])
+        over.append(sum(ph.get("overflow", 0) for m in record["layers"].values() for ph in m.values()))
+        under.append(sum(ph.get("underflow", 0) for m in record["layers"].values() for ph in m.values()))
     bottom.plot(steps, over, label="overflow")
     bottom.plot(steps, under, label="underflow")
     bottom.set_xlabel("step")

@@ -21,10 +21,12 @@ import torch.distributed as dist
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
+from ampaudit.core.arguments import require_module
 from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
 from ampaudit.watch import arena, stats
 from ampaudit.watch.arena import RowArena
+from ampaudit.watch.log_file import create_log
 from ampaudit.watch.summary import SummaryBuilder
 
 NO_EVENT = 2**62  # "no non-finite tensor yet" on the device
@@ -61,8 +63,9 @@ class Monitor:
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
                  dtype: LowDtype | torch.dtype | str = FLOAT16, stop_on_nonfinite: bool = False,
                  inputs: bool = False) -> None:
-        if every < 1:
-            raise ValueError("every must be >= 1")
+        require_module(model, "ampaudit.watch", optional=True)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.stop_on_nonfinite, self.record_inputs = every, stop_on_nonfinite, inputs
         self.limits = LowDtype.parse(dtype)
@@ -119,8 +122,8 @@ class Monitor:
             self._handles.append(optimizer_hooks.register_optimizer_step_pre_hook(self._global_step_hook))
             self._patch_grad_scaler()
         if self.log_path is not None and self._rank == 0:
-            self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed in stop)
-            self._write({"ampaudit_watch": 1, "dtype": self.dtype_name, "every": self.every, "world": self._world})
+            self._log = create_log(self.log_path, {"dtype": self.dtype_name, "every": self.every,
+                                                   "world": self._world})  # closed in stop
         return self
 
     def stop(self) -> None:

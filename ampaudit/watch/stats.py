@@ -21,10 +21,10 @@ import torch
 
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import arena, cpu_kernel
+from ampaudit.watch.stats_merge import FIELDS
 
 BINS = 256 * 4
 RAW = BINS + 2  # counts, absmax, overflow
-FIELDS = ("numel", "nan", "inf", "overflow", "underflow", "zero", "absmax")
 HIST = len(FIELDS)  # compact rows: the fields above, then 256 exponent counts
 WIDTH = HIST + 256
 
@@ -134,15 +134,3 @@ def to_stats(row: list[float]) -> dict:
     stats = {name: (float(row[i]) if name == "absmax" else int(row[i])) for i, name in enumerate(FIELDS)}
     stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(row[HIST:]) if c and e < 255]
     return stats
-
-
-def add_stats(total: dict, more: dict) -> dict:
-    if not total:
-        return {k: (list(map(list, v)) if k == "hist" else v) for k, v in more.items()}
-    for key in FIELDS:
-        total[key] = max(total[key], more[key]) if key == "absmax" else total[key] + more[key]
-    hist = dict(map(tuple, total["hist"]))
-    for exponent, count in more["hist"]:
-        hist[exponent] = hist.get(exponent, 0) + count
-    total["hist"] = [[e, c] for e, c in sorted(hist.items())]
-    return total

@@ -3,21 +3,18 @@ a Monitor or from a log file (``ampaudit report``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ampaudit.core.errors import UsageError
-from ampaudit.watch.stats import add_stats
+from ampaudit.watch.log_file import open_log
+from ampaudit.watch.stats_merge import add_stats
 
 
 class SummaryBuilder:
-    """``keep_records``: also keep every step's record (for plots from a log); a live
-    monitor keeps only the running totals, so its memory stays flat however long it runs."""
+    """Running totals only, so memory stays flat however long the run (or the log)."""
 
-    def __init__(self, dtype: str, *, keep_records: bool = False) -> None:
+    def __init__(self, dtype: str) -> None:
         self.dtype = dtype
-        self.keep_records = keep_records
         self.steps = 0
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
@@ -25,12 +22,9 @@ class SummaryBuilder:
         self.scales: list[list[float]] = []
         self.skipped: list[int] = []
         self.nonfinite_params: dict[int, list[str]] = {}
-        self.records: list[dict[str, Any]] = []
 
     def add(self, record: dict[str, Any]) -> None:
         """One logged step: {"step", "layers", "params", "scale", "skipped", "first_nonfinite", ...}."""
-        if self.keep_records:
-            self.records.append(record)
         self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
         if self.first_nonfinite is None and record.get("first_nonfinite"):
             self.first_nonfinite = record["first_nonfinite"]
@@ -63,28 +57,9 @@ class SummaryBuilder:
 
 
 def read_log(path: Path) -> SummaryBuilder:
-    """Rebuild a summary from a JSON-lines log; a crash mid-write leaves a last partial line,
-    which is skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    header, builder = None, None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break  # the step being written when the run died
-            raise UsageError(f"{path}:{number}: not a JSON line") from None
-        if header is None:
-            if record.get("ampaudit_watch") != 1:
-                raise UsageError(f"{path} is not an ampaudit watch log (first line has no ampaudit_watch header)")
-            header, builder = record, SummaryBuilder(record["dtype"], keep_records=True)
-            continue
+    """Rebuild a summary from a JSON-lines log, streamed: memory stays flat however long the log."""
+    header, records = open_log(path)
+    builder = SummaryBuilder(header["dtype"])
+    for record in records:
         builder.add(record)
-    if builder is None:
-        raise UsageError(f"{path} is empty")
     return builder

@@ -1,0 +1,94 @@
+"""Read a watch log (JSON lines: a header, then one record per logged step) as a stream.
+
+A log can be gigabytes: it is read one line at a time and never held whole. A run that died
+mid-write leaves a partial last line, which is skipped; a bad line anywhere else is an error
+naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any, TextIO
+
+from ampaudit.core.errors import UsageError
+
+FORMAT_VERSION = 1  # the header's "ampaudit_watch" value
+
+
+def create_log(path: Path, header: dict[str, Any]) -> TextIO:
+    """Open a new log for writing, its header written. It replaces an earlier watch log, never
+    another file: a folder, a missing folder, or a file that is not a watch log is a one-line
+    UsageError before anything is written."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"the log {path} is a folder: name a file")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"the log {path}: no folder {path.parent}")
+    if path.exists() and path.stat().st_size and not _is_log(path):
+        raise UsageError(f"the log {path} exists and is not an ampaudit watch log: refusing to overwrite it")
+    try:
+        handle = open(path, "w", encoding="utf-8")  # noqa: SIM115 (the caller closes it)
+    except OSError as exc:
+        raise UsageError(f"cannot write the log {path}: {exc.strerror or exc}") from None
+    handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header}) + "\n")
+    handle.flush()
+    return handle
+
+
+def _is_log(path: Path) -> bool:
+    try:
+        _, records = open_log(path)
+    except UsageError:
+        return False
+    records.close()  # only the header was read
+    return True
+
+
+def open_log(path: Path) -> tuple[dict[str, Any], Generator[dict[str, Any], None, None]]:
+    """The log's header (``{"ampaudit_watch": 1, "dtype": ...}``) and an iterator over its
+    step records, in order."""
+    lines = _lines(path)
+    header = next(lines, None)
+    if header is None:
+        raise UsageError(f"{path} is empty")
+    return header, lines
+
+
+def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 (closed below; a generator keeps it open while read)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with handle:
+        pending: str | None = None  # a bad line: an error unless it is the last one
+        header = False
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            if pending is not None:
+                raise UsageError(pending)
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                pending = f"{path}:{number}: not UTF-8 text"
+                continue
+            except json.JSONDecodeError:
+                pending = f"{path}:{number}: not a JSON line"
+                continue
+            if not isinstance(record, dict):
+                raise UsageError(f"{path}:{number}: a {type(record).__name__}, not a JSON object")
+            if not header:
+                if record.get("ampaudit_watch") != FORMAT_VERSION or not isinstance(record.get("dtype"), str):
+                    raise UsageError(f"{path} is not an ampaudit watch log (its first line is no ampaudit_watch "
+                                     "header)")
+                header = True
+                yield record
+                continue
+            if not isinstance(record.get("step"), int) or not isinstance(record.get("layers"), dict) \
+                    or not isinstance(record.get("params"), dict):
+                raise UsageError(f"{path}:{number}: not a step record (needs step, layers and params)")
+            yield record
+        if not header and pending is not None:
+            raise UsageError(pending)  # nothing but a bad line: not a log, not a crash
