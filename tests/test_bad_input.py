@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from ampaudit.cli.main import main
 from tests.conftest import ROOT, model
 
 CASES = {
@@ -69,3 +73,126 @@ def test_console_script_exit_code_and_no_traceback():
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("ampaudit: error: cannot import fixtures/models/bad_import.py: no module named "
                                    "'flash_attn_does_not_exist' (fixtures/models/bad_import.py:8)")
+
+
+# -- every command: each bad input of the safety issue, one line and the right exit code ------------
+
+MODEL = "import torch\nfrom torch import nn\n\n\ndef get_model():\n    return nn.Linear(4, 4)\n\n\n" \
+        "def example_inputs():\n    return (torch.ones(2, 4),)\n"
+
+
+def _files(tmp: Path, case: str) -> None:
+    """The files each case needs, in a fresh folder (also the cwd)."""
+    (tmp / "m.py").write_text(MODEL)
+    (tmp / "t.py").write_text("print('hi')\n")
+    (tmp / "log.jsonl").write_text('{"ampaudit_watch": 1, "dtype": "float16"}\n')
+    config = {
+        "cfg-select": "select = 5", "cfg-tool": None, "cfg-ops": "[tool.ampaudit.policy]\nops = 3",
+        "cfg-group": "[tool.ampaudit.policy]\ngroup = 3",
+        "cfg-module-kind": '[tool.ampaudit.policy.modules]\n"torch.nn.Linear" = "lienar"',
+    }
+    if case == "cfg-tool":
+        (tmp / "pyproject.toml").write_text("tool = 5\n")
+    elif case in config:
+        (tmp / "pyproject.toml").write_text(f"[tool.ampaudit]\n{config[case]}\n")
+    bodies = {
+        "exit-in-forward": "import sys\nimport torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n"
+                           "    def forward(self, x):\n        sys.exit(4)\n\n\ndef example_inputs():\n"
+                           "    return (torch.ones(1),)\n",
+        "exit-in-inputs": MODEL.replace("return (torch.ones(2, 4),)", "raise SystemExit(9)"),
+        "exit-message-in-factory": MODEL.replace("return nn.Linear(4, 4)", "raise SystemExit('no GPU here')"),
+        "generator-exit": MODEL.replace("return nn.Linear(4, 4)", "raise GeneratorExit"),
+        "meta-inputs": MODEL.replace("torch.ones(2, 4)", "torch.ones(2, 4, device='meta')"),
+        "hangs": MODEL.replace("def get_model():", "def get_model():\n    while True:\n        pass"),
+    }
+    if case in bodies:
+        (tmp / "m.py").write_text(bodies[case])
+    (tmp / "data.jsonl").write_text('{"mine": 1}\n')
+    (tmp / "bytes.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
+    (tmp / "list.jsonl").write_text('{"ampaudit_watch": 1, "dtype": "float16"}\n[1, 2]\n')
+    (tmp / "folder").mkdir()
+
+
+# case -> (argv, exit code, what the one stderr line says)
+EVERY_COMMAND = {
+    "cfg-select": (["check", "m.py"], 2, "select must be a list of rule codes"),
+    "cfg-tool": (["check", "m.py"], 2, "[tool] must be a table, not int"),
+    "cfg-ops": (["check", "m.py"], 2, "ops must be a table ([ops]), not int"),
+    "cfg-group": (["check", "m.py"], 2, "group must be an array of tables"),
+    "cfg-module-kind": (["check", "m.py"], 2, "torch.nn.Linear = 'lienar' is not an op kind (did you mean 'linear'?)"),
+    "exit-in-forward": (["check", "m.py:Net"], 2, "exit(4) (m.py:8)"),
+    "exit-in-inputs": (["check", "m.py"], 2, "example_inputs() raised exit(9) (m.py:10)"),
+    "exit-message-in-factory": (["check", "m.py:get_model"], 2, "get_model() raised exit('no GPU here') (m.py:6)"),
+    "generator-exit": (["check", "m.py:get_model"], 2, "get_model() raised GeneratorExit (m.py:6)"),
+    "meta-inputs": (["check", "m.py"], 2, "are meta tensors (no values): they cannot run; pass --no-run"),
+    "hangs": (["check", "m.py:get_model", "--import-timeout", "0.5"], 2,
+              "importing m.py was stopped after 0.5 s at line 6 (--import-timeout)"),
+    "timeout-negative": (["check", "m.py", "--import-timeout", "-1"], 2, "'-1' is not a number of seconds >= 0"),
+    "check-output-is-input": (["check", "m.py", "-o", "m.py"], 2, "is an input of this command"),
+    "tolerance-nan": (["convert", "m.py", "-o", "out", "--tolerance", "nan"], 2, "'nan' is not a finite relative"),
+    "tolerance-negative": (["convert", "m.py", "-o", "out", "--tolerance", "-1"], 2, "'-1' is not a finite relative"),
+    "convert-onto-file": (["convert", "m.py", "-o", "t.py"], 2, "-o t.py is a file"),
+    "convert-empty-output": (["convert", "m.py", "-o", ""], 2, "an empty path"),
+    "every-zero": (["run", "--every", "0", "t.py"], 2, "'0' is not a whole number >= 1"),
+    "log-missing-folder": (["run", "--log", "nowhere/x.jsonl", "t.py"], 2, "no folder nowhere"),
+    "log-onto-folder": (["run", "--log", "folder", "t.py"], 2, "the log folder is a folder"),
+    "log-onto-user-data": (["run", "--log", "data.jsonl", "t.py"], 2,
+                           "the log data.jsonl exists and is not an ampaudit watch log: refusing to overwrite it"),
+    "log-onto-script": (["run", "--log", "t.py", "t.py"], 2, "is an input of this command"),
+    "report-missing": (["report", "nope.jsonl"], 2, "cannot read nope.jsonl"),
+    "report-not-utf8": (["report", "bytes.jsonl"], 2, "bytes.jsonl:1: not UTF-8 text"),
+    "report-not-object": (["report", "list.jsonl"], 2, "list.jsonl:2: a list, not a JSON object"),
+    "report-not-a-log": (["report", "data.jsonl"], 2, "data.jsonl is not an ampaudit watch log"),
+    "plot-not-image": (["report", "log.jsonl", "--plot", "x.txt"], 2, "--plot x.txt: name an image file"),
+    "explain-unknown": (["explain", "AMP999"], 2, "AMP999"),
+    "ops-missing-policy": (["ops", "--policy", "nope.toml"], 2, "policy file not found: nope.toml"),
+    "rules-bad-format": (["rules", "--format", "xml"], 2, "invalid choice: 'xml'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVERY_COMMAND))
+def test_every_command_bad_input_is_one_line(tmp_path, monkeypatch, capsys, case):
+    argv, code, expected = EVERY_COMMAND[case]
+    _files(tmp_path, case)
+    monkeypatch.chdir(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    try:
+        result = main(argv)
+    except SystemExit as exc:  # argparse's own usage errors
+        result = exc.code
+    out, err = capsys.readouterr()
+    assert result == code, err
+    assert "Traceback" not in err and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ampaudit: error: "), err
+    assert expected in lines[0]
+    # no input and no bystander file was touched
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_debug_on_an_unexpected_error_prints_the_traceback_and_exits_2(cli, tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text(MODEL.replace("return nn.Linear(4, 4)", "raise GeneratorExit"))
+    monkeypatch.chdir(tmp_path)
+    result = cli("check", "m.py:get_model", "--debug")
+    assert result.code == 2 and "Traceback" in result.err and "GeneratorExit" in result.err
+
+
+def test_run_passes_the_scripts_exit_code_and_message(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("import sys\nsys.exit(4)\n")
+    (tmp_path / "b.py").write_text("import sys\nsys.exit('stopped: no data')\n")
+    assert cli("run", "--log", "a.jsonl", "a.py").code == 4
+    result = cli("run", "--log", "b.jsonl", "b.py")
+    assert result.code == 1 and "stopped: no data" in result.err.splitlines()
+
+
+def test_user_output_never_reaches_stdout_in_json_mode(tmp_path):
+    # print, sys.__stdout__ and the raw file descriptor: all to stderr, so stdout parses as JSON
+    (tmp_path / "m.py").write_text(MODEL.replace(
+        "def get_model():\n", "def get_model():\n    import os, sys\n    print('p')\n"
+        "    sys.__stdout__.write('d\\n')\n    os.write(1, b'fd\\n')\n"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout, whatever is installed
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "check", "m.py", "--format", "json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert json.loads(proc.stdout)["findings"] == []
+    assert proc.stderr.splitlines()[:3] == ["p", "d", "fd"]

@@ -110,3 +110,14 @@ def test_output_file_is_written(cli, tmp_path):
     result = cli("check", model("clean_cnn.py"), "--format", "sarif", "-o", out)
     assert result.out == ""
     assert json.loads(out.read_text())["version"] == "2.1.0"
+
+
+def test_sarif_uris_are_percent_encoded(cli, tmp_path, monkeypatch):
+    # SARIF artifact locations are RFC 3986 URI references: a space, '#' or '%' in a name is encoded
+    folder = tmp_path / "my runs #2"
+    folder.mkdir()
+    (folder / "train 100%.py").write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n")
+    monkeypatch.chdir(tmp_path)
+    doc = cli("check", "--lint-only", "my runs #2", "--format", "sarif").json()
+    locations = {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for r in doc["runs"][0]["results"]}
+    assert locations == {"my%20runs%20%232/train%20100%25.py"}

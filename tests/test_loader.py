@@ -151,3 +151,27 @@ def test_lazy_sibling_import_still_resolves_after_load(tmp_path):
         "def get_model():\n    return Net()\n")
     model = load_target(str(tmp_path / "net.py")).model
     assert model(torch.ones(1)).item() == 2.0
+
+
+def test_import_timeout_stops_code_that_swallows_the_first_stop(tmp_path):
+    # a bare `except:` catches the first stop; the limit fires again, and the line is reported
+    from ampaudit.core.errors import ModelNotBuilt
+
+    path = tmp_path / "m.py"
+    path.write_text("from torch import nn\n\n\ndef get_model():\n    while True:\n        try:\n"
+                    "            while True:\n                pass\n        except BaseException:\n"
+                    "            pass\n")
+    with pytest.raises(ModelNotBuilt, match=r"stopped after 0.3 s at line \d+ \(--import-timeout\)") as err:
+        load_target(f"{path}:get_model", import_timeout=0.3)
+    assert err.value.line in (5, 6, 7, 8, 9, 10)
+
+
+def test_import_timeout_on_the_lint_path_is_an_info_finding(cli, tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text("from torch import nn\n\n\ndef slow(fn):\n    while True:\n        pass\n\n\n"
+                                   "@slow\ndef get_model():\n    return nn.Linear(2, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    result = cli("check", "m.py", "--exec", "--import-timeout", "0.3", "--format", "json")
+    assert result.code == 0
+    (finding,) = result.json()["findings"]
+    assert (finding["rule"], finding["line"]) == ("AMP005", 5)
+    assert "still running after 0.3 s, stopped at line 5" in finding["message"]

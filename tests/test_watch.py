@@ -15,6 +15,7 @@ from torch import nn
 
 import ampaudit
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.errors import UsageError
 from ampaudit.watch import stats
 from ampaudit.watch.monitor import NonFiniteError
 from ampaudit.watch.summary import read_log
@@ -544,3 +545,38 @@ def test_ddp_reduce_sums_counts_keeps_maxima_and_the_earliest_rank(monkeypatch):
     assert out[-5] == 2.5 and out[-4] == 6.0  # the largest norm; overflow-at-scale counts summed
     assert divmod(int(out[-3]), 3) == (4, 1)  # the earliest event, from the lowest rank that had it
     assert (out[-2], out[-1]) == (1024.0, 1.0)
+
+
+def test_report_streams_the_log_without_torch(tmp_path):
+    # `ampaudit report` holds running totals only and never imports torch (whose import alone
+    # is ~220 MB): a 1 GB log is read in ~20 MB (docs/benchmarks.md)
+    log = _logged_run(tmp_path, steps=2)
+    lines = log.read_text().splitlines()
+    many = tmp_path / "many.jsonl"
+    with many.open("w") as out:
+        out.write(lines[0] + "\n")
+        for step in range(2000):
+            record = json.loads(lines[1])
+            record["step"] = step
+            out.write(json.dumps(record) + "\n")
+    code = ("import sys, tracemalloc; tracemalloc.start()\n"
+            "from ampaudit.watch.summary import read_log\n"
+            f"summary = read_log({str(many)!r}).summary()\n"
+            "assert summary['steps'] == 2000, summary['steps']\n"
+            "assert 'torch' not in sys.modules\n"
+            "print(tracemalloc.get_traced_memory()[1])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) < 2 * many.stat().st_size / 2000 + 2_000_000  # a few records' worth, not 2000
+
+
+def test_report_names_the_bad_line_and_skips_a_partial_last_one(tmp_path):
+    log = _logged_run(tmp_path, steps=3)
+    text = log.read_text()
+    (tmp_path / "partial.jsonl").write_text(text + '{"step": 3, "lay')
+    assert read_log(tmp_path / "partial.jsonl").summary() == read_log(log).summary()
+    lines = text.splitlines()
+    (tmp_path / "middle.jsonl").write_text("\n".join([lines[0], lines[1], "{oops", lines[2]]) + "\n")
+    with pytest.raises(UsageError, match=r"middle.jsonl:3: not a JSON line"):
+        read_log(tmp_path / "middle.jsonl")

@@ -7,7 +7,6 @@ Exit codes, like ruff: 0 no finding at or above --fail-on, 1 findings, 2 usage o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +35,13 @@ def _number(kind: type, *, least: float, what: str):
     return parse
 
 
+def _path(text: str) -> Path:
+    """A path argument; an empty one would silently mean the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: name a file or folder")
+    return Path(text)
+
+
 _SECONDS = _number(float, least=0, what="a number of seconds >= 0")
 _TOLERANCE = _number(float, least=0, what="a finite relative error >= 0")
 _EVERY = _number(int, least=1, what="a whole number >= 1")
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(model.py:\"GPT(GPTConfig(n_layer=2))\"); a model alone: module.path:NAME_OR_EXPR "
                             "(torch.nn:\"Linear(4, 4)\") or hf:MODEL_TYPE (hf:gpt2)")
     check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
-    check.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
+    check.add_argument("-o", "--output", type=_path, help="write the report to this file instead of stdout")
     check.add_argument("--dtype", choices=LOW_DTYPES, help="target low-precision dtype "
                        "(default: float16, or [tool.ampaudit] dtype)")
     check.add_argument("--input-shape", action="append", default=[], metavar="SHAPE",
@@ -100,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "it against fp32, and write a standalone module, its weights and plan.json.")
     conv.add_argument("target", metavar="PATH[:NAME]",
                       help="model file (entry points as for `check`), module.path:NAME_OR_EXPR or hf:MODEL_TYPE")
-    conv.add_argument("-o", "--output", type=Path, required=True, metavar="OUT_DIR", help="folder to write to")
+    conv.add_argument("-o", "--output", type=_path, required=True, metavar="OUT_DIR", help="folder to write to")
     conv.add_argument("--dtype", choices=LOW_DTYPES, default="float16")
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
     conv.add_argument("--tolerance", type=_TOLERANCE,
@@ -121,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a training script with ampaudit watch attached",
                          description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
                                      "of every module that runs forward and every optimizer that steps.")
-    run.add_argument("--log", type=Path, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")
+    run.add_argument("--log", type=_path, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")
     run.add_argument("--every", type=_EVERY, default=1, help="record every N-th step (default 1)")
     run.add_argument("--dtype", choices=LOW_DTYPES, default="float16",
                      help="the low-precision dtype to count overflow/underflow against")
@@ -130,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="summarize an ampaudit watch log")
     report.add_argument("log", type=Path)
     report.add_argument("--format", choices=("text", "json"), default="text")
-    report.add_argument("--plot", type=Path, metavar="PNG", help="also plot histograms and over/underflow")
-    report.add_argument("--tensorboard", type=Path, metavar="DIR",
+    report.add_argument("--plot", type=_path, metavar="PNG", help="also plot histograms and over/underflow")
+    report.add_argument("--tensorboard", type=_path, metavar="DIR",
                         help="also write per-step scalars (overflow, underflow, loss scale, ...) for TensorBoard")
 
     rules = sub.add_parser("rules", help="list the rules")
@@ -171,6 +177,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ampaudit.check.options import CheckOptions
     from ampaudit.check.run import check_targets
     from ampaudit.core.config import check_prefixes, load_config
+    from ampaudit.core.streams import user_output_to_stderr
     from ampaudit.load.spec import parse_spec
 
     first = parse_spec(args.targets[0])
@@ -189,8 +196,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                            lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar)
 
     def run():
-        # The user's model code may print; keep stdout for the report (JSON must stay parseable).
-        with contextlib.redirect_stdout(sys.stderr):
+        with user_output_to_stderr():  # the user's model code may print: stdout is the report's
             return check_targets(args.targets, config, options)
 
     report = run()
@@ -346,13 +352,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ampaudit.convert.export import check_export_folder, export
     from ampaudit.core.console import make_console
     from ampaudit.core.findings import Target
+    from ampaudit.core.streams import user_output_to_stderr
     from ampaudit.load.loader import NotImported, load_target
     from ampaudit.load.spec import parse_spec
     from ampaudit.report.conversion import render_conversion
 
     model_file = parse_spec(args.target).path
     check_export_folder(args.output, force=args.force, inputs=[model_file] if model_file else [])  # before the work
-    with contextlib.redirect_stdout(sys.stderr):
+    with user_output_to_stderr():
         loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                              input_dtypes=args.input_dtype, model_config=args.model_config,
                              import_timeout=args.import_timeout)

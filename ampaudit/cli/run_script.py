@@ -24,8 +24,10 @@ def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtyp
     monitor.start()
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as exc:  # the script's own exit code is ours
+    except SystemExit as exc:  # the script's own exit code is ours, and its message, as python shows them
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            sys.stderr.write(f"{exc.code}\n")
     except KeyboardInterrupt:
         code = 130
         sys.stderr.write("ampaudit run: interrupted\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,12 @@ def _rule_descriptor(rule: RuleInfo) -> dict[str, Any]:
 
 
 def _uri(file: str) -> tuple[str, str | None]:
+    """A URI reference (RFC 3986, as SARIF requires): spaces, ``#``, ``%`` and the like
+    percent-encoded; relative paths resolve against %SRCROOT%."""
     path = Path(file)
     if path.is_absolute():
         return path.as_uri(), None
-    return path.as_posix(), "%SRCROOT%"
+    return urllib.parse.quote(path.as_posix(), safe="/"), "%SRCROOT%"
 
 
 def _fingerprint(finding: Finding) -> str:
