@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,59 @@ def test_user_output_never_reaches_stdout_in_json_mode(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env)
     assert json.loads(proc.stdout)["findings"] == []
     assert proc.stderr.splitlines()[:3] == ["p", "d", "fd"]
+
+
+def _readme_exit_table() -> set[tuple[str, int]]:
+    """(command, code) for every cell of README's exit-code table that is not a dash."""
+    lines = (ROOT / "README.md").read_text().split("## Exit codes", 1)[1].split("\n\n")[1].splitlines()
+    header = [cell.strip(" `") for cell in lines[0].strip("|").split("|")][1:]
+    cells = set()
+    for row in lines[2:]:
+        code, *values = (cell.strip() for cell in row.strip("|").split("|"))
+        for commands, value in zip(header, values, strict=True):
+            if value != "—":
+                cells |= {(command.strip(" `"), int(code)) for command in commands.split(",")}
+    return cells
+
+
+EXIT_CODE_CASES = {  # (command, code) -> argv; files from _files(), cwd in that folder
+    ("check", 0): ["check", "m.py"],
+    ("check", 1): ["check", "--lint-only", "amp.py"],
+    ("check", 2): ["check", "nope.py"],
+    ("convert", 0): ["convert", "m.py", "-o", "out"],
+    ("convert", 1): ["convert", "m.py", "-o", "out", "--tolerance", "0"],  # with a forced error, below
+    ("convert", 2): ["convert", "m.py", "-o", "t.py"],
+    ("run", 0): ["run", "--log", "r.jsonl", "t.py"],
+    ("run", 1): ["run", "--log", "r.jsonl", "fails.py"],
+    ("run", 2): ["run", "--every", "0", "t.py"],
+    ("report", 0): ["report", "log.jsonl"],
+    ("report", 2): ["report", "data.jsonl"],
+    ("rules", 0): ["rules"],
+    ("rules", 2): ["rules", "--format", "xml"],
+    ("explain", 0): ["explain", "AMP101"],
+    ("explain", 2): ["explain", "AMP999"],
+    ("ops", 0): ["ops", "linear"],
+    ("ops", 2): ["ops", "--policy", "nope.toml"],
+}
+
+
+def test_exit_codes_are_the_readmes(tmp_path, monkeypatch, capsys):
+    assert set(EXIT_CODE_CASES) == _readme_exit_table()
+    _files(tmp_path, "")
+    (tmp_path / "amp.py").write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n")
+    (tmp_path / "fails.py").write_text("raise SystemExit(1)\n")
+    monkeypatch.chdir(tmp_path)
+    for (command, code), argv in EXIT_CODE_CASES.items():
+        if (command, code) == ("convert", 1):
+            import ampaudit.convert.api as api
+            import ampaudit.convert.verify as verify
+
+            for module in (api, verify):  # an error no promotion removes: the tolerance is out of reach
+                monkeypatch.setattr(module, "output_error", lambda *a, **k: 0.5)
+        try:
+            result = main(argv)
+        except SystemExit as exc:
+            result = exc.code
+        assert result == code, (argv, capsys.readouterr().err)
+        capsys.readouterr()
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)

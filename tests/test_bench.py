@@ -41,3 +41,8 @@ def test_gpu_watch_benchmark_runs_without_libcst_or_transformers():
     out = _run("-c", code)
     assert out.startswith("GPT-2 (bench/gpt2_model.py)")
     assert set(_ratios(out)) == {"plain", "watch", "watch every=10", "naive .item() hooks", "detect_anomaly"}
+
+
+def test_report_benchmark_runs():
+    out = _run("bench/report_log.py", "--megabytes", "1")
+    assert re.match(r"log 1 MB, [\d,]+ steps: [\d.]+ s, peak RSS \d+ MB$", out.strip()), out
