@@ -12,6 +12,7 @@ from ampaudit._version import __version__
 if TYPE_CHECKING:
     from ampaudit.check.api import check
     from ampaudit.convert.api import convert
+    from ampaudit.convert.apply import apply
     from ampaudit.core.findings import Finding, NodeDecision, Report
     from ampaudit.watch.monitor import watch
 else:
@@ -19,9 +20,10 @@ else:
     # ampaudit.watch(model, ...) monitors training.
     from ampaudit import check, convert, watch
 
-__all__ = ["Finding", "NodeDecision", "Report", "__version__", "check", "convert", "watch"]
+__all__ = ["Finding", "NodeDecision", "Report", "__version__", "apply", "check", "convert", "watch"]
 
 _LAZY = {
+    "apply": ("ampaudit.convert.apply", "apply"),
     "Report": ("ampaudit.core.findings", "Report"),
     "Finding": ("ampaudit.core.findings", "Finding"),
     "NodeDecision": ("ampaudit.core.findings", "NodeDecision"),

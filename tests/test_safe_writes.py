@@ -201,14 +201,21 @@ def test_convert_refuses_a_folder_of_the_users_files(tmp_path, cli):
 
 
 def test_a_second_export_replaces_the_first_completely(tmp_path, cli):
+    import json
+
     from tests.conftest import ROOT
 
     out = tmp_path / "out"
     assert cli("convert", str(ROOT / "fixtures/models/untraceable.py"), "-o", str(out)).code == 0
-    assert (out / "model.pt").is_file()
-    assert cli("convert", str(ROOT / "fixtures/models/clean_cnn.py"), "-o", str(out)).code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["ampaudit-export.json", "plan.json", "weights.safetensors"]
+    (out / "module.py").write_text("# an earlier export's, listed in its manifest\n")
+    manifest = json.loads((out / "ampaudit-export.json").read_text())
+    (out / "ampaudit-export.json").write_text(json.dumps({**manifest, "files": [*manifest["files"], "module.py",
+                                                                                 "modules.pt"]}))
+    (out / "modules.pt").write_text("stale\n")
+    assert cli("convert", str(ROOT / "fixtures/models/untraceable.py"), "-o", str(out)).code == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "ampaudit-export.json", "module.py", "modules.pt", "plan.json", "weights.pt"]  # no stale model.pt
+        "ampaudit-export.json", "plan.json", "weights.safetensors"]  # no stale module.py or modules.pt
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging folder left
 
 

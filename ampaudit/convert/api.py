@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ampaudit.convert.plan import decide, plan_records
+from ampaudit.convert.plan import FP32, Decision, decide, plan_records
 from ampaudit.convert.rewrite import rewrite
 from ampaudit.convert.verify import output_error, search_promotions
 from ampaudit.core.arguments import require_module
@@ -40,6 +40,8 @@ class ConversionSummary:
     error_after: float | None = None
     promoted: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
+    keep_low_outputs: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -111,74 +113,104 @@ def convert(
                                                             loss_scale=loss_scale)
 
 
+def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records: list[Mapping[str, Any]], *,
+                    config: Config | None = None) -> torch.nn.Module:
+    """``model`` converted as an earlier conversion was (``plan.json``'s summary and records):
+    every op it ran in fp32 - by the catalog, a constant, a measured overflow or verification -
+    is fp32 again, without example inputs or a search."""
+    try:
+        low = LowDtype.parse(summary["dtype"])
+        constants, keep = str(summary.get("constants", "fp32")), bool(summary.get("keep_low_outputs", False))
+        # what depended on the example inputs: verification's promotions, measured overflows
+        forced = {str(r["node"]): Decision(FP32, str(r["reason"]), r["rule"]) for r in records
+                  if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301")}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"not an ampaudit plan: {exc}") from None
+    file = forward_location(model).file
+    config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
+    was_training = model.training
+    try:
+        model_mp = _convert_once(model, build_catalog(config), low, None, promoted=forced, constants=constants,
+                                 keep_low_outputs=keep)
+    finally:
+        model.train(was_training)
+    model_mp.train(was_training)
+    return model_mp
+
+
+@dataclass
+class _Conversion:
+    """What every module of one conversion shares, and what it gathers."""
+
+    catalog: Catalog
+    low: LowDtype
+    promoted: Mapping[str, str | Decision]
+    constants: str
+    keep_low_outputs: bool
+    records: list[dict[str, Any]] = field(default_factory=list)  # the plan, op by op
+    notes: list[str] = field(default_factory=list)
+    casts: int = 0
+
+
 def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
-                  inputs: ExampleInputs | None, *, promoted: dict[str, str], constants: str,
+                  inputs: ExampleInputs | None, *, promoted: Mapping[str, str | Decision], constants: str,
                   keep_low_outputs: bool) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
-    records: list[dict[str, Any]] = []
-    notes: list[str] = []
-    converted, casts = _convert_tree(work, "", catalog, low, inputs, promoted, constants, keep_low_outputs,
-                                     records, notes)
-    calls = [r for r in records if r["op"].startswith("call_")]
-    converted.plan = records
+    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs)
+    converted = _convert_tree(work, "", inputs, run)
+    calls = [r for r in run.records if r["op"].startswith("call_")]
+    converted.plan = run.records
     converted.summary = ConversionSummary(
-        dtype=low.name, casts=casts, ops_fp32=sum(r["compute"] == "float32" for r in calls),
+        dtype=low.name, casts=run.casts, ops_fp32=sum(r["compute"] == "float32" for r in calls),
         ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(converted),
-        promoted=[{"node": k, "reason": v} for k, v in promoted.items()], notes=notes,
+        promoted=[{"node": k, "reason": getattr(v, "reason", v)} for k, v in promoted.items()], notes=run.notes,
+        constants=constants, keep_low_outputs=keep_low_outputs,
     )
     if not isinstance(converted, fx.GraphModule):
         converted.code = f"# {type(model).__name__}.forward is not traceable: its submodules were converted\n"
     return converted
 
 
-def _convert_tree(module: torch.nn.Module, prefix: str, catalog: Catalog, low: LowDtype,
-                  inputs: ExampleInputs | None, promoted: dict[str, str], constants: str, keep_low_outputs: bool,
-                  records: list[dict[str, Any]], notes: list[str]) -> tuple[torch.nn.Module, int]:
+def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | None,
+                  run: _Conversion, *, keep_low_outputs: bool | None = None) -> torch.nn.Module:
     """Convert ``module``; where torch.fx cannot trace a forward, keep that forward in fp32
-    and convert the submodules it calls, recursively. Returns (module, casts inserted)."""
-    gm, failure = fx_trace(module, catalog)
+    and convert the submodules it calls, recursively."""
+    gm, failure = fx_trace(module, run.catalog)
     opaque: list[str] = []
     while gm is None and failure.module and failure.module not in opaque:
         opaque.append(failure.module)  # keep the failing submodule whole; trace the rest
-        gm, failure = fx_trace(module, catalog, opaque)
+        gm, failure = fx_trace(module, run.catalog, opaque)
     label = prefix or type(module).__name__
     if gm is None:
-        notes.append(f"{label}: forward not traceable by torch.fx ({failure.message}); kept in fp32, "
-                     "its submodules converted")
-        return module, _convert_children(module, prefix, catalog, low, promoted, constants, records, notes)
+        run.notes.append(f"{label}: forward not traceable by torch.fx ({failure.message}); kept in fp32, "
+                         "its submodules converted")
+        _convert_children(module, prefix, run)
+        return module
     if inputs is not None:
-        measure_ranges(gm, inputs, catalog, low)
+        measure_ranges(gm, inputs, run.catalog, run.low)
     if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
-        notes.append(f"{label}: F.dropout(..., training=self.training) was traced in eval mode and stays off in "
-                     "the converted model; nn.Dropout modules follow model_mp.train() as usual")
-    sub = SubGraph(prefix, gm)
-    view = GraphView.build(sub, catalog, low, frozenset(_join(prefix, p) for p in opaque))
-    plan = decide(view, constants=constants, promoted=promoted)
-    stats = rewrite(gm, plan, low.torch, keep_low_outputs=keep_low_outputs)
-    records += plan_records(view, plan, stats.produced)
-    casts = stats.casts
+        run.notes.append(f"{label}: F.dropout(..., training=self.training) was traced in eval mode and stays off "
+                         "in the converted model; nn.Dropout modules follow model_mp.train() as usual")
+    view = GraphView.build(SubGraph(prefix, gm), run.catalog, run.low, frozenset(_join(prefix, p) for p in opaque))
+    plan = decide(view, constants=run.constants, promoted=run.promoted)
+    keep = run.keep_low_outputs if keep_low_outputs is None else keep_low_outputs
+    stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep)
+    run.records += plan_records(view, plan, stats.produced)
+    run.casts += stats.casts
     for path in opaque:
-        notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "
-                     "converted")
-        casts += _convert_children(gm.get_submodule(path), _join(prefix, path), catalog, low, promoted,
-                                   constants, records, notes)
-    return gm, casts
+        run.notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "
+                         "converted")
+        _convert_children(gm.get_submodule(path), _join(prefix, path), run)
+    return gm
 
 
-def _convert_children(owner: torch.nn.Module, prefix: str, catalog: Catalog, low: LowDtype,
-                      promoted: dict[str, str], constants: str, records: list[dict[str, Any]],
-                      notes: list[str]) -> int:
+def _convert_children(owner: torch.nn.Module, prefix: str, run: _Conversion) -> None:
     """Replace each child of an untraceable module by its conversion. Children get fp32 in
     and give fp32 out, so the untraceable forward around them works unchanged."""
-    casts = 0
     for child_name, child in list(owner.named_children()):
         if not any(True for _ in child.parameters()):
             continue  # nothing to store in low precision
-        converted, added = _convert_tree(child, _join(prefix, child_name), catalog, low, None, promoted,
-                                         constants, False, records, notes)
-        setattr(owner, child_name, converted)
-        casts += added
-    return casts
+        setattr(owner, child_name, _convert_tree(child, _join(prefix, child_name), None, run, keep_low_outputs=False))
 
 
 def _join(prefix: str, path: str) -> str:

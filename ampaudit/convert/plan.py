@@ -10,7 +10,8 @@ runs in fp32 (or has its constant clamped), and ops promoted by verification do 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import fx
@@ -34,11 +35,11 @@ class Decision:
 
 
 def decide(
-    view: GraphView, *, constants: str = "fp32", promoted: dict[str, str] | None = None
+    view: GraphView, *, constants: str = "fp32", promoted: Mapping[str, str | Decision] | None = None
 ) -> dict[fx.Node, Decision]:
     """``constants``: "fp32" keeps an op with an out-of-range constant in fp32; "clamp"
     clamps the constant to the dtype's finite limit instead. ``promoted``: node name ->
-    reason, for ops verification moved to fp32."""
+    reason, for ops verification moved to fp32 (or the decision itself, for a plan made again)."""
     promoted = promoted or {}
     limit = view.dtype.max
     plan: dict[fx.Node, Decision] = {}
@@ -50,7 +51,8 @@ def decide(
         elif view.is_opaque(node):
             plan[node] = Decision(FP32, "not traced by torch.fx: kept in fp32")
         elif name in promoted:
-            plan[node] = Decision(FP32, promoted[name], "verify")
+            given = promoted[name]
+            plan[node] = replace(given) if isinstance(given, Decision) else Decision(FP32, given, "verify")
         elif policy is not None and policy.precision is Precision.LOW:
             plan[node] = Decision(LOW, policy.reason)
         elif policy is not None and policy.precision is Precision.FP32:

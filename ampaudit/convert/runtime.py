@@ -1,4 +1,4 @@
-"""What converted models call at run time. Kept tiny: exported models import it."""
+"""What converted models call at run time."""
 
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""``ampaudit.apply(model, DIR)``: load an export without pickles.
+
+The export holds the plan and the weights, not the model's code: the user builds the model as
+usual, and it is converted again by the plan - the same rewrite, with the promotions that
+verification chose recorded in the plan, so no example inputs and no search are needed. The
+rebuilt plan must match the recorded one op for op (else the model is not the one that was
+converted), then the mixed-dtype weights are loaded with safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampaudit.convert.api import convert_by_plan
+from ampaudit.convert.export import PLAN, WEIGHTS
+from ampaudit.core.arguments import require_module
+from ampaudit.core.config import Config
+from ampaudit.core.errors import UsageError
+
+
+def apply(model: torch.nn.Module, export: str | Path, *, config: Config | None = None) -> torch.nn.Module:
+    """``model`` (built as it was before ``ampaudit convert``) converted by the export in the
+    folder ``export`` (or by the ``plan.json`` file itself, without weights), with its weights."""
+    require_module(model, "ampaudit.apply")
+    path = Path(export)
+    plan_file = path / PLAN if path.is_dir() else path
+    weights = plan_file.parent / WEIGHTS if path.is_dir() else None
+    try:
+        data = json.loads(plan_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the plan {plan_file}: {exc}") from None
+    if not isinstance(data, dict) or "summary" not in data or "plan" not in data:
+        raise UsageError(f"{plan_file} is not an ampaudit plan")
+    model_mp = convert_by_plan(model, data["summary"], data["plan"], config=config)
+    _check_same(plan_file, data["plan"], model_mp.plan)
+    if weights is not None:
+        if not weights.is_file():
+            raise UsageError(f"{weights}: no weights in the export")
+        from safetensors.torch import load_model
+
+        missing, unexpected = load_model(model_mp, str(weights), strict=False)
+        if missing or unexpected:
+            raise UsageError(f"{weights} does not fit this model: missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(unexpected)[:3]}")
+    return model_mp
+
+
+def _check_same(plan_file: Path, recorded: list[dict[str, Any]], rebuilt: list[dict[str, Any]]) -> None:
+    def key(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        return [(str(r.get("node")), str(r.get("compute"))) for r in records]
+
+    if key(recorded) != key(rebuilt):
+        for (node, was), (now_node, now) in zip(key(recorded), key(rebuilt), strict=False):
+            if (node, was) != (now_node, now):
+                raise UsageError(f"{plan_file} was made for another model: its op {node} ran in {was}, this model's "
+                                 f"{now_node} in {now}")
+        raise UsageError(f"{plan_file} was made for another model: {len(recorded)} ops planned, this model has "
+                         f"{len(rebuilt)}")
