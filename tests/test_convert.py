@@ -387,3 +387,37 @@ def test_apply_refuses_a_plan_made_for_another_model(cli, tmp_path):
     other = load_target(model("clean_cnn.py")).model
     with pytest.raises(UsageError, match="was made for another model"):
         ampaudit.apply(other, out)
+
+
+def test_tied_weights_stay_one_parameter_and_train_like_fp32(cli, tmp_path):
+    # nanoGPT's tie (wte.weight = lm_head.weight) in a model fx cannot trace at the top level:
+    # its children are converted one by one and must keep sharing one tensor. Before, the
+    # converted model had 29 parameters instead of 28 and its lm_head never trained.
+    loaded = load_target(model("tied_gpt.py"))
+    torch.manual_seed(0)
+    reference = copy.deepcopy(loaded.model)
+    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
+    model_mp, opt_mp = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs)
+    assert model_mp.lm_head.weight is model_mp.wte.weight
+    assert len(list(model_mp.parameters())) == len(list(loaded.model.parameters())) == 28
+    assert len(opt_mp.pairs) + len(opt_mp.fp32_params) == 28
+    state = model_mp.state_dict()
+    assert state["wte.weight"].data_ptr() == state["lm_head.weight"].data_ptr()
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    x, y = loaded.inputs.args
+    for _ in range(50):
+        loss = model_mp(x, y)
+        opt_mp.zero_grad()
+        opt_mp.backward(loss)
+        opt_mp.step()
+        fp32_loss = reference(x, y)
+        reference_opt.zero_grad()
+        fp32_loss.backward()
+        reference_opt.step()
+    assert fp32_loss.item() < 3.2  # it trained (from 4.65)
+    assert abs(loss.item() - fp32_loss.item()) / fp32_loss.item() < 0.02
+    # the export keeps the tie too
+    out = tmp_path / "export"
+    assert cli("convert", model("tied_gpt.py"), "-o", out).code == 0
+    applied = ampaudit.apply(load_target(model("tied_gpt.py")).model, out)
+    assert applied.lm_head.weight is applied.wte.weight

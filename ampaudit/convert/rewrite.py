@@ -54,13 +54,11 @@ def _attr(gm: fx.GraphModule, target: str):
 
 
 def _store_low(gm: fx.GraphModule, target: str, dtype: torch.dtype) -> None:
-    owner_path, _, name = target.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
-    value = getattr(owner, name)
-    if isinstance(value, torch.nn.Parameter):
-        setattr(owner, name, torch.nn.Parameter(value.detach().to(dtype), requires_grad=value.requires_grad))
-    else:
-        setattr(owner, name, value.to(dtype))
+    """Store a tensor in the low dtype in place, as ``Module.to`` does: a tensor tied to other
+    modules (``lm_head.weight = wte.weight``) stays one tensor, whichever graph holds them."""
+    value = _attr(gm, target)
+    with torch.no_grad():
+        value.data = value.data.to(dtype)
 
 
 def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtype, *,
