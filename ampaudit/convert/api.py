@@ -23,6 +23,7 @@ from ampaudit.core.errors import UsageError
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
+from ampaudit.graph.module_calls import concrete_args, record_calls
 from ampaudit.graph.trace import SubGraph
 from ampaudit.graph.view import GraphView
 
@@ -147,6 +148,7 @@ class _Conversion:
     promoted: Mapping[str, str | Decision]
     constants: str
     keep_low_outputs: bool
+    calls: Mapping[str, ExampleInputs] = field(default_factory=dict)  # how each submodule was called
     records: list[dict[str, Any]] = field(default_factory=list)  # the plan, op by op
     notes: list[str] = field(default_factory=list)
     casts: int = 0
@@ -156,7 +158,8 @@ def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, *, promoted: Mapping[str, str | Decision], constants: str,
                   keep_low_outputs: bool) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
-    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs)
+    calls = record_calls(work, inputs) if inputs is not None else {}  # for children traced on their own
+    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, calls=calls)
     converted = _convert_tree(work, "", inputs, run)
     calls = [r for r in run.records if r["op"].startswith("call_")]
     converted.plan = run.records
@@ -175,11 +178,13 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
                   run: _Conversion, *, keep_low_outputs: bool | None = None) -> torch.nn.Module:
     """Convert ``module``; where torch.fx cannot trace a forward, keep that forward in fp32
     and convert the submodules it calls, recursively."""
-    gm, failure = fx_trace(module, run.catalog)
+    call = run.calls.get(prefix) if prefix else None  # the model itself is traced as the user calls it
+    fixed = concrete_args(module, call) if call is not None else None
+    gm, failure = fx_trace(module, run.catalog, concrete_args=fixed)
     opaque: list[str] = []
     while gm is None and failure.module and failure.module not in opaque:
         opaque.append(failure.module)  # keep the failing submodule whole; trace the rest
-        gm, failure = fx_trace(module, run.catalog, opaque)
+        gm, failure = fx_trace(module, run.catalog, opaque, concrete_args=fixed)
     label = prefix or type(module).__name__
     if gm is None:
         run.notes.append(f"{label}: forward not traceable by torch.fx ({failure.message}); kept in fp32, "
@@ -210,7 +215,9 @@ def _convert_children(owner: torch.nn.Module, prefix: str, run: _Conversion) -> 
     for child_name, child in list(owner.named_children()):
         if not any(True for _ in child.parameters()):
             continue  # nothing to store in low precision
-        setattr(owner, child_name, _convert_tree(child, _join(prefix, child_name), None, run, keep_low_outputs=False))
+        path = _join(prefix, child_name)
+        converted = _convert_tree(child, path, run.calls.get(path), run, keep_low_outputs=False)
+        setattr(owner, child_name, converted)
 
 
 def _join(prefix: str, path: str) -> str:

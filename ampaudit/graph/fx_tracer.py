@@ -83,12 +83,13 @@ class FxFailure:
 
 @boundary
 def fx_trace(
-    root: torch.nn.Module, catalog: Catalog, opaque: Collection[str] = ()
+    root: torch.nn.Module, catalog: Catalog, opaque: Collection[str] = (), concrete_args: dict[str, Any] | None = None
 ) -> tuple[fx.GraphModule | None, FxFailure | None]:
-    """Trace ``root``; on failure return which (innermost) module failed and where."""
+    """Trace ``root``; on failure return which (innermost) module failed and where.
+    ``concrete_args``: forward's non-tensor arguments to specialise on (module_calls.py)."""
     tracer = AuditTracer(catalog, opaque)
     try:
-        graph = tracer.trace(root)
+        graph = tracer.trace(root, concrete_args=concrete_args)
     except USER_CODE_ERRORS as exc:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
         path = tracer.failed_module or ""
         failed = root.get_submodule(path) if path else root
