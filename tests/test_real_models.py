@@ -182,3 +182,15 @@ def test_convert_hf_models_built_from_configs(spec):
     assert summary.ops_low > 0 and summary.param_bytes.get("float16", 0) > summary.param_bytes.get("float32", 0)
     with torch.no_grad():
         model_mp(*loaded.inputs.args, **loaded.inputs.kwargs)
+
+
+def test_convert_keeps_t5s_declared_fp32_modules_in_fp32():
+    import ampaudit
+    from ampaudit.load.loader import load_target
+
+    loaded = load_target("hf:t5")
+    model_mp = ampaudit.convert(loaded.model, loaded.inputs)
+    wo = [r for r in model_mp.plan if r["op"] == "call_module" and (r["module"] or "").endswith("DenseReluDense.wo")]
+    assert len(wo) == 4 and {(r["compute"], r["rule"]) for r in wo} == {("float32", "declared")}
+    assert "keeps encoder.block.0.layer.1.DenseReluDense.wo in fp32 (_keep_in_fp32_modules)" in wo[0]["reason"]
+    assert {p.dtype for n, p in model_mp.named_parameters() if n.endswith("wo.weight")} == {__import__("torch").float32}

@@ -20,6 +20,7 @@ from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config, load_config
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
+from ampaudit.graph.declared import Declared, declared_precision
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
@@ -149,6 +150,7 @@ class _Conversion:
     constants: str
     keep_low_outputs: bool
     calls: Mapping[str, ExampleInputs] = field(default_factory=dict)  # how each submodule was called
+    declared: Declared = field(default_factory=Declared)  # what the model keeps in fp32 itself
     records: list[dict[str, Any]] = field(default_factory=list)  # the plan, op by op
     notes: list[str] = field(default_factory=list)
     casts: int = 0
@@ -159,7 +161,8 @@ def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   keep_low_outputs: bool) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
     calls = record_calls(work, inputs) if inputs is not None else {}  # for children traced on their own
-    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, calls=calls)
+    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, calls=calls,
+                      declared=declared_precision(work, low))
     converted = _convert_tree(work, "", inputs, run)
     calls = [r for r in run.records if r["op"].startswith("call_")]
     converted.plan = run.records
@@ -196,7 +199,8 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
     if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
         run.notes.append(f"{label}: F.dropout(..., training=self.training) was traced in eval mode and stays off "
                          "in the converted model; nn.Dropout modules follow model_mp.train() as usual")
-    view = GraphView.build(SubGraph(prefix, gm), run.catalog, run.low, frozenset(_join(prefix, p) for p in opaque))
+    view = GraphView.build(SubGraph(prefix, gm), run.catalog, run.low, frozenset(_join(prefix, p) for p in opaque),
+                           declared=run.declared)
     plan = decide(view, constants=run.constants, promoted=run.promoted)
     keep = run.keep_low_outputs if keep_low_outputs is None else keep_low_outputs
     stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep)

@@ -50,6 +50,10 @@ def decide(
             plan[node] = Decision(FOLLOW, "graph input, parameter or output")
         elif view.is_opaque(node):
             plan[node] = Decision(FP32, "not traced by torch.fx: kept in fp32")
+        elif node in view.fp32_declared:
+            declared = view.fp32_declared[node]
+            plan[node] = Decision(FP32, f"{view.declared.owner or 'the model'} keeps {declared.path} in fp32 "
+                                        f"({declared.attribute})", "declared")
         elif name in promoted:
             given = promoted[name]
             plan[node] = replace(given) if isinstance(given, Decision) else Decision(FP32, given, "verify")
