@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -421,3 +422,28 @@ def test_tied_weights_stay_one_parameter_and_train_like_fp32(cli, tmp_path):
     assert cli("convert", model("tied_gpt.py"), "-o", out).code == 0
     applied = ampaudit.apply(load_target(model("tied_gpt.py")).model, out)
     assert applied.lm_head.weight is applied.wte.weight
+
+
+class _Spectral(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.out = nn.Linear(9, 4)
+
+    def forward(self, x):
+        return self.out(torch.fft.rfft(self.inp(x), dim=-1).abs())
+
+
+def test_ops_without_a_low_precision_kernel_here_stay_fp32(tmp_path):
+    # torch.fft has no float16 kernel on a CPU: before, the converted model raised
+    # "Unsupported dtype Half"; now that op is found by one run and kept in fp32
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model_mp = ampaudit.convert(_Spectral(), (x,))
+    (entry,) = [r for r in model_mp.plan if r["rule"] == "kernel"]
+    assert entry["node"] == "fft_rfft" and entry["compute"] == "float32"
+    assert entry["reason"].startswith("no float16 kernel for this op on cpu (RuntimeError: Unsupported dtype Half)")
+    assert model_mp.summary.error_after < 1e-2 and model_mp.inp.weight.dtype == torch.float16
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"summary": model_mp.summary.to_dict(), "plan": model_mp.plan}, default=str))
+    assert ampaudit.apply(_Spectral(), plan).plan == model_mp.plan  # the plan makes it again, without inputs

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ampaudit.convert.kernel_probe import promote_missing_kernels
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
 from ampaudit.convert.rewrite import rewrite
 from ampaudit.convert.verify import output_error, search_promotions
@@ -92,14 +93,20 @@ def convert(
         refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
 
-    def build(promoted: dict[str, str]) -> fx.GraphModule:
-        return _convert_once(model, catalog, low, inputs, promoted=promoted, constants=constants,
+    kernels: dict[str, Decision] = {}  # ops with no low-precision kernel here: fp32 in every build
+
+    def build(promoted: Mapping[str, str | Decision]) -> fx.GraphModule:
+        return _convert_once(model, catalog, low, inputs, promoted={**promoted, **kernels}, constants=constants,
                              keep_low_outputs=keep_low_outputs)
 
     was_training = model.training
     model.eval()  # compare deterministic outputs: dropout off on both sides
     try:
-        model_mp = build({})
+        if inputs is not None:
+            model_mp, moved = promote_missing_kernels(build, inputs, low.name)
+            kernels.update(moved)
+        else:
+            model_mp = build({})
         if inputs is not None and verify:
             model_mp = search_promotions(model, model_mp, build, inputs, tol)
         elif inputs is not None:
@@ -125,7 +132,7 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
         constants, keep = str(summary.get("constants", "fp32")), bool(summary.get("keep_low_outputs", False))
         # what depended on the example inputs: verification's promotions, measured overflows
         forced = {str(r["node"]): Decision(FP32, str(r["reason"]), r["rule"]) for r in records
-                  if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301")}
+                  if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
     file = forward_location(model).file

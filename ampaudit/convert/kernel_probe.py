@@ -1,0 +1,84 @@
+"""Ops with no kernel for the low dtype on the model's device (``torch.fft.*`` in float16 on
+a CPU, some ops in bfloat16 on older GPUs): found by running the converted model once on
+the example inputs, and kept in fp32 with a plan entry saying why.
+
+The run goes through an fx Interpreter per converted graph, so a failure names its node -
+the innermost graph's - without parsing tracebacks. A node that still fails in fp32 is not
+a kernel problem: that error is the user's, and is raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from ampaudit.convert.plan import FP32, Decision
+from ampaudit.core.errors import LoadError
+from ampaudit.graph.forward import ExampleInputs, describe_exception
+from ampaudit.graph.range_probe import placeholder_values
+
+MAX_PROBES = 16  # ops promoted one at a time; more than this is not a missing kernel
+
+
+class _Locating(fx.Interpreter):
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+def failing_node(model: torch.nn.Module, inputs: ExampleInputs) -> tuple[str, BaseException] | None:
+    """Run ``model`` once; if an op in one of its fx graphs raises, that op's plan name
+    (``prefix:node``) and the error; None when the model runs."""
+    failed: list[tuple[str, BaseException]] = []
+    graphs = [(path, m) for path, m in model.named_modules() if isinstance(m, fx.GraphModule)]
+
+    def locating(path: str, gm: fx.GraphModule) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            interpreter = _Locating(gm)
+            try:
+                return interpreter.run(*placeholder_values(gm, args, kwargs), enable_io_processing=False)
+            except Exception as exc:
+                if not failed:  # the innermost graph records first
+                    node = interpreter.current.name
+                    failed.append((f"{path}:{node}" if path else node, exc))
+                raise
+        return forward
+
+    for path, gm in graphs:
+        gm.forward = locating(path, gm)  # an instance attribute: the class's forward is untouched
+    try:
+        with torch.no_grad():
+            model(*inputs.args, **inputs.kwargs)
+    except Exception as exc:
+        return failed[0] if failed else ("", exc)
+    finally:
+        for _, gm in graphs:
+            del gm.forward
+    return None
+
+
+def promote_missing_kernels(build: Callable[[Mapping[str, Decision]], torch.nn.Module], inputs: ExampleInputs,
+                            dtype: str) -> tuple[torch.nn.Module, dict[str, Decision]]:
+    """Build, run, and move each op that fails in ``dtype`` to fp32 until the model runs.
+    Returns the model and the ops moved (node -> its fp32 decision)."""
+    moved: dict[str, Decision] = {}
+    model = build(moved)
+    for _ in range(MAX_PROBES):
+        failure = failing_node(model, inputs)
+        if failure is None:
+            return model, moved
+        node, error = failure
+        if not node or node in moved:  # not in a converted graph, or fails in fp32 too: not a kernel
+            raise LoadError(f"the converted model fails to run: {describe_exception(error)}") from error
+        moved[node] = Decision(FP32, f"no {dtype} kernel for this op on {_device(model)} "
+                                     f"({describe_exception(error)}): kept in fp32", "kernel")
+        model = build(moved)
+    raise LoadError(f"the converted model still fails after moving {MAX_PROBES} ops to fp32")
+
+
+def _device(model: torch.nn.Module) -> str:
+    first = next(model.parameters(), None)
+    return first.device.type if first is not None else "cpu"
