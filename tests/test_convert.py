@@ -447,3 +447,29 @@ def test_ops_without_a_low_precision_kernel_here_stay_fp32(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"summary": model_mp.summary.to_dict(), "plan": model_mp.plan}, default=str))
     assert ampaudit.apply(_Spectral(), plan).plan == model_mp.plan  # the plan makes it again, without inputs
+
+
+def test_verify_trains_and_catches_a_broken_tie(cli, tmp_path, monkeypatch):
+    # The training check compares 20 AdamW steps of copies of both models. A conversion that
+    # splits a tied weight (what convert did before) matches fp32 at initialisation but not
+    # after training: the check must fail it, and the CLI exits 1.
+    import ampaudit.convert.rewrite as rewrite
+
+    loaded = load_target(model("tied_gpt.py"))
+    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
+    model_mp, _ = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs)
+    train = model_mp.summary.train
+    assert train["passed"] and train["steps"] == 20 and train["worst"] < 1e-3 and train["skipped"] == 0
+    assert train["fp32"][-1] < train["fp32"][0] - 0.5  # both really trained
+
+    def split_the_tie(gm, target, dtype):
+        owner_path, _, name = target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        value = getattr(owner, name)
+        setattr(owner, name, nn.Parameter(value.detach().to(dtype), requires_grad=value.requires_grad))
+
+    monkeypatch.setattr(rewrite, "_store_low", split_the_tie)
+    result = cli("convert", model("tied_gpt.py"), "-o", tmp_path / "out")
+    assert result.code == 1
+    assert "training check  20 steps" in result.out and "(OUTSIDE 2%)" in result.out
+    assert cli("convert", model("tied_gpt.py"), "-o", tmp_path / "out2", "--train-steps", "0").code == 0

@@ -45,6 +45,7 @@ def _path(text: str) -> Path:
 _SECONDS = _number(float, least=0, what="a number of seconds >= 0")
 _TOLERANCE = _number(float, least=0, what="a finite relative error >= 0")
 _EVERY = _number(int, least=1, what="a whole number >= 1")
+_STEPS = _number(int, least=0, what="a whole number >= 0")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
     conv.add_argument("--tolerance", type=_TOLERANCE,
                       help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
+    conv.add_argument("--train-steps", type=_STEPS, default=20, metavar="N",
+                      help="also verify by training: N AdamW steps of copies of the converted and the fp32 model, "
+                           "loss by loss (default 20; 0: off)")
     conv.add_argument("--constants", choices=("fp32", "clamp"), default="fp32",
                       help="ops with constants the dtype cannot hold: keep in fp32 (default) or clamp the constant")
     conv.add_argument("--input-shape", action="append", default=[], metavar="SHAPE")
@@ -348,6 +352,8 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
     from ampaudit.convert.export import check_export_folder, export
     from ampaudit.core.console import make_console
@@ -366,8 +372,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if isinstance(loaded, NotImported):
             raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
                              "import (pass --exec to import it anyway)")
-        model_mp = convert(loaded.model, loaded.inputs, dtype=args.dtype, verify=not args.no_verify,
-                           constants=args.constants, tolerance=args.tolerance)
+        trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify
+        # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)
+        optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
+        result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
+                         verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
+                         train_steps=args.train_steps)
+        model_mp = result[0] if optimizer is not None else result
     summary = model_mp.summary.to_dict()
     files = export(model_mp, args.output, summary=summary, force=args.force,
                    inputs=[model_file] if model_file else [])
@@ -375,7 +386,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                       make_console())
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
     after = summary["error_after"]
-    return EXIT_FINDINGS if after is not None and after > tolerance else EXIT_OK
+    trained = summary["train"]
+    missed = (after is not None and after > tolerance) or (trained is not None and not trained["passed"])
+    return EXIT_FINDINGS if missed else EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:

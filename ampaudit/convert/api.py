@@ -15,6 +15,7 @@ from torch import fx
 from ampaudit.convert.kernel_probe import promote_missing_kernels
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
 from ampaudit.convert.rewrite import rewrite
+from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
 from ampaudit.convert.verify import output_error, search_promotions
 from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import Catalog, build_catalog
@@ -43,6 +44,7 @@ class ConversionSummary:
     error_after: float | None = None
     promoted: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    train: dict[str, Any] | None = None  # the training check (train_check.TrainCheck), when one ran
     constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
     keep_low_outputs: bool = False
 
@@ -71,6 +73,7 @@ def convert(
     tolerance: float | None = None,
     loss_scale: str | float | None = "auto",
     config: Config | None = None,
+    train_steps: int = DEFAULT_STEPS,
 ):
     """Rewrite ``model`` into explicit mixed precision.
 
@@ -79,6 +82,8 @@ def convert(
     keeps fp32 master weights. With example inputs the value ranges are measured and, with
     ``verify``, ops are promoted to fp32 until the outputs match fp32 within ``tolerance``.
     ``constants``: "fp32" or "clamp" for constants the low dtype cannot hold.
+    Given an optimizer and example inputs, ``verify`` also trains: ``train_steps`` steps of
+    copies of both models compared loss by loss (``model_mp.summary.train``).
     """
     require_module(model, "ampaudit.convert")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
@@ -116,6 +121,9 @@ def convert(
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual
     if optimizer is None:
         return model_mp
+    if inputs is not None and verify and train_steps > 0:
+        model_mp.summary.train = train_check(model, model_mp, optimizer, inputs, dtype=low, loss_scale=loss_scale,
+                                             steps=train_steps).to_dict()
     from ampaudit.convert.optimizer import MixedPrecisionOptimizer
 
     return model_mp, MixedPrecisionOptimizer.from_optimizer(optimizer, model, model_mp, dtype=low.torch,

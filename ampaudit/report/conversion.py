@@ -32,6 +32,14 @@ def render_conversion(summary: dict[str, Any], target: Target, files: list[str],
     if summary["error_before"] is not None:
         grid.add_row("error vs fp32", f"{summary['error_before']:.2e} before promotion, "
                                        f"{summary['error_after']:.2e} after")
+    train = summary.get("train")
+    if train is not None:
+        verdict = "within" if train["passed"] else "OUTSIDE"
+        grid.add_row("training check", f"{train['steps']} steps: loss {train['converted'][-1]:.4g} vs "
+                                       f"{train['fp32'][-1]:.4g} in fp32, at most {train['worst']:.1%} apart "
+                                       f"({verdict} {train['tolerance']:.0%})"
+                                       + (f", {train['skipped']} steps skipped by the loss scale"
+                                          if train["skipped"] else ""))
     for item in summary["promoted"]:
         grid.add_row("promoted", f"{item['node']}: {item['reason']}")
     for note in summary["notes"]:

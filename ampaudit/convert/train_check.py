@@ -1,0 +1,128 @@
+"""Verify by training: k optimizer steps of the converted model (fp32 masters, loss scaling)
+next to k steps of fp32, on the example inputs, comparing the loss curves.
+
+Comparing outputs at initialisation misses what only training shows: a tied weight that
+became two tensors, a parameter the optimizer no longer updates, a loss scale that skips
+every step. Both runs work on copies - the user's model and optimizer are untouched - with
+the user's optimizer type and hyperparameters, in eval mode (dropout off on both sides, so
+the curves are comparable). The loss is the model's own when it returns one (a scalar, or
+``.loss``); otherwise the mean squared error to a fixed random target.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.graph.forward import ExampleInputs
+
+DEFAULT_STEPS = 20
+TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}  # relative loss difference allowed at any step
+
+
+@dataclass
+class TrainCheck:
+    steps: int
+    fp32: list[float]  # loss per step
+    converted: list[float]
+    worst: float  # largest relative difference of the two losses over the steps
+    tolerance: float
+    skipped: int  # steps the loss scaler skipped
+
+    @property
+    def passed(self) -> bool:
+        return self.worst <= self.tolerance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+def train_check(model: torch.nn.Module, model_mp: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                inputs: ExampleInputs, *, dtype: LowDtype, loss_scale: Any = "auto", steps: int = DEFAULT_STEPS,
+                tolerance: float | None = None) -> TrainCheck:
+    """Train copies of ``model`` (fp32) and ``model_mp`` (converted) side by side with copies
+    of ``optimizer`` (built on ``model``'s parameters; not modified)."""
+    from ampaudit.convert.optimizer import MixedPrecisionOptimizer
+
+    reference, source, trial = copy.deepcopy(model).eval(), copy.deepcopy(model).eval(), copy.deepcopy(model_mp).eval()
+    reference_opt = same_optimizer(optimizer, model, reference)
+    trial_opt = MixedPrecisionOptimizer.from_optimizer(same_optimizer(optimizer, model, source), source, trial,
+                                                       dtype=dtype.torch, loss_scale=loss_scale)
+    target = _target(reference, inputs)
+    fp32, converted = [], []
+    for _ in range(steps):
+        loss = _loss(reference(*inputs.args, **inputs.kwargs), target)
+        reference_opt.zero_grad()
+        loss.backward()
+        reference_opt.step()
+        fp32.append(float(loss.detach()))
+        loss_mp = _loss(trial(*inputs.args, **inputs.kwargs), target)
+        trial_opt.zero_grad()
+        trial_opt.backward(loss_mp)
+        trial_opt.step()
+        converted.append(float(loss_mp.detach()))
+    worst = max((_relative(a, b) for a, b in zip(fp32, converted, strict=True)), default=0.0)
+    return TrainCheck(steps, fp32, converted, worst, tolerance if tolerance is not None else TOLERANCE[dtype.name],
+                      trial_opt.skipped_steps)
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer, owner: torch.nn.Module,
+                   other: torch.nn.Module) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s type and groups over ``other``'s parameters (``other``
+    a copy of ``owner``, which ``optimizer`` was built on), with fresh state."""
+    names = {id(p): name for name, p in owner.named_parameters(remove_duplicate=False)}
+    params = dict(other.named_parameters(remove_duplicate=False))
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [params[names[id(p)]] for p in group["params"] if id(p) in names]}
+              for group in optimizer.param_groups]
+    return type(optimizer)(groups)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    return None
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = _first_tensor(output)
+    return first if first is not None and first.numel() == 1 else None
+
+
+def _target(model: torch.nn.Module, inputs: ExampleInputs) -> torch.Tensor | None:
+    """None when the model computes its own loss; else a fixed random target like its output."""
+    with torch.no_grad():
+        output = model(*inputs.args, **inputs.kwargs)
+    if _own_loss(output) is not None:
+        return None
+    first = _first_tensor(output)
+    if first is None:
+        raise ValueError("the model's output holds no float tensor to train on")
+    generator = torch.Generator(device=first.device).manual_seed(0)
+    noise = torch.randn(first.shape, generator=generator, device=first.device)
+    return noise * float(first.float().std().clamp_min(1e-3))
+
+
+def _loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
+    if target is None:
+        return _own_loss(output).float()
+    return torch.nn.functional.mse_loss(_first_tensor(output).float(), target)
+
+
+def _relative(reference: float, value: float) -> float:
+    if not math.isfinite(value):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), 1e-8)
