@@ -19,6 +19,7 @@ deterministic; the whole file takes well under a minute on two cores.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 import re
 import tempfile
@@ -133,35 +134,84 @@ def _text(raw: bytes) -> str:
         return read_python(path)[0]
 
 
-def check_fix_roundtrip(raw: bytes, *, unsafe: bool, must_lint: bool = True) -> tuple[str, str] | None:
-    """Properties 2-4 through the CLI; returns (original text, fixed text), or None for a file
-    that libcst cannot parse (``must_lint=False`` only: it is then a one-line error, exit 2)."""
+# Bugs in the lint internals (ampaudit/check/lint, ampaudit/check/script_rules) that this
+# suite found. Each has a strict xfail test below with its minimal reproducer; the property
+# tests skip the checks a known bug breaks, and only when that bug's trigger is in the example,
+# so they keep guarding everything else. When a fix lands, its xfail test passes (XPASS,
+# strict: a failure): drop the xfail and the bug's entry here.
+CRLF_INSERT = "crlf-insert"  # edits.insert_line_after on CRLF text: "\r\r\n" + a "\n" line
+LINE_SEPARATORS = "line-separators"  # fix offsets shift after a form feed, U+2028, \x0b, \x1c-\x1e, \x85
+CASCADE = "cascade"  # AMP405's fix makes an AMP407: a second --fix --unsafe-fixes adds scaler.update()
+_SEPARATORS = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+
+
+def _only_adds_missing_updates(original: str, fixed: str, again: str) -> bool:
+    """The second fix only inserted ``scaler.update()`` after a ``scaler.step(opt)`` that the
+    first fix had made (the CASCADE bug), and changed nothing else."""
+    before, after = _lines(fixed), _lines(again)
+    opcodes = difflib.SequenceMatcher(a=before, b=after, autojunk=False).get_opcodes()
+    changed = [op for op in opcodes if op[0] != "equal"]
+    for tag, i1, _, j1, j2 in changed:
+        if tag != "insert" or i1 == 0:
+            return False
+        if not all(re.fullmatch(r"\s*(if \S+ is not None: )?\S+\.update\(\)\s*", line) for line in after[j1:j2]):
+            return False
+        if ".step(" not in before[i1 - 1] or before[i1 - 1] in _lines(original):
+            return False
+    return bool(changed)
+
+
+def check_fix_roundtrip(raw: bytes, *, unsafe: bool, must_lint: bool = True, tolerate: bool = True) -> set[str]:
+    """Properties 2-4 through the CLI. Returns the known bugs the example ran into (with
+    ``tolerate=False`` they fail it). ``must_lint=False``: a file libcst cannot parse may be
+    refused with a one-line error (exit 2)."""
     flags = ["--unsafe-fixes"] if unsafe else []
+    bugs: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train.py"
         path.write_bytes(raw)
         code, diff, err = _cli("--diff", *flags, str(path))
         if code == 2 and not must_lint and err.startswith("ampaudit: error: syntax error in "):
             assert "unexpected" not in err and err.count("\n") == 1, err
-            return None
+            return bugs
         assert code in (0, 1) and "ampaudit: error" not in err, err
         assert path.read_bytes() == raw, "--diff wrote the file"
         code, _, err = _cli("--fix", *flags, "--format", "json", str(path))
-        assert code in (0, 1) and "ampaudit: error" not in err, err
+        assert "unexpected" not in err, err  # an exception in ampaudit
         fixed_raw = path.read_bytes()
         original, fixed = _text(raw), _text(fixed_raw)
-        # 2. the fix keeps the file valid Python (and its BOM)
-        if _compiles(raw):
-            assert _compiles(fixed_raw), f"--fix broke the file:\n{fixed}"
-        assert fixed_raw.startswith(b"\xef\xbb\xbf") == raw.startswith(b"\xef\xbb\xbf")
+        separators = tolerate and any(c in original for c in _SEPARATORS)
+        if tolerate and b"\r\r\n" in fixed_raw and b"\r\r\n" not in raw:
+            bugs.add(CRLF_INSERT)  # valid Python, but libcst (so the report after the fix) cannot parse it
+        elif code == 2 and separators:
+            bugs.add(LINE_SEPARATORS)
+        else:
+            assert code in (0, 1) and "ampaudit: error" not in err, err
         # 4. --diff is exactly what --fix does
         assert (diff == "") == (fixed_raw == raw)
         assert apply_unified_diff(original, diff) == fixed, f"--diff differs from --fix:\n{diff}"
+        # 2. the fix keeps the file valid Python, in its encoding (a BOM stays)
+        assert fixed_raw.startswith(b"\xef\xbb\xbf") == raw.startswith(b"\xef\xbb\xbf")
+        if _compiles(raw) and not _compiles(fixed_raw):
+            assert separators, f"--fix broke the file:\n{fixed}"
+            bugs.add(LINE_SEPARATORS)
+        if bugs:
+            return bugs
         # 3. idempotent
         code, _, err = _cli("--fix", *flags, "--format", "json", str(path))
-        assert code in (0, 1) and "ampaudit: error" not in err, err
-        assert path.read_bytes() == fixed_raw, f"a second --fix changed the file:\n{fixed}"
-    return original, fixed
+        assert "unexpected" not in err, err
+        again = path.read_bytes()
+        if again != fixed_raw or code not in (0, 1):
+            if separators:
+                bugs.add(LINE_SEPARATORS)
+            elif tolerate and unsafe and b"\r\r\n" in again and b"\r\r\n" not in fixed_raw:
+                bugs |= {CASCADE, CRLF_INSERT}  # the cascaded update() went in after a CRLF line
+            elif tolerate and unsafe and _only_adds_missing_updates(original, fixed, _text(again)):
+                bugs.add(CASCADE)
+            else:
+                assert code in (0, 1) and "ampaudit: error" not in err, err
+                raise AssertionError(f"a second --fix changed the file:\n{fixed}\n---- to ----\n{_text(again)}")
+    return bugs
 
 
 def _fixes(raw: bytes, *, unsafe: bool) -> list:
@@ -215,6 +265,16 @@ class _Imports:
 
 @st.composite
 def training_scripts(draw) -> bytes:
+    """A training script as file bytes, composed from the shapes the lint knows: old and new amp
+    imports (names, module aliases, spelled out), a GradScaler built inline, at module level, in
+    a helper, as a parameter, on ``self`` or ``... if use_amp else None``; autocast direct or bound
+    to ``ctx``; scaled or raw backward, with ``if use_amp:`` / ``else:`` branches; unscale_/clip in
+    either order, ``scaler.step`` or ``optimizer.step``, zero to two ``update()``; gradient
+    accumulation; functions, classes, a module-level loop; custom_fwd/custom_bwd, mask constants,
+    accelerate and Lightning. Comments, blank lines, form feeds, one-line compound statements,
+    multi-line calls, non-ASCII names and strings; one indentation unit (tabs or spaces) and one
+    newline style (CRLF sometimes) per script; no final newline, a BOM or a latin-1 cookie
+    sometimes."""
     unit = draw(st.sampled_from(["    ", "    ", "  ", "\t"]))
     newline = draw(st.sampled_from(["\n", "\n", "\n", "\r\n"]))
     names = {role: draw(st.sampled_from(options)) for role, options in _NAMES.items()}
@@ -432,6 +492,8 @@ def training_scripts(draw) -> bytes:
         out.append(f'"""A generated trainer ({draw(st.sampled_from(_STRINGS))})."""')
     out += imports.render(draw)
 
+    form_feeds = draw(st.integers(0, 5)) == 0
+
     def render(items: list, depth: int) -> None:
         indent = unit * depth
         for item in items:
@@ -440,7 +502,7 @@ def training_scripts(draw) -> bytes:
                 out.append(f"{indent}# {draw(st.sampled_from(_COMMENTS))}")
             elif roll == 1:
                 out.append("")
-            elif roll == 2 and depth == 0:
+            elif roll == 2 and depth == 0 and form_feeds:
                 out.append("\x0c")  # a form feed: a page break, blank to Python
             trailing = f"  # {draw(st.sampled_from(_COMMENTS))}" if draw(st.integers(0, 9)) == 0 else ""
             if isinstance(item, Block):
@@ -487,7 +549,7 @@ def test_lint_source_never_crashes_on_generated_python(source):
     _lint_source_or_syntax_error(source)
 
 
-@settings(FUZZ, max_examples=15)
+@settings(FUZZ, max_examples=10)
 @given(hypothesmith.from_node())
 def test_lint_source_never_crashes_on_generated_syntax_trees(source):
     _lint_source_or_syntax_error(source)
@@ -495,8 +557,8 @@ def test_lint_source_never_crashes_on_generated_syntax_trees(source):
 
 _PREFIXES = (b"", b"\xef\xbb\xbf", b"# -*- coding: latin-1 -*-\n", b"# coding: utf-16\n", b"# coding: bogus\n",
              b"\xef\xbb\xbf# coding: latin-1\n", b"\x00", b"#!/usr/bin/env python\n# vim: set fileencoding=cp1252 :\n")
-_ODD_TEXT = st.text(st.sampled_from([*"ab (:)\t\n\r\x0c\x00\\'\"#é\u2028\ufeff", "def ", "if x:", "    "]),
-                    max_size=40)
+_ODD_TEXT = st.lists(st.sampled_from([*"ab (:)\t\n\r\x0c\x00\\'\"#é\u2028\ufeff", "def ", "if x:", "    "]),
+                     max_size=30).map("".join)
 
 
 @st.composite
@@ -520,6 +582,8 @@ def odd_files(draw) -> bytes:
 @example(b"\xef\xbb\xbf# coding: latin-1\nx = 1\n")  # Python: "encoding problem: iso-8859-1 with BOM"
 @example(b"# coding: bogus\nx = 1\n")  # Python: "unknown encoding: bogus"
 @example(b"x = 1\x00\n")
+@example(b"x = 1  # \x00\n")  # libcst reads a null byte in a comment; Python refuses the file
+@example(b"\xef\xbb\xbf\xef\xbb\xbfx = 1\n")  # two BOMs: libcst drops both, Python only one
 @example(b"def f():\n  x\n\x0c  y\n")  # valid Python that libcst cannot parse: AMP004, no exception
 @given(odd_files())
 def test_lint_file_never_raises_and_reports_what_python_refuses(raw):
@@ -545,10 +609,71 @@ def test_fix_roundtrip_on_generated_python(source):
     check_fix_roundtrip(raw, unsafe=True, must_lint=False)
 
 
-@settings(FUZZ, max_examples=70)
+@settings(FUZZ, max_examples=100)
+# the unified diff of fix.py once split lines where str.splitlines does (a form feed, U+2028)
+# and ran a last line with no newline into the next one: `patch` read back something else
+@example(b"import torch\nscaler = torch.cuda.amp.GradScaler()", False)
+@example(b"def f(scaler, opt, loss):\n    scaler.scale(loss).backward()\n    scaler.step(opt)", True)
+@example(b"import torch\nscaler = torch.cuda.amp.GradScaler()\n\x0c\ns = '\xe2\x80\xa8'\n", False)
 @given(training_scripts(), st.booleans())
 def test_fix_roundtrip_on_training_scripts(raw, unsafe):
     check_fix_roundtrip(raw, unsafe=unsafe)
+
+
+def test_diff_marks_a_last_line_without_newline():
+    from ampaudit.check.fix import unified_diff
+
+    assert unified_diff("a\nb", "a\nc", "t.py") == (
+        "--- a/t.py\n+++ b/t.py\n@@ -1,2 +1,2 @@\n a\n-b\n\\ No newline at end of file\n"
+        "+c\n\\ No newline at end of file\n")
+    assert unified_diff("\x0c\nx = 1\n", "\x0c\nx = 2\n", "t.py").endswith(" \x0c\n-x = 1\n+x = 2\n")
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"# coding: bogus\nx = 1\n", "has a coding cookie Python refuses (unknown encoding: bogus)"),
+    (b"\xef\xbb\xbf# coding: latin-1\nx = 1\n", "has a UTF-8 BOM and a coding cookie for another encoding"),
+    (b"x = 1\n# \x00\n", "has a null byte on line 2, which Python refuses"),
+    (b"\xef\xbb\xbf\xef\xbb\xbfx = 1\n", "starts with two byte order marks, which Python refuses"),
+    (b"x = '\xe9'\n", "is not utf-8 text"),
+])
+def test_a_file_python_refuses_before_parsing_is_not_linted(tmp_path, raw, reason):
+    path = tmp_path / "cookie.py"
+    path.write_bytes(raw)
+    assert not _compiles(raw)
+    assert [f.message for f in lint_file(path, syntax_errors_as_findings=True)] == [f"not linted: {reason}"]
+
+
+# --------------------------------------------------------------------------- known bugs (lint internals)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "lint/edits.py insert_line_after on CRLF text inserts before the \\n of \\r\\n: 'scaler.step(opt)\\r\\r\\n"
+    "    scaler.update()\\n' - valid Python, but libcst cannot parse it, so ampaudit refuses the fixed file (exit 2)"))
+@settings(EXPLICIT)
+@example(b"def f(scaler, opt, loss):\r\n    scaler.scale(loss).backward()\r\n    scaler.step(opt)\r\n")
+@given(training_scripts())
+def test_known_bug_crlf_line_inserted_after(raw):
+    check_fix_roundtrip(raw, unsafe=True, tolerate=False)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "lint/facts.py line starts come from str.splitlines, which also splits at a form feed, \\x0b, \\x1c-\\x1e, "
+    "\\x85, U+2028/9: every fix after one lands one character early per separator (invalid Python)"))
+@settings(EXPLICIT)
+@example(b"\x0c\nscaler = torch.cuda.amp.GradScaler()\n")
+@given(training_scripts())
+def test_known_bug_fix_offsets_after_a_form_feed(raw):
+    check_fix_roundtrip(raw, unsafe=False, tolerate=False)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "not idempotent: AMP405's fix (optimizer.step() -> scaler.step(optimizer)) leaves no scaler.update(), "
+    "so a second --fix --unsafe-fixes applies AMP407's"))
+@settings(EXPLICIT)
+@example(b"def f(scaler, optimizer, loss):\n    scaler.scale(loss).backward()\n    optimizer.step()\n")
+@given(training_scripts())
+def test_known_bug_a_second_unsafe_fix_adds_the_update(raw):
+    check_fix_roundtrip(raw, unsafe=True, tolerate=False)
 
 
 def test_training_scripts_reach_the_fixes():

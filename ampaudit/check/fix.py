@@ -51,8 +51,20 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
     fixed = [f for f in chosen if set(f.autofix.edits) <= taken_set]
     if after == before:
         return None
-    diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
-                                        fromfile=f"a/{file}", tofile=f"b/{file}"))
+    diff = unified_diff(before, after, file)
     if write:
         write_atomic(Path(file), after, expected=before, encoding=encoding)
     return FileFix(file, fixed, diff)
+
+
+def unified_diff(before: str, after: str, file: str) -> str:
+    """A unified diff that ``patch`` and ``git apply`` read back exactly: lines end at "\\n"
+    only (not at the form feeds, lone CRs or U+2028 that str.splitlines also splits at), and
+    a last line with no newline is marked ``\\ No newline at end of file``."""
+    rows = difflib.unified_diff(_lines(before), _lines(after), fromfile=f"a/{file}", tofile=f"b/{file}")
+    return "".join(row if row.endswith("\n") else f"{row}\n\\ No newline at end of file\n" for row in rows)
+
+
+def _lines(text: str) -> list[str]:
+    lines = text.split("\n")
+    return [f"{line}\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])

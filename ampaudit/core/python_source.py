@@ -9,6 +9,8 @@ of ending in RecursionError.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import io
 import sys
 import threading
@@ -35,16 +37,31 @@ def encoding_of(raw: bytes) -> str:
 
 def read_python(path: Path) -> tuple[str, str]:
     """A Python file's text and the encoding it is written in (``utf-8-sig`` for a BOM, so a
-    rewrite can keep it); a LoadError when it cannot be read or decoded."""
+    rewrite can keep it); a LoadError when it cannot be read or decoded, or when Python refuses
+    it before parsing (a coding cookie it does not know, a null byte, a second BOM)."""
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise LoadError(f"cannot read {path}: {exc.strerror}") from None
-    encoding = encoding_of(raw)
     try:
-        return raw.decode(encoding), encoding
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    except SyntaxError as exc:
+        encoding = "utf-8"  # first lines that are not UTF-8: said by the decode below
+        with contextlib.suppress(UnicodeDecodeError):
+            raw.decode("utf-8")  # UTF-8 text, so the cookie is what Python refuses: unknown, or after a BOM
+            reason = "a UTF-8 BOM and a coding cookie for another encoding" if raw.startswith(codecs.BOM_UTF8) \
+                else f"a coding cookie Python refuses ({exc.msg})"
+            raise LoadError(f"{path} has {reason}") from None
+    try:
+        text = raw.decode(encoding)
     except (UnicodeDecodeError, LookupError):
         raise LoadError(f"{path} is not {encoding} text") from None
+    if "\x00" in text:  # Python refuses the file; libcst would read one in a comment or a string
+        line = text.count("\n", 0, text.index("\x00")) + 1
+        raise LoadError(f"{path} has a null byte on line {line}, which Python refuses")
+    if text.startswith("\ufeff"):  # a second BOM: Python drops one; libcst would drop the other too
+        raise LoadError(f"{path} starts with two byte order marks, which Python refuses")
+    return text, encoding
 
 
 def run_deep(fn: Callable[..., T], *args: Any) -> T:
