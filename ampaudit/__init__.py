@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ampaudit.check.api import check
     from ampaudit.convert.api import convert
     from ampaudit.convert.apply import apply
+    from ampaudit.convert.emit import autocast_policy
     from ampaudit.core.findings import Finding, NodeDecision, Report
     from ampaudit.watch.monitor import watch
 else:
@@ -20,10 +21,12 @@ else:
     # ampaudit.watch(model, ...) monitors training.
     from ampaudit import check, convert, watch
 
-__all__ = ["Finding", "NodeDecision", "Report", "__version__", "apply", "check", "convert", "watch"]
+__all__ = ["Finding", "NodeDecision", "Report", "__version__", "apply", "autocast_policy", "check", "convert",
+           "watch"]
 
 _LAZY = {
     "apply": ("ampaudit.convert.apply", "apply"),
+    "autocast_policy": ("ampaudit.convert.emit", "autocast_policy"),
     "Report": ("ampaudit.core.findings", "Report"),
     "Finding": ("ampaudit.core.findings", "Finding"),
     "NodeDecision": ("ampaudit.core.findings", "NodeDecision"),

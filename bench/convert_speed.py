@@ -64,6 +64,16 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
             optimizer.step()
         return float(loss)
 
+    def backward_only() -> None:
+        if variant == "autocast":
+            with torch.autocast(device, dtype=torch.float16):
+                loss = model(ids, targets)
+            scaler.scale(loss).backward()
+        elif variant == "convert":
+            optimizer.backward(model(ids, targets))
+        else:
+            model(ids, targets).backward()
+
     scaler = torch.amp.GradScaler(device) if variant == "autocast" else None
     for _ in range(2):  # warm-up
         step()
@@ -77,9 +87,37 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    backward_only()  # gradients alive, for training_state_bytes
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"ms_per_step": statistics.median(times) * 1000, "peak_bytes": peak, "loss": loss, "device": device}
+    return {"ms_per_step": statistics.median(times) * 1000, "peak_bytes": peak, "loss": loss, "device": device,
+            **training_state_bytes(model, optimizer)}
+
+
+def training_state_bytes(model, optimizer) -> dict[str, int]:
+    """Bytes of what training keeps between steps, each tensor counted once: parameters,
+    fp32 masters, gradients (low and fp32) and optimizer state - measured right after a
+    backward, when the gradients are alive."""
+    import torch
+
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # ampaudit's MixedPrecisionOptimizer wraps one
+    masters = [m for _, m in getattr(optimizer, "pairs", [])]
+    params = list(model.parameters())
+    out = {"params": size(params), "masters": size(masters)}
+    out["grads"] = size(p.grad for p in params + masters)
+    out["state"] = size(v for state in inner.state.values() for v in state.values())
+    out["state_bytes"] = sum(out.values())
+    return out
 
 
 def main() -> None:
@@ -109,11 +147,16 @@ def main() -> None:
         results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     device = results["fp32"]["device"]
     print(f"GPT-2 ({env['GPT2_LAYERS']} layers), batch {batch} x {tokens} tokens, {steps} timed steps, {device}")
-    print(f"  {'variant':<10} {'ms/step':>9} {'x autocast':>11} {'peak':>10} {'loss':>8}")
+    print(f"  {'variant':<10} {'ms/step':>9} {'x autocast':>11} {'peak':>10} {'loss':>8}   "
+          f"{'params':>8} {'masters':>8} {'grads':>8} {'opt state':>9} {'total MiB':>9} {'x autocast':>10}")
     base = results["autocast"]["ms_per_step"]
+    base_state = results["autocast"]["state_bytes"]
+    mib = 2**20
     for variant, r in results.items():
         print(f"  {variant:<10} {r['ms_per_step']:9.1f} {r['ms_per_step'] / base:11.2f} "
-              f"{r['peak_bytes'] / 2**30:8.2f} GiB {r['loss']:8.4f}")
+              f"{r['peak_bytes'] / 2**30:8.2f} GiB {r['loss']:8.4f}   {r['params'] / mib:8.1f} "
+              f"{r['masters'] / mib:8.1f} {r['grads'] / mib:8.1f} {r['state'] / mib:9.1f} "
+              f"{r['state_bytes'] / mib:9.1f} {r['state_bytes'] / base_state:10.2f}")
 
 
 if __name__ == "__main__":

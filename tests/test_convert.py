@@ -473,3 +473,20 @@ def test_verify_trains_and_catches_a_broken_tie(cli, tmp_path, monkeypatch):
     assert result.code == 1
     assert "training check  20 steps" in result.out and "(OUTSIDE 2%)" in result.out
     assert cli("convert", model("tied_gpt.py"), "-o", tmp_path / "out2", "--train-steps", "0").code == 0
+
+
+def test_low_gradients_move_into_the_masters_during_backward():
+    # never both alive: after backward the fp16 working copies hold no gradient, the fp32
+    # masters do - and two backwards (gradient accumulation) add up
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    model_mp, opt_mp = ampaudit.convert(net, optimizer, example_inputs=(x,), train_steps=0, loss_scale=None)
+    assert opt_mp.pairs
+    opt_mp.zero_grad()
+    opt_mp.backward(model_mp(x).sum())
+    assert all(w.grad is None and m.grad is not None and m.grad.dtype == torch.float32 for w, m in opt_mp.pairs)
+    once = [m.grad.clone() for _, m in opt_mp.pairs]
+    opt_mp.backward(model_mp(x).sum())
+    assert all(torch.allclose(m.grad, 2 * g) for (_, m), g in zip(opt_mp.pairs, once, strict=True))

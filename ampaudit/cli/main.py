@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
     conv.add_argument("--tolerance", type=_TOLERANCE,
                       help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
+    conv.add_argument("--emit", action="append", default=[], choices=("autocast", "hf", "fsdp2"), metavar="FORMAT",
+                      help="also write the plan as a policy for other tools: autocast (modules to run in fp32 "
+                           "under torch.autocast), hf (_keep_in_fp32_modules), fsdp2 (MixedPrecisionPolicy per "
+                           "module); repeatable")
     conv.add_argument("--train-steps", type=_STEPS, default=20, metavar="N",
                       help="also verify by training: N AdamW steps of copies of the converted and the fp32 model, "
                            "loss by loss (default 20; 0: off)")
@@ -381,7 +385,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         model_mp = result[0] if optimizer is not None else result
     summary = model_mp.summary.to_dict()
     files = export(model_mp, args.output, summary=summary, force=args.force,
-                   inputs=[model_file] if model_file else [])
+                   inputs=[model_file] if model_file else [], emit=dict.fromkeys(args.emit))
     render_conversion(summary, Target(loaded.label, loaded.entry, "fx"), [str(f) for f in files],
                       make_console())
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]

@@ -27,6 +27,8 @@ import torch
 from safetensors.torch import save_model
 from torch import fx
 
+from ampaudit.convert.emit import FILES as EMIT_FILES
+from ampaudit.convert.emit import emit as emit_policy
 from ampaudit.core.errors import UsageError
 from ampaudit.core.files import same_file
 
@@ -47,7 +49,7 @@ converted model (no pickles):
 
 MANIFEST = "ampaudit-export.json"
 # what an export may write (and earlier versions wrote, so that a new export removes them)
-_FILES = (PLAN, WEIGHTS, MODULE, "model.pt", "modules.pt", "weights.pt")
+_FILES = (PLAN, WEIGHTS, MODULE, *EMIT_FILES.values(), "model.pt", "modules.pt", "weights.pt")
 
 
 def check_export_folder(folder: Path, *, force: bool = False, inputs: Iterable[Path] = ()) -> None:
@@ -65,8 +67,10 @@ def check_export_folder(folder: Path, *, force: bool = False, inputs: Iterable[P
 
 
 def export(model: torch.nn.Module, folder: Path, *, class_name: str = "ConvertedModel",
-           summary: dict[str, Any] | None = None, force: bool = False, inputs: Iterable[Path] = ()) -> list[Path]:
-    """Write the model, its weights and plan.json into ``folder``; returns the files."""
+           summary: dict[str, Any] | None = None, force: bool = False, inputs: Iterable[Path] = (),
+           emit: Iterable[str] = ()) -> list[Path]:
+    """Write the model, its weights and plan.json into ``folder`` - and the plan in each
+    ``emit`` format (convert/emit.py); returns the files."""
     folder = Path(folder)
     inputs = list(inputs)
     check_export_folder(folder, force=force, inputs=inputs)
@@ -75,6 +79,9 @@ def export(model: torch.nn.Module, folder: Path, *, class_name: str = "Converted
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.ampaudit-", dir=parent))
     try:
         names = _write(model, staging, class_name, summary, folder.name)
+        for format in emit:
+            (staging / EMIT_FILES[format]).write_text(emit_policy(model, format))
+            names.append(EMIT_FILES[format])
         (staging / MANIFEST).write_text(json.dumps({"tool": "ampaudit", "files": names}, indent=2) + "\n")
         _publish(staging, folder, [*names, MANIFEST])
     finally:

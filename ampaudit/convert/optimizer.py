@@ -1,8 +1,9 @@
 """FP32 master weights and loss scaling around any torch.optim optimizer (apex O2's recipe).
 
 The converted model holds low-precision working copies; the optimizer is re-pointed at
-fp32 masters of them, keeping its hyperparameters and state. A step copies the low
-gradients into the masters, unscales them, checks for inf/NaN with one host sync, skips the
+fp32 masters of them, keeping its hyperparameters and state. Backward moves each low
+gradient into its master's fp32 gradient as soon as it is accumulated (a post-accumulate-grad
+hook), so the two are never both alive; a step unscales them, checks for inf/NaN with one host sync, skips the
 step (weights and optimizer state untouched) when it finds any, and otherwise updates the
 masters and copies them back into the model.
 """
@@ -72,6 +73,10 @@ class MixedPrecisionOptimizer:
         self.scaler = scaler
         self.skipped_steps = 0
         self._unscaled: bool | None = None  # found_inf of the current step, once unscaled
+        # Each low-precision gradient moves into its master's fp32 gradient as soon as autograd
+        # has accumulated it, and is freed: low and fp32 gradients are never both alive.
+        self._hooks = [working.register_post_accumulate_grad_hook(self._to_master(master))
+                       for working, master in pairs if working.requires_grad]
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, original: torch.nn.Module, converted: torch.nn.Module,
@@ -122,6 +127,14 @@ class MixedPrecisionOptimizer:
         """``loss.backward()`` with the loss multiplied by the current scale."""
         (loss.float() * self.scale if self.scaler is not None else loss).backward(**kwargs)
 
+    @staticmethod
+    def _to_master(master: torch.nn.Parameter):
+        def move(working: torch.Tensor) -> None:
+            grad = working.grad.detach().float()
+            master.grad = grad if master.grad is None else master.grad.add_(grad)  # accumulation across backwards
+            working.grad = None
+        return move
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for working, master in self.pairs:
             working.grad = None
@@ -130,15 +143,11 @@ class MixedPrecisionOptimizer:
         self._unscaled = None
 
     def unscale_(self) -> bool:
-        """Move gradients to the fp32 masters and divide by the scale (before clipping).
+        """Divide the masters' gradients by the scale (before clipping).
         Returns whether any gradient is inf or NaN. Safe to call once per step or not at all."""
         if self._unscaled is not None:
             return self._unscaled
-        grads = []
-        for working, master in self.pairs:
-            master.grad = None if working.grad is None else working.grad.detach().float()
-            if master.grad is not None:
-                grads.append(master.grad)
+        grads = [master.grad for _, master in self.pairs if master.grad is not None]  # moved there in backward
         grads += [p.grad for p in self.fp32_params if p.grad is not None]
         if not grads:
             self._unscaled = False

@@ -1,0 +1,99 @@
+"""--emit: the plan as policies for torch.autocast, transformers and FSDP2, each run for real."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+import ampaudit
+from ampaudit.load.loader import load_target
+from tests.conftest import model
+
+FIXTURE = "mask_overflow_attention.py"
+
+
+def _module(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: torch.compile looks functions' modules up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from ampaudit.cli.main import main
+
+    out = tmp_path_factory.mktemp("emit") / "out"
+    assert main(["convert", model(FIXTURE), "-o", str(out), "--emit", "autocast", "--emit", "hf", "--emit",
+                 "fsdp2", "--train-steps", "0"]) == 0
+    return out
+
+
+def test_emit_writes_each_policy_with_the_plans_fp32_modules(export):
+    assert {p.name for p in export.iterdir()} >= {"autocast_policy.py", "hf_keep_in_fp32.py", "fsdp2_policy.py"}
+    assert _module(export / "autocast_policy.py", "autocast_policy").FP32_MODULES == ["attn"]
+    hf = _module(export / "hf_keep_in_fp32.py", "hf_keep")
+    assert hf.KEEP_IN_FP32 == ["attn"] and hf.FP32_MODULES == ["attn"]
+    assert 'fully_shard(model.get_submodule("attn"), mp_policy=FP32)' in (export / "fsdp2_policy.py").read_text()
+
+
+def test_autocast_policy_under_torch_compile_without_graph_breaks(export):
+    # the emitted file (torch only) and ampaudit.autocast_policy do the same; inductor on the CPU
+    from torch._dynamo.utils import counters
+
+    loaded = load_target(model(FIXTURE))
+    (x,) = loaded.inputs.args
+    plain = loaded.model
+    policy = _module(export / "autocast_policy.py", "autocast_policy_compiled")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = plain(x)
+    assert ampaudit.autocast_policy(plain, export) == ["attn"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = plain(x)
+    assert eager.dtype == torch.bfloat16 and float((eager.float() - before.float()).abs().max()) > 0  # attn in fp32
+    other = load_target(model(FIXTURE)).model
+    other.load_state_dict(loaded.model.state_dict())
+    policy.apply(other)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(other, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+    assert not counters["graph_break"]
+    assert torch.allclose(out.float(), eager.float(), atol=2e-2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_policy_shards_and_runs(export, monkeypatch):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(model(FIXTURE))))
+        policy = _module(export / "fsdp2_policy.py", "fsdp2_policy")
+        loaded = load_target(model(FIXTURE))
+        reference = load_target(model(FIXTURE)).model
+        reference.load_state_dict(loaded.model.state_dict())
+        policy.shard(loaded.model)
+        (x,) = loaded.inputs.args
+        out = loaded.model(x)
+        assert out.dtype == torch.float16
+        expected = reference(x)
+        assert float((out.float() - expected).norm() / expected.norm()) < 1e-2
+    finally:
+        sys.path.pop(0)
+        dist.destroy_process_group()
