@@ -10,12 +10,11 @@ region still computes in fp16.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 
-import libcst as cst
-
-from ampaudit.check.lint.facts import Call, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Call, ScriptFacts, arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -52,7 +51,7 @@ def fp32_region_fed_low_precision(facts: ScriptFacts) -> Iterator[Finding]:
             continue
         if not any(n.startswith("torch.") for n in call.names) and dotted(call.node.func) not in torch_modules:
             continue
-        for arg in call.node.args:
+        for arg in arguments(call.node):
             name = _root_name(arg.value)
             line = facts.low_names.get((id(call.scope), name or ""))
             if name is not None and line is not None and line < block.line:
@@ -61,11 +60,11 @@ def fp32_region_fed_low_precision(facts: ScriptFacts) -> Iterator[Finding]:
                 break
 
 
-def _root_name(value: cst.BaseExpression) -> str | None:
+def _root_name(value: ast.expr) -> str | None:
     """``out`` for ``out``, ``out["logits"]``, ``out.logits`` - not for ``out.float()``."""
-    while isinstance(value, (cst.Subscript, cst.Attribute)):
+    while isinstance(value, (ast.Subscript, ast.Attribute)):
         value = value.value
-    return dotted(value) if isinstance(value, cst.Name) else None
+    return value.id if isinstance(value, ast.Name) else None
 
 
 def _is_cast(call: Call) -> bool:

@@ -18,7 +18,7 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
     for scope in facts.scopes():
         scalers = facts.scalers(scope)
         for step in facts.method_calls("step", scope):
-            if step.receiver not in scalers or not step.node.args or not amp_path(facts, step):
+            if step.receiver not in scalers or not step.has_arguments or not amp_path(facts, step):
                 continue
             per_optimizer = loops_over(step, step.arg(0, "optimizer"))  # update after the loop is right
             updates = [u for u in facts.method_calls("update", scope) if u.receiver == step.receiver

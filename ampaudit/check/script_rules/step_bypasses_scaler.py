@@ -28,7 +28,7 @@ def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
             continue
         opts = optimizers(facts, scope)
         for call in facts.method_calls("step", scope):
-            if call.receiver in opts and call.receiver not in scalers and not call.node.args \
+            if call.receiver in opts and call.receiver not in scalers and not call.has_arguments \
                     and amp_path(facts, call):
                 scaler = scaler_for(facts, call, scalers, call.receiver)
                 fixed = f"{scaler}.step({call.receiver})"
