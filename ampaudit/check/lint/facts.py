@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import ast
 import builtins
+import gc
 import keyword
 import re
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from ampaudit.check.lint.values import string_value
 from ampaudit.core.dtypes import BFLOAT16, FLOAT16, LowDtype
@@ -41,6 +43,7 @@ AUTOCASTS = {  # qualified name -> the device it implies (None: given as an argu
     "torch.autocast": None, "torch.amp.autocast": None, "torch.amp.autocast_mode.autocast": None,
     "torch.cuda.amp.autocast": "cuda", "torch.cpu.amp.autocast": "cpu",
 }
+T = TypeVar("T")
 FLOAT16_NAMES = frozenset({"torch.float16", "torch.half"})
 BFLOAT16_NAMES = frozenset({"torch.bfloat16"})
 
@@ -218,11 +221,14 @@ class ScriptFacts:
     enabled_flags: set[str] = field(default_factory=set)  # dotted names passed as enabled= to AMP APIs
     local_backward_classes: set[str] = field(default_factory=set)  # classes defined here with a backward()
     instances: dict[str, str] = field(default_factory=dict)  # name -> local class it was built from
+    module_scope: Scope = field(default_factory=lambda: Scope("module", "<module>"))  # the top level
     names: dict[ast.AST, frozenset[str]] = field(default_factory=dict, repr=False)
     imports_map: ImportMap = field(default_factory=lambda: ImportMap({}), repr=False)
     _references: dict[str, list[ast.AST]] = field(default_factory=dict, repr=False)
     _scalers: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)  # per scope, once
     _by_scope: dict[Scope, list[Call]] | None = field(default=None, repr=False)  # calls_in
+    _assigned: dict[frozenset[str], list[Assignment]] = field(default_factory=dict, repr=False)
+    _once: dict[str, Any] = field(default_factory=dict, repr=False)
     amp_states: dict[Call, tuple[str | None, str | None]] = field(default_factory=dict, repr=False)  # guards.py
     _starts: list[int] = field(init=False, repr=False)  # character offset of each line
     _ascii: bool = field(init=False, repr=False)  # byte columns are character columns
@@ -259,9 +265,29 @@ class ScriptFacts:
         return self._by_scope
 
     def assigned(self, names: Iterable[str], scope: Scope | None = None) -> list[Assignment]:
+        """Assignments of a call to one of ``names``, in ``scope`` or at module level (all of
+        them without a scope)."""
         wanted = frozenset(names)
-        return [a for a in self.assignments if a.call.names & wanted and (scope is None or a.call.scope is scope
-                                                                          or a.call.scope.kind == "module")]
+        if wanted not in self._assigned:  # asked per scope: the assignments are grouped once
+            grouped: dict[Scope | None, list[Assignment]] = {None: []}
+            for a in self.assignments:
+                if a.call.names & wanted:
+                    grouped[None].append(a)
+                    grouped.setdefault(a.call.scope, []).append(a)
+            self._assigned[wanted] = grouped
+        grouped = self._assigned[wanted]
+        if scope is None:
+            return list(grouped[None])
+        module = grouped.get(self.module_scope, [])
+        if scope is self.module_scope:
+            return list(module)
+        return sorted([*module, *grouped.get(scope, ())], key=lambda a: (a.call.line, a.call.column))  # as written
+
+    def once(self, key: str, compute: Callable[[], T]) -> T:
+        """``compute()``, computed once per file: what several rules or every scope ask."""
+        if key not in self._once:
+            self._once[key] = compute()
+        return self._once[key]
 
     def scalers(self, scope: Scope) -> frozenset[str]:
         """Names holding a GradScaler in ``scope``: assigned one here or at module level, or
@@ -457,11 +483,26 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
 
     ``relevant``: what the rules read (``RuleRegistry.read_pattern``); top-level functions
     and classes it does not match are not visited. None visits everything."""
-    tree = ast.parse(source)
-    facts = ScriptFacts(path, source, imports_map=ImportMap.of(tree))
-    body = relevant_statements(facts, tree, relevant) if relevant is not None else tree.body
-    _Collector(facts).module(body)
+    with _no_collection():
+        tree = ast.parse(source)
+        facts = ScriptFacts(path, source, imports_map=ImportMap.of(tree))
+        body = relevant_statements(facts, tree, relevant) if relevant is not None else tree.body
+        _Collector(facts).module(body)
     return facts
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """The cyclic garbage collector paused: a syntax tree and its facts hold no cycles, yet
+    the millions of nodes of a large file set the collector off again and again (half the
+    time of a parse, and more than linear in the file's size)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Collector:
@@ -469,7 +510,7 @@ class _Collector:
 
     def __init__(self, facts: ScriptFacts) -> None:
         self.facts = facts
-        self.scope = Scope("module", "<module>")
+        self.scope = facts.module_scope
         self.loops: list[ast.For | ast.AsyncFor | ast.While | None] = [None]
         self.autocasts: list[Autocast | None] = [None]
         self.statement: Line | None = None  # the line of simple statements being visited

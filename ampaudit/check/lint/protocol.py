@@ -80,8 +80,7 @@ def guard_prefix(facts: ScriptFacts, call: Call, scaler: str) -> str:
     and ``call`` is not already on a guarded path; else nothing."""
     if amp_state(facts, call)[0] is not None:
         return ""
-    built = [a for a in facts.assignments if a.target == scaler and a.call.names & GRAD_SCALERS]
-    if any(a.call.guards for a in built):
+    if any(a.call.guards for a in facts.assigned(GRAD_SCALERS) if a.target == scaler):
         return f"if {scaler} is not None: "
     return ""
 
@@ -99,13 +98,13 @@ _OPTIMIZER_NAME = re.compile(r"(^|[._])(opt|optim|optimizer|optimiser)s?(_\w+)?$
 def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
     """Names that hold an optimizer here: built from torch.optim, handed to a scaler, or
     named like one."""
-    names = {a.target for a in facts.assignments if is_optimizer(a.call)
-             and (a.call.scope is scope or a.call.scope.kind == "module")}
+    built = facts.once("optimizers built", lambda: [a for a in facts.assignments if is_optimizer(a.call)])
+    names = {a.target for a in built if a.call.scope is scope or a.call.scope.kind == "module"}
     names |= {c.receiver for c in facts.method_calls("step", scope)
               if c.receiver and _OPTIMIZER_NAME.search(c.receiver)}
     scalers = facts.scalers(scope)
-    for call in facts.calls:
-        if call.scope is scope and call.method in ("step", "unscale_") and call.receiver in scalers:
+    for call in facts.calls_in(scope):
+        if call.method in ("step", "unscale_") and call.receiver in scalers:
             target = dotted(call.arg(0, "optimizer"))
             if target:
                 names.add(target)
@@ -222,7 +221,11 @@ def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
     """(model name, call) for ``m.half()`` / ``m.to(torch.float16)`` whose model is trained
     afterwards: its parameters go to an optimizer, or it is put in train mode, on a later
     line. Not a cast straight back (``m.half().float()``, which rounds the weights), nor one
-    in a block that returns before training (an inference-only branch)."""
+    in a block that returns before training (an inference-only branch). Three rules ask."""
+    return facts.once("half casts", lambda: _half_casts(facts))
+
+
+def _half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
     trained = set()
     last = 0  # the last line that trains: an optimizer built, train mode, backward or step
     for call in facts.calls:

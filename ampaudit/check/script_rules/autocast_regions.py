@@ -14,7 +14,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import Call, ScriptFacts, arguments, dotted
+from ampaudit.check.lint.facts import Autocast, Call, Scope, ScriptFacts, arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -25,8 +25,12 @@ _MODEL = re.compile(r"(^|\.)(model|net|network|backbone|generator|discriminator)
 
 @lint_rule("AMP421", reads=("autocast",))
 def forward_outside_autocast(facts: ScriptFacts) -> Iterator[Finding]:
+    enabled: dict[Scope, list[Autocast]] = {}
+    for block in facts.autocasts:
+        if block.enabled:
+            enabled.setdefault(block.scope, []).append(block)
     for scope in facts.scopes():
-        blocks = [b for b in facts.autocasts if b.scope is scope and b.enabled]
+        blocks = enabled.get(scope, [])
         scalers = facts.scalers(scope)
         backwards = [c for c in facts.calls_in(scope) if scaled_backward(facts, c, scalers)]
         if not blocks or not backwards:

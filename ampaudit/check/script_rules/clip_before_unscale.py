@@ -29,8 +29,8 @@ def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
         backwards = [c for c in backward_calls(facts, scope) if scaled_backward(facts, c, scalers)]
         if not backwards:
             continue
-        for clip in facts.calls_to(CLIPS):
-            if clip.scope is not scope or not amp_path(facts, clip):
+        for clip in facts.calls_in(scope):
+            if not clip.names & CLIPS or not amp_path(facts, clip):
                 continue
             before = [b for b in backwards if b.line < clip.line]
             if not before:
