@@ -7,7 +7,8 @@ import ast
 import re
 from collections.abc import Iterable
 
-from ampaudit.check.lint.facts import Line, ScriptFacts, arguments
+from ampaudit.check.lint.facts import Line, ScriptFacts
+from ampaudit.check.lint.nodes import arguments
 from ampaudit.core.findings import Edit
 
 

@@ -16,24 +16,22 @@ Paths: each call also records the conditions it runs under (``guards``: the ``if
 when every scaler and ``enabled=`` flag of the file is known (check/lint/guards.py).
 
 Positions: ``ast`` counts columns in UTF-8 bytes; findings and fix edits count characters,
-so every position goes through ``ScriptFacts`` (a no-op on ASCII text).
+so every position goes through ``ScriptFacts``'s ``SourceText`` methods (check/lint/source.py).
 """
 
 from __future__ import annotations
 
 import ast
-import builtins
 import gc
-import keyword
 import re
-from bisect import bisect_right
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import accumulate
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
+from ampaudit.check.lint.imports import ImportMap
+from ampaudit.check.lint.nodes import arguments, dotted, unstarred, unwrap_cast
+from ampaudit.check.lint.source import SourceText
 from ampaudit.check.lint.values import string_value
 from ampaudit.core.dtypes import BFLOAT16, FLOAT16, LowDtype
 
@@ -74,30 +72,6 @@ Guard = tuple[ast.expr, bool]
 # The simple statements written on one line (``a = f(); b = g()``): the first and the last.
 # A fix inserts its new line above the first or below the last.
 Line = tuple[ast.stmt, ast.stmt]
-
-
-class Arg(NamedTuple):
-    """One argument of a call as written, in source order: ``x``, ``*xs``, ``key=x``, ``**kw``."""
-
-    keyword: str | None
-    star: str  # "", "*" or "**"
-    value: ast.expr
-    node: ast.AST  # the whole argument (the value, an ast.Starred or an ast.keyword)
-
-
-def arguments(call: ast.Call) -> list[Arg]:
-    """The arguments of ``call`` in the order they are written (``ast`` keeps positional and
-    keyword arguments apart)."""
-    out = [Arg(None, "*", a.value, a) if a.__class__ is ast.Starred else Arg(None, "", a, a) for a in call.args]
-    if call.keywords:
-        out += [Arg(k.arg, "" if k.arg else "**", k.value, k) for k in call.keywords]
-        if call.args and _where(call.args[-1]) > _where(call.keywords[0]):  # f(key=1, *rest)
-            out.sort(key=lambda a: _where(a.node))
-    return out
-
-
-def _where(node: ast.AST) -> tuple[int, int]:
-    return node.lineno, node.col_offset
 
 
 @dataclass(eq=False, slots=True)
@@ -204,7 +178,9 @@ class BinaryOp:
 
 
 @dataclass
-class ScriptFacts:
+class ScriptFacts(SourceText):
+    """What the rules read of one file; positions and text through ``SourceText``."""
+
     path: str
     source: str
     calls: list[Call] = field(default_factory=list)
@@ -227,17 +203,12 @@ class ScriptFacts:
     _references: dict[str, list[ast.AST]] = field(default_factory=dict, repr=False)
     _scalers: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)  # per scope, once
     _by_scope: dict[Scope, list[Call]] | None = field(default=None, repr=False)  # calls_in
-    _assigned: dict[frozenset[str], list[Assignment]] = field(default_factory=dict, repr=False)
+    _assigned: dict[frozenset[str], dict[Scope | None, list[Assignment]]] = field(default_factory=dict, repr=False)
     _once: dict[str, Any] = field(default_factory=dict, repr=False)
     amp_states: dict[Call, tuple[str | None, str | None]] = field(default_factory=dict, repr=False)  # guards.py
-    _starts: list[int] = field(init=False, repr=False)  # character offset of each line
-    _ascii: bool = field(init=False, repr=False)  # byte columns are character columns
-    newline: str = field(init=False, repr=False)  # the file's line break, for lines a fix inserts
 
     def __post_init__(self) -> None:
-        self._starts = _line_starts(self.source)
-        self._ascii = self.source.isascii()
-        self.newline = "\r\n" if "\r\n" in self.source else "\r" if "\r" in self.source else "\n"
+        self.index()
 
     # -- queries --------------------------------------------------------------------------
     def calls_to(self, names: Iterable[str]) -> Iterator[Call]:
@@ -317,152 +288,6 @@ class ScriptFacts:
         (those are tracked; the lint never sees a rebinding of them)."""
         return list(self._references.get(name, ()))
 
-    # -- positions ------------------------------------------------------------------------
-    def offset(self, line: int, column: int) -> int:
-        """Character offset in the source of an ``ast`` position (1-based line, byte column)."""
-        return self._starts[line - 1] + self._column(line, column)
-
-    def position(self, node: ast.AST) -> tuple[int, int]:
-        """1-based line and character column where ``node`` starts."""
-        line = node.lineno
-        return line, self._column(line, node.col_offset) + 1
-
-    def location(self, offset: int) -> tuple[int, int]:
-        """1-based line and column of a character offset."""
-        line = bisect_right(self._starts, offset)
-        return line, offset - self._starts[line - 1] + 1
-
-    def line_start(self, line: int) -> int:
-        """Character offset where a (1-based) line starts."""
-        return self._starts[line - 1]
-
-    def line_end(self, line: int) -> int:
-        """Character offset where a line's text ends, before its line break."""
-        end = self._starts[line]
-        if end > len(self.source):  # the last line, without a line break
-            return len(self.source)
-        return end - 2 if self.source.startswith("\r\n", end - 2) else end - 1
-
-    def lines(self, node: ast.AST) -> tuple[int, int]:
-        """First and last line of a node."""
-        return node.lineno, node.end_lineno
-
-    def span(self, node: ast.AST) -> tuple[int, int]:
-        """Character offsets where ``node`` starts and ends (without parentheses around it)."""
-        return self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset)
-
-    def text(self, node: ast.AST) -> str:
-        start, end = self.span(node)
-        return self.source[start:end]
-
-    def outer_span(self, node: ast.AST) -> tuple[int, int]:
-        """``span`` widened to the parentheses that are the node's own: ``(a and b)`` in
-        ``if (a and b):``, not a call's ``(`` ``)`` around its one argument."""
-        start, end = self.span(node)
-        source = self.source
-        while True:
-            before, after = _skip_back(source, start), _skip_forward(source, end)
-            if before < 0 or after >= len(source) or source[before] != "(" or source[after] != ")" \
-                    or _calls_with(source, before):
-                return start, end
-            start, end = before, after + 1
-
-    def code(self, node: ast.AST) -> str:
-        """The node as written, with its own parentheses (how a message quotes it)."""
-        start, end = self.outer_span(node)
-        return self.source[start:end]
-
-    def on_header_line(self, statement: ast.stmt) -> bool:
-        """Whether ``statement`` follows a compound statement's colon on its line (``if x:
-        return``) instead of starting a line of an indented block."""
-        start = self._starts[statement.lineno - 1]
-        # indentation is ASCII, so its byte length is its character length
-        prefix = self.source[start:start + statement.col_offset]
-        return bool(prefix) and not prefix.isspace()
-
-    def _column(self, line: int, column: int) -> int:
-        if self._ascii:
-            return column
-        start = self._starts[line - 1]
-        if self.source[start:start + column].isascii():  # ASCII up to there: bytes are characters
-            return column
-        return len(self.source[start:self._starts[line]].encode()[:column].decode())
-
-
-def _line_starts(source: str) -> list[int]:
-    """Character offset of each line's start, as ``ast`` numbers lines (``\\n``, ``\\r\\n``,
-    ``\\r`` - not the form feeds and other separators ``str.splitlines`` also breaks at)."""
-    if "\r" not in source:
-        return list(accumulate([len(line) + 1 for line in source.split("\n")], initial=0))
-    return [0, *(m.end() for m in _NEWLINE.finditer(source)), len(source) + 1]
-
-
-_NEWLINE = re.compile(r"\r\n?|\n")
-_SPACE = " \t\f\r\n\\"
-
-
-def _skip_back(source: str, index: int) -> int:
-    """The index of the last character before ``index`` that is not white space."""
-    index -= 1
-    while index >= 0 and source[index] in _SPACE:
-        index -= 1
-    return index
-
-
-def _skip_forward(source: str, index: int) -> int:
-    """The index of the first character from ``index`` on that is neither white space nor
-    in a comment."""
-    while index < len(source):
-        char = source[index]
-        if char == "#":
-            index = source.find("\n", index)
-            if index < 0:
-                return len(source)
-        elif char not in _SPACE:
-            return index
-        index += 1
-    return index
-
-
-def _calls_with(source: str, paren: int) -> bool:
-    """Whether the ``(`` at ``paren`` opens a call's arguments (``f(``, ``x[0](``,
-    ``g()(``) rather than a parenthesised expression (``if (``, ``= (``, ``not (``)."""
-    end = _skip_back(source, paren)
-    if end < 0:
-        return False
-    char = source[end]
-    if char in ")]'\"":
-        return True
-    if not (char.isalnum() or char == "_"):
-        return False
-    start = end
-    while start > 0 and (source[start - 1].isalnum() or source[start - 1] == "_"):
-        start -= 1
-    return not keyword.iskeyword(source[start:end + 1])
-
-
-def unwrap_cast(node: ast.expr) -> ast.expr:
-    """The value inside ``typing.cast(T, value)`` (a type checker's wrapper), else ``node``."""
-    if node.__class__ is ast.Call and len(node.args) + len(node.keywords) == 2 \
-            and (dotted(node.func) or "").rsplit(".", 1)[-1] == "cast":
-        return arguments(node)[1].value
-    return node
-
-
-def dotted(node: ast.AST | None) -> str | None:
-    """``a.b.c`` for a chain of names; ``True``, ``False`` and ``None`` count as names."""
-    parts = []
-    while node.__class__ is ast.Attribute:
-        parts.append(node.attr)
-        node = node.value
-    if node.__class__ is ast.Name:
-        parts.append(node.id)
-    elif node.__class__ is ast.Constant and (node.value is None or node.value is True or node.value is False):
-        parts.append(str(node.value))  # `enabled=True` reads as the flag "True", as it always has
-    else:
-        return None
-    return ".".join(reversed(parts)) if len(parts) > 1 else parts[0]
-
 
 def relevant_statements(facts: ScriptFacts, tree: ast.Module, relevant: re.Pattern[str]) -> list[ast.stmt]:
     """The module's statements, less the top-level functions and classes whose text
@@ -472,7 +297,7 @@ def relevant_statements(facts: ScriptFacts, tree: ast.Module, relevant: re.Patte
     for node in tree.body:
         if node.__class__ in _DEFINITIONS:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            if not relevant.search(facts.source, facts._starts[first - 1], facts._starts[node.end_lineno]):
+            if not relevant.search(facts.source, facts.line_start(first), facts.line_start(node.end_lineno + 1)):
                 continue
         kept.append(node)
     return kept
@@ -652,11 +477,7 @@ class _Collector:
         self._block(node.body)
 
     def _decorator(self, node: ast.expr) -> None:
-        # the fact sits at the `@`, which `ast` leaves out of the expression
-        at = self.facts.offset(node.lineno, node.col_offset) - 1
-        while self.facts.source[at] != "@":
-            at -= 1
-        line, column = self.facts.location(at)
+        line, column = self.facts.decorator_position(node)  # at the `@`, as the finding has always been
         self.facts.decorators.append(Decorator(node, self.facts.qualified(_callee(node)), line, column))
         self.visit(node)
 
@@ -1019,11 +840,6 @@ def _callee(node: ast.expr) -> ast.expr:
     return node.func if node.__class__ is ast.Call else node
 
 
-def unstarred(node: ast.expr) -> ast.expr:
-    """``x`` for ``*x`` (an unpacked element or base), else the node itself."""
-    return node.value if node.__class__ is ast.Starred else node
-
-
 def _catches_compat(handler: ast.ExceptHandler) -> bool:
     """``except ImportError`` / ``except (ImportError, AttributeError)``: a fallback for an
     API an older (or newer) torch lacks."""
@@ -1080,68 +896,3 @@ def _conditional_call(value: ast.expr) -> ast.Call | None:
             if side.__class__ is ast.Call:
                 return side
     return None
-
-
-class ImportMap:
-    """What each imported name stands for: ``F`` -> ``torch.nn.functional``, ``amp`` ->
-    ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast``. Read from every import
-    in the file (module level, functions, ``try`` blocks alike, skipped code too) - the lint
-    only asks about torch's, apex's and the frameworks' names, which scripts do not rebind -
-    so no scope analysis is needed."""
-
-    def __init__(self, bound: dict[str, str]) -> None:
-        self.bound = bound
-
-    @classmethod
-    def of(cls, tree: ast.Module) -> ImportMap:
-        bound: dict[str, str] = {}
-        for node in _statements_breadth_first(tree):
-            if node.__class__ is ast.Import:
-                for alias in node.names:
-                    if alias.asname:
-                        bound[alias.asname] = alias.name
-                    else:
-                        root = alias.name.split(".")[0]
-                        bound.setdefault(root, root)
-            elif node.__class__ is ast.ImportFrom and node.module is not None:
-                module = "." * node.level + node.module
-                for alias in node.names:
-                    if alias.name != "*":
-                        bound[alias.asname or alias.name] = f"{module}.{alias.name}"
-        return cls(bound)
-
-    def qualify(self, node: ast.AST) -> frozenset[str]:
-        """``{"torch.cuda.amp.autocast"}`` for ``amp.autocast`` after ``from torch.cuda import
-        amp``; a name nothing imports keeps its own spelling (``scaler.step``)."""
-        name = dotted(node)
-        if name is None:
-            return frozenset()
-        root, dot, rest = name.partition(".")
-        target = self.bound.get(root)
-        if target is None:
-            return frozenset({f"builtins.{name}" if name in _BUILTINS else name})
-        return frozenset({target + dot + rest})
-
-
-def _statements_breadth_first(tree: ast.Module) -> Iterator[ast.AST]:
-    """Every statement, in ``ast.walk``'s order (a later import of a name wins), without
-    walking the expressions - no import is in one."""
-    queue: deque[ast.AST] = deque(tree.body)
-    while queue:
-        node = queue.popleft()
-        yield node
-        for name in _NESTED.get(node.__class__, ()):
-            queue.extend(getattr(node, name))
-
-
-_NESTED = {  # the fields that hold statements (or the handlers and cases that do)
-    ast.FunctionDef: ("body",), ast.AsyncFunctionDef: ("body",), ast.ClassDef: ("body",),
-    ast.If: ("body", "orelse"), ast.For: ("body", "orelse"), ast.AsyncFor: ("body", "orelse"),
-    ast.While: ("body", "orelse"), ast.With: ("body",), ast.AsyncWith: ("body",),
-    ast.Try: ("body", "handlers", "orelse", "finalbody"), ast.ExceptHandler: ("body",),
-    ast.Match: ("cases",), ast.match_case: ("body",),
-}
-if hasattr(ast, "TryStar"):
-    _NESTED[ast.TryStar] = ("body", "handlers", "orelse", "finalbody")
-
-_BUILTINS = frozenset(dir(builtins))

@@ -18,7 +18,8 @@ from __future__ import annotations
 import ast
 import re
 
-from ampaudit.check.lint.facts import Call, Guard, ScriptFacts, arguments, dotted
+from ampaudit.check.lint.facts import Call, Guard, ScriptFacts
+from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.values import string_value
 
 ON, OFF = "on", "off"

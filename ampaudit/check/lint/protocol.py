@@ -15,18 +15,9 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from ampaudit.check.lint.facts import (
-    FLOAT16_NAMES,
-    GRAD_SCALERS,
-    Call,
-    Scope,
-    ScriptFacts,
-    arguments,
-    dotted,
-    unstarred,
-    unwrap_cast,
-)
+from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts
 from ampaudit.check.lint.guards import OFF, amp_state
+from ampaudit.check.lint.nodes import arguments, dotted, unstarred, unwrap_cast
 from ampaudit.core.findings import Autofix, Finding, Severity
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import ScriptFacts, arguments
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.nodes import arguments
 from ampaudit.check.lint.protocol import ADAMS, finding, half_casts, parameters_of
 from ampaudit.check.lint.values import literal_number
 from ampaudit.check.script_rules import lint_rule

@@ -14,7 +14,8 @@ import ast
 import re
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import Autocast, Call, Scope, ScriptFacts, arguments, dotted
+from ampaudit.check.lint.facts import Autocast, Call, Scope, ScriptFacts
+from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding

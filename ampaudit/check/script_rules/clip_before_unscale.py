@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import (
     CLIPS,
     amp_path,

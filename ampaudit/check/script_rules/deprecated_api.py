@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import Import, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Import, ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import finding
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Edit, Finding

@@ -8,7 +8,8 @@ import ast
 from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import Call, ScriptFacts, arguments
+from ampaudit.check.lint.facts import Call, ScriptFacts
+from ampaudit.check.lint.nodes import arguments
 from ampaudit.check.lint.protocol import finding
 from ampaudit.check.lint.values import literal_number
 from ampaudit.check.script_rules import lint_rule

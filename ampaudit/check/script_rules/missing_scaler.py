@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import Scope, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Scope, ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import backward_calls, finding, softened
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.dtypes import FLOAT16

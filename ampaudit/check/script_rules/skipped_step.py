@@ -8,7 +8,8 @@ import ast
 import re
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import Call, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Call, ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import amp_path, finding
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
