@@ -2,7 +2,7 @@
 
 ``read_python`` honours a PEP 263 coding cookie and a UTF-8 BOM exactly as Python does, so a file
 Python runs is a file ampaudit reads. ``run_deep`` gives the recursive passes over a syntax
-tree (libcst's visitors, the import guard's walk) a large stack and recursion limit, so valid
+tree (the lint's visit, the import guard's walk) a large stack and recursion limit, so valid
 code nested a thousand levels deep (a long sum, a long attribute chain) is analysed instead
 of ending in RecursionError.
 """
