@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import gc
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -309,11 +310,19 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
     ``relevant``: what the rules read (``RuleRegistry.read_pattern``); top-level functions
     and classes it does not match are not visited. None visits everything."""
     with _no_collection():
-        tree = ast.parse(source)
+        tree = _parse(source)
         facts = ScriptFacts(path, source, imports_map=ImportMap.of(tree))
         body = relevant_statements(facts, tree, relevant) if relevant is not None else tree.body
         _Collector(facts).module(body)
     return facts
+
+
+def _parse(source: str) -> ast.Module:
+    """The syntax tree of ``source``, without the warnings Python's compiler gives about the
+    code (``"\\."``, an invalid escape): the user asked for the lint's findings, not those."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(source)
 
 
 @contextmanager

@@ -70,12 +70,14 @@ class SourceText:
         return self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset)
 
     def text(self, node: ast.AST) -> str:
+        """The node as written, without parentheses around it."""
         start, end = self.span(node)
         return self.source[start:end]
 
     def outer_span(self, node: ast.AST) -> tuple[int, int]:
         """``span`` widened to the parentheses that are the node's own: ``(a and b)`` in
-        ``if (a and b):``, not a call's ``(`` ``)`` around its one argument."""
+        ``if (a and b):``, not a call's ``(`` ``)`` around its one argument. (A comment
+        between an opening parenthesis and the node stops the widening.)"""
         start, end = self.span(node)
         source = self.source
         while True:
