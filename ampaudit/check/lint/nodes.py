@@ -10,18 +10,17 @@ from typing import NamedTuple
 class Arg(NamedTuple):
     """One argument of a call as written, in source order: ``x``, ``*xs``, ``key=x``, ``**kw``."""
 
-    keyword: str | None
-    star: str  # "", "*" or "**"
-    value: ast.expr
+    keyword: str | None  # None for `x`, `*xs` and `**kw`
+    value: ast.expr  # `xs` for `*xs`, `kw` for `**kw`
     node: ast.AST  # the whole argument (the value, an ast.Starred or an ast.keyword)
 
 
 def arguments(call: ast.Call) -> list[Arg]:
     """The arguments of ``call`` in the order they are written (``ast`` keeps positional and
     keyword arguments apart)."""
-    out = [Arg(None, "*", a.value, a) if a.__class__ is ast.Starred else Arg(None, "", a, a) for a in call.args]
+    out = [Arg(None, unstarred(a), a) for a in call.args]
     if call.keywords:
-        out += [Arg(k.arg, "" if k.arg else "**", k.value, k) for k in call.keywords]
+        out += [Arg(k.arg, k.value, k) for k in call.keywords]
         if call.args and _where(call.args[-1]) > _where(call.keywords[0]):  # f(key=1, *rest)
             out.sort(key=lambda a: _where(a.node))
     return out
