@@ -187,8 +187,8 @@ def _all_fixture_files():
 
 
 def test_skipping_irrelevant_code_changes_no_finding(monkeypatch):
-    # skeleton() blanks functions and classes that mention nothing the rules read; the
-    # findings must be exactly those of a full parse, on every fixture we have.
+    # relevant_statements() drops functions and classes that mention nothing the rules read;
+    # the findings must be exactly those of a full visit, on every fixture we have.
     from ampaudit.check.lint import facts
 
     def lint_all():
@@ -201,7 +201,7 @@ def test_skipping_irrelevant_code_changes_no_finding(monkeypatch):
         return out
 
     fast = lint_all()
-    monkeypatch.setattr(facts, "skeleton", lambda source, relevant, tree=None: source)
+    monkeypatch.setattr(facts, "relevant_statements", lambda facts, tree, relevant: tree.body)
     assert lint_all() == fast
     assert sum(len(v) for v in fast.values() if isinstance(v, list)) > 35
 

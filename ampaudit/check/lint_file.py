@@ -1,14 +1,13 @@
 """Lint one file: parse once, collect facts in one visit, run every rule over them.
 
-Imports libcst but never torch, so linting (and the pre-commit hook) stays fast.
+Reads the file with the standard library's ``ast`` and never imports torch, so linting (and
+the pre-commit hook) stays fast.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-
-import libcst as cst
 
 from ampaudit.check.lint.facts import collect
 from ampaudit.check.script_rules import LINT_RULES, run_lint_rules
@@ -21,7 +20,7 @@ from ampaudit.core.rulebook import rule
 
 
 def lint_source(path: str, source: str) -> list[Finding]:
-    """Findings for ``source``; a syntax error raises libcst.ParserSyntaxError. Each fix
+    """Findings for ``source``; a syntax error raises SyntaxError. Each fix
     remembers which text its offsets refer to, so it is never applied to another."""
     findings = run_lint_rules(collect(path, source, LINT_RULES.read_pattern()))
     if any(f.autofix is not None for f in findings):
@@ -48,8 +47,8 @@ def lint_file(path: Path, *, syntax_errors_as_findings: bool = False) -> list[Fi
         return [rule("AMP004").finding(display_path(str(path)), 1, reason=str(exc).replace(f"{path} ", ""))]
     try:
         return run_deep(lint_source, str(path), source)
-    except cst.ParserSyntaxError as exc:
-        line, column, reason = _syntax_error(source, str(path), exc)
+    except SyntaxError as exc:  # Python's own parser: its line, column and reason
+        line, column, reason = exc.lineno or 1, exc.offset or 1, exc.msg
         if not syntax_errors_as_findings:
             raise LoadError(f"syntax error in {display_path(str(path))}:{line}:{column}: {reason}") from exc
         return [rule("AMP004").finding(display_path(str(path)), line, column=column, reason=f"syntax error: {reason}")]
@@ -59,11 +58,3 @@ def lint_file(path: Path, *, syntax_errors_as_findings: bool = False) -> list[Fi
             raise LoadError(f"{display_path(str(path))}: {reason}") from None
         return [rule("AMP004").finding(display_path(str(path)), 1, reason=reason)]
 
-
-def _syntax_error(source: str, path: str, exc: cst.ParserSyntaxError) -> tuple[int, int, str]:
-    """Where Python itself says the error is (libcst may point at the next token)."""
-    try:
-        compile(source, path, "exec", dont_inherit=True)
-    except SyntaxError as err:
-        return err.lineno or exc.raw_line, err.offset or exc.raw_column + 1, err.msg
-    return exc.raw_line, exc.raw_column + 1, exc.message  # valid Python that libcst cannot parse

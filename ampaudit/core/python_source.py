@@ -2,7 +2,7 @@
 
 ``read_python`` honours a PEP 263 coding cookie and a UTF-8 BOM exactly as Python does, so a file
 Python runs is a file ampaudit reads. ``run_deep`` gives the recursive passes over a syntax
-tree (libcst's visitors, the import guard's walk) a large stack and recursion limit, so valid
+tree (the lint's visit, the import guard's walk) a large stack and recursion limit, so valid
 code nested a thousand levels deep (a long sum, a long attribute chain) is analysed instead
 of ending in RecursionError.
 """
@@ -56,10 +56,10 @@ def read_python(path: Path) -> tuple[str, str]:
         text = raw.decode(encoding)
     except (UnicodeDecodeError, LookupError):
         raise LoadError(f"{path} is not {encoding} text") from None
-    if "\x00" in text:  # Python refuses the file; libcst would read one in a comment or a string
+    if "\x00" in text:  # Python refuses the file, even with the null byte in a comment or a string
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise LoadError(f"{path} has a null byte on line {line}, which Python refuses")
-    if text.startswith("\ufeff"):  # a second BOM: Python drops one; libcst would drop the other too
+    if text.startswith("\ufeff"):  # a second BOM: Python drops only the first, then refuses the file
         raise LoadError(f"{path} starts with two byte order marks, which Python refuses")
     return text, encoding
 

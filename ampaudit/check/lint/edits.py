@@ -1,17 +1,18 @@
-"""Text edits for autofixes: computed from libcst positions, applied to the original text,
+"""Text edits for autofixes: computed from ``ast`` positions, applied to the original text,
 so everything outside the edited spans - formatting, comments - stays byte for byte."""
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Iterable
 
-import libcst as cst
-
-from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.facts import Line, ScriptFacts
+from ampaudit.check.lint.nodes import arguments
 from ampaudit.core.findings import Edit
 
 
-def replace(facts: ScriptFacts, node: cst.CSTNode, text: str) -> Edit:
+def replace(facts: ScriptFacts, node: ast.AST, text: str) -> Edit:
     start, end = facts.span(node)
     return Edit(start, end, text)
 
@@ -20,38 +21,48 @@ def insert_at(offset: int, text: str) -> Edit:
     return Edit(offset, offset, text)
 
 
-def _indent_of(facts: ScriptFacts, offset: int) -> tuple[int, str]:
-    line_start = facts.source.rfind("\n", 0, offset) + 1
-    line = facts.source[line_start:offset]
+def _indent_of(facts: ScriptFacts, statement: ast.stmt) -> tuple[int, str]:
+    """Where the statement's line starts, and the white space before the statement."""
+    line_start = facts.line_start(statement.lineno)
+    line = facts.source[line_start:facts.span(statement)[0]]
     return line_start, line[: len(line) - len(line.lstrip())]
 
 
-def insert_line_before(facts: ScriptFacts, statement: cst.CSTNode, code: str) -> Edit:
+def insert_line_before(facts: ScriptFacts, statement: Line, code: str) -> Edit:
     """A new line with ``code`` just above ``statement``, at the same indentation."""
-    start, _ = facts.span(statement)
-    line_start, indent = _indent_of(facts, start)
-    return insert_at(line_start, f"{indent}{code}{_newline(facts)}")
+    line_start, indent = _indent_of(facts, statement[0])
+    return insert_at(line_start, f"{indent}{code}{facts.newline}")
 
 
-def insert_line_after(facts: ScriptFacts, statement: cst.CSTNode, code: str) -> Edit:
-    start, end = facts.span(statement)
-    _, indent = _indent_of(facts, start)
-    line_end = facts.source.find("\n", end)
-    line_end = len(facts.source) if line_end < 0 else line_end
-    return insert_at(line_end, f"{_newline(facts)}{indent}{code}")
+def insert_line_after(facts: ScriptFacts, statement: Line, code: str) -> Edit:
+    """A new line with ``code`` just below ``statement`` (and a comment that ends its line)."""
+    _, indent = _indent_of(facts, statement[0])
+    return insert_at(facts.line_end(statement[1].end_lineno), f"{facts.newline}{indent}{code}")
 
 
-def first_argument_insertion(facts: ScriptFacts, call: cst.Call, text: str) -> Edit:
+def first_argument_insertion(facts: ScriptFacts, call: ast.Call, text: str) -> Edit:
     """Insert ``text`` as the call's first argument (adding ", " when others follow)."""
-    if call.args:
-        start, _ = facts.span(call.args[0])
+    written = arguments(call)
+    if written:
+        first = written[0]
+        # before the argument's own parentheses, or its `*` or `key=`
+        start, _ = facts.outer_span(first.value) if first.node is first.value else facts.span(first.node)
         return insert_at(start, f"{text}, ")
     _, end = facts.span(call)
     return insert_at(end - 1, text)  # just before ")"
 
 
-def _newline(facts: ScriptFacts) -> str:
-    return "\r\n" if "\r\n" in facts.source else "\n"
+def rename_module(facts: ScriptFacts, node: ast.Import | ast.ImportFrom, text: str,
+                  alias: ast.alias | None = None) -> Edit:
+    """Replace the module an import names - ``torch.cuda`` in ``from torch.cuda import amp``,
+    or ``alias``'s ``torch.cuda.amp`` in ``import torch.cuda.amp as amp`` - with ``text``.
+    ``ast`` keeps the name as a string: it is found in the text (spaces around dots too)."""
+    if alias is None:
+        name, start = node.module or "", facts.offset(node.lineno, node.col_offset) + len("from")
+    else:
+        name, start = alias.name, facts.offset(alias.lineno, alias.col_offset)
+    written = re.compile(r"[ \t]*\.[ \t]*".join(map(re.escape, name.split(".")))).search(facts.source, start)
+    return Edit(written.start(), written.end(), text)
 
 
 def apply(source: str, edits: Iterable[Edit]) -> tuple[str, list[Edit]]:

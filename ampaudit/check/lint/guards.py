@@ -15,11 +15,12 @@ innermost switch: "on", "off", or None when no switch guards it.
 
 from __future__ import annotations
 
+import ast
 import re
 
-import libcst as cst
-
-from ampaudit.check.lint.facts import Call, Guard, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Call, Guard, ScriptFacts
+from ampaudit.check.lint.nodes import arguments, dotted
+from ampaudit.check.lint.values import string_value
 
 ON, OFF = "on", "off"
 Effect = tuple[str | None, str | None]  # the AMP state when the test holds, when it does not
@@ -32,7 +33,6 @@ _FP32_FLAG_WORDS = frozenset({"fp32", "float32"})  # `if self.fp32:` - true mean
 _OFF_CONSTANTS = frozenset({"none", "off", "no", "disabled", "fp32", "float32", "full", "apex"})
 _LOW_STRING = re.compile(r"16|amp|mixed|half", re.IGNORECASE)
 _FP32_STRING = re.compile(r"^(fp32|float32|32|32-true|no|none|full)$", re.IGNORECASE)
-_EMPTY = cst.Module([])
 _FP32_DTYPES = frozenset({"torch.float32", "torch.float"})
 _FP16_DTYPES = frozenset({"torch.float16", "torch.half"})
 
@@ -58,49 +58,53 @@ def _flag(facts: ScriptFacts, name: str, scalers: frozenset[str]) -> Effect:
     return None, None
 
 
-def _name(test: cst.BaseExpression) -> str | None:
+def _name(test: ast.expr) -> str | None:
     """``a.b``, and the key of ``cfg["use_fp16"]`` / ``cfg.get("use_fp16")``."""
     name = dotted(test)
     if name is not None:
         return name
-    if isinstance(test, cst.Subscript) and len(test.slice) == 1:
-        index = test.slice[0].slice
-        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
-            return str(index.value.evaluated_value)
-    if isinstance(test, cst.Call) and isinstance(test.func, cst.Attribute) and test.func.attr.value == "get" \
-            and test.args and isinstance(test.args[0].value, cst.SimpleString):
-        return str(test.args[0].value.evaluated_value)
+    if isinstance(test, ast.Subscript) and (key := string_value(test.slice)) is not None:
+        return str(key)
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "get" \
+            and (written := arguments(test)) and (key := string_value(written[0].value)) is not None:
+        return str(key)
     return None
 
 
-def effect(facts: ScriptFacts, test: cst.BaseExpression, scalers: frozenset[str]) -> Effect:
+def effect(facts: ScriptFacts, test: ast.expr, scalers: frozenset[str]) -> Effect:
     """The AMP state in the branch where ``test`` holds, and in the one where it does not."""
-    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
-        return _swap(effect(facts, test.expression, scalers))
-    if isinstance(test, cst.BooleanOperation):
-        left, right = effect(facts, test.left, scalers), effect(facts, test.right, scalers)
-        # A part that is no AMP switch (`torch.cuda.is_available()`) is taken as the
-        # environment: the switch decides both branches.
-        if right == (None, None):
-            return left
-        if left == (None, None):
-            return right
-        if isinstance(test.operator, cst.And):  # true: both hold; false: one fails
-            return left[0] or right[0], left[1] if left[1] == right[1] else None
-        return left[0] if left[0] == right[0] else None, left[1] or right[1]  # or
-    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _swap(effect(facts, test.operand, scalers))
+    if isinstance(test, ast.BoolOp):  # `a and b and c` read as `(a and b) and c`
+        state = effect(facts, test.values[0], scalers)
+        for value in test.values[1:]:
+            state = _both(isinstance(test.op, ast.And), state, effect(facts, value, scalers))
+        return state
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
         return _comparison(facts, test, scalers)
-    if isinstance(test, cst.Call) and isinstance(test.func, cst.Attribute) and test.func.attr.value == "is_enabled":
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "is_enabled":
         return (ON, OFF) if _is_flag(facts, dotted(test.func.value) or "", scalers) else (None, None)
     name = _name(test)
     return _flag(facts, name, scalers) if name else (None, None)
 
 
-def _comparison(facts: ScriptFacts, test: cst.Comparison, scalers: frozenset[str]) -> Effect:
-    target = test.comparisons[0]
-    operator, other = target.operator, target.comparator
-    equal = isinstance(operator, (cst.Equal, cst.Is))
-    if not equal and not isinstance(operator, (cst.NotEqual, cst.IsNot)):
+def _both(conjunction: bool, left: Effect, right: Effect) -> Effect:
+    """The effect of ``left and right`` (``conjunction``) or ``left or right``."""
+    # A part that is no AMP switch (`torch.cuda.is_available()`) is taken as the
+    # environment: the switch decides both branches.
+    if right == (None, None):
+        return left
+    if left == (None, None):
+        return right
+    if conjunction:  # true: both hold; false: one fails
+        return left[0] or right[0], left[1] if left[1] == right[1] else None
+    return left[0] if left[0] == right[0] else None, left[1] or right[1]  # or
+
+
+def _comparison(facts: ScriptFacts, test: ast.Compare, scalers: frozenset[str]) -> Effect:
+    operator, other = test.ops[0], test.comparators[0]
+    equal = isinstance(operator, (ast.Eq, ast.Is))
+    if not equal and not isinstance(operator, (ast.NotEq, ast.IsNot)):
         return None, None
     dtypes = facts.qualified(other)
     if dtypes & _FP32_DTYPES or dtypes & _FP16_DTYPES:  # dtype == torch.float32 / torch.float16
@@ -110,23 +114,25 @@ def _comparison(facts: ScriptFacts, test: cst.Comparison, scalers: frozenset[str
     if name is None:
         return None, None
     flag = _flag(facts, name, scalers)
-    if isinstance(other, cst.Name) and other.value in ("True", "False"):  # fp16 == True
-        same = equal == (other.value == "True")
+    constant = isinstance(other, ast.Constant)
+    if constant and (other.value is True or other.value is False):  # fp16 == True
+        same = equal == other.value
         return flag if same else _swap(flag)
-    if isinstance(other, cst.Name) and other.value == "None":  # scaler is None / is not None
+    if constant and other.value is None:  # scaler is None / is not None
         if flag == (None, None) and name not in scalers:
             return None, None
         return (OFF, ON) if equal else (ON, OFF)
-    if flag == (ON, OFF) and isinstance(other, (cst.Name, cst.Attribute, cst.SimpleString)):
+    string = string_value(other)
+    if flag == (ON, OFF) and (isinstance(other, (ast.Name, ast.Attribute)) or string is not None):
         # amp_type == AmpType.PYTORCH / "pytorch": one kind of AMP (AmpType.NONE: none of them)
-        constant = str(other.evaluated_value) if isinstance(other, cst.SimpleString) else dotted(other) or ""
-        constant = constant.rsplit(".", 1)[-1]
-        off = constant.lower() in _OFF_CONSTANTS or bool(_FP32_STRING.match(constant))
+        spelled = str(string) if string is not None else dotted(other) or ""
+        spelled = spelled.rsplit(".", 1)[-1]
+        off = spelled.lower() in _OFF_CONSTANTS or bool(_FP32_STRING.match(spelled))
         state = (OFF, ON) if off else (ON, OFF)
         return state if equal else _swap(state)
-    if not isinstance(other, cst.SimpleString):
+    if string is None:
         return None, None
-    value = str(other.evaluated_value)  # precision == "16-mixed", dtype == "float16"
+    value = str(string)  # precision == "16-mixed", dtype == "float16"
     state = OFF if _FP32_STRING.match(value) else ON if _LOW_STRING.search(value) and "bf" not in value else None
     if state is None:
         return None, None
@@ -141,7 +147,7 @@ def decide(facts: ScriptFacts, guards: tuple[Guard, ...], scalers: frozenset[str
         when_true, when_false = effect(facts, test, scalers)
         state = when_true if held else when_false
         if state is not None:
-            text = _EMPTY.code_for_node(test)
+            text = facts.code(test)
             return state, f"`{text}`" if held else f"not `{text}`"
     return None, None
 

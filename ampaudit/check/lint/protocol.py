@@ -10,14 +10,14 @@ more severe than a warning.
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import replace
 from typing import Any
 
-import libcst as cst
-
-from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts, dotted, unwrap_cast
+from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts
 from ampaudit.check.lint.guards import OFF, amp_state
+from ampaudit.check.lint.nodes import arguments, dotted, unstarred, unwrap_cast
 from ampaudit.core.findings import Autofix, Finding, Severity
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
@@ -71,8 +71,7 @@ def guard_prefix(facts: ScriptFacts, call: Call, scaler: str) -> str:
     and ``call`` is not already on a guarded path; else nothing."""
     if amp_state(facts, call)[0] is not None:
         return ""
-    built = [a for a in facts.assignments if a.target == scaler and a.call.names & GRAD_SCALERS]
-    if any(a.call.guards for a in built):
+    if any(a.call.guards for a in facts.assigned(GRAD_SCALERS) if a.target == scaler):
         return f"if {scaler} is not None: "
     return ""
 
@@ -90,13 +89,13 @@ _OPTIMIZER_NAME = re.compile(r"(^|[._])(opt|optim|optimizer|optimiser)s?(_\w+)?$
 def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
     """Names that hold an optimizer here: built from torch.optim, handed to a scaler, or
     named like one."""
-    names = {a.target for a in facts.assignments if is_optimizer(a.call)
-             and (a.call.scope is scope or a.call.scope.kind == "module")}
+    built = facts.once("optimizers built", lambda: [a for a in facts.assignments if is_optimizer(a.call)])
+    names = {a.target for a in built if a.call.scope is scope or a.call.scope.kind == "module"}
     names |= {c.receiver for c in facts.method_calls("step", scope)
               if c.receiver and _OPTIMIZER_NAME.search(c.receiver)}
     scalers = facts.scalers(scope)
-    for call in facts.calls:
-        if call.scope is scope and call.method in ("step", "unscale_") and call.receiver in scalers:
+    for call in facts.calls_in(scope):
+        if call.method in ("step", "unscale_") and call.receiver in scalers:
             target = dotted(call.arg(0, "optimizer"))
             if target:
                 names.add(target)
@@ -124,23 +123,24 @@ def backward_scaler(facts: ScriptFacts, call: Call, scalers: frozenset[str]) -> 
     """The scaler whose scaled loss this backward runs on: ``s.scale(loss).backward()``,
     ``cast(T, s.scale(loss)).backward()``, or ``scaled = s.scale(loss)`` ... ``scaled.backward()``."""
     func = call.node.func
-    if call.method != "backward" or not isinstance(func, cst.Attribute):
+    if call.method != "backward" or not isinstance(func, ast.Attribute):
         return None
     scaled = unwrap_cast(func.value)
-    if isinstance(scaled, cst.Call):
+    if isinstance(scaled, ast.Call):
         inner = scaled.func
-        if isinstance(inner, cst.Attribute) and inner.attr.value == "scale" and dotted(inner.value) in scalers:
+        if isinstance(inner, ast.Attribute) and inner.attr == "scale" and dotted(inner.value) in scalers:
             return dotted(inner.value)
         return None
     scaler = facts.scaled_values.get((id(call.scope), dotted(scaled) or ""))
     return scaler if scaler in scalers else None
 
 
-def loops_over(call: Call, value: cst.BaseExpression | None) -> bool:
+def loops_over(call: Call, value: ast.expr | None) -> bool:
     """Whether ``call`` sits in a ``for`` loop whose variable is ``value``: ``for opt in
     optimizers: scaler.unscale_(opt)`` handles each optimizer once, not one many times."""
     loop = call.loop
-    return isinstance(loop, cst.For) and value is not None and dotted(loop.target) == dotted(value) is not None
+    return isinstance(loop, (ast.For, ast.AsyncFor)) and value is not None \
+        and dotted(loop.target) == dotted(value) is not None
 
 
 def scaled_backward(facts: ScriptFacts, call: Call, scalers: frozenset[str]) -> bool:
@@ -172,7 +172,7 @@ def scaler_in_use(facts: ScriptFacts, scope: Scope) -> set[str]:
             and c.method in ("scale", "step", "unscale_", "update") and amp_path(facts, c)}
 
 
-def is_float16(facts: ScriptFacts, node: cst.BaseExpression | None) -> bool:
+def is_float16(facts: ScriptFacts, node: ast.expr | None) -> bool:
     return node is not None and bool(facts.qualified(node) & FLOAT16_NAMES)
 
 
@@ -184,26 +184,27 @@ def _to_half(facts: ScriptFacts, call: Call) -> bool:
 _PARAMETERS = frozenset({"parameters", "named_parameters"})
 
 
-def parameters_of(value: cst.BaseExpression, depth: int = 0) -> str | None:
+def parameters_of(value: ast.expr, depth: int = 0) -> str | None:
     """The model whose parameters an optimizer gets: ``model.parameters()``, and through
     wrappers - ``filter(lambda p: p.requires_grad, model.parameters())``,
     ``get_trainable_params(model)``, ``[{"params": model.parameters()}]``."""
     if depth > 4:
         return None
-    if isinstance(value, cst.Call):
-        if isinstance(value.func, cst.Attribute) and value.func.attr.value in _PARAMETERS:
+    if isinstance(value, ast.Call):
+        if isinstance(value.func, ast.Attribute) and value.func.attr in _PARAMETERS:
             return dotted(value.func.value)
-        inner = [parameters_of(a.value, depth + 1) for a in value.args]
+        written = arguments(value)
+        inner = [parameters_of(a.value, depth + 1) for a in written]
         found = next((n for n in inner if n), None)
         if found:
             return found
-        plain = [dotted(a.value) for a in value.args if a.keyword is None]
+        plain = [dotted(a.value) for a in written if a.keyword is None]
         return plain[-1] if len(plain) == 1 else None  # helper(model): its one argument
-    if isinstance(value, (cst.List, cst.Tuple)):
-        return next((n for e in value.elements if (n := parameters_of(e.value, depth + 1))), None)
-    if isinstance(value, cst.Dict):
-        return next((n for e in value.elements if isinstance(e, cst.DictElement)
-                     and (n := parameters_of(e.value, depth + 1))), None)
+    if isinstance(value, (ast.List, ast.Tuple)):
+        return next((n for e in value.elts if (n := parameters_of(unstarred(e), depth + 1))), None)
+    if isinstance(value, ast.Dict):
+        return next((n for k, v in zip(value.keys, value.values, strict=True) if k is not None
+                     and (n := parameters_of(v, depth + 1))), None)
     return None
 
 
@@ -211,12 +212,16 @@ def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
     """(model name, call) for ``m.half()`` / ``m.to(torch.float16)`` whose model is trained
     afterwards: its parameters go to an optimizer, or it is put in train mode, on a later
     line. Not a cast straight back (``m.half().float()``, which rounds the weights), nor one
-    in a block that returns before training (an inference-only branch)."""
+    in a block that returns before training (an inference-only branch). Three rules ask."""
+    return facts.once("half casts", lambda: _half_casts(facts))
+
+
+def _half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
     trained = set()
     last = 0  # the last line that trains: an optimizer built, train mode, backward or step
     for call in facts.calls:
-        if is_optimizer(call) and call.node.args:
-            name = parameters_of(call.node.args[0].value)
+        if is_optimizer(call) and (written := arguments(call.node)):
+            name = parameters_of(written[0].value)
             if name:
                 trained.add(name)
         if call.method == "train" and call.receiver:
@@ -225,7 +230,7 @@ def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
             last = max(last, call.line)
     targets = {id(a.call.node): a.target for a in facts.assignments}
     back_to_fp32 = {id(c.node.func.value) for c in facts.calls if c.method in ("float", "double")
-                    and isinstance(c.node.func, cst.Attribute) and isinstance(c.node.func.value, cst.Call)}
+                    and isinstance(c.node.func.value, ast.Call)}
     casts = []
     for call in facts.calls:
         if not _to_half(facts, call) or id(call.node) in back_to_fp32 or call.block_exits:

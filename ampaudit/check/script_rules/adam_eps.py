@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.nodes import arguments
 from ampaudit.check.lint.protocol import ADAMS, finding, half_casts, parameters_of
 from ampaudit.check.lint.values import literal_number
 from ampaudit.check.script_rules import lint_rule
@@ -20,7 +21,8 @@ def adam_eps_underflow(facts: ScriptFacts) -> Iterator[Finding]:
         return
     smallest = rule("AMP412").params["smallest_subnormal"]
     for call in facts.calls_to(ADAMS):
-        owner = parameters_of(call.node.args[0].value) if call.node.args else None
+        written = arguments(call.node)
+        owner = parameters_of(written[0].value) if written else None
         if owner not in halves:
             continue
         eps_node = call.kwarg("eps")

@@ -10,12 +10,12 @@ region still computes in fp16.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 
-import libcst as cst
-
-from ampaudit.check.lint.facts import Call, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Autocast, Call, Scope, ScriptFacts
+from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -26,8 +26,12 @@ _MODEL = re.compile(r"(^|\.)(model|net|network|backbone|generator|discriminator)
 
 @lint_rule("AMP421", reads=("autocast",))
 def forward_outside_autocast(facts: ScriptFacts) -> Iterator[Finding]:
+    enabled: dict[Scope, list[Autocast]] = {}
+    for block in facts.autocasts:
+        if block.enabled:
+            enabled.setdefault(block.scope, []).append(block)
     for scope in facts.scopes():
-        blocks = [b for b in facts.autocasts if b.scope is scope and b.enabled]
+        blocks = enabled.get(scope, [])
         scalers = facts.scalers(scope)
         backwards = [c for c in facts.calls_in(scope) if scaled_backward(facts, c, scalers)]
         if not blocks or not backwards:
@@ -52,7 +56,7 @@ def fp32_region_fed_low_precision(facts: ScriptFacts) -> Iterator[Finding]:
             continue
         if not any(n.startswith("torch.") for n in call.names) and dotted(call.node.func) not in torch_modules:
             continue
-        for arg in call.node.args:
+        for arg in arguments(call.node):
             name = _root_name(arg.value)
             line = facts.low_names.get((id(call.scope), name or ""))
             if name is not None and line is not None and line < block.line:
@@ -61,11 +65,11 @@ def fp32_region_fed_low_precision(facts: ScriptFacts) -> Iterator[Finding]:
                 break
 
 
-def _root_name(value: cst.BaseExpression) -> str | None:
+def _root_name(value: ast.expr) -> str | None:
     """``out`` for ``out``, ``out["logits"]``, ``out.logits`` - not for ``out.float()``."""
-    while isinstance(value, (cst.Subscript, cst.Attribute)):
+    while isinstance(value, (ast.Subscript, ast.Attribute)):
         value = value.value
-    return dotted(value) if isinstance(value, cst.Name) else None
+    return value.id if isinstance(value, ast.Name) else None
 
 
 def _is_cast(call: Call) -> bool:

@@ -27,6 +27,6 @@ def autograd_function_without_custom_fwd(facts: ScriptFacts) -> Iterator[Finding
         missing = [m for m, wanted in _DECORATORS.items()
                    if m in cls.decorated_methods and not cls.decorated_methods[m] & wanted]
         if missing:
-            yield finding(facts, "AMP415", cls, name=cls.node.name.value, methods=" and ".join(missing),
+            yield finding(facts, "AMP415", cls, name=cls.node.name, methods=" and ".join(missing),
                           fix='decorate forward with @torch.amp.custom_fwd(device_type="cuda") and backward with '
                               '@torch.amp.custom_bwd(device_type="cuda")')

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import finding
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import (
     CLIPS,
     amp_path,
@@ -29,8 +30,8 @@ def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
         backwards = [c for c in backward_calls(facts, scope) if scaled_backward(facts, c, scalers)]
         if not backwards:
             continue
-        for clip in facts.calls_to(CLIPS):
-            if clip.scope is not scope or not amp_path(facts, clip):
+        for clip in facts.calls_in(scope):
+            if not clip.names & CLIPS or not amp_path(facts, clip):
                 continue
             before = [b for b in backwards if b.line < clip.line]
             if not before:

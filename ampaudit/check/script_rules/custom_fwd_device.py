@@ -3,9 +3,8 @@ when the class is defined. Fix (unsafe: it picks the device): ``device_type="cud
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
-
-import libcst as cst
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts
@@ -22,9 +21,9 @@ def custom_fwd_without_device_type(facts: ScriptFacts) -> Iterator[Finding]:
     for deco in facts.decorators:
         if not deco.names & _NEW:
             continue
-        node = deco.node.decorator
-        if isinstance(node, cst.Call):
-            if any(a.keyword is not None and a.keyword.value == "device_type" for a in node.args):
+        node = deco.node
+        if isinstance(node, ast.Call):
+            if any(k.arg == "device_type" for k in node.keywords):
                 continue
             edit = edits.first_argument_insertion(facts, node, 'device_type="cuda"')
             name = facts.text(node.func)

@@ -13,14 +13,14 @@ on the torch version) is left alone: it is there on purpose.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import libcst as cst
-
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import Import, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Import, ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import finding
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Edit, Finding
@@ -39,8 +39,8 @@ _OLD_MODULES = ("torch.cuda.amp", "torch.cpu.amp")
 @dataclass
 class _Use:
     at: Any  # the call or decorator fact: where the finding goes
-    callee: cst.BaseExpression
-    call: cst.Call | None  # None for a bare decorator
+    callee: ast.expr
+    call: ast.Call | None  # None for a bare decorator
     old: str
 
 
@@ -54,8 +54,8 @@ def _uses(facts: ScriptFacts) -> list[_Use]:
     for deco in facts.decorators:
         old = next((n for n in deco.names if n in _DEPRECATED), None)
         if old is not None:
-            call = deco.node.decorator if isinstance(deco.node.decorator, cst.Call) else None
-            uses.append(_Use(deco, call.func if call is not None else deco.node.decorator, call, old))
+            call = deco.node if isinstance(deco.node, ast.Call) else None
+            uses.append(_Use(deco, call.func if call is not None else deco.node, call, old))
             seen.add(id(call))
     for c in facts.calls:
         old = next((n for n in c.names if n in _DEPRECATED), None)
@@ -71,8 +71,8 @@ def _module_aliases(facts: ScriptFacts) -> dict[str, Import]:
         if imp.compat:
             continue
         for name, bound in imp.names:
-            full = f"{imp.module}.{name}" if isinstance(imp.node, cst.ImportFrom) else name
-            if full in _OLD_MODULES and (isinstance(imp.node, cst.ImportFrom) or bound != name.split(".")[0]):
+            full = f"{imp.module}.{name}" if isinstance(imp.node, ast.ImportFrom) else name
+            if full in _OLD_MODULES and (isinstance(imp.node, ast.ImportFrom) or bound != name.split(".")[0]):
                 found[bound] = imp
     return found
 
@@ -80,15 +80,17 @@ def _module_aliases(facts: ScriptFacts) -> dict[str, Import]:
 def _alias_fix(facts: ScriptFacts, imp: Import, bound: str, uses: list[_Use]) -> tuple[Edit, ...] | None:
     """Point the alias at torch.amp and give every use its device - if every reference to
     the alias is such a use, and the import binds nothing else."""
-    members = [u for u in uses if isinstance(u.callee, cst.Attribute) and dotted(u.callee.value) == bound]
+    members = [u for u in uses if isinstance(u.callee, ast.Attribute) and dotted(u.callee.value) == bound]
     bases = {id(u.callee.value) for u in members}
     if len(imp.names) != 1 or not members or any(id(r) not in bases for r in facts.references(bound)):
         return None
     node = imp.node
-    if isinstance(node, cst.ImportFrom):  # from torch.cuda import amp -> from torch import amp
-        fixed = edits.replace(facts, node.module, "torch")
+    if isinstance(node, ast.ImportFrom):  # from torch.cuda import amp -> from torch import amp
+        fixed = edits.rename_module(facts, node, "torch")
     else:  # import torch.cuda.amp as amp -> import torch.amp as amp
-        fixed = edits.replace(facts, node.names[0].name, "torch.amp")
+        name, bound = imp.names[0]
+        alias = next(a for a in node.names if a.name == name and a.asname == bound)
+        fixed = edits.rename_module(facts, node, "torch.amp", alias)
     return (fixed, *(_device_edit(facts, u) for u in members))
 
 
@@ -112,14 +114,14 @@ def _all_uses_fixable(facts: ScriptFacts, imp: Import, uses: list[_Use]) -> bool
 @lint_rule("AMP401", reads=("autocast", "GradScaler", "custom_[fb]wd", r"\bamp\b"))
 def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
     uses = _uses(facts)
-    imports = [i for i in facts.imports if i.module in _OLD_MODULES and isinstance(i.node, cst.ImportFrom)
+    imports = [i for i in facts.imports if i.module in _OLD_MODULES and isinstance(i.node, ast.ImportFrom)
                and not i.compat]
     by_name = {bound: imp for imp in imports for bound in _bound_names(imp)}
     groups: dict[int, tuple[Edit, ...] | None] = {}
     for imp in imports:
-        members = [u for u in uses if isinstance(u.callee, cst.Name) and by_name.get(u.callee.value) is imp]
+        members = [u for u in uses if isinstance(u.callee, ast.Name) and by_name.get(u.callee.id) is imp]
         fixable = _all_uses_fixable(facts, imp, uses)
-        groups[id(imp)] = (edits.replace(facts, imp.node.module, "torch.amp"),
+        groups[id(imp)] = (edits.rename_module(facts, imp.node, "torch.amp"),
                            *(_device_edit(facts, u) for u in members)) if fixable else None
         yield finding(facts, "AMP401", imp, old=f"from {imp.module} import", new="from torch.amp import",
                       fix="import from torch.amp and pass the device to each use",
@@ -127,15 +129,15 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
     aliases = _module_aliases(facts)
     for bound, imp in aliases.items():
         groups[id(imp)] = _alias_fix(facts, imp, bound, uses)
-        old = f"from {imp.module} import {bound}" if isinstance(imp.node, cst.ImportFrom) \
+        old = f"from {imp.module} import {bound}" if isinstance(imp.node, ast.ImportFrom) \
             else f"import {imp.names[0][0]} as {bound}"
-        new = f"from torch import {bound}" if isinstance(imp.node, cst.ImportFrom) else f"import torch.amp as {bound}"
+        new = f"from torch import {bound}" if isinstance(imp.node, ast.ImportFrom) else f"import torch.amp as {bound}"
         yield finding(facts, "AMP401", imp, old=old, new=new, fix="import torch.amp and pass the device to each use",
                       autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
     for use in uses:
         new = _DEPRECATED[use.old][0]
-        imp = by_name.get(use.callee.value) if isinstance(use.callee, cst.Name) else None
-        alias = aliases.get(dotted(use.callee.value) or "") if isinstance(use.callee, cst.Attribute) else None
+        imp = by_name.get(use.callee.id) if isinstance(use.callee, ast.Name) else None
+        alias = aliases.get(dotted(use.callee.value) or "") if isinstance(use.callee, ast.Attribute) else None
         if imp is not None:
             fix_edits = groups[id(imp)]
         elif alias is not None:

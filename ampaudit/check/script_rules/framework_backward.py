@@ -11,14 +11,14 @@ Fixes (unsafe: they change what runs): ``accelerator.clip_grad_norm_(...)``,
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from dataclasses import replace
-
-import libcst as cst
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts
 from ampaudit.check.lint.protocol import CLIPS, finding, is_raw_backward, softened
+from ampaudit.check.lint.values import literal_integer, string_value
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding, Severity
 from ampaudit.core.rulebook import rule
@@ -35,7 +35,8 @@ def _fp16(call) -> bool | None:
     value = call.kwarg("mixed_precision")
     if value is None:
         return False
-    return value.evaluated_value == "fp16" if isinstance(value, cst.SimpleString) else None
+    text = string_value(value)
+    return text == "fp16" if text is not None else None
 
 
 @lint_rule("AMP423", reads=("clip_grad", "accelerator", "Accelerator"))
@@ -74,7 +75,7 @@ def backward_in_lightning_module(facts: ScriptFacts) -> Iterator[Finding]:
         yield replace(found, severity=Severity.ERROR) if severe else found
 
 
-def _inside(facts: ScriptFacts, node: cst.CSTNode, line: int) -> bool:
+def _inside(facts: ScriptFacts, node: ast.ClassDef, line: int) -> bool:
     start, end = facts.lines(node)
     return start <= line <= end
 
@@ -83,8 +84,9 @@ def _sixteen_bit_trainer(facts: ScriptFacts) -> bool:
     wanted = set(rule("AMP424").params["error_when_precision"])
     for call in facts.calls_to(_TRAINERS):
         value = call.kwarg("precision")
-        if isinstance(value, cst.SimpleString) and str(value.evaluated_value) in wanted:
+        text = string_value(value)
+        if text is not None and str(text) in wanted:
             return True
-        if isinstance(value, cst.Integer) and value.value in wanted:
+        if literal_integer(value) and facts.text(value) in wanted:  # as written: `16`
             return True
     return False

@@ -4,12 +4,12 @@ Fix (unsafe: changes the value): ``torch.finfo(x.dtype).min/max`` of the filled 
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
-
-import libcst as cst
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import Call, ScriptFacts
+from ampaudit.check.lint.nodes import arguments
 from ampaudit.check.lint.protocol import finding
 from ampaudit.check.lint.values import literal_number
 from ampaudit.check.script_rules import lint_rule
@@ -19,7 +19,7 @@ from ampaudit.core.rulebook import rule
 _FP32 = frozenset({"torch.float32", "torch.float"})
 
 
-def _value_args(call: Call) -> list[cst.BaseExpression]:
+def _value_args(call: Call) -> list[ast.expr]:
     """The arguments of a fill-like call that become tensor data (rules.toml AMP414.params)."""
     table = rule("AMP414").params
     slots = table["methods"].get(call.method or "") if call.receiver else None
@@ -33,16 +33,17 @@ def _value_args(call: Call) -> list[cst.BaseExpression]:
     return values
 
 
-def _finfo_fp32_limit(facts: ScriptFacts, node: cst.BaseExpression) -> str | None:
+def _finfo_fp32_limit(facts: ScriptFacts, node: ast.expr) -> str | None:
     """'min' or 'max' for ``torch.finfo(torch.float32).min`` / ``.max``."""
-    if isinstance(node, cst.UnaryOperation):
-        node = node.expression
-    if not (isinstance(node, cst.Attribute) and node.attr.value in ("min", "max")):
+    if isinstance(node, ast.UnaryOp):
+        node = node.operand
+    if not (isinstance(node, ast.Attribute) and node.attr in ("min", "max")):
         return None
     call = node.value
-    if not isinstance(call, cst.Call) or "torch.finfo" not in facts.qualified(call.func) or not call.args:
+    if not isinstance(call, ast.Call) or "torch.finfo" not in facts.qualified(call.func):
         return None
-    return node.attr.value if facts.qualified(call.args[0].value) & _FP32 else None
+    written = arguments(call)
+    return node.attr if written and facts.qualified(written[0].value) & _FP32 else None
 
 
 @lint_rule("AMP414", reads=("fill", "full", "where", "clamp", "finfo"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import Scope, ScriptFacts, dotted
+from ampaudit.check.lint.facts import Scope, ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import backward_calls, finding, softened
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.dtypes import FLOAT16
@@ -33,8 +34,8 @@ def _mentions_float16(facts: ScriptFacts) -> bool:
 def _scaler_wrapper_called(facts: ScriptFacts, scope: Scope) -> bool:
     """A callable that wraps a GradScaler is called with the loss: timm/ConvNeXt's
     ``loss_scaler(loss, optimizer, ...)`` scales, steps and updates for you."""
-    for call in facts.calls:
-        if call.scope is scope and call.method is None and call.arg(0) is not None:
+    for call in facts.calls_in(scope):
+        if call.method is None and call.arg(0) is not None:
             name = (dotted(call.node.func) or "").rsplit(".", 1)[-1].lower()
             if "scaler" in name:
                 return True

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.facts import Call, ScriptFacts
 from ampaudit.check.lint.protocol import amp_path, guard_prefix, loops_over, on_path
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Finding
@@ -18,7 +18,7 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
     for scope in facts.scopes():
         scalers = facts.scalers(scope)
         for step in facts.method_calls("step", scope):
-            if step.receiver not in scalers or not step.node.args or not amp_path(facts, step):
+            if step.receiver not in scalers or not step.has_arguments or not amp_path(facts, step):
                 continue
             per_optimizer = loops_over(step, step.arg(0, "optimizer"))  # update after the loop is right
             updates = [u for u in facts.method_calls("update", scope) if u.receiver == step.receiver
@@ -33,12 +33,13 @@ def step_without_update(facts: ScriptFacts) -> Iterator[Finding]:
                           fix=f"call {step.receiver}.update() after it", autofix=autofix)
 
 
-def _updated_elsewhere(facts: ScriptFacts, step) -> bool:
+def _updated_elsewhere(facts: ScriptFacts, step: Call) -> bool:
     """``self.scaler.update()`` (or ``self.learn.scaler.update()``) in another method: a
     trainer's after-step hook updates the scaler the step used."""
     receiver = step.receiver or ""
     if not receiver.startswith("self."):
         return False
     attribute = receiver.rsplit(".", 1)[-1]
-    return any(c.method == "update" and c.scope is not step.scope and (c.receiver or "").startswith("self.")
-               and c.receiver.rsplit(".", 1)[-1] == attribute for c in facts.calls)
+    updates = facts.once("self updates", lambda: [c for c in facts.method_calls("update")
+                                                   if (c.receiver or "").startswith("self.")])
+    return any(c.scope is not step.scope and c.receiver.rsplit(".", 1)[-1] == attribute for c in updates)

@@ -3,9 +3,8 @@ exactly 1 in fp16, so the constant does nothing."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
-
-import libcst as cst
 
 from ampaudit.check.lint.facts import ScriptFacts
 from ampaudit.check.lint.protocol import finding
@@ -29,7 +28,7 @@ def one_plus_tiny(facts: ScriptFacts) -> Iterator[Finding]:
         left, right = literal_number(op.node.left), literal_number(op.node.right)
         if left == 1.0:
             tiny = right
-        elif right == 1.0 and isinstance(op.node.operator, cst.Add):
+        elif right == 1.0 and isinstance(op.node.op, ast.Add):
             tiny = left
         else:
             continue

@@ -4,12 +4,12 @@ scale's growth as a skip."""
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 
-import libcst as cst
-
-from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.facts import Call, ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import amp_path, finding
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -17,14 +17,13 @@ from ampaudit.core.findings import Finding
 _SCHEDULE = re.compile(r"(^|[._])(sched|scheduler|lr_scheduler|lr_sched|warmup)s?(_\w+)?$", re.IGNORECASE)
 _EMA = re.compile(r"(^|[._])(ema|model_ema|ema_model|swa_model)(_\w+)?$", re.IGNORECASE)
 _CHECKED = re.compile(r"get_scale|skip|step_applied|found_inf|optimizer_was_run", re.IGNORECASE)
-_EMPTY = cst.Module([])
 
 
 @lint_rule("AMP419", reads=(r"\.step\(", "scaler", "GradScaler"))
 def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
     for scope in facts.scopes():
         scalers = facts.scalers(scope)
-        steps = [c for c in facts.method_calls("step", scope) if c.receiver in scalers and c.node.args
+        steps = [c for c in facts.method_calls("step", scope) if c.receiver in scalers and c.has_arguments
                  and amp_path(facts, c)]
         if not steps or any("get_scale" in c.method for c in facts.calls_in(scope) if c.method):
             continue  # no scaled step, or the code already looks at the scale
@@ -34,25 +33,25 @@ def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
             follows = (call.method == "step" and _SCHEDULE.search(call.receiver)) or \
                 (call.method in ("update", "update_parameters") and _EMA.search(call.receiver))
             step = next((s for s in steps if s.loop is call.loop and s.line < call.line), None)
-            if not follows or step is None or _checked(call):
+            if not follows or step is None or _checked(facts, call):
                 continue
             yield finding(facts, "AMP419", call, call=f"{call.receiver}.{call.method}()", scaler=step.receiver,
                           fix=f"step it only when {step.receiver}.get_scale() did not drop in update()")
 
 
-def _checked(call) -> bool:
+def _checked(facts: ScriptFacts, call: Call) -> bool:
     """Whether a condition around the call already asks about skipped steps."""
-    return any(_CHECKED.search(_EMPTY.code_for_node(test)) for test, _ in call.guards)
+    return any(_CHECKED.search(facts.text(test)) for test, _ in call.guards)
 
 
 @lint_rule("AMP420", reads=("get_scale",))
 def skip_check_with_not_equal(facts: ScriptFacts) -> Iterator[Finding]:
     for comparison in facts.scale_comparisons:
         node = comparison.node
-        other = node.comparisons[0].comparator
+        other = node.comparators[0]
         if dotted(node.left) is None and dotted(other) is None:
             continue  # get_scale() against a literal: not a before/after check
-        expression = _EMPTY.code_for_node(node)
-        better = expression.replace("!=", "<") if isinstance(node.comparisons[0].operator, cst.NotEqual) \
+        expression = facts.code(node)
+        better = expression.replace("!=", "<") if isinstance(node.ops[0], ast.NotEq) \
             else expression.replace("==", ">=")
         yield finding(facts, "AMP420", comparison, expression=expression, fix=f"`{better}`")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import ScriptFacts, dotted
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import (
     amp_path,
     guard_prefix,
@@ -28,7 +29,7 @@ def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
             continue
         opts = optimizers(facts, scope)
         for call in facts.method_calls("step", scope):
-            if call.receiver in opts and call.receiver not in scalers and not call.node.args \
+            if call.receiver in opts and call.receiver not in scalers and not call.has_arguments \
                     and amp_path(facts, call):
                 scaler = scaler_for(facts, call, scalers, call.receiver)
                 fixed = f"{scaler}.step({call.receiver})"

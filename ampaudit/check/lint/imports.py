@@ -1,0 +1,75 @@
+"""What the imports of a file bind each name to, for qualified names."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from collections import deque
+from collections.abc import Iterator
+
+from ampaudit.check.lint.nodes import dotted
+
+
+class ImportMap:
+    """What each imported name stands for: ``F`` -> ``torch.nn.functional``, ``amp`` ->
+    ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast``. Read from every import
+    in the file (module level, functions, ``try`` blocks alike, skipped code too) - the lint
+    only asks about torch's, apex's and the frameworks' names, which scripts do not rebind -
+    so no scope analysis is needed."""
+
+    def __init__(self, bound: dict[str, str]) -> None:
+        self.bound = bound
+
+    @classmethod
+    def of(cls, tree: ast.Module) -> ImportMap:
+        bound: dict[str, str] = {}
+        for node in _statements_breadth_first(tree):
+            if node.__class__ is ast.Import:
+                for alias in node.names:
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:
+                        root = alias.name.split(".")[0]
+                        bound.setdefault(root, root)
+            elif node.__class__ is ast.ImportFrom and node.module is not None:
+                module = "." * node.level + node.module
+                for alias in node.names:
+                    if alias.name != "*":
+                        bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+        return cls(bound)
+
+    def qualify(self, node: ast.AST) -> frozenset[str]:
+        """``{"torch.cuda.amp.autocast"}`` for ``amp.autocast`` after ``from torch.cuda import
+        amp``; a name nothing imports keeps its own spelling (``scaler.step``)."""
+        name = dotted(node)
+        if name is None:
+            return frozenset()
+        root, dot, rest = name.partition(".")
+        target = self.bound.get(root)
+        if target is None:
+            return frozenset({f"builtins.{name}" if name in _BUILTINS else name})
+        return frozenset({target + dot + rest})
+
+
+def _statements_breadth_first(tree: ast.Module) -> Iterator[ast.AST]:
+    """Every statement, in ``ast.walk``'s order (a later import of a name wins), without
+    walking the expressions - no import is in one."""
+    queue: deque[ast.AST] = deque(tree.body)
+    while queue:
+        node = queue.popleft()
+        yield node
+        for name in _NESTED.get(node.__class__, ()):
+            queue.extend(getattr(node, name))
+
+
+_NESTED = {  # the fields that hold statements (or the handlers and cases that do)
+    ast.FunctionDef: ("body",), ast.AsyncFunctionDef: ("body",), ast.ClassDef: ("body",),
+    ast.If: ("body", "orelse"), ast.For: ("body", "orelse"), ast.AsyncFor: ("body", "orelse"),
+    ast.While: ("body", "orelse"), ast.With: ("body",), ast.AsyncWith: ("body",),
+    ast.Try: ("body", "handlers", "orelse", "finalbody"), ast.ExceptHandler: ("body",),
+    ast.Match: ("cases",), ast.match_case: ("body",),
+}
+if hasattr(ast, "TryStar"):
+    _NESTED[ast.TryStar] = ("body", "handlers", "orelse", "finalbody")
+
+_BUILTINS = frozenset(dir(builtins))
