@@ -4,7 +4,7 @@ Properties, over arbitrary valid Python (hypothesmith) and over generated traini
 that compose the shapes the lint knows (so that its fixes really trigger):
 
 1. the lint never crashes: ``lint_source`` returns findings or raises the documented
-   ``libcst.ParserSyntaxError``; ``lint_file(..., syntax_errors_as_findings=True)`` never raises,
+   ``SyntaxError``; ``lint_file(..., syntax_errors_as_findings=True)`` never raises,
    whatever the bytes (odd encodings, BOMs, null bytes), and reports AMP004 when Python
    itself refuses the file;
 2. ``--fix`` output compiles whenever the input did;
@@ -19,7 +19,6 @@ deterministic; the whole file takes well under a minute on two cores.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import io
 import re
 import tempfile
@@ -32,7 +31,6 @@ import pytest
 pytest.importorskip("hypothesis")
 hypothesmith = pytest.importorskip("hypothesmith")
 
-import libcst as cst  # noqa: E402
 from hypothesis import HealthCheck, Phase, example, given, reject, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -134,84 +132,36 @@ def _text(raw: bytes) -> str:
         return read_python(path)[0]
 
 
-# Bugs in the lint internals (ampaudit/check/lint, ampaudit/check/script_rules) that this
-# suite found. Each has a strict xfail test below with its minimal reproducer; the property
-# tests skip the checks a known bug breaks, and only when that bug's trigger is in the example,
-# so they keep guarding everything else. When a fix lands, its xfail test passes (XPASS,
-# strict: a failure): drop the xfail and the bug's entry here.
-CRLF_INSERT = "crlf-insert"  # edits.insert_line_after on CRLF text: "\r\r\n" + a "\n" line
-LINE_SEPARATORS = "line-separators"  # fix offsets shift after a form feed, U+2028, \x0b, \x1c-\x1e, \x85
-CASCADE = "cascade"  # AMP405's fix makes an AMP407: a second --fix --unsafe-fixes adds scaler.update()
-_SEPARATORS = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
-
-
-def _only_adds_missing_updates(original: str, fixed: str, again: str) -> bool:
-    """The second fix only inserted ``scaler.update()`` after a ``scaler.step(opt)`` that the
-    first fix had made (the CASCADE bug), and changed nothing else."""
-    before, after = _lines(fixed), _lines(again)
-    opcodes = difflib.SequenceMatcher(a=before, b=after, autojunk=False).get_opcodes()
-    changed = [op for op in opcodes if op[0] != "equal"]
-    for tag, i1, _, j1, j2 in changed:
-        if tag != "insert" or i1 == 0:
-            return False
-        if not all(re.fullmatch(r"\s*(if \S+ is not None: )?\S+\.update\(\)\s*", line) for line in after[j1:j2]):
-            return False
-        if ".step(" not in before[i1 - 1] or before[i1 - 1] in _lines(original):
-            return False
-    return bool(changed)
-
-
-def check_fix_roundtrip(raw: bytes, *, unsafe: bool, must_lint: bool = True, tolerate: bool = True) -> set[str]:
-    """Properties 2-4 through the CLI. Returns the known bugs the example ran into (with
-    ``tolerate=False`` they fail it). ``must_lint=False``: a file libcst cannot parse may be
-    refused with a one-line error (exit 2)."""
+def check_fix_roundtrip(raw: bytes, *, unsafe: bool, must_lint: bool = True) -> None:
+    """Properties 2-4 through the CLI. ``must_lint=False``: a file Python cannot parse may
+    be refused with a one-line error (exit 2)."""
     flags = ["--unsafe-fixes"] if unsafe else []
-    bugs: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train.py"
         path.write_bytes(raw)
         code, diff, err = _cli("--diff", *flags, str(path))
         if code == 2 and not must_lint and err.startswith("ampaudit: error: syntax error in "):
             assert "unexpected" not in err and err.count("\n") == 1, err
-            return bugs
+            return
         assert code in (0, 1) and "ampaudit: error" not in err, err
         assert path.read_bytes() == raw, "--diff wrote the file"
         code, _, err = _cli("--fix", *flags, "--format", "json", str(path))
-        assert "unexpected" not in err, err  # an exception in ampaudit
+        assert code in (0, 1) and "ampaudit: error" not in err, err
         fixed_raw = path.read_bytes()
         original, fixed = _text(raw), _text(fixed_raw)
-        separators = tolerate and any(c in original for c in _SEPARATORS)
-        if tolerate and b"\r\r\n" in fixed_raw and b"\r\r\n" not in raw:
-            bugs.add(CRLF_INSERT)  # valid Python, but libcst (so the report after the fix) cannot parse it
-        elif code == 2 and separators:
-            bugs.add(LINE_SEPARATORS)
-        else:
-            assert code in (0, 1) and "ampaudit: error" not in err, err
         # 4. --diff is exactly what --fix does
         assert (diff == "") == (fixed_raw == raw)
         assert apply_unified_diff(original, diff) == fixed, f"--diff differs from --fix:\n{diff}"
-        # 2. the fix keeps the file valid Python, in its encoding (a BOM stays)
+        # 2. the fix keeps the file valid Python, in its encoding (a BOM stays), its line endings too
         assert fixed_raw.startswith(b"\xef\xbb\xbf") == raw.startswith(b"\xef\xbb\xbf")
-        if _compiles(raw) and not _compiles(fixed_raw):
-            assert separators, f"--fix broke the file:\n{fixed}"
-            bugs.add(LINE_SEPARATORS)
-        if bugs:
-            return bugs
+        assert b"\r\r\n" not in fixed_raw or b"\r\r\n" in raw
+        if _compiles(raw):
+            assert _compiles(fixed_raw), f"--fix broke the file:\n{fixed}"
         # 3. idempotent
         code, _, err = _cli("--fix", *flags, "--format", "json", str(path))
-        assert "unexpected" not in err, err
+        assert code in (0, 1) and "ampaudit: error" not in err, err
         again = path.read_bytes()
-        if again != fixed_raw or code not in (0, 1):
-            if separators:
-                bugs.add(LINE_SEPARATORS)
-            elif tolerate and unsafe and b"\r\r\n" in again and b"\r\r\n" not in fixed_raw:
-                bugs |= {CASCADE, CRLF_INSERT}  # the cascaded update() went in after a CRLF line
-            elif tolerate and unsafe and _only_adds_missing_updates(original, fixed, _text(again)):
-                bugs.add(CASCADE)
-            else:
-                assert code in (0, 1) and "ampaudit: error" not in err, err
-                raise AssertionError(f"a second --fix changed the file:\n{fixed}\n---- to ----\n{_text(again)}")
-    return bugs
+        assert again == fixed_raw, f"a second --fix changed the file:\n{fixed}\n---- to ----\n{_text(again)}"
 
 
 def _fixes(raw: bytes, *, unsafe: bool) -> list:
@@ -536,8 +486,8 @@ def training_scripts(draw) -> bytes:
 def _lint_source_or_syntax_error(source: str) -> None:
     try:
         findings = lint_source("fuzz.py", source)
-    except cst.ParserSyntaxError:
-        return  # documented: valid Python that libcst cannot parse
+    except SyntaxError:
+        return  # documented: the caller reports it (AMP004 or exit 2)
     assert isinstance(findings, list)
     for f in findings:
         assert f.rule.startswith("AMP") and f.line >= 1
@@ -582,9 +532,9 @@ def odd_files(draw) -> bytes:
 @example(b"\xef\xbb\xbf# coding: latin-1\nx = 1\n")  # Python: "encoding problem: iso-8859-1 with BOM"
 @example(b"# coding: bogus\nx = 1\n")  # Python: "unknown encoding: bogus"
 @example(b"x = 1\x00\n")
-@example(b"x = 1  # \x00\n")  # libcst reads a null byte in a comment; Python refuses the file
-@example(b"\xef\xbb\xbf\xef\xbb\xbfx = 1\n")  # two BOMs: libcst drops both, Python only one
-@example(b"def f():\n  x\n\x0c  y\n")  # valid Python that libcst cannot parse: AMP004, no exception
+@example(b"x = 1  # \x00\n")  # a null byte in a comment: Python refuses the file
+@example(b"\xef\xbb\xbf\xef\xbb\xbfx = 1\n")  # two BOMs: Python drops only one, then refuses it
+@example(b"def f():\n  x\n\x0c  y\n")  # a form feed in an indent: no exception either way
 @given(odd_files())
 def test_lint_file_never_raises_and_reports_what_python_refuses(raw):
     with tempfile.TemporaryDirectory() as tmp:
@@ -643,37 +593,21 @@ def test_a_file_python_refuses_before_parsing_is_not_linted(tmp_path, raw, reaso
     assert [f.message for f in lint_file(path, syntax_errors_as_findings=True)] == [f"not linted: {reason}"]
 
 
-# --------------------------------------------------------------------------- known bugs (lint internals)
+# --------------------------------------------------------------------------- bugs this suite found
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "lint/edits.py insert_line_after on CRLF text inserts before the \\n of \\r\\n: 'scaler.step(opt)\\r\\r\\n"
-    "    scaler.update()\\n' - valid Python, but libcst cannot parse it, so ampaudit refuses the fixed file (exit 2)"))
-@settings(EXPLICIT)
-@example(b"def f(scaler, opt, loss):\r\n    scaler.scale(loss).backward()\r\n    scaler.step(opt)\r\n")
-@given(training_scripts())
-def test_known_bug_crlf_line_inserted_after(raw):
-    check_fix_roundtrip(raw, unsafe=True, tolerate=False)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "lint/facts.py line starts come from str.splitlines, which also splits at a form feed, \\x0b, \\x1c-\\x1e, "
-    "\\x85, U+2028/9: every fix after one lands one character early per separator (invalid Python)"))
-@settings(EXPLICIT)
-@example(b"\x0c\nscaler = torch.cuda.amp.GradScaler()\n")
-@given(training_scripts())
-def test_known_bug_fix_offsets_after_a_form_feed(raw):
-    check_fix_roundtrip(raw, unsafe=False, tolerate=False)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not idempotent: AMP405's fix (optimizer.step() -> scaler.step(optimizer)) leaves no scaler.update(), "
-    "so a second --fix --unsafe-fixes applies AMP407's"))
-@settings(EXPLICIT)
-@example(b"def f(scaler, optimizer, loss):\n    scaler.scale(loss).backward()\n    optimizer.step()\n")
-@given(training_scripts())
-def test_known_bug_a_second_unsafe_fix_adds_the_update(raw):
-    check_fix_roundtrip(raw, unsafe=True, tolerate=False)
+@pytest.mark.parametrize(("raw", "unsafe"), [
+    # a CRLF file: the inserted scaler.update() used to land between the CR and the LF
+    (b"def f(scaler, opt, loss):\r\n    scaler.scale(loss).backward()\r\n    scaler.step(opt)\r\n", True),
+    # a form feed (or \x0b, \x1c-\x1e, \x85, U+2028) is no line break for Python: fix offsets shifted
+    (b"\x0c\nscaler = torch.cuda.amp.GradScaler()\n", False),
+    ("# \u2028 \x85\nscaler = torch.cuda.amp.GradScaler()\n".encode(), False),
+    # AMP405's fix (optimizer.step() -> scaler.step(optimizer)) also adds the missing update,
+    # so a second --fix --unsafe-fixes has nothing left to do
+    (b"def f(scaler, optimizer, loss):\n    scaler.scale(loss).backward()\n    optimizer.step()\n", True),
+])
+def test_fixes_found_by_fuzzing_round_trip(raw, unsafe):
+    check_fix_roundtrip(raw, unsafe=unsafe)
 
 
 def test_training_scripts_reach_the_fixes():

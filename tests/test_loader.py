@@ -112,7 +112,7 @@ def test_the_class_no_other_class_builds_is_the_model(tmp_path):
     assert load_target(str(path)).entry == "Whole()"
 
 
-def test_user_siblings_never_shadow_ampaudit_imports(tmp_path):
+def test_user_siblings_never_shadow_ampaudit_imports(tmp_path, monkeypatch):
     # A sibling named like a stdlib module: the model file gets it (as `python net.py` would),
     # ampaudit's own later imports get the real one, and sys.path keeps its order.
     import sys
@@ -121,26 +121,26 @@ def test_user_siblings_never_shadow_ampaudit_imports(tmp_path):
     (tmp_path / "net.py").write_text(
         "from torch import nn\nimport colorsys\n\n"
         "def get_model():\n    assert colorsys.SIBLING\n    return nn.Linear(2, 2)\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # both put back after the test
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
     before = list(sys.path)
-    sys.modules.pop("colorsys", None)
     loaded = load_target(str(tmp_path / "net.py"))
     assert loaded.entry == "get_model()" and isinstance(loaded.model, torch.nn.Linear)
     assert sys.path[: len(before)] == before and sys.path[len(before):] == [str(tmp_path.resolve())]
     import colorsys
 
     assert not hasattr(colorsys, "SIBLING") and hasattr(colorsys, "rgb_to_hsv")
-    sys.path[:] = before
 
 
-def test_file_named_like_a_stdlib_module_gets_a_private_name(tmp_path):
+def test_file_named_like_a_stdlib_module_gets_a_private_name(tmp_path, monkeypatch):
     import sys
 
-    (tmp_path / "html.py").write_text("from torch import nn\n\ndef get_model():\n    return nn.Linear(2, 2)\n")
-    sys.modules.pop("html", None)
-    assert isinstance(load_target(str(tmp_path / "html.py")).model, torch.nn.Linear)
-    import html
+    (tmp_path / "tabnanny.py").write_text("from torch import nn\n\ndef get_model():\n    return nn.Linear(2, 2)\n")
+    monkeypatch.delitem(sys.modules, "tabnanny", raising=False)
+    assert isinstance(load_target(str(tmp_path / "tabnanny.py")).model, torch.nn.Linear)
+    import tabnanny
 
-    assert hasattr(html, "escape")
+    assert hasattr(tabnanny, "check")
 
 
 def test_lazy_sibling_import_still_resolves_after_load(tmp_path):

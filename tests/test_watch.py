@@ -580,3 +580,14 @@ def test_report_names_the_bad_line_and_skips_a_partial_last_one(tmp_path):
     (tmp_path / "middle.jsonl").write_text("\n".join([lines[0], lines[1], "{oops", lines[2]]) + "\n")
     with pytest.raises(UsageError, match=r"middle.jsonl:3: not a JSON line"):
         read_log(tmp_path / "middle.jsonl")
+
+
+def test_a_refused_log_leaves_no_hook_behind(tmp_path):
+    # the global module hooks of `ampaudit run` must not outlive a start that failed
+    from torch.nn.modules import module as module_hooks
+
+    (tmp_path / "data.jsonl").write_text('{"mine": 1}\n')
+    before = (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks))
+    with pytest.raises(UsageError, match="is not an ampaudit watch log"):
+        ampaudit.watch(None, log=tmp_path / "data.jsonl").start()
+    assert (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks)) == before

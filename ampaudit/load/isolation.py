@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+_OWN = __name__.partition(".")[0]  # ampaudit itself, when the user's folder is its checkout
+
 
 @contextmanager
 def user_folders(folders: Sequence[Path]) -> Iterator[None]:
@@ -28,7 +30,8 @@ def user_folders(folders: Sequence[Path]) -> Iterator[None]:
     finally:
         sys.path[:] = before_path + [f for f in added if f not in before_path]
         for name in set(sys.modules) - before_modules:
-            if _loaded_from(sys.modules.get(name), folders) and shadows(name.partition(".")[0], folders):
+            top = name.partition(".")[0]
+            if top != _OWN and _loaded_from(sys.modules.get(name), folders) and shadows(top, folders):
                 del sys.modules[name]
 
 

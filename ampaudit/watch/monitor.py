@@ -104,6 +104,9 @@ class Monitor:
     def start(self) -> Monitor:
         if self._handles:
             return self
+        if self.log_path is not None and self._rank == 0:  # first: a log refused leaves no hook behind
+            self._log = create_log(self.log_path, {"dtype": self.dtype_name, "every": self.every,
+                                                   "world": self._world})  # closed in stop
         if self.model is not None:
             self._name_tree(self.model, "")
             self._model_params = list(self.model.named_parameters())  # walked once, not every step
@@ -121,9 +124,6 @@ class Monitor:
         elif self.model is None:
             self._handles.append(optimizer_hooks.register_optimizer_step_pre_hook(self._global_step_hook))
             self._patch_grad_scaler()
-        if self.log_path is not None and self._rank == 0:
-            self._log = create_log(self.log_path, {"dtype": self.dtype_name, "every": self.every,
-                                                   "world": self._world})  # closed in stop
         return self
 
     def stop(self) -> None:

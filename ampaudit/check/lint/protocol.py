@@ -15,10 +15,11 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts
 from ampaudit.check.lint.guards import OFF, amp_state
 from ampaudit.check.lint.nodes import arguments, dotted, unstarred, unwrap_cast
-from ampaudit.core.findings import Autofix, Finding, Severity
+from ampaudit.core.findings import Autofix, Edit, Finding, Severity
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 
@@ -141,6 +142,28 @@ def loops_over(call: Call, value: ast.expr | None) -> bool:
     loop = call.loop
     return isinstance(loop, (ast.For, ast.AsyncFor)) and value is not None \
         and dotted(loop.target) == dotted(value) is not None
+
+
+def lacks_update(facts: ScriptFacts, step: Call, scaler: str, optimizer: ast.expr | None) -> bool:
+    """Whether nothing calls ``scaler.update()`` for ``step`` (a ``scaler.step(optimizer)``, or
+    the ``optimizer.step()`` a fix turns into one): not in the step's loop (after a loop over
+    the optimizers is right too), and not in another method of the same object (a trainer's
+    after-step hook)."""
+    per_optimizer = loops_over(step, optimizer)
+    if any(u.receiver == scaler and (step.loop is None or u.loop is step.loop or per_optimizer) and amp_path(facts, u)
+           for u in facts.method_calls("update", step.scope)):
+        return False
+    if not scaler.startswith("self."):
+        return True
+    attribute = scaler.rsplit(".", 1)[-1]
+    updates = facts.once("self updates", lambda: [c for c in facts.method_calls("update")
+                                                   if (c.receiver or "").startswith("self.")])
+    return not any(c.scope is not step.scope and c.receiver.rsplit(".", 1)[-1] == attribute for c in updates)
+
+
+def insert_update(facts: ScriptFacts, step: Call, scaler: str) -> Edit:
+    """``scaler.update()`` on the line after the step's statement, guarded as the step is."""
+    return edits.insert_line_after(facts, step.statement, f"{guard_prefix(facts, step, scaler)}{scaler}.update()")
 
 
 def scaled_backward(facts: ScriptFacts, call: Call, scalers: frozenset[str]) -> bool:

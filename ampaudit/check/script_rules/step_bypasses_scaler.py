@@ -11,6 +11,8 @@ from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import (
     amp_path,
     guard_prefix,
+    insert_update,
+    lacks_update,
     on_path,
     optimizers,
     scaler_for,
@@ -35,7 +37,10 @@ def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
                 fixed = f"{scaler}.step({call.receiver})"
                 if guard_prefix(facts, call, scaler):  # the scaler may be None here: keep the fp32 step
                     fixed = f"{fixed} if {scaler} is not None else {call.receiver}.step()"
-                autofix = Autofix((edits.replace(facts, call.node, fixed),), safe=False)
+                fix_edits = [edits.replace(facts, call.node, fixed)]
+                if call.statement is not None and lacks_update(facts, call, scaler, call.node.func.value):
+                    fix_edits.append(insert_update(facts, call, scaler))  # else the next run finds AMP407
+                autofix = Autofix(tuple(fix_edits), safe=False)
                 found = on_path(facts, "AMP405", call, via=scaler, optimizer=call.receiver, scaler=scaler,
                                 fix=f"{scaler}.step({call.receiver})", autofix=autofix)
                 # `scaler.unscale_(opt); opt.step()`: deliberate (a sparse optimizer, say) - the
