@@ -253,3 +253,31 @@ def test_exit_codes_are_the_readmes(tmp_path, monkeypatch, capsys):
         assert result == code, (argv, capsys.readouterr().err)
         capsys.readouterr()
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: __import__("ampaudit").check(None), r"ampaudit.check\(\) takes a torch.nn.Module as its model, not "
+                                                 r"NoneType \(for a model file use ampaudit.check_path"),
+    (lambda: __import__("ampaudit").check(5), r"ampaudit.check\(\) takes a torch.nn.Module as its model, not int"),
+    (lambda: __import__("ampaudit").convert("model.py"), r"ampaudit.convert\(\) takes a torch.nn.Module .* not str"),
+    (lambda: __import__("ampaudit").watch(5), r"ampaudit.watch\(\) takes a torch.nn.Module .* not int"),
+    (lambda: __import__("ampaudit").apply(None, "out"), r"ampaudit.apply\(\) takes a torch.nn.Module .* NoneType"),
+])
+def test_python_api_names_the_type_it_takes(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
+def test_fix_refuses_an_immutable_file(tmp_path, cli):
+    path = tmp_path / "train.py"
+    path.write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n")
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root and a file system that supports it)")
+    try:
+        result = cli("check", "--lint-only", "--fix", str(path))
+        assert result.code == 2
+        assert result.err.strip() == (f"ampaudit: error: {path} cannot be written (immutable, or on a read-only "
+                                      "file system): not rewritten")
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
+    assert "torch.cuda.amp.GradScaler()" in path.read_text()
