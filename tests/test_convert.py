@@ -275,7 +275,7 @@ def test_user_optimizer_state_moves_to_the_masters():
 
 def test_untraceable_models_convert_their_traceable_submodules():
     loaded = load_target(model("untraceable.py"))
-    mp = ampaudit.convert(loaded.model, loaded.inputs)
+    mp = ampaudit.convert(loaded.model, loaded.inputs, backend="fx")
     assert not isinstance(mp, fx.GraphModule)  # Gated.forward itself stays Python, in fp32
     assert isinstance(mp.fc1, fx.GraphModule) and mp.fc1.get_parameter("weight").dtype == torch.float16
     assert mp.norm.get_parameter("weight").dtype == torch.float32  # a LayerNorm: fp32 op
@@ -283,6 +283,44 @@ def test_untraceable_models_convert_their_traceable_submodules():
     with torch.no_grad():
         x = loaded.inputs.args[0]
         assert _rel(mp(x), loaded.model(x)) < 1e-2
+
+
+def test_the_modules_backend_keeps_the_models_own_class_and_forward():
+    # what auto picks for a model fx cannot trace at the top: the user's object, its forward
+    # under autocast, parameters of low-precision modules stored low, a norm in fp32
+    loaded = load_target(model("untraceable.py"))
+    mp = ampaudit.convert(loaded.model, loaded.inputs)
+    assert type(mp) is type(loaded.model) and mp.summary.backend == "modules"
+    assert mp.fc1.weight.dtype == mp.fc2.weight.dtype == torch.float16
+    assert mp.norm.weight.dtype == torch.float32
+    assert list(mp.state_dict()) == list(loaded.model.state_dict())
+    x = loaded.inputs.args[0]
+    with torch.no_grad():
+        out = mp(x)
+    assert out.dtype == torch.float32 and _rel(out, loaded.model(x)) < 1e-2
+    assert [r["kind"] for r in mp.plan if r["module"] == "norm" and r["compute"] == "float32"] == ["layer_norm"]
+
+
+def test_the_modules_backend_trains_a_tied_gpt_like_fp32():
+    loaded = load_target(model("tied_gpt.py"))
+    torch.manual_seed(0)
+    reference = copy.deepcopy(loaded.model)
+    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
+    model_mp, opt_mp = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs, backend="modules")
+    assert model_mp.lm_head.weight is model_mp.wte.weight and model_mp.lm_head.weight.dtype == torch.float16
+    assert model_mp.summary.train["passed"]
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    x, y = loaded.inputs.args
+    for _ in range(50):
+        loss = model_mp(x, y)
+        opt_mp.zero_grad()
+        opt_mp.backward(loss)
+        opt_mp.step()
+        fp32_loss = reference(x, y)
+        reference_opt.zero_grad()
+        fp32_loss.backward()
+        reference_opt.step()
+    assert abs(loss.item() - fp32_loss.item()) / fp32_loss.item() < 0.02
 
 
 def test_cli_convert_writes_plan_weights_and_a_readable_module(cli, tmp_path):
@@ -469,10 +507,11 @@ def test_verify_trains_and_catches_a_broken_tie(cli, tmp_path, monkeypatch):
         setattr(owner, name, nn.Parameter(value.detach().to(dtype), requires_grad=value.requires_grad))
 
     monkeypatch.setattr(rewrite, "_store_low", split_the_tie)
-    result = cli("convert", model("tied_gpt.py"), "-o", tmp_path / "out")
+    result = cli("convert", model("tied_gpt.py"), "-o", tmp_path / "out", "--backend", "fx")
     assert result.code == 1
     assert "training check  20 steps" in result.out and "(OUTSIDE 2%)" in result.out
-    assert cli("convert", model("tied_gpt.py"), "-o", tmp_path / "out2", "--train-steps", "0").code == 0
+    assert cli("convert", model("tied_gpt.py"), "-o", tmp_path / "out2", "--backend", "fx", "--train-steps",
+               "0").code == 0
 
 
 def test_low_gradients_move_into_the_masters_during_backward():

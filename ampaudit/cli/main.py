@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also write the plan as a policy for other tools: autocast (modules to run in fp32 "
                            "under torch.autocast), hf (_keep_in_fp32_modules), fsdp2 (MixedPrecisionPolicy per "
                            "module); repeatable")
+    conv.add_argument("--backend", choices=("auto", "fx", "modules"), default="auto",
+                      help="fx: rewrite the traced graph; modules: keep the model's own forward and apply the plan "
+                           "per module (any model); auto (default): fx where the model traces, else modules")
     conv.add_argument("--train-steps", type=_STEPS, default=20, metavar="N",
                       help="also verify by training: N AdamW steps of copies of the converted and the fp32 model, "
                            "loss by loss (default 20; 0: off)")
@@ -381,7 +384,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
         result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
                          verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
-                         train_steps=args.train_steps)
+                         train_steps=args.train_steps, backend=args.backend)
         model_mp = result[0] if optimizer is not None else result
     summary = model_mp.summary.to_dict()
     files = export(model_mp, args.output, summary=summary, force=args.force,

@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from ampaudit.convert.kernel_probe import promote_missing_kernels
+from ampaudit.convert.module_backend import apply_module_plan, module_plan
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
 from ampaudit.convert.rewrite import rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
@@ -45,6 +46,7 @@ class ConversionSummary:
     promoted: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     train: dict[str, Any] | None = None  # the training check (train_check.TrainCheck), when one ran
+    backend: str = "fx"  # "fx" or "modules"
     constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
     keep_low_outputs: bool = False
 
@@ -74,6 +76,7 @@ def convert(
     loss_scale: str | float | None = "auto",
     config: Config | None = None,
     train_steps: int = DEFAULT_STEPS,
+    backend: str = "auto",
 ):
     """Rewrite ``model`` into explicit mixed precision.
 
@@ -84,6 +87,10 @@ def convert(
     ``constants``: "fp32" or "clamp" for constants the low dtype cannot hold.
     Given an optimizer and example inputs, ``verify`` also trains: ``train_steps`` steps of
     copies of both models compared loss by loss (``model_mp.summary.train``).
+    ``backend``: "fx" rewrites the traced graph (where the top level does not trace, its
+    children); "modules" keeps the model's own class and forward and applies the plan per
+    module (convert/module_backend.py; needs example inputs); "auto": fx where the top level
+    traces, else modules.
     """
     require_module(model, "ampaudit.convert")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
@@ -97,6 +104,11 @@ def convert(
     if inputs is not None and verify:
         refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
+    backend = _pick_backend(backend, model, catalog, inputs)
+    if backend == "modules":
+        return _finish(model, _convert_modules(model, catalog, low, inputs, constants=constants,
+                                               keep_low_outputs=keep_low_outputs, verify=verify),
+                       optimizer, inputs, low, verify=verify, loss_scale=loss_scale, train_steps=train_steps)
 
     kernels: dict[str, Decision] = {}  # ops with no low-precision kernel here: fp32 in every build
 
@@ -119,6 +131,46 @@ def convert(
     finally:
         model.train(was_training)
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual
+    return _finish(model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
+                   train_steps=train_steps)
+
+
+def _pick_backend(backend: str, model: torch.nn.Module, catalog: Catalog, inputs: ExampleInputs | None) -> str:
+    if backend not in ("fx", "modules", "auto"):
+        raise UsageError(f"backend must be 'fx', 'modules' or 'auto' (got {backend!r})")
+    if backend == "modules" and inputs is None:
+        raise UsageError("the modules backend records the model running: give example inputs")
+    if backend == "auto":
+        return "fx" if inputs is None or fx_trace(model, catalog)[0] is not None else "modules"
+    return backend
+
+
+def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, inputs: ExampleInputs, *,
+                     constants: str, keep_low_outputs: bool, verify: bool) -> torch.nn.Module:
+    was_training = model.training
+    model.eval()
+    try:
+        records = module_plan(model, catalog, low, inputs, promoted={}, constants=constants)
+        model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs)
+        error = output_error(model, model_mp, inputs) if verify else None
+    finally:
+        model.train(was_training)
+    model_mp.train(was_training)
+    calls = [r for r in records if r["op"].startswith("call_")]
+    model_mp.plan = records
+    model_mp.summary = ConversionSummary(
+        dtype=low.name, casts=0, ops_fp32=sum(r["compute"] == "float32" for r in calls),
+        ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(model_mp),
+        error_before=error, error_after=error, constants=constants, keep_low_outputs=keep_low_outputs,
+        backend="modules",
+        notes=["modules backend: the model's own forward under autocast, the plan applied per module; no "
+               "promotion search yet (a tolerance miss is reported, not repaired)"])
+    return model_mp
+
+
+def _finish(model: torch.nn.Module, model_mp: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+            inputs: ExampleInputs | None, low: LowDtype, *, verify: bool, loss_scale: Any, train_steps: int):
+    """The converted model alone, or with its optimizer after the training check."""
     if optimizer is None:
         return model_mp
     if inputs is not None and verify and train_steps > 0:
@@ -143,6 +195,11 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
+    if summary.get("backend") == "modules":  # the records say what each module does: nothing to trace
+        model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep)
+        model_mp.train(model.training)
+        model_mp.plan, model_mp.summary = [dict(r) for r in records], ConversionSummary(**dict(summary))
+        return model_mp
     file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     was_training = model.training

@@ -75,17 +75,18 @@ def run_in_fp32(forward: Callable[..., Any]) -> Callable[..., Any]:
     def fp32_forward(*args: Any, **kwargs: Any) -> Any:
         device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
         with torch.autocast(device, enabled=False):
-            return forward(*_float(args), **_float(kwargs))
+            return forward(*float_inputs(args), **float_inputs(kwargs))
     return fp32_forward
 
 
-def _float(value: Any) -> Any:
+def float_inputs(value: Any) -> Any:
+    """Float tensors (in tuples and dicts) as fp32; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.is_floating_point() else value
     if isinstance(value, tuple):
-        return tuple(_float(v) for v in value)
+        return tuple(float_inputs(v) for v in value)
     if isinstance(value, dict):
-        return {k: _float(v) for k, v in value.items()}
+        return {k: float_inputs(v) for k, v in value.items()}
     return value
 
 

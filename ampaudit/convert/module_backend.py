@@ -1,0 +1,135 @@
+"""The module backend: any model, traced or not, keeps its own class and forward.
+
+torch.fx cannot trace most real models at the top level (every transformers model, nanoGPT).
+This backend records what runs once (graph/recorder.py), decides every op as the fx backend
+does (convert/plan.py), and applies the decisions per module instead of rewriting a graph:
+
+- the forward runs under ``torch.autocast`` in the low dtype (so the user's own functional
+  code follows autocast's rules), its float outputs returned in fp32;
+- a module whose ops all compute in the low dtype stores its parameters there (fp32 masters
+  live in the optimizer, as with the fx backend);
+- a leaf module with an op that needs fp32 (a norm, say), and any module holding one of the
+  plan's overrides (a constant the dtype cannot hold, a measured overflow, a declared fp32
+  module, a missing kernel, verification), runs with autocast off on fp32 inputs; everything
+  under such a module keeps fp32 parameters.
+
+The result is the user's model object - same class, same state_dict keys, ties kept (weights
+are cast in place, as ``Module.to`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ampaudit.convert.emit import OVERRIDES
+from ampaudit.convert.emit import float_inputs as _float
+from ampaudit.convert.plan import FOLLOW, FP32, Decision, decide, plan_records
+from ampaudit.core.catalog import Catalog
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.graph import dtype_flow as flow
+from ampaudit.graph.declared import declared_precision
+from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.measure import measure_ranges
+from ampaudit.graph.recorder import record_trace
+from ampaudit.graph.trace import SubGraph
+from ampaudit.graph.view import GraphView
+
+
+def module_plan(model: torch.nn.Module, catalog: Catalog, low: LowDtype, inputs: ExampleInputs, *,
+                promoted: Mapping[str, str | Decision], constants: str) -> list[dict[str, Any]]:
+    """Record one run of ``model`` and decide each op: the plan's records."""
+    gm, _ = record_trace(model, inputs.args, inputs.kwargs, catalog)
+    measure_ranges(gm, inputs, catalog, low)
+    view = GraphView.build(SubGraph("", gm), catalog, low, frozenset(), declared=declared_precision(model, low))
+    plan = decide(view, constants=constants, promoted=promoted)
+    for node, decision in plan.items():
+        # An override matters where the op would compute in the low dtype: an op on fp32 values
+        # (a mask built from finfo(float32).min) stays fp32 under autocast without help.
+        if decision.rule in ("AMP201", "AMP301") and view.flow.get(node) != flow.LOW:
+            plan[node] = Decision(FOLLOW, f"{decision.reason} - its inputs stay fp32 under autocast", decision.rule)
+        elif decision.clamp:  # a constant can only be clamped in a rewritten graph: fp32 here
+            plan[node] = Decision(FP32, f"{decision.reason}; the modules backend cannot rewrite a constant: its "
+                                        "module runs in fp32", "AMP201")
+    return plan_records(view, plan, {})
+
+
+def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any]], low: LowDtype,
+                      *, keep_low_outputs: bool = False) -> torch.nn.Module:
+    """A copy of ``model`` converted by ``records``; the user's model is untouched."""
+    work = copy.deepcopy(model).eval()
+    ops: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        if record.get("op", "").startswith("call_") and record.get("module") is not None:
+            ops.setdefault(record["module"], []).append(record)
+    modules = dict(work.named_modules())
+    overridden = _outermost({m for m, rs in ops.items() if m and any(_override(r) for r in rs)})
+    leaves_fp32 = {m for m, rs in ops.items() if m in modules and _is_leaf(modules[m])
+                   and any(r["compute"] == "float32" for r in rs)}
+    for path in sorted(overridden | leaves_fp32):
+        if path:
+            modules[path].forward = types.MethodType(_fp32_forward, modules[path])
+    for path, records_here in ops.items():
+        module = modules.get(path)
+        if module is None or not path or _under(path, overridden) or path in leaves_fp32:
+            continue
+        if all(r["compute"] != "float32" for r in records_here) and any(r["compute"] == low.name for r in records_here):
+            with torch.no_grad():
+                for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                    if tensor.is_floating_point():
+                        tensor.data = tensor.data.to(low.torch)  # in place: ties stay ties
+    work.ampaudit_low = (low.torch, keep_low_outputs)
+    work.forward = types.MethodType(_autocast_forward, work)
+    return work
+
+
+# The wrappers are methods bound to their module (not closures over its forward), so a deep
+# copy of the converted model - the training check makes one - calls its own modules.
+def _autocast_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    dtype, keep_low_outputs = self.ampaudit_low
+    with torch.autocast(_device(args, kwargs), dtype=dtype):
+        out = type(self).forward(self, *args, **kwargs)
+    return out if keep_low_outputs else _to_fp32(out)
+
+
+def _fp32_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with torch.autocast(_device(args, kwargs), enabled=False):
+        return type(self).forward(self, *_float(args), **_float(kwargs))
+
+
+def _device(args: tuple, kwargs: dict) -> str:
+    return next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
+
+
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_to_fp32(v) for v in value)
+    if isinstance(value, list):
+        return [_to_fp32(v) for v in value]
+    if isinstance(value, dict):  # HF's ModelOutput is an OrderedDict subclass: set items in place
+        for key in list(value.keys()):
+            value[key] = _to_fp32(value[key])
+        return value
+    return value
+
+
+def _override(record: Mapping[str, Any]) -> bool:
+    return record.get("compute") == "float32" and record.get("rule") in OVERRIDES
+
+
+def _is_leaf(module: torch.nn.Module) -> bool:
+    return next(module.children(), None) is None
+
+
+def _outermost(paths: set[str]) -> set[str]:
+    return {p for p in paths if not _under(p, paths - {p})}
+
+
+def _under(path: str, parents: Iterable[str]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in parents if p)
