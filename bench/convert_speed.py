@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("fp32", "autocast", "convert")
+VARIANTS = ("fp32", "autocast", "convert", "convert-fp32w")
 
 
 def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, float]:
@@ -40,9 +40,10 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
     ids = torch.randint(0, 50257, (batch, tokens + 1), device=device)
     ids, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # next-token prediction
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    if variant == "convert":
+    if variant.startswith("convert"):  # convert-fp32w: the modules backend, fp32 weights cast at each use
+        options = {"backend": "modules", "weights": "fp32"} if variant == "convert-fp32w" else {}
         model, optimizer = ampaudit.convert(model, optimizer, example_inputs=(ids[:1, :64], targets[:1, :64]),
-                                            verify=False)
+                                            verify=False, **options)
 
     def step() -> float:
         if variant == "fp32":
@@ -69,7 +70,7 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
             with torch.autocast(device, dtype=torch.float16):
                 loss = model(ids, targets)
             scaler.scale(loss).backward()
-        elif variant == "convert":
+        elif variant.startswith("convert"):
             optimizer.backward(model(ids, targets))
         else:
             model(ids, targets).backward()

@@ -529,3 +529,17 @@ def test_low_gradients_move_into_the_masters_during_backward():
     once = [m.grad.clone() for _, m in opt_mp.pairs]
     opt_mp.backward(model_mp(x).sum())
     assert all(torch.allclose(m.grad, 2 * g) for (_, m), g in zip(opt_mp.pairs, once, strict=True))
+
+
+def test_modules_backend_with_fp32_weights_holds_what_autocast_holds():
+    # weights="fp32": no low copies and no masters - the optimizer steps the model's own fp32
+    # parameters, with loss scaling; the plan's fp32 modules still run with autocast off
+    loaded = load_target(model("tied_gpt.py"))
+    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
+    model_mp, opt_mp = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs, backend="modules",
+                                        weights="fp32")
+    assert {p.dtype for p in model_mp.parameters()} == {torch.float32} and not opt_mp.pairs
+    assert model_mp.summary.weights == "fp32" and model_mp.summary.train["passed"]
+    assert model_mp.lm_head.weight is model_mp.wte.weight
+    with pytest.raises(UsageError, match="modules-backend option"):
+        ampaudit.convert(nn.Linear(2, 2), (torch.ones(1, 2),), weights="fp32")

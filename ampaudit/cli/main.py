@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--backend", choices=("auto", "fx", "modules"), default="auto",
                       help="fx: rewrite the traced graph; modules: keep the model's own forward and apply the plan "
                            "per module (any model); auto (default): fx where the model traces, else modules")
+    conv.add_argument("--weights", choices=("low", "fp32"), default="low",
+                      help="modules backend: store low-precision modules' weights low (fp32 masters in the optimizer; "
+                           "default), or keep them fp32 and let autocast cast at each use (autocast's memory)")
     conv.add_argument("--train-steps", type=_STEPS, default=20, metavar="N",
                       help="also verify by training: N AdamW steps of copies of the converted and the fp32 model, "
                            "loss by loss (default 20; 0: off)")
@@ -384,7 +387,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
         result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
                          verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
-                         train_steps=args.train_steps, backend=args.backend)
+                         train_steps=args.train_steps, backend=args.backend, weights=args.weights)
         model_mp = result[0] if optimizer is not None else result
     summary = model_mp.summary.to_dict()
     files = export(model_mp, args.output, summary=summary, force=args.force,

@@ -47,6 +47,7 @@ class ConversionSummary:
     notes: list[str] = field(default_factory=list)
     train: dict[str, Any] | None = None  # the training check (train_check.TrainCheck), when one ran
     backend: str = "fx"  # "fx" or "modules"
+    weights: str = "low"  # modules backend: "low" (stored low, fp32 masters) or "fp32" (cast at use)
     constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
     keep_low_outputs: bool = False
 
@@ -77,6 +78,7 @@ def convert(
     config: Config | None = None,
     train_steps: int = DEFAULT_STEPS,
     backend: str = "auto",
+    weights: str = "low",
 ):
     """Rewrite ``model`` into explicit mixed precision.
 
@@ -90,7 +92,9 @@ def convert(
     ``backend``: "fx" rewrites the traced graph (where the top level does not trace, its
     children); "modules" keeps the model's own class and forward and applies the plan per
     module (convert/module_backend.py; needs example inputs); "auto": fx where the top level
-    traces, else modules.
+    traces, else modules. ``weights`` (modules backend): "low" stores low-precision modules'
+    parameters low (fp32 masters in the optimizer); "fp32" keeps every parameter fp32 and lets
+    autocast cast at each use - the memory of autocast + GradScaler, with the plan's fp32 modules.
     """
     require_module(model, "ampaudit.convert")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
@@ -105,9 +109,13 @@ def convert(
         refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
     backend = _pick_backend(backend, model, catalog, inputs)
+    if weights not in ("low", "fp32"):
+        raise UsageError(f"weights must be 'low' or 'fp32' (got {weights!r})")
+    if weights == "fp32" and backend != "modules":
+        raise UsageError("weights='fp32' is a modules-backend option (backend='modules')")
     if backend == "modules":
         return _finish(model, _convert_modules(model, catalog, low, inputs, constants=constants,
-                                               keep_low_outputs=keep_low_outputs, verify=verify),
+                                               keep_low_outputs=keep_low_outputs, verify=verify, weights=weights),
                        optimizer, inputs, low, verify=verify, loss_scale=loss_scale, train_steps=train_steps)
 
     kernels: dict[str, Decision] = {}  # ops with no low-precision kernel here: fp32 in every build
@@ -146,12 +154,12 @@ def _pick_backend(backend: str, model: torch.nn.Module, catalog: Catalog, inputs
 
 
 def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, inputs: ExampleInputs, *,
-                     constants: str, keep_low_outputs: bool, verify: bool) -> torch.nn.Module:
+                     constants: str, keep_low_outputs: bool, verify: bool, weights: str) -> torch.nn.Module:
     was_training = model.training
     model.eval()
     try:
         records = module_plan(model, catalog, low, inputs, promoted={}, constants=constants)
-        model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs)
+        model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights)
         error = output_error(model, model_mp, inputs) if verify else None
     finally:
         model.train(was_training)
@@ -162,7 +170,7 @@ def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, in
         dtype=low.name, casts=0, ops_fp32=sum(r["compute"] == "float32" for r in calls),
         ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(model_mp),
         error_before=error, error_after=error, constants=constants, keep_low_outputs=keep_low_outputs,
-        backend="modules",
+        backend="modules", weights=weights,
         notes=["modules backend: the model's own forward under autocast, the plan applied per module; no "
                "promotion search yet (a tolerance miss is reported, not repaired)"])
     return model_mp
@@ -196,7 +204,8 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
     if summary.get("backend") == "modules":  # the records say what each module does: nothing to trace
-        model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep)
+        model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep,
+                                     weights=str(summary.get("weights", "low")))
         model_mp.train(model.training)
         model_mp.plan, model_mp.summary = [dict(r) for r in records], ConversionSummary(**dict(summary))
         return model_mp

@@ -59,8 +59,10 @@ def module_plan(model: torch.nn.Module, catalog: Catalog, low: LowDtype, inputs:
 
 
 def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any]], low: LowDtype,
-                      *, keep_low_outputs: bool = False) -> torch.nn.Module:
-    """A copy of ``model`` converted by ``records``; the user's model is untouched."""
+                      *, keep_low_outputs: bool = False, weights: str = "low") -> torch.nn.Module:
+    """A copy of ``model`` converted by ``records``; the user's model is untouched.
+    ``weights="fp32"``: parameters stay fp32 and autocast casts them at each use - no fp32
+    masters needed, so training holds exactly what autocast + GradScaler holds."""
     work = copy.deepcopy(model).eval()
     ops: dict[str, list[Mapping[str, Any]]] = {}
     for record in records:
@@ -75,7 +77,7 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
             modules[path].forward = types.MethodType(_fp32_forward, modules[path])
     for path, records_here in ops.items():
         module = modules.get(path)
-        if module is None or not path or _under(path, overridden) or path in leaves_fp32:
+        if weights != "low" or module is None or not path or _under(path, overridden) or path in leaves_fp32:
             continue
         if all(r["compute"] != "float32" for r in records_here) and any(r["compute"] == low.name for r in records_here):
             with torch.no_grad():
