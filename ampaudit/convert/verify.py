@@ -33,10 +33,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def output_error(reference: torch.nn.Module, converted: torch.nn.Module, inputs: ExampleInputs) -> float:
-    """Worst relative L2 error over the float outputs; inf when the conversion is non-finite."""
+def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: torch.nn.Module,
+                 inputs: ExampleInputs) -> float:
+    """Worst relative L2 error over the float outputs; inf when the conversion is non-finite.
+    ``reference``: the fp32 model, or its outputs already computed (``reference_outputs``)."""
+    ref = reference if isinstance(reference, list) else reference_outputs(reference, inputs)
     with torch.no_grad():
-        ref = _tensors(reference(*inputs.args, **inputs.kwargs))
         out = _tensors(converted(*inputs.args, **inputs.kwargs))
     worst = 0.0
     for r, o in zip(ref, out, strict=False):
@@ -47,6 +49,12 @@ def output_error(reference: torch.nn.Module, converted: torch.nn.Module, inputs:
         diff = float((o - r.float()).norm())
         worst = max(worst, diff / scale if scale else diff)
     return worst
+
+
+def reference_outputs(reference: torch.nn.Module, inputs: ExampleInputs) -> list[torch.Tensor]:
+    """The fp32 model's float outputs, computed once for every comparison of a search."""
+    with torch.no_grad():
+        return _tensors(reference(*inputs.args, **inputs.kwargs))
 
 
 def _ranked_ops(gm: fx.GraphModule) -> list[str]:
@@ -93,6 +101,7 @@ def _members(gm: fx.GraphModule, unit: str) -> dict[str, str]:
 
 def search_promotions(reference: torch.nn.Module, converted: fx.GraphModule, build: Build,
                       inputs: ExampleInputs, tolerance: float) -> fx.GraphModule:
+    reference = reference_outputs(reference, inputs)  # one fp32 forward for the whole search
     before = output_error(reference, converted, inputs)
     if before <= tolerance:
         return _finish(converted, before, before)
