@@ -89,3 +89,29 @@ def test_show_ops_lists_every_op(cli, monkeypatch):
     assert "Every op" in out
     for kind in ("placeholder", "linear", "relu", "output"):
         assert f" {kind} " in out
+
+
+def test_slow_status_shows_only_after_its_delay_and_only_on_a_terminal(monkeypatch):
+    import io
+    import time
+
+    from rich.console import Console
+
+    import ampaudit.core.console as console_module
+
+    screens: list[io.StringIO] = []
+
+    def fake_terminal(file=None, **_):
+        screens.append(io.StringIO())
+        return Console(file=screens[-1], force_terminal=True, width=60)
+
+    monkeypatch.setattr(console_module, "make_console", fake_terminal)
+    with console_module.slow_status("converting", after=30):
+        time.sleep(0.05)
+    assert "converting" not in screens[-1].getvalue()  # quick: nothing shown
+    with console_module.slow_status("converting", after=0.01):
+        time.sleep(0.3)
+    assert "converting" in screens[-1].getvalue()
+    monkeypatch.setattr(console_module, "make_console", lambda file=None, **_: Console(file=io.StringIO()))
+    with console_module.slow_status("converting", after=0):  # not a terminal: never started
+        time.sleep(0.05)

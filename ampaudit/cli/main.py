@@ -366,7 +366,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
     from ampaudit.convert.export import check_export_folder, export
-    from ampaudit.core.console import make_console
+    from ampaudit.core.console import make_console, slow_status
     from ampaudit.core.findings import Target
     from ampaudit.core.streams import user_output_to_stderr
     from ampaudit.load.loader import NotImported, load_target
@@ -383,11 +383,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
                              "import (pass --exec to import it anyway)")
         trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify
+        progress = slow_status("converting: tracing, deciding, verifying against fp32"
+                               + (f", {args.train_steps} training steps" if trains else ""))
         # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)
         optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
-        result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
-                         verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
-                         train_steps=args.train_steps, backend=args.backend, weights=args.weights)
+        with progress:
+            result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
+                             verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
+                             train_steps=args.train_steps, backend=args.backend, weights=args.weights)
         model_mp = result[0] if optimizer is not None else result
     summary = model_mp.summary.to_dict()
     files = export(model_mp, args.output, summary=summary, force=args.force,
