@@ -543,3 +543,19 @@ def test_modules_backend_with_fp32_weights_holds_what_autocast_holds():
     assert model_mp.lm_head.weight is model_mp.wte.weight
     with pytest.raises(UsageError, match="modules-backend option"):
         ampaudit.convert(nn.Linear(2, 2), (torch.ones(1, 2),), weights="fp32")
+
+
+def test_modules_backend_searches_promotions_and_apply_keeps_them(tmp_path):
+    # a tolerance the low dtype cannot meet: verification moves ops to fp32 until it is met,
+    # and the export made again by apply() keeps them there
+    from ampaudit.convert.export import export
+
+    loaded = load_target(model("untraceable.py"))
+    model_mp = ampaudit.convert(loaded.model, loaded.inputs, backend="modules", tolerance=1e-4)
+    summary = model_mp.summary
+    assert summary.error_before > 1e-4 >= summary.error_after
+    assert {p["node"] for p in summary.promoted} == {"fc1", "fc2"}
+    assert model_mp.fc1.weight.dtype == torch.float32
+    export(model_mp, tmp_path / "out", summary=summary.to_dict())
+    applied = ampaudit.apply(load_target(model("untraceable.py")).model, tmp_path / "out")
+    assert applied.plan == model_mp.plan and applied.fc1.weight.dtype == torch.float32

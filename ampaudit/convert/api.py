@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ampaudit.convert.kernel_probe import promote_missing_kernels
-from ampaudit.convert.module_backend import apply_module_plan, module_plan
+from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
 from ampaudit.convert.rewrite import rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
@@ -115,7 +115,8 @@ def convert(
         raise UsageError("weights='fp32' is a modules-backend option (backend='modules')")
     if backend == "modules":
         return _finish(model, _convert_modules(model, catalog, low, inputs, constants=constants,
-                                               keep_low_outputs=keep_low_outputs, verify=verify, weights=weights),
+                                               keep_low_outputs=keep_low_outputs, verify=verify, weights=weights,
+                                               tolerance=tol),
                        optimizer, inputs, low, verify=verify, loss_scale=loss_scale, train_steps=train_steps)
 
     kernels: dict[str, Decision] = {}  # ops with no low-precision kernel here: fp32 in every build
@@ -154,25 +155,32 @@ def _pick_backend(backend: str, model: torch.nn.Module, catalog: Catalog, inputs
 
 
 def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, inputs: ExampleInputs, *,
-                     constants: str, keep_low_outputs: bool, verify: bool, weights: str) -> torch.nn.Module:
+                     constants: str, keep_low_outputs: bool, verify: bool, weights: str,
+                     tolerance: float) -> torch.nn.Module:
     was_training = model.training
     model.eval()
     try:
-        records = module_plan(model, catalog, low, inputs, promoted={}, constants=constants)
-        model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights)
-        error = output_error(model, model_mp, inputs) if verify else None
+        planner = ModulePlanner(model, catalog, low, inputs, constants=constants)
+
+        def build(promoted: Mapping[str, str | Decision]) -> torch.nn.Module:
+            records = planner.records(promoted)
+            built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights)
+            calls = [r for r in records if r["op"].startswith("call_")]
+            built.plan, built.ampaudit_ranked = records, planner.ranked
+            built.summary = ConversionSummary(
+                dtype=low.name, casts=0, ops_fp32=sum(r["compute"] == "float32" for r in calls),
+                ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(built),
+                promoted=[{"node": k, "reason": getattr(v, "reason", v)} for k, v in promoted.items()],
+                constants=constants, keep_low_outputs=keep_low_outputs, backend="modules", weights=weights,
+                notes=["modules backend: the model's own forward under autocast, the plan applied per module"])
+            return built
+
+        model_mp = build({})
+        if verify:
+            model_mp = search_promotions(model, model_mp, build, inputs, tolerance)
     finally:
         model.train(was_training)
     model_mp.train(was_training)
-    calls = [r for r in records if r["op"].startswith("call_")]
-    model_mp.plan = records
-    model_mp.summary = ConversionSummary(
-        dtype=low.name, casts=0, ops_fp32=sum(r["compute"] == "float32" for r in calls),
-        ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(model_mp),
-        error_before=error, error_after=error, constants=constants, keep_low_outputs=keep_low_outputs,
-        backend="modules", weights=weights,
-        notes=["modules backend: the model's own forward under autocast, the plan applied per module; no "
-               "promotion search yet (a tolerance miss is reported, not repaired)"])
     return model_mp
 
 

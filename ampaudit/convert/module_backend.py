@@ -35,27 +35,40 @@ from ampaudit.graph import dtype_flow as flow
 from ampaudit.graph.declared import declared_precision
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.measure import measure_ranges
+from ampaudit.graph.range_probe import MEASURED
 from ampaudit.graph.recorder import record_trace
 from ampaudit.graph.trace import SubGraph
 from ampaudit.graph.view import GraphView
 
 
-def module_plan(model: torch.nn.Module, catalog: Catalog, low: LowDtype, inputs: ExampleInputs, *,
-                promoted: Mapping[str, str | Decision], constants: str) -> list[dict[str, Any]]:
-    """Record one run of ``model`` and decide each op: the plan's records."""
-    gm, _ = record_trace(model, inputs.args, inputs.kwargs, catalog)
-    measure_ranges(gm, inputs, catalog, low)
-    view = GraphView.build(SubGraph("", gm), catalog, low, frozenset(), declared=declared_precision(model, low))
-    plan = decide(view, constants=constants, promoted=promoted)
-    for node, decision in plan.items():
-        # An override matters where the op would compute in the low dtype: an op on fp32 values
-        # (a mask built from finfo(float32).min) stays fp32 under autocast without help.
-        if decision.rule in ("AMP201", "AMP301") and view.flow.get(node) != flow.LOW:
-            plan[node] = Decision(FOLLOW, f"{decision.reason} - its inputs stay fp32 under autocast", decision.rule)
-        elif decision.clamp:  # a constant can only be clamped in a rewritten graph: fp32 here
-            plan[node] = Decision(FP32, f"{decision.reason}; the modules backend cannot rewrite a constant: its "
-                                        "module runs in fp32", "AMP201")
-    return plan_records(view, plan, {})
+class ModulePlanner:
+    """One recorded run of the model, decided again for each set of promotions (the search)."""
+
+    def __init__(self, model: torch.nn.Module, catalog: Catalog, low: LowDtype, inputs: ExampleInputs, *,
+                 constants: str) -> None:
+        gm, _ = record_trace(model, inputs.args, inputs.kwargs, catalog)
+        measure_ranges(gm, inputs, catalog, low)
+        self.view = GraphView.build(SubGraph("", gm), catalog, low, frozenset(),
+                                    declared=declared_precision(model, low))
+        self.constants = constants
+        # low-precision ops, worst measured error first: where the search starts
+        scored = [(m.rel_error, self.view.name(n)) for n in gm.graph.nodes
+                  if (m := n.meta.get(MEASURED)) is not None and m.rel_error is not None]
+        self.ranked = [name for _, name in sorted(scored, reverse=True)]
+
+    def records(self, promoted: Mapping[str, str | Decision]) -> list[dict[str, Any]]:
+        view = self.view
+        plan = decide(view, constants=self.constants, promoted=promoted)
+        for node, decision in plan.items():
+            # An override matters where the op would compute in the low dtype: an op on fp32
+            # values (a mask built from finfo(float32).min) stays fp32 under autocast without help.
+            if decision.rule in ("AMP201", "AMP301") and view.flow.get(node) != flow.LOW:
+                plan[node] = Decision(FOLLOW, f"{decision.reason} - its inputs stay fp32 under autocast",
+                                      decision.rule)
+            elif decision.clamp:  # a constant can only be clamped in a rewritten graph: fp32 here
+                plan[node] = Decision(FP32, f"{decision.reason}; the modules backend cannot rewrite a constant: "
+                                            "its module runs in fp32", "AMP201")
+        return plan_records(view, plan, {})
 
 
 def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any]], low: LowDtype,

@@ -57,9 +57,12 @@ def reference_outputs(reference: torch.nn.Module, inputs: ExampleInputs) -> list
         return _tensors(reference(*inputs.args, **inputs.kwargs))
 
 
-def _ranked_ops(gm: fx.GraphModule) -> list[str]:
+def _ranked_ops(gm: torch.nn.Module) -> list[str]:
     """Low-precision ops, worst measured error first (the plan knows their names)."""
     computes = {r["node"]: r for r in gm.plan}
+    if not isinstance(gm, fx.GraphModule):  # the modules backend ranked its recorded ops
+        return [name for name in getattr(gm, "ampaudit_ranked", []) if computes.get(name, {}).get(
+            "compute") not in (None, "float32")]
     scored = []
     for node in gm.graph.nodes:
         record = computes.get(node.name)
