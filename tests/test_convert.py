@@ -230,16 +230,18 @@ def test_an_optimizer_of_another_model_is_refused():
         ampaudit.convert(net, torch.optim.SGD(other.parameters(), lr=0.1), verify=False)
 
 
-def test_checkpoint_round_trip_gives_the_same_numbers(tmp_path):
+@pytest.mark.parametrize("backend", ["fx", "modules"])
+def test_checkpoint_round_trip_gives_the_same_numbers(tmp_path, backend):
     x, y = torch.randn(16, 4), torch.randn(16, 2)
     net = _tiny()
-    mp, opt = ampaudit.convert(net, torch.optim.Adam(net.parameters(), lr=1e-2), (x,), verify=False)
+    mp, opt = ampaudit.convert(net, torch.optim.Adam(net.parameters(), lr=1e-2), (x,), verify=False, backend=backend)
     _train(mp, opt, x, y, 5)
     torch.save({"model": mp.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
     straight_on = _train(mp, opt, x, y, 5)
 
     net2 = _tiny()
-    mp2, opt2 = ampaudit.convert(net2, torch.optim.Adam(net2.parameters(), lr=1e-2), (x,), verify=False)
+    mp2, opt2 = ampaudit.convert(net2, torch.optim.Adam(net2.parameters(), lr=1e-2), (x,), verify=False,
+                                 backend=backend)
     state = torch.load(tmp_path / "ckpt.pt")
     mp2.load_state_dict(state["model"])
     opt2.load_state_dict(state["opt"])
