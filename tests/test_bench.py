@@ -46,3 +46,8 @@ def test_gpu_watch_benchmark_runs_without_libcst_or_transformers():
 def test_report_benchmark_runs():
     out = _run("bench/report_log.py", "--megabytes", "1")
     assert re.match(r"log 1 MB, [\d,]+ steps: [\d.]+ s, peak RSS \d+ MB$", out.strip()), out
+
+
+def test_convert_time_benchmark_runs():
+    out = _run("bench/convert_time.py", "--size", "32", "--batch", "1", "--train-steps", "1")
+    assert "convert (trace, measure, verify, search):" in out and "with the training check (1 steps)" in out
