@@ -591,3 +591,43 @@ def test_a_refused_log_leaves_no_hook_behind(tmp_path):
     with pytest.raises(UsageError, match="is not an ampaudit watch log"):
         ampaudit.watch(None, log=tmp_path / "data.jsonl").start()
     assert (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks)) == before
+
+
+def _scaled_steps(model, opt, scaler, losses, *, mon_kwargs):
+    x = torch.ones(3, 4)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, stop_on_nonfinite=True, **mon_kwargs) as mon:
+        for factor in losses:
+            loss = model(x).pow(2).mean() * factor
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return mon
+
+
+def test_stop_on_nonfinite_lets_the_scaler_skip_an_overflow():
+    # a gradient overflow the GradScaler skips is the scaler working: no stop (it stopped before)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    mon = _scaled_steps(model, opt, scaler, [1.0, 1e36, 1.0, 1.0], mon_kwargs={})
+    assert mon.summary()["scaler"]["skipped_steps"] == [1]
+
+
+def test_stop_on_nonfinite_stops_on_persistent_skips_and_a_collapsed_scale():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError, match=r"3 steps in a row skipped by the loss scaler \(up to step 3\)"):
+        _scaled_steps(model, opt, torch.amp.GradScaler("cpu", init_scale=1024.0), [1.0] + [float("inf")] * 5,
+                      mon_kwargs={"stop_after_skips": 3})
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError, match=r"the loss scale fell to 0.5 at step 0"):
+        _scaled_steps(model, opt, torch.amp.GradScaler("cpu", init_scale=0.5), [1.0], mon_kwargs={})
+
+
+def test_stop_on_nonfinite_stops_on_a_forward_nan_even_with_a_scaler():
+    model = _net(_Blowup(at_step=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError, match=r"in the forward, which no loss scale fixes: first in 1 \(forward"):
+        _scaled_steps(model, opt, torch.amp.GradScaler("cpu", init_scale=1024.0), [1.0, 1.0, 1.0], mon_kwargs={})

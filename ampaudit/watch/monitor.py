@@ -38,6 +38,26 @@ class NonFiniteError(AmpauditError):
     exit_code = 1
 
 
+def stop_reason(record: dict[str, Any], skips_in_row: int, stop_after_skips: int) -> str | None:
+    """Why ``stop_on_nonfinite`` stops after this step, or None. Without a GradScaler any
+    non-finite value stops. With one, a non-finite gradient on a step the scaler skips is the
+    scaler doing its job (an init scale too high, a rare spike): it stops only on what the
+    scale cannot fix - non-finite values in the forward, a scale below 1, or
+    ``stop_after_skips`` skipped steps in a row."""
+    first, scale = record["first_nonfinite"], record["scale"]
+    where = (f"first in {first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"
+             if first is not None else "")
+    if scale is None:
+        return f"non-finite values {where}" if first is not None else None
+    if first is not None and first["phase"] == "forward":
+        return f"non-finite values in the forward, which no loss scale fixes: {where}"
+    if scale < 1:
+        return f"the loss scale fell to {scale:g} at step {record['step']}: the gradients overflow at any scale"
+    if skips_in_row >= stop_after_skips:
+        return f"{skips_in_row} steps in a row skipped by the loss scaler (up to step {record['step']})"
+    return None
+
+
 def _tensors(value: Any, limit: int = 8) -> list[torch.Tensor]:
     """Float tensors in a module output (a tensor, or a tuple/list/dict of them)."""
     if isinstance(value, torch.Tensor):
@@ -62,12 +82,15 @@ class Monitor:
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
                  dtype: LowDtype | torch.dtype | str = FLOAT16, stop_on_nonfinite: bool = False,
-                 inputs: bool = False) -> None:
+                 inputs: bool = False, stop_after_skips: int = 10) -> None:
         require_module(model, "ampaudit.watch", optional=True)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.stop_on_nonfinite, self.record_inputs = every, stop_on_nonfinite, inputs
+        self.stop_after_skips = stop_after_skips
+        self._skips_in_row = 0
+        self._stopping = False
         self.limits = LowDtype.parse(dtype)
         self.dtype_name = self.limits.name
         self.log_path = Path(log) if log is not None else None
@@ -138,6 +161,7 @@ class Monitor:
                 target.__dict__.pop("update", None)
             self._original_update = None
         if self._events:
+            self._stopping = True  # recorded, never raised: the run is over (or already stopping)
             self._flush_step(skipped=False)  # a partial last step still counts
         if self._log is not None:
             self._log.close()
@@ -416,9 +440,11 @@ class Monitor:
                   "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else []}
         self.builder.add(record)
         self._write(record)
-        if first is not None and self.stop_on_nonfinite:
-            raise NonFiniteError(f"non-finite values first in {first['module']} ({first['phase']}, "
-                                 f"{first['tensor']}) at step {first['step']}")
+        self._skips_in_row = self._skips_in_row + 1 if was_skipped else 0
+        if self.stop_on_nonfinite and not self._stopping:
+            reason = stop_reason(record, self._skips_in_row, self.stop_after_skips)
+            if reason is not None:
+                raise NonFiniteError(reason)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._log is not None:
@@ -454,7 +480,7 @@ class Monitor:
 def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
           scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
           dtype: LowDtype | torch.dtype | str = FLOAT16, stop_on_nonfinite: bool = False,
-          inputs: bool = False) -> Monitor:
+          inputs: bool = False, stop_after_skips: int = 10) -> Monitor:
     """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
     return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
-                   stop_on_nonfinite=stop_on_nonfinite, inputs=inputs)
+                   stop_on_nonfinite=stop_on_nonfinite, inputs=inputs, stop_after_skips=stop_after_skips)
