@@ -352,7 +352,8 @@ def test_summary_schema_is_pinned():
         scaler.step(opt)
         scaler.update()
     summary = mon.summary()
-    assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler"]
+    assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured"]
+    assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "overflow", "underflow", "zero", "absmax", "hist"]
     for phases in summary["layers"].values():
@@ -631,3 +632,33 @@ def test_stop_on_nonfinite_stops_on_a_forward_nan_even_with_a_scaler():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(NonFiniteError, match=r"in the forward, which no loss scale fixes: first in 1 \(forward"):
         _scaled_steps(model, opt, torch.amp.GradScaler("cpu", init_scale=1024.0), [1.0, 1.0, 1.0], mon_kwargs={})
+
+
+class _Odd(nn.Module):
+    """Outputs watch cannot measure: sparse and nested tensors (complex ones are not float)."""
+
+    def forward(self, x):
+        return x.to_sparse(), torch.nested.nested_tensor([x[0], x[1, :2]]), torch.fft.fft(x)
+
+
+def test_tensors_watch_cannot_measure_are_skipped_and_counted(tmp_path):
+    # before, a sparse output crashed the user's step ("reshape is not implemented for sparse
+    # tensors"); a sparse embedding's gradient too
+    import warnings
+
+    embed = nn.Embedding(10, 4, sparse=True)
+    model = nn.ModuleDict({"embed": embed, "odd": _Odd()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "run.jsonl"
+    with warnings.catch_warnings(), ampaudit.watch(model, optimizer=opt, log=log) as mon:
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        for _ in range(2):
+            h = model["embed"](torch.tensor([[1, 2], [3, 4]])).sum(1)
+            model["odd"](h.detach())
+            opt.zero_grad()
+            h.pow(2).mean().backward()
+            opt.step()
+    summary = mon.summary()
+    assert summary["unmeasured"] == {"nested": 2, "sparse": 4}  # 2 outputs + 2 embedding gradients
+    assert summary["layers"]["embed"]["forward"]["numel"] == 2 * 2 * 2 * 4
+    assert read_log(log).summary()["unmeasured"] == summary["unmeasured"]

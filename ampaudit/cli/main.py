@@ -464,11 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("ampaudit: interrupted\n")
         return 130
     except BaseException as exc:  # a bug in ampaudit, or user code that failed or called exit()
+        if isinstance(exc, SystemExit) and args.command not in ("check", "convert"):
+            raise  # no model code runs there: rich's exit on a closed pipe (`| head`), say - its code stands
         if debug:
             import traceback
 
             traceback.print_exception(exc)
-        if isinstance(exc, SystemExit):  # ampaudit's commands never exit(): the user's code did
+        if isinstance(exc, SystemExit):  # check and convert never exit(): the model's code did
             cause = f"the model's code called exit({exc.code!r})"
         else:
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""  # one line, always

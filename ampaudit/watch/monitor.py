@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import weakref
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +59,32 @@ def stop_reason(record: dict[str, Any], skips_in_row: int, stop_after_skips: int
     return None
 
 
-def _tensors(value: Any, limit: int = 8) -> list[torch.Tensor]:
-    """Float tensors in a module output (a tensor, or a tuple/list/dict of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+def unmeasurable(t: torch.Tensor) -> str | None:
+    """Why watch cannot measure a float tensor (its kind), or None: the row kernels read a
+    dense, strided buffer with values."""
+    if t.is_nested:
+        return "nested"
+    if t.layout != torch.strided:
+        return "sparse"
+    if t.is_meta:
+        return "meta"
+    return None
+
+
+def _tensors(value: Any, limit: int = 8, skipped: Counter | None = None) -> list[torch.Tensor]:
+    """Measurable float tensors in a module output (a tensor, or a tuple/list/dict of them);
+    the others are counted in ``skipped`` by kind, never measured (complex and quantized
+    tensors are not floating point: not counted)."""
+    items = [value] if isinstance(value, torch.Tensor) else \
+        value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
     found = []
     for item in items:
         if isinstance(item, torch.Tensor) and item.is_floating_point():
-            found.append(item)
+            kind = unmeasurable(item)
+            if kind is None:
+                found.append(item)
+            elif skipped is not None:
+                skipped[kind] += 1
         if len(found) >= limit:
             break
     return found
@@ -91,6 +109,7 @@ class Monitor:
         self.stop_after_skips = stop_after_skips
         self._skips_in_row = 0
         self._stopping = False
+        self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
         self.limits = LowDtype.parse(dtype)
         self.dtype_name = self.limits.name
         self.log_path = Path(log) if log is not None else None
@@ -208,7 +227,7 @@ class Monitor:
     def _input_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self.logging:
             name = self._names.get(id(module))
-            for i, t in enumerate(_tensors(args)):
+            for i, t in enumerate(_tensors(args, skipped=self.unmeasured)):
                 if name is not None:
                     self._record(name, "input", t, f"input[{i}]")
 
@@ -218,7 +237,7 @@ class Monitor:
         name = self._names.get(id(module))
         if name is None:
             return
-        for i, t in enumerate(_tensors(output)):
+        for i, t in enumerate(_tensors(output, skipped=self.unmeasured)):
             label = "output" if isinstance(output, torch.Tensor) else f"output[{i}]"
             self._record(name, "forward", t, label)
             if t.requires_grad:
@@ -295,6 +314,9 @@ class Monitor:
             params = [(self._param_names.get(id(p), f"param{i}"), p) for i, p in enumerate(seen) if p.grad is not None]
         self._param_rows = {}
         for name, p in params:
+            if unmeasurable(p.grad) is not None:  # a sparse embedding's gradient, say
+                self.unmeasured[unmeasurable(p.grad)] += 1
+                continue
             # The norm, and with a GradScaler how many gradients overflow at its current scale.
             handle, counts, extras = self._arena.take(p.grad.device)
             stats.fill_row(p.grad, counts, extras, self.limits, norm=True, scale=scale)
@@ -437,7 +459,8 @@ class Monitor:
         was_skipped = bool(found_inf > 0) if found_inf >= 0 else bool(skipped)
         record = {"step": step, "steps_seen": step + 1, "layers": layers, "params": params,
                   "scale": scale if scale >= 0 else None, "skipped": was_skipped,
-                  "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else []}
+                  "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else [],
+                  "unmeasured": dict(self.unmeasured)}  # so far: the builder keeps the latest
         self.builder.add(record)
         self._write(record)
         self._skips_in_row = self._skips_in_row + 1 if was_skipped else 0
@@ -468,6 +491,7 @@ class Monitor:
                     result["params"][key[1]] = entry
             result["layers"] = dict(sorted(result["layers"].items()))
             result["params"] = dict(sorted(result["params"].items()))
+        result["unmeasured"] = dict(sorted(self.unmeasured.items()))
         return result
 
     def print(self, file: Any = None) -> None:

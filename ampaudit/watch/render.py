@@ -37,6 +37,9 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     scaler = summary.get("scaler")
     if scaler:
         grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")
+    if summary.get("unmeasured"):
+        grid.add_row("not measured", ", ".join(f"{n} {kind} tensor{'s' if n != 1 else ''}"
+                                               for kind, n in summary["unmeasured"].items()))
     console.print(Panel(grid, title="ampaudit watch", title_align="left", expand=False))
     table = Table(title="Per module (summed over logged steps)", title_justify="left")
     for col in ("module", "phase", "nan", "inf", "overflow", "underflow", "zero %", "absmax"):

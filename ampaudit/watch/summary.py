@@ -22,6 +22,7 @@ class SummaryBuilder:
         self.scales: list[list[float]] = []
         self.skipped: list[int] = []
         self.nonfinite_params: dict[int, list[str]] = {}
+        self.unmeasured: dict[str, int] = {}  # tensors watch skipped, by kind (sparse, nested, meta)
 
     def add(self, record: dict[str, Any]) -> None:
         """One logged step: {"step", "layers", "params", "scale", "skipped", "first_nonfinite", ...}."""
@@ -41,6 +42,8 @@ class SummaryBuilder:
             if "overflow_at_scale" in extra:
                 merged["overflow_at_scale"] = previous.get("overflow_at_scale", 0) + extra["overflow_at_scale"]
             self.params[name] = merged
+        if record.get("unmeasured"):
+            self.unmeasured = dict(record["unmeasured"])  # counted from the start of the run
         if record.get("scale") is not None:
             self.scales.append([record["step"], record["scale"]])
         if record.get("skipped"):
@@ -53,7 +56,8 @@ class SummaryBuilder:
             scaler = {"scale": self.scales[-1][1], "skipped_steps": list(self.skipped), "history": self.scales,
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
         return {"steps": self.steps, "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
-                "layers": self.layers, "params": self.params, "scaler": scaler}
+                "layers": self.layers, "params": self.params, "scaler": scaler,
+                "unmeasured": dict(sorted(self.unmeasured.items()))}
 
 
 def read_log(path: Path) -> SummaryBuilder:
