@@ -352,7 +352,8 @@ def test_summary_schema_is_pinned():
         scaler.step(opt)
         scaler.update()
     summary = mon.summary()
-    assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured"]
+    assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured",
+                             "dtype_source"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "overflow", "underflow", "zero", "absmax", "hist"]
@@ -662,3 +663,32 @@ def test_tensors_watch_cannot_measure_are_skipped_and_counted(tmp_path):
     assert summary["unmeasured"] == {"nested": 2, "sparse": 4}  # 2 outputs + 2 embedding gradients
     assert summary["layers"]["embed"]["forward"]["numel"] == 2 * 2 * 2 * 4
     assert read_log(log).summary()["unmeasured"] == summary["unmeasured"]
+
+
+@pytest.mark.parametrize(("setup", "dtype", "source"), [
+    ("autocast-bf16", "bfloat16", "autocast (cpu)"),
+    ("bf16-model", "bfloat16", "the model's own dtype"),
+    ("fp32", "float16", "default"),
+    ("given", "bfloat16", "given"),
+])
+def test_the_audited_dtype_is_the_one_the_run_uses(tmp_path, setup, dtype, source):
+    # a bf16 run (HF bf16=True, Lightning bf16-mixed) was audited for float16 unless told
+    import contextlib
+
+    model = _net()
+    if setup == "bf16-model":
+        model = model.bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(3, 4, dtype=next(model.parameters()).dtype)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if setup == "autocast-bf16" else contextlib.nullcontext()
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log, dtype="bfloat16" if setup == "given" else None) as mon:
+        for _ in range(2):
+            with context:
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    summary = mon.summary()
+    assert (summary["dtype"], summary["dtype_source"]) == (dtype, source)
+    assert (read_log(log).summary()["dtype"], read_log(log).summary()["dtype_source"]) == (dtype, source)

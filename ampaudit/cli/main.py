@@ -143,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "of every module that runs forward and every optimizer that steps.")
     run.add_argument("--log", type=_path, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")
     run.add_argument("--every", type=_EVERY, default=1, help="record every N-th step (default 1)")
-    run.add_argument("--dtype", choices=LOW_DTYPES, default="float16",
-                     help="the low-precision dtype to count overflow/underflow against")
+    run.add_argument("--dtype", choices=LOW_DTYPES, default=None,
+                     help="the low-precision dtype to count overflow/underflow against (default: the one the run "
+                          "uses - autocast's at the first forward, else the model's own, else float16)")
     run.add_argument("script", type=Path)
     run.add_argument("args", nargs=argparse.REMAINDER)
     report = sub.add_parser("report", help="summarize an ampaudit watch log")

@@ -8,15 +8,15 @@ import sys
 import traceback
 from pathlib import Path
 
-from ampaudit.core.dtypes import FLOAT16, LowDtype
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.watch.monitor import Monitor
 
 
-def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtype: LowDtype | str = FLOAT16) -> int:
+def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtype: LowDtype | str | None = None) -> int:
     if not script.is_file():
         raise UsageError(f"no such script: {script}")
-    monitor = Monitor(None, log=log, every=every, dtype=LowDtype.parse(dtype))
+    monitor = Monitor(None, log=log, every=every, dtype=LowDtype.parse(dtype) if dtype is not None else None)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(script.resolve().parent))

@@ -99,7 +99,7 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
-                 dtype: LowDtype | torch.dtype | str = FLOAT16, stop_on_nonfinite: bool = False,
+                 dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
                  inputs: bool = False, stop_after_skips: int = 10) -> None:
         require_module(model, "ampaudit.watch", optional=True)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -110,8 +110,10 @@ class Monitor:
         self._skips_in_row = 0
         self._stopping = False
         self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
-        self.limits = LowDtype.parse(dtype)
+        # None: the dtype the run uses, read at its first forward (autocast's, else the model's own)
+        self.limits = LowDtype.parse(dtype if dtype is not None else FLOAT16)
         self.dtype_name = self.limits.name
+        self.dtype_source = "given" if dtype is not None else None
         self.log_path = Path(log) if log is not None else None
         self.builder = SummaryBuilder(self.dtype_name)
         self.step_index = 0
@@ -225,6 +227,8 @@ class Monitor:
         self._events.append((module, phase, label))
 
     def _input_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self.dtype_source is None:
+            self._detect_dtype(_tensors(args))
         if self.logging:
             name = self._names.get(id(module))
             for i, t in enumerate(_tensors(args, skipped=self.unmeasured)):
@@ -232,6 +236,8 @@ class Monitor:
                     self._record(name, "input", t, f"input[{i}]")
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.dtype_source is None:
+            self._detect_dtype(_tensors(output))
         if not self.logging:
             return
         name = self._names.get(id(module))
@@ -242,6 +248,23 @@ class Monitor:
             self._record(name, "forward", t, label)
             if t.requires_grad:
                 t.register_hook(self._grad_hook(name, f"grad of {label}"))
+
+    def _detect_dtype(self, outputs: list[torch.Tensor]) -> None:
+        """At the first forward: autocast's dtype if autocast is on, else a low-precision
+        output's (a ``.half()`` / ``.bfloat16()`` model), else float16."""
+        devices = {t.device.type for t in outputs} or {"cuda" if torch.cuda.is_available() else "cpu"}
+        for device in sorted(devices):
+            if torch.is_autocast_enabled(device):
+                dtype, source = torch.get_autocast_dtype(device), f"autocast ({device})"
+                break
+        else:
+            low = [t.dtype for t in outputs if t.dtype in (torch.float16, torch.bfloat16)]
+            dtype, source = (low[0], "the model's own dtype") if low else (torch.float16, "default")
+        if dtype not in (torch.float16, torch.bfloat16):  # autocast to something else: audit for fp16
+            dtype, source = torch.float16, f"default (autocast to {dtype})"
+        self.limits = LowDtype.parse(dtype)
+        self.dtype_name, self.dtype_source = self.limits.name, source
+        self.builder.dtype = self.dtype_name
 
     def _grad_hook(self, name: str, label: str):
         def hook(grad: torch.Tensor) -> None:
@@ -460,7 +483,8 @@ class Monitor:
         record = {"step": step, "steps_seen": step + 1, "layers": layers, "params": params,
                   "scale": scale if scale >= 0 else None, "skipped": was_skipped,
                   "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else [],
-                  "unmeasured": dict(self.unmeasured)}  # so far: the builder keeps the latest
+                  "unmeasured": dict(self.unmeasured),  # so far: the builder keeps the latest
+                  "dtype": self.dtype_name, "dtype_source": self.dtype_source}
         self.builder.add(record)
         self._write(record)
         self._skips_in_row = self._skips_in_row + 1 if was_skipped else 0
@@ -492,6 +516,7 @@ class Monitor:
             result["layers"] = dict(sorted(result["layers"].items()))
             result["params"] = dict(sorted(result["params"].items()))
         result["unmeasured"] = dict(sorted(self.unmeasured.items()))
+        result["dtype_source"] = self.dtype_source or "default: no forward seen"
         return result
 
     def print(self, file: Any = None) -> None:
@@ -503,7 +528,7 @@ class Monitor:
 
 def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
           scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
-          dtype: LowDtype | torch.dtype | str = FLOAT16, stop_on_nonfinite: bool = False,
+          dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
           inputs: bool = False, stop_after_skips: int = 10) -> Monitor:
     """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
     return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,

@@ -28,7 +28,8 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     grid.add_column(style="bold")
     grid.add_column()
     grid.add_row("steps", str(summary["steps"]))
-    grid.add_row("audited for", summary["dtype"])
+    source = summary.get("dtype_source")
+    grid.add_row("audited for", summary["dtype"] + (f" ({source})" if source and source != "given" else ""))
     first = summary["first_nonfinite"]
     grid.add_row("first non-finite", Text(
         f"{first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"

@@ -15,6 +15,7 @@ class SummaryBuilder:
 
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
+        self.dtype_source: str | None = None
         self.steps = 0
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
@@ -42,6 +43,8 @@ class SummaryBuilder:
             if "overflow_at_scale" in extra:
                 merged["overflow_at_scale"] = previous.get("overflow_at_scale", 0) + extra["overflow_at_scale"]
             self.params[name] = merged
+        if record.get("dtype"):  # detected at the run's first forward: every record says it
+            self.dtype, self.dtype_source = record["dtype"], record.get("dtype_source")
         if record.get("unmeasured"):
             self.unmeasured = dict(record["unmeasured"])  # counted from the start of the run
         if record.get("scale") is not None:
@@ -57,7 +60,8 @@ class SummaryBuilder:
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
         return {"steps": self.steps, "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
                 "layers": self.layers, "params": self.params, "scaler": scaler,
-                "unmeasured": dict(sorted(self.unmeasured.items()))}
+                "unmeasured": dict(sorted(self.unmeasured.items())),
+                "dtype_source": self.dtype_source or "given"}
 
 
 def read_log(path: Path) -> SummaryBuilder:
