@@ -692,3 +692,27 @@ def test_the_audited_dtype_is_the_one_the_run_uses(tmp_path, setup, dtype, sourc
     summary = mon.summary()
     assert (summary["dtype"], summary["dtype_source"]) == (dtype, source)
     assert (read_log(log).summary()["dtype"], read_log(log).summary()["dtype_source"]) == (dtype, source)
+
+
+@pytest.mark.parametrize("optimizer_type", ["sgd", "lbfgs"])
+def test_closure_steps_record_each_step_in_its_own_step(optimizer_type):
+    # optimizer.step(closure) runs forward and backward inside step(): before, every record
+    # landed one step late (an empty step 0, an extra step, a NaN at step 2 reported at step 3)
+    model = _net(_Blowup(at_step=2))
+    opt = (torch.optim.SGD(model.parameters(), lr=0.01) if optimizer_type == "sgd"
+           else torch.optim.LBFGS(model.parameters(), lr=0.01, max_iter=1))
+    x = torch.ones(3, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(4):
+            opt.step(closure)
+    summary = mon.summary()
+    assert summary["steps"] == 4
+    assert summary["first_nonfinite"]["step"] == 2 and summary["first_nonfinite"]["phase"] == "forward"
+    assert summary["layers"]["0"]["forward"]["numel"] == 4 * 3 * 8  # every step's forward, none lost

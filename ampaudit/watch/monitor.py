@@ -109,6 +109,7 @@ class Monitor:
         self.stop_after_skips = stop_after_skips
         self._skips_in_row = 0
         self._stopping = False
+        self._closure_steps = 0  # optimizer.step(closure) calls in progress
         self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
         # None: the dtype the run uses, read at its first forward (autocast's, else the model's own)
         self.limits = LowDtype.parse(dtype if dtype is not None else FLOAT16)
@@ -164,9 +165,11 @@ class Monitor:
         if self.scaler is not None:
             self._wrap_scaler_update(self.scaler)
         elif self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._boundary()))
+            self._handles.append(self.optimizer.register_step_pre_hook(self._step_pre_hook))
+            self._handles.append(self.optimizer.register_step_post_hook(self._step_post_hook))
         elif self.model is None:
             self._handles.append(optimizer_hooks.register_optimizer_step_pre_hook(self._global_step_hook))
+            self._handles.append(optimizer_hooks.register_optimizer_step_post_hook(self._step_post_hook))
             self._patch_grad_scaler()
         return self
 
@@ -278,7 +281,22 @@ class Monitor:
         if self._in_scaler_step:
             return  # a GradScaler drives this step: its update() is the boundary
         self._optimizers = [optimizer]
-        self._boundary()
+        self._step_pre_hook(optimizer, args, kwargs)
+
+    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The step boundary is before optimizer.step(), which reads this step's gradients -
+        unless the step takes a closure (LBFGS, Lightning's automatic optimization): the
+        closure runs this step's forward and backward inside step(), so the boundary is after."""
+        # torch passes step()'s own args, the optimizer first: a closure is any callable after it
+        if any(callable(a) for a in args if a is not optimizer) or callable(kwargs.get("closure")):
+            self._closure_steps += 1
+        else:
+            self._boundary()
+
+    def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._closure_steps:
+            self._closure_steps -= 1
+            self._boundary()
 
     def _wrap_scaler_update(self, scaler: torch.amp.GradScaler) -> None:
         original = scaler.update
