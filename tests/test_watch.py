@@ -353,7 +353,7 @@ def test_summary_schema_is_pinned():
         scaler.update()
     summary = mon.summary()
     assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured",
-                             "dtype_source"]
+                             "dtype_source", "eval_forwards"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "overflow", "underflow", "zero", "absmax", "hist"]
@@ -716,3 +716,26 @@ def test_closure_steps_record_each_step_in_its_own_step(optimizer_type):
     assert summary["steps"] == 4
     assert summary["first_nonfinite"]["step"] == 2 and summary["first_nonfinite"]["phase"] == "forward"
     assert summary["layers"]["0"]["forward"]["numel"] == 4 * 3 * 8  # every step's forward, none lost
+
+
+@pytest.mark.parametrize("record_eval", [False, True])
+def test_eval_forwards_stay_out_of_the_training_statistics(record_eval):
+    # nanoGPT's estimate_loss(): torch.no_grad() forwards between steps used to be added to
+    # the next training step's statistics
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(3, 4)
+    with ampaudit.watch(model, optimizer=opt, eval=record_eval) as mon:
+        for _ in range(2):
+            with torch.no_grad():
+                model(x * 1e6)  # a huge eval batch: would show as overflow
+                model(x)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    summary = mon.summary()
+    assert summary["eval_forwards"] == {"count": 4, "recorded": record_eval}
+    assert summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8  # the two training forwards only
+    assert summary["layers"]["0"]["forward"]["overflow"] == 0
+    assert ("eval" in summary["layers"]["0"]) is record_eval

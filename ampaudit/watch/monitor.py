@@ -100,7 +100,7 @@ class Monitor:
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
                  dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
-                 inputs: bool = False, stop_after_skips: int = 10) -> None:
+                 inputs: bool = False, stop_after_skips: int = 10, eval: bool = False) -> None:
         require_module(model, "ampaudit.watch", optional=True)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
@@ -110,6 +110,8 @@ class Monitor:
         self._skips_in_row = 0
         self._stopping = False
         self._closure_steps = 0  # optimizer.step(closure) calls in progress
+        self.record_eval = eval  # grad-disabled forwards: phase "eval" (True) or not recorded (False)
+        self.eval_forwards = 0  # the model's grad-disabled calls
         self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
         # None: the dtype the run uses, read at its first forward (autocast's, else the model's own)
         self.limits = LowDtype.parse(dtype if dtype is not None else FLOAT16)
@@ -230,7 +232,9 @@ class Monitor:
         self._events.append((module, phase, label))
 
     def _input_hook(self, module: torch.nn.Module, args: Any) -> None:
-        if self.dtype_source is None:
+        if not torch.is_grad_enabled() and not self.record_eval:
+            return
+        if self.dtype_source is None and torch.is_grad_enabled():
             self._detect_dtype(_tensors(args))
         if self.logging:
             name = self._names.get(id(module))
@@ -239,16 +243,20 @@ class Monitor:
                     self._record(name, "input", t, f"input[{i}]")
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.dtype_source is None:
-            self._detect_dtype(_tensors(output))
-        if not self.logging:
-            return
         name = self._names.get(id(module))
-        if name is None:
+        phase = "forward"
+        if not torch.is_grad_enabled():  # eval, generation: not training-step data
+            self.eval_forwards += name == "(model)"  # the model's own calls
+            if not self.record_eval:
+                return
+            phase = "eval"
+        elif self.dtype_source is None:
+            self._detect_dtype(_tensors(output))
+        if not self.logging or name is None:
             return
         for i, t in enumerate(_tensors(output, skipped=self.unmeasured)):
             label = "output" if isinstance(output, torch.Tensor) else f"output[{i}]"
-            self._record(name, "forward", t, label)
+            self._record(name, phase, t, label)
             if t.requires_grad:
                 t.register_hook(self._grad_hook(name, f"grad of {label}"))
 
@@ -502,7 +510,8 @@ class Monitor:
                   "scale": scale if scale >= 0 else None, "skipped": was_skipped,
                   "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else [],
                   "unmeasured": dict(self.unmeasured),  # so far: the builder keeps the latest
-                  "dtype": self.dtype_name, "dtype_source": self.dtype_source}
+                  "dtype": self.dtype_name, "dtype_source": self.dtype_source,
+                  "eval_forwards": self.eval_forwards}
         self.builder.add(record)
         self._write(record)
         self._skips_in_row = self._skips_in_row + 1 if was_skipped else 0
@@ -535,6 +544,7 @@ class Monitor:
             result["params"] = dict(sorted(result["params"].items()))
         result["unmeasured"] = dict(sorted(self.unmeasured.items()))
         result["dtype_source"] = self.dtype_source or "default: no forward seen"
+        result["eval_forwards"] = {"count": self.eval_forwards, "recorded": self.record_eval}
         return result
 
     def print(self, file: Any = None) -> None:
@@ -547,7 +557,8 @@ class Monitor:
 def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
           scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
           dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
-          inputs: bool = False, stop_after_skips: int = 10) -> Monitor:
+          inputs: bool = False, stop_after_skips: int = 10, eval: bool = False) -> Monitor:
     """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
     return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
-                   stop_on_nonfinite=stop_on_nonfinite, inputs=inputs, stop_after_skips=stop_after_skips)
+                   stop_on_nonfinite=stop_on_nonfinite, inputs=inputs, stop_after_skips=stop_after_skips,
+                   eval=eval)

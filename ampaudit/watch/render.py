@@ -38,6 +38,10 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     scaler = summary.get("scaler")
     if scaler:
         grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")
+    evals = summary.get("eval_forwards") or {}
+    if evals.get("count"):
+        grid.add_row("eval forwards", f"{evals['count']} with grad disabled: "
+                                      + ("recorded as phase eval" if evals["recorded"] else "not in the statistics"))
     if summary.get("unmeasured"):
         grid.add_row("not measured", ", ".join(f"{n} {kind} tensor{'s' if n != 1 else ''}"
                                                for kind, n in summary["unmeasured"].items()))

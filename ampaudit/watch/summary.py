@@ -16,6 +16,7 @@ class SummaryBuilder:
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
         self.dtype_source: str | None = None
+        self.eval_forwards = 0  # the model's grad-disabled calls, not recorded
         self.steps = 0
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
@@ -45,6 +46,8 @@ class SummaryBuilder:
             self.params[name] = merged
         if record.get("dtype"):  # detected at the run's first forward: every record says it
             self.dtype, self.dtype_source = record["dtype"], record.get("dtype_source")
+        if "eval_forwards" in record:
+            self.eval_forwards = record["eval_forwards"]
         if record.get("unmeasured"):
             self.unmeasured = dict(record["unmeasured"])  # counted from the start of the run
         if record.get("scale") is not None:
@@ -61,7 +64,8 @@ class SummaryBuilder:
         return {"steps": self.steps, "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
                 "layers": self.layers, "params": self.params, "scaler": scaler,
                 "unmeasured": dict(sorted(self.unmeasured.items())),
-                "dtype_source": self.dtype_source or "given"}
+                "dtype_source": self.dtype_source or "given",
+                "eval_forwards": {"count": self.eval_forwards, "recorded": False}}
 
 
 def read_log(path: Path) -> SummaryBuilder:
