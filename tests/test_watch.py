@@ -739,3 +739,28 @@ def test_eval_forwards_stay_out_of_the_training_statistics(record_eval):
     assert summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8  # the two training forwards only
     assert summary["layers"]["0"]["forward"]["overflow"] == 0
     assert ("eval" in summary["layers"]["0"]) is record_eval
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_summary_fits_the_terminal(width):
+    # at 80 columns the numeric columns used to shrink to nothing, and counts were cut at 120
+    import io
+
+    from rich.console import Console
+
+    from ampaudit.watch.render import render_summary
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        _train(model, opt, 3)
+    summary = mon.summary()
+    summary["layers"]["1.0"]["forward"].update(nan=123456789, overflow=12)  # long counts stay whole
+    out = io.StringIO()
+    render_summary(summary, Console(file=out, width=width, force_terminal=False))
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= width
+    assert any("123456789/0" in line for line in lines)
+    row = next(line for line in lines if "1.0" in line and "forward" in line)
+    assert "16.7" in row  # overflow as a share of elements: 12 of 3 steps x 3 x 8
+    assert ("log2 |x|" in out.getvalue()) is (width >= 110)

@@ -46,26 +46,37 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         grid.add_row("not measured", ", ".join(f"{n} {kind} tensor{'s' if n != 1 else ''}"
                                                for kind, n in summary["unmeasured"].items()))
     console.print(Panel(grid, title="ampaudit watch", title_align="left", expand=False))
-    table = Table(title="Per module (summed over logged steps)", title_justify="left")
-    for col in ("module", "phase", "nan", "inf", "overflow", "underflow", "zero %", "absmax"):
-        table.add_column(col, justify="right" if col not in ("module", "phase") else "left", no_wrap=True)
-    table.add_column("log2 |x|", no_wrap=True)
+    wide = console.width >= 110  # the sparkline goes first when the terminal is narrow
+    table = Table(title="Per module (summed over logged steps; % of elements)", title_justify="left")
+    table.add_column("module", overflow="fold", ratio=1)
+    table.add_column("phase", no_wrap=True)
+    for col in ("nan/inf", "overflow %", "underflow %", "zero %", "absmax"):
+        table.add_column(col, justify="right", no_wrap=True)
+    if wide:
+        table.add_column("log2 |x|", no_wrap=True)
     for module, phases in summary["layers"].items():
         for phase, s in phases.items():
             bad = s["nan"] or s["inf"] or s["overflow"]
-            zero = 100 * s["zero"] / s["numel"] if s["numel"] else 0
-            table.add_row(module, phase, str(s["nan"]), str(s["inf"]), str(s["overflow"]), str(s["underflow"]),
-                          f"{zero:.0f}", f"{s['absmax']:.3g}", _sparkline(s["hist"]),
-                          style="red" if bad else None)
+            cells = [module, phase, f"{s['nan']}/{s['inf']}", _percent(s["overflow"], s["numel"]),
+                     _percent(s["underflow"], s["numel"]), _percent(s["zero"], s["numel"]), f"{s['absmax']:.3g}"]
+            table.add_row(*cells, *([_sparkline(s["hist"])] if wide else []), style="red" if bad else None)
     console.print(table)
     if summary["params"]:
         scaled = any("overflow_at_scale" in s for s in summary["params"].values())
         params = Table(title="Parameter gradients", title_justify="left")
-        columns = ["parameter", "last norm", "nan", "inf", "underflow", "absmax"]
-        for col in columns + (["over at scale"] if scaled else []):
-            params.add_column(col, justify="left" if col == "parameter" else "right", no_wrap=True)
+        params.add_column("parameter", overflow="fold", ratio=1)
+        for col in ["last norm", "nan/inf", "underflow %", "absmax"] + (["over at scale"] if scaled else []):
+            params.add_column(col, justify="right", no_wrap=True)
         for name, s in summary["params"].items():
-            cells = [name, f"{s['norm']:.3g}" if s["norm"] is not None else "", str(s["nan"]), str(s["inf"]),
-                     str(s["underflow"]), f"{s['absmax']:.3g}"]
+            cells = [name, f"{s['norm']:.3g}" if s["norm"] is not None else "", f"{s['nan']}/{s['inf']}",
+                     _percent(s["underflow"], s["numel"]), f"{s['absmax']:.3g}"]
             params.add_row(*cells, *([str(s.get("overflow_at_scale", ""))] if scaled else []))
         console.print(params)
+
+
+def _percent(count: int, total: int) -> str:
+    """A share of elements: "0", "<0.1" for a few, else one decimal."""
+    if not count or not total:
+        return "0"
+    share = 100 * count / total
+    return "<0.1" if share < 0.1 else f"{share:.1f}"
