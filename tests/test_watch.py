@@ -764,3 +764,33 @@ def test_the_summary_fits_the_terminal(width):
     row = next(line for line in lines if "1.0" in line and "forward" in line)
     assert "16.7" in row  # overflow as a share of elements: 12 of 3 steps x 3 x 8
     assert ("log2 |x|" in out.getvalue()) is (width >= 110)
+
+
+@pytest.mark.parametrize("order", ["lifo", "fifo"])
+def test_two_watches_on_one_scaler_keep_their_own_steps(order):
+    # each watch's stop() used to remove whichever wrapper was on top: the other watch lost its
+    # step boundaries (and the scaler kept a dead wrapper)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.ones(3, 4)
+
+    def step():
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    outer = ampaudit.watch(model, optimizer=opt, scaler=scaler).start()
+    inner = ampaudit.watch(model[0], optimizer=opt, scaler=scaler).start()
+    step()
+    step()
+    first, second = (inner, outer) if order == "lifo" else (outer, inner)
+    first.stop()
+    step()
+    second.stop()
+    step()
+    assert first.summary()["steps"] == 2 and second.summary()["steps"] == 3
+    assert "update" not in scaler.__dict__  # the class's own update() again
+    assert [h for _, h in second.summary()["scaler"]["history"]] == [1024.0] * 3

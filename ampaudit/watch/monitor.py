@@ -183,8 +183,14 @@ class Monitor:
             target, original = self._original_update
             if isinstance(target, type):
                 target.update, target.step = original
-            else:
-                target.__dict__.pop("update", None)
+            elif target.__dict__.get("update") is original[0]:  # ours is on top: put back what it wrapped
+                wrapped = original[1]
+                while hasattr(wrapped, "ampaudit_wraps") and not wrapped.ampaudit_wraps[0]._handles:
+                    wrapped = wrapped.ampaudit_wraps[1]  # a watch stopped out of order: drop its wrapper too
+                if getattr(wrapped, "__func__", None) is type(target).update:
+                    del target.update  # the class's own method again
+                else:
+                    target.update = wrapped  # an earlier watch's wrapper
             self._original_update = None
         if self._events:
             self._stopping = True  # recorded, never raised: the run is over (or already stopping)
@@ -307,15 +313,19 @@ class Monitor:
             self._boundary()
 
     def _wrap_scaler_update(self, scaler: torch.amp.GradScaler) -> None:
+        """The scaler's update() becomes this watch's step boundary. Wrappers chain: a second
+        watch on the same scaler wraps this one, and each one's stop() unwraps only its own."""
         original = scaler.update
         monitor = self
 
         def update(new_scale: Any = None) -> None:
-            monitor._boundary(scaler=scaler)
+            if monitor._handles:  # a watch stopped under a later one's wrapper passes through
+                monitor._boundary(scaler=scaler)
             original(new_scale)
 
-        scaler.update = update  # instance attribute: removed in stop()
-        self._original_update = (scaler, original)
+        update.ampaudit_wraps = (monitor, original)  # for unwrapping past stopped watches
+        scaler.update = update  # instance attribute: unwrapped in stop()
+        self._original_update = (scaler, (update, original))
 
     def _patch_grad_scaler(self) -> None:
         """ampaudit run: every GradScaler's update() becomes a step boundary (a skipped step
