@@ -144,12 +144,12 @@ def test_gradient_underflow_in_a_starved_layer():
     assert weight["norm"] < 1e-6
 
 
-def test_grad_scaler_history_and_skipped_steps():
+def test_grad_scaler_history_and_skipped_steps(tmp_path):
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
     x = torch.ones(3, 4)
-    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=tmp_path / "run.jsonl") as mon:
         for step in range(4):
             loss = model(x).pow(2).mean() * (float("inf") if step == 1 else 1.0)
             opt.zero_grad()
@@ -160,6 +160,10 @@ def test_grad_scaler_history_and_skipped_steps():
     assert summary["steps"] == 4
     assert summary["scaler"]["skipped_steps"] == [1]
     assert summary["scaler"]["history"] == [[0, 1024.0], [1, 1024.0], [2, 512.0], [3, 512.0]]
+    # the scale now is the one after the last update() (growth after 2 clean steps), not the one step 3 used
+    assert (summary["scaler"]["scale"], summary["scaler"]["used_last"]) == (scaler.get_scale(), 512.0) == (
+        1024.0, 512.0)
+    assert read_log(tmp_path / "run.jsonl").summary()["scaler"] == summary["scaler"]
     assert set(summary["scaler"]["nonfinite_params"]["1"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert summary["first_nonfinite"]["step"] == 1
 
@@ -363,7 +367,7 @@ def test_summary_schema_is_pinned():
             assert list(s) == stats_keys
     for p in summary["params"].values():
         assert list(p) == [*stats_keys, "norm", "overflow_at_scale"]
-    assert list(summary["scaler"]) == ["scale", "skipped_steps", "history", "nonfinite_params"]
+    assert list(summary["scaler"]) == ["scale", "used_last", "skipped_steps", "history", "nonfinite_params"]
 
 
 def test_run_keeps_the_log_when_the_script_raises(tmp_path):

@@ -424,11 +424,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     summary = read_log(args.log).summary()  # streamed; the plots read the log again, also streamed
     if args.plot is not None:
-        plot(open_log(args.log)[1], summary, args.plot)
+        plot(open_log(args.log, steps_only=True)[1], summary, args.plot)
     if args.tensorboard is not None:
         from ampaudit.report.tensorboard import write_tensorboard
 
-        points = write_tensorboard(open_log(args.log)[1], args.tensorboard)
+        points = write_tensorboard(open_log(args.log, steps_only=True)[1], args.tensorboard)
         print(f"wrote {points} scalars over {summary['steps']} steps to {args.tensorboard}", file=sys.stderr)
     if args.format == "json":
         from ampaudit.report.formats import strict_json

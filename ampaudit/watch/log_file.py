@@ -46,14 +46,14 @@ def _is_log(path: Path) -> bool:
     return True
 
 
-def open_log(path: Path) -> tuple[dict[str, Any], Generator[dict[str, Any], None, None]]:
+def open_log(path: Path, *, steps_only: bool = False) -> tuple[dict[str, Any], Generator[dict[str, Any], None, None]]:
     """The log's header (``{"ampaudit_watch": 1, "dtype": ...}``) and an iterator over its
-    step records, in order."""
+    records, in order: one per step, and ``{"final_scale": ...}`` last (not with ``steps_only``)."""
     lines = _lines(path)
     header = next(lines, None)
     if header is None:
         raise UsageError(f"{path} is empty")
-    return header, lines
+    return header, (r for r in lines if "step" in r) if steps_only else lines
 
 
 def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
@@ -85,6 +85,9 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
                                      "header)")
                 header = True
                 yield record
+                continue
+            if set(record) == {"final_scale"} and isinstance(record["final_scale"], (int, float)):
+                yield record  # written at stop(): the loss scale after the last update()
                 continue
             if not isinstance(record.get("step"), int) or not isinstance(record.get("layers"), dict) \
                     or not isinstance(record.get("params"), dict):

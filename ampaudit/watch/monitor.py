@@ -110,6 +110,7 @@ class Monitor:
         self._skips_in_row = 0
         self._stopping = False
         self._closure_steps = 0  # optimizer.step(closure) calls in progress
+        self._last_scaler: torch.amp.GradScaler | None = None
         self.record_eval = eval  # grad-disabled forwards: phase "eval" (True) or not recorded (False)
         self.eval_forwards = 0  # the model's grad-disabled calls
         self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
@@ -195,6 +196,10 @@ class Monitor:
         if self._events:
             self._stopping = True  # recorded, never raised: the run is over (or already stopping)
             self._flush_step(skipped=False)  # a partial last step still counts
+        if self._last_scaler is not None and self._last_scaler._scale is not None:
+            # the scale the next step would use: records carry the one each step used
+            self.builder.final_scale = float(self._last_scaler.get_scale())
+            self._write({"final_scale": self.builder.final_scale})
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -357,6 +362,7 @@ class Monitor:
         found_inf = None
         scale = None
         if scaler is not None and scaler.is_enabled():
+            self._last_scaler = scaler  # its scale after the last update() is read at stop()
             scale = scaler._scale
             flags = [v for state in scaler._per_optimizer_states.values()
                      for v in state.get("found_inf_per_device", {}).values()]

@@ -17,6 +17,7 @@ class SummaryBuilder:
         self.dtype = dtype
         self.dtype_source: str | None = None
         self.eval_forwards = 0  # the model's grad-disabled calls, not recorded
+        self.final_scale: float | None = None  # the loss scale after the last update()
         self.steps = 0
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
@@ -27,7 +28,11 @@ class SummaryBuilder:
         self.unmeasured: dict[str, int] = {}  # tensors watch skipped, by kind (sparse, nested, meta)
 
     def add(self, record: dict[str, Any]) -> None:
-        """One logged step: {"step", "layers", "params", "scale", "skipped", "first_nonfinite", ...}."""
+        """One logged step: {"step", "layers", "params", "scale", "skipped", "first_nonfinite", ...}
+        - or the log's last line, ``{"final_scale": float}``."""
+        if "step" not in record:
+            self.final_scale = record.get("final_scale", self.final_scale)
+            return
         self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
         if self.first_nonfinite is None and record.get("first_nonfinite"):
             self.first_nonfinite = record["first_nonfinite"]
@@ -59,7 +64,9 @@ class SummaryBuilder:
     def summary(self) -> dict[str, Any]:
         scaler = None
         if self.scales:
-            scaler = {"scale": self.scales[-1][1], "skipped_steps": list(self.skipped), "history": self.scales,
+            scale = self.final_scale if self.final_scale is not None else self.scales[-1][1]
+            scaler = {"scale": scale, "used_last": self.scales[-1][1], "skipped_steps": list(self.skipped),
+                      "history": self.scales,
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
         return {"steps": self.steps, "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
                 "layers": self.layers, "params": self.params, "scaler": scaler,
