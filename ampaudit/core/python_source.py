@@ -26,15 +26,6 @@ _STACK = 256 * 1024 * 1024  # bytes of address space for the worker thread (rese
 _LIMIT = 50_000
 
 
-def encoding_of(raw: bytes) -> str:
-    """``utf-8``, ``utf-8-sig`` (a BOM) or the coding cookie's encoding."""
-    try:
-        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
-    except SyntaxError:  # a malformed cookie: Python refuses the file; say it is not UTF-8
-        return "utf-8"
-    return encoding
-
-
 def read_python(path: Path) -> tuple[str, str]:
     """A Python file's text and the encoding it is written in (``utf-8-sig`` for a BOM, so a
     rewrite can keep it); a LoadError when it cannot be read or decoded, or when Python refuses

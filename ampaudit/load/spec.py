@@ -38,11 +38,6 @@ class ModelSpec:
         """What the user named after the colon (NAME or EXPR), None for a bare PATH."""
         return self.name if self.name is not None else self.expr
 
-    @property
-    def names_a_model(self) -> bool:
-        """The user chose the model: building it is the point, so failing to is an error."""
-        return self.kind != "file" or self.selector is not None
-
 
 def _selector(text: str, spec: str) -> tuple[str | None, str | None]:
     text = text.strip()
