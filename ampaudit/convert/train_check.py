@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.forward import ExampleInputs, iter_tensors
 
 DEFAULT_STEPS = 20
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}  # relative loss difference allowed at any step
@@ -85,13 +84,7 @@ def same_optimizer(optimizer: torch.optim.Optimizer, owner: torch.nn.Module,
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return next((t for t in map(_first_tensor, value) if t is not None), None)
-    return None
+    return next((t for t in iter_tensors(value) if t.is_floating_point()), None)
 
 
 def _own_loss(output: Any) -> torch.Tensor | None:

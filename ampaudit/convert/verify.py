@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.forward import ExampleInputs, iter_tensors
 from ampaudit.graph.range_probe import MEASURED
 
 Build = Callable[[dict[str, str]], fx.GraphModule]
@@ -24,13 +24,7 @@ MAX_ROUNDS = 6  # attribution rounds: 1, 2, 4, ... ops promoted
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    return [t for t in iter_tensors(value) if t.is_floating_point()]
 
 
 def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: torch.nn.Module,

@@ -42,26 +42,26 @@ def refuse_meta(model: torch.nn.Module, inputs: ExampleInputs | None, remedy: st
     """Meta tensors have shapes but no values: nothing can run on them or be measured."""
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         raise LoadError(f"the model's weights are meta tensors (no values): they cannot run; {remedy}")
-    if inputs is not None and any(t.is_meta for t in _tensors((inputs.args, inputs.kwargs))):
+    if inputs is not None and any(t.is_meta for t in iter_tensors((inputs.args, inputs.kwargs))):
         raise LoadError(f"the example inputs ({inputs.origin}) are meta tensors (no values): they cannot run; "
                         f"{remedy}")
 
 
 def has_tensor(value: Any) -> bool:
     """Whether a (nested) output holds a tensor; dict subclasses such as HF's ModelOutput count."""
-    return next(_tensors(value), None) is not None
+    return next(iter_tensors(value), None) is not None
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a nest of tuples, lists and mappings."""
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a nest of tuples, lists and mappings (HF's ModelOutput too), depth first."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, Mapping):
         for item in value.values():
-            yield from _tensors(item)
+            yield from iter_tensors(item)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            yield from iter_tensors(item)
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ampaudit.graph.forward import ExampleInputs, has_tensor
+from ampaudit.graph.tree import map_tensors
 
 
 def record_calls(model: torch.nn.Module, inputs: ExampleInputs) -> dict[str, ExampleInputs]:
@@ -26,7 +27,8 @@ def record_calls(model: torch.nn.Module, inputs: ExampleInputs) -> dict[str, Exa
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         name = names.get(module)
         if name is not None and name not in calls:
-            calls[name] = ExampleInputs(_detached(args), _detached(kwargs), f"the call of {name or 'the model'}")
+            calls[name] = ExampleInputs(map_tensors(args, _detached), map_tensors(kwargs, _detached),
+                                        f"the call of {name or 'the model'}")
 
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in names]
     try:
@@ -56,13 +58,5 @@ def concrete_args(module: torch.nn.Module, call: ExampleInputs) -> dict[str, Any
     return fixed or None
 
 
-def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()  # the recorded call must not change when the model runs on
