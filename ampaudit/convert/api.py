@@ -165,15 +165,11 @@ def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, in
         def build(promoted: Mapping[str, str | Decision]) -> torch.nn.Module:
             records = planner.records(promoted)
             built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights)
-            calls = [r for r in records if r["op"].startswith("call_")]
-            built.plan, built.ampaudit_ranked = records, planner.ranked
-            built.summary = ConversionSummary(
-                dtype=low.name, casts=0, ops_fp32=sum(r["compute"] == "float32" for r in calls),
-                ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(built),
-                promoted=[{"node": k, "reason": getattr(v, "reason", v)} for k, v in promoted.items()],
-                constants=constants, keep_low_outputs=keep_low_outputs, backend="modules", weights=weights,
-                notes=["modules backend: the model's own forward under autocast, the plan applied per module"])
-            return built
+            built.ampaudit_ranked = planner.ranked
+            return _with_plan(built, records, low, promoted, casts=0, constants=constants,
+                              keep_low_outputs=keep_low_outputs, backend="modules", weights=weights,
+                              notes=["modules backend: the model's own forward under autocast, the plan applied "
+                                     "per module"])
 
         model_mp = build({})
         if verify:
@@ -252,15 +248,8 @@ def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
     calls = record_calls(work, inputs) if inputs is not None else {}  # for children traced on their own
     run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, calls=calls,
                       declared=declared_precision(work, low))
-    converted = _convert_tree(work, "", inputs, run)
-    calls = [r for r in run.records if r["op"].startswith("call_")]
-    converted.plan = run.records
-    converted.summary = ConversionSummary(
-        dtype=low.name, casts=run.casts, ops_fp32=sum(r["compute"] == "float32" for r in calls),
-        ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(converted),
-        promoted=[{"node": k, "reason": getattr(v, "reason", v)} for k, v in promoted.items()], notes=run.notes,
-        constants=constants, keep_low_outputs=keep_low_outputs,
-    )
+    converted = _with_plan(_convert_tree(work, "", inputs, run), run.records, low, promoted, casts=run.casts,
+                           notes=run.notes, constants=constants, keep_low_outputs=keep_low_outputs)
     if not isinstance(converted, fx.GraphModule):
         converted.code = f"# {type(model).__name__}.forward is not traceable: its submodules were converted\n"
     return converted
@@ -315,6 +304,18 @@ def _convert_children(owner: torch.nn.Module, prefix: str, run: _Conversion) -> 
 
 def _join(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _with_plan(model_mp: torch.nn.Module, records: list[dict[str, Any]], low: LowDtype,
+               promoted: Mapping[str, str | Decision], **fields: Any) -> torch.nn.Module:
+    """Attach the plan and its summary (op counts, parameter bytes, promotions) - either backend."""
+    calls = [r for r in records if r["op"].startswith("call_")]
+    model_mp.plan = records
+    model_mp.summary = ConversionSummary(
+        dtype=low.name, ops_fp32=sum(r["compute"] == "float32" for r in calls),
+        ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(model_mp),
+        promoted=[{"node": k, "reason": getattr(v, "reason", v)} for k, v in promoted.items()], **fields)
+    return model_mp
 
 
 def _param_bytes(module: torch.nn.Module) -> dict[str, int]:
