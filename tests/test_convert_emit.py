@@ -97,3 +97,18 @@ def test_fsdp2_policy_shards_and_runs(export, monkeypatch):
     finally:
         sys.path.pop(0)
         dist.destroy_process_group()
+
+
+def test_autocast_policy_survives_a_deep_copy(export):
+    # the fp32 wrapper is bound to its module: before, a copy of the model (an EMA, say) ran
+    # the original's attention
+    import copy
+
+    loaded = load_target(model(FIXTURE))
+    ampaudit.autocast_policy(loaded.model, export)
+    twin = copy.deepcopy(loaded.model)
+    with torch.no_grad():
+        twin.attn.q.weight.zero_()
+    (x,) = loaded.inputs.args
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.equal(twin(x), loaded.model(x))

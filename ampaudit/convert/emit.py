@@ -14,9 +14,9 @@ names the module it runs in; that module is what the policies keep in fp32:
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable, Iterable, Mapping
+import types
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ OVERRIDES = frozenset({"AMP201", "AMP301", "verify", "declared", "kernel"})
 FILES = {"autocast": "autocast_policy.py", "hf": "hf_keep_in_fp32.py", "fsdp2": "fsdp2_policy.py"}
 
 
-def plan_records(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
+def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
     """The records and low dtype of a plan given as a converted model, an export folder, a
     plan.json path or plan.json's content."""
     if isinstance(plan, torch.nn.Module):
@@ -59,24 +59,31 @@ def fp32_modules(records: Iterable[Mapping[str, Any]]) -> list[str]:
 def autocast_policy(model: torch.nn.Module, plan: Any) -> list[str]:
     """Run the plan's fp32 modules of ``model`` with autocast disabled and fp32 inputs, in
     place; returns their paths. Plain Python around forward, so torch.compile traces it."""
-    records, _ = plan_records(plan)
+    records, _ = read_plan(plan)
     paths = fp32_modules(records)
     for path in paths:
         try:
             module = model.get_submodule(path)
         except AttributeError:
             raise UsageError(f"the plan keeps {path} in fp32, but the model has no such module") from None
-        module.forward = run_in_fp32(module.forward)
+        run_in_fp32(module)
     return paths
 
 
-def run_in_fp32(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def fp32_forward(*args: Any, **kwargs: Any) -> Any:
-        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
-        with torch.autocast(device, enabled=False):
-            return forward(*float_inputs(args), **float_inputs(kwargs))
-    return fp32_forward
+def run_in_fp32(module: torch.nn.Module) -> None:
+    """``module``'s forward with autocast off and fp32 inputs, in place. A method bound to the
+    module, not a closure over its forward: a deep copy of the model calls its own modules."""
+    module.forward = types.MethodType(_fp32_forward, module)
+
+
+def _fp32_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with torch.autocast(device_type(args, kwargs), enabled=False):
+        return type(self).forward(self, *float_inputs(args), **float_inputs(kwargs))
+
+
+def device_type(args: tuple, kwargs: dict) -> str:
+    """The device type of a call's first tensor argument (autocast is per device type)."""
+    return next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
 
 
 def float_inputs(value: Any) -> Any:
@@ -92,7 +99,7 @@ def float_inputs(value: Any) -> Any:
 
 def emit(plan: Any, format: str) -> str:
     """The plan as Python source in ``format`` (one of FORMATS)."""
-    records, dtype = plan_records(plan)
+    records, dtype = read_plan(plan)
     modules = fp32_modules(records)
     if format == "autocast":
         return _AUTOCAST.format(modules=_pylist(modules))
@@ -118,7 +125,7 @@ Usage, with an unchanged autocast + GradScaler training loop:
     apply(model)      # before torch.compile(model), if you compile
 """
 
-import functools
+import types
 
 import torch
 
@@ -128,19 +135,16 @@ FP32_MODULES = {modules}
 def apply(model: torch.nn.Module) -> None:
     for path in FP32_MODULES:
         module = model.get_submodule(path)
-        module.forward = _in_fp32(module.forward)
+        module.forward = types.MethodType(_fp32_forward, module)  # bound: copy.deepcopy(model) still works
 
 
-def _in_fp32(forward):
-    @functools.wraps(forward)
-    def fp32_forward(*args, **kwargs):
-        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
-        with torch.autocast(device, enabled=False):
-            args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            kwargs = {{k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                      for k, v in kwargs.items()}}
-            return forward(*args, **kwargs)
-    return fp32_forward
+def _fp32_forward(self, *args, **kwargs):
+    device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
+    with torch.autocast(device, enabled=False):
+        args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        kwargs = {{k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                  for k, v in kwargs.items()}}
+        return type(self).forward(self, *args, **kwargs)
 '''
 
 _HF = '''"""For a transformers model: the module names to keep in fp32, from an ampaudit convert plan.

@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from ampaudit.convert.emit import OVERRIDES
-from ampaudit.convert.emit import float_inputs as _float
+from ampaudit.convert.emit import OVERRIDES, device_type, run_in_fp32
 from ampaudit.convert.plan import FOLLOW, FP32, Decision, decide, plan_records
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.dtypes import LowDtype
@@ -87,7 +86,7 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
                    and any(r["compute"] == "float32" for r in rs)}
     for path in sorted(overridden | leaves_fp32):
         if path:
-            modules[path].forward = types.MethodType(_fp32_forward, modules[path])
+            run_in_fp32(modules[path])
     for path, records_here in ops.items():
         module = modules.get(path)
         if weights != "low" or module is None or not path or _under(path, overridden) or path in leaves_fp32:
@@ -106,18 +105,9 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
 # copy of the converted model - the training check makes one - calls its own modules.
 def _autocast_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     dtype, keep_low_outputs = self.ampaudit_low
-    with torch.autocast(_device(args, kwargs), dtype=dtype):
+    with torch.autocast(device_type(args, kwargs), dtype=dtype):
         out = type(self).forward(self, *args, **kwargs)
     return out if keep_low_outputs else _to_fp32(out)
-
-
-def _fp32_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    with torch.autocast(_device(args, kwargs), enabled=False):
-        return type(self).forward(self, *_float(args), **_float(kwargs))
-
-
-def _device(args: tuple, kwargs: dict) -> str:
-    return next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
 
 
 def _to_fp32(value: Any) -> Any:
