@@ -1,0 +1,89 @@
+"""StepGuard: a step the GradScaler skips leaves the scheduler, the EMA and BatchNorm as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from ampaudit.watch.step_guard import StepGuard
+
+BAD_STEP = 2
+
+
+def _run(*, guard: bool, bad_batch: bool = True, steps: int = 5):
+    """A CPU GradScaler loop whose batch at BAD_STEP holds an inf (the scaler skips that step);
+    with ``bad_batch=False`` that batch is left out entirely: what a guarded run should equal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ema = AveragedModel(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guarded = StepGuard(scaler, opt, model=model, schedulers=[sched], emas=[ema]) if guard else None
+    if guarded:
+        guarded.start()
+    batches = [torch.randn(6, 4) for _ in range(steps)]
+    batches[BAD_STEP][0, 0] = float("inf")
+    if not bad_batch:
+        del batches[BAD_STEP]
+    for x in batches:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        ema.update_parameters(model)
+    if guarded:
+        guarded.stop()
+    state = {"params": [p.detach().clone() for p in model.parameters()],
+             "bn": [b.clone() for b in model[1].buffers()], "lr": opt.param_groups[0]["lr"],
+             "epoch": sched.last_epoch, "ema_n": int(ema.n_averaged),
+             "ema": [p.detach().clone() for p in ema.module.parameters()]}
+    return state, guarded
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_without_the_guard_a_skipped_step_moves_everything_else():
+    state, _ = _run(guard=False)
+    assert state["epoch"] == 5 and state["ema_n"] == 5
+    assert not torch.isfinite(state["bn"][0]).all()  # the bad batch went into the running mean
+
+
+def test_a_guarded_skipped_step_equals_leaving_the_batch_out():
+    state, guard = _run(guard=True)
+    reference, _ = _run(guard=False, bad_batch=False)
+    assert guard.summary() == {"steps": 5, "skipped_steps": [BAD_STEP], "scheduler_steps_held": 1,
+                               "ema_updates_held": 1, "batchnorm_restores": 1}
+    assert (state["epoch"], state["lr"], state["ema_n"]) == (4, reference["lr"], 4)
+    assert _same(state["bn"], reference["bn"])
+    assert _same(state["params"], reference["params"])
+    assert _same(state["ema"], reference["ema"])
+
+
+def test_step_applied_per_step():
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    seen = []
+    with StepGuard(scaler, opt) as guard:
+        for step in range(3):
+            loss = model(torch.ones(1, 2)).sum() * (float("nan") if step == 1 else 1.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            seen.append(guard.step_applied)
+    assert seen == [True, False, True]
+    assert "step" not in scaler.__dict__  # stop() put the class's method back
+
+
+def test_an_ema_without_an_update_method_is_refused():
+    with pytest.raises(TypeError, match="no update_parameters"):
+        StepGuard(torch.amp.GradScaler("cpu"), emas=[object()])
