@@ -1,6 +1,8 @@
 """ampaudit: precision auditing for PyTorch mixed-precision training.
 
-Importing ampaudit is cheap: torch is imported only when an API that needs it is used.
+Importing ampaudit is cheap: torch is imported only when an API that needs it is used, and
+without torch (``pip install ampaudit`` alone) those APIs raise ``TorchMissing``, an
+ImportError naming ``pip install "ampaudit[torch]"``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
+        from ampaudit.core.torch_extra import import_needing_torch
 
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(import_needing_torch(module, f"ampaudit.{name}"), attr)
     raise AttributeError(f"module 'ampaudit' has no attribute {name!r}")

@@ -26,6 +26,20 @@ def pytest_unconfigure(config):
     shutil.rmtree(getattr(config, "_ampaudit_cache", ""), ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """ampaudit's wheel, built from this checkout offline (hatchling, no build isolation)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("hatchling", reason="the dev extra installs hatchling to build wheels offline")
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                    "--quiet", "-w", str(out)], check=True, timeout=300)
+    (path,) = out.glob("ampaudit-*.whl")
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _run_from_repo_root(monkeypatch):
     # Reports name files relative to the working directory; pin it so paths are stable.

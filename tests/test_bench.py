@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -51,3 +53,10 @@ def test_report_benchmark_runs():
 def test_convert_time_benchmark_runs():
     out = _run("bench/convert_time.py", "--size", "32", "--batch", "1", "--train-steps", "1")
     assert "convert (trace, measure, verify, search):" in out and "with the training check (1 steps)" in out
+
+
+@pytest.mark.slow
+def test_install_size_benchmark_runs_for_the_lint():
+    pytest.importorskip("hatchling", reason="the benchmark builds ampaudit's wheel offline")
+    out = _run("bench/install_size.py", "--lint-only", "--rounds", "1")
+    assert re.search(r"^ampaudit \(the lint\) +[\d.]+ MB in site-packages .* \d+ distributions\)", out, re.M), out

@@ -160,3 +160,15 @@ def test_readme_example_output_is_current(cli, monkeypatch, tmp_path, subcommand
     assert len(rows) >= 5
     for row in rows:
         assert row in printed, f"README's `ampaudit {subcommand}` example is stale: {row!r}"
+
+
+def test_the_pre_commit_snippet_names_the_lint_only_hook():
+    yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev extra)")
+    (snippet,) = [body for lang, body in FENCE.findall(README) if lang == "yaml" and "pre-commit" in body]
+    (repo,) = yaml.safe_load(snippet)["repos"]
+    hooks = {h["id"]: h for h in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
+    assert [h["id"] for h in repo["hooks"]] == ["ampaudit"]
+    assert hooks["ampaudit"]["entry"] == "ampaudit check --lint-only"
+    assert hooks["ampaudit"]["language"] == "python"
+    # the hook installs `pip install ampaudit`: the lint alone; the rest is one extra away
+    assert 'pip install "ampaudit[torch]"' in README

@@ -7,19 +7,7 @@ import subprocess
 import sys
 import zipfile
 
-import pytest
-
-from tests.conftest import ROOT
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    pytest.importorskip("hatchling", reason="the dev extra installs hatchling to build wheels offline")
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-                    "--quiet", "-w", str(out)], check=True, timeout=300)
-    (path,) = out.glob("ampaudit-*.whl")
-    return path
+# The `wheel` fixture (tests/conftest.py) builds one offline with hatchling, once per session.
 
 
 def test_wheel_contains_the_catalog_and_schema(wheel):

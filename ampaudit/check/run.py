@@ -1,5 +1,6 @@
 """``ampaudit check PATH...``: the source lint on every file, plus the graph audit when the
-target is one model file. Imports torch only when a graph audit actually runs."""
+target is one model file. Imports torch only when a graph audit actually runs; without torch a
+model file gets its lint and AMP006, a model named on its own is an error naming the install."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
+from ampaudit.core.torch_extra import INSTALL, require_torch, torch_missing
 
 # Folders never worth linting: VCS data, caches, build output, virtual environments.
 SKIP_DIRS = frozenset({
@@ -108,6 +110,7 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
 
 
 def _check_model(spec: str, config: Config, options: CheckOptions) -> Report:
+    require_torch(f"auditing {spec}")
     from ampaudit.check.audit import graph_report  # imports torch
 
     report = graph_report(spec, config, options)
@@ -120,7 +123,8 @@ def _check_file(spec: str, path: Path, name: str | None, config: Config, options
     from ampaudit.load.source_scan import FACTORY_NAMES, scan_source
     from ampaudit.load.spec import read_source
 
-    scan = scan_source(path, read_source(path))  # syntax errors: exit 2 with file:line
+    source = read_source(path)
+    scan = scan_source(path, source)  # syntax errors: exit 2 with file:line
     lint = lint_file(path)
     if options.lint_only:
         return _lint_only(path, lint, "--lint-only", config, options)
@@ -132,6 +136,12 @@ def _check_file(spec: str, path: Path, name: str | None, config: Config, options
             why += (f"; its {imported[0]} comes from {source}: audit a model that builds with "
                     f"`ampaudit check {source}:\"{imported[0]}(...)\"`")
         return _lint_only(path, lint, why, config, options)
+    if name is not None:  # the user named the model: auditing it is the point
+        require_torch(f"auditing {spec}")
+    else:
+        missing = torch_missing()
+        if missing is not None:
+            return _needs_torch(path, source, lint, missing, config, options)
     from ampaudit.check.audit import graph_report  # imports torch
 
     try:
@@ -163,3 +173,26 @@ def _graph_skipped(path: Path, lint: list[Finding], exc: ModelNotBuilt, config: 
     target = Target(file, "", "none", [f"training-script lint only: graph audit skipped ({exc.reason})",
                                        *options.notes])
     return finalize(Report(target, config.dtype, [], [finding, *lint]), config)
+
+
+def _needs_torch(path: Path, source: str, lint: list[Finding], missing: str, config: Config,
+                 options: CheckOptions) -> Report:
+    """A model file without torch (``pip install ampaudit`` alone): the lint stands, and AMP006,
+    at the file's first import of torch, says the graph audit needs ``ampaudit[torch]``."""
+    file = display_path(str(path))
+    finding = rule("AMP006").finding(file, _torch_import_line(source), reason=missing, install=INSTALL)
+    target = Target(file, "", "none", [f"training-script lint only: the graph audit needs {missing} ({INSTALL})",
+                                       *options.notes])
+    return finalize(Report(target, config.dtype, [], [finding, *lint]), config)
+
+
+def _torch_import_line(source: str) -> int:
+    """The line of the file's first top-level ``import torch...`` / ``from torch... import``; 1 if none."""
+    import ast
+
+    for node in ast.parse(source).body:  # it parses: scan_source raised on a syntax error
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(m == "torch" or m.startswith("torch.") for m in modules):
+            return node.lineno
+    return 1

@@ -1,5 +1,6 @@
 """``ampaudit`` entry point. Heavy imports (torch, rich) happen inside the commands, so
-``ampaudit --help`` and ``--version`` stay fast.
+``ampaudit --help`` and ``--version`` stay fast, and everything but check's model audit,
+``convert`` and ``run`` works without torch (``pip install ampaudit`` alone: the lint).
 
 Exit codes, like ruff: 0 no finding at or above --fail-on, 1 findings, 2 usage or load error.
 """
@@ -363,6 +364,9 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from ampaudit.core.torch_extra import require_torch
+
+    require_torch("ampaudit convert", ("torch", "safetensors"))  # one line naming the install, exit 2
     import torch
 
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
@@ -406,6 +410,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from ampaudit.core.torch_extra import require_torch
+
+    require_torch("ampaudit run")
     from ampaudit.cli.run_script import run_script
 
     _refuse_overwriting_inputs(args.log, [args.script], "--log")
