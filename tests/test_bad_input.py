@@ -223,6 +223,7 @@ EXIT_CODE_CASES = {  # (command, code) -> argv; files from _files(), cwd in that
     ("run", 1): ["run", "--log", "r.jsonl", "fails.py"],
     ("run", 2): ["run", "--every", "0", "t.py"],
     ("report", 0): ["report", "log.jsonl"],
+    ("report", 1): ["report", str(ROOT / "fixtures" / "watch" / "AMP605_invalid.jsonl")],  # an error finding
     ("report", 2): ["report", "data.jsonl"],
     ("rules", 0): ["rules"],
     ("rules", 2): ["rules", "--format", "xml"],

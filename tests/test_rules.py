@@ -1,7 +1,9 @@
-"""Every rule: a stable code, a message, docs, VALID and INVALID fixtures pinned to exact lines."""
+"""Every rule: a stable code, a message, docs, VALID and INVALID fixtures pinned to exact lines -
+for the runtime rules (AMP6xx), watch logs of real runs that do and do not produce them."""
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 
@@ -13,9 +15,13 @@ from ampaudit.check.run import check_targets
 from ampaudit.core.config import Config
 from ampaudit.core.rulebook import CODE_RE, rulebook
 from ampaudit.report.rule_docs import rules_markdown
+from ampaudit.watch.summary import read_log
+from ampaudit.watch.verdicts import RUNTIME_RULES
 from tests.conftest import ROOT, RULE_FIXTURES, expected_markers
 
 RULES = sorted(rulebook())
+CHECK_RULES = [code for code in RULES if code not in RUNTIME_RULES]  # fixtures/rules/CODE_*.py
+WATCH_FIXTURES = ROOT / "fixtures" / "watch"  # CODE_invalid.jsonl, CODE_valid.jsonl: fixtures/watch/record.py
 
 
 @contextmanager
@@ -51,7 +57,7 @@ def test_rule_is_documented(code):
         assert getattr(rule, field).strip(), f"{code} has no {field}"
 
 
-@pytest.mark.parametrize("code", RULES)
+@pytest.mark.parametrize("code", CHECK_RULES)
 def test_invalid_fixture_fires_on_the_marked_lines(code):
     path = RULE_FIXTURES / f"{code}_invalid.py"
     expected = [m for m in expected_markers(path) if m[1] == code]
@@ -59,16 +65,38 @@ def test_invalid_fixture_fires_on_the_marked_lines(code):
     assert _found(path, code) == expected
 
 
-@pytest.mark.parametrize("code", RULES)
+@pytest.mark.parametrize("code", CHECK_RULES)
 def test_valid_fixture_is_clean(code):
     path = RULE_FIXTURES / f"{code}_valid.py"
     assert not expected_markers(path)
     assert _found(path, code) == []
 
 
+def _watch_fixture(code: str, kind: str) -> tuple[list, list]:
+    """A runtime rule's log: what its header expects ([code, module]) and what it gives."""
+    path = WATCH_FIXTURES / f"{code}_{kind}.jsonl"
+    expect = json.loads(path.read_text().splitlines()[0])["expect"]
+    found = [[f["rule"], f["module"]] for f in read_log(path).summary()["findings"] if f["rule"] == code]
+    return expect, found
+
+
+@pytest.mark.parametrize("code", RUNTIME_RULES)
+def test_runtime_invalid_fixture_gives_the_expected_findings(code):
+    expect, found = _watch_fixture(code, "invalid")
+    assert expect and all(rule == code for rule, _ in expect)
+    assert found == expect
+
+
+@pytest.mark.parametrize("code", RUNTIME_RULES)
+def test_runtime_valid_fixture_is_clean(code):
+    assert _watch_fixture(code, "valid") == ([], [])
+
+
 def test_every_fixture_belongs_to_a_rule():
     stems = {p.stem.rsplit("_", 1)[0] for p in RULE_FIXTURES.glob("AMP*.py")}
-    assert stems == set(RULES)
+    assert stems == set(CHECK_RULES)
+    logs = {p.stem.rsplit("_", 1)[0] for p in WATCH_FIXTURES.glob("AMP*.jsonl")}
+    assert logs == set(RUNTIME_RULES)
 
 
 def test_codes_are_unique_and_names_too():
@@ -96,8 +124,9 @@ def test_every_rule_is_implemented_once_and_documented():
     from ampaudit.check.graph_rules import GRAPH_RULES
     from ampaudit.check.script_rules import LINT_RULES
 
-    graph, lint = set(GRAPH_RULES.load()), set(LINT_RULES.load())
-    assert not graph & lint
-    assert graph | lint <= set(rulebook())
+    graph, lint, runtime = set(GRAPH_RULES.load()), set(LINT_RULES.load()), set(RUNTIME_RULES)
+    assert not graph & lint and not (graph | lint) & runtime
+    assert graph | lint | runtime <= set(rulebook())
+    assert all(code.startswith("AMP6") for code in runtime)  # watch's verdicts (watch/verdicts.py)
     # The rest are reported by the pipeline itself: trace coverage and syntax errors.
-    assert set(rulebook()) - graph - lint == {"AMP001", "AMP002", "AMP003", "AMP004", "AMP005", "AMP006"}
+    assert set(rulebook()) - graph - lint - runtime == {"AMP001", "AMP002", "AMP003", "AMP004", "AMP005", "AMP006"}

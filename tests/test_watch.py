@@ -357,7 +357,7 @@ def test_summary_schema_is_pinned():
         scaler.update()
     summary = mon.summary()
     assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured",
-                             "dtype_source", "eval_forwards"]
+                             "dtype_source", "eval_forwards", "findings"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "overflow", "underflow", "zero", "absmax", "hist"]
@@ -368,6 +368,8 @@ def test_summary_schema_is_pinned():
     for p in summary["params"].values():
         assert list(p) == [*stats_keys, "norm", "overflow_at_scale"]
     assert list(summary["scaler"]) == ["scale", "used_last", "skipped_steps", "history", "nonfinite_params"]
+    for f in summary["findings"]:  # check's finding schema (docs/check.md)
+        assert list(f) == ["rule", "severity", "message", "file", "line", "column", "module", "node", "fix"]
 
 
 def test_run_keeps_the_log_when_the_script_raises(tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 from ampaudit._version import __version__
 from ampaudit.core.dtypes import LOW_DTYPES
 from ampaudit.core.errors import AmpauditError, UsageError
+from ampaudit.core.findings import Severity
 from ampaudit.load.time_limit import DEFAULT_SECONDS  # torch-free, as --help must be
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
@@ -149,9 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "uses - autocast's at the first forward, else the model's own, else float16)")
     run.add_argument("script", type=Path)
     run.add_argument("args", nargs=argparse.REMAINDER)
-    report = sub.add_parser("report", help="summarize an ampaudit watch log")
+    report = sub.add_parser("report", help="summarize an ampaudit watch log",
+                            description="Summarize a watch log: per-module counts, then the run's findings (AMP6xx) "
+                                        "in check's format.")
     report.add_argument("log", type=Path)
-    report.add_argument("--format", choices=("text", "json"), default="text")
+    report.add_argument("--format", choices=FORMATS, default="text",
+                        help="text or json: the summary, findings last; sarif or github: the findings only "
+                             "(default: text)")
+    report.add_argument("--fail-on", choices=("error", "warning", "info", "never"), default="error",
+                        help="lowest finding severity that makes the exit code 1 (default: error)")
     report.add_argument("--plot", type=_path, metavar="PNG", help="also plot histograms and over/underflow")
     report.add_argument("--tensorboard", type=_path, metavar="DIR",
                         help="also write per-step scalars (overflow, underflow, loss scale, ...) for TensorBoard")
@@ -441,9 +448,25 @@ def cmd_report(args: argparse.Namespace) -> int:
         from ampaudit.report.formats import strict_json
 
         sys.stdout.write(strict_json(summary))
-    else:
+    elif args.format == "text":
         render_summary(summary, make_console())
+    else:
+        from ampaudit.report.formats import render_machine
+
+        sys.stdout.write(render_machine(watch_report(summary, args.log), args.format))
+    findings = summary["findings"]
+    if args.fail_on != "never" and any(Severity.parse(f["severity"]).rank >= Severity(args.fail_on).rank
+                                       for f in findings):
+        return EXIT_FINDINGS
     return EXIT_OK
+
+
+def watch_report(summary: dict, log: Path):
+    """A watch summary's findings as a check Report, for the SARIF and GitHub renderers."""
+    from ampaudit.core.findings import Finding, Report, Target
+
+    return Report(Target(str(log), "ampaudit watch log", "none"), summary["dtype"],
+                  findings=[Finding.from_dict(f) for f in summary["findings"]])
 
 
 COMMANDS = {

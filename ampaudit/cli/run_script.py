@@ -17,6 +17,7 @@ def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtyp
     if not script.is_file():
         raise UsageError(f"no such script: {script}")
     monitor = Monitor(None, log=log, every=every, dtype=LowDtype.parse(dtype) if dtype is not None else None)
+    monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(script.resolve().parent))

@@ -3,9 +3,9 @@
 A :class:`Finding` is one actionable message pinned to a user's source line; a
 :class:`NodeDecision` is the precision verdict for one op of the model graph; a
 :class:`Report` bundles both with the target description. ``Report.to_dict()`` *is* the
-JSON document (docs/check.md: JSON schema). convert reports a ConversionSummary and watch
-a summary dict; the AMP5xx and AMP6xx code families are reserved for when they report
-through Findings too.
+JSON document (docs/check.md: JSON schema). watch ends its summary dict with Findings too
+(AMP6xx: runtime verdicts, pinned to the script that watched the run); convert reports a
+ConversionSummary, and the AMP5xx family is reserved for when it reports through Findings.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ class Finding:
             "node": self.node,
             "fix": self.fix,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        """A finding from its ``to_dict()`` (a watch summary's "findings"); no autofix."""
+        return cls(data["rule"], Severity.parse(data["severity"]), data["message"], data["file"], data["line"],
+                   data.get("column"), data.get("module"), data.get("node"), data.get("fix"))
 
 
 @dataclass

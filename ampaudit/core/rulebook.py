@@ -22,7 +22,7 @@ FAMILIES = {
     "AMP3": "measured ranges",
     "AMP4": "training scripts",
     "AMP5": "conversion",  # reserved: convert reports a ConversionSummary, no findings yet
-    "AMP6": "runtime",  # reserved: watch reports a summary, no findings yet
+    "AMP6": "runtime",  # watch's verdicts, at the end of its summary (watch/verdicts.py)
 }
 
 
@@ -40,6 +40,7 @@ class RuleInfo:
     fix: str
     params: dict[str, Any] = field(default_factory=dict)  # thresholds, from [CODE.params]
     supersedes: tuple[str, ...] = ()  # codes this finding makes redundant on the same node
+    hints: dict[str, str] = field(default_factory=dict)  # a finding's short fix, by case, from [CODE.hints]
 
     @property
     def family(self) -> str:
@@ -82,6 +83,7 @@ def rulebook() -> dict[str, RuleInfo]:
             fix=raw["fix"],
             params=dict(raw.get("params", {})),
             supersedes=tuple(raw.get("supersedes", ())),
+            hints=dict(raw.get("hints", {})),
         )
     return dict(sorted(rules.items()))
 

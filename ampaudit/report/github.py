@@ -18,7 +18,9 @@ def _escape_property(text: str) -> str:
 def to_github(report: Report) -> str:
     lines = []
     for f in report.findings:
-        props = [f"file={_escape_property(f.file)}", f"line={f.line}"]
+        props = [f"file={_escape_property(f.file)}"]
+        if f.line > 0:  # 0: the whole file (a runtime finding of `ampaudit run`'s script)
+            props.append(f"line={f.line}")
         if f.column:
             props.append(f"col={f.column}")
         props.append(f"title={_escape_property(f'ampaudit {f.rule}')}")

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import os
 from collections import Counter, defaultdict
-from pathlib import Path
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ampaudit.core.findings import Finding, Precision, Report, Severity
+from ampaudit.core.finding_text import SEVERITY_STYLE as _STYLE
+from ampaudit.core.finding_text import render_findings
+from ampaudit.core.findings import Precision, Report, Severity
 
-_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _PRECISION_STYLE = {Precision.LOW: "green", Precision.FP32: "magenta", Precision.PROMOTE: "blue",
                     Precision.NEUTRAL: "dim"}
 
@@ -119,70 +118,17 @@ def _ops_table(report: Report) -> Table:
     return table
 
 
-def _snippet(finding: Finding, color: bool) -> Syntax | Text | None:
-    try:
-        lines = Path(finding.file).read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    if not 0 < finding.line <= len(lines):
-        return None
-    first, last = max(1, finding.line - 1), min(len(lines), finding.line + 1)
-    if color:
-        return Syntax("\n".join(lines), "python", line_numbers=True, line_range=(first, last),
-                      highlight_lines={finding.line}, word_wrap=False, theme="ansi_dark")
-    width = len(str(last))
-    text = Text(no_wrap=True, overflow="ellipsis")
-    for number in range(first, last + 1):
-        marker = ">" if number == finding.line else " "
-        text.append(f"{marker} {number:>{width}} | {lines[number - 1]}\n")
-        if number == finding.line and finding.column:
-            text.append(" " * (width + 5 + finding.column - 1) + "^\n")
-    return text
-
-
-def _finding_block(finding: Finding, color: bool) -> Group:
-    head = Text()
-    head.append(f"{finding.file}:{finding.line}", style="bold")
-    if finding.column:
-        head.append(f":{finding.column}", style="bold")
-    head.append(" ")
-    head.append(finding.rule, style=_STYLE[finding.severity])
-    head.append(f" [{finding.severity.value}] ", style=_STYLE[finding.severity])
-    if finding.autofix is not None:
-        head.append("[fix] " if finding.autofix.safe else "[unsafe fix] ", style="green")
-    head.append(finding.message)
-    parts: list = [head]
-    if finding.module:
-        parts.append(Text(f"  in module {finding.module}", style="dim"))
-    snippet = _snippet(finding, color)
-    if snippet is not None:
-        parts.append(snippet)
-    if finding.fix:
-        parts.append(Text(f"  fix: {finding.fix}", style="green"))
-    return Group(*parts)
-
-
 def render(report: Report, console: Console, *, show_ops: bool = False) -> None:
-    color = console.color_system is not None
     console.print(_summary_panel(report))
     table = _fp32_table(report)
     if table is not None:
         console.print(table)
     if show_ops and report.nodes:
         console.print(_ops_table(report))
-    for finding in report.findings:
-        console.print()
-        console.print(_finding_block(finding, color))
-    console.print()
-    s = report.summary()
+    render_findings(report.findings, console)
     if report.findings:
-        codes = sorted({f.rule for f in report.findings})
-        console.print(f"Found {s['errors']} errors, {s['warnings']} warnings, {s['infos']} infos. "
-                      f"`ampaudit explain {codes[0]}` tells more about a rule.")
         safe = sum(f.autofix is not None and f.autofix.safe for f in report.findings)
         unsafe = sum(f.autofix is not None and not f.autofix.safe for f in report.findings)
         if safe or unsafe:
             console.print(f"{safe} fixable with --fix" + (f", {unsafe} more with --unsafe-fixes" if unsafe else "")
                           + " (--diff to preview).")
-    else:
-        console.print("No findings.", style="green")

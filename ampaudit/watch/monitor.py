@@ -27,6 +27,7 @@ from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
 from ampaudit.watch import arena, stats
 from ampaudit.watch.arena import RowArena
+from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.log_file import create_log
 from ampaudit.watch.summary import SummaryBuilder
 
@@ -133,6 +134,7 @@ class Monitor:
         self._model_params: list[tuple[str, torch.nn.Parameter]] = []
         self._acc: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
         self._acc_index: dict[tuple, int] = {}
+        self._conditions = DeviceConditions()  # the verdicts' per-step conditions, with the totals
         self._last_norms: dict[str, float] = {}
         self._scaled_totals: dict[str, int] = {}
         self._optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
@@ -154,7 +156,8 @@ class Monitor:
             return self
         if self.log_path is not None and self._rank == 0:  # first: a log refused leaves no hook behind
             self._log = create_log(self.log_path, {"dtype": self.dtype_name, "every": self.every,
-                                                   "world": self._world})  # closed in stop
+                                                   "world": self._world,
+                                                   "source": self.builder.source})  # closed in stop
         if self.model is not None:
             self._name_tree(self.model, "")
             self._model_params = list(self.model.named_parameters())  # walked once, not every step
@@ -398,6 +401,7 @@ class Monitor:
                 # Nobody reads per-step numbers: keep the totals on the device and read back
                 # only what this step must decide (first non-finite, skipped, scale).
                 values = self._accumulate(flat, keys, param_keys)
+                self._conditions.add(step, flat, keys, param_keys, scale, self.limits)
                 self._record_step(step, [], param_keys, values, skipped, totals_on_device=True)
             else:
                 flat = self._reduce(flat, len(keys), len(param_keys))
@@ -543,7 +547,7 @@ class Monitor:
 
     # -- results ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        result = self.builder.summary()
+        result = self.builder.summary(device=self._conditions.read())
         result["steps"] = max(result["steps"], self.step_index)
         if self._acc is not None:  # totals kept on the device: read them back once, now
             rows = self._acc.tolist()

@@ -1,5 +1,5 @@
 """The rich terminal view of a watch summary: a panel with the verdict, a row per module
-and phase, and the parameter gradients."""
+and phase, the parameter gradients, and the findings (AMP6xx) in check's format."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from ampaudit.core.finding_text import render_findings
+from ampaudit.core.findings import Finding
 
 _BARS = " ▁▂▃▄▅▆▇█"
 
@@ -72,6 +75,7 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
                      _percent(s["underflow"], s["numel"]), f"{s['absmax']:.3g}"]
             params.add_row(*cells, *([str(s.get("overflow_at_scale", ""))] if scaled else []))
         console.print(params)
+    render_findings([Finding.from_dict(f) for f in summary.get("findings", [])], console)
 
 
 def _percent(count: int, total: int) -> str:

@@ -1,20 +1,26 @@
 """The run summary, built from per-step records - the same whether the records come live from
-a Monitor or from a log file (``ampaudit report``)."""
+a Monitor or from a log file (``ampaudit report``) - ending with its verdicts (``verdicts.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from ampaudit.core.findings import Finding
 from ampaudit.watch.log_file import open_log
 from ampaudit.watch.stats_merge import add_stats
+from ampaudit.watch.verdicts import Verdicts, caller_source
 
 
 class SummaryBuilder:
     """Running totals only, so memory stays flat however long the run (or the log)."""
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, source: dict[str, Any] | None = None) -> None:
         self.dtype = dtype
+        # where the findings point: {"file", "line"} of the watch's creation (default: the
+        # first caller outside ampaudit), the script for `ampaudit run`, the log's header
+        self.source = source if source is not None else caller_source()
+        self.verdicts = Verdicts()
         self.dtype_source: str | None = None
         self.eval_forwards = 0  # the model's grad-disabled calls, not recorded
         self.final_scale: float | None = None  # the loss scale after the last update()
@@ -60,8 +66,14 @@ class SummaryBuilder:
         if record.get("skipped"):
             self.skipped.append(record["step"])
             self.nonfinite_params[record["step"]] = record.get("nonfinite_params", [])
+        self.verdicts.add(record, self.dtype)
 
-    def summary(self) -> dict[str, Any]:
+    def findings(self, device: dict[str, Any] | None = None) -> list[Finding]:
+        """The run's AMP6xx findings; ``device``: condition rows a Monitor kept on its device."""
+        return self.verdicts.findings(self.dtype, device=device, first_nonfinite=self.first_nonfinite,
+                                      source=self.source)
+
+    def summary(self, device: dict[str, Any] | None = None) -> dict[str, Any]:
         scaler = None
         if self.scales:
             scale = self.final_scale if self.final_scale is not None else self.scales[-1][1]
@@ -72,13 +84,18 @@ class SummaryBuilder:
                 "layers": self.layers, "params": self.params, "scaler": scaler,
                 "unmeasured": dict(sorted(self.unmeasured.items())),
                 "dtype_source": self.dtype_source or "given",
-                "eval_forwards": {"count": self.eval_forwards, "recorded": False}}
+                "eval_forwards": {"count": self.eval_forwards, "recorded": False},
+                "findings": [f.to_dict() for f in self.findings(device)]}
 
 
 def read_log(path: Path) -> SummaryBuilder:
     """Rebuild a summary from a JSON-lines log, streamed: memory stays flat however long the log."""
     header, records = open_log(path)
-    builder = SummaryBuilder(header["dtype"])
+    source = header.get("source")
+    if not (isinstance(source, dict) and isinstance(source.get("file"), str)
+            and isinstance(source.get("line"), int)):
+        source = {"file": str(path), "line": 0}  # a log that does not say: the findings point at it
+    builder = SummaryBuilder(header["dtype"], source=source)
     for record in records:
         builder.add(record)
     return builder

@@ -1,0 +1,310 @@
+"""watch's verdicts (AMP6xx): exact findings from real CPU training runs, the same live and from
+the log, with and without a log (conditions tracked on the device), and in report's formats."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import ampaudit
+from ampaudit.watch import conditions, verdicts
+from ampaudit.watch.summary import SummaryBuilder, read_log
+from tests.conftest import ROOT, line_of
+
+HERE = "tests/test_verdicts.py"
+
+
+class Gain(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k
+
+
+def _net(*middle: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), *middle, nn.Linear(8, 2))
+
+
+def _constant(model: nn.Sequential, *weights: float) -> nn.Sequential:
+    with torch.no_grad():
+        for layer, w in zip([m for m in model if isinstance(m, nn.Linear)], weights, strict=True):
+            layer.weight.fill_(w)
+            layer.bias.zero_()
+    return model
+
+
+def _run(model, steps, *, log=None, every=1, loss_factor=1.0, scaler=None, autocast=False, bad_step=None,
+         lr=0.01, dtype=None):
+    """A real training run on the CPU, watched; returns the Monitor."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    half = next(model.parameters()).dtype == torch.float16
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log, every=every, dtype=dtype) as mon:
+        for step in range(steps):
+            x = torch.ones(3, 4, dtype=torch.float16 if half else torch.float32)
+            if step == bad_step:
+                x[0, 0] = float("inf")
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                loss = model(x).float().pow(2).mean() * loss_factor
+            opt.zero_grad()
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    return mon
+
+
+WATCH_LINE = line_of(ROOT / HERE, "dtype=dtype) as " + "mon:")  # the watch call: where the findings point
+
+
+def _messages(mon, code=None):
+    return [(f["rule"], f["module"], f["message"]) for f in mon.summary()["findings"]
+            if code is None or f["rule"] == code]
+
+
+def test_a_tiny_loss_without_a_scaler_underflows_and_names_the_layers_and_steps():
+    mon = _run(_net(nn.ReLU()).half(), 4, loss_factor=1e-7)
+    summary = mon.summary()
+    assert summary["params"]["0.weight"]["zero"] == 4 * 32  # every gradient is exactly zero in fp16
+    found = summary["findings"]
+    assert [(f["rule"], f["severity"], f["module"], f["file"], f["line"]) for f in found] == [
+        ("AMP601", "warning", "0", HERE, WATCH_LINE), ("AMP601", "warning", "2", HERE, WATCH_LINE)]
+    assert found[0]["message"] == (
+        "100% of `0`'s parameter gradients (0.bias, 0.weight) are zero or below float16's smallest normal with "
+        "no loss scale, in 4 logged steps from 0 to 3: those updates are lost")
+    assert found[0]["fix"].startswith("scale the loss with torch.amp.GradScaler")
+
+
+def test_underflow_is_judged_at_the_loss_scale():
+    # The same loss with a GradScaler: the gradients watch records are unscaled (after
+    # scaler.step), all below float16's smallest normal - but not at the scale the backward ran with.
+    mon = _run(_net(nn.ReLU()), 4, loss_factor=1e-7, autocast=True, scaler=torch.amp.GradScaler("cpu", 2.0**24))
+    weight = mon.summary()["params"]["2.weight"]
+    assert weight["underflow"] == weight["numel"] - weight["zero"] > 0
+    assert _messages(mon) == []
+    # At a scale of 1 they are lost, and the fix is a higher init_scale.
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)
+    mon = _run(_net(nn.ReLU()), 4, loss_factor=1e-7, autocast=True, scaler=scaler)
+    found = [f for f in mon.summary()["findings"] if f["rule"] == "AMP601"]
+    assert [f["module"] for f in found] == ["0", "2"]
+    assert "at the loss scale, in 4 logged steps from 0 to 3" in found[0]["message"]
+    assert found[0]["fix"].startswith("raise the GradScaler's init_scale")
+
+
+def test_exact_zeros_beside_healthy_gradients_are_not_underflow():
+    # A ReLU with most units dead: most of layer 0's gradients are exact zeros, none is small.
+    model = _net(nn.ReLU())
+    with torch.no_grad():
+        model[0].bias[:6] = -100.0  # 6 of 8 units never fire
+    mon = _run(model, 3)
+    weight = mon.summary()["params"]["0.weight"]
+    assert weight["zero"] >= 0.75 * weight["numel"]
+    assert _messages(mon, "AMP601") == []
+
+
+def test_headroom_names_the_layer_within_2x_of_the_max():
+    mon = _run(_constant(_net(Gain(1e5)), 0.1, 0.05), 3, lr=0.0)  # outputs 0.4 * 1e5 = 40000
+    assert _messages(mon) == [("AMP602", "1", "`1`'s output reached 40000 in 3 logged steps from 0 to 2: within "
+                                               "2x of float16's max 65504, a step away from overflowing to inf")]
+    assert _messages(_run(_constant(_net(Gain(7e4)), 0.1, 0.05), 3, lr=0.0)) == []  # 28000: below 32752
+    # bfloat16 has fp32's range: 40000 is nothing
+    assert _messages(_run(_constant(_net(Gain(1e5)), 0.1, 0.05), 3, lr=0.0, dtype="bfloat16")) == []
+
+
+def test_an_init_scale_of_2_40_skips_steps_in_a_row():
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    mon = _run(_net(nn.ReLU()), 24, autocast=True, scaler=scaler)
+    summary = mon.summary()
+    assert summary["scaler"]["skipped_steps"] == list(range(22))
+    [found] = summary["findings"]
+    assert (found["rule"], found["severity"], found["module"]) == ("AMP604", "error", "2")
+    assert found["message"] == (
+        "22 steps in a row skipped by the loss scaler (steps 0-21, scale 2**40 down to 2**19): no update was "
+        "applied in them; non-finite gradients most often in `2.bias`")
+    assert found["fix"] == "lower the GradScaler's init_scale: the first steps only halve it"
+    # the default init scale: no skip at all
+    assert _messages(_run(_net(nn.ReLU()), 24, autocast=True, scaler=torch.amp.GradScaler("cpu"))) == []
+
+
+def test_a_collapsed_loss_scale():
+    # gradients beyond 65504 at any scale tried: the scaler halves its way from 4 to 2**-8
+    mon = _run(_net(nn.ReLU()), 12, loss_factor=1e6, autocast=True, scaler=torch.amp.GradScaler("cpu", 4.0))
+    history = mon.summary()["scaler"]["history"]
+    below = [step for step, scale in history if scale < 1]
+    [found] = _messages(mon, "AMP603")
+    assert below == list(range(3, 12))
+    assert found == ("AMP603", "2", "the loss scale collapsed to 0.00390625 at step 11 (below 1; in 9 logged steps "
+                                    "from 3 to 11): the gradients overflow even at that scale; non-finite gradients "
+                                    "most often in `2.bias`")
+
+
+def test_one_bad_batch_without_a_scaler_leaves_the_model_non_finite_for_good():
+    mon = _run(_net(nn.ReLU()), 6, bad_step=2)
+    [found] = mon.summary()["findings"]
+    assert (found["rule"], found["severity"], found["module"]) == ("AMP605", "error", "0")
+    assert found["message"] == (
+        "`0` (forward) is non-finite in every logged step from 2 to 5 (4 steps); also non-finite in those steps: "
+        "(model) (forward), 1 (forward), 2 (forward), (model) (backward) and 3 more")
+    # with a GradScaler the step is skipped, the weights stay finite: one bad step, no verdict
+    mon = _run(_net(nn.ReLU()), 6, bad_step=2, autocast=True, scaler=torch.amp.GradScaler("cpu"))
+    assert mon.summary()["first_nonfinite"]["step"] == 2
+    assert _messages(mon) == []
+
+
+RUNS = {
+    "underflow": dict(model=lambda: _net(nn.ReLU()).half(), steps=5, loss_factor=1e-7),
+    "headroom": dict(model=lambda: _constant(_net(Gain(1e5)), 0.1, 0.05), steps=4, lr=0.0),
+    "skips": dict(model=lambda: _net(nn.ReLU()), steps=24, autocast=True,
+                  scaler=lambda: torch.amp.GradScaler("cpu", 2.0**40)),
+    "collapse": dict(model=lambda: _net(nn.ReLU()), steps=12, loss_factor=1e6, autocast=True,
+                     scaler=lambda: torch.amp.GradScaler("cpu", 4.0)),
+    "nonfinite": dict(model=lambda: _net(nn.ReLU()), steps=8, bad_step=2),
+    # scales 3, 6, 12: not powers of 2
+    "scaled-underflow": dict(model=lambda: _net(nn.ReLU()), steps=5, loss_factor=1e-7, autocast=True,
+                             scaler=lambda: torch.amp.GradScaler("cpu", 3.0, growth_interval=2)),
+}
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("case", sorted(RUNS))
+def test_with_and_without_a_log_the_findings_are_the_same(tmp_path, case, every):
+    # Without a log the per-step statistics stay on the device and the conditions are tracked
+    # there; with one, they are read back every step and tracked on the host; the report reads the log.
+    def run(log):
+        spec = dict(RUNS[case])
+        model, scaler = spec.pop("model")(), spec.pop("scaler", None)
+        return _run(model, log=log, every=every, scaler=scaler() if scaler else None, **spec)
+
+    log = tmp_path / "run.jsonl"
+    live, logged = run(None), run(log)
+    assert live._conditions.read() is not None and logged._conditions.read() is None
+    without = live.summary()["findings"]
+    assert without, case
+    assert without == logged.summary()["findings"] == read_log(log).summary()["findings"]
+
+
+def test_the_rows_on_the_device_update_as_on_the_host():
+    rng = random.Random(0)
+    n, steps = 6, [0, 1, 2, 4, 5, 6, 7, 9, 10, 11]
+    host = [verdicts.new_row() for _ in range(n)]
+    device = torch.tensor(host, dtype=torch.float64)
+    prev = -1
+    for step in steps:
+        cond = [rng.random() < 0.6 for _ in range(n)]
+        a = [float(rng.randint(0, 50)) for _ in range(n)]
+        b = [float(rng.randint(50, 99)) for _ in range(n)]
+        for row, c, x, y in zip(host, cond, a, b, strict=True):
+            verdicts.update_row(row, step, prev, c, x, y)
+        device = conditions.update_rows(device, step, prev, torch.tensor(cond), torch.tensor(a, dtype=torch.float64),
+                                        torch.tensor(b, dtype=torch.float64))
+        prev = step
+    assert device.tolist() == host
+
+
+def _record(step, *, scale=None, skipped=False, layers=None):
+    return {"step": step, "layers": layers or {}, "params": {}, "scale": scale, "skipped": skipped,
+            "nonfinite_params": ["w"] if skipped else [], "first_nonfinite": None}
+
+
+def test_state_stays_constant_however_long_the_run():
+    builder = SummaryBuilder("float16", source={"file": "train.py", "line": 3})
+    nan = {"numel": 4, "nan": 4, "inf": 0, "overflow": 0, "underflow": 0, "zero": 0, "absmax": 0.0, "hist": []}
+    for step in range(3000):
+        builder.add(_record(step, scale=2.0**16 if step % 2 else 2.0**15, skipped=step % 2 == 0,
+                            layers={"fc": {"forward": nan}}))
+    v = builder.verdicts
+    assert len(v.rows) == 2 and len(v._nonfinite) == 1 and len(v._skip_best) == 6
+    codes = [f.rule for f in builder.findings()]
+    assert codes == ["AMP605"]  # never 10 skips in a row; fc always NaN
+    assert builder.findings()[0].message.startswith("`fc` (forward) is non-finite in every logged step from 0 to "
+                                                    "2999 (3000 steps)")
+
+
+def test_a_run_of_skips_and_a_drop_from_the_scale_that_trained():
+    builder = SummaryBuilder("float16", source={})
+    scales = [2.0**16] * 3 + [2.0**15 / 2**k for k in range(18)]  # applied, then skipped down to 2**-2
+    for step, scale in enumerate(scales):
+        builder.add(_record(step, scale=scale, skipped=step >= 3))
+    found = {f.rule: f for f in builder.findings()}
+    assert set(found) == {"AMP603", "AMP604"}
+    assert found["AMP603"].message == (  # 2**16 below the scale steps 0-2 trained at, from step 18; below 1 after
+        "the loss scale collapsed to 0.25 at step 20 (below 1; in 3 logged steps from 18 to 20): the gradients "
+        "overflow even at that scale; non-finite gradients most often in `w`")
+    assert found["AMP604"].message.startswith("18 steps in a row skipped by the loss scaler (steps 3-20, scale 2**15 "
+                                              "down to 0.25)")
+    assert found["AMP604"].fix == "keep the layer whose gradients overflow in fp32, or train in bfloat16"
+    builder = SummaryBuilder("float16", source={})
+    for step, scale in enumerate(scales[:19]):  # down to 1: not below it, but 2**16 below where it trained
+        builder.add(_record(step, scale=scale, skipped=step >= 3))
+    assert [f.message for f in builder.findings() if f.rule == "AMP603"] == [
+        "the loss scale collapsed to 1 at step 18 (2**16x below 2**16, the scale step 0 was applied with): the "
+        "gradients overflow even at that scale; non-finite gradients most often in `w`"]
+    assert (found["AMP603"].file, found["AMP603"].line) == ("<watch>", 0)
+
+
+def test_print_ends_with_the_findings_in_checks_format():
+    mon = _run(_constant(_net(Gain(1e5)), 0.1, 0.05), 2, lr=0.0)
+    out = io.StringIO()
+    mon.print(file=out)
+    text = out.getvalue()
+    assert f"{HERE}:{WATCH_LINE} AMP602 [warning] `1`'s output reached 40000" in text.replace("\n", " ")
+    assert text.rstrip().endswith("Found 0 errors, 1 warnings, 0 infos. `ampaudit explain AMP602` tells more about "
+                                  "a rule.")
+    assert "  fix: keep this module in fp32" in text
+
+
+def test_report_ends_with_the_findings_and_exits_by_their_severity(cli):
+    fixtures = ROOT / "fixtures" / "watch"
+    error, warning, clean = (fixtures / f"{name}.jsonl" for name in ("AMP605_invalid", "AMP601_invalid",
+                                                                    "AMP601_valid"))
+    result = cli("report", error)
+    assert result.code == 1
+    assert "fixtures/watch/record.py:42 AMP605 [error] `0` (forward) is non-finite" in result.out
+    assert result.out.rstrip().endswith("`ampaudit explain AMP605` tells more about a rule.")
+    assert cli("report", error, "--fail-on", "never").code == 0
+    assert cli("report", warning).code == 0  # warnings: exit 1 only with --fail-on warning
+    assert cli("report", warning, "--fail-on", "warning").code == 1
+    result = cli("report", clean, "--fail-on", "info")
+    assert result.code == 0 and result.out.rstrip().endswith("No findings.")
+    data = cli("report", warning, "--format", "json").json()
+    assert [f["rule"] for f in data["findings"]] == ["AMP601", "AMP601"]
+    sarif = cli("report", error, "--format", "sarif").json()
+    [res] = sarif["runs"][0]["results"]
+    assert res["ruleId"] == "AMP605" and res["locations"][0]["logicalLocations"][0]["fullyQualifiedName"] == "0"
+    github = cli("report", error, "--format", "github").out
+    assert github.startswith("::error file=fixtures/watch/record.py,line=42,title=ampaudit AMP605::`0` (forward)")
+
+
+def test_a_log_that_does_not_say_where_it_ran_points_at_itself(tmp_path):
+    lines = (ROOT / "fixtures" / "watch" / "AMP605_invalid.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    del header["source"]
+    log = tmp_path / "old.jsonl"
+    log.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    [found] = read_log(log).summary()["findings"]
+    assert (found["file"], found["line"]) == (str(log), 0)
+
+
+def test_run_points_the_findings_at_the_script(tmp_path, cli):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom torch import nn\n\ntorch.manual_seed(0)\n"
+                      "model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).half()\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+                      "for _ in range(2):\n"
+                      "    loss = model(torch.ones(3, 4, dtype=torch.float16)).float().pow(2).mean() * 1e-7\n"
+                      "    opt.zero_grad()\n    loss.backward()\n    opt.step()\n")
+    log = tmp_path / "run.jsonl"
+    result = cli("run", "--log", log, script)
+    assert result.code == 0
+    assert f"{script} AMP601 [warning] 100% of `0`'s parameter gradients" in " ".join(result.err.split())
+    assert [(f["file"], f["line"]) for f in read_log(log).summary()["findings"]] == [(str(script), 0)] * 2
