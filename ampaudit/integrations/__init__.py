@@ -1,0 +1,13 @@
+"""``ampaudit.watch`` inside the trainers people already use - each module imports its
+framework only when its API is first used, so importing this package costs nothing:
+
+- ``ampaudit.integrations.lightning.AmpAuditCallback``: a Lightning ``Callback``
+  (``pip install "ampaudit[lightning]"``);
+- ``ampaudit.integrations.transformers.AmpAuditCallback``: a ``TrainerCallback`` for the HF
+  ``Trainer`` (``pip install "ampaudit[transformers]"``);
+- ``ampaudit.integrations.accelerate.watch(accelerator, model, optimizer)``: a watch for a
+  loop that uses ``accelerator.backward`` (``pip install "ampaudit[accelerate]"``).
+
+Each returns or holds an ordinary ``ampaudit.watch`` Monitor: the same statistics, log and
+``summary()``; only where a step ends comes from the trainer. See docs/watch.md.
+"""
