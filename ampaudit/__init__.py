@@ -18,13 +18,14 @@ if TYPE_CHECKING:
     from ampaudit.convert.emit import autocast_policy
     from ampaudit.core.findings import Finding, NodeDecision, Report
     from ampaudit.watch.monitor import watch
+    from ampaudit.watch.step_guard import StepGuard
 else:
     # Callable packages: ampaudit.check(model, ...) audits, ampaudit.convert(model, ...) converts,
     # ampaudit.watch(model, ...) monitors training.
     from ampaudit import check, convert, watch
 
-__all__ = ["Finding", "NodeDecision", "Report", "__version__", "apply", "autocast_policy", "check", "convert",
-           "watch"]
+__all__ = ["Finding", "NodeDecision", "Report", "StepGuard", "__version__", "apply", "autocast_policy", "check",
+           "convert", "watch"]
 
 _LAZY = {
     "apply": ("ampaudit.convert.apply", "apply"),
@@ -32,6 +33,7 @@ _LAZY = {
     "Report": ("ampaudit.core.findings", "Report"),
     "Finding": ("ampaudit.core.findings", "Finding"),
     "NodeDecision": ("ampaudit.core.findings", "NodeDecision"),
+    "StepGuard": ("ampaudit.watch.step_guard", "StepGuard"),
 }
 
 
