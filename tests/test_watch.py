@@ -17,6 +17,7 @@ import ampaudit
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.watch import stats
+from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.monitor import NonFiniteError
 from ampaudit.watch.summary import read_log
 from tests.conftest import ROOT
@@ -30,23 +31,26 @@ def test_row_counts_on_known_values():
 
     row = row_of(KNOWN, torch.float16)
     assert {k: row[k] for k in stats.FIELDS} == {
-        "numel": 8, "nan": 1, "inf": 1, "overflow": 3, "underflow": 2, "zero": 1, "absmax": 1e5}
+        "numel": 8, "nan": 1, "inf": 1, "neginf": 0, "overflow": 3, "underflow": 2, "zero": 1, "absmax": 1e5}
     # floor(log2 |x|): 70000 -> 16, 1e-6 -> -20, 1 -> 0, 1e5 -> 16, 3e-8 -> -25
     assert row["hist"] == [[-25, 1], [-20, 1], [0, 1], [16, 2]]
     bf16 = row_of(KNOWN, torch.bfloat16)
     assert (bf16["overflow"], bf16["underflow"]) == (1, 0)  # only inf; bf16 has fp32's range
 
 
-def test_triton_kernel_matches_the_torch_path():
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_triton_kernel_matches_the_torch_path(dtype):
     pytest.importorskip("triton", reason="triton runs the kernel in its CPU interpreter")
     code = ("import torch\nfrom ampaudit.core.dtypes import LowDtype\nfrom ampaudit.watch import stats, triton_stats\n"
+            "from ampaudit.watch.layout import LAYOUT\n"
             "inf, nan = float('inf'), float('nan')\n"
-            f"x = torch.tensor({[*KNOWN, 1e-40, -1e-45, 2.0**-126]!r} * 2000)\n"  # 22000: 3 blocks
-            "assert triton_stats.available()\n"
+            f"x = torch.tensor({[*KNOWN, -float('inf'), 1e-40, -1e-45, 2.0**-126]!r} * 2000).to(torch.{dtype})\n"
+            "assert triton_stats.available()\n"  # 24000 values: 3 blocks
             "lim = LowDtype.parse(torch.float16)\n"
             "kernel, ops = stats.new_row(x.device), stats.new_row(x.device)\n"
             "triton_stats.fill_row(x, *kernel, lim.overflow_at)\n"
             "stats.torch_fill_row(x, *ops, lim)\n"
+            "assert int(kernel[0][LAYOUT.count['neginf']]) == int((x == -inf).sum()) >= 2000\n"
             "assert torch.equal(kernel[0], ops[0]), (kernel[0] - ops[0]).nonzero()\n"
             "assert torch.equal(kernel[1], ops[1]), (kernel[1], ops[1])\n"
             # parameter rows: the sum of squares and the count over the loss scale, fused
@@ -57,8 +61,9 @@ def test_triton_kernel_matches_the_torch_path():
             "triton_stats.fill_row(g, *kernel, lim.overflow_at, norm=True, scale=scale, limit=lim.max)\n"
             "stats.torch_fill_row(g, *ops, lim)\n"
             "stats.fill_param_extras(g, *ops, lim, norm=True, scale=scale)\n"
-            "assert int(kernel[0][1025]) == 2\n"
-            "assert torch.equal(kernel[0], ops[0]) and kernel[0][1024] > 0, (kernel[0][1024], ops[0][1024])\n"
+            "scaled = LAYOUT.count['scaled']\n"
+            "assert int(kernel[0][LAYOUT.count['overflow']]) == 2\n"
+            "assert torch.equal(kernel[0], ops[0]) and kernel[0][scaled] > 0, (kernel[0][scaled], ops[0][scaled])\n"
             "assert torch.allclose(kernel[1], ops[1], rtol=1e-5), (kernel[1], ops[1])\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -360,7 +365,7 @@ def test_summary_schema_is_pinned():
                              "dtype_source", "eval_forwards"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
-    stats_keys = ["numel", "nan", "inf", "overflow", "underflow", "zero", "absmax", "hist"]
+    stats_keys = ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist"]
     for phases in summary["layers"].values():
         assert set(phases) <= {"forward", "backward", "input"}
         for s in phases.values():
@@ -501,7 +506,7 @@ def test_arena_rows_grow_by_chunks_and_reset_to_zero():
         extras[1] = value
         handles.append(handle)
     counts, extras = rows.matrix(handles[::-1], torch.device("cpu"))
-    assert counts.shape == (5, 1026) and [int(counts[i, 4 - i]) for i in range(5)] == [5, 4, 3, 2, 1]
+    assert counts.shape == (5, LAYOUT.counts) and [int(counts[i, 4 - i]) for i in range(5)] == [5, 4, 3, 2, 1]
     assert extras[:, 1].tolist() == [4.0, 3.0, 2.0, 1.0, 0.0]
     rows.reset()
     handle, counts, extras = rows.take(torch.device("cpu"))

@@ -1,4 +1,5 @@
-"""The raw statistics row from each backend - torch ops, the C kernel, Triton - is the same."""
+"""The raw statistics row from each backend - torch ops, the C kernel, Triton - is the same, and
+laid out as ``layout.LAYOUT`` says."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import torch
 
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import cpu_kernel, stats
+from ampaudit.watch.layout import LAYOUT
 from tests.conftest import ROOT
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, 70000.0, -1e5, 6.1e-5, 6e-5, 1e-7, 6e-8, 3e-8, 1e-30,
            1e-40, 3.4e38, float("inf"), -float("inf"), float("nan")]
 
 FP16 = LowDtype.parse(torch.float16)
+BINS = LAYOUT.bins
+NAN_BINS = slice(LAYOUT.nonfinite_bins.start + 1, LAYOUT.nonfinite_bins.stop)  # exponent 255, mantissa bits
+INF_BIN = LAYOUT.nonfinite_bins.start
+QUIET_NAN_BIN = 0x7FC00000 >> LAYOUT.bin_shift
 
 
 def c_fill(x, counts, extras, limits):
@@ -50,11 +56,11 @@ def test_c_kernel_matches_the_torch_ops(dtype, n):
         (counts, extras), (want_counts, want_extras) = stats.new_row(x.device), stats.new_row(x.device)
         c_fill(x, counts, extras, limits)
         stats.torch_fill_row(x, want_counts, want_extras, limits)
-        assert int(counts[:1024].sum()) == n
-        nan_bins = slice(255 * 4 + 1, 256 * 4)  # which quiet NaN a conversion makes is the library's choice
-        assert torch.equal(counts[: nan_bins.start], want_counts[: nan_bins.start])
-        assert int(counts[nan_bins].sum()) == int(want_counts[nan_bins].sum())
-        assert torch.equal(counts[1024:], want_counts[1024:])  # the overflow count
+        assert int(counts[:BINS].sum()) == n
+        # which quiet NaN a conversion makes is the library's choice
+        assert torch.equal(counts[: NAN_BINS.start], want_counts[: NAN_BINS.start])
+        assert int(counts[NAN_BINS].sum()) == int(want_counts[NAN_BINS].sum())
+        assert torch.equal(counts[BINS:], want_counts[BINS:])  # the count slots: overflow, -inf
         assert torch.equal(extras, want_extras)  # the finite absmax
 
 
@@ -65,8 +71,8 @@ def test_c_kernel_reads_views_and_counts_known_fields():
     row = stats.tensor_stats(x, FP16, fill=c_fill)
     # per copy: NaN; +-Inf; 65520, 70000, -1e5, 3.4e38 (and the infs) round to Inf in fp16 (65504 does not);
     # 6.1e-5 .. 1e-40 below its normals
-    assert {k: row[k] for k in ("numel", "nan", "inf", "overflow", "underflow", "zero")} == {
-        "numel": 76, "nan": 4, "inf": 8, "overflow": 24, "underflow": 28, "zero": 8}
+    assert {k: row[k] for k in ("numel", "nan", "inf", "neginf", "overflow", "underflow", "zero")} == {
+        "numel": 76, "nan": 4, "inf": 8, "neginf": 4, "overflow": 24, "underflow": 28, "zero": 8}
     assert row["absmax"] == pytest.approx(3.4e38)
 
 
@@ -76,10 +82,11 @@ def test_c_kernel_counts_every_nan_as_nan():
     # histogram; the kernel makes every NaN the quiet one first.
     signalling = torch.tensor([0x7F800001, 0xFF800010]).to(torch.int32).view(torch.float32)
     counts, extras = _row(c_fill, signalling)
-    assert int(counts[255 * 4 + 2]) == 2 and float(extras[0]) == 0.0
+    assert int(counts[QUIET_NAN_BIN]) == 2 and float(extras[LAYOUT.extra["absmax"]]) == 0.0
+    assert int(counts[LAYOUT.count["neginf"]]) == 0  # 0xFF800010 is a NaN, not -inf
     half = torch.tensor([0x7C01, 0xFC01, 0x7C00]).to(torch.int16).view(torch.float16)
     counts, _ = _row(c_fill, half)
-    assert (int(counts[255 * 4 + 2]), int(counts[255 * 4])) == (2, 1)
+    assert (int(counts[QUIET_NAN_BIN]), int(counts[INF_BIN]), int(counts[LAYOUT.count["neginf"]])) == (2, 1, 0)
 
 
 @needs_kernel
@@ -129,7 +136,9 @@ def test_c_kernel_on_every_16_bit_pattern(dtype):
     quiet = torch.where(x.isnan(), torch.tensor(float("nan"), dtype=dtype), x)  # the one NaN torch makes
     (counts, extras), (want_counts, want_extras) = _row(c_fill, x), _row(stats.torch_fill_row, quiet)
     assert torch.equal(counts, want_counts), (counts - want_counts).nonzero().flatten().tolist()
-    assert float(extras[0]) == float(want_extras[0]) == float(torch.finfo(dtype).max)
+    absmax = LAYOUT.extra["absmax"]
+    assert float(extras[absmax]) == float(want_extras[absmax]) == float(torch.finfo(dtype).max)
+    assert int(counts[LAYOUT.count["neginf"]]) == 1  # one bit pattern is -inf
 
 
 @pytest.mark.parametrize("backend", ["torch", "c"])
@@ -170,3 +179,4 @@ def test_index_tensors_are_made_once_and_bounded():
     for i in range(100):
         arena.index_tensor([i], torch.device("cpu"))
     assert len(arena._INDEXES) == 64 and arena.index_tensor([3, 1, 2], torch.device("cpu")) is not first
+

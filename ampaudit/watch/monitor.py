@@ -27,6 +27,7 @@ from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
 from ampaudit.watch import arena, stats
 from ampaudit.watch.arena import RowArena
+from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.log_file import create_log
 from ampaudit.watch.summary import SummaryBuilder
 
@@ -452,8 +453,9 @@ class Monitor:
             slot = {key: i for i, key in enumerate(keys)}
             index = arena.index_tensor([slot[(m, p)] for m, p, _ in self._events], device)
             summed = torch.zeros(len(keys), stats.RAW, device=device, **f64).index_add_(0, index, events)
-            summed[:, stats.BINS] = torch.zeros(len(keys), device=device, **f64).scatter_reduce_(
-                0, index, events[:, stats.BINS], "amax", include_self=False)
+            absmax = LAYOUT.raw_extra["absmax"]
+            summed[:, absmax] = torch.zeros(len(keys), device=device, **f64).scatter_reduce_(
+                0, index, events[:, absmax], "amax", include_self=False)
             parts.append(stats.compact(summed, self.limits).reshape(-1))
             bad = stats.nonfinite(events)
             first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(**f64).reshape(1)
@@ -461,8 +463,8 @@ class Monitor:
             first = torch.full((1,), float(NO_EVENT), device=device, **f64)
         if param_keys:
             parts.append(stats.compact(raw[n_events:], self.limits).reshape(-1))
-            parts.append(extras[n_events:, arena.SUMSQ].to(**f64).sqrt())
-            parts.append(counts[n_events:, arena.SCALED].to(**f64) if scale is not None
+            parts.append(extras[n_events:, LAYOUT.extra["sumsq"]].to(**f64).sqrt())
+            parts.append(counts[n_events:, LAYOUT.count["scaled"]].to(**f64) if scale is not None
                          else torch.full((len(param_keys),), -1.0, device=device, **f64))
         minus_one = torch.full((1,), -1.0, device=device, **f64)
         tail = [first, scale.to(device, **f64).reshape(1) if scale is not None else minus_one,
