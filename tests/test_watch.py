@@ -530,32 +530,48 @@ def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag,
 
 
 def test_ddp_reduce_sums_counts_keeps_maxima_and_the_earliest_rank(monkeypatch):
-    from ampaudit.watch.monitor import Monitor
+    from ampaudit.watch.reducer import StepReducer
 
-    mon = Monitor(_net())
-    mon._world = 3
-    n_rows, n_params, width = 2, 1, stats.WIDTH
-    size = (n_rows + n_params) * width + 2 * n_params + 3
-    buffers = [torch.zeros(size, dtype=torch.float64) for _ in range(3)]
-    absmax = stats.FIELDS.index("absmax")
-    for rank, buf in enumerate(buffers):
-        buf[:(n_rows + n_params) * width] = rank + 1  # every count and absmax
-        buf[1 * width + absmax] = [5.0, 9.0, 7.0][rank]  # the second row's absmax
-        buf[-5], buf[-4] = [1.5, 0.5, 2.5][rank], rank + 1  # the parameter's norm, overflow at scale
-        buf[-3] = [7.0, 4.0, 4.0][rank]  # first non-finite event: ranks 1 and 2 at event 4
-        buf[-2], buf[-1] = 1024.0, [0.0, 1.0, 0.0][rank]  # scale, found_inf
+    reducer = StepReducer(world=3)
+    buf = LAYOUT.step_buffer(n_rows=2, n_params=1)
+    width, absmax = LAYOUT.width, LAYOUT.field["absmax"]
+    buffers = [torch.zeros(buf.size, dtype=torch.float64) for _ in range(3)]
+    for rank, flat in enumerate(buffers):
+        flat[buf.stats] = rank + 1  # every count and absmax
+        flat[buf.row(1).start + absmax] = [5.0, 9.0, 7.0][rank]  # the second row's absmax
+        flat[buf.norms], flat[buf.scaled] = [1.5, 0.5, 2.5][rank], rank + 1  # the parameter's norm, overflow at scale
+        flat[buf.first] = [7.0, 4.0, 4.0][rank]  # first non-finite event: ranks 1 and 2 at event 4
+        flat[buf.scale], flat[buf.found_inf] = [1024.0, 512.0, 512.0][rank], [0.0, 1.0, 0.0][rank]
 
     def all_gather(out, tensor):
         for dst, src in zip(out, buffers, strict=True):
             dst.copy_(src)
 
     monkeypatch.setattr("torch.distributed.all_gather", all_gather)
-    out = mon._reduce(buffers[0], n_rows, n_params)
+    out = reducer.gather(buffers[0], buf)
     assert out[0] == 6.0 and out[width] == 6.0  # counts: 1 + 2 + 3
     assert out[absmax] == 3.0 and out[width + absmax] == 9.0 and out[2 * width + absmax] == 3.0
-    assert out[-5] == 2.5 and out[-4] == 6.0  # the largest norm; overflow-at-scale counts summed
-    assert divmod(int(out[-3]), 3) == (4, 1)  # the earliest event, from the lowest rank that had it
-    assert (out[-2], out[-1]) == (1024.0, 1.0)
+    assert out[buf.norms].tolist() == [2.5] and out[buf.scaled].tolist() == [6.0]  # the largest norm; counts summed
+    assert divmod(int(out[buf.first]), 3) == (4, 1)  # the earliest event, from the lowest rank that had it
+    assert (out[buf.scale], out[buf.found_inf]) == (1024.0, 1.0)  # rank 0's scale; any rank's found-inf
+    values = reducer.read(out, buf)
+    assert len(values.layers) == 2 and values.params[0][absmax] == 3.0 and values.first == out[buf.first]
+
+
+def test_every_field_reduces_as_the_layout_says_across_ranks(monkeypatch):
+    # a field the layout keeps as a maximum is never summed, whatever its position
+    from ampaudit.watch.layout import MAX
+    from ampaudit.watch.reducer import StepReducer
+
+    buf = LAYOUT.step_buffer(n_rows=3, n_params=2)
+    buffers = [torch.full((buf.size,), float(rank + 1), dtype=torch.float64) for rank in range(2)]
+    monkeypatch.setattr("torch.distributed.all_gather",
+                        lambda out, tensor: [d.copy_(s) for d, s in zip(out, buffers, strict=True)])
+    out = StepReducer(world=2).gather(buffers[0], buf).reshape(-1)
+    rows = out[buf.stats].reshape(5, LAYOUT.width)
+    for name, i in LAYOUT.field.items():
+        assert rows[:, i].tolist() == [2.0 if LAYOUT.reduce[name] == MAX else 3.0] * 5, name
+    assert rows[:, LAYOUT.hist:].eq(3.0).all()  # the histogram is summed
 
 
 def test_report_streams_the_log_without_torch(tmp_path):

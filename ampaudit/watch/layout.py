@@ -58,7 +58,7 @@ FIELDS = (  # a summary's Stats, in this order; "hist" (not here) follows them
 
 
 class StepLayout:
-    """Offsets and reductions of the raw row and the compact Stats row."""
+    """Offsets and reductions of the raw row, the compact Stats row and a step's buffer."""
 
     def __init__(self, bin_shift: int = 21, count_slots: tuple[Slot, ...] = COUNT_SLOTS,
                  extra_slots: tuple[Slot, ...] = EXTRA_SLOTS, fields: tuple[Slot, ...] = FIELDS) -> None:
@@ -85,6 +85,78 @@ class StepLayout:
         self.max_fields = tuple(i for i, f in enumerate(fields) if f.reduce == MAX)
         self.hist = len(fields)
         self.width = self.hist + self.exponents
+
+    def step_buffer(self, n_rows: int, n_params: int) -> StepBuffer:
+        """The flat buffer one logged step reads back, for ``n_rows`` (module, phase) rows and
+        ``n_params`` parameter rows."""
+        return StepBuffer(self, n_rows, n_params)
+
+
+@dataclass(frozen=True)
+class StepBuffer:
+    """One logged step as a flat float64 buffer: a Stats row per (module, phase), one per
+    parameter, then per parameter its gradient norm and count overflowing at the loss
+    scale, then the tail - the first non-finite event's sequence number, the loss scale and
+    the GradScaler's found-inf flag (-1: none).
+
+    Across ranks: Stats fields reduce as ``StepLayout`` says; norms keep the largest (DDP's
+    gradients are all-reduced: every rank has the same); overflow counts are summed; the
+    first event is the earliest (``FIRST``), the scale rank 0's (``RANK0``) and found-inf the
+    largest."""
+
+    layout: StepLayout
+    n_rows: int
+    n_params: int
+
+    FIRST, RANK0 = "first", "rank 0"  # the tail's own reductions
+
+    @property
+    def stats(self) -> slice:
+        return slice(0, (self.n_rows + self.n_params) * self.layout.width)
+
+    @property
+    def norms(self) -> slice:
+        start = self.stats.stop
+        return slice(start, start + self.n_params)
+
+    @property
+    def scaled(self) -> slice:
+        start = self.norms.stop
+        return slice(start, start + self.n_params)
+
+    @property
+    def tail(self) -> slice:
+        """Norms, overflow at scale, first, scale, found-inf: what the step decides with."""
+        return slice(self.norms.start, self.size)
+
+    @property
+    def first(self) -> int:
+        return self.scaled.stop
+
+    @property
+    def scale(self) -> int:
+        return self.first + 1
+
+    @property
+    def found_inf(self) -> int:
+        return self.first + 2
+
+    @property
+    def size(self) -> int:
+        return self.first + 3
+
+    def row(self, i: int) -> slice:
+        """The i-th Stats row: the (module, phase) rows, then the parameters'."""
+        width = self.layout.width
+        return slice(i * width, (i + 1) * width)
+
+    def reductions(self) -> list[tuple[list[int], str]]:
+        """The positions that do not reduce by SUM across ranks, with how they do."""
+        width, rows = self.layout.width, self.n_rows + self.n_params
+        by_field = [([r * width + i for r in range(rows)], self.layout.reduce[name])
+                    for name, i in self.layout.field.items() if self.layout.reduce[name] != SUM]
+        return [*by_field, (list(range(self.norms.start, self.norms.stop)), MAX), ([self.first], self.FIRST),
+                ([self.scale], self.RANK0), ([self.found_inf], MAX)]
 
 
 LAYOUT = StepLayout()
