@@ -824,3 +824,17 @@ def test_two_watches_on_one_scaler_keep_their_own_steps(order):
     assert first.summary()["steps"] == 2 and second.summary()["steps"] == 3
     assert "update" not in scaler.__dict__  # the class's own update() again
     assert [h for _, h in second.summary()["scaler"]["history"]] == [1024.0] * 3
+
+
+def test_stop_on_nonfinite_records_the_step_once(tmp_path):
+    # the step that raised used to be recorded again by stop(): twice in the log, its counts doubled
+    model = _net(_Blowup(at_step=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with pytest.raises(NonFiniteError), ampaudit.watch(model, optimizer=opt, stop_on_nonfinite=True, log=log) as mon:
+        _train(model, opt, 3)
+    steps = [json.loads(line).get("step") for line in log.read_text().splitlines()[1:]]
+    assert steps == [0, 1]
+    summary = mon.summary()
+    assert summary["steps"] == 2 and summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8
+    assert read_log(log).summary()["layers"] == summary["layers"]  # (the params: their norm is NaN)

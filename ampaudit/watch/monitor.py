@@ -221,12 +221,13 @@ class Monitor:
                                      "eval_forwards": recorder.eval_forwards})
             self.builder.add(record)
             self.sink.write(record)
-            self._check_stop(record)
         self.step_index += 1
         recorder.end_step(logging_next=self.step_index % self.every == 0)
+        if record is not None:
+            self._check_stop(record)
 
     def _check_stop(self, record: dict[str, Any]) -> None:
-        """With ``stop_on_nonfinite``: raise if this step calls for it."""
+        """With ``stop_on_nonfinite``: raise once this step is recorded, if it calls for it."""
         self._skips_in_row = self._skips_in_row + 1 if record["skipped"] else 0
         if self.stop_on_nonfinite and not self._stopping:
             reason = stop_reason(record, self._skips_in_row, self.stop_after_skips)
