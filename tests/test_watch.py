@@ -826,6 +826,71 @@ def test_two_watches_on_one_scaler_keep_their_own_steps(order):
     assert [h for _, h in second.summary()["scaler"]["history"]] == [1024.0] * 3
 
 
+
+class _MaskedScores(nn.Module):
+    """Attention-style scores with the future masked out: -inf, and no overflow of any other kind."""
+
+    def forward(self, x):  # (b, t, d) -> (b, t, t)
+        scores = x @ x.transpose(-1, -2)
+        return scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+
+
+@pytest.mark.parametrize("log", [False, True])  # totals kept on the device, or every step read back
+def test_neginf_counts_masked_scores_exactly(tmp_path, log):
+    model = nn.Sequential(nn.Linear(4, 4), _MaskedScores(), nn.Softmax(-1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=path if log else None) as mon:
+        for _ in range(2):
+            loss = model(torch.randn(2, 3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    layers = mon.summary()["layers"]
+    masked = layers["1"]["forward"]
+    assert masked["neginf"] == masked["inf"] == masked["overflow"] == 2 * 2 * 3  # 3 per 3 x 3 causal mask
+    assert masked["nan"] == 0
+    others = [s["neginf"] for name, phases in layers.items() for phase, s in phases.items()
+              if (name, phase) != ("1", "forward")]
+    assert others and not any(others)  # the softmax after it, and the gradients, hold no -inf
+    if log:
+        records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+        assert [r["layers"]["1"]["forward"]["neginf"] for r in records] == [6, 6]
+        assert read_log(path).summary() == mon.summary()
+
+
+def test_a_log_written_before_neginf_still_reads(tmp_path, cli):
+    log = _logged_run(tmp_path, steps=2)
+    lines = log.read_text().splitlines()
+    old = tmp_path / "old.jsonl"
+    with old.open("w") as out:  # the same log, as the version before the neginf field wrote it
+        out.write(lines[0] + "\n")
+        for line in lines[1:]:
+            record = json.loads(line)
+            for stats_ in [*(s for phases in record["layers"].values() for s in phases.values()),
+                           *record["params"].values()]:
+                del stats_["neginf"]
+            out.write(json.dumps(record) + "\n")
+    assert "neginf" not in old.read_text()
+    summary = read_log(old).summary()
+    assert summary == read_log(log).summary()  # a missing field reads as 0
+    assert all(s["neginf"] == 0 for phases in summary["layers"].values() for s in phases.values())
+    result = cli("report", old, "--format", "json")
+    assert result.code == 0 and result.json()["layers"]["0"]["forward"]["neginf"] == 0
+
+
+def test_add_stats_takes_a_missing_field_as_zero_on_either_side():
+    from ampaudit.watch.stats_merge import FIELDS, add_stats
+
+    old = {"numel": 4, "nan": 1, "inf": 2, "overflow": 2, "underflow": 0, "zero": 1, "absmax": 3.0, "hist": [[1, 1]]}
+    new = {**old, "neginf": 2, "absmax": 5.0}
+    total = add_stats({}, old)
+    assert list(total) == [*FIELDS, "hist"] and total["neginf"] == 0
+    total = add_stats(total, new)
+    assert (total["numel"], total["neginf"], total["absmax"], total["hist"]) == (8, 2, 5.0, [[1, 2]])
+    assert add_stats(dict(new), old)["neginf"] == 2
+
+
 def test_stop_on_nonfinite_records_the_step_once(tmp_path):
     # the step that raised used to be recorded again by stop(): twice in the log, its counts doubled
     model = _net(_Blowup(at_step=1))
