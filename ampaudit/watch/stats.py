@@ -30,7 +30,6 @@ HIST = LAYOUT.hist  # compact rows: the fields above, then 256 exponent counts
 WIDTH = LAYOUT.width
 _SCALED, _OVERFLOW, _NEGINF = (LAYOUT.count[k] for k in ("scaled", "overflow", "neginf"))
 _ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
-_NEG_INF = float("-inf")
 
 
 def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype, *, norm: bool = False,
@@ -80,28 +79,32 @@ def tensor_stats(x: torch.Tensor, limits: LowDtype, fill=fill_row) -> dict:
     return to_stats(compact(raw, limits)[0].tolist())
 
 
-def _top_bits(a: torch.Tensor) -> torch.Tensor:
-    """Each fp32 in ``a`` (>= 0) shifted right by ``LAYOUT.bin_shift``: its bin."""
+def _signed_bins(x: torch.Tensor) -> torch.Tensor:
+    """Each fp32 in ``x`` as its bin (``LAYOUT.bin_shift``), with its sign bit above it: |x|'s
+    bin for x >= 0, ``BINS`` + |x|'s bin for x < 0."""
     if sys.byteorder == "little" and LAYOUT.bin_shift >= 16:  # the high half-word of each float, read in place
-        return a.view(torch.int16)[1::2] >> (LAYOUT.bin_shift - 16)
-    return a.view(torch.int32) >> LAYOUT.bin_shift
+        top = x.view(torch.int16)[1::2] >> (LAYOUT.bin_shift - 16)
+    else:
+        top = x.view(torch.int32) >> LAYOUT.bin_shift
+    return top.bitwise_and_(2 * BINS - 1)  # the arithmetic shift's sign bits cleared
 
 
 def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
     """``fill_row`` with torch ops: the path without a kernel."""
-    flat = x.detach().reshape(-1)
-    counts[_NEGINF] += (flat == _NEG_INF).sum()
-    a = flat.float().abs()  # a new tensor: modified in place below, never x
-    keys = _top_bits(a)
-    if a.device.type == "cpu":
-        row = torch.bincount(keys, minlength=BINS)
+    x = x.detach().reshape(-1).float()
+    keys = _signed_bins(x)  # signed: -inf is the negative half's Inf bin, at no extra pass
+    if x.device.type == "cpu":
+        signed = torch.bincount(keys, minlength=2 * BINS)
     else:  # bincount sizes its output from the data's max: a host sync on a GPU
-        ones = torch.ones((), dtype=torch.int64, device=a.device).expand(keys.numel())
-        row = torch.zeros(BINS, dtype=torch.int64, device=a.device).scatter_add_(0, keys.long(), ones)
+        ones = torch.ones((), dtype=torch.int64, device=x.device).expand(keys.numel())
+        signed = torch.zeros(2 * BINS, dtype=torch.int64, device=x.device).scatter_add_(0, keys.long(), ones)
+    row = signed.view(2, BINS).sum(0)
+    a = x.abs()  # a new tensor: modified in place below, never x
     zeros = a.numel() - torch.count_nonzero(a)
     row[1] += row[0] - zeros  # subnormals below 2**-128 share bin 0 with the zeros
     row[0] = zeros
     counts[:BINS] += row
+    counts[_NEGINF] += signed[BINS + LAYOUT.nonfinite_bins.start]  # -inf: sign, exponent 255, mantissa 0
     counts[_OVERFLOW] += (a >= limits.overflow_at).sum()  # NaN compares False
     if a.numel():
         extras[_ABSMAX] = a.nan_to_num_(nan=0.0, posinf=0.0).amax()
