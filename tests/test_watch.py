@@ -17,6 +17,7 @@ import ampaudit
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.watch import stats
+from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.monitor import NonFiniteError
 from ampaudit.watch.summary import read_log
 from tests.conftest import ROOT
@@ -30,23 +31,26 @@ def test_row_counts_on_known_values():
 
     row = row_of(KNOWN, torch.float16)
     assert {k: row[k] for k in stats.FIELDS} == {
-        "numel": 8, "nan": 1, "inf": 1, "overflow": 3, "underflow": 2, "zero": 1, "absmax": 1e5}
+        "numel": 8, "nan": 1, "inf": 1, "neginf": 0, "overflow": 3, "underflow": 2, "zero": 1, "absmax": 1e5}
     # floor(log2 |x|): 70000 -> 16, 1e-6 -> -20, 1 -> 0, 1e5 -> 16, 3e-8 -> -25
     assert row["hist"] == [[-25, 1], [-20, 1], [0, 1], [16, 2]]
     bf16 = row_of(KNOWN, torch.bfloat16)
     assert (bf16["overflow"], bf16["underflow"]) == (1, 0)  # only inf; bf16 has fp32's range
 
 
-def test_triton_kernel_matches_the_torch_path():
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_triton_kernel_matches_the_torch_path(dtype):
     pytest.importorskip("triton", reason="triton runs the kernel in its CPU interpreter")
     code = ("import torch\nfrom ampaudit.core.dtypes import LowDtype\nfrom ampaudit.watch import stats, triton_stats\n"
+            "from ampaudit.watch.layout import LAYOUT\n"
             "inf, nan = float('inf'), float('nan')\n"
-            f"x = torch.tensor({[*KNOWN, 1e-40, -1e-45, 2.0**-126]!r} * 2000)\n"  # 22000: 3 blocks
-            "assert triton_stats.available()\n"
+            f"x = torch.tensor({[*KNOWN, -float('inf'), 1e-40, -1e-45, 2.0**-126]!r} * 2000).to(torch.{dtype})\n"
+            "assert triton_stats.available()\n"  # 24000 values: 3 blocks
             "lim = LowDtype.parse(torch.float16)\n"
             "kernel, ops = stats.new_row(x.device), stats.new_row(x.device)\n"
             "triton_stats.fill_row(x, *kernel, lim.overflow_at)\n"
             "stats.torch_fill_row(x, *ops, lim)\n"
+            "assert int(kernel[0][LAYOUT.count['neginf']]) == int((x == -inf).sum()) >= 2000\n"
             "assert torch.equal(kernel[0], ops[0]), (kernel[0] - ops[0]).nonzero()\n"
             "assert torch.equal(kernel[1], ops[1]), (kernel[1], ops[1])\n"
             # parameter rows: the sum of squares and the count over the loss scale, fused
@@ -57,8 +61,9 @@ def test_triton_kernel_matches_the_torch_path():
             "triton_stats.fill_row(g, *kernel, lim.overflow_at, norm=True, scale=scale, limit=lim.max)\n"
             "stats.torch_fill_row(g, *ops, lim)\n"
             "stats.fill_param_extras(g, *ops, lim, norm=True, scale=scale)\n"
-            "assert int(kernel[0][1025]) == 2\n"
-            "assert torch.equal(kernel[0], ops[0]) and kernel[0][1024] > 0, (kernel[0][1024], ops[0][1024])\n"
+            "scaled = LAYOUT.count['scaled']\n"
+            "assert int(kernel[0][LAYOUT.count['overflow']]) == 2\n"
+            "assert torch.equal(kernel[0], ops[0]) and kernel[0][scaled] > 0, (kernel[0][scaled], ops[0][scaled])\n"
             "assert torch.allclose(kernel[1], ops[1], rtol=1e-5), (kernel[1], ops[1])\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -360,7 +365,7 @@ def test_summary_schema_is_pinned():
                              "dtype_source", "eval_forwards", "findings"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
-    stats_keys = ["numel", "nan", "inf", "overflow", "underflow", "zero", "absmax", "hist"]
+    stats_keys = ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist"]
     for phases in summary["layers"].values():
         assert set(phases) <= {"forward", "backward", "input"}
         for s in phases.values():
@@ -503,7 +508,7 @@ def test_arena_rows_grow_by_chunks_and_reset_to_zero():
         extras[1] = value
         handles.append(handle)
     counts, extras = rows.matrix(handles[::-1], torch.device("cpu"))
-    assert counts.shape == (5, 1026) and [int(counts[i, 4 - i]) for i in range(5)] == [5, 4, 3, 2, 1]
+    assert counts.shape == (5, LAYOUT.counts) and [int(counts[i, 4 - i]) for i in range(5)] == [5, 4, 3, 2, 1]
     assert extras[:, 1].tolist() == [4.0, 3.0, 2.0, 1.0, 0.0]
     rows.reset()
     handle, counts, extras = rows.take(torch.device("cpu"))
@@ -527,32 +532,48 @@ def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag,
 
 
 def test_ddp_reduce_sums_counts_keeps_maxima_and_the_earliest_rank(monkeypatch):
-    from ampaudit.watch.monitor import Monitor
+    from ampaudit.watch.reducer import StepReducer
 
-    mon = Monitor(_net())
-    mon._world = 3
-    n_rows, n_params, width = 2, 1, stats.WIDTH
-    size = (n_rows + n_params) * width + 2 * n_params + 3
-    buffers = [torch.zeros(size, dtype=torch.float64) for _ in range(3)]
-    absmax = stats.FIELDS.index("absmax")
-    for rank, buf in enumerate(buffers):
-        buf[:(n_rows + n_params) * width] = rank + 1  # every count and absmax
-        buf[1 * width + absmax] = [5.0, 9.0, 7.0][rank]  # the second row's absmax
-        buf[-5], buf[-4] = [1.5, 0.5, 2.5][rank], rank + 1  # the parameter's norm, overflow at scale
-        buf[-3] = [7.0, 4.0, 4.0][rank]  # first non-finite event: ranks 1 and 2 at event 4
-        buf[-2], buf[-1] = 1024.0, [0.0, 1.0, 0.0][rank]  # scale, found_inf
+    reducer = StepReducer(world=3)
+    buf = LAYOUT.step_buffer(n_rows=2, n_params=1)
+    width, absmax = LAYOUT.width, LAYOUT.field["absmax"]
+    buffers = [torch.zeros(buf.size, dtype=torch.float64) for _ in range(3)]
+    for rank, flat in enumerate(buffers):
+        flat[buf.stats] = rank + 1  # every count and absmax
+        flat[buf.row(1).start + absmax] = [5.0, 9.0, 7.0][rank]  # the second row's absmax
+        flat[buf.norms], flat[buf.scaled] = [1.5, 0.5, 2.5][rank], rank + 1  # the parameter's norm, overflow at scale
+        flat[buf.first] = [7.0, 4.0, 4.0][rank]  # first non-finite event: ranks 1 and 2 at event 4
+        flat[buf.scale], flat[buf.found_inf] = [1024.0, 512.0, 512.0][rank], [0.0, 1.0, 0.0][rank]
 
     def all_gather(out, tensor):
         for dst, src in zip(out, buffers, strict=True):
             dst.copy_(src)
 
     monkeypatch.setattr("torch.distributed.all_gather", all_gather)
-    out = mon._reduce(buffers[0], n_rows, n_params)
+    out = reducer.gather(buffers[0], buf)
     assert out[0] == 6.0 and out[width] == 6.0  # counts: 1 + 2 + 3
     assert out[absmax] == 3.0 and out[width + absmax] == 9.0 and out[2 * width + absmax] == 3.0
-    assert out[-5] == 2.5 and out[-4] == 6.0  # the largest norm; overflow-at-scale counts summed
-    assert divmod(int(out[-3]), 3) == (4, 1)  # the earliest event, from the lowest rank that had it
-    assert (out[-2], out[-1]) == (1024.0, 1.0)
+    assert out[buf.norms].tolist() == [2.5] and out[buf.scaled].tolist() == [6.0]  # the largest norm; counts summed
+    assert divmod(int(out[buf.first]), 3) == (4, 1)  # the earliest event, from the lowest rank that had it
+    assert (out[buf.scale], out[buf.found_inf]) == (1024.0, 1.0)  # rank 0's scale; any rank's found-inf
+    values = reducer.read(out, buf)
+    assert len(values.layers) == 2 and values.params[0][absmax] == 3.0 and values.first == out[buf.first]
+
+
+def test_every_field_reduces_as_the_layout_says_across_ranks(monkeypatch):
+    # a field the layout keeps as a maximum is never summed, whatever its position
+    from ampaudit.watch.layout import MAX
+    from ampaudit.watch.reducer import StepReducer
+
+    buf = LAYOUT.step_buffer(n_rows=3, n_params=2)
+    buffers = [torch.full((buf.size,), float(rank + 1), dtype=torch.float64) for rank in range(2)]
+    monkeypatch.setattr("torch.distributed.all_gather",
+                        lambda out, tensor: [d.copy_(s) for d, s in zip(out, buffers, strict=True)])
+    out = StepReducer(world=2).gather(buffers[0], buf).reshape(-1)
+    rows = out[buf.stats].reshape(5, LAYOUT.width)
+    for name, i in LAYOUT.field.items():
+        assert rows[:, i].tolist() == [2.0 if LAYOUT.reduce[name] == MAX else 3.0] * 5, name
+    assert rows[:, LAYOUT.hist:].eq(3.0).all()  # the histogram is summed
 
 
 def test_report_streams_the_log_without_torch(tmp_path):
@@ -805,3 +826,82 @@ def test_two_watches_on_one_scaler_keep_their_own_steps(order):
     assert first.summary()["steps"] == 2 and second.summary()["steps"] == 3
     assert "update" not in scaler.__dict__  # the class's own update() again
     assert [h for _, h in second.summary()["scaler"]["history"]] == [1024.0] * 3
+
+
+
+class _MaskedScores(nn.Module):
+    """Attention-style scores with the future masked out: -inf, and no overflow of any other kind."""
+
+    def forward(self, x):  # (b, t, d) -> (b, t, t)
+        scores = x @ x.transpose(-1, -2)
+        return scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+
+
+@pytest.mark.parametrize("log", [False, True])  # totals kept on the device, or every step read back
+def test_neginf_counts_masked_scores_exactly(tmp_path, log):
+    model = nn.Sequential(nn.Linear(4, 4), _MaskedScores(), nn.Softmax(-1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=path if log else None) as mon:
+        for _ in range(2):
+            loss = model(torch.randn(2, 3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    layers = mon.summary()["layers"]
+    masked = layers["1"]["forward"]
+    assert masked["neginf"] == masked["inf"] == masked["overflow"] == 2 * 2 * 3  # 3 per 3 x 3 causal mask
+    assert masked["nan"] == 0
+    others = [s["neginf"] for name, phases in layers.items() for phase, s in phases.items()
+              if (name, phase) != ("1", "forward")]
+    assert others and not any(others)  # the softmax after it, and the gradients, hold no -inf
+    if log:
+        records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+        assert [r["layers"]["1"]["forward"]["neginf"] for r in records] == [6, 6]
+        assert read_log(path).summary() == mon.summary()
+
+
+def test_a_log_written_before_neginf_still_reads(tmp_path, cli):
+    log = _logged_run(tmp_path, steps=2)
+    lines = log.read_text().splitlines()
+    old = tmp_path / "old.jsonl"
+    with old.open("w") as out:  # the same log, as the version before the neginf field wrote it
+        out.write(lines[0] + "\n")
+        for line in lines[1:]:
+            record = json.loads(line)
+            for stats_ in [*(s for phases in record["layers"].values() for s in phases.values()),
+                           *record["params"].values()]:
+                del stats_["neginf"]
+            out.write(json.dumps(record) + "\n")
+    assert "neginf" not in old.read_text()
+    summary = read_log(old).summary()
+    assert summary == read_log(log).summary()  # a missing field reads as 0
+    assert all(s["neginf"] == 0 for phases in summary["layers"].values() for s in phases.values())
+    result = cli("report", old, "--format", "json")
+    assert result.code == 0 and result.json()["layers"]["0"]["forward"]["neginf"] == 0
+
+
+def test_add_stats_takes_a_missing_field_as_zero_on_either_side():
+    from ampaudit.watch.stats_merge import FIELDS, add_stats
+
+    old = {"numel": 4, "nan": 1, "inf": 2, "overflow": 2, "underflow": 0, "zero": 1, "absmax": 3.0, "hist": [[1, 1]]}
+    new = {**old, "neginf": 2, "absmax": 5.0}
+    total = add_stats({}, old)
+    assert list(total) == [*FIELDS, "hist"] and total["neginf"] == 0
+    total = add_stats(total, new)
+    assert (total["numel"], total["neginf"], total["absmax"], total["hist"]) == (8, 2, 5.0, [[1, 2]])
+    assert add_stats(dict(new), old)["neginf"] == 2
+
+
+def test_stop_on_nonfinite_records_the_step_once(tmp_path):
+    # the step that raised used to be recorded again by stop(): twice in the log, its counts doubled
+    model = _net(_Blowup(at_step=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with pytest.raises(NonFiniteError), ampaudit.watch(model, optimizer=opt, stop_on_nonfinite=True, log=log) as mon:
+        _train(model, opt, 3)
+    steps = [json.loads(line).get("step") for line in log.read_text().splitlines()[1:]]
+    assert steps == [0, 1]
+    summary = mon.summary()
+    assert summary["steps"] == 2 and summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8
+    assert read_log(log).summary()["layers"] == summary["layers"]  # (the params: their norm is NaN)

@@ -1,4 +1,5 @@
-"""The raw statistics row from each backend - torch ops, the C kernel, Triton - is the same."""
+"""The raw statistics row from each backend - torch ops, the C kernel, Triton - is the same, and
+laid out as ``layout.LAYOUT`` says."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import torch
 
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import cpu_kernel, stats
+from ampaudit.watch.layout import LAYOUT
 from tests.conftest import ROOT
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, 70000.0, -1e5, 6.1e-5, 6e-5, 1e-7, 6e-8, 3e-8, 1e-30,
            1e-40, 3.4e38, float("inf"), -float("inf"), float("nan")]
 
 FP16 = LowDtype.parse(torch.float16)
+BINS = LAYOUT.bins
+NAN_BINS = slice(LAYOUT.nonfinite_bins.start + 1, LAYOUT.nonfinite_bins.stop)  # exponent 255, mantissa bits
+INF_BIN = LAYOUT.nonfinite_bins.start
+QUIET_NAN_BIN = 0x7FC00000 >> LAYOUT.bin_shift
 
 
 def c_fill(x, counts, extras, limits):
@@ -50,11 +56,11 @@ def test_c_kernel_matches_the_torch_ops(dtype, n):
         (counts, extras), (want_counts, want_extras) = stats.new_row(x.device), stats.new_row(x.device)
         c_fill(x, counts, extras, limits)
         stats.torch_fill_row(x, want_counts, want_extras, limits)
-        assert int(counts[:1024].sum()) == n
-        nan_bins = slice(255 * 4 + 1, 256 * 4)  # which quiet NaN a conversion makes is the library's choice
-        assert torch.equal(counts[: nan_bins.start], want_counts[: nan_bins.start])
-        assert int(counts[nan_bins].sum()) == int(want_counts[nan_bins].sum())
-        assert torch.equal(counts[1024:], want_counts[1024:])  # the overflow count
+        assert int(counts[:BINS].sum()) == n
+        # which quiet NaN a conversion makes is the library's choice
+        assert torch.equal(counts[: NAN_BINS.start], want_counts[: NAN_BINS.start])
+        assert int(counts[NAN_BINS].sum()) == int(want_counts[NAN_BINS].sum())
+        assert torch.equal(counts[BINS:], want_counts[BINS:])  # the count slots: overflow, -inf
         assert torch.equal(extras, want_extras)  # the finite absmax
 
 
@@ -65,8 +71,8 @@ def test_c_kernel_reads_views_and_counts_known_fields():
     row = stats.tensor_stats(x, FP16, fill=c_fill)
     # per copy: NaN; +-Inf; 65520, 70000, -1e5, 3.4e38 (and the infs) round to Inf in fp16 (65504 does not);
     # 6.1e-5 .. 1e-40 below its normals
-    assert {k: row[k] for k in ("numel", "nan", "inf", "overflow", "underflow", "zero")} == {
-        "numel": 76, "nan": 4, "inf": 8, "overflow": 24, "underflow": 28, "zero": 8}
+    assert {k: row[k] for k in ("numel", "nan", "inf", "neginf", "overflow", "underflow", "zero")} == {
+        "numel": 76, "nan": 4, "inf": 8, "neginf": 4, "overflow": 24, "underflow": 28, "zero": 8}
     assert row["absmax"] == pytest.approx(3.4e38)
 
 
@@ -76,10 +82,11 @@ def test_c_kernel_counts_every_nan_as_nan():
     # histogram; the kernel makes every NaN the quiet one first.
     signalling = torch.tensor([0x7F800001, 0xFF800010]).to(torch.int32).view(torch.float32)
     counts, extras = _row(c_fill, signalling)
-    assert int(counts[255 * 4 + 2]) == 2 and float(extras[0]) == 0.0
+    assert int(counts[QUIET_NAN_BIN]) == 2 and float(extras[LAYOUT.extra["absmax"]]) == 0.0
+    assert int(counts[LAYOUT.count["neginf"]]) == 0  # 0xFF800010 is a NaN, not -inf
     half = torch.tensor([0x7C01, 0xFC01, 0x7C00]).to(torch.int16).view(torch.float16)
     counts, _ = _row(c_fill, half)
-    assert (int(counts[255 * 4 + 2]), int(counts[255 * 4])) == (2, 1)
+    assert (int(counts[QUIET_NAN_BIN]), int(counts[INF_BIN]), int(counts[LAYOUT.count["neginf"]])) == (2, 1, 0)
 
 
 @needs_kernel
@@ -129,7 +136,9 @@ def test_c_kernel_on_every_16_bit_pattern(dtype):
     quiet = torch.where(x.isnan(), torch.tensor(float("nan"), dtype=dtype), x)  # the one NaN torch makes
     (counts, extras), (want_counts, want_extras) = _row(c_fill, x), _row(stats.torch_fill_row, quiet)
     assert torch.equal(counts, want_counts), (counts - want_counts).nonzero().flatten().tolist()
-    assert float(extras[0]) == float(want_extras[0]) == float(torch.finfo(dtype).max)
+    absmax = LAYOUT.extra["absmax"]
+    assert float(extras[absmax]) == float(want_extras[absmax]) == float(torch.finfo(dtype).max)
+    assert int(counts[LAYOUT.count["neginf"]]) == 1  # one bit pattern is -inf
 
 
 @pytest.mark.parametrize("backend", ["torch", "c"])
@@ -170,3 +179,106 @@ def test_index_tensors_are_made_once_and_bounded():
     for i in range(100):
         arena.index_tensor([i], torch.device("cpu"))
     assert len(arena._INDEXES) == 64 and arena.index_tensor([3, 1, 2], torch.device("cpu")) is not first
+
+
+def _specials(dtype: torch.dtype) -> torch.Tensor:
+    """-inf, +inf, NaN, signed zeros, fp32 and fp16 subnormals, values at and beyond fp16's
+    max, and ordinary ones, repeated past one C piece (65536) and one Triton block (8192)."""
+    inf, nan = float("inf"), float("nan")
+    values = [-inf, inf, -inf, nan, 0.0, -0.0, 1e-45, -1e-40, 2.0**-130, 6e-8, -3e-6, 6.1e-5, 65504.0, 65519.0,
+              65520.0, -70000.0, 1e5, 3.0e38, -1.0, 0.5, 3.0, -inf]
+    x = torch.tensor(values * 3001, dtype=torch.float64)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "c"])
+def test_neginf_is_counted_exactly_and_inf_keeps_meaning_every_infinity(backend, dtype):
+    if backend == "c" and not cpu_kernel.available():
+        pytest.skip(f"no C kernel: {cpu_kernel.status()}")
+    x = _specials(dtype)
+    row = stats.tensor_stats(x, FP16, fill=stats.torch_fill_row if backend == "torch" else c_fill)
+    assert row["neginf"] == int((x == float("-inf")).sum()) >= 3 * 3001  # fp16: -70000 and -inf alike
+    assert row["inf"] == int(x.isinf().sum()) > row["neginf"]
+    assert row["nan"] == int(x.isnan().sum()) == 3001
+    assert row["numel"] == x.numel()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_c_kernel_and_torch_ops_agree_on_special_values(dtype):
+    x = _specials(dtype)
+    for limits in (FP16, LowDtype.parse(torch.bfloat16)):
+        (counts, extras), (want_counts, want_extras) = stats.new_row(x.device), stats.new_row(x.device)
+        c_fill(x, counts, extras, limits)
+        stats.torch_fill_row(x, want_counts, want_extras, limits)
+        same = torch.ones(LAYOUT.counts, dtype=torch.bool)
+        same[NAN_BINS] = False  # which quiet NaN a conversion makes is the library's choice
+        assert torch.equal(counts[same], want_counts[same]), (counts - want_counts).nonzero().flatten().tolist()
+        assert int(counts[NAN_BINS].sum()) == int(want_counts[NAN_BINS].sum())
+        assert torch.equal(extras, want_extras)
+        stats_c = stats.to_stats(stats.compact(stats.raw_matrix(counts[None], extras[None]), limits)[0].tolist())
+        assert stats_c == stats.tensor_stats(x, limits, fill=stats.torch_fill_row)
+
+
+def _number_literals(path) -> set[int]:
+    """The integer literals in a source file's code (comments and docstrings left out)."""
+    import io
+    import re
+    import tokenize
+
+    text = path.read_text()
+    if path.suffix == ".c":
+        code = re.sub(r"/\*.*?\*/|//[^\n]*", "", text, flags=re.S)
+        return {int(n, 0) for n in re.findall(r"\b(0x[0-9a-fA-F]+|\d+)u?\b", code)}
+    found = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.NUMBER and re.fullmatch(r"0x[0-9a-fA-F]+|\d+", tok.string):
+            found.add(int(tok.string, 0))
+    return found
+
+
+def test_the_layout_is_the_one_source_of_offsets():
+    from ampaudit.watch import arena, layout, stats_merge, triton_stats
+
+    assert (LAYOUT.bins, LAYOUT.counts, LAYOUT.extras) == (1024, 1027, 2)
+    assert [LAYOUT.count[k] for k in ("scaled", "overflow", "neginf")] == [1024, 1025, 1026]
+    # No other watch source writes the row's offsets or widths down again.
+    offsets = {LAYOUT.bins, *LAYOUT.count.values(), LAYOUT.counts, LAYOUT.raw, LAYOUT.width, LAYOUT.bins - 2}
+    watch = ROOT / "ampaudit" / "watch"
+    for path in [*watch.glob("*.py"), watch / "cpu_stats.c"]:
+        if path.name != "layout.py":
+            assert not _number_literals(path) & offsets, path.name
+    for path in watch.glob("*.py"):
+        assert 'FIELDS.index("absmax")' not in path.read_text(), path.name
+    # Each user reads it: the arena's rows, the Stats fields, the Triton kernel's constants.
+    rows = arena.RowArena(chunk=1)
+    _, counts, extras = rows.take(torch.device("cpu"))
+    assert (counts.numel(), extras.numel()) == (LAYOUT.counts, LAYOUT.extras)
+    assert stats_merge.FIELDS == stats.FIELDS == LAYOUT.fields and LAYOUT.width == stats.WIDTH
+    assert triton_stats._CONSTANTS["BINS"] == LAYOUT.bins
+    assert triton_stats._CONSTANTS["NEGINF_SLOT"] == LAYOUT.count["neginf"]
+    assert {f.name for f in layout.FIELDS if f.reduce == layout.MAX} == {"absmax"}
+
+
+@needs_kernel
+def test_the_c_kernel_is_built_from_the_layout():
+    import ctypes
+
+    assert cpu_kernel.available()
+    built = ctypes.CDLL(str(cpu_kernel._cached()))
+    assert built.ampaudit_bins() == LAYOUT.bins
+    assert f"-DAMPAUDIT_BIN_SHIFT={LAYOUT.bin_shift}" in cpu_kernel.DEFINES
+
+
+def test_a_library_that_disagrees_with_the_layout_is_not_used(tmp_path):
+    # a build whose bins differ from the layout's (a stale or foreign library) falls back to torch
+    code = ("import sys; from ampaudit.watch import cpu_kernel\n"
+            "cpu_kernel.DEFINES[:] = ['-DAMPAUDIT_BIN_SHIFT=22']\n"
+            "print(cpu_kernel.status())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "AMPAUDIT_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if "no C compiler" in proc.stdout or "could not build" in proc.stdout:
+        pytest.skip(proc.stdout)
+    assert proc.stdout.strip() == "torch ops (cpu_stats.c has 512 bins, the layout 1024)"

@@ -1,8 +1,9 @@
 """Where a step's raw rows live: preallocated, zeroed device buffers that kernels fill in place.
 
-A row is 1026 int64 counts (the 1024 bins, how many values overflow at the loss scale, how
-many round to Inf in the audited dtype) and 2 float32 extras (finite absmax, sum of
-squares). Taking a row is a slice - no allocation, no kernel launch - so recording a tensor
+A row is ``LAYOUT.counts`` int64 counts (the bins, then the count slots: how many values
+overflow at the loss scale, how many round to Inf in the audited dtype, how many are -inf)
+and ``LAYOUT.extras`` float32 extras (finite absmax, sum of squares): ``layout`` defines
+them. Taking a row is a slice - no allocation, no kernel launch - so recording a tensor
 costs one kernel launch on a GPU. The buffers grow by chunks and are reused step after
 step: the step boundary reads the rows it used and zeroes them (``matrix`` then ``reset``).
 """
@@ -11,12 +12,7 @@ from __future__ import annotations
 
 import torch
 
-COUNTS = 1024 + 2  # bins, then two counts:
-SCALED = 1024  # |x| * loss scale beyond the audited dtype's max (parameter gradients)
-OVERFLOW = 1025  # |x| that round to Inf in the audited dtype
-EXTRAS = 2  # finite absmax, sum of squares
-ABSMAX, SUMSQ = 0, 1
-
+from ampaudit.watch.layout import LAYOUT
 
 Handle = tuple[torch.device, int]
 
@@ -55,8 +51,8 @@ class RowArena:
         used = self._used.get(device, 0)
         rows = self._rows.setdefault(device, [])
         if used == len(rows):
-            counts = torch.zeros(self.chunk, COUNTS, dtype=torch.int64, device=device)
-            extras = torch.zeros(self.chunk, EXTRAS, device=device)
+            counts = torch.zeros(self.chunk, LAYOUT.counts, dtype=torch.int64, device=device)
+            extras = torch.zeros(self.chunk, LAYOUT.extras, device=device)
             self._counts.setdefault(device, []).append(counts)
             self._extras.setdefault(device, []).append(extras)
             rows.extend(zip(counts.unbind(0), extras.unbind(0), strict=True))
@@ -64,11 +60,11 @@ class RowArena:
         return (device, used), *rows[used]
 
     def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows behind ``handles``, in that order, on ``device``: (counts N x 1026 int64,
-        extras N x 2 float32)."""
+        """The rows behind ``handles``, in that order, on ``device``: (counts N x LAYOUT.counts
+        int64, extras N x LAYOUT.extras float32)."""
         if not handles:
-            return (torch.zeros(0, COUNTS, dtype=torch.int64, device=device),
-                    torch.zeros(0, EXTRAS, device=device))
+            return (torch.zeros(0, LAYOUT.counts, dtype=torch.int64, device=device),
+                    torch.zeros(0, LAYOUT.extras, device=device))
         counts, extras, offsets, total = [], [], {}, 0
         for dev, used in self._used.items():  # each device's used rows, one after another
             offsets[dev], total = total, total + used

@@ -5,6 +5,10 @@ element once, on torch's thread pool. It is compiled with the system C compiler 
 else cc/gcc/clang) into a cache directory - a fraction of a second, once per machine - and
 loaded with ctypes. Without a compiler, or with ``AMPAUDIT_CPU_KERNEL=0``, ``available()``
 is False and ``stats`` uses the torch ops; ``status()`` says why.
+
+The row's layout is ``layout.LAYOUT``'s: the C source is compiled with its bin shift
+(``-DAMPAUDIT_BIN_SHIFT``), the library's ``ampaudit_bins()`` is checked against it at load,
+and each call passes a pointer to each slot of the row.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from pathlib import Path
 
 import torch
 
-from ampaudit.watch import arena
+from ampaudit.watch.layout import LAYOUT
 
 SOURCE = Path(__file__).with_name("cpu_stats.c")
+DEFINES = [f"-DAMPAUDIT_BIN_SHIFT={LAYOUT.bin_shift}"]  # the layout's constants the source needs
 _ENTRY = {torch.float32: "ampaudit_rows_f32", torch.float16: "ampaudit_rows_f16", torch.bfloat16: "ampaudit_rows_bf16"}
 _status = "not built yet"
+_OVERFLOW, _NEGINF, _ABSMAX = LAYOUT.count["overflow"], LAYOUT.count["neginf"], LAYOUT.extra["absmax"]
 
 
 def status() -> str:
@@ -50,7 +56,8 @@ def _compiler() -> str | None:
 def _cached() -> Path:
     """Where a build of this source for this machine lives (found without a compiler)."""
     suffix = ".dll" if sys.platform == "win32" else ".so"
-    key = hashlib.sha256(SOURCE.read_bytes() + f"|{platform.machine()}|{sys.platform}".encode()).hexdigest()[:16]
+    stamp = f"|{' '.join(DEFINES)}|{platform.machine()}|{sys.platform}"
+    key = hashlib.sha256(SOURCE.read_bytes() + stamp.encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_stats-{key}{suffix}"
 
 
@@ -68,7 +75,7 @@ def _build(compiler: str | None) -> Path:
     for flags in (["-fopenmp"], []):
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
         os.close(fd)
-        cmd = [*compiler.split(), "-O3", "-shared", "-fPIC", *flags, "-o", tmp, str(SOURCE)]
+        cmd = [*compiler.split(), "-O3", "-shared", "-fPIC", *DEFINES, *flags, "-o", tmp, str(SOURCE)]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -92,10 +99,13 @@ def _functions() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
     except OSError as exc:
         _status = f"torch ops ({exc})"
         return None
+    if lib.ampaudit_bins() != LAYOUT.bins:
+        _status = f"torch ops ({SOURCE.name} has {lib.ampaudit_bins()} bins, the layout {LAYOUT.bins})"
+        return None
     functions = {dtype: getattr(lib, name) for dtype, name in _ENTRY.items()}
-    for fn in functions.values():
+    for fn in functions.values():  # x, n, bins, overflow, neginf, absmax bits, threshold bits, threads
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_uint32, ctypes.c_int]
+                       ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
         fn.restype = None
     lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
@@ -107,16 +117,16 @@ def available() -> bool:
 
 
 def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float) -> None:
-    """In one pass over a CPU tensor: add its bin counts to ``counts[:1024]`` and how many
-    |x| >= overflow_at to ``counts[1025]`` (int64), and raise ``extras[0]`` (float32, >= 0)
-    to its finite absmax."""
+    """In one pass over a CPU tensor: add its bin counts to the row's bins, how many |x| >=
+    overflow_at to its overflow slot and how many x are -inf to its neginf slot (int64), and
+    raise its absmax extra (float32, >= 0) to the finite absmax."""
     flat = x.detach().reshape(-1)
     if flat.dtype not in _ENTRY:
         flat = flat.float()
     flat = flat.contiguous()
     # The kernel compares fp32 bits: for values >= 0 their order is the floats' order.
     over_bits = struct.unpack("<I", struct.pack("<f", overflow_at))[0]
-    overflow_ptr = counts.data_ptr() + arena.OVERFLOW * counts.element_size()
-    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), counts.data_ptr(), overflow_ptr, extras.data_ptr(),
-                             over_bits, torch.get_num_threads())
-
+    base, size = counts.data_ptr(), counts.element_size()
+    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), base, base + _OVERFLOW * size, base + _NEGINF * size,
+                             extras.data_ptr() + _ABSMAX * extras.element_size(), over_bits,
+                             torch.get_num_threads())

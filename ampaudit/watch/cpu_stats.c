@@ -1,9 +1,14 @@
-/* The raw statistics row on the CPU in one pass (see stats.py for what the row means):
- * counts[k] += how many |x| have top 10 fp32 bits k (8 exponent bits, 2 mantissa bits),
- * *overflow += how many |x| >= the fp32 value with bits over_bits (Inf included, NaN not),
+/* The raw statistics row on the CPU in one pass (see layout.py and stats.py for what the row
+ * means): bins[k] += how many |x| have fp32 bits k after a shift right by AMPAUDIT_BIN_SHIFT
+ * (8 exponent bits, 2 mantissa bits), *overflow += how many |x| >= the fp32 value with bits
+ * over_bits (Inf included, NaN not), *neginf += how many x are exactly -inf,
  * *maxbits = max(*maxbits, fp32 bits of the largest finite |x|).
  *
- * torch has no fused CPU op for this; built from torch ops it takes six passes and a serial
+ * The row's layout is Python's (ampaudit/watch/layout.py): the caller passes a pointer to each
+ * slot, and cpu_kernel.py compiles this file with -DAMPAUDIT_BIN_SHIFT from the layout and
+ * checks ampaudit_bins() against it when it loads the library.
+ *
+ * torch has no fused CPU op for this; built from torch ops it takes seven passes and a serial
  * bincount. ampaudit compiles this file on first use (cpu_kernel.py) and falls back to the
  * torch ops when no C compiler is around. OpenMP, when the compiler has it, splits tensors of
  * more than one piece across torch's own thread pool (the soname resolves to the libgomp
@@ -12,31 +17,58 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef AMPAUDIT_BIN_SHIFT
+#error "compile with -DAMPAUDIT_BIN_SHIFT=<layout.LAYOUT.bin_shift> (cpu_kernel.py does)"
+#endif
+#define NBINS (1 << (31 - AMPAUDIT_BIN_SHIFT))
+#define QUIET_NAN 0x7fc00000
+#define NAN_BIN (QUIET_NAN >> AMPAUDIT_BIN_SHIFT) /* where every NaN lands, once made quiet */
+#define INF_BIN (0x7f800000 >> AMPAUDIT_BIN_SHIFT)  /* +-Inf, and nothing else */
+
 #define PIECE 65536 /* elements per task: per-lane counts stay far below 2**32 */
 #define BLOCK 512   /* elements whose bins are computed (vectorised) before they are counted */
 
-/* Loaders: |x| as fp32 bits in an int32 (all below 2**31, so signed compares work and the
- * compiler can vectorise them), every NaN made the canonical quiet NaN - signalling ones
- * too, which a top-bits histogram would otherwise count as Inf. */
+int ampaudit_bins(void) {
+    return NBINS;
+}
+
+/* Each element is read once, as its raw bits (RAW), then turned into |x| as fp32 bits in an
+ * int32 (ABS: all below 2**31, so signed compares work and the compiler can vectorise them),
+ * every NaN made the canonical quiet NaN - signalling ones too, which a top-bits histogram
+ * would otherwise count as Inf. -inf is one raw bit pattern per dtype (NEGINF). */
 static inline int32_t quiet(int32_t a) {
-    return a > 0x7f800000 ? 0x7fc00000 : a;
+    return a > 0x7f800000 ? QUIET_NAN : a;
 }
 
-static inline int32_t f32_abs(const void *x, int64_t i) {
-    return quiet(((const int32_t *)x)[i] & 0x7fffffff);
+static inline int32_t f32_raw(const void *x, int64_t i) {
+    return ((const int32_t *)x)[i];
 }
 
-static inline int32_t bf16_abs(const void *x, int64_t i) {
-    return quiet((int32_t)(((const uint16_t *)x)[i] & 0x7fffu) << 16);
+static inline int32_t f32_abs(int32_t r) {
+    return quiet(r & 0x7fffffff);
 }
+
+#define F32_NEGINF ((int32_t)0xff800000u)
+
+static inline int32_t h16_raw(const void *x, int64_t i) { /* float16 and bfloat16: 16 bits */
+    return ((const uint16_t *)x)[i];
+}
+
+static inline int32_t bf16_abs(int32_t r) {
+    return quiet((r & 0x7fff) << 16);
+}
+
+#define BF16_NEGINF 0xff80
 
 /* float16 through a table of all 32768 magnitudes (filled by ampaudit_init, called once at
  * load): exact, every float16 being a float32, and faster than converting each element. */
 static int32_t half_table[32768];
 
-static inline int32_t f16_abs(const void *x, int64_t i) {
-    return half_table[((const uint16_t *)x)[i] & 0x7fff];
+static inline int32_t f16_abs(int32_t r) {
+    return half_table[r & 0x7fff];
 }
+
+#define F16_NEGINF 0xfc00
 
 void ampaudit_init(void) {
     for (int32_t h = 0; h < 32768; h++) {
@@ -50,31 +82,34 @@ void ampaudit_init(void) {
 /* The bin: the top 10 bits, except that subnormals too small to reach bin 1 go there rather
  * than into bin 0, which holds exact zeros only. */
 static inline int32_t key(int32_t a) {
-    int32_t k = a >> 21, nonzero = a != 0;
+    int32_t k = a >> AMPAUDIT_BIN_SHIFT, nonzero = a != 0;
     return k > nonzero ? k : nonzero;
 }
 
 /* One piece, a block at a time: first the bins and the finite max of the block (a loop the
  * compiler vectorises), then the counting, over four lanes of counts so that runs of equal
- * bins do not serialise on one counter. A macro rather than a function pointer so that each
- * loader is inlined. */
-#define PIECE_BODY(LOAD)                                                   \
-    uint32_t c[4][1024];                                                   \
+ * bins do not serialise on one counter. Only a block that held an Inf is read again, for
+ * the sign of its infinities: -inf costs nothing where there is none. A macro rather than a
+ * function pointer so that each loader is inlined. */
+#define LANES(BIN) (c[0][BIN] + c[1][BIN] + c[2][BIN] + c[3][BIN])
+#define PIECE_BODY(RAW, ABS, NEGINF)                                       \
+    uint32_t c[4][NBINS];                                                  \
     int16_t keys[BLOCK];                                                   \
     int32_t peak = 0;                                                      \
-    int64_t over = 0;                                                      \
+    int64_t over = 0, neg = 0;                                             \
     memset(c, 0, sizeof c);                                                \
     for (int64_t b = lo; b < hi; b += BLOCK) {                             \
         int len = hi - b < BLOCK ? (int)(hi - b) : BLOCK;                  \
         int32_t block_over = 0; /* int32: the loop stays vectorised */   \
         for (int j = 0; j < len; j++) {                                    \
-            int32_t a = LOAD(x, b + j);                                    \
+            int32_t a = ABS(RAW(x, b + j));                                \
             keys[j] = (int16_t)key(a);                                     \
             int32_t finite = a < 0x7f800000 ? a : 0;                       \
             peak = finite > peak ? finite : peak;                          \
             block_over += a >= over_bits; /* NaN too: taken out below */   \
         }                                                                  \
         over += block_over;                                                \
+        uint32_t infs = LANES(INF_BIN);                                    \
         int j = 0;                                                         \
         for (; j + 4 <= len; j += 4) {                                     \
             c[0][keys[j]]++;                                               \
@@ -83,50 +118,55 @@ static inline int32_t key(int32_t a) {
             c[3][keys[j + 3]]++;                                           \
         }                                                                  \
         for (; j < len; j++) c[0][keys[j]]++;                              \
+        if (LANES(INF_BIN) != infs) /* an Inf in this block: which sign */ \
+            for (j = 0; j < len; j++) neg += RAW(x, b + j) == NEGINF;      \
     }                                                                      \
-    for (int k = 0; k < 1024; k++)                                         \
-        counts[k] += (int64_t)c[0][k] + c[1][k] + c[2][k] + c[3][k];      \
-    /* every NaN is the quiet one, in bin 1022: one compare, not two */  \
-    *overflow += over - c[0][1022] - c[1][1022] - c[2][1022] - c[3][1022];\
+    for (int k = 0; k < NBINS; k++)                                        \
+        bins[k] += (int64_t)LANES(k);                                      \
+    /* every NaN is the quiet one, in NAN_BIN: one compare, not two */     \
+    *overflow += over - LANES(NAN_BIN);                                    \
+    *neginf += neg;                                                        \
     if ((uint32_t)peak > *maxbits) *maxbits = (uint32_t)peak;
 
 /* The entry points: split into pieces, on OpenMP threads when there are several. */
-#define DEFINE_ROWS(NAME, LOAD)                                                                  \
-    static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t *counts,           \
-                             int64_t *overflow, uint32_t *maxbits, int32_t over_bits) {         \
-        PIECE_BODY(LOAD)                                                                         \
+#define DEFINE_ROWS(NAME, RAW, ABS, NEGINF)                                                      \
+    static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t *bins,              \
+                             int64_t *overflow, int64_t *neginf, uint32_t *maxbits,              \
+                             int32_t over_bits) {                                                \
+        PIECE_BODY(RAW, ABS, NEGINF)                                                             \
     }                                                                                            \
-    void NAME(const void *x, int64_t n, int64_t *counts, int64_t *overflow, uint32_t *maxbits,   \
-              uint32_t over_bits, int threads) {                                                 \
+    void NAME(const void *x, int64_t n, int64_t *bins, int64_t *overflow, int64_t *neginf,       \
+              uint32_t *maxbits, uint32_t over_bits, int threads) {                              \
         int64_t pieces = (n + PIECE - 1) / PIECE;                                                \
         int32_t over_at = over_bits > 0x7f800000u ? 0x7f800000 : (int32_t)over_bits;             \
         if (threads < 2 || pieces < 2) {                                                         \
             for (int64_t p = 0; p < pieces; p++)                                                 \
-                NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, counts,         \
-                             overflow, maxbits, over_at);                                        \
+                NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, bins,           \
+                             overflow, neginf, maxbits, over_at);                                \
             return;                                                                              \
         }                                                                                        \
         _Pragma("omp parallel num_threads(threads)")                                             \
         {                                                                                        \
-            int64_t local[1024], local_over = 0;                                                 \
+            int64_t local[NBINS], local_over = 0, local_neg = 0;                                 \
             uint32_t peak = 0;                                                                   \
             memset(local, 0, sizeof local);                                                      \
             _Pragma("omp for schedule(static)")                                                  \
             for (int64_t p = 0; p < pieces; p++)                                                 \
                 NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, local,          \
-                             &local_over, &peak, over_at);                                       \
+                             &local_over, &local_neg, &peak, over_at);                           \
             _Pragma("omp critical")                                                              \
             {                                                                                    \
-                for (int k = 0; k < 1024; k++) counts[k] += local[k];                            \
+                for (int k = 0; k < NBINS; k++) bins[k] += local[k];                             \
                 *overflow += local_over;                                                         \
+                *neginf += local_neg;                                                            \
                 if (peak > *maxbits) *maxbits = peak;                                            \
             }                                                                                    \
         }                                                                                        \
     }
 
-DEFINE_ROWS(ampaudit_rows_f32, f32_abs)
-DEFINE_ROWS(ampaudit_rows_f16, f16_abs)
-DEFINE_ROWS(ampaudit_rows_bf16, bf16_abs)
+DEFINE_ROWS(ampaudit_rows_f32, f32_raw, f32_abs, F32_NEGINF)
+DEFINE_ROWS(ampaudit_rows_f16, h16_raw, f16_abs, F16_NEGINF)
+DEFINE_ROWS(ampaudit_rows_bf16, h16_raw, bf16_abs, BF16_NEGINF)
 
 int ampaudit_openmp(void) {
 #ifdef _OPENMP

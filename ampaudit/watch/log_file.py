@@ -1,4 +1,5 @@
-"""Read a watch log (JSON lines: a header, then one record per logged step) as a stream.
+"""The watch log (JSON lines: a header, then one record per logged step, then the final loss
+scale): written by a running watch (``LogSink``), read as a stream (``open_log``).
 
 A log can be gigabytes: it is read one line at a time and never held whole. A run that died
 mid-write leaves a partial last line, which is skipped; a bad line anywhere else is an error
@@ -35,6 +36,40 @@ def create_log(path: Path, header: dict[str, Any]) -> TextIO:
     handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header}) + "\n")
     handle.flush()
     return handle
+
+
+class LogSink:
+    """Where a watch writes its records: a log at ``path``, or nowhere (``path`` None, or a
+    rank other than 0). Each record is one line, flushed at once: a crash leaves every
+    finished step readable."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._handle: TextIO | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether records are written (someone reads per-step numbers)."""
+        return self._handle is not None
+
+    def open(self, header: dict[str, Any]) -> None:
+        """Create the log (``create_log``: refused over anything but an earlier log)."""
+        if self.path is not None:
+            self._handle = create_log(self.path, header)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._handle is not None:
+            self._handle.write(json.dumps(record) + "\n")
+            self._handle.flush()
+
+    def close(self, final_scale: float | None = None) -> None:
+        """The last line - the loss scale after the last ``update()``, with a GradScaler -
+        then close."""
+        if final_scale is not None:
+            self.write({"final_scale": final_scale})
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
 
 
 def _is_log(path: Path) -> bool:

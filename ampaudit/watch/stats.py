@@ -1,16 +1,16 @@
 """Per-tensor statistics without host syncs, in as few passes as the hardware allows.
 
-Each tensor becomes one *raw row* (``arena``): 1024 counts of ``|x|``'s top float bits (8
-exponent bits and the 2 leading mantissa bits: one shift), how many |x| round to Inf in
-the audited dtype (|x| >= max + half an ulp: 65520 for float16 - finer than the bins), and
-the finite absmax. Bin 0 holds exact zeros only (fp32 subnormals too small to reach bin 1
-are moved there). The histogram gives the rest: zeros and underflow (the low exponents),
-Inf (exponent 255, mantissa 0), NaN (exponent 255 with the quiet bit - every NaN an
-operation produces) and the log2-magnitude histogram.
+Each tensor becomes one *raw row* (``layout``, ``arena``): 1024 counts of ``|x|``'s top
+float bits (8 exponent bits and the 2 leading mantissa bits: one shift), how many |x| round
+to Inf in the audited dtype (|x| >= max + half an ulp: 65520 for float16 - finer than the
+bins), how many values are -inf, and the finite absmax. Bin 0 holds exact zeros only (fp32
+subnormals too small to reach bin 1 are moved there). The histogram gives the rest: zeros
+and underflow (the low exponents), Inf (exponent 255, mantissa 0), NaN (exponent 255 with
+the quiet bit - every NaN an operation produces) and the log2-magnitude histogram.
 On CUDA one Triton kernel builds the row (``triton_stats``), on the CPU one C kernel
 (``cpu_kernel``, compiled on first use); without them a handful of torch passes do. Rows
 are reduced to the summary's Stats in one batched step at the step boundary
-(``compact``), right before the one host sync.
+(``compact``), right before the one host sync. Every offset comes from ``layout.LAYOUT``.
 """
 
 from __future__ import annotations
@@ -20,21 +20,24 @@ import sys
 import torch
 
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.watch import arena, cpu_kernel
+from ampaudit.watch import cpu_kernel
+from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.stats_merge import FIELDS
 
-BINS = 256 * 4
-RAW = BINS + 2  # counts, absmax, overflow
-HIST = len(FIELDS)  # compact rows: the fields above, then 256 exponent counts
-WIDTH = HIST + 256
+BINS = LAYOUT.bins
+RAW = LAYOUT.raw  # the raw matrix: counts, then extras
+HIST = LAYOUT.hist  # compact rows: the fields above, then 256 exponent counts
+WIDTH = LAYOUT.width
+_SCALED, _OVERFLOW, _NEGINF = (LAYOUT.count[k] for k in ("scaled", "overflow", "neginf"))
+_ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
 
 
 def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype, *, norm: bool = False,
              scale: torch.Tensor | None = None) -> None:
     """Add ``x``'s statistics to a zeroed arena row (``arena.RowArena``), on x's device, with
-    no host sync: the 1024 bin counts, how many |x| round to Inf in the audited dtype, and
-    the finite absmax; with ``norm``, the sum of squares; with ``scale`` (a device scalar),
-    how many |x| * scale exceed the dtype's max."""
+    no host sync: the bin counts, how many |x| round to Inf in the audited dtype, how many
+    values are -inf, and the finite absmax; with ``norm``, the sum of squares; with ``scale``
+    (a device scalar), how many |x| * scale exceed the dtype's max."""
     if x.device.type == "cuda":
         from ampaudit.watch import triton_stats
 
@@ -56,15 +59,15 @@ def fill_param_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tenso
         return
     flat = x.detach().reshape(-1).float()
     if norm:
-        extras[arena.SUMSQ] = torch.dot(flat, flat)
+        extras[_SUMSQ] = torch.dot(flat, flat)
     if scale is not None:
-        counts[arena.SCALED] = (flat.abs() * scale.to(flat.device, torch.float32) > limits.max).sum()
+        counts[_SCALED] = (flat.abs() * scale.to(flat.device, torch.float32) > limits.max).sum()
 
 
 def new_row(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A zeroed row outside any arena: (counts, extras)."""
-    return (torch.zeros(arena.COUNTS, dtype=torch.int64, device=device),
-            torch.zeros(arena.EXTRAS, device=device))
+    return (torch.zeros(LAYOUT.counts, dtype=torch.int64, device=device),
+            torch.zeros(LAYOUT.extras, device=device))
 
 
 def tensor_stats(x: torch.Tensor, limits: LowDtype, fill=fill_row) -> dict:
@@ -76,61 +79,72 @@ def tensor_stats(x: torch.Tensor, limits: LowDtype, fill=fill_row) -> dict:
     return to_stats(compact(raw, limits)[0].tolist())
 
 
-def _top_bits(a: torch.Tensor) -> torch.Tensor:
-    """The 10 bits above the low 21 of each fp32 in ``a`` (>= 0): exponent and 2 mantissa bits."""
-    if sys.byteorder == "little":  # the high half-word of each float, read in place: half the bytes
-        return a.view(torch.int16)[1::2] >> 5
-    return a.view(torch.int32) >> 21
+def _signed_bins(x: torch.Tensor) -> torch.Tensor:
+    """Each fp32 in ``x`` as its bin (``LAYOUT.bin_shift``), with its sign bit above it: |x|'s
+    bin for x >= 0, ``BINS`` + |x|'s bin for x < 0."""
+    if sys.byteorder == "little" and LAYOUT.bin_shift >= 16:  # the high half-word of each float, read in place
+        top = x.view(torch.int16)[1::2] >> (LAYOUT.bin_shift - 16)
+    else:
+        top = x.view(torch.int32) >> LAYOUT.bin_shift
+    return top.bitwise_and_(2 * BINS - 1)  # the arithmetic shift's sign bits cleared
 
 
 def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
     """``fill_row`` with torch ops: the path without a kernel."""
-    a = x.detach().reshape(-1).float().abs()  # a new tensor: modified in place below, never x
-    keys = _top_bits(a)
-    if a.device.type == "cpu":
-        row = torch.bincount(keys, minlength=BINS)
+    x = x.detach().reshape(-1).float()
+    keys = _signed_bins(x)  # signed: -inf is the negative half's Inf bin, at no extra pass
+    if x.device.type == "cpu":
+        signed = torch.bincount(keys, minlength=2 * BINS)
     else:  # bincount sizes its output from the data's max: a host sync on a GPU
-        ones = torch.ones((), dtype=torch.int64, device=a.device).expand(keys.numel())
-        row = torch.zeros(BINS, dtype=torch.int64, device=a.device).scatter_add_(0, keys.long(), ones)
+        ones = torch.ones((), dtype=torch.int64, device=x.device).expand(keys.numel())
+        signed = torch.zeros(2 * BINS, dtype=torch.int64, device=x.device).scatter_add_(0, keys.long(), ones)
+    row = signed.view(2, BINS).sum(0)
+    a = x.abs()  # a new tensor: modified in place below, never x
     zeros = a.numel() - torch.count_nonzero(a)
     row[1] += row[0] - zeros  # subnormals below 2**-128 share bin 0 with the zeros
     row[0] = zeros
     counts[:BINS] += row
-    counts[arena.OVERFLOW] += (a >= limits.overflow_at).sum()  # NaN compares False
+    counts[_NEGINF] += signed[BINS + LAYOUT.nonfinite_bins.start]  # -inf: sign, exponent 255, mantissa 0
+    counts[_OVERFLOW] += (a >= limits.overflow_at).sum()  # NaN compares False
     if a.numel():
-        extras[arena.ABSMAX] = a.nan_to_num_(nan=0.0, posinf=0.0).amax()
+        extras[_ABSMAX] = a.nan_to_num_(nan=0.0, posinf=0.0).amax()
 
 
 def raw_matrix(counts: torch.Tensor, extras: torch.Tensor) -> torch.Tensor:
     """Arena rows (``RowArena.matrix``) as the N x RAW float64 matrix ``compact`` reads:
-    bins, absmax, overflow."""
-    f64 = torch.float64
-    return torch.cat([counts[:, :BINS].to(f64), extras[:, arena.ABSMAX, None].to(f64),
-                      counts[:, arena.OVERFLOW, None].to(f64)], dim=1)
+    the counts row, then the extras (``LAYOUT.raw_extra``)."""
+    return torch.cat([counts.to(torch.float64), extras.to(torch.float64)], dim=1)
 
 
 def compact(raw: torch.Tensor, limits: LowDtype) -> torch.Tensor:
     """Raw rows (N x RAW) to Stats rows (N x WIDTH): all tensors of a step at once."""
-    counts = raw[:, :BINS].reshape(-1, 256, 4)
+    counts = raw[:, :BINS].reshape(-1, LAYOUT.exponents, LAYOUT.per_exponent)
     hist = counts.sum(-1)
-    nan = counts[:, 255, 1:].sum(1)
-    inf = counts[:, 255, 0]
     zero = counts[:, 0, 0]
     hist[:, 0] -= zero  # exponent 0 without the zeros: the fp32 subnormals
-    underflow = hist[:, :limits.normal_exponent].sum(1)
-    head = torch.stack([counts.sum((1, 2)), nan, inf, raw[:, BINS + 1], underflow, zero, raw[:, BINS]], dim=1)
-    return torch.cat([head, hist], dim=1)
+    columns = {
+        "numel": counts.sum((1, 2)),
+        "nan": counts[:, -1, 1:].sum(1),  # exponent 255 with mantissa bits
+        "inf": counts[:, -1, 0],
+        "neginf": raw[:, _NEGINF],
+        "overflow": raw[:, _OVERFLOW],
+        "underflow": hist[:, :limits.normal_exponent].sum(1),
+        "zero": zero,
+        "absmax": raw[:, LAYOUT.raw_extra["absmax"]],
+    }
+    return torch.cat([torch.stack([columns[name] for name in FIELDS], dim=1), hist], dim=1)
 
 
 def nonfinite(raw: torch.Tensor) -> torch.Tensor:
     """Per raw row: whether the tensor held NaN or Inf (exponent 255)."""
-    return raw[:, 255 * 4: 256 * 4].sum(1) > 0
+    bins = LAYOUT.nonfinite_bins
+    return raw[:, bins.start:bins.stop].sum(1) > 0
 
 
 def to_stats(row: list[float]) -> dict:
     """A compact row read back on the host, as the summary's Stats: counts, absmax, and the
     histogram as [floor(log2 |x|), count] pairs for the finite nonzero values seen (-127:
     the fp32 subnormals, all below 2**-126)."""
-    stats = {name: (float(row[i]) if name == "absmax" else int(row[i])) for i, name in enumerate(FIELDS)}
-    stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(row[HIST:]) if c and e < 255]
+    stats = {name: (int(row[i]) if LAYOUT.integer[name] else float(row[i])) for i, name in enumerate(FIELDS)}
+    stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(row[HIST:]) if c and e < LAYOUT.exponents - 1]
     return stats

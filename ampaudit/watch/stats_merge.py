@@ -1,19 +1,29 @@
-"""The summary's per-tensor Stats: their fields, and how the Stats of two steps add up.
+"""The summary's per-tensor Stats: their fields, and how the Stats of two steps add up - each
+field as ``layout.LAYOUT`` says (summed, or the largest kept).
 
-Torch-free, so that ``ampaudit report`` reads a log without importing torch.
+Torch-free, so that ``ampaudit report`` reads a log without importing torch. A field a log
+predates (``neginf``, say) reads as 0.
 """
 
 from __future__ import annotations
 
-FIELDS = ("numel", "nan", "inf", "overflow", "underflow", "zero", "absmax")
+from ampaudit.watch.layout import LAYOUT, MAX
+
+FIELDS = LAYOUT.fields
 
 
 def add_stats(total: dict, more: dict) -> dict:
-    """``more`` added into ``total`` (returned; a new dict when ``total`` is empty)."""
+    """``more`` added into ``total`` (returned; a new dict when ``total`` is empty). Fields
+    missing from either (a log written before they existed) count as 0."""
     if not total:
-        return {k: (list(map(list, v)) if k == "hist" else v) for k, v in more.items()}
+        total = {key: more.get(key, 0) for key in FIELDS}
+        total.update((k, list(map(list, v)) if k == "hist" else v) for k, v in more.items() if k not in total)
+        return total
     for key in FIELDS:
-        total[key] = max(total[key], more[key]) if key == "absmax" else total[key] + more[key]
+        if LAYOUT.reduce[key] == MAX:
+            total[key] = max(total.get(key, 0), more.get(key, 0))
+        else:
+            total[key] = total.get(key, 0) + more.get(key, 0)
     hist = dict(map(tuple, total["hist"]))
     for exponent, count in more["hist"]:
         hist[exponent] = hist.get(exponent, 0) + count

@@ -1,0 +1,142 @@
+"""Where a watched step ends: the optimizer's step hooks, and the GradScaler tap.
+
+A step ends at ``optimizer.step()`` (before it: the step reads this step's gradients), or
+after it when the step takes a closure (LBFGS, Lightning's automatic optimization: the
+closure runs the forward and backward inside ``step()``), or - with a GradScaler - at
+``scaler.update()``, so that a skipped step still counts. Each tap calls ``on_boundary``
+(with the scaler, when one ends the step) and knows how to come off again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import optimizer as optimizer_hooks
+
+Boundary = Callable[..., None]  # on_boundary(scaler=None)
+
+
+class OptimizerTap:
+    """Step boundaries from one optimizer's step hooks, or (``optimizer=None``, ``ampaudit
+    run``) from every optimizer that steps; ``optimizers`` are those whose parameters'
+    gradients the step records when no model names them."""
+
+    def __init__(self, on_boundary: Boundary, optimizer: torch.optim.Optimizer | None) -> None:
+        self.on_boundary = on_boundary
+        self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
+        self.in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
+        self._closure_steps = 0  # optimizer.step(closure) calls in progress
+        self._handles: list[Any] = []
+
+    def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._step_pre_hook))
+            self._handles.append(optimizer.register_step_post_hook(self._step_post_hook))
+        else:
+            self._handles.append(optimizer_hooks.register_optimizer_step_pre_hook(self._global_step_hook))
+            self._handles.append(optimizer_hooks.register_optimizer_step_post_hook(self._step_post_hook))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _global_step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.in_scaler_step:
+            return  # a GradScaler drives this step: its update() is the boundary
+        self.optimizers = [optimizer]
+        self._step_pre_hook(optimizer, args, kwargs)
+
+    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The step boundary is before optimizer.step(), which reads this step's gradients -
+        unless the step takes a closure: the closure runs this step's forward and backward
+        inside step(), so the boundary is after."""
+        # torch passes step()'s own args, the optimizer first: a closure is any callable after it
+        if any(callable(a) for a in args if a is not optimizer) or callable(kwargs.get("closure")):
+            self._closure_steps += 1
+        else:
+            self.on_boundary()
+
+    def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._closure_steps:
+            self._closure_steps -= 1
+            self.on_boundary()
+
+
+class ScalerTap:
+    """A GradScaler's ``update()`` as the step boundary: one scaler's (an instance attribute
+    wrapping its update), or - ``attach_all``, for ``ampaudit run`` - every GradScaler's (a
+    patch of the class, whose ``step()`` also tells ``optimizers`` which optimizer it steps).
+
+    Two watches may tap one scaler: the second wraps the first's wrapper, and each one's
+    ``detach`` unwraps only its own - in either order (a watch detached under a later one's
+    wrapper just passes through until that one comes off too)."""
+
+    def __init__(self, on_boundary: Boundary) -> None:
+        self.on_boundary = on_boundary
+        self.active = False
+        self._original: tuple[Any, tuple] | None = None  # (scaler or class, what to put back)
+
+    def attach(self, scaler: torch.amp.GradScaler) -> None:
+        original = scaler.update
+        tap = self
+
+        def update(new_scale: Any = None) -> None:
+            if tap.active:  # a tap detached under a later one's wrapper passes through
+                tap.on_boundary(scaler=scaler)
+            original(new_scale)
+
+        update.ampaudit_wraps = (tap, original)  # for unwrapping past detached taps
+        scaler.update = update  # instance attribute: unwrapped in detach()
+        self._original = (scaler, (update, original))
+        self.active = True
+
+    def attach_all(self, optimizers: OptimizerTap) -> None:
+        cls = torch.amp.GradScaler
+        original_update, original_step = cls.update, cls.step
+        tap = self
+
+        def step(self_scaler, optimizer, *args, **kwargs):
+            optimizers.optimizers = [optimizer]
+            optimizers.in_scaler_step = True
+            try:
+                return original_step(self_scaler, optimizer, *args, **kwargs)
+            finally:
+                optimizers.in_scaler_step = False
+
+        def update(self_scaler, new_scale=None):
+            tap.on_boundary(scaler=self_scaler)
+            return original_update(self_scaler, new_scale)
+
+        cls.update, cls.step = update, step
+        self._original = (cls, (original_update, original_step))
+        self.active = True
+
+    def detach(self) -> None:
+        self.active = False
+        if self._original is None:
+            return
+        target, original = self._original
+        if isinstance(target, type):
+            target.update, target.step = original
+        elif target.__dict__.get("update") is original[0]:  # ours is on top: put back what it wrapped
+            wrapped = original[1]
+            while hasattr(wrapped, "ampaudit_wraps") and not wrapped.ampaudit_wraps[0].active:
+                wrapped = wrapped.ampaudit_wraps[1]  # a tap detached out of order: drop its wrapper too
+            if getattr(wrapped, "__func__", None) is type(target).update:
+                del target.update  # the class's own method again
+            else:
+                target.update = wrapped  # an earlier tap's wrapper
+        self._original = None
+
+    @staticmethod
+    def read(scaler: torch.amp.GradScaler) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scale this step used and how many found-inf flags its optimizers raised (device
+        tensors, no sync); (None, None) for a disabled scaler."""
+        if not scaler.is_enabled():
+            return None, None
+        flags = [v for state in scaler._per_optimizer_states.values()
+                 for v in state.get("found_inf_per_device", {}).values()]
+        return scaler._scale, torch.stack([f.float().sum() for f in flags]).sum() if flags else None

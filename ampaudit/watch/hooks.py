@@ -1,0 +1,222 @@
+"""The hooks that record a step: module forward hooks and tensor gradient hooks turn every
+measured tensor into one raw row of the step's arena (one kernel launch, no host sync) and
+one event (module, phase, label), in execution order; at the step boundary the parameter
+gradients get a row each (``record_params``).
+
+Where the hooks see what:
+
+- ``before_forward(module, args)``: the forward pre-hook - the module's inputs, before it
+  runs (``inputs=True`` records them here);
+- ``after_forward(module, args, output)``: the forward hook - its inputs and its output; the
+  output is recorded here, and a gradient hook put on each output tensor
+  (``hook_grad``) records the gradient w.r.t. it as phase "backward".
+
+Everything else waits for the step boundary (``reducer``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.nn.modules import module as module_hooks
+
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.watch import stats
+from ampaudit.watch.arena import Handle, RowArena
+
+
+def unmeasurable(t: torch.Tensor) -> str | None:
+    """Why watch cannot measure a float tensor (its kind), or None: the row kernels read a
+    dense, strided buffer with values."""
+    if t.is_nested:
+        return "nested"
+    if t.layout != torch.strided:
+        return "sparse"
+    if t.is_meta:
+        return "meta"
+    return None
+
+
+def measurable_tensors(value: Any, limit: int = 8, skipped: Counter | None = None) -> list[torch.Tensor]:
+    """Measurable float tensors in a module's output or inputs (a tensor, or a tuple/list/dict
+    of them); the others are counted in ``skipped`` by kind, never measured (complex and
+    quantized tensors are not floating point: not counted)."""
+    items = [value] if isinstance(value, torch.Tensor) else \
+        value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    found = []
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.is_floating_point():
+            kind = unmeasurable(item)
+            if kind is None:
+                found.append(item)
+            elif skipped is not None:
+                skipped[kind] += 1
+        if len(found) >= limit:
+            break
+    return found
+
+
+def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
+    """The dtype a run uses, at its first forward, and why: autocast's if autocast is on, else
+    a low-precision output's (a ``.half()`` / ``.bfloat16()`` model), else float16."""
+    devices = {t.device.type for t in outputs} or {"cuda" if torch.cuda.is_available() else "cpu"}
+    for device in sorted(devices):
+        if torch.is_autocast_enabled(device):
+            dtype, source = torch.get_autocast_dtype(device), f"autocast ({device})"
+            break
+    else:
+        low = [t.dtype for t in outputs if t.dtype in (torch.float16, torch.bfloat16)]
+        dtype, source = (low[0], "the model's own dtype") if low else (torch.float16, "default")
+    if dtype not in (torch.float16, torch.bfloat16):  # autocast to something else: audit for fp16
+        dtype, source = torch.float16, f"default (autocast to {dtype})"
+    return LowDtype.parse(dtype), source
+
+
+class StepRecorder:
+    """Module and tensor hooks that fill this step's arena rows and events.
+
+    With a model, hooks on its modules; with ``model=None`` (``ampaudit run``), PyTorch's
+    global module hooks: every module that runs forward, named on first sight. ``logging``
+    says whether the current step is recorded (set at each step boundary); ``limits`` is the
+    audited dtype (detected at the first forward unless ``dtype_source`` is given)."""
+
+    def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool) -> None:
+        self.limits, self.dtype_source = limits, dtype_source
+        self.record_inputs, self.record_eval = record_inputs, record_eval
+        self.logging = True  # this step is recorded
+        self.active = False  # hooks attached (a gradient hook outlives detach: it checks)
+        self.arena = RowArena()  # this step's raw rows, filled in place by the kernels
+        self.event_rows: list[Handle] = []  # arena handles, in execution order
+        self.events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
+        self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle
+        self.eval_forwards = 0  # the model's grad-disabled calls
+        self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle]] = {}  # this step's measured tensors
+        self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._param_names: dict[int, str] = {}
+        self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
+        self._handles: list[Any] = []
+
+    # -- attaching --------------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module | None) -> None:
+        if model is not None:
+            self._name_tree(model, "")
+            for module in model.modules():
+                self._handles.append(module.register_forward_hook(self.after_forward))
+                if self.record_inputs:  # the pre-hook costs a call per module: only when it records
+                    self._handles.append(module.register_forward_pre_hook(self.before_forward))
+        else:  # ampaudit run: every module that runs forward, whoever built it
+            self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_before_forward))
+            self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward))
+        self.active = True
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.active = False
+
+    # -- names ----------------------------------------------------------------------------------
+    def _name_tree(self, root: torch.nn.Module, prefix: str) -> None:
+        """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
+        "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
+        for name, module in root.named_modules(remove_duplicate=False):
+            label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
+            self._names.setdefault(id(module), label)
+        for name, param in root.named_parameters(remove_duplicate=False):
+            self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
+
+    def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:
+        return self._param_names.get(id(param), fallback)
+
+    # -- module hooks ---------------------------------------------------------------------------
+    def before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """The forward pre-hook: the module's inputs, before it runs."""
+        if not torch.is_grad_enabled() and not self.record_eval:
+            return
+        if self.dtype_source is None and torch.is_grad_enabled():
+            self._detect_dtype(measurable_tensors(args))
+        if self.record_inputs and self.logging:
+            name = self._names.get(id(module))
+            for i, t in enumerate(measurable_tensors(args, skipped=self.unmeasured)):
+                if name is not None:
+                    self.record(name, "input", t, f"input[{i}]")
+
+    def after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The forward hook: the module's inputs and its output, after it ran."""
+        name = self._names.get(id(module))
+        phase = "forward"
+        if not torch.is_grad_enabled():  # eval, generation: not training-step data
+            self.eval_forwards += name == "(model)"  # the model's own calls
+            if not self.record_eval:
+                return
+            phase = "eval"
+        elif self.dtype_source is None:
+            self._detect_dtype(measurable_tensors(output))
+        if not self.logging or name is None:
+            return
+        for i, t in enumerate(measurable_tensors(output, skipped=self.unmeasured)):
+            label = "output" if isinstance(output, torch.Tensor) else f"output[{i}]"
+            self.record(name, phase, t, label)
+            if t.requires_grad:
+                self.hook_grad(t, name, f"grad of {label}")
+
+    def _global_before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0 and id(module) not in self._names:
+            self._name_tree(module, "" if not self._names else type(module).__name__)
+        self._depth += 1
+        if self.record_inputs:
+            self.before_forward(module, args)
+
+    def _global_after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        self.after_forward(module, args, output)
+
+    def _detect_dtype(self, outputs: list[torch.Tensor]) -> None:
+        self.limits, self.dtype_source = detect_dtype(outputs)
+
+    # -- tensors --------------------------------------------------------------------------------
+    def hook_grad(self, tensor: torch.Tensor, module: str, label: str) -> None:
+        """Record the gradient w.r.t. ``tensor`` when backward computes it (phase "backward")."""
+        def hook(grad: torch.Tensor) -> None:
+            if self.logging and self.active:
+                self.record(module, "backward", grad, label)
+
+        tensor.register_hook(hook)
+
+    def record(self, module: str, phase: str, tensor: torch.Tensor, label: str) -> None:
+        """One event. Hot path: one raw row per tensor; everything else waits for the step
+        boundary. A container often returns its last child's very tensor: measured once,
+        counted for both."""
+        key = (id(tensor), tensor._version)
+        row = self._seen.get(key)
+        if row is None or row[0]() is not tensor:  # a weak reference: never keeps activations alive
+            handle, counts, extras = self.arena.take(tensor.device)
+            stats.fill_row(tensor, counts, extras, self.limits)
+            row = self._seen[key] = (weakref.ref(tensor), handle)
+        self.event_rows.append(row[1])
+        self.events.append((module, phase, label))
+
+    def record_params(self, params: list[tuple[str, torch.nn.Parameter]], scale: torch.Tensor | None) -> None:
+        """A row per parameter gradient, at the step boundary: with its norm, and with a
+        GradScaler how many gradients overflow at its current scale."""
+        self.param_rows = {}
+        for name, p in params:
+            if p.grad is None:
+                continue
+            kind = unmeasurable(p.grad)
+            if kind is not None:  # a sparse embedding's gradient, say
+                self.unmeasured[kind] += 1
+                continue
+            handle, counts, extras = self.arena.take(p.grad.device)
+            stats.fill_row(p.grad, counts, extras, self.limits, norm=True, scale=scale)
+            self.param_rows[name] = handle
+
+    def end_step(self, logging_next: bool) -> None:
+        """Forget this step's rows and events; ``logging_next``: whether the next is recorded."""
+        self.event_rows, self.events, self.param_rows, self._seen = [], [], {}, {}
+        self.arena.reset()
+        self.logging = logging_next

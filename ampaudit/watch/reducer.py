@@ -1,0 +1,188 @@
+"""The step boundary on the device: a logged step's raw rows reduced into one flat float64
+buffer (``layout.StepBuffer``), under torch.distributed one ``all_gather`` of it, then one
+read back - or, when nobody reads per-step numbers (no log, one process), running totals
+kept on the device and only what the step must decide read back.
+
+Every offset and reduction - which columns are summed and which keep their maximum, over a
+step's events, over steps and over ranks - comes from ``layout.LAYOUT``. The first
+non-finite event is found on the device too: each event's position in the step is its
+sequence number, and the buffer keeps the smallest one whose tensor held NaN or Inf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.watch import stats
+from ampaudit.watch.arena import Handle, RowArena, index_tensor
+from ampaudit.watch.layout import LAYOUT, MAX, StepBuffer
+
+NO_EVENT = 2**62  # "no non-finite tensor yet" on the device
+_F64 = torch.float64
+
+
+@dataclass
+class StepValues:
+    """One logged step, read back on the host: what ``decode.step_record`` reads."""
+
+    layers: list[list[float]]  # a Stats row per (module, phase); none when the totals stay on the device
+    params: list[list[float]] | None  # a Stats row per parameter; None when the totals stay on the device
+    param_nonfinite: list[bool]  # per parameter: its gradient held NaN or Inf
+    norms: list[float]  # per parameter: its gradient's L2 norm
+    scaled: list[float]  # per parameter: how many overflow at the loss scale (-1: no GradScaler)
+    first: float  # the first non-finite event's sequence number (>= NO_EVENT: none); ranks: seq * world + rank
+    scale: float  # the loss scale this step used (-1: none)
+    found_inf: float  # the GradScaler's found-inf flags, summed (-1: none)
+
+
+class StepReducer:
+    """Reduces each logged step on the device; ``world`` processes (torch.distributed)."""
+
+    def __init__(self, world: int = 1) -> None:
+        self.world = world
+        self._totals: torch.Tensor | None = None  # running Stats rows on the device (no log, one process)
+        self._totals_index: dict[tuple, int] = {}  # ("layer", module, phase) or ("param", name) -> row
+        self._last_norms: dict[str, float] = {}
+        self._scaled_totals: dict[str, int] = {}
+
+    # -- one step -----------------------------------------------------------------------------
+    def step_buffer(self, arena: RowArena, event_rows: list[Handle], event_keys: list[int], n_keys: int,
+                    param_rows: list[Handle], limits: LowDtype, found_inf: torch.Tensor | None,
+                    scale: torch.Tensor | None) -> tuple[torch.Tensor, StepBuffer]:
+        """Everything this step recorded, reduced on the device into one flat float64 buffer
+        laid out as the returned ``StepBuffer``. ``event_keys``: each event's (module, phase)
+        row, of ``n_keys``; ``param_rows``: one arena row per parameter, in the buffer's order."""
+        buf = LAYOUT.step_buffer(n_keys, len(param_rows))
+        handles = event_rows + param_rows
+        device = handles[0][0] if handles else torch.device("cpu")
+        raw = stats.raw_matrix(*arena.matrix(handles, device))
+        events, n_events = raw[: len(event_rows)], len(event_rows)
+        parts = []
+        if n_events:
+            index = index_tensor(event_keys, device)
+            summed = torch.zeros(n_keys, LAYOUT.raw, device=device, dtype=_F64).index_add_(0, index, events)
+            if LAYOUT.raw_max:  # the extras kept as a maximum (absmax), not summed
+                columns = index_tensor(list(LAYOUT.raw_max), device)
+                peaks = torch.zeros(n_keys, len(columns), device=device, dtype=_F64).scatter_reduce_(
+                    0, index[:, None].expand(-1, len(columns)), events.index_select(1, columns), "amax",
+                    include_self=False)
+                summed.index_copy_(1, columns, peaks)
+            parts.append(stats.compact(summed, limits).reshape(-1))
+            bad = stats.nonfinite(events)
+            first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(_F64).reshape(1)
+        else:
+            first = torch.full((1,), float(NO_EVENT), device=device, dtype=_F64)
+        if param_rows:
+            params = raw[n_events:]
+            parts.append(stats.compact(params, limits).reshape(-1))
+            parts.append(params[:, LAYOUT.raw_extra["sumsq"]].sqrt())
+            parts.append(params[:, LAYOUT.count["scaled"]] if scale is not None
+                         else torch.full((len(param_rows),), -1.0, device=device, dtype=_F64))
+        minus_one = torch.full((1,), -1.0, device=device, dtype=_F64)
+        tail = [first, scale.to(device, _F64).reshape(1) if scale is not None else minus_one,
+                found_inf.to(device, _F64).reshape(1) if found_inf is not None else minus_one]
+        flat = torch.cat([*parts, *tail])
+        assert flat.numel() == buf.size
+        return flat, buf
+
+    def gather(self, flat: torch.Tensor, buf: StepBuffer) -> torch.Tensor:
+        """Under torch.distributed: one all_gather of the buffer, reduced as ``buf`` says -
+        counts summed, maxima kept, and the first non-finite taken from the earliest rank,
+        kept on the device as sequence * world + rank, so that the step still reads back once."""
+        if self.world <= 1:
+            return flat
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(gathered, flat)
+        stacked = torch.stack(gathered)
+        out = stacked.sum(0)
+        ranks = torch.arange(self.world, device=flat.device, dtype=flat.dtype)[:, None]
+        for positions, how in buf.reductions():
+            if not positions:
+                continue
+            index = index_tensor(positions, flat.device)
+            column = stacked.index_select(1, index)
+            if how == MAX:
+                value = column.amax(0)
+            elif how == StepBuffer.FIRST:
+                value = (column * self.world + ranks).amin(0)
+            elif how == StepBuffer.RANK0:
+                value = column[0]
+            else:
+                raise ValueError(f"unknown reduction {how!r}")
+            out.index_copy_(0, index, value)
+        return out
+
+    def read(self, flat: torch.Tensor, buf: StepBuffer) -> StepValues:
+        """The whole buffer, read back: the one host sync of this step."""
+        values = flat.tolist()
+        rows = [values[buf.row(i)] for i in range(buf.n_rows + buf.n_params)]
+        params = rows[buf.n_rows:]
+        nan, inf = LAYOUT.field["nan"], LAYOUT.field["inf"]
+        return self._with_tail(values, buf, 0, layers=rows[:buf.n_rows], params=params,
+                               param_nonfinite=[bool(row[nan] or row[inf]) for row in params])
+
+    def accumulate(self, flat: torch.Tensor, buf: StepBuffer, keys: list[tuple[str, str]],
+                   param_keys: list[str]) -> StepValues:
+        """Add this step's Stats rows to running totals on the device; read back only the
+        parameters' finiteness, norms and overflow at scale and the step's tail (one small sync)."""
+        width = LAYOUT.width
+        all_keys = [("layer", *k) for k in keys] + [("param", k) for k in param_keys]
+        rows = flat[buf.stats].reshape(-1, width)
+        for key in all_keys:
+            if key not in self._totals_index:
+                self._totals_index[key] = len(self._totals_index)
+        grow = len(self._totals_index) - (0 if self._totals is None else self._totals.shape[0])
+        if grow:
+            pad = torch.zeros(grow, width, dtype=_F64, device=flat.device)
+            self._totals = pad if self._totals is None else torch.cat([self._totals, pad])
+        if all_keys:
+            index = index_tensor([self._totals_index[k] for k in all_keys], flat.device)
+            columns = index_tensor(list(LAYOUT.max_fields), flat.device)  # absmax: the largest, not the sum
+            peaks = self._totals.index_select(1, columns).scatter_reduce_(
+                0, index[:, None].expand(-1, len(columns)), rows.index_select(1, columns), "amax")
+            self._totals.index_add_(0, index, rows)
+            self._totals.index_copy_(1, columns, peaks)
+        params = rows[len(keys):]
+        bad = params[:, LAYOUT.field["nan"]] + params[:, LAYOUT.field["inf"]]
+        n_params = len(param_keys)
+        values = torch.cat([bad, flat[buf.tail]]).tolist()  # the one host sync of this step
+        step = self._with_tail(values, buf, buf.tail.start - n_params, layers=[], params=None,
+                               param_nonfinite=[bool(v) for v in values[:n_params]])
+        self._last_norms = dict(zip(param_keys, step.norms, strict=True))
+        for name, count in zip(param_keys, step.scaled, strict=True):
+            if count >= 0:  # with a GradScaler: gradients overflowing at its current scale
+                self._scaled_totals[name] = self._scaled_totals.get(name, 0) + int(count)
+        return step
+
+    @staticmethod
+    def _with_tail(values: list[float], buf: StepBuffer, base: int, **rows) -> StepValues:
+        """StepValues from ``values``, which hold the buffer's tail at ``buf`` positions - ``base``."""
+        def at(part: slice) -> list[float]:
+            return values[part.start - base: part.stop - base]
+
+        return StepValues(**rows, norms=at(buf.norms), scaled=at(buf.scaled), first=values[buf.first - base],
+                          scale=values[buf.scale - base], found_inf=values[buf.found_inf - base])
+
+    # -- the run -------------------------------------------------------------------------------
+    def totals(self) -> tuple[dict[str, dict], dict[str, dict]] | None:
+        """The running totals kept on the device, read back (one sync): (layers, params) as
+        the summary has them; None when every step was read back instead."""
+        if self._totals is None:
+            return None
+        rows = self._totals.tolist()
+        layers: dict[str, dict] = {}
+        params: dict[str, dict] = {}
+        for key, i in self._totals_index.items():
+            entry = stats.to_stats(rows[i])
+            if key[0] == "layer":
+                layers.setdefault(key[1], {})[key[2]] = entry
+            else:
+                entry["norm"] = self._last_norms.get(key[1])
+                if key[1] in self._scaled_totals:
+                    entry["overflow_at_scale"] = self._scaled_totals[key[1]]
+                params[key[1]] = entry
+        return layers, params
