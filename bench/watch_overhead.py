@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+import tempfile
 from pathlib import Path
 from unittest import mock
 
@@ -82,15 +84,24 @@ def main() -> None:
         loss.backward()
         opt.step()
 
-    def watched(every=1):
-        return ampaudit.watch(model, optimizer=opt, every=every)
+    def watched(every=1, **options):
+        return ampaudit.watch(model, optimizer=opt, every=every, **options)
+
+    log_dir = tempfile.mkdtemp(prefix="ampaudit-bench-")
+
+    def logged():  # what `ampaudit run` does: a log written every step
+        path = os.path.join(log_dir, "run.jsonl")
+        if os.path.exists(path):
+            os.unlink(path)
+        return watched(log=path)
 
     @contextlib.contextmanager
     def torch_rows():
         with mock.patch.object(cpu_kernel, "available", lambda: False), watched():
             yield
 
-    variants = {"plain": contextlib.nullcontext, "watch": watched, "watch every=10": lambda: watched(10),
+    variants = {"plain": contextlib.nullcontext, "watch": watched, "watch + log": logged,
+                "watch, provenance=False": lambda: watched(provenance=False), "watch every=10": lambda: watched(10),
                 "watch, torch-op rows": torch_rows, "naive .item() hooks": lambda: ab.item_hooks(model),
                 "detect_anomaly": ab.anomaly}
     medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=2)

@@ -109,7 +109,10 @@ def test_first_nonfinite_in_forward():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with ampaudit.watch(model, optimizer=opt) as mon:
         _train(model, opt, 4)
-    assert mon.summary()["first_nonfinite"] == {"step": 2, "module": "1", "phase": "forward", "tensor": "output"}
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("step", "module", "phase", "tensor")} == {
+        "step": 2, "module": "1", "phase": "forward", "tensor": "output"}
+    assert "stayed finite: it depends on state" in first["note"]  # _Blowup counts its calls
 
 
 class _Sqrt(nn.Module):
@@ -125,8 +128,11 @@ def test_first_nonfinite_in_backward():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with ampaudit.watch(model, optimizer=opt) as mon:
         _train(model, opt, 1)
-    assert mon.summary()["first_nonfinite"] == {"step": 0, "module": "0", "phase": "backward",
-                                                "tensor": "grad of output"}
+    # born in _Sqrt's backward (sqrt at 0): reported there, with the autograd node and its line
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("step", "module", "phase", "tensor", "op")} == {
+        "step": 0, "module": "1", "phase": "backward", "tensor": "grad of input[0]", "op": "SqrtBackward0"}
+    assert first["source"] == f"{__file__}:{_Sqrt.forward.__code__.co_firstlineno + 1}"
 
 
 def test_stop_on_nonfinite_names_the_module():

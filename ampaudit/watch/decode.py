@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampaudit.watch import stats
+from ampaudit.watch.hooks import INPUT_GRAD
 from ampaudit.watch.reducer import NO_EVENT, StepValues
 
 
@@ -33,7 +34,8 @@ def step_record(step: int, values: StepValues, keys: list[tuple[str, str]], para
     first = None
     if first_seq < NO_EVENT and int(first_seq) < len(events):
         module, phase, tensor = events[int(first_seq)]
-        first = {"step": step, "module": module, "phase": phase, "tensor": tensor}
+        first = {"step": step, "module": module, "phase": "backward" if phase == INPUT_GRAD else phase,
+                 "tensor": tensor}
         if world > 1:
             first["rank"] = rank
     elif nonfinite_params:

@@ -7,9 +7,12 @@ Where the hooks see what:
 
 - ``before_forward(module, args)``: the forward pre-hook - the module's inputs, before it
   runs (``inputs=True`` records them here);
-- ``after_forward(module, args, output)``: the forward hook - its inputs and its output; the
-  output is recorded here, and a gradient hook put on each output tensor
-  (``hook_grad``) records the gradient w.r.t. it as phase "backward".
+- ``after_forward(module, args, kwargs, output)``: the forward hook - its inputs and its
+  output; the output is recorded here, and a gradient hook put on each output tensor
+  (``hook_grad``) records the gradient w.r.t. it as phase "backward". With ``provenance``,
+  the call itself is kept for the step (``calls``: a replay names the op if this module turns
+  out to be where a NaN was born), and a gradient hook on each input that needs a gradient
+  records it as phase ``INPUT_GRAD``: the gradient this module's backward made.
 
 Everything else waits for the step boundary (``reducer``).
 """
@@ -26,6 +29,12 @@ from torch.nn.modules import module as module_hooks
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import stats
 from ampaudit.watch.arena import Handle, RowArena
+from ampaudit.watch.provenance import Call, autocast_state
+
+# The gradient w.r.t. a module's input: an event that may be the first non-finite (it is what
+# the module's backward made), but in no statistics row - the producer's output gradient
+# already counts that tensor.
+INPUT_GRAD = "input grad"
 
 
 def unmeasurable(t: torch.Tensor) -> str | None:
@@ -75,6 +84,12 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
     return LowDtype.parse(dtype), source
 
 
+def _positional(args: Any, skipped: Counter | None = None) -> list[tuple[int, torch.Tensor]]:
+    """The measurable float tensors among a call's positional arguments, with their position."""
+    return [(i, t) for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)
+            for t in measurable_tensors(arg, skipped=skipped)]
+
+
 class StepRecorder:
     """Module and tensor hooks that fill this step's arena rows and events.
 
@@ -83,14 +98,21 @@ class StepRecorder:
     says whether the current step is recorded (set at each step boundary); ``limits`` is the
     audited dtype (detected at the first forward unless ``dtype_source`` is given)."""
 
-    def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool) -> None:
+    def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool,
+                 provenance: bool = True) -> None:
         self.limits, self.dtype_source = limits, dtype_source
-        self.record_inputs, self.record_eval = record_inputs, record_eval
+        self.record_inputs, self.record_eval, self.provenance = record_inputs, record_eval, provenance
         self.logging = True  # this step is recorded
         self.active = False  # hooks attached (a gradient hook outlives detach: it checks)
+        self.paused = False  # a replay runs modules: not the run's data
         self.arena = RowArena()  # this step's raw rows, filled in place by the kernels
         self.event_rows: list[Handle] = []  # arena handles, in execution order
         self.events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
+        self.event_calls: list[int | None] = []  # each event's module call, in ``calls`` (provenance)
+        self.calls: list[Call | None] = []  # this step's module calls (None: released)
+        self.calls_frozen = False  # a micro-batch before this one went non-finite: keep its calls
+        self._call: int | None = None  # the call whose events are being recorded
+        self._model: torch.nn.Module | None = None
         self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle
         self.eval_forwards = 0  # the model's grad-disabled calls
         self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
@@ -102,15 +124,19 @@ class StepRecorder:
 
     # -- attaching --------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module | None) -> None:
+        self._model = model
         if model is not None:
             self._name_tree(model, "")
+            if self.provenance:  # a new forward of the model: an earlier micro-batch's calls may go
+                self._handles.append(model.register_forward_pre_hook(self._root_forward))
             for module in model.modules():
-                self._handles.append(module.register_forward_hook(self.after_forward))
+                self._handles.append(module.register_forward_hook(self.after_forward, with_kwargs=True))
                 if self.record_inputs:  # the pre-hook costs a call per module: only when it records
                     self._handles.append(module.register_forward_pre_hook(self.before_forward))
         else:  # ampaudit run: every module that runs forward, whoever built it
             self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_before_forward))
-            self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward))
+            self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
+                                                                           with_kwargs=True))
         self.active = True
 
     def detach(self) -> None:
@@ -135,18 +161,20 @@ class StepRecorder:
     # -- module hooks ---------------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """The forward pre-hook: the module's inputs, before it runs."""
-        if not torch.is_grad_enabled() and not self.record_eval:
+        if self.paused or (not torch.is_grad_enabled() and not self.record_eval):
             return
         if self.dtype_source is None and torch.is_grad_enabled():
             self._detect_dtype(measurable_tensors(args))
         if self.record_inputs and self.logging:
             name = self._names.get(id(module))
-            for i, t in enumerate(measurable_tensors(args, skipped=self.unmeasured)):
+            for i, t in _positional(args, self.unmeasured):
                 if name is not None:
                     self.record(name, "input", t, f"input[{i}]")
 
-    def after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """The forward hook: the module's inputs and its output, after it ran."""
+        if self.paused:
+            return
         name = self._names.get(id(module))
         phase = "forward"
         if not torch.is_grad_enabled():  # eval, generation: not training-step data
@@ -158,36 +186,66 @@ class StepRecorder:
             self._detect_dtype(measurable_tensors(output))
         if not self.logging or name is None:
             return
+        self._call = None
+        if self.provenance and phase == "forward" and not self.calls_frozen:
+            self._call = len(self.calls)
+            self.calls.append(Call(module, args, kwargs, autocast_state()))
+            for i, t in _positional(args):
+                if t.requires_grad:
+                    self.hook_grad(t, name, f"grad of input[{i}]", INPUT_GRAD)
         for i, t in enumerate(measurable_tensors(output, skipped=self.unmeasured)):
             label = "output" if isinstance(output, torch.Tensor) else f"output[{i}]"
             self.record(name, phase, t, label)
             if t.requires_grad:
                 self.hook_grad(t, name, f"grad of {label}")
+        self._call = None
 
     def _global_before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._depth == 0 and id(module) not in self._names:
-            self._name_tree(module, "" if not self._names else type(module).__name__)
+        if self.paused:
+            return
+        if self._depth == 0:
+            if id(module) not in self._names:
+                self._name_tree(module, "" if not self._names else type(module).__name__)
+            if self.provenance:
+                self._root_forward(module, args)
         self._depth += 1
         if self.record_inputs:
             self.before_forward(module, args)
 
-    def _global_after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.paused:
+            return
         self._depth = max(0, self._depth - 1)
-        self.after_forward(module, args, output)
+        self.after_forward(module, args, kwargs, output)
+
+    def _root_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A new forward of the model within the step (gradient accumulation): the calls kept so
+        far are released - unless that micro-batch already went non-finite (one host sync, only
+        when a step has several forwards), whose calls a replay will need."""
+        if self.paused or not self.calls or self.calls_frozen or not torch.is_grad_enabled() or not self.logging:
+            return
+        device = self.event_rows[0][0] if self.event_rows else torch.device("cpu")
+        if self.event_rows and bool(stats.harmful(stats.raw_matrix(*self.arena.matrix(self.event_rows, device)))
+                                    .any()):
+            self.calls_frozen = True
+        else:
+            self.calls = [None] * len(self.calls)
 
     def _detect_dtype(self, outputs: list[torch.Tensor]) -> None:
         self.limits, self.dtype_source = detect_dtype(outputs)
 
     # -- tensors --------------------------------------------------------------------------------
-    def hook_grad(self, tensor: torch.Tensor, module: str, label: str) -> None:
+    def hook_grad(self, tensor: torch.Tensor, module: str, label: str, phase: str = "backward") -> None:
         """Record the gradient w.r.t. ``tensor`` when backward computes it (phase "backward")."""
+        call = self._call
+
         def hook(grad: torch.Tensor) -> None:
-            if self.logging and self.active:
-                self.record(module, "backward", grad, label)
+            if self.logging and self.active and not self.paused:
+                self.record(module, phase, grad, label, call)
 
         tensor.register_hook(hook)
 
-    def record(self, module: str, phase: str, tensor: torch.Tensor, label: str) -> None:
+    def record(self, module: str, phase: str, tensor: torch.Tensor, label: str, call: int | None = None) -> None:
         """One event. Hot path: one raw row per tensor; everything else waits for the step
         boundary. A container often returns its last child's very tensor: measured once,
         counted for both."""
@@ -199,6 +257,7 @@ class StepRecorder:
             row = self._seen[key] = (weakref.ref(tensor), handle)
         self.event_rows.append(row[1])
         self.events.append((module, phase, label))
+        self.event_calls.append(self._call if call is None else call)
 
     def record_params(self, params: list[tuple[str, torch.nn.Parameter]], scale: torch.Tensor | None) -> None:
         """A row per parameter gradient, at the step boundary: with its norm, and with a
@@ -218,5 +277,6 @@ class StepRecorder:
     def end_step(self, logging_next: bool) -> None:
         """Forget this step's rows and events; ``logging_next``: whether the next is recorded."""
         self.event_rows, self.events, self.param_rows, self._seen = [], [], {}, {}
+        self.event_calls, self.calls, self.calls_frozen = [], [], False
         self.arena.reset()
         self.logging = logging_next

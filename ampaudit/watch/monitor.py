@@ -16,7 +16,9 @@ scale, and the first module that went non-finite - with at most one host sync pe
 
 from __future__ import annotations
 
+import fnmatch
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +28,14 @@ import torch.distributed as dist
 from ampaudit.core.arguments import require_module
 from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
+from ampaudit.watch.blame import trace_first
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
-from ampaudit.watch.hooks import StepRecorder, unmeasurable
+from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder, unmeasurable
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.reducer import StepReducer
-from ampaudit.watch.summary import SummaryBuilder
+from ampaudit.watch.summary import SummaryBuilder, describe_first
 
 __all__ = ["Monitor", "NonFiniteError", "stop_reason", "unmeasurable", "watch"]
 
@@ -50,8 +53,7 @@ def stop_reason(record: dict[str, Any], skips_in_row: int, stop_after_skips: int
     scale cannot fix - non-finite values in the forward, a scale below 1, or
     ``stop_after_skips`` skipped steps in a row."""
     first, scale = record["first_nonfinite"], record["scale"]
-    where = (f"first in {first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"
-             if first is not None else "")
+    where = describe_first(first) if first is not None else ""
     if scale is None:
         return f"non-finite values {where}" if first is not None else None
     if first is not None and first["phase"] == "forward":
@@ -68,13 +70,21 @@ class Monitor:
     optimizer that steps: ``ampaudit run``). Steps end at ``optimizer.step()``, at
     ``scaler.update()`` when a GradScaler is given, or at ``step()``; every ``every``-th one
     is recorded, audited against ``dtype``, and written to ``log`` (JSON lines) if given.
+    With ``provenance`` (default), each module call of a recorded step is kept until its end,
+    so that on a step where a value goes non-finite the module that made it is replayed to
+    name the op; modules matching an ``ignore`` pattern (fnmatch) are never the first.
     Use as a context manager, or ``start()`` / ``stop()``; read ``summary()`` or ``print()``."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
                  dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
-                 inputs: bool = False, stop_after_skips: int = 10, eval: bool = False) -> None:
+                 inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
+                 ignore: Sequence[str] = ()) -> None:
         require_module(model, "ampaudit.watch", optional=True)
+        if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
+            raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
+        self.ignore = tuple(ignore)
+        self._eligible: dict[str, int] = {}  # module name -> 0 if ignored, else 1
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -85,10 +95,12 @@ class Monitor:
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         # None: the dtype the run uses, read at its first forward (autocast's, else the model's own)
         self.recorder = StepRecorder(LowDtype.parse(dtype if dtype is not None else FLOAT16),
-                                     "given" if dtype is not None else None, record_inputs=inputs, record_eval=eval)
+                                     "given" if dtype is not None else None, record_inputs=inputs, record_eval=eval,
+                                     provenance=provenance)
         self.optimizer_tap = OptimizerTap(self._boundary, optimizer)
         self.scaler_tap = ScalerTap(self._boundary)
         self.reducer = StepReducer(world)
+        self._rank = rank
         self.sink = LogSink(self.log_path if rank == 0 else None)  # rank 0 writes the log
         self._conditions = DeviceConditions()  # the verdicts' per-step conditions, with the totals
         self.builder = SummaryBuilder(self.dtype_name)
@@ -205,12 +217,13 @@ class Monitor:
         step, recorder = self.step_index, self.recorder
         record = None
         if recorder.logging:
-            keys = sorted(set((module, phase) for module, phase, _ in recorder.events))
+            keys = sorted(set((module, phase) for module, phase, _ in recorder.events if phase != INPUT_GRAD))
             param_keys = sorted(recorder.param_rows)
             slot = {key: i for i, key in enumerate(keys)}
             flat, buf = self.reducer.step_buffer(
-                recorder.arena, recorder.event_rows, [slot[(m, p)] for m, p, _ in recorder.events], len(keys),
-                [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale)
+                recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
+                len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
+                eligible=self._eligible_events() if self.ignore else None)
             if not self.sink.is_open and self.reducer.world <= 1:
                 # Nobody reads per-step numbers: keep the totals on the device and read back
                 # only what this step must decide (first non-finite, skipped, scale).
@@ -223,12 +236,33 @@ class Monitor:
                                      "unmeasured": dict(recorder.unmeasured),  # so far: the builder keeps the latest
                                      "dtype": self.dtype_name, "dtype_source": self.dtype_source,
                                      "eval_forwards": recorder.eval_forwards})
+            self._trace(record, values.first, [k for k, bad in zip(param_keys, values.param_nonfinite, strict=True)
+                                               if bad])
             self.builder.add(record)
             self.sink.write(record)
         self.step_index += 1
         recorder.end_step(logging_next=self.step_index % self.every == 0)
         if record is not None:
             self._check_stop(record)
+
+    def _eligible_events(self) -> list[int]:
+        """1 for each event that may be the first non-finite, 0 for one of an ignored module."""
+        marks = []
+        for module, _, _ in self.recorder.events:
+            mark = self._eligible.get(module)
+            if mark is None:
+                mark = self._eligible[module] = int(not any(fnmatch.fnmatchcase(module, p) for p in self.ignore))
+            marks.append(mark)
+        return marks
+
+    def _trace(self, record: dict[str, Any], first_seq: float, bad_params: list[str]) -> None:
+        """On a step with a non-finite value only: the module, op and line that made it."""
+        first, world = record["first_nonfinite"], self.reducer.world
+        if first is None or not self.recorder.provenance or first_seq >= len(self.recorder.events) * world:
+            return
+        seq, rank = divmod(int(first_seq), world)
+        if rank == self._rank:  # the module ran here: replay it here
+            record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params)
 
     def _check_stop(self, record: dict[str, Any]) -> None:
         """With ``stop_on_nonfinite``: raise once this step is recorded, if it calls for it."""
@@ -266,8 +300,9 @@ class Monitor:
 def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
           scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
           dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
-          inputs: bool = False, stop_after_skips: int = 10, eval: bool = False) -> Monitor:
+          inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
+          ignore: Sequence[str] = ()) -> Monitor:
     """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
     return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
                    stop_on_nonfinite=stop_on_nonfinite, inputs=inputs, stop_after_skips=stop_after_skips,
-                   eval=eval)
+                   eval=eval, provenance=provenance, ignore=ignore)

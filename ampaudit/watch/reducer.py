@@ -52,10 +52,12 @@ class StepReducer:
     # -- one step -----------------------------------------------------------------------------
     def step_buffer(self, arena: RowArena, event_rows: list[Handle], event_keys: list[int], n_keys: int,
                     param_rows: list[Handle], limits: LowDtype, found_inf: torch.Tensor | None,
-                    scale: torch.Tensor | None) -> tuple[torch.Tensor, StepBuffer]:
+                    scale: torch.Tensor | None, eligible: list[int] | None = None) -> tuple[torch.Tensor, StepBuffer]:
         """Everything this step recorded, reduced on the device into one flat float64 buffer
         laid out as the returned ``StepBuffer``. ``event_keys``: each event's (module, phase)
-        row, of ``n_keys``; ``param_rows``: one arena row per parameter, in the buffer's order."""
+        row, of ``n_keys`` (-1: an event in no row, seen only as a candidate first non-finite);
+        ``param_rows``: one arena row per parameter, in the buffer's order; ``eligible``: 1 for
+        each event that may be the first non-finite, 0 for one ignored (None: all may)."""
         buf = LAYOUT.step_buffer(n_keys, len(param_rows))
         handles = event_rows + param_rows
         device = handles[0][0] if handles else torch.device("cpu")
@@ -63,16 +65,20 @@ class StepReducer:
         events, n_events = raw[: len(event_rows)], len(event_rows)
         parts = []
         if n_events:
-            index = index_tensor(event_keys, device)
-            summed = torch.zeros(n_keys, LAYOUT.raw, device=device, dtype=_F64).index_add_(0, index, events)
+            in_rows = [i for i, key in enumerate(event_keys) if key >= 0]
+            rows = events if len(in_rows) == n_events else events.index_select(0, index_tensor(in_rows, device))
+            index = index_tensor([event_keys[i] for i in in_rows], device)
+            summed = torch.zeros(n_keys, LAYOUT.raw, device=device, dtype=_F64).index_add_(0, index, rows)
             if LAYOUT.raw_max:  # the extras kept as a maximum (absmax), not summed
                 columns = index_tensor(list(LAYOUT.raw_max), device)
                 peaks = torch.zeros(n_keys, len(columns), device=device, dtype=_F64).scatter_reduce_(
-                    0, index[:, None].expand(-1, len(columns)), events.index_select(1, columns), "amax",
+                    0, index[:, None].expand(-1, len(columns)), rows.index_select(1, columns), "amax",
                     include_self=False)
                 summed.index_copy_(1, columns, peaks)
             parts.append(stats.compact(summed, limits).reshape(-1))
-            bad = stats.nonfinite(events)
+            bad = stats.harmful(events)  # masked -inf scores are not where a NaN is born
+            if eligible is not None:
+                bad &= index_tensor(eligible, device).bool()
             first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(_F64).reshape(1)
         else:
             first = torch.full((1,), float(NO_EVENT), device=device, dtype=_F64)

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from ampaudit.core.finding_text import render_findings
 from ampaudit.core.findings import Finding
+from ampaudit.watch.summary import describe_first
 
 _BARS = " ▁▂▃▄▅▆▇█"
 
@@ -35,9 +36,9 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     grid.add_row("audited for", summary["dtype"] + (f" ({source})" if source and source != "given" else ""))
     first = summary["first_nonfinite"]
     grid.add_row("first non-finite", Text(
-        f"{first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"
-        + (f" on rank {first['rank']}" if "rank" in first else ""), style="bold red") if first else
-        Text("none", style="green"))
+        describe_first(first).removeprefix("first in "), style="bold red") if first else Text("none", style="green"))
+    if first and first.get("note"):
+        grid.add_row("", first["note"])
     scaler = summary.get("scaler")
     if scaler:
         grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")

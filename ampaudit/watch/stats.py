@@ -141,6 +141,13 @@ def nonfinite(raw: torch.Tensor) -> torch.Tensor:
     return raw[:, bins.start:bins.stop].sum(1) > 0
 
 
+def harmful(raw: torch.Tensor) -> torch.Tensor:
+    """Per raw row: whether the tensor held NaN or +inf. A tensor whose only non-finite values
+    are -inf is a mask (``masked_fill(~mask, -inf)`` attention scores): not where a NaN is born."""
+    bins = LAYOUT.nonfinite_bins
+    return raw[:, bins.start:bins.stop].sum(1) - raw[:, _NEGINF] > 0
+
+
 def to_stats(row: list[float]) -> dict:
     """A compact row read back on the host, as the summary's Stats: counts, absmax, and the
     histogram as [floor(log2 |x|), count] pairs for the finite nonzero values seen (-127:

@@ -12,6 +12,16 @@ from ampaudit.watch.stats_merge import add_stats
 from ampaudit.watch.verdicts import Verdicts, caller_source
 
 
+def describe_first(first: dict[str, Any]) -> str:
+    """The first non-finite value in words: where, and the op and line that made it if known."""
+    text = f"first in {first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"
+    if "rank" in first:
+        text += f" on rank {first['rank']}"
+    if first.get("op"):
+        text += f": {first['op']}" + (f" at {first['source']}" if first.get("source") else "")
+    return text
+
+
 class SummaryBuilder:
     """Running totals only, so memory stays flat however long the run (or the log)."""
 

@@ -1,0 +1,293 @@
+"""Where a non-finite value is born, down to the op and the user's source line.
+
+Nothing here runs on a healthy step. The monitor keeps each module call of the step (its
+inputs and autocast state: ``Call``); when the step boundary finds a non-finite value, it
+replays only the module that produced it:
+
+- forward: the module's forward runs again on copies of its inputs under a dispatch mode
+  that checks each aten op; the first op whose inputs were clean and whose output is not
+  is the producer (``replay_forward``);
+- backward: the module whose backward turned finite incoming gradients into non-finite
+  outgoing ones is found from the step's events (``blame_backward``); its forward runs again
+  with grad enabled, and a backward with gradients drawn from the recorded histogram of its
+  real incoming gradients names the first autograd node that made them non-finite, with
+  the forward line of the op that created that node (``replay_backward``).
+
+Replays never touch the run: the random state, the module's buffers and the parameters'
+``.grad`` are left as they were, and a replay that fails only says why.
+
+Intentional infinities are not errors: a tensor whose non-finite values are all ``-inf``
+(a ``masked_fill``/``where`` attention mask) is *masked*, not bad, unless arithmetic made it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ampaudit.graph.userframe import boundary, user_location
+
+FINITE, MASKED, BAD = 0, 1, 2  # a tensor's state; BAD: NaN or +inf (or -inf that arithmetic made)
+# Ops that write a given value: -inf out of them is a mask the user asked for.
+_WRITERS = {"masked_fill", "masked_fill_", "where", "full", "full_like", "fill", "fill_", "new_full",
+            "scalar_tensor", "index_put", "index_put_", "masked_scatter", "masked_scatter_", "_to_copy"}
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass
+class Call:
+    """One module call of the step: what a replay needs."""
+
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    autocast: tuple  # per device type in _DEVICE_TYPES: (enabled, dtype)
+
+
+def autocast_state() -> tuple:
+    """The autocast state in force now, to replay a call under it."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES)
+
+
+@dataclass
+class Origin:
+    """The op a non-finite value came from. ``op``: the aten op (forward) or the autograd
+    node (backward); ``file``/``line``: the user's source line of the forward op."""
+
+    op: str | None = None
+    file: str | None = None
+    line: int | None = None
+    note: str | None = None  # why the op is unknown, or what else to know
+
+    def to_dict(self) -> dict[str, Any]:
+        found = {"op": self.op, "source": f"{self.file}:{self.line}" if self.file else None, "note": self.note}
+        return {k: v for k, v in found.items() if v is not None}
+
+
+def tensor_state(t: torch.Tensor) -> int:
+    """FINITE, MASKED (its only non-finite values are -inf) or BAD (NaN or +inf). A host sync:
+    replays only."""
+    if not t.is_floating_point() and not t.is_complex():
+        return FINITE
+    if t.is_complex():
+        return FINITE if bool(torch.isfinite(t).all()) else BAD
+    if bool(torch.isfinite(t).all()):
+        return FINITE
+    if bool(torch.isnan(t).any()) or bool((t == math.inf).any()):
+        return BAD
+    return MASKED
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _worst(value: Any) -> int:
+    return max((tensor_state(t) for t in _tensors(value) if t.layout == torch.strided and not t.is_meta),
+               default=FINITE)
+
+
+class _FirstBadOp(TorchDispatchMode):
+    """Runs each aten op and keeps the first that made NaN or +inf out of inputs without them,
+    and the first that made -inf by arithmetic (a mask written by masked_fill is not that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: Origin | None = None
+        self.given: int = FINITE  # the state of the found op's inputs
+        self.negative: Origin | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            made = _worst(out)
+            if made != FINITE:
+                given = _worst((args, kwargs))
+                name = func.overloadpacket.__name__
+                if made == BAD and given != BAD:
+                    self.found, self.given = self._origin(name), given
+                elif made == MASKED and given == FINITE and name not in _WRITERS and self.negative is None:
+                    self.negative = self._origin(name)
+        return out
+
+    @staticmethod
+    def _origin(name: str) -> Origin:
+        loc = user_location(sys._getframe(2))
+        return Origin(f"aten.{name}", *(loc[:2] if loc else (None, None)))
+
+    def result(self) -> Origin | None:
+        if self.found is not None and self.given == MASKED and self.negative is not None:
+            where = f" at {self.negative.file}:{self.negative.line}" if self.negative.file else ""
+            self.found.note = f"its input held -inf made by {self.negative.op}{where}"
+        return self.found
+
+
+def _copy(value: Any, *, grad: bool) -> Any:
+    """Fresh copies of the call's tensors (the replay may write in place); with ``grad``, float
+    tensors that required grad become leaves that require it again."""
+    if isinstance(value, torch.Tensor):
+        copy = value.detach().clone()
+        return copy.requires_grad_(grad and value.requires_grad and copy.is_floating_point())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_copy(v, grad=grad) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy(v, grad=grad) for k, v in value.items()}
+    return value
+
+
+class _Isolated:
+    """Around a replay: the random state and the module's buffers (BatchNorm's running stats)
+    come back as they were, and autocast is the one the call ran under."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def __enter__(self) -> None:
+        module = self.call.module
+        self._buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        devices = sorted({b.device.index for b in (*module.parameters(), *module.buffers())
+                          if b.device.type == "cuda" and b.device.index is not None})
+        self._rng = torch.random.fork_rng(devices=devices)
+        self._rng.__enter__()
+        self._autocast = [torch.autocast(d, dtype=dtype, enabled=enabled)
+                          for d, (enabled, dtype) in zip(_DEVICE_TYPES, self.call.autocast, strict=True)
+                          if enabled or torch.is_autocast_enabled(d)]
+        for ctx in self._autocast:
+            ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for ctx in reversed(self._autocast):
+            ctx.__exit__(None, None, None)
+        self._rng.__exit__(None, None, None)
+        with torch.no_grad():
+            for buffer, saved in self._buffers:
+                buffer.copy_(saved)
+
+
+@boundary  # source lines are the module's own: the walk stops here, not in the training loop
+def replay_forward(call: Call) -> Origin:
+    """Run ``call`` again and name the first op that made a non-finite value."""
+    if _worst((call.args, call.kwargs)) == BAD:
+        return Origin(note="its inputs already held NaN or +inf: they came from outside the watched modules "
+                           "(the batch, or code between modules)")
+    scan = _FirstBadOp()
+    try:
+        with _Isolated(call), torch.no_grad(), scan:
+            call.module(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
+    except Exception as exc:  # the user's code: a failed replay only loses the op
+        return Origin(note=f"replaying the module failed: {type(exc).__name__}: {exc}"[:200])
+    return scan.result() or Origin(note="replayed on its inputs the module stayed finite: it depends on state, "
+                                        "random numbers or inputs changed in place since")
+
+
+@dataclass
+class GradSpec:
+    """What is known of one incoming gradient: which output it belongs to, and its recorded
+    magnitudes as (log2 exponent, count) pairs plus its count of zeros."""
+
+    output: int
+    hist: Sequence[Sequence[int]]
+    zeros: int = 0
+    bad: bool = False
+
+
+def synthetic_grad(like: torch.Tensor, spec: GradSpec | None, generator: torch.Generator) -> torch.Tensor:
+    """A gradient for ``like`` with the recorded distribution of magnitudes (random signs):
+    enough to reproduce an overflow or a 0 * inf without keeping the real gradients alive."""
+    n = like.numel()
+    weights = torch.tensor([c for _, c in spec.hist] + [spec.zeros], dtype=torch.float64) if spec else None
+    if weights is None or weights.sum() <= 0:
+        return torch.ones_like(like)
+    exps = torch.tensor([e for e, _ in spec.hist] + [0], dtype=torch.float64)
+    pick = torch.multinomial(weights, n, replacement=True, generator=generator)
+    mantissa = 1 + torch.rand(n, dtype=torch.float64, generator=generator)
+    values = torch.where(pick == len(spec.hist), 0.0, torch.exp2(exps[pick]) * mantissa)
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1
+    return (values * signs).reshape(like.shape).to(like.dtype).to(like.device)
+
+
+@dataclass
+class _NodeScan:
+    """Autograd nodes created by the replayed forward, with the op and line that made each,
+    and the first node whose finite incoming gradients came out non-finite."""
+
+    made_by: dict = field(default_factory=dict)
+    found: Origin | None = None
+
+    def hook(self, node):
+        def check(grad_inputs, grad_outputs):
+            if self.found is None and _worst(grad_inputs) == BAD and _worst(grad_outputs) != BAD:
+                op, loc = self.made_by.get(node, (None, None))
+                self.found = Origin(node.name(), *(loc[:2] if loc else (None, None)),
+                                    note=f"from {op}" if op else None)
+        return check
+
+
+class _NodeSources(torch.overrides.TorchFunctionMode):
+    """Maps each autograd node the forward creates to the torch function and user line."""
+
+    def __init__(self, scan: _NodeScan) -> None:
+        super().__init__()
+        self.scan = scan
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            if t.grad_fn is not None and t.grad_fn not in self.scan.made_by:
+                name = getattr(func, "__name__", str(func))
+                self.scan.made_by[t.grad_fn] = (name, user_location(sys._getframe(1)))
+        return out
+
+
+@boundary
+def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Origin:
+    """Run ``call`` forward again with grad enabled, then backward from gradients shaped like
+    the recorded ones; name the first autograd node that turned finite gradients non-finite."""
+    scan = _NodeScan()
+    args, kwargs = _copy(call.args, grad=True), _copy(call.kwargs, grad=True)
+    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    params = [p for p in call.module.parameters() if p.requires_grad]
+    try:
+        with _Isolated(call), torch.enable_grad():
+            with _NodeSources(scan):
+                out = call.module(*args, **kwargs)
+            outputs = [t for t in _tensors(out) if t.requires_grad]
+            if not outputs:
+                return Origin(note="the replayed forward has no output that needs a gradient")
+            by_output = {g.output: g for g in grads}
+            generator = torch.Generator().manual_seed(seed)
+            seeds = [synthetic_grad(t, by_output.get(i), generator) for i, t in enumerate(outputs)]
+            handles = [node.register_hook(scan.hook(node)) for node in _graph_nodes(outputs)]
+            try:
+                torch.autograd.grad(outputs, leaves + params, seeds, allow_unused=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+    except Exception as exc:  # the user's code: a failed replay only loses the node
+        return Origin(note=f"replaying the module failed: {type(exc).__name__}: {exc}"[:200])
+    return scan.found or Origin(note="the replay's gradients stayed finite")
+
+
+def _graph_nodes(outputs: list[torch.Tensor]) -> list:
+    """The autograd nodes behind ``outputs``, each once."""
+    seen, stack = set(), [t.grad_fn for t in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(seen)

@@ -1,0 +1,345 @@
+"""Where a non-finite value is born: the module, the phase, the op and the user's line -
+forward and backward - and masked -inf attention that is not an error."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import ampaudit
+from ampaudit.watch.blame import Event, blame_backward
+from ampaudit.watch.monitor import NonFiniteError
+from ampaudit.watch.provenance import (
+    BAD,
+    FINITE,
+    MASKED,
+    Call,
+    GradSpec,
+    autocast_state,
+    replay_backward,
+    replay_forward,
+    tensor_state,
+)
+
+HERE = __file__
+
+
+def _line_of(fn, text: str) -> str:
+    """``file:line`` of the line of ``fn`` that contains ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    (offset,) = [i for i, line in enumerate(lines) if text in line]
+    return f"{HERE}:{start + offset}"
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)  # past 88.7 fp32 overflows
+
+
+class Norm(nn.Module):
+    """An RMS-style norm: at an all-zero row the forward is finite, the backward of sqrt is inf."""
+
+    def forward(self, x):
+        rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+        return x * rms
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self, dim: int = 8, fully_masked_row: bool = False):
+        super().__init__()
+        self.qk = nn.Linear(dim, 2 * dim)
+        self.mask = ScoreMask(fully_masked_row)
+        self.softmax = nn.Softmax(-1)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        scores = self.mask(q @ k.transpose(-1, -2))
+        return self.softmax(scores) @ x
+
+
+class ScoreMask(nn.Module):
+    def __init__(self, fully_masked_row: bool):
+        super().__init__()
+        self.fully_masked_row = fully_masked_row
+
+    def forward(self, scores):
+        t = scores.shape[-1]
+        keep = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        if self.fully_masked_row:
+            keep[0] = False  # a row with nothing to attend to: softmax of all -inf is NaN
+        return scores.masked_fill(~keep, float("-inf"))
+
+
+def _steps(model, batches, **watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt, **watch) as mon:
+        for x in batches:
+            loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return mon.summary()
+
+
+def _batches(steps: int, bad: int | None = None, shape=(3, 4)):
+    """Small batches; the one at step ``bad`` is large enough that exp overflows."""
+    return [torch.full(shape, 500.0 if step == bad else 0.1) for step in range(steps)]
+
+
+# -- the replays on their own -------------------------------------------------------------------
+
+def test_tensor_state_tells_masks_from_overflow():
+    assert tensor_state(torch.tensor([1.0, 2.0])) == FINITE
+    assert tensor_state(torch.tensor([1.0, float("-inf")])) == MASKED
+    assert tensor_state(torch.tensor([float("-inf"), float("inf")])) == BAD
+    assert tensor_state(torch.tensor([float("nan")])) == BAD
+    assert tensor_state(torch.tensor([1, 2])) == FINITE
+
+
+def test_forward_replay_names_the_op_and_line():
+    call = Call(Exp(), (torch.full((2, 3), 100.0),), {}, autocast_state())
+    origin = replay_forward(call)
+    assert (origin.op, f"{origin.file}:{origin.line}") == ("aten.exp", _line_of(Exp.forward, "torch.exp"))
+
+
+def test_forward_replay_does_not_blame_the_mask():
+    module = MaskedAttention(fully_masked_row=True)
+    origin = replay_forward(Call(module, (torch.randn(1, 4, 8),), {}, autocast_state()))
+    # masked_fill wrote the -inf on purpose; softmax over a row of -inf is where NaN is born
+    assert (origin.op, f"{origin.file}:{origin.line}") == (
+        "aten._softmax", _line_of(MaskedAttention.forward, "self.softmax("))  # the call into nn.Softmax
+    assert origin.note is None
+
+
+def test_backward_replay_names_the_autograd_node_and_forward_line():
+    call = Call(Norm(), (torch.zeros(2, 4, requires_grad=True),), {}, autocast_state())
+    origin = replay_backward(call, [GradSpec(0, [[0, 8]])])
+    assert origin.op == "SqrtBackward0"
+    assert f"{origin.file}:{origin.line}" == _line_of(Norm.forward, ".sqrt()")
+
+
+def test_replays_leave_the_run_untouched():
+    bn = nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.5))
+    bn.train()
+    x = torch.randn(8, 4, requires_grad=True)
+    stats = bn[0].running_mean.clone(), bn[0].running_var.clone(), bn[0].num_batches_tracked.clone()
+    rng = torch.get_rng_state()
+    replay_forward(Call(bn, (x,), {}, autocast_state()))
+    replay_backward(Call(bn, (x,), {}, autocast_state()), [])
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(stats, (bn[0].running_mean, bn[0].running_var,
+                                                          bn[0].num_batches_tracked), strict=True))
+    assert bn[0].weight.grad is None and x.grad is None
+
+
+def test_a_failing_replay_only_says_why():
+    class Once(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = False
+
+        def forward(self, x):
+            if self.used:
+                raise RuntimeError("called twice")
+            self.used = True
+            return x
+
+    module = Once()
+    module(torch.ones(1))
+    origin = replay_forward(Call(module, (torch.ones(1),), {}, autocast_state()))
+    assert origin.op is None and "RuntimeError: called twice" in origin.note
+
+
+def test_blame_backward_takes_the_innermost_module_with_finite_incoming_gradients():
+    events = [Event("head", "backward", "grad of output"),
+              Event("head", "input grad", "grad of input[0]"),
+              Event("block.proj", "backward", "grad of output"),  # same tensor as head's input
+              Event("l1", "backward", "grad of output"),
+              Event("block.proj", "input grad", "grad of input[0]"),  # born here
+              Event("block", "input grad", "grad of input[0]")]
+    bad = [False, False, False, True, True, True]
+    assert blame_backward(events, bad) == [4, 5]  # proj first; its parent block as the fallback
+    # every bad gradient came in from outside the modules (the loss): no producer among them
+    assert blame_backward(events[:2], [True, True]) == []
+
+
+# -- end to end: the monitor ------------------------------------------------------------------------
+
+def test_forward_nonfinite_names_the_op_and_line():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Exp(), nn.Linear(8, 2))
+    first = _steps(model, _batches(4, bad=2))["first_nonfinite"]
+    assert first == {"step": 2, "module": "1", "phase": "forward", "tensor": "output", "op": "aten.exp",
+                     "source": _line_of(Exp.forward, "torch.exp")}
+
+
+def test_backward_nonfinite_names_the_module_node_and_line():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Norm(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()  # layer 0 outputs exactly 0: Norm's sqrt(0)
+    first = _steps(model, _batches(1))["first_nonfinite"]
+    assert first == {"step": 0, "module": "1", "phase": "backward", "tensor": "grad of input[0]",
+                     "op": "SqrtBackward0", "source": _line_of(Norm.forward, ".sqrt()"), "note": "from sqrt"}
+
+
+def test_a_weight_blown_up_in_fp16_is_blamed_on_its_module():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("l1", nn.Linear(8, 16, bias=False))
+    model.add_module("proj", nn.Linear(16, 16, bias=False))  # its weight, blown up below
+    model.add_module("head", nn.Linear(16, 4))
+    with torch.no_grad():
+        model.proj.weight.mul_(1e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    x = torch.randn(4, 8) * 1e-6  # a small forward: only proj's backward overflows fp16
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).sum()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    summary = mon.summary()
+    first = summary["first_nonfinite"]
+    assert {k: first[k] for k in ("step", "module", "phase", "tensor")} == {
+        "step": 0, "module": "proj", "phase": "backward", "tensor": "grad of input[0]"}
+    assert first["op"] in ("MmBackward0", "AddmmBackward0")
+    assert summary["scaler"]["skipped_steps"] == [0]
+
+
+def test_masked_minus_inf_attention_is_not_an_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), MaskedAttention())
+    summary = _steps(model, [torch.randn(2, 5, 8)] * 2, inputs=True, stop_on_nonfinite=True)
+    assert summary["first_nonfinite"] is None
+    assert summary["layers"]["1.mask"]["forward"]["inf"] == 2 * 2 * 10  # counted, not blamed
+    assert summary["layers"]["1.mask"]["forward"]["neginf"] == 2 * 2 * 10
+
+
+def test_a_fully_masked_row_is_blamed_on_the_softmax():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), MaskedAttention(fully_masked_row=True))
+    first = _steps(model, [torch.randn(2, 5, 8)])["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "op")} == {
+        "module": "1.softmax", "phase": "forward", "op": "aten._softmax"}
+
+
+def test_ignore_patterns_skip_modules():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Exp(), nn.Linear(8, 2))
+    first = _steps(model, _batches(1, bad=0), ignore=["1"])["first_nonfinite"]
+    assert first["module"] == "2"  # the inf that Exp made, seen where it arrives
+
+
+def test_kwargs_and_gradient_accumulation_replay_the_right_call():
+    class Gate(nn.Module):
+        def forward(self, x, *, scale):
+            return torch.exp(x * scale)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.gate = nn.Linear(4, 4), Gate()
+
+        def forward(self, x, scale):
+            return self.gate(self.fc(x), scale=scale)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for micro, scale in enumerate([1.0, 1e4, 1.0]):  # three micro-batches, one step; the 2nd blows up
+            model(torch.ones(2, 4) * (micro + 1), scale).sum().backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("step", "module", "phase", "op")} == {
+        "step": 0, "module": "gate", "phase": "forward", "op": "aten.exp"}
+
+
+class NoisyBlock(nn.Module):
+    """Dropout, BatchNorm and an exp that overflows on a batch of large inputs: a replay of it
+    draws random numbers and updates running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = self.bn(nn.functional.dropout(x, 0.3, self.training))
+        return torch.exp(h + x.abs().amax() / 50)
+
+
+def test_watch_with_replays_keeps_training_bit_identical():
+    def run(watched: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), NoisyBlock(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ctx = ampaudit.watch(model, optimizer=opt) if watched else None
+        if ctx:
+            ctx.start()
+        for step in range(3):
+            loss = model(torch.randn(6, 4) * (1e4 if step == 1 else 1)).nan_to_num().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if ctx:
+            ctx.stop()
+            assert ctx.summary()["first_nonfinite"]["op"] == "aten.exp"
+        return [t.clone() for t in (*model.parameters(), *model.buffers())], torch.get_rng_state()
+
+    (plain, rng_plain), (watched, rng_watched) = run(False), run(True)
+    # bit for bit, NaN where NaN (the bad step put NaN in the weights)
+    assert all(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+               for a, b in zip(plain, watched, strict=True))
+    assert torch.equal(rng_plain, rng_watched)
+
+
+def test_stop_message_names_the_op():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Exp(), nn.Linear(8, 2))
+    with pytest.raises(NonFiniteError, match=r"aten\.exp at .*test_watch_provenance\.py:\d+"):
+        _steps(model, _batches(1, bad=0), stop_on_nonfinite=True)
+
+
+def test_provenance_off_keeps_no_calls():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Exp(), nn.Linear(8, 2))
+    first = _steps(model, _batches(1, bad=0), provenance=False)["first_nonfinite"]
+    assert first == {"step": 0, "module": "1", "phase": "forward", "tensor": "output"}
+
+
+def test_torch_transformer_with_a_causal_mask_is_not_an_error():
+    """torch's own nn.TransformerEncoder, given the -inf causal mask torch makes for it: the
+    mask is the model's input, and a float mask of -inf is what torch asks for."""
+    torch.manual_seed(0)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+            self.head = nn.Linear(16, 50)
+
+        def forward(self, idx, mask):
+            return self.head(self.enc(self.emb(idx), mask=mask, is_causal=True))
+
+    model = LM()
+    opt = torch.optim.AdamW(model.parameters())
+    idx = torch.randint(0, 50, (2, 6))
+    mask = nn.Transformer.generate_square_subsequent_mask(6)
+    with ampaudit.watch(model, optimizer=opt, inputs=True, stop_on_nonfinite=True) as mon:
+        for _ in range(2):
+            loss = nn.functional.cross_entropy(model(idx, mask).flatten(0, 1), idx.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    summary = mon.summary()
+    assert summary["first_nonfinite"] is None
+    # counted in the statistics (2 steps x 15 masked scores), never blamed
+    assert summary["layers"]["(model)"]["input"]["neginf"] == 2 * 15
