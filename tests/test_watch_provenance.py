@@ -343,3 +343,52 @@ def test_torch_transformer_with_a_causal_mask_is_not_an_error():
     assert summary["first_nonfinite"] is None
     # counted in the statistics (2 steps x 15 masked scores), never blamed
     assert summary["layers"]["(model)"]["input"]["neginf"] == 2 * 15
+
+
+NORM_SCRIPT = '''
+import torch
+from torch import nn
+
+
+class Norm(nn.Module):
+    def forward(self, x):
+        rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+        return x * rms
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), Norm(), nn.Linear(8, 2))
+with torch.no_grad():
+    model[0].weight.zero_()
+    model[0].bias.zero_()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(3):
+    loss = model(torch.ones(3, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+@pytest.mark.parametrize("provenance", [True, False])
+def test_ampaudit_run_names_the_backward_op(tmp_path, provenance):
+    import subprocess
+    import sys
+
+    from ampaudit.watch.summary import read_log
+    from tests.conftest import ROOT
+
+    script = tmp_path / "train.py"
+    script.write_text(NORM_SCRIPT)
+    log = tmp_path / "run.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", str(log),
+                           *([] if provenance else ["--no-provenance"]), str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first = read_log(log).summary()["first_nonfinite"]
+    if provenance:
+        assert first == {"step": 0, "module": "1", "phase": "backward", "tensor": "grad of input[0]",
+                         "op": "SqrtBackward0", "source": f"{script}:8", "note": "from sqrt"}
+        assert "SqrtBackward0" in proc.stderr  # the summary printed at the end says it too
+    else:  # module level: where the bad gradient arrived
+        assert first == {"step": 0, "module": "0", "phase": "backward", "tensor": "grad of output"}

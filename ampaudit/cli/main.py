@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=LOW_DTYPES, default=None,
                      help="the low-precision dtype to count overflow/underflow against (default: the one the run "
                           "uses - autocast's at the first forward, else the model's own, else float16)")
+    run.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                     help="modules (fnmatch on their names, e.g. 'blocks.*.attn.mask') never reported as where a "
+                          "NaN/Inf was born; repeatable")
+    run.add_argument("--no-provenance", dest="provenance", action="store_false",
+                     help="do not keep a step's module calls to replay the one that went non-finite (saves the "
+                          "memory of their inputs; the report then names the module but not the op)")
     run.add_argument("script", type=Path)
     run.add_argument("args", nargs=argparse.REMAINDER)
     report = sub.add_parser("report", help="summarize an ampaudit watch log",
@@ -423,7 +429,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ampaudit.cli.run_script import run_script
 
     _refuse_overwriting_inputs(args.log, [args.script], "--log")
-    return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype)
+    return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype,
+                      ignore=args.ignore, provenance=args.provenance)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import runpy
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from ampaudit.core.dtypes import LowDtype
@@ -13,10 +14,12 @@ from ampaudit.core.errors import UsageError
 from ampaudit.watch.monitor import Monitor
 
 
-def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtype: LowDtype | str | None = None) -> int:
+def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtype: LowDtype | str | None = None,
+               ignore: Sequence[str] = (), provenance: bool = True) -> int:
     if not script.is_file():
         raise UsageError(f"no such script: {script}")
-    monitor = Monitor(None, log=log, every=every, dtype=LowDtype.parse(dtype) if dtype is not None else None)
+    monitor = Monitor(None, log=log, every=every, dtype=LowDtype.parse(dtype) if dtype is not None else None,
+                      ignore=ignore, provenance=provenance)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
