@@ -87,3 +87,47 @@ def test_step_applied_per_step():
 def test_an_ema_without_an_update_method_is_refused():
     with pytest.raises(TypeError, match="no update_parameters"):
         StepGuard(torch.amp.GradScaler("cpu"), emas=[object()])
+
+
+def test_watch_with_a_guard():
+    import io
+
+    import ampaudit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ema = AveragedModel(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    applied = []
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, guard=[sched, ema]) as mon:
+        for step in range(4):
+            x = torch.randn(6, 4)
+            if step == 1:
+                x[0, 0] = float("inf")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            ema.update_parameters(model)
+            applied.append(mon.step_applied)
+    assert applied == [True, False, True, True]
+    summary = mon.summary()
+    assert summary["guard"] == {"steps": 4, "skipped_steps": [1], "scheduler_steps_held": 1, "ema_updates_held": 1,
+                                "batchnorm_restores": 1}
+    assert summary["scaler"]["skipped_steps"] == [1]
+    assert sched.last_epoch == 3 and int(ema.n_averaged) == 3
+    assert torch.isfinite(model[1].running_mean).all()
+    out = io.StringIO()
+    mon.print(out)
+    assert "1 skipped steps: held 1 scheduler steps and 1 EMA updates, restored BatchNorm 1 times" in out.getvalue()
+
+
+def test_a_guard_needs_the_scaler():
+    import ampaudit
+
+    with pytest.raises(ValueError, match="guard needs the GradScaler"):
+        ampaudit.watch(nn.Linear(2, 2), guard=True)

@@ -35,6 +35,7 @@ from ampaudit.watch.decode import step_record
 from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder, unmeasurable
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.reducer import StepReducer
+from ampaudit.watch.step_guard import StepGuard
 from ampaudit.watch.summary import SummaryBuilder, describe_first
 
 __all__ = ["Monitor", "NonFiniteError", "stop_reason", "unmeasurable", "watch"]
@@ -65,6 +66,20 @@ def stop_reason(record: dict[str, Any], skips_in_row: int, stop_after_skips: int
     return None
 
 
+def _step_guard(guard: bool | Sequence[Any], scaler: torch.amp.GradScaler | None,
+                optimizer: torch.optim.Optimizer | None, model: torch.nn.Module | None) -> StepGuard | None:
+    """``watch(guard=...)``: None, or a StepGuard for the watched scaler, holding the given
+    schedulers (objects with ``step`` and ``get_last_lr``) and EMAs (the others)."""
+    if guard is False or guard is None:
+        return None
+    if scaler is None:
+        raise ValueError("guard needs the GradScaler that skips steps: watch(..., scaler=scaler, guard=True)")
+    held = [] if guard is True else list(guard)
+    schedulers = [h for h in held if callable(getattr(h, "step", None)) and hasattr(h, "get_last_lr")]
+    emas = [h for h in held if not any(h is s for s in schedulers)]
+    return StepGuard(scaler, optimizer, model=model, schedulers=schedulers, emas=emas)
+
+
 class Monitor:
     """Hooks on ``model`` (or, with ``model=None``, on every module that runs forward and every
     optimizer that steps: ``ampaudit run``). Steps end at ``optimizer.step()``, at
@@ -73,14 +88,17 @@ class Monitor:
     With ``provenance`` (default), each module call of a recorded step is kept until its end,
     so that on a step where a value goes non-finite the module that made it is replayed to
     name the op; modules matching an ``ignore`` pattern (fnmatch) are never the first.
+    ``guard`` (with a GradScaler): True, or the LR schedulers and EMAs to hold, makes a step
+    the scaler skips leave them and BatchNorm's running statistics as they were (``StepGuard``).
     Use as a context manager, or ``start()`` / ``stop()``; read ``summary()`` or ``print()``."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
                  dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
                  inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
-                 ignore: Sequence[str] = ()) -> None:
+                 ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False) -> None:
         require_module(model, "ampaudit.watch", optional=True)
+        self.guard = _step_guard(guard, scaler, optimizer, model)
         if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
             raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
         self.ignore = tuple(ignore)
@@ -166,6 +184,8 @@ class Monitor:
         if self.model is not None:
             self._model_params = list(self.model.named_parameters())  # walked once, not every step
         self.recorder.attach(self.model)
+        if self.guard is not None:
+            self.guard.start()
         if self.scaler is not None:
             self.scaler_tap.attach(self.scaler)
         elif self.optimizer is not None:
@@ -180,6 +200,8 @@ class Monitor:
             return
         self._started = False
         self.recorder.detach()
+        if self.guard is not None:
+            self.guard.stop()
         self.optimizer_tap.detach()
         self.scaler_tap.detach()
         if self.recorder.events:
@@ -288,7 +310,16 @@ class Monitor:
         result["unmeasured"] = dict(sorted(self.unmeasured.items()))
         result["dtype_source"] = self.dtype_source or "default: no forward seen"
         result["eval_forwards"] = {"count": self.eval_forwards, "recorded": self.record_eval}
+        if self.guard is not None:
+            result["guard"] = self.guard.summary()
         return result
+
+    @property
+    def step_applied(self) -> bool:
+        """Whether the last optimizer step was applied (False: the GradScaler skipped it)."""
+        if self.guard is None:
+            raise AttributeError("step_applied needs watch(..., scaler=scaler, guard=True)")
+        return self.guard.step_applied
 
     def print(self, file: Any = None) -> None:
         from ampaudit.core.console import make_console
@@ -301,8 +332,8 @@ def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = N
           scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
           dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
           inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
-          ignore: Sequence[str] = ()) -> Monitor:
+          ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False) -> Monitor:
     """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
     return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
                    stop_on_nonfinite=stop_on_nonfinite, inputs=inputs, stop_after_skips=stop_after_skips,
-                   eval=eval, provenance=provenance, ignore=ignore)
+                   eval=eval, provenance=provenance, ignore=ignore, guard=guard)

@@ -42,6 +42,11 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     scaler = summary.get("scaler")
     if scaler:
         grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")
+    guard = summary.get("guard")
+    if guard:
+        grid.add_row("step guard", f"{len(guard['skipped_steps'])} skipped steps: held {guard['scheduler_steps_held']} "
+                                   f"scheduler steps and {guard['ema_updates_held']} EMA updates, restored BatchNorm "
+                                   f"{guard['batchnorm_restores']} times")
     evals = summary.get("eval_forwards") or {}
     if evals.get("count"):
         grid.add_row("eval forwards", f"{evals['count']} with grad disabled: "
