@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+import ampaudit
 from ampaudit.integrations import _common
 from ampaudit.watch.monitor import NonFiniteError
 from ampaudit.watch.summary import read_log
@@ -601,3 +602,18 @@ def test_accelerate_watch_takes_an_accelerator():
 
     with pytest.raises(TypeError, match=r"accelerate\.Accelerator"):
         watch(object(), nn.Linear(1, 1))
+
+
+def test_plain_watch_takes_accelerates_wrapped_optimizer():
+    """``ampaudit.watch(model, optimizer=<AcceleratedOptimizer>)`` hooks the torch optimizer inside."""
+    helper = _train_accelerate("bf16", watch=lambda acc, model, opt: ampaudit.watch(acc.unwrap_model(model),
+                                                                                    optimizer=opt))
+    plain = _train_accelerate("bf16", watch=lambda acc, model, opt: ampaudit.watch(acc.unwrap_model(model),
+                                                                                   optimizer=opt.optimizer))
+    assert helper[1].summary()["steps"] == 4
+    assert helper[1].summary()["layers"] == plain[1].summary()["layers"]
+
+
+def test_watch_refuses_what_is_not_an_optimizer():
+    with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer \(got object\)"):
+        ampaudit.watch(nn.Linear(2, 2), optimizer=object())

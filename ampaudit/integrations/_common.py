@@ -70,22 +70,16 @@ class WatchingCallback:
         return self.monitor
 
 
-# -- private APIs: only here ---------------------------------------------------------------------
-# Monitor.step() ends a step without a GradScaler; a trainer that owns its GradScaler needs the
-# same boundary reading that scaler's found-inf flags and the scale this step used (after
-# unscale_, before the scaler's step and update). Monitor has no public method for that yet:
-# end_step is the one call to its private _boundary(scaler=...), which a public
-# Monitor.step(scaler=...) would replace. unscale_once reads the GradScaler's own per-optimizer
-# stage, as torch's GradScaler.step does.
+# -- the step boundary at a trainer's hook ----------------------------------------------------------
+# A trainer that owns its GradScaler ends the step with Monitor.step(scaler=...): after unscale_,
+# before the scaler's step and update, so the step's found-inf flags and scale are recorded.
+# unscale_once reads the GradScaler's own per-optimizer stage, as torch's GradScaler.step does.
 
 
 def end_step(monitor: Monitor, scaler: torch.amp.GradScaler | None = None) -> None:
     """A step boundary at a trainer's hook, where this step's gradients are final and unscaled;
     with ``scaler``, this step's skip (its found-inf flags) and scale are recorded too."""
-    if scaler is None:
-        monitor.step()
-    else:
-        monitor._boundary(scaler=scaler)
+    monitor.step(scaler=scaler)
 
 
 def unscale_once(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:

@@ -18,6 +18,16 @@ from torch.optim import optimizer as optimizer_hooks
 Boundary = Callable[..., None]  # on_boundary(scaler=None)
 
 
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer that steps: a wrapper's (Accelerate's AcceleratedOptimizer) inner one."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (got {type(optimizer).__name__})")
+    return optimizer
+
+
 class OptimizerTap:
     """Step boundaries from one optimizer's step hooks, or (``optimizer=None``, ``ampaudit
     run``) from every optimizer that steps; ``optimizers`` are those whose parameters'
@@ -25,12 +35,14 @@ class OptimizerTap:
 
     def __init__(self, on_boundary: Boundary, optimizer: torch.optim.Optimizer | None) -> None:
         self.on_boundary = on_boundary
+        optimizer = unwrap_optimizer(optimizer)
         self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self.in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
         self._closure_steps = 0  # optimizer.step(closure) calls in progress
         self._handles: list[Any] = []
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
+        optimizer = unwrap_optimizer(optimizer)
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._step_pre_hook))
             self._handles.append(optimizer.register_step_post_hook(self._step_post_hook))

@@ -29,7 +29,7 @@ from ampaudit.core.arguments import require_module
 from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
 from ampaudit.watch.blame import trace_first
-from ampaudit.watch.boundary import OptimizerTap, ScalerTap
+from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
 from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder, unmeasurable
@@ -98,6 +98,7 @@ class Monitor:
                  inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
                  ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False) -> None:
         require_module(model, "ampaudit.watch", optional=True)
+        optimizer = unwrap_optimizer(optimizer)  # Accelerate's wrapper: the torch optimizer inside
         self.guard = _step_guard(guard, scaler, optimizer, model)
         if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
             raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
@@ -214,9 +215,11 @@ class Monitor:
         self.sink.close(final_scale)
 
     # -- step boundaries --------------------------------------------------------------------------
-    def step(self) -> None:
-        """Mark a step boundary by hand (loops without an optimizer or scaler hook)."""
-        self._boundary()
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Mark a step boundary by hand (loops without an optimizer or scaler hook, trainers'
+        callbacks). With ``scaler`` - after its ``unscale_``, before its ``step`` - the step's
+        skip (the scaler's found-inf flags) and its loss scale are recorded too."""
+        self._boundary(scaler=scaler)
 
     def _boundary(self, scaler: torch.amp.GradScaler | None = None) -> None:
         found_inf = scale = None
