@@ -911,3 +911,15 @@ def test_stop_on_nonfinite_records_the_step_once(tmp_path):
     summary = mon.summary()
     assert summary["steps"] == 2 and summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8
     assert read_log(log).summary()["layers"] == summary["layers"]  # (the params: their norm is NaN)
+
+
+def test_a_compiled_model_keeps_the_users_module_names():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(compiled, optimizer=opt) as mon:
+        _train(compiled, opt, 2)
+    summary = mon.summary()
+    assert set(summary["layers"]) <= {"(model)", "0", "1", "2"} and "0" in summary["layers"]
+    assert set(summary["params"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}

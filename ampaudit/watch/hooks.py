@@ -84,6 +84,11 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
     return LowDtype.parse(dtype), source
 
 
+def _user_name(name: str) -> str:
+    """A module's name as the user wrote the model: torch.compile's wrapper adds ``_orig_mod``."""
+    return name.removeprefix("_orig_mod").removeprefix(".") if name.startswith("_orig_mod") else name
+
+
 def _positional(args: Any, skipped: Counter | None = None) -> list[tuple[int, torch.Tensor]]:
     """The measurable float tensors among a call's positional arguments, with their position."""
     return [(i, t) for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)
@@ -150,9 +155,11 @@ class StepRecorder:
         """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
         "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
         for name, module in root.named_modules(remove_duplicate=False):
+            name = _user_name(name)
             label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
             self._names.setdefault(id(module), label)
         for name, param in root.named_parameters(remove_duplicate=False):
+            name = _user_name(name)
             self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
 
     def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:

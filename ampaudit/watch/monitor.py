@@ -182,9 +182,9 @@ class Monitor:
         self.sink.open({"dtype": self.dtype_name, "every": self.every, "world": self.reducer.world,
                         "source": self.builder.source})
         self._started = True
-        if self.model is not None:
-            self._model_params = list(self.model.named_parameters())  # walked once, not every step
         self.recorder.attach(self.model)
+        if self.model is not None:  # walked once, not every step; named as the recorder names them
+            self._model_params = [(self.recorder.param_name(p, n), p) for n, p in self.model.named_parameters()]
         if self.guard is not None:
             self.guard.start()
         if self.scaler is not None:
