@@ -25,8 +25,8 @@ def test_cpu_watch_benchmark_runs_every_variant():
     out = _run("bench/watch_overhead.py", "--steps", "1", "--rounds", "1", "--width", "32")
     assert "rows: C kernel" in out or "rows: torch ops" in out
     ratios = _ratios(out)
-    assert set(ratios) == {"plain", "watch", "watch every=10", "watch, torch-op rows", "naive .item() hooks",
-                           "detect_anomaly"}
+    assert set(ratios) == {"plain", "watch", "watch + log", "watch, provenance=False", "watch every=10",
+                           "watch, torch-op rows", "naive .item() hooks", "detect_anomaly"}
     assert ratios["plain"] == 1.0
 
 
