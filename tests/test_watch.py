@@ -307,8 +307,10 @@ def test_run_attaches_to_a_plain_script(tmp_path):
     assert summary["steps"] == 4
     assert set(summary["layers"]) == {"(model)", "0", "1", "2"}
     # The loss's gradient reaches the last layer's output first (the model returns that tensor).
-    assert summary["first_nonfinite"] == {"step": 2, "module": "2", "phase": "backward",
-                                          "tensor": "grad of output"}
+    first = summary["first_nonfinite"]
+    assert {k: first[k] for k in ("step", "module", "phase", "tensor")} == {
+        "step": 2, "module": "2", "phase": "backward", "tensor": "grad of output"}
+    assert first["note"].startswith("it came into the model already non-finite: from the loss")
     assert "first non-finite" in proc.stderr
 
 

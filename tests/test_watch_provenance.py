@@ -392,3 +392,127 @@ def test_ampaudit_run_names_the_backward_op(tmp_path, provenance):
         assert "SqrtBackward0" in proc.stderr  # the summary printed at the end says it too
     else:  # module level: where the bad gradient arrived
         assert first == {"step": 0, "module": "0", "phase": "backward", "tensor": "grad of output"}
+
+
+# -- what real models showed (nanoGPT, transformers GPT-2/Llama/BERT/T5): each a small fixture ------
+
+def test_a_gradient_that_overflows_to_minus_inf_is_not_a_mask():
+    """Cross-entropy's largest gradients are negative: a loss scale too high makes -inf only. It
+    was born in the loss, not in the last layer (whose replay would make its own overflow)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8).half(), torch.randint(0, 4, (16,))
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        loss = nn.functional.cross_entropy(model(x).float(), y) * 2.0**21
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "tensor")} == {
+        "module": "1", "phase": "backward", "tensor": "grad of output"}
+    assert first["note"].startswith("it came into the model already non-finite: from the loss")
+
+
+@pytest.mark.parametrize("after", [nn.LayerNorm(8), nn.ReLU()], ids=["layernorm", "relu"])
+def test_a_forward_overflow_to_minus_inf_is_found(after):
+    """fp16 pre-activations past -65504 are -inf only; a ReLU after them hides them, a LayerNorm
+    turns them into NaN. Either way the Linear is where they were born."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), after, nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-7e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(4, 8))
+        opt.zero_grad()
+        out.float().sum().backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "op")} == {
+        "module": "0", "phase": "forward", "op": "aten._to_copy"}  # the bias itself does not fit fp16
+    assert "overflowed to -inf" in first["note"]
+
+
+class ManualAttention(nn.Module):
+    """nanoGPT's manual path: q @ k in fp16 can overflow, and softmax makes NaN, in this
+    module's own code, before its child (the dropout) sees anything."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        q, k = self.qk(x).split(8, -1)
+        att = (q @ k.transpose(-2, -1)) / 8**0.5
+        att = att.masked_fill(torch.ones(4, 4).tril() == 0, float("-inf"))
+        return self.drop(att.softmax(-1)) @ x
+
+
+def test_a_nan_made_in_a_parents_own_code_is_blamed_on_the_parent():
+    torch.manual_seed(0)
+    model = nn.Sequential(ManualAttention(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].qk.weight.mul_(400)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(2, 4, 8))
+        opt.zero_grad()
+        out.float().sum().backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "tensor", "op", "source")} == {
+        "module": "0", "phase": "forward", "tensor": "output", "op": "aten.bmm",
+        "source": _line_of(ManualAttention.forward, "q @ k")}
+
+
+def test_a_tied_weights_gradient_is_blamed_on_the_use_that_overflowed():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.head(self.mid(self.emb(idx)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randint(0, 16, (64, 64)))
+        opt.zero_grad()
+        (out.float().mean() * 2.0**26).backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "tensor", "op")} == {
+        "module": "head", "phase": "backward", "tensor": "grad of weight", "op": "MmBackward0"}
+
+
+def test_transformers_kv_cache_is_copied_for_the_replay():
+    """GPT-2 keeps use_cache=True in training: every layer gets one DynamicCache. The replay
+    works on a copy: it names the node, and the user's cache is left as it was."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)  # too high: the backward overflows
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        scaler.scale(out.loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "tensor", "op")} == {
+        "module": "transformer.h.1", "phase": "backward", "tensor": "grad of input[0]", "op": "AddBackward0"}
+    assert "/transformers/models/gpt2/modeling_gpt2.py:" in first["source"]
+    assert [layer.keys.shape[-2] for layer in out.past_key_values.layers] == [12, 12]

@@ -19,65 +19,162 @@ import torch
 from ampaudit.watch import stats
 from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder
 from ampaudit.watch.provenance import Call, GradSpec, replay_backward, replay_forward
+from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 
 _BACKWARD = ("backward", INPUT_GRAD)
 
 
-def trace_first(first: dict[str, Any], seq: int, recorder: StepRecorder,
-                nonfinite_params: Sequence[str]) -> dict[str, Any]:
+def trace_first(first: dict[str, Any], seq: int, recorder: StepRecorder, nonfinite_params: Sequence[str],
+                modes: list[int], masks: set[str]) -> dict[str, Any] | None:
     """``first`` (the record's first_nonfinite, event ``seq`` of the step) with the module that
-    made it, and the op (``op``, ``source``) or why it is unknown (``note``). The recorder is
-    paused meanwhile: the replays run the user's modules, and that is not the run's data."""
+    made it, and the op (``op``, ``source``) or why it is unknown (``note``); None when it was
+    only -inf a module writes on purpose (added to ``masks``) and nothing else went bad. The
+    recorder is paused meanwhile: the replays run the user's modules, not the run's data."""
     recorder.paused = True
     try:
-        return _trace(first, seq, recorder, nonfinite_params)
+        return _Trace(recorder, modes, masks).first(first, seq, nonfinite_params)
     finally:
         recorder.paused = False
 
 
-def _trace(first: dict[str, Any], seq: int, recorder: StepRecorder, nonfinite_params: Sequence[str]) -> dict[str, Any]:
-    phase = recorder.events[seq][1]
-    if phase == "forward":
-        call = _call(recorder, recorder.event_calls[seq])
+def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_params: Sequence[str]) -> dict[str, Any]:
+    """Only a parameter's gradient went non-finite: the module holding it (each, for a tied
+    weight) is replayed; the one whose backward makes it non-finite is named, with the node."""
+    recorder.paused = True
+    try:
+        trace = _Trace(recorder, [], set())
+        for name in nonfinite_params:
+            for owner in recorder.param_owners(name):
+                for index in trace.calls_of(owner):
+                    origin = replay_backward(recorder.calls[index], trace.incoming(index))
+                    if origin.op is not None:
+                        return {"step": first["step"], "module": owner, "phase": "backward",
+                                "tensor": f"grad of {name.rpartition('.')[2]}", **origin.to_dict()}
+        return first
+    finally:
+        recorder.paused = False
+
+
+class _Trace:
+    """One step's events, their flags (read back once, when needed) and the replays."""
+
+    def __init__(self, recorder: StepRecorder, modes: list[int], masks: set[str]) -> None:
+        self.recorder, self.modes, self.masks = recorder, modes, masks
+        self.events = [Event(m, p, t, c) for (m, p, t), c in zip(recorder.events, recorder.event_calls, strict=True)]
+        self._raw: torch.Tensor | None = None
+        self._flags: tuple[list[bool], list[bool]] | None = None
+
+    @property
+    def raw(self) -> torch.Tensor:
+        if self._raw is None:
+            rows = self.recorder.event_rows
+            device = rows[0][0] if rows else torch.device("cpu")
+            self._raw = stats.raw_matrix(*self.recorder.arena.matrix(rows, device))
+        return self._raw
+
+    def flags(self) -> tuple[list[bool], list[bool]]:
+        """Per event: held NaN/+inf, held any non-finite (a second host sync, on this step only)."""
+        if self._flags is None:
+            self._flags = stats.harmful(self.raw).tolist(), stats.nonfinite(self.raw).tolist()
+        return self._flags
+
+    def bad(self) -> list[bool]:
+        harmful, nonfinite = self.flags()
+        return [(mode >= HARMFUL and h) or (mode == ANY and n)
+                for mode, h, n in zip(self.modes, harmful, nonfinite, strict=True)]
+
+    def first(self, first: dict[str, Any], seq: int, nonfinite_params: Sequence[str]) -> dict[str, Any] | None:
+        while True:
+            event = self.events[seq]
+            if event.phase == "forward":
+                found = self.forward(first, seq)
+                if found is not None:
+                    return found
+                # -inf that the module writes on purpose (a mask): the next candidate, if any
+                self.masks.add(event.module)
+                self.modes = [HARMFUL if e.module == event.module and e.phase == "forward" and m == ANY else m
+                              for e, m in zip(self.events, self.modes, strict=True)]
+                later = [i for i, bad in enumerate(self.bad()) if bad and i > seq]
+                if not later:
+                    return None
+                seq = later[0]
+                nxt = self.events[seq]
+                first = {"step": first["step"], "module": nxt.module, "tensor": nxt.tensor,
+                         "phase": "backward" if nxt.phase == INPUT_GRAD else nxt.phase}
+                continue
+            if event.phase in _BACKWARD:
+                return self.backward(first, nonfinite_params)
+            return first
+
+    def forward(self, first: dict[str, Any], seq: int) -> dict[str, Any] | None:
+        """The op that made the forward event ``seq`` non-finite; None for a -inf mask."""
+        index = self.events[seq].call
+        call = self.call(index)
         if call is None:
             return {**first, "note": "the call was released before the step ended"}
-        return {**first, **replay_forward(call).to_dict()}
-    if phase not in _BACKWARD:
-        return first
-    device = recorder.event_rows[0][0]
-    raw = stats.raw_matrix(*recorder.arena.matrix(recorder.event_rows, device))
-    bad = stats.harmful(raw).tolist()  # a second host sync, on this step only
-    events = [Event(m, p, t, c) for (m, p, t), c in zip(recorder.events, recorder.event_calls, strict=True)]
-    fallback = None
-    for index in blame_backward(events, bad):
-        event, call = events[index], _call(recorder, events[index].call)
-        origin = replay_backward(call, _incoming(events, raw, event.call, recorder)) if call else None
-        found = {"step": first["step"], "module": event.module, "phase": "backward", "tensor": event.tensor}
-        if origin is not None and origin.op is not None:
-            return {**found, **origin.to_dict()}
-        fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": "the call was released"})}
-    if fallback is not None:
-        return fallback
-    param = blame_parameter(events, bad, nonfinite_params)
-    if param is not None:
-        owner, _, name = param.rpartition(".")
-        return {"step": first["step"], "module": owner or "(model)", "phase": "backward", "tensor": f"grad of {name}"}
-    return {**first, "phase": "backward"}  # it came in from outside the modules (the loss)
+        origin = replay_forward(call)
+        if origin.op is None and not self.flags()[0][seq]:  # -inf only, and no arithmetic made it
+            return None
+        ignored_bad = any(m == IGNORED and n for m, n in zip(self.modes, self.flags()[1], strict=True))
+        if origin.outside and not ignored_bad:  # made before this module: by an enclosing module's own code?
+            for parent in self.enclosing(index):
+                found = replay_forward(self.recorder.calls[parent])
+                if found.op is not None:
+                    name = self.recorder.module_name(self.recorder.calls[parent].module)
+                    return {"step": first["step"], "module": name, "phase": "forward", "tensor": "output",
+                            **found.to_dict()}
+        return {**first, **origin.to_dict()}
 
+    def backward(self, first: dict[str, Any], nonfinite_params: Sequence[str]) -> dict[str, Any]:
+        fallback = None
+        for index in blame_backward(self.events, self.bad()):
+            event, call = self.events[index], self.call(self.events[index].call)
+            origin = replay_backward(call, self.incoming(event.call)) if call else None
+            found = {"step": first["step"], "module": event.module, "phase": "backward", "tensor": event.tensor}
+            if origin is not None and origin.op is not None:
+                return {**found, **origin.to_dict()}
+            fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": "the call was released"})}
+        if fallback is not None:
+            return fallback
+        param = blame_parameter(self.events, self.bad(), nonfinite_params)
+        if param is not None:
+            return trace_parameter(first, self.recorder, [param])
+        return {**first, "phase": "backward",
+                "note": "it came into the model already non-finite: from the loss or the code after the model "
+                        "(a loss scale too high for a cast of the logits, say)"}
 
-def _call(recorder: StepRecorder, index: int | None) -> Call | None:
-    return recorder.calls[index] if index is not None and index < len(recorder.calls) else None
+    def call(self, index: int | None) -> Call | None:
+        calls = self.recorder.calls
+        return calls[index] if index is not None and index < len(calls) else None
 
+    def calls_of(self, module: str) -> list[int]:
+        return [i for i, call in enumerate(self.recorder.calls)
+                if call is not None and self.recorder.module_name(call.module) == module]
 
-def _incoming(events: list[Event], raw: torch.Tensor, call: int | None, recorder: StepRecorder) -> list[GradSpec]:
-    """What the step recorded of the gradients that came into ``call``'s outputs."""
-    specs = []
-    for i, event in enumerate(events):
-        if event.call == call and event.phase == "backward" and event.tensor.startswith("grad of output"):
-            row = stats.to_stats(stats.compact(raw[i:i + 1], recorder.limits)[0].tolist())
-            output = int(event.tensor.rpartition("[")[2].rstrip("]")) if "[" in event.tensor else 0
-            specs.append(GradSpec(output, row["hist"], row["zero"]))
-    return specs
+    def enclosing(self, index: int | None) -> list[int]:
+        """The calls of the modules enclosing call ``index``, innermost first: a forward hook
+        runs when a module returns, so an enclosing module's call comes after its children's."""
+        if index is None or self.call(index) is None:
+            return []
+        name = self.recorder.module_name(self.recorder.calls[index].module) or ""
+        found, seen = [], set()
+        for later in range(index + 1, len(self.recorder.calls)):
+            call = self.recorder.calls[later]
+            outer = self.recorder.module_name(call.module) if call is not None else None
+            if outer is not None and outer not in seen and _contains(outer, name):
+                found.append(later)
+                seen.add(outer)
+        return found
+
+    def incoming(self, call: int | None) -> list[GradSpec]:
+        """What the step recorded of the gradients that came into ``call``'s outputs."""
+        specs = []
+        for i, event in enumerate(self.events):
+            if event.call == call and event.phase == "backward" and event.tensor.startswith("grad of output"):
+                row = stats.to_stats(stats.compact(self.raw[i:i + 1], self.recorder.limits)[0].tolist())
+                output = int(event.tensor.rpartition("[")[2].rstrip("]")) if "[" in event.tensor else 0
+                specs.append(GradSpec(output, row["hist"], row["zero"]))
+        return specs
 
 
 @dataclass(frozen=True)

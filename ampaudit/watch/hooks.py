@@ -124,6 +124,7 @@ class StepRecorder:
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle]] = {}  # this step's measured tensors
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._param_names: dict[int, str] = {}
+        self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
 
@@ -161,9 +162,23 @@ class StepRecorder:
         for name, param in root.named_parameters(remove_duplicate=False):
             name = _user_name(name)
             self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
+            owner = name.rpartition(".")[0]
+            owner = f"{prefix}.{owner}" if prefix and owner else owner or prefix or "(model)"
+            if owner not in self._param_owners.setdefault(id(param), []):
+                self._param_owners[id(param)].append(owner)
 
     def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:
         return self._param_names.get(id(param), fallback)
+
+    def param_owners(self, name: str) -> list[str]:
+        """The modules that hold the parameter called ``name`` (a tied weight: each of them)."""
+        for key, known in self._param_names.items():
+            if known == name:
+                return self._param_owners.get(key, [])
+        return []
+
+    def module_name(self, module: torch.nn.Module) -> str | None:
+        return self._names.get(id(module))
 
     # -- module hooks ---------------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -200,6 +215,9 @@ class StepRecorder:
             for i, t in _positional(args):
                 if t.requires_grad:
                     self.hook_grad(t, name, f"grad of input[{i}]", INPUT_GRAD)
+            for key, value in kwargs.items():  # transformers passes hidden_states by keyword
+                if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
+                    self.hook_grad(value, name, f"grad of input[{key}]", INPUT_GRAD)
         for i, t in enumerate(measurable_tensors(output, skipped=self.unmeasured)):
             label = "output" if isinstance(output, torch.Tensor) else f"output[{i}]"
             self.record(name, phase, t, label)

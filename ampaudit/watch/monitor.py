@@ -28,13 +28,13 @@ import torch.distributed as dist
 from ampaudit.core.arguments import require_module
 from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
-from ampaudit.watch.blame import trace_first
+from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
 from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder, unmeasurable
 from ampaudit.watch.log_file import LogSink
-from ampaudit.watch.reducer import StepReducer
+from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
 from ampaudit.watch.step_guard import StepGuard
 from ampaudit.watch.summary import SummaryBuilder, describe_first
 
@@ -103,7 +103,8 @@ class Monitor:
         if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
             raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
         self.ignore = tuple(ignore)
-        self._eligible: dict[str, int] = {}  # module name -> 0 if ignored, else 1
+        self._modes: dict[tuple[str, str], int] = {}  # (module, phase) -> reducer mode (IGNORED...)
+        self.masks: set[str] = set()  # modules found (by a replay) to write -inf masks on purpose
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -248,7 +249,7 @@ class Monitor:
             flat, buf = self.reducer.step_buffer(
                 recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
                 len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
-                eligible=self._eligible_events() if self.ignore else None)
+                modes=self._event_modes())
             if not self.sink.is_open and self.reducer.world <= 1:
                 # Nobody reads per-step numbers: keep the totals on the device and read back
                 # only what this step must decide (first non-finite, skipped, scale).
@@ -270,24 +271,39 @@ class Monitor:
         if record is not None:
             self._check_stop(record)
 
-    def _eligible_events(self) -> list[int]:
-        """1 for each event that may be the first non-finite, 0 for one of an ignored module."""
-        marks = []
-        for module, _, _ in self.recorder.events:
-            mark = self._eligible.get(module)
-            if mark is None:
-                mark = self._eligible[module] = int(not any(fnmatch.fnmatchcase(module, p) for p in self.ignore))
-            marks.append(mark)
-        return marks
+    def _event_modes(self) -> list[int]:
+        """Per event, which values make it a candidate first non-finite (``reducer.bad_events``)."""
+        modes, known = [], self._modes
+        for module, phase, _ in self.recorder.events:
+            mode = known.get((module, phase))
+            if mode is None:
+                mode = known[(module, phase)] = self._mode(module, phase)
+            modes.append(mode)
+        return modes
+
+    def _mode(self, module: str, phase: str) -> int:
+        if any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
+            return IGNORED
+        if phase in ("input", "eval") or (phase == "forward" and module in self.masks):
+            return HARMFUL  # a -inf mask from the batch, or one a module writes on purpose
+        return ANY
 
     def _trace(self, record: dict[str, Any], first_seq: float, bad_params: list[str]) -> None:
         """On a step with a non-finite value only: the module, op and line that made it."""
         first, world = record["first_nonfinite"], self.reducer.world
-        if first is None or not self.recorder.provenance or first_seq >= len(self.recorder.events) * world:
+        if first is None or not self.recorder.provenance:
+            return
+        if first_seq >= len(self.recorder.events) * world:  # only a parameter's gradient went non-finite
+            if world == 1:
+                record["first_nonfinite"] = trace_parameter(first, self.recorder, bad_params)
             return
         seq, rank = divmod(int(first_seq), world)
         if rank == self._rank:  # the module ran here: replay it here
-            record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params)
+            masks = len(self.masks)
+            record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params, self._event_modes(),
+                                                    self.masks)
+            if len(self.masks) != masks:
+                self._modes.clear()  # a module found to write masks: its -inf no longer counts
 
     def _check_stop(self, record: dict[str, Any]) -> None:
         """With ``stop_on_nonfinite``: raise once this step is recorded, if it calls for it."""

@@ -22,6 +22,7 @@ Intentional infinities are not errors: a tensor whose non-finite values are all 
 
 from __future__ import annotations
 
+import copy as copy_module
 import math
 import sys
 from collections.abc import Iterable, Sequence
@@ -36,7 +37,8 @@ from ampaudit.graph.userframe import boundary, user_location
 FINITE, MASKED, BAD = 0, 1, 2  # a tensor's state; BAD: NaN or +inf (or -inf that arithmetic made)
 # Ops that write a given value: -inf out of them is a mask the user asked for.
 _WRITERS = {"masked_fill", "masked_fill_", "where", "full", "full_like", "fill", "fill_", "new_full",
-            "scalar_tensor", "index_put", "index_put_", "masked_scatter", "masked_scatter_", "_to_copy"}
+            "scalar_tensor", "index_put", "index_put_", "masked_scatter", "masked_scatter_"}
+_SENTINEL = 1e8  # a cast that turns values this large into -inf casts a mask (-1e9, finfo.min): not an overflow
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -64,6 +66,7 @@ class Origin:
     file: str | None = None
     line: int | None = None
     note: str | None = None  # why the op is unknown, or what else to know
+    outside: bool = False  # the call's inputs were already non-finite: made before this module
 
     def to_dict(self) -> dict[str, Any]:
         found = {"op": self.op, "source": f"{self.file}:{self.line}" if self.file else None, "note": self.note}
@@ -119,7 +122,8 @@ class _FirstBadOp(TorchDispatchMode):
                 name = func.overloadpacket.__name__
                 if made == BAD and given != BAD:
                     self.found, self.given = self._origin(name), given
-                elif made == MASKED and given == FINITE and name not in _WRITERS and self.negative is None:
+                elif (made == MASKED and given == FINITE and name not in _WRITERS and self.negative is None
+                      and not _casts_a_mask(name, args, out)):
                     self.negative = self._origin(name)
         return out
 
@@ -129,23 +133,51 @@ class _FirstBadOp(TorchDispatchMode):
         return Origin(f"aten.{name}", *(loc[:2] if loc else (None, None)))
 
     def result(self) -> Origin | None:
+        """The op that made NaN/+inf; else the one whose arithmetic overflowed to -inf (an
+        overflow, not a mask); None if neither (a mask written on purpose, or nothing)."""
         if self.found is not None and self.given == MASKED and self.negative is not None:
             where = f" at {self.negative.file}:{self.negative.line}" if self.negative.file else ""
             self.found.note = f"its input held -inf made by {self.negative.op}{where}"
+        if self.found is None and self.negative is not None:
+            self.negative.note = "it overflowed to -inf: not a mask, which masked_fill/where would write"
+            return self.negative
         return self.found
 
 
-def _copy(value: Any, *, grad: bool) -> Any:
-    """Fresh copies of the call's tensors (the replay may write in place); with ``grad``, float
-    tensors that required grad become leaves that require it again."""
+def _casts_a_mask(name: str, args: tuple, out: Any) -> bool:
+    """A cast to a low dtype that turned only sentinel values (|x| >= 1e8: -1e9, finfo(float32).min)
+    into -inf: a mask cast with the scores, not an overflow (which is values just past the max)."""
+    if name != "_to_copy" or not isinstance(out, torch.Tensor) or not isinstance(args[0], torch.Tensor):
+        return False
+    became = args[0][out == -math.inf]
+    return bool(became.numel()) and bool((became.abs() >= _SENTINEL).all())
+
+
+def _copy(value: Any, *, grad: bool, depth: int = 4) -> Any:
+    """Fresh copies of the call's arguments (the replay may write in place); with ``grad``, float
+    tensors that required grad become leaves that require it again. Other objects are copied
+    with their attributes, a few levels deep - a transformers KV cache passed to every layer
+    would otherwise grow by the replay (its tensors carry this step's graph: detached here) -
+    except modules and what will not copy."""
     if isinstance(value, torch.Tensor):
         copy = value.detach().clone()
         return copy.requires_grad_(grad and value.requires_grad and copy.is_floating_point())
+    if depth == 0 or value is None or isinstance(value, (bool, int, float, str, torch.nn.Module, torch.dtype,
+                                                         torch.device, type)):
+        return value
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_copy(v, grad=grad) for v in value)
+        return type(value)(_copy(v, grad=grad, depth=depth - 1) for v in value)
     if isinstance(value, dict):
-        return {k: _copy(v, grad=grad) for k, v in value.items()}
-    return value
+        return {k: _copy(v, grad=grad, depth=depth - 1) for k, v in value.items()}
+    if not hasattr(value, "__dict__"):
+        return value
+    try:
+        copy = copy_module.copy(value)
+        for key, item in vars(value).items():
+            setattr(copy, key, _copy(item, grad=False, depth=depth - 1))
+    except Exception:  # an object that will not copy: the replay uses it as it is
+        return value
+    return copy
 
 
 class _Isolated:
@@ -182,7 +214,7 @@ def replay_forward(call: Call) -> Origin:
     """Run ``call`` again and name the first op that made a non-finite value."""
     if _worst((call.args, call.kwargs)) == BAD:
         return Origin(note="its inputs already held NaN or +inf: they came from outside the watched modules "
-                           "(the batch, or code between modules)")
+                           "(the batch, or code between modules)", outside=True)
     scan = _FirstBadOp()
     try:
         with _Isolated(call), torch.no_grad(), scan:
@@ -228,8 +260,8 @@ class _NodeScan:
     found: Origin | None = None
 
     def hook(self, node):
-        def check(grad_inputs, grad_outputs):
-            if self.found is None and _worst(grad_inputs) == BAD and _worst(grad_outputs) != BAD:
+        def check(grad_inputs, grad_outputs):  # a gradient's -inf is an overflow, never a mask
+            if self.found is None and _worst(grad_inputs) != FINITE and _worst(grad_outputs) == FINITE:
                 op, loc = self.made_by.get(node, (None, None))
                 self.found = Origin(node.name(), *(loc[:2] if loc else (None, None)),
                                     note=f"from {op}" if op else None)
@@ -245,10 +277,15 @@ class _NodeSources(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            if t.grad_fn is not None and t.grad_fn not in self.scan.made_by:
-                name = getattr(func, "__name__", str(func))
-                self.scan.made_by[t.grad_fn] = (name, user_location(sys._getframe(1)))
+        made_by, origin = self.scan.made_by, None
+        stack = [t.grad_fn for t in _tensors(out)]
+        while stack:  # every node this call made, down to those made before (linear's inner Mm too)
+            node = stack.pop()
+            if node is None or node in made_by or (not node.next_functions and node.name() == "AccumulateGrad"):
+                continue
+            origin = origin or (getattr(func, "__name__", str(func)), user_location(sys._getframe(1)))
+            made_by[node] = origin
+            stack.extend(next_node for next_node, _ in node.next_functions)
         return out
 
 

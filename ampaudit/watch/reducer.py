@@ -39,6 +39,18 @@ class StepValues:
     found_inf: float  # the GradScaler's found-inf flags, summed (-1: none)
 
 
+IGNORED, HARMFUL, ANY = 0, 1, 2  # an event's mode: never first; first if NaN/+inf; if any non-finite
+
+
+def bad_events(raw: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
+    """Per event (raw rows), whether it may be where a NaN was born: NaN or +inf in mode HARMFUL
+    (inputs, a module that writes -inf masks), any non-finite in mode ANY (gradients, where a
+    -inf is an overflow; forwards of modules not yet known to write masks); never if IGNORED."""
+    if modes is None:
+        return stats.nonfinite(raw)
+    return (stats.harmful(raw) & (modes >= HARMFUL)) | (stats.nonfinite(raw) & (modes == ANY))
+
+
 class StepReducer:
     """Reduces each logged step on the device; ``world`` processes (torch.distributed)."""
 
@@ -52,12 +64,12 @@ class StepReducer:
     # -- one step -----------------------------------------------------------------------------
     def step_buffer(self, arena: RowArena, event_rows: list[Handle], event_keys: list[int], n_keys: int,
                     param_rows: list[Handle], limits: LowDtype, found_inf: torch.Tensor | None,
-                    scale: torch.Tensor | None, eligible: list[int] | None = None) -> tuple[torch.Tensor, StepBuffer]:
+                    scale: torch.Tensor | None, modes: list[int] | None = None) -> tuple[torch.Tensor, StepBuffer]:
         """Everything this step recorded, reduced on the device into one flat float64 buffer
         laid out as the returned ``StepBuffer``. ``event_keys``: each event's (module, phase)
         row, of ``n_keys`` (-1: an event in no row, seen only as a candidate first non-finite);
-        ``param_rows``: one arena row per parameter, in the buffer's order; ``eligible``: 1 for
-        each event that may be the first non-finite, 0 for one ignored (None: all may)."""
+        ``param_rows``: one arena row per parameter, in the buffer's order; ``modes``: per
+        event, which values make it a candidate first non-finite (``bad_events``)."""
         buf = LAYOUT.step_buffer(n_keys, len(param_rows))
         handles = event_rows + param_rows
         device = handles[0][0] if handles else torch.device("cpu")
@@ -76,9 +88,7 @@ class StepReducer:
                     include_self=False)
                 summed.index_copy_(1, columns, peaks)
             parts.append(stats.compact(summed, limits).reshape(-1))
-            bad = stats.harmful(events)  # masked -inf scores are not where a NaN is born
-            if eligible is not None:
-                bad &= index_tensor(eligible, device).bool()
+            bad = bad_events(events, index_tensor(modes, device) if modes is not None else None)
             first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(_F64).reshape(1)
         else:
             first = torch.full((1,), float(NO_EVENT), device=device, dtype=_F64)
