@@ -6,7 +6,14 @@ On a GPU: GPT-2 small, batch 8 x 1024 tokens (not run on a GPU yet, so there are
 numbers to compare with). On a CPU the model and batch shrink and the ratios are what
 matters (fp16 matmuls are slow on most CPUs); docs/benchmarks.md has the CPU numbers.
 
-Run: python bench/convert_speed.py [--steps N] [--layers L] [--batch B] [--tokens T]
+Memory, two ways: the training state counted after a backward (parameters, masters,
+gradients, optimizer state), and the measured peak of a whole step, per phase, from the
+allocator's own records (peak_rise). Variants: fp32, autocast + GradScaler, converted
+(working copies released during the optimizer's step), convert-kept (release_low=False),
+convert-fp32w (modules backend, weights="fp32").
+
+Run: python bench/convert_speed.py [--steps N] [--layers L] [--batch B] [--tokens T] [--optimizer adamw|sgd]
+(GPT2_EMBD=384 for the CPU table in docs/benchmarks.md)
 """
 
 from __future__ import annotations
