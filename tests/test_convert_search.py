@@ -73,3 +73,21 @@ def test_search_doubles_when_no_op_is_over_the_tolerance():
     summary = model_mp.summary
     assert {p["node"] for p in summary.promoted} == {"fc1", "fc2"}
     assert summary.search == {"forwards": 5, "tried": 3}
+
+
+@pytest.mark.parametrize("backend", ["fx", "modules"])
+def test_untrained_batch_norms_are_compared_as_training_normalises(backend):
+    # Freshly built, its BatchNorms do not normalise in eval mode and the logits come out near
+    # 6e-7, below fp16's normal range: compared that way the error was 7% and the search
+    # promoted ops (16 forward passes) for an error training never has. Compared with the
+    # batch's statistics, as training and the range audit do, nothing needs promoting.
+    loaded = load_target(model("untrained_batchnorm.py"))
+    with torch.no_grad():
+        assert float(loaded.model(*loaded.inputs.args).abs().max()) < 1e-6
+    model_mp = ampaudit.convert(loaded.model, loaded.inputs, backend=backend)
+    summary = model_mp.summary
+    assert summary.error_before < 1e-3 and summary.promoted == []
+    assert summary.search == {"forwards": 2, "tried": 0}
+    for module in (*loaded.model.modules(), *model_mp.modules()):  # running statistics untouched
+        if isinstance(module, torch.nn.BatchNorm2d):
+            assert int(module.num_batches_tracked) == 0 and not module.running_mean.any()

@@ -16,7 +16,8 @@ search has made ``MAX_FORWARDS`` forward passes; finding one costs at most
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from torch import fx
 
 from ampaudit.graph.forward import ExampleInputs, iter_tensors
-from ampaudit.graph.range_probe import MEASURED
+from ampaudit.graph.range_probe import MEASURED, untrained_batch_norm
 
 Build = Callable[[dict[str, str]], fx.GraphModule]
 MAX_FORWARDS = 20  # forward passes one search makes before it stops trimming what it promotes
@@ -39,7 +40,7 @@ def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: tor
     """Worst relative L2 error over the float outputs; inf when the conversion is non-finite.
     ``reference``: the fp32 model, or its outputs already computed (``reference_outputs``)."""
     ref = reference if isinstance(reference, list) else reference_outputs(reference, inputs)
-    with torch.no_grad():
+    with torch.no_grad(), _untrained_norms_use_batch_statistics(converted):
         out = _tensors(converted(*inputs.args, **inputs.kwargs))
     worst = 0.0
     for r, o in zip(ref, out, strict=False):
@@ -54,8 +55,35 @@ def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: tor
 
 def reference_outputs(reference: torch.nn.Module, inputs: ExampleInputs) -> list[torch.Tensor]:
     """The fp32 model's float outputs, computed once for every comparison of a search."""
-    with torch.no_grad():
+    with torch.no_grad(), _untrained_norms_use_batch_statistics(reference):
         return _tensors(reference(*inputs.args, **inputs.kwargs))
+
+
+@contextmanager
+def _untrained_norms_use_batch_statistics(model: torch.nn.Module) -> Iterator[None]:
+    """A BatchNorm that never saw a batch (running mean 0, variance 1: a model built, not yet
+    trained) does not normalise at all in eval mode, and the outputs it leads to can be far
+    from anything training sees - timm's efficientnet_b0 gives logits near 2e-6 at 32 x 32,
+    below fp16's normal range. Compared that way, verification promoted ops for an error
+    training never has. Such norms normalise with the batch's own statistics here, as
+    training does and as the range audit measures (running statistics untouched)."""
+    handles = [m.register_forward_hook(_batch_normalised) for m in model.modules() if untrained_batch_norm(m)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _batch_normalised(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or x.dim() < 2 \
+            or x.numel() <= x.shape[1]:  # one value per channel: no batch statistics
+        return output
+    weight, bias = module.weight, module.bias
+    out = torch.nn.functional.batch_norm(x.float(), None, None, None if weight is None else weight.float(),
+                                         None if bias is None else bias.float(), True, 0.0, module.eps)
+    return out.to(output.dtype)
 
 
 def _units(gm: fx.GraphModule, prefix: str | None) -> list[str]:
