@@ -6,7 +6,14 @@ On a GPU: GPT-2 small, batch 8 x 1024 tokens (not run on a GPU yet, so there are
 numbers to compare with). On a CPU the model and batch shrink and the ratios are what
 matters (fp16 matmuls are slow on most CPUs); docs/benchmarks.md has the CPU numbers.
 
-Run: python bench/convert_speed.py [--steps N] [--layers L] [--batch B] [--tokens T]
+Memory, two ways: the training state counted after a backward (parameters, masters,
+gradients, optimizer state), and the measured peak of a whole step, per phase, from the
+allocator's own records (peak_rise). Variants: fp32, autocast + GradScaler, converted
+(working copies released during the optimizer's step), convert-kept (release_low=False),
+convert-fp32w (modules backend, weights="fp32").
+
+Run: python bench/convert_speed.py [--steps N] [--layers L] [--batch B] [--tokens T] [--optimizer adamw|sgd]
+(GPT2_EMBD=384 for the CPU table in docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -22,10 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("fp32", "autocast", "convert", "convert-fp32w")
+VARIANTS = ("fp32", "autocast", "convert", "convert-kept", "convert-fp32w")
 
 
-def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, float]:
+def run_variant(variant: str, steps: int, batch: int, tokens: int, optimizer_name: str = "adamw") -> dict[str, float]:
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -39,11 +46,15 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
     model = get_model().to(device)
     ids = torch.randint(0, 50257, (batch, tokens + 1), device=device)
     ids, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # next-token prediction
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    if optimizer_name == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     if variant.startswith("convert"):  # convert-fp32w: the modules backend, fp32 weights cast at each use
         options = {"backend": "modules", "weights": "fp32"} if variant == "convert-fp32w" else {}
         model, optimizer = ampaudit.convert(model, optimizer, example_inputs=(ids[:1, :64], targets[:1, :64]),
                                             verify=False, **options)
+        optimizer.release_low = variant != "convert-kept"  # kept: working copies alive through the step
 
     def step() -> float:
         if variant == "fp32":
@@ -75,9 +86,36 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
         else:
             model(ids, targets).backward()
 
+    def phased_step() -> None:  # one step, each phase named for the peak's report; no gradient before or after
+        from torch.profiler import record_function
+
+        with record_function(PHASES[0]):
+            if variant == "autocast":
+                with torch.autocast(device, dtype=torch.float16):
+                    loss = model(ids, targets)
+            else:
+                loss = model(ids, targets)
+        with record_function(PHASES[1]):
+            if variant == "autocast":
+                scaler.scale(loss).backward()
+            elif variant.startswith("convert"):
+                optimizer.backward(loss)
+            else:
+                loss.backward()
+        with record_function(PHASES[2]):
+            if variant == "autocast":
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     scaler = torch.amp.GradScaler(device) if variant == "autocast" else None
     for _ in range(2):  # warm-up
         step()
+    optimizer.zero_grad(set_to_none=True)
+    at_start = training_state_bytes(model, optimizer)["state_bytes"]  # alive when the measured step starts
+    rises = peak_rise(phased_step)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -92,7 +130,67 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int) -> dict[str, 
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"ms_per_step": statistics.median(times) * 1000, "peak_bytes": peak, "loss": loss, "device": device,
+            "step_peak": at_start + rises["all"], "step_start": at_start,
+            "phase_peaks": {phase: at_start + rise for phase, rise in rises.items()},
+            "params_n": sum(p.numel() for p in params_of(model, optimizer)),
             **training_state_bytes(model, optimizer)}
+
+
+PHASES = ("bench:forward", "bench:backward", "bench:step")
+MEASURED = "bench:measured"
+
+
+def peak_rise(fn) -> dict[str, int]:
+    """The highest rise of allocated bytes during ``fn()`` above what was allocated when it
+    started, in each phase (a ``PHASES`` range) and in all (``"all"``): every allocation and
+    free the CPU allocator reports to torch.profiler (``profile_memory``) - tensors,
+    autograd's saved values, autocast's cast cache, the optimizer's temporaries - summed in
+    time order. The profiler cannot size a free of memory allocated before it started, so
+    ``fn`` runs twice under it and the second run is measured: what a training step frees it
+    allocated in the step before. On a GPU, torch.cuda's own peak counter (``"all"`` only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if torch.cuda.is_available():
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return {"all": torch.cuda.max_memory_allocated() - start}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+        with record_function(MEASURED):
+            fn()
+    events = prof.profiler.kineto_results.events()
+    (begin, end), = [(e.start_ns(), e.end_ns()) for e in events if e.name() == MEASURED]
+    ranges = [(e.start_ns(), e.end_ns(), e.name().split(":")[1]) for e in events
+              if e.name() in PHASES and begin <= e.start_ns() <= end]
+    cpu = torch._C._autograd.DeviceType.CPU
+    memory = sorted((e for e in events if e.name() == "[memory]" and e.device_type() == cpu),
+                    key=lambda e: e.start_ns())
+    live, base, peaks = 0, None, {"all": 0}
+    for e in memory:
+        if e.start_ns() >= begin and base is None:
+            base = live
+        live += e.nbytes()
+        if base is None or e.start_ns() > end:
+            continue
+        phase = next((name for start, stop, name in ranges if start <= e.start_ns() <= stop), "between")
+        peaks[phase] = max(peaks.get(phase, 0), live - base)
+        peaks["all"] = max(peaks["all"], live - base)
+    return peaks
+
+
+def params_of(model, optimizer) -> list:
+    """The model's parameters, each once (the count behind bytes per parameter)."""
+    seen, out = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
 
 
 def training_state_bytes(model, optimizer) -> dict[str, int]:
@@ -127,6 +225,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: momentum 0.9")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant, in a child process
     args = parser.parse_args()
     import torch
@@ -136,28 +235,42 @@ def main() -> None:
     batch = args.batch or (8 if gpu else 2)
     tokens = args.tokens or (1024 if gpu else 64)
     if args.variant:
-        print(json.dumps(run_variant(args.variant, steps, batch, tokens)))
+        print(json.dumps(run_variant(args.variant, steps, batch, tokens, args.optimizer)))
         return
     env = dict(os.environ)
     env.setdefault("GPT2_LAYERS", str(args.layers or (12 if gpu else 2)))
     results = {}
     for variant in VARIANTS:
         proc = subprocess.run([sys.executable, __file__, "--variant", variant, "--steps", str(steps), "--batch",
-                               str(batch), "--tokens", str(tokens)], env=env, capture_output=True, text=True,
-                              check=True)
+                               str(batch), "--tokens", str(tokens), "--optimizer", args.optimizer], env=env,
+                              capture_output=True, text=True, check=True)
         results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     device = results["fp32"]["device"]
-    print(f"GPT-2 ({env['GPT2_LAYERS']} layers), batch {batch} x {tokens} tokens, {steps} timed steps, {device}")
-    print(f"  {'variant':<10} {'ms/step':>9} {'x autocast':>11} {'peak':>10} {'loss':>8}   "
-          f"{'params':>8} {'masters':>8} {'grads':>8} {'opt state':>9} {'total MiB':>9} {'x autocast':>10}")
+    n = results["fp32"]["params_n"]
+    print(f"GPT-2 ({env['GPT2_LAYERS']} layers, {n / 1e6:.1f}M parameters), batch {batch} x {tokens} tokens, "
+          f"{steps} timed steps, {device}, {args.optimizer}")
+    print(f"  {'variant':<14} {'ms/step':>9} {'x autocast':>10} {'peak RSS':>9} {'loss':>9}")
     base = results["autocast"]["ms_per_step"]
-    base_state = results["autocast"]["state_bytes"]
-    mib = 2**20
     for variant, r in results.items():
-        print(f"  {variant:<10} {r['ms_per_step']:9.1f} {r['ms_per_step'] / base:11.2f} "
-              f"{r['peak_bytes'] / 2**30:8.2f} GiB {r['loss']:8.4f}   {r['params'] / mib:8.1f} "
-              f"{r['masters'] / mib:8.1f} {r['grads'] / mib:8.1f} {r['state'] / mib:9.1f} "
-              f"{r['state_bytes'] / mib:9.1f} {r['state_bytes'] / base_state:10.2f}")
+        print(f"  {variant:<14} {r['ms_per_step']:9.1f} {r['ms_per_step'] / base:10.2f} "
+              f"{r['peak_bytes'] / 2**30:5.2f} GiB {r['loss']:9.4f}")
+    print("Training state right after a backward, counted (each tensor once), and the measured peak of one "
+          f"step ({'torch.cuda max_memory_allocated' if device == 'cuda' else 'the CPU allocator, via torch.profiler'}"
+          "; zero_grad first, the peak per phase):")
+    print(f"  {'variant':<14} {'params':>7} {'masters':>7} {'grads':>7} {'opt st':>7} {'counted':>7} {'x ac':>6} "
+          f"{'B/p':>5} | {'forward':>7} {'backwd':>7} {'step':>7} {'peak':>7} {'x ac':>6} {'B/p':>5}")
+    mib = 2**20
+    base_state, base_peak = results["autocast"]["state_bytes"], results["autocast"]["step_peak"]
+    for variant, r in results.items():
+        phases = r["phase_peaks"]
+        shown = " ".join(f"{phases[p] / mib:7.1f}" if p in phases else f"{'-':>7}" for p in ("forward", "backward",
+                                                                                           "step"))
+        print(f"  {variant:<14} {r['params'] / mib:7.1f} {r['masters'] / mib:7.1f} {r['grads'] / mib:7.1f} "
+              f"{r['state'] / mib:7.1f} {r['state_bytes'] / mib:7.1f} {r['state_bytes'] / base_state:6.3f} "
+              f"{r['state_bytes'] / n:5.2f} | {shown} {r['step_peak'] / mib:7.1f} "
+              f"{r['step_peak'] / base_peak:6.3f} {r['step_peak'] / n:5.2f}")
+    print("  (MiB; x ac: x autocast; B/p: bytes per parameter; a phase's peak is what the step started with plus the"
+          " allocator's highest rise in it)")
 
 
 if __name__ == "__main__":

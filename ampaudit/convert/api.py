@@ -28,6 +28,7 @@ from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.module_calls import concrete_args, record_calls
+from ampaudit.graph.range_probe import DTYPE, MEASURED, SHAPE
 from ampaudit.graph.trace import SubGraph
 from ampaudit.graph.view import GraphView
 
@@ -46,6 +47,7 @@ class ConversionSummary:
     promoted: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     train: dict[str, Any] | None = None  # the training check (train_check.TrainCheck), when one ran
+    search: dict[str, int] | None = None  # the promotion search: forward passes made, promotion sets tried
     backend: str = "fx"  # "fx" or "modules"
     weights: str = "low"  # modules backend: "low" (stored low, fp32 masters) or "fp32" (cast at use)
     constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
@@ -120,10 +122,11 @@ def convert(
                        optimizer, inputs, low, verify=verify, loss_scale=loss_scale, train_steps=train_steps)
 
     kernels: dict[str, Decision] = {}  # ops with no low-precision kernel here: fp32 in every build
+    seen = _Measured()  # what the example inputs showed, measured by the first build only
 
     def build(promoted: Mapping[str, str | Decision]) -> fx.GraphModule:
         return _convert_once(model, catalog, low, inputs, promoted={**promoted, **kernels}, constants=constants,
-                             keep_low_outputs=keep_low_outputs)
+                             keep_low_outputs=keep_low_outputs, measured=seen)
 
     was_training = model.training
     model.eval()  # compare deterministic outputs: dropout off on both sides
@@ -165,7 +168,7 @@ def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, in
         def build(promoted: Mapping[str, str | Decision]) -> torch.nn.Module:
             records = planner.records(promoted)
             built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights)
-            built.ampaudit_ranked = planner.ranked
+            built.ampaudit_sources = planner.sources
             return _with_plan(built, records, low, promoted, casts=0, constants=constants,
                               keep_low_outputs=keep_low_outputs, backend="modules", weights=weights,
                               notes=["modules backend: the model's own forward under autocast, the plan applied "
@@ -226,6 +229,27 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
 
 
 @dataclass
+class _Measured:
+    """What the example inputs showed, kept across the builds of one conversion: each build
+    (one per promotion set the search tries) traces the same graphs, so the recorded calls
+    and the measured ranges are taken from the first build instead of running the model again."""
+
+    calls: dict[str, ExampleInputs] | None = None
+    graphs: dict[str, tuple[list[str], dict[str, dict[str, Any]]]] = field(default_factory=dict)
+
+    def measure(self, prefix: str, gm: fx.GraphModule, inputs: ExampleInputs, catalog: Catalog, low: LowDtype) -> None:
+        names = [n.name for n in gm.graph.nodes]
+        known = self.graphs.get(prefix)
+        if known is not None and known[0] == names:
+            for node in gm.graph.nodes:
+                node.meta.update(known[1].get(node.name, {}))
+            return
+        measure_ranges(gm, inputs, catalog, low)
+        self.graphs[prefix] = (names, {n.name: {k: n.meta[k] for k in (MEASURED, SHAPE, DTYPE) if k in n.meta}
+                                       for n in gm.graph.nodes})
+
+
+@dataclass
 class _Conversion:
     """What every module of one conversion shares, and what it gathers."""
 
@@ -239,15 +263,18 @@ class _Conversion:
     records: list[dict[str, Any]] = field(default_factory=list)  # the plan, op by op
     notes: list[str] = field(default_factory=list)
     casts: int = 0
+    measured: _Measured = field(default_factory=_Measured)
 
 
 def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, *, promoted: Mapping[str, str | Decision], constants: str,
-                  keep_low_outputs: bool) -> torch.nn.Module:
+                  keep_low_outputs: bool, measured: _Measured | None = None) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
-    calls = record_calls(work, inputs) if inputs is not None else {}  # for children traced on their own
-    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, calls=calls,
-                      declared=declared_precision(work, low))
+    measured = measured if measured is not None else _Measured()
+    if measured.calls is None:  # how each child is called, for children traced on their own
+        measured.calls = record_calls(work, inputs) if inputs is not None else {}
+    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, calls=measured.calls,
+                      declared=declared_precision(work, low), measured=measured)
     converted = _with_plan(_convert_tree(work, "", inputs, run), run.records, low, promoted, casts=run.casts,
                            notes=run.notes, constants=constants, keep_low_outputs=keep_low_outputs)
     if not isinstance(converted, fx.GraphModule):
@@ -273,7 +300,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
         _convert_children(module, prefix, run)
         return module
     if inputs is not None:
-        measure_ranges(gm, inputs, run.catalog, run.low)
+        run.measured.measure(prefix, gm, inputs, run.catalog, run.low)
     if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
         run.notes.append(f"{label}: F.dropout(..., training=self.training) was traced in eval mode and stays off "
                          "in the converted model; nn.Dropout modules follow model_mp.train() as usual")

@@ -28,13 +28,13 @@ import torch
 
 from ampaudit.convert.emit import OVERRIDES, device_type, run_in_fp32
 from ampaudit.convert.plan import FOLLOW, FP32, Decision, decide, plan_records
+from ampaudit.convert.verify import error_sources
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.graph import dtype_flow as flow
 from ampaudit.graph.declared import declared_precision
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.measure import measure_ranges
-from ampaudit.graph.range_probe import MEASURED
 from ampaudit.graph.recorder import record_trace
 from ampaudit.graph.trace import SubGraph
 from ampaudit.graph.view import GraphView
@@ -50,10 +50,7 @@ class ModulePlanner:
         self.view = GraphView.build(SubGraph("", gm), catalog, low, frozenset(),
                                     declared=declared_precision(model, low))
         self.constants = constants
-        # low-precision ops, worst measured error first: where the search starts
-        scored = [(m.rel_error, self.view.name(n)) for n in gm.graph.nodes
-                  if (m := n.meta.get(MEASURED)) is not None and m.rel_error is not None]
-        self.ranked = [name for _, name in sorted(scored, reverse=True)]
+        self.sources = error_sources(gm, self.view.name)  # each op's measured error: where the search starts
 
     def records(self, promoted: Mapping[str, str | Decision]) -> list[dict[str, Any]]:
         view = self.view

@@ -1,0 +1,26 @@
+"""convert on timm models (code ampaudit did not write), built with pretrained=False: nothing
+is downloaded. Skipped where timm is not installed (it needs a torchvision built for the
+installed torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampaudit
+
+timm = pytest.importorskip("timm", reason="timm is an optional extra")
+
+
+@pytest.mark.parametrize("backend", ["auto", "modules"])
+def test_timm_efficientnet_b0_converts_verifies_and_trains(backend):
+    torch.manual_seed(0)
+    model = timm.create_model("efficientnet_b0", pretrained=False).eval()
+    x = (torch.randn(2, 3, 64, 64),)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model_mp, _ = ampaudit.convert(model, optimizer, example_inputs=x, backend=backend, train_steps=3)
+    summary = model_mp.summary
+    assert summary.backend == ("fx" if backend == "auto" else "modules")  # timm's forward traces
+    assert summary.error_after < 1e-2 and summary.search["forwards"] <= 20
+    assert summary.train["passed"] and summary.train["skipped"] == 0
+    assert summary.param_bytes["float16"] > summary.param_bytes.get("float32", 0)
