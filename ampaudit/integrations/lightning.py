@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampaudit.integrations import lazy_class
+
 _NEEDS = ('ampaudit.integrations.lightning needs Lightning: pip install "ampaudit[lightning]" '
           "(or pip install pytorch-lightning)")
 
@@ -58,8 +60,4 @@ def _build() -> type:
     return AmpAuditCallback
 
 
-def __getattr__(name: str) -> Any:
-    if name == "AmpAuditCallback":
-        cls = globals()[name] = _build()
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_class(__name__, "AmpAuditCallback", _build)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampaudit.integrations import lazy_class
+
 _NEEDS = ('ampaudit.integrations.transformers needs transformers: pip install "ampaudit[transformers]" '
           "(or pip install transformers)")
 
@@ -64,8 +66,4 @@ def _build() -> type:
     return AmpAuditCallback
 
 
-def __getattr__(name: str) -> Any:
-    if name == "AmpAuditCallback":
-        cls = globals()[name] = _build()
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_class(__name__, "AmpAuditCallback", _build)
