@@ -84,6 +84,13 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
     return LowDtype.parse(dtype), source
 
 
+def _compiling() -> bool:
+    """Inside a torch.compile'd region the hooks record nothing: dynamo traces them as a branch
+    not taken, so watch adds no graph break. A compiled model's rows are those of the modules
+    around the compiled region (the model's own output) and its parameter gradients."""
+    return torch.compiler.is_compiling()
+
+
 def _user_name(name: str) -> str:
     """A module's name as the user wrote the model: torch.compile's wrapper adds ``_orig_mod``."""
     return name.removeprefix("_orig_mod").removeprefix(".") if name.startswith("_orig_mod") else name
@@ -183,7 +190,7 @@ class StepRecorder:
     # -- module hooks ---------------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """The forward pre-hook: the module's inputs, before it runs."""
-        if self.paused or (not torch.is_grad_enabled() and not self.record_eval):
+        if self.paused or _compiling() or (not torch.is_grad_enabled() and not self.record_eval):
             return
         if self.dtype_source is None and torch.is_grad_enabled():
             self._detect_dtype(measurable_tensors(args))
@@ -195,7 +202,7 @@ class StepRecorder:
 
     def after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """The forward hook: the module's inputs and its output, after it ran."""
-        if self.paused:
+        if self.paused or _compiling():
             return
         name = self._names.get(id(module))
         phase = "forward"
@@ -226,7 +233,7 @@ class StepRecorder:
         self._call = None
 
     def _global_before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self.paused:
+        if self.paused or _compiling():
             return
         if self._depth == 0:
             if id(module) not in self._names:
@@ -238,7 +245,7 @@ class StepRecorder:
             self.before_forward(module, args)
 
     def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.paused:
+        if self.paused or _compiling():
             return
         self._depth = max(0, self._depth - 1)
         self.after_forward(module, args, kwargs, output)
