@@ -16,6 +16,7 @@ are reduced to the summary's Stats in one batched step at the step boundary
 from __future__ import annotations
 
 import sys
+from itertools import compress
 
 import torch
 
@@ -153,5 +154,6 @@ def to_stats(row: list[float]) -> dict:
     histogram as [floor(log2 |x|), count] pairs for the finite nonzero values seen (-127:
     the fp32 subnormals, all below 2**-126)."""
     stats = {name: (int(row[i]) if LAYOUT.integer[name] else float(row[i])) for i, name in enumerate(FIELDS)}
-    stats["hist"] = [[e - 127, int(c)] for e, c in enumerate(row[HIST:]) if c and e < LAYOUT.exponents - 1]
+    hist = row[HIST:HIST + LAYOUT.exponents - 1]  # exponent 255 (Inf/NaN) is not a magnitude
+    stats["hist"] = [[e - 127, int(hist[e])] for e in compress(range(len(hist)), hist)]  # the nonzero ones, in C
     return stats
