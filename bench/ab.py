@@ -31,6 +31,19 @@ def item_hooks(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
+@contextlib.contextmanager
+def hf_debug(model: nn.Module) -> Iterator[None]:
+    """transformers' DebugUnderflowOverflow on every module of ``model`` (it keeps no handles)."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    DebugUnderflowOverflow(model, max_frames_to_save=1)
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            m._forward_hooks.clear()
+
+
 def anomaly() -> contextlib.AbstractContextManager:
     return torch.autograd.detect_anomaly(check_nan=True)
 

@@ -51,18 +51,6 @@ def build(smoke: bool, device: str):
     return model, "GPT2LMHeadModel (transformers config)", True
 
 
-@contextlib.contextmanager
-def hf_debug(model):
-    from transformers.debug_utils import DebugUnderflowOverflow
-
-    DebugUnderflowOverflow(model, max_frames_to_save=1)
-    try:
-        yield
-    finally:
-        for m in model.modules():  # it hooks every module and keeps no handles
-            m._forward_hooks.clear()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
@@ -97,7 +85,7 @@ def main() -> None:
                 "watch every=10": lambda: ampaudit.watch(model, optimizer=opt, scaler=scaler, every=10),
                 "naive .item() hooks": lambda: ab.item_hooks(model), "detect_anomaly": ab.anomaly}
     if is_hf:
-        variants["HF DebugUnderflowOverflow"] = lambda: hf_debug(model)
+        variants["HF DebugUnderflowOverflow"] = lambda: ab.hf_debug(model)
     medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=1 if args.smoke else 3)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{name}, B={batch}, T={seq}, autocast fp16 + GradScaler, {gpu}; rows by "

@@ -3,10 +3,12 @@
 Variants: a plain step; ampaudit.watch (every step, every 10th, and every step with the
 torch-op rows instead of the C kernel); per-module hooks that call .item() on each
 statistic (the naive approach); torch.autograd.detect_anomaly.
-CPU: a small transformer in fp32, audited for float16. Target on CPU: watch <= 1.25x a
-plain step. (The GPU benchmark, GPT-2 small with autocast, is bench/watch_gpu.py.)
+CPU: a small transformer in fp32, audited for float16 (targets, with the log `ampaudit run`
+writes: <= 1.25x every step, <= 1.05x every 10th); and with --workload mlp a small MLP under
+fp16 autocast with a GradScaler, next to transformers' DebugUnderflowOverflow (target <= 1.5x).
+(The GPU benchmark, GPT-2 small with autocast, is bench/watch_gpu.py.)
 
-Run: python bench/watch_overhead.py [--steps N] [--rounds R] [--width D]
+Run: python bench/watch_overhead.py [--workload gpt|mlp] [--steps N] [--rounds R] [--width D]
 """
 
 from __future__ import annotations
@@ -70,22 +72,44 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--width", type=int, default=128, help="model width d (4 heads, 4 blocks)")
+    parser.add_argument("--workload", choices=("gpt", "mlp"), default="gpt",
+                        help="gpt: TinyGPT in fp32; mlp: a small MLP, fp16 autocast and a GradScaler")
     args = parser.parse_args()
     device = "cpu"
     torch.manual_seed(0)
-    model = TinyGPT(d=args.width).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    idx = torch.randint(0, 512, (8, 128), device=device)
-    targets = torch.roll(idx, -1, 1)
+    scaler = None
+    if args.workload == "gpt":
+        model = TinyGPT(d=args.width).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        idx = torch.randint(0, 512, (8, 128), device=device)
+        targets = torch.roll(idx, -1, 1)
 
-    def step():
-        loss = model(idx, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        def step():
+            loss = model(idx, targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        title = f"TinyGPT (4 blocks, d={args.width}, batch 8 x 128)"
+    else:
+        model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(256, 256), nn.ReLU())],
+                              nn.Linear(256, 10)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+        x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
+
+        def step():
+            with torch.autocast(device, dtype=torch.float16):
+                loss = F.cross_entropy(model(x).float(), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        title = "MLP (5 Linear, 256 wide, batch 64), fp16 autocast + GradScaler"
 
     def watched(every=1, **options):
-        return ampaudit.watch(model, optimizer=opt, every=every, **options)
+        return ampaudit.watch(model, optimizer=opt, scaler=scaler, every=every, **options)
 
     log_dir = tempfile.mkdtemp(prefix="ampaudit-bench-")
 
@@ -104,8 +128,14 @@ def main() -> None:
                 "watch, provenance=False": lambda: watched(provenance=False), "watch every=10": lambda: watched(10),
                 "watch, torch-op rows": torch_rows, "naive .item() hooks": lambda: ab.item_hooks(model),
                 "detect_anomaly": ab.anomaly}
+    if args.workload == "mlp":
+        try:
+            import transformers  # noqa: F401
+            variants["HF DebugUnderflowOverflow"] = lambda: ab.hf_debug(model)
+        except ImportError:
+            pass
     medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=2)
-    print(f"TinyGPT (4 blocks, d={args.width}, batch 8 x 128), {device}, {torch.get_num_threads()} threads, "
+    print(f"{title}, {device}, {torch.get_num_threads()} threads, "
           f"median of {args.rounds} rounds x {args.steps} steps; rows: {cpu_kernel.status()}")
     ab.print_ratios(medians)
 

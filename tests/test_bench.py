@@ -30,6 +30,13 @@ def test_cpu_watch_benchmark_runs_every_variant():
     assert ratios["plain"] == 1.0
 
 
+def test_cpu_watch_benchmark_fp16_mlp_workload():
+    out = _run("bench/watch_overhead.py", "--workload", "mlp", "--steps", "1", "--rounds", "1")
+    assert "fp16 autocast + GradScaler" in out
+    ratios = _ratios(out)
+    assert {"plain", "watch", "watch + log", "watch every=10", "detect_anomaly"} <= set(ratios)
+
+
 def test_gpu_watch_benchmark_smoke_mode_runs_on_the_cpu():
     ratios = _ratios(_run("bench/watch_gpu.py", "--smoke"))
     assert {"plain", "watch", "watch every=10", "naive .item() hooks", "detect_anomaly"} <= set(ratios)
