@@ -944,3 +944,59 @@ def test_a_compiled_model_trains_as_without_watch(fullgraph):
     summary = mon.summary()
     assert set(summary["layers"]) == {"(model)"} and summary["steps"] == 3
     assert set(summary["params"]) == {"0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"}
+
+
+FSDP2_SCRIPT = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import ampaudit
+
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2, init_method=f"tcp://127.0.0.1:{sys.argv[2]}")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(1 + dist.get_rank())  # each rank its own batches
+with ampaudit.watch(model, optimizer=opt, log=sys.argv[3]) as mon:
+    for _ in range(2):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # collective: every rank
+        opt.step()
+if dist.get_rank() == 0:
+    print(json.dumps({n: [g.norm().item(), g.numel()] for n, g in full.items()}))
+dist.destroy_process_group()
+'''
+
+
+def test_fsdp2_sharded_gradients_reduce_over_the_mesh(tmp_path):
+    """FSDP2 on 2 gloo processes: each rank holds a shard of every gradient; the log's norm
+    is the whole gradient's and the counts cover the whole tensor."""
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.4")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2_SCRIPT)
+    log = tmp_path / "fsdp2.jsonl"
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), str(log)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-2000:]
+        outs.append(out)
+    full = json.loads(outs[0].strip().splitlines()[-1])
+    last = [json.loads(line) for line in log.read_text().splitlines()[1:] if '"step"' in line][-1]
+    assert set(last["params"]) == set(full) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for name, (norm, numel) in full.items():
+        assert last["params"][name]["numel"] == numel  # the two shards add up to the whole
+        assert last["params"][name]["norm"] == pytest.approx(norm, rel=1e-5)  # not the local shard's

@@ -84,6 +84,10 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
     return LowDtype.parse(dtype), source
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
 def _compiling() -> bool:
     """Inside a torch.compile'd region the hooks record nothing: dynamo traces them as a branch
     not taken, so watch adds no graph break. A compiled model's rows are those of the modules
@@ -132,6 +136,7 @@ class StepRecorder:
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._param_names: dict[int, str] = {}
         self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
+        self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
 
@@ -296,14 +301,18 @@ class StepRecorder:
         GradScaler how many gradients overflow at its current scale."""
         self.param_rows = {}
         for name, p in params:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            kind = unmeasurable(p.grad)
+            if _is_dtensor(grad):  # FSDP2: this rank's shard; the ranks' rows add up to the whole
+                grad = grad.to_local()
+                self.sharded_params.add(name)
+            kind = unmeasurable(grad)
             if kind is not None:  # a sparse embedding's gradient, say
                 self.unmeasured[kind] += 1
                 continue
-            handle, counts, extras = self.arena.take(p.grad.device)
-            stats.fill_row(p.grad, counts, extras, self.limits, norm=True, scale=scale)
+            handle, counts, extras = self.arena.take(grad.device)
+            stats.fill_row(grad, counts, extras, self.limits, norm=True, scale=scale)
             self.param_rows[name] = handle
 
     def end_step(self, logging_next: bool) -> None:

@@ -86,10 +86,10 @@ class StepLayout:
         self.hist = len(fields)
         self.width = self.hist + self.exponents
 
-    def step_buffer(self, n_rows: int, n_params: int) -> StepBuffer:
+    def step_buffer(self, n_rows: int, n_params: int, sharded: tuple[int, ...] = ()) -> StepBuffer:
         """The flat buffer one logged step reads back, for ``n_rows`` (module, phase) rows and
-        ``n_params`` parameter rows."""
-        return StepBuffer(self, n_rows, n_params)
+        ``n_params`` parameter rows, of which those at ``sharded`` are shards (FSDP2)."""
+        return StepBuffer(self, n_rows, n_params, sharded)
 
 
 @dataclass(frozen=True)
@@ -100,15 +100,18 @@ class StepBuffer:
     the GradScaler's found-inf flag (-1: none).
 
     Across ranks: Stats fields reduce as ``StepLayout`` says; norms keep the largest (DDP's
-    gradients are all-reduced: every rank has the same); overflow counts are summed; the
+    gradients are all-reduced: every rank has the same), except a sharded parameter's
+    (FSDP2: each rank holds a shard), whose norm is the root of the sum of the ranks' squares
+    (``ROOT_SUM_SQUARES``); overflow counts are summed; the
     first event is the earliest (``FIRST``), the scale rank 0's (``RANK0``) and found-inf the
     largest."""
 
     layout: StepLayout
     n_rows: int
     n_params: int
+    sharded: tuple[int, ...] = ()  # parameters (their index) whose gradients are shards
 
-    FIRST, RANK0 = "first", "rank 0"  # the tail's own reductions
+    FIRST, RANK0, ROOT_SUM_SQUARES = "first", "rank 0", "root of the sum of squares"  # the tail's own
 
     @property
     def stats(self) -> slice:
@@ -155,7 +158,9 @@ class StepBuffer:
         width, rows = self.layout.width, self.n_rows + self.n_params
         by_field = [([r * width + i for r in range(rows)], self.layout.reduce[name])
                     for name, i in self.layout.field.items() if self.layout.reduce[name] != SUM]
-        return [*by_field, (list(range(self.norms.start, self.norms.stop)), MAX), ([self.first], self.FIRST),
+        shards = {self.norms.start + i for i in self.sharded}
+        norms = [p for p in range(self.norms.start, self.norms.stop) if p not in shards]
+        return [*by_field, (norms, MAX), (sorted(shards), self.ROOT_SUM_SQUARES), ([self.first], self.FIRST),
                 ([self.scale], self.RANK0), ([self.found_inf], MAX)]
 
 

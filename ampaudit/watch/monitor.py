@@ -249,7 +249,8 @@ class Monitor:
             flat, buf = self.reducer.step_buffer(
                 recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
                 len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
-                modes=self._event_modes())
+                modes=self._event_modes(),
+                sharded=tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params))
             if not self.sink.is_open and self.reducer.world <= 1:
                 # Nobody reads per-step numbers: keep the totals on the device and read back
                 # only what this step must decide (first non-finite, skipped, scale).

@@ -64,13 +64,14 @@ class StepReducer:
     # -- one step -----------------------------------------------------------------------------
     def step_buffer(self, arena: RowArena, event_rows: list[Handle], event_keys: list[int], n_keys: int,
                     param_rows: list[Handle], limits: LowDtype, found_inf: torch.Tensor | None,
-                    scale: torch.Tensor | None, modes: list[int] | None = None) -> tuple[torch.Tensor, StepBuffer]:
+                    scale: torch.Tensor | None, modes: list[int] | None = None,
+                    sharded: tuple[int, ...] = ()) -> tuple[torch.Tensor, StepBuffer]:
         """Everything this step recorded, reduced on the device into one flat float64 buffer
         laid out as the returned ``StepBuffer``. ``event_keys``: each event's (module, phase)
         row, of ``n_keys`` (-1: an event in no row, seen only as a candidate first non-finite);
         ``param_rows``: one arena row per parameter, in the buffer's order; ``modes``: per
         event, which values make it a candidate first non-finite (``bad_events``)."""
-        buf = LAYOUT.step_buffer(n_keys, len(param_rows))
+        buf = LAYOUT.step_buffer(n_keys, len(param_rows), sharded)
         handles = event_rows + param_rows
         device = handles[0][0] if handles else torch.device("cpu")
         raw = stats.raw_matrix(*arena.matrix(handles, device))
@@ -127,6 +128,8 @@ class StepReducer:
                 value = (column * self.world + ranks).amin(0)
             elif how == StepBuffer.RANK0:
                 value = column[0]
+            elif how == StepBuffer.ROOT_SUM_SQUARES:
+                value = column.pow(2).sum(0).sqrt()
             else:
                 raise ValueError(f"unknown reduction {how!r}")
             out.index_copy_(0, index, value)

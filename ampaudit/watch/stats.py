@@ -39,6 +39,12 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
     no host sync: the bin counts, how many |x| round to Inf in the audited dtype, how many
     values are -inf, and the finite absmax; with ``norm``, the sum of squares; with ``scale``
     (a device scalar), how many |x| * scale exceed the dtype's max."""
+    if type(x).__name__ == "DTensor":  # a shard per rank (FSDP2, tensor parallel): this rank's part
+        x = x.to_local()
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):  # a subclass may have no plain storage
+        torch_fill_row(x, counts, extras, limits)
+        fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
+        return
     if x.device.type == "cuda":
         from ampaudit.watch import triton_stats
 
