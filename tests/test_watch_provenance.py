@@ -516,3 +516,19 @@ def test_transformers_kv_cache_is_copied_for_the_replay():
         "module": "transformer.h.1", "phase": "backward", "tensor": "grad of input[0]", "op": "AddBackward0"}
     assert "/transformers/models/gpt2/modeling_gpt2.py:" in first["source"]
     assert [layer.keys.shape[-2] for layer in out.past_key_values.layers] == [12, 12]
+
+
+def test_unwritten_memory_is_never_the_op():
+    """torch.empty's bytes may hold NaN patterns: not a value any op made (a replay once named
+    aten.empty_like); an op writing into an out= buffer of such memory is still found."""
+    class Buffers(nn.Module):
+        def forward(self, x):
+            scratch = torch.empty_like(x)
+            scratch.view(torch.int32).fill_(0x7FC00000)  # NaN bits, as uninitialised memory may hold
+            out = torch.empty_like(x)
+            out.view(torch.int32).fill_(0x7FC00000)
+            torch.exp(x * 100, out=out)
+            return out
+
+    origin = replay_forward(Call(Buffers(), (torch.full((2, 2), 5.0),), {}, autocast_state()))
+    assert (origin.op, f"{origin.file}:{origin.line}") == ("aten.exp", _line_of(Buffers.forward, "torch.exp("))

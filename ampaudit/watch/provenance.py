@@ -38,6 +38,9 @@ FINITE, MASKED, BAD = 0, 1, 2  # a tensor's state; BAD: NaN or +inf (or -inf tha
 # Ops that write a given value: -inf out of them is a mask the user asked for.
 _WRITERS = {"masked_fill", "masked_fill_", "where", "full", "full_like", "fill", "fill_", "new_full",
             "scalar_tensor", "index_put", "index_put_", "masked_scatter", "masked_scatter_"}
+# Ops whose output is memory not yet written: whatever bits it holds (NaN patterns included)
+# are not values any op made.
+_UNWRITTEN = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "empty_permuted"}
 _SENTINEL = 1e8  # a cast that turns values this large into -inf casts a mask (-1e9, finfo.min): not an overflow
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -115,10 +118,11 @@ class _FirstBadOp(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.found is None:
+        if self.found is None and func.overloadpacket.__name__ not in _UNWRITTEN:
             made = _worst(out)
             if made != FINITE:
-                given = _worst((args, kwargs))
+                # out= is written, not read
+                given = _worst((args, {k: v for k, v in (kwargs or {}).items() if k != "out"}))
                 name = func.overloadpacket.__name__
                 if made == BAD and given != BAD:
                     self.found, self.given = self._origin(name), given
