@@ -335,20 +335,28 @@ dist.destroy_process_group()
 '''
 
 
-def test_ddp_two_processes_one_log_and_the_rank_that_went_first(tmp_path):
+def _two_processes(code: str, tmp_path, log) -> list[str]:
+    """Run ``code`` as ranks 0 and 1 of a gloo group (argv: rank, port, log); their stdout."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    log = tmp_path / "ddp.jsonl"
+    script = tmp_path / "ranks.py"
+    script.write_text(code)
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), str(log)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = []
     for proc in procs:
-        _, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-2000:]
+        outs.append(out)
+    return outs
+
+
+def test_ddp_two_processes_one_log_and_the_rank_that_went_first(tmp_path):
+    log = tmp_path / "ddp.jsonl"
+    _two_processes(DDP_SCRIPT, tmp_path, log)
     summary = read_log(log).summary()
     assert summary["steps"] == 3
     first = summary["first_nonfinite"]
@@ -979,21 +987,8 @@ def test_fsdp2_sharded_gradients_reduce_over_the_mesh(tmp_path):
     """FSDP2 on 2 gloo processes: each rank holds a shard of every gradient; the log's norm
     is the whole gradient's and the counts cover the whole tensor."""
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.4")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "fsdp2.py"
-    script.write_text(FSDP2_SCRIPT)
     log = tmp_path / "fsdp2.jsonl"
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), str(log)], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-2000:]
-        outs.append(out)
+    outs = _two_processes(FSDP2_SCRIPT, tmp_path, log)
     full = json.loads(outs[0].strip().splitlines()[-1])
     last = [json.loads(line) for line in log.read_text().splitlines()[1:] if '"step"' in line][-1]
     assert set(last["params"]) == set(full) == {"0.weight", "0.bias", "2.weight", "2.bias"}
