@@ -10,7 +10,8 @@ Then the module is replayed (``provenance``) to name the op or autograd node and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,18 +31,14 @@ def trace_first(first: dict[str, Any], seq: int, recorder: StepRecorder, nonfini
     made it, and the op (``op``, ``source``) or why it is unknown (``note``); None when it was
     only -inf a module writes on purpose (added to ``masks``) and nothing else went bad. The
     recorder is paused meanwhile: the replays run the user's modules, not the run's data."""
-    recorder.paused = True
-    try:
+    with _paused(recorder):
         return _Trace(recorder, modes, masks).first(first, seq, nonfinite_params)
-    finally:
-        recorder.paused = False
 
 
 def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_params: Sequence[str]) -> dict[str, Any]:
     """Only a parameter's gradient went non-finite: the module holding it (each, for a tied
     weight) is replayed; the one whose backward makes it non-finite is named, with the node."""
-    recorder.paused = True
-    try:
+    with _paused(recorder):
         trace = _Trace(recorder, [], set())
         for name in nonfinite_params:
             for owner in recorder.param_owners(name):
@@ -51,6 +48,14 @@ def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_par
                         return {"step": first["step"], "module": owner, "phase": "backward",
                                 "tensor": f"grad of {name.rpartition('.')[2]}", **origin.to_dict()}
         return first
+
+
+@contextmanager
+def _paused(recorder: StepRecorder) -> Iterator[None]:
+    """The replays run the user's modules: what the hooks would see is not the run's data."""
+    recorder.paused = True
+    try:
+        yield
     finally:
         recorder.paused = False
 
@@ -94,10 +99,9 @@ class _Trace:
                 self.masks.add(event.module)
                 self.modes = [HARMFUL if e.module == event.module and e.phase == "forward" and m == ANY else m
                               for e, m in zip(self.events, self.modes, strict=True)]
-                later = [i for i, bad in enumerate(self.bad()) if bad and i > seq]
-                if not later:
+                seq = next((i for i, bad in enumerate(self.bad()) if bad and i > seq), None)
+                if seq is None:
                     return None
-                seq = later[0]
                 nxt = self.events[seq]
                 first = {"step": first["step"], "module": nxt.module, "tensor": nxt.tensor,
                          "phase": "backward" if nxt.phase == INPUT_GRAD else nxt.phase}
@@ -115,8 +119,8 @@ class _Trace:
         origin = replay_forward(call)
         if origin.op is None and not self.flags()[0][seq]:  # -inf only, and no arithmetic made it
             return None
-        ignored_bad = any(m == IGNORED and n for m, n in zip(self.modes, self.flags()[1], strict=True))
-        if origin.outside and not ignored_bad:  # made before this module: by an enclosing module's own code?
+        # made before this module: by an enclosing module's own code? (not if an ignored one made it)
+        if origin.outside and not any(m == IGNORED and n for m, n in zip(self.modes, self.flags()[1], strict=True)):
             for parent in self.enclosing(index):
                 found = replay_forward(self.recorder.calls[parent])
                 if found.op is not None:
@@ -193,14 +197,10 @@ def blame_backward(events: Sequence[Event], bad: Sequence[bool]) -> list[int]:
     finite - innermost modules first, their parents after (a tensor hook sees the whole
     gradient of an input, which other users of that tensor add to: the replay decides).
     Empty when every bad gradient came in from outside the modules (the loss)."""
-    out_bad: dict[str, bool] = {}
+    out_bad = _incoming_bad(events, bad)
     first_in: dict[str, int] = {}
     for i, (event, is_bad) in enumerate(zip(events, bad, strict=True)):
-        if event.phase not in _BACKWARD:
-            continue
-        if event.tensor.startswith("grad of output"):
-            out_bad[event.module] = out_bad.get(event.module, False) or is_bad
-        elif is_bad and event.tensor.startswith("grad of input"):
+        if is_bad and event.phase in _BACKWARD and event.tensor.startswith("grad of input"):
             first_in.setdefault(event.module, i)
     candidates = [m for m in first_in if not out_bad.get(m, False)]
 
@@ -213,15 +213,21 @@ def blame_backward(events: Sequence[Event], bad: Sequence[bool]) -> list[int]:
 def blame_parameter(events: Sequence[Event], bad: Sequence[bool], bad_params: Sequence[str]) -> str | None:
     """A parameter whose gradient went non-finite in a module whose incoming gradients were
     all finite (no input of it needed a gradient to show it): where it was born, or None."""
-    out_bad: dict[str, bool] = {}
-    for event, is_bad in zip(events, bad, strict=True):
-        if event.phase in _BACKWARD and event.tensor.startswith("grad of output"):
-            out_bad[event.module] = out_bad.get(event.module, False) or is_bad
+    out_bad = _incoming_bad(events, bad)
     for name in bad_params:
         owner = name.rpartition(".")[0] or "(model)"
         if out_bad.get(owner) is False:
             return name
     return None
+
+
+def _incoming_bad(events: Sequence[Event], bad: Sequence[bool]) -> dict[str, bool]:
+    """Per module with a recorded output gradient: whether any gradient coming into it was bad."""
+    out_bad: dict[str, bool] = {}
+    for event, is_bad in zip(events, bad, strict=True):
+        if event.phase in _BACKWARD and event.tensor.startswith("grad of output"):
+            out_bad[event.module] = out_bad.get(event.module, False) or is_bad
+    return out_bad
 
 
 def _contains(outer: str, inner: str) -> bool:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import copy as copy_module
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ampaudit.graph.forward import iter_tensors
 from ampaudit.graph.userframe import boundary, user_location
 
 FINITE, MASKED, BAD = 0, 1, 2  # a tensor's state; BAD: NaN or +inf (or -inf that arithmetic made)
@@ -90,19 +91,8 @@ def tensor_state(t: torch.Tensor) -> int:
     return MASKED
 
 
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def _worst(value: Any) -> int:
-    return max((tensor_state(t) for t in _tensors(value) if t.layout == torch.strided and not t.is_meta),
+    return max((tensor_state(t) for t in iter_tensors(value) if t.layout == torch.strided and not t.is_meta),
                default=FINITE)
 
 
@@ -118,12 +108,12 @@ class _FirstBadOp(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.found is None and func.overloadpacket.__name__ not in _UNWRITTEN:
+        name = func.overloadpacket.__name__
+        if self.found is None and name not in _UNWRITTEN:
             made = _worst(out)
             if made != FINITE:
                 # out= is written, not read
                 given = _worst((args, {k: v for k, v in (kwargs or {}).items() if k != "out"}))
-                name = func.overloadpacket.__name__
                 if made == BAD and given != BAD:
                     self.found, self.given = self._origin(name), given
                 elif (made == MASKED and given == FINITE and name not in _WRITERS and self.negative is None
@@ -237,7 +227,6 @@ class GradSpec:
     output: int
     hist: Sequence[Sequence[int]]
     zeros: int = 0
-    bad: bool = False
 
 
 def synthetic_grad(like: torch.Tensor, spec: GradSpec | None, generator: torch.Generator) -> torch.Tensor:
@@ -282,7 +271,7 @@ class _NodeSources(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         made_by, origin = self.scan.made_by, None
-        stack = [t.grad_fn for t in _tensors(out)]
+        stack = [t.grad_fn for t in iter_tensors(out)]
         while stack:  # every node this call made, down to those made before (linear's inner Mm too)
             node = stack.pop()
             if node is None or node in made_by or (not node.next_functions and node.name() == "AccumulateGrad"):
@@ -299,13 +288,13 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
     the recorded ones; name the first autograd node that turned finite gradients non-finite."""
     scan = _NodeScan()
     args, kwargs = _copy(call.args, grad=True), _copy(call.kwargs, grad=True)
-    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    leaves = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
     params = [p for p in call.module.parameters() if p.requires_grad]
     try:
         with _Isolated(call), torch.enable_grad():
             with _NodeSources(scan):
                 out = call.module(*args, **kwargs)
-            outputs = [t for t in _tensors(out) if t.requires_grad]
+            outputs = [t for t in iter_tensors(out) if t.requires_grad]
             if not outputs:
                 return Origin(note="the replayed forward has no output that needs a gradient")
             by_output = {g.output: g for g in grads}
