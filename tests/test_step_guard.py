@@ -12,6 +12,17 @@ from ampaudit.watch.step_guard import StepGuard
 BAD_STEP = 2
 
 
+def _step(model, opt, scaler, sched, ema, x) -> None:
+    """One GradScaler step, then the scheduler and the EMA, as a training loop does them."""
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    ema.update_parameters(model)
+
+
 def _run(*, guard: bool, bad_batch: bool = True, steps: int = 5):
     """A CPU GradScaler loop whose batch at BAD_STEP holds an inf (the scaler skips that step);
     with ``bad_batch=False`` that batch is left out entirely: what a guarded run should equal."""
@@ -29,13 +40,7 @@ def _run(*, guard: bool, bad_batch: bool = True, steps: int = 5):
     if not bad_batch:
         del batches[BAD_STEP]
     for x in batches:
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        ema.update_parameters(model)
+        _step(model, opt, scaler, sched, ema, x)
     if guarded:
         guarded.stop()
     state = {"params": [p.detach().clone() for p in model.parameters()],
@@ -106,13 +111,7 @@ def test_watch_with_a_guard():
             x = torch.randn(6, 4)
             if step == 1:
                 x[0, 0] = float("inf")
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            ema.update_parameters(model)
+            _step(model, opt, scaler, sched, ema, x)
             applied.append(mon.step_applied)
     assert applied == [True, False, True, True]
     summary = mon.summary()

@@ -14,31 +14,10 @@ from torch import nn
 import ampaudit
 from ampaudit.watch import conditions, verdicts
 from ampaudit.watch.summary import SummaryBuilder, read_log
+from fixtures.watch.record import Gain, _constant, _net  # the models the rule fixtures were recorded with
 from tests.conftest import ROOT, line_of
 
 HERE = "tests/test_verdicts.py"
-
-
-class Gain(nn.Module):
-    def __init__(self, k: float) -> None:
-        super().__init__()
-        self.k = k
-
-    def forward(self, x):
-        return x * self.k
-
-
-def _net(*middle: nn.Module) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), *middle, nn.Linear(8, 2))
-
-
-def _constant(model: nn.Sequential, *weights: float) -> nn.Sequential:
-    with torch.no_grad():
-        for layer, w in zip([m for m in model if isinstance(m, nn.Linear)], weights, strict=True):
-            layer.weight.fill_(w)
-            layer.bias.zero_()
-    return model
 
 
 def _run(model, steps, *, log=None, every=1, loss_factor=1.0, scaler=None, autocast=False, bad_step=None,
