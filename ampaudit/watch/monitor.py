@@ -246,11 +246,11 @@ class Monitor:
             keys = sorted(set((module, phase) for module, phase, _ in recorder.events if phase != INPUT_GRAD))
             param_keys = sorted(recorder.param_rows)
             slot = {key: i for i, key in enumerate(keys)}
+            modes = self._event_modes()
             flat, buf = self.reducer.step_buffer(
                 recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
                 len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
-                modes=self._event_modes(),
-                sharded=tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params))
+                modes=modes, sharded=tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params))
             if not self.sink.is_open and self.reducer.world <= 1:
                 # Nobody reads per-step numbers: keep the totals on the device and read back
                 # only what this step must decide (first non-finite, skipped, scale).
@@ -263,8 +263,8 @@ class Monitor:
                                      "unmeasured": dict(recorder.unmeasured),  # so far: the builder keeps the latest
                                      "dtype": self.dtype_name, "dtype_source": self.dtype_source,
                                      "eval_forwards": recorder.eval_forwards})
-            self._trace(record, values.first, [k for k, bad in zip(param_keys, values.param_nonfinite, strict=True)
-                                               if bad])
+            self._trace(record, values.first, modes,
+                        [k for k, bad in zip(param_keys, values.param_nonfinite, strict=True) if bad])
             self.builder.add(record)
             self.sink.write(record)
         self.step_index += 1
@@ -289,7 +289,7 @@ class Monitor:
             return HARMFUL  # a -inf mask from the batch, or one a module writes on purpose
         return ANY
 
-    def _trace(self, record: dict[str, Any], first_seq: float, bad_params: list[str]) -> None:
+    def _trace(self, record: dict[str, Any], first_seq: float, modes: list[int], bad_params: list[str]) -> None:
         """On a step with a non-finite value only: the module, op and line that made it."""
         first, world = record["first_nonfinite"], self.reducer.world
         if first is None or not self.recorder.provenance:
@@ -301,8 +301,7 @@ class Monitor:
         seq, rank = divmod(int(first_seq), world)
         if rank == self._rank:  # the module ran here: replay it here
             masks = len(self.masks)
-            record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params, self._event_modes(),
-                                                    self.masks)
+            record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params, modes, self.masks)
             if len(self.masks) != masks:
                 self._modes.clear()  # a module found to write masks: its -inf no longer counts
 
