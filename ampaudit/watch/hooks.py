@@ -84,10 +84,6 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
     return LowDtype.parse(dtype), source
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
 def _compiling() -> bool:
     """Inside a torch.compile'd region the hooks record nothing: dynamo traces them as a branch
     not taken, so watch adds no graph break. A compiled model's rows are those of the modules
@@ -304,7 +300,7 @@ class StepRecorder:
             grad = p.grad
             if grad is None:
                 continue
-            if _is_dtensor(grad):  # FSDP2: this rank's shard; the ranks' rows add up to the whole
+            if stats.is_dtensor(grad):  # FSDP2: this rank's shard; the ranks' rows add up to the whole
                 grad = grad.to_local()
                 self.sharded_params.add(name)
             kind = unmeasurable(grad)

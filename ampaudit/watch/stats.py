@@ -33,13 +33,18 @@ _SCALED, _OVERFLOW, _NEGINF = (LAYOUT.count[k] for k in ("scaled", "overflow", "
 _ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A torch.distributed DTensor (read by name: importing torch.distributed.tensor is slow)."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
 def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype, *, norm: bool = False,
              scale: torch.Tensor | None = None) -> None:
     """Add ``x``'s statistics to a zeroed arena row (``arena.RowArena``), on x's device, with
     no host sync: the bin counts, how many |x| round to Inf in the audited dtype, how many
     values are -inf, and the finite absmax; with ``norm``, the sum of squares; with ``scale``
     (a device scalar), how many |x| * scale exceed the dtype's max."""
-    if type(x).__name__ == "DTensor":  # a shard per rank (FSDP2, tensor parallel): this rank's part
+    if is_dtensor(x):  # a shard per rank (FSDP2, tensor parallel): this rank's part
         x = x.to_local()
     if type(x) not in (torch.Tensor, torch.nn.Parameter):  # a subclass may have no plain storage
         torch_fill_row(x, counts, extras, limits)
