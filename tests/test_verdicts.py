@@ -157,8 +157,8 @@ RUNS = {
 @pytest.mark.parametrize("every", [1, 2])
 @pytest.mark.parametrize("case", sorted(RUNS))
 def test_with_and_without_a_log_the_findings_are_the_same(tmp_path, case, every):
-    # Without a log the per-step statistics stay on the device and the conditions are tracked
-    # there; with one, they are read back every step and tracked on the host; the report reads the log.
+    # A watch (with a log or without) tracks the conditions on the device; the report reads
+    # the log's per-step statistics and tracks them on the host: the same findings.
     def run(log):
         spec = dict(RUNS[case])
         model, scaler = spec.pop("model")(), spec.pop("scaler", None)
@@ -166,7 +166,7 @@ def test_with_and_without_a_log_the_findings_are_the_same(tmp_path, case, every)
 
     log = tmp_path / "run.jsonl"
     live, logged = run(None), run(log)
-    assert live._conditions.read() is not None and logged._conditions.read() is None
+    assert live._conditions.read() is not None and logged._conditions.read() is not None
     without = live.summary()["findings"]
     assert without, case
     assert without == logged.summary()["findings"] == read_log(log).summary()["findings"]

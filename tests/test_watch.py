@@ -18,6 +18,7 @@ from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.watch import stats
 from ampaudit.watch.layout import LAYOUT
+from ampaudit.watch.log_file import open_log
 from ampaudit.watch.monitor import NonFiniteError
 from ampaudit.watch.summary import read_log
 from tests.conftest import ROOT
@@ -278,7 +279,7 @@ def test_log_and_report_round_trip(tmp_path, cli):
     with ampaudit.watch(model, optimizer=opt, log=log) as mon:
         _train(model, opt, 3)
     lines = log.read_text().splitlines()
-    assert json.loads(lines[0])["ampaudit_watch"] == 1 and len(lines) == 4  # header + one line per step
+    assert json.loads(lines[0])["ampaudit_watch"] == 2 and len(lines) == 4  # header + one line per step
     assert read_log(log).summary() == mon.summary()
     result = cli("report", log, "--format", "json")
     assert result.json() == json.loads(json.dumps(mon.summary()))
@@ -287,6 +288,43 @@ def test_log_and_report_round_trip(tmp_path, cli):
         fh.write('{"step": 3, "lay')
     assert read_log(log).summary()["steps"] == 3
     assert "ampaudit watch" in cli("report", log).out
+
+
+def test_a_log_row_holds_exactly_the_stats():
+    # Format 2 writes each Stats as a flat row, its histogram a dense run of exponents.
+    from ampaudit.watch.decode import log_rows
+    from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.zeros(6, LAYOUT.width, dtype=torch.float64)
+    rows[:, :LAYOUT.hist] = torch.randint(0, 1000, (6, LAYOUT.hist), generator=gen).double()
+    rows[:, LAYOUT.field["absmax"]] = torch.tensor([0.0, 1.5, 3.4e38, 6e-8, 65504.0, 1e-45], dtype=torch.float64)
+    hist = rows[:, LAYOUT.hist:]
+    hist[1, [0, 5, 200]] = torch.tensor([3.0, 1.0, 7.0], dtype=torch.float64)  # the fp32 subnormals, gaps in the run
+    hist[2, 254] = 2**40  # the largest finite exponent; a count beyond float32's integers
+    hist[3, 127:131] = 1.0
+    hist[4, 255] = 9.0  # exponent 255 is Inf/NaN: no magnitude, not written
+    hist[5, :255] = 1.0
+    written = log_rows(rows)
+    assert written[0][-1] == -127 and len(written[0]) == len(LOG_ROW)  # row 0: nothing in the histogram
+    assert written[1][len(LOG_ROW) - 1:] == [-127, 3, 0, 0, 0, 0, 1] + [0] * 194 + [7]
+    for row, out in zip(rows.tolist(), written, strict=True):
+        assert stats_from_row(json.loads(json.dumps(out)), list(LOG_ROW)) == stats.to_stats(row)
+
+
+def test_a_log_from_a_newer_ampaudit_or_with_a_bad_row_is_one_line(tmp_path, cli):
+    log = _logged_run(tmp_path, steps=2)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text(json.dumps({**lines[0], "ampaudit_watch": 3}) + "\n")
+    result = cli("report", newer)
+    assert result.code == 2
+    assert "a watch log of format 3, from a newer ampaudit: this one reads formats 1-2" in result.err
+    lines[1]["layers"]["0"]["forward"] = "7"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = cli("report", bad)
+    assert result.code == 2 and result.err.strip().endswith("bad.jsonl: step 0: a malformed row")
 
 
 def test_run_attaches_to_a_plain_script(tmp_path):
@@ -872,21 +910,20 @@ def test_neginf_counts_masked_scores_exactly(tmp_path, log):
               if (name, phase) != ("1", "forward")]
     assert others and not any(others)  # the softmax after it, and the gradients, hold no -inf
     if log:
-        records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+        records = list(open_log(path, steps_only=True)[1])
         assert [r["layers"]["1"]["forward"]["neginf"] for r in records] == [6, 6]
         assert read_log(path).summary() == mon.summary()
 
 
 def test_a_log_written_before_neginf_still_reads(tmp_path, cli):
     log = _logged_run(tmp_path, steps=2)
-    lines = log.read_text().splitlines()
+    header, records = open_log(log)
     old = tmp_path / "old.jsonl"
-    with old.open("w") as out:  # the same log, as the version before the neginf field wrote it
-        out.write(lines[0] + "\n")
-        for line in lines[1:]:
-            record = json.loads(line)
-            for stats_ in [*(s for phases in record["layers"].values() for s in phases.values()),
-                           *record["params"].values()]:
+    with old.open("w") as out:  # the same log, as format 1 wrote it before the neginf field
+        out.write(json.dumps({**{k: v for k, v in header.items() if k != "row"}, "ampaudit_watch": 1}) + "\n")
+        for record in records:
+            for stats_ in [*(s for phases in record.get("layers", {}).values() for s in phases.values()),
+                           *record.get("params", {}).values()]:
                 del stats_["neginf"]
             out.write(json.dumps(record) + "\n")
     assert "neginf" not in old.read_text()
@@ -895,6 +932,26 @@ def test_a_log_written_before_neginf_still_reads(tmp_path, cli):
     assert all(s["neginf"] == 0 for phases in summary["layers"].values() for s in phases.values())
     result = cli("report", old, "--format", "json")
     assert result.code == 0 and result.json()["layers"]["0"]["forward"]["neginf"] == 0
+
+
+def test_a_log_row_without_a_field_reads_it_as_zero(tmp_path):
+    # format 2 names a row's fields in its header: a log from before a field was added still reads
+    log = _logged_run(tmp_path, steps=2)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    at = lines[0]["row"].index("neginf")
+    lines[0]["row"].pop(at)
+    for record in lines[1:]:
+        for row in [*(r for phases in record.get("layers", {}).values() for r in phases.values()),
+                    *record.get("params", {}).values()]:
+            row.pop(at)
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary, full = read_log(old).summary(), read_log(log).summary()
+    assert all(s["neginf"] == 0 for phases in summary["layers"].values() for s in phases.values())
+    for phases in full["layers"].values():  # the rest is the same
+        for stats_ in phases.values():
+            stats_["neginf"] = 0
+    assert summary["layers"] == full["layers"]
 
 
 def test_add_stats_takes_a_missing_field_as_zero_on_either_side():
@@ -990,7 +1047,7 @@ def test_fsdp2_sharded_gradients_reduce_over_the_mesh(tmp_path):
     log = tmp_path / "fsdp2.jsonl"
     outs = _two_processes(FSDP2_SCRIPT, tmp_path, log)
     full = json.loads(outs[0].strip().splitlines()[-1])
-    last = [json.loads(line) for line in log.read_text().splitlines()[1:] if '"step"' in line][-1]
+    last = list(open_log(log, steps_only=True)[1])[-1]
     assert set(last["params"]) == set(full) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     for name, (norm, numel) in full.items():
         assert last["params"][name]["numel"] == numel  # the two shards add up to the whole

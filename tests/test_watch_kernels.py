@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,3 +283,38 @@ def test_a_library_that_disagrees_with_the_layout_is_not_used(tmp_path):
     if "no C compiler" in proc.stdout or "could not build" in proc.stdout:
         pytest.skip(proc.stdout)
     assert proc.stdout.strip() == "torch ops (cpu_stats.c has 512 bins, the layout 1024)"
+
+
+_ROWS_IN_SUBPROCESS = """
+import json, sys, torch
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.watch import cpu_kernel, stats
+from tests.test_watch_kernels import _values
+cpu_kernel.DEFINES += sys.argv[1:]
+assert cpu_kernel.available(), cpu_kernel.status()
+rows = []
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    every_half = torch.arange(-(2**15), 2**15).to(torch.int16).view(torch.float16)
+    for x in (_values(3 * 65536 + 7, dtype), every_half.to(dtype)):
+        counts, extras = stats.new_row(x.device)
+        cpu_kernel.fill_row(x, counts, extras, LowDtype.parse(torch.float16).overflow_at)
+        rows.append([counts.tolist(), extras.tolist()])
+print(json.dumps(rows))
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 builds")
+@pytest.mark.parametrize("flags", [["-DAMPAUDIT_NO_CLONES"], ["-DAMPAUDIT_NO_CLONES", "-march=x86-64-v3"]])
+def test_every_cpu_clone_of_the_kernel_makes_the_same_rows(tmp_path, flags):
+    # The library holds a baseline, an AVX2 and an AVX-512 build of each loop, and the CPU
+    # picks one: the baseline and AVX2 builds, forced here, agree with the one this CPU picks.
+    def rows(extra: list[str], cache: str) -> list:
+        proc = subprocess.run([sys.executable, "-c", _ROWS_IN_SUBPROCESS, *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "AMPAUDIT_CACHE_DIR": cache})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    if "-march=x86-64-v3" in flags and "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    assert rows(flags, str(tmp_path)) == rows([], str(cpu_kernel.cache_dir()))

@@ -72,7 +72,8 @@ def _build(compiler: str | None) -> Path:
         raise OSError("no C compiler found; set CC")
     target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    for flags in (["-fopenmp"], []):
+    # OpenMP and per-CPU clones (cpu_stats.c) if the toolchain has them, else without
+    for flags in (["-fopenmp"], ["-fopenmp", "-DAMPAUDIT_NO_CLONES"], ["-DAMPAUDIT_NO_CLONES"]):
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
         os.close(fd)
         cmd = [*compiler.split(), "-O3", "-shared", "-fPIC", *DEFINES, *flags, "-o", tmp, str(SOURCE)]

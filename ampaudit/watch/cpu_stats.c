@@ -25,6 +25,19 @@
 #define NAN_BIN (QUIET_NAN >> AMPAUDIT_BIN_SHIFT) /* where every NaN lands, once made quiet */
 #define INF_BIN (0x7f800000 >> AMPAUDIT_BIN_SHIFT)  /* +-Inf, and nothing else */
 
+/* Each piece loop is compiled three times - for AVX-512 (x86-64-v4), AVX2 (x86-64-v3) and
+ * the baseline - and the loader picks the best the CPU has (GCC/clang function multiversioning):
+ * the wider vectors halve the time of float32 and bfloat16 rows, and a build stays portable.
+ * cpu_kernel.py builds with -DAMPAUDIT_NO_CLONES where the toolchain cannot. */
+#if defined(__x86_64__) && defined(__has_attribute) && !defined(AMPAUDIT_NO_CLONES)
+#if __has_attribute(target_clones)
+#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef SIMD_CLONES
+#define SIMD_CLONES
+#endif
+
 #define PIECE 65536 /* elements per task: per-lane counts stay far below 2**32 */
 #define BLOCK 512   /* elements whose bins are computed (vectorised) before they are counted */
 
@@ -130,7 +143,7 @@ static inline int32_t key(int32_t a) {
 
 /* The entry points: split into pieces, on OpenMP threads when there are several. */
 #define DEFINE_ROWS(NAME, RAW, ABS, NEGINF)                                                      \
-    static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t *bins,              \
+    SIMD_CLONES static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t *bins,              \
                              int64_t *overflow, int64_t *neginf, uint32_t *maxbits,              \
                              int32_t over_bits) {                                                \
         PIECE_BODY(RAW, ABS, NEGINF)                                                             \

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ampaudit.watch import stats
 from ampaudit.watch.hooks import INPUT_GRAD
+from ampaudit.watch.layout import LAYOUT, StepBuffer
 from ampaudit.watch.reducer import NO_EVENT, StepValues
 
 
@@ -45,3 +48,48 @@ def step_record(step: int, values: StepValues, keys: list[tuple[str, str]], para
     return {"step": step, "steps_seen": step + 1, "layers": layers, "params": params,
             "scale": values.scale if values.scale >= 0 else None, "skipped": was_skipped,
             "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else [], **context}
+
+
+_INTEGER = [i for i, name in enumerate(LAYOUT.fields) if LAYOUT.integer[name]]
+_MAGNITUDE = [i for i, name in enumerate(LAYOUT.fields) if not LAYOUT.integer[name]]
+_EXPONENTS = LAYOUT.exponents - 1  # exponent 255 (Inf/NaN) is not a magnitude
+
+
+def log_rows(rows: torch.Tensor) -> list[list]:
+    """Stats rows (N x WIDTH, on the host) as log rows (``stats_merge.LOG_ROW``): the fields -
+    counts as ints - then the first nonzero exponent and the counts from there to the last
+    nonzero one. Cut with a few torch ops over all rows, so that each row is list slicing."""
+    hist = rows[:, LAYOUT.hist:LAYOUT.hist + _EXPONENTS]
+    nonzero = hist != 0
+    empty = ~nonzero.any(1)
+    first = nonzero.to(torch.int8).argmax(1).masked_fill_(empty, 0)
+    stop = (_EXPONENTS - nonzero.flip(1).to(torch.int8).argmax(1)).masked_fill_(empty, 0)
+    counts = rows.to(torch.int64).tolist()
+    magnitudes = rows[:, _MAGNITUDE].tolist()
+    out = []
+    for row, floats, lo, hi in zip(counts, magnitudes, first.tolist(), stop.tolist(), strict=True):
+        line = row[:LAYOUT.hist]
+        for i, value in zip(_MAGNITUDE, floats, strict=True):
+            line[i] = value
+        line.append(lo - 127)
+        line += row[LAYOUT.hist + lo:LAYOUT.hist + hi]
+        out.append(line)
+    return out
+
+
+def log_record(record: dict[str, Any], flat: torch.Tensor, buf: StepBuffer, keys: list[tuple[str, str]],
+               param_keys: list[str]) -> dict[str, Any]:
+    """The log line (format 2) of a step: ``record`` (what the step decided, without per-step
+    rows) with the Stats rows of ``flat`` (the step's buffer, on the host) as log rows, and
+    the parameters' norms and, with a GradScaler, their counts overflowing at its scale."""
+    rows = log_rows(flat[buf.stats].reshape(-1, LAYOUT.width))
+    layers: dict[str, dict] = {}
+    for (module, phase), row in zip(keys, rows, strict=False):
+        layers.setdefault(module, {})[phase] = row
+    tail = flat[buf.norms.start:buf.scaled.stop].tolist()
+    norms, scaled = tail[:buf.n_params], tail[buf.n_params:]
+    line = {**record, "layers": layers, "params": dict(zip(param_keys, rows[buf.n_rows:], strict=True)),
+            "norms": dict(zip(param_keys, norms, strict=True))}
+    if any(count >= 0 for count in scaled):  # with a GradScaler
+        line["overflow_at_scale"] = {name: int(count) for name, count in zip(param_keys, scaled, strict=True)}
+    return line

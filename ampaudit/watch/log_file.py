@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Generator
+from contextlib import closing
 from pathlib import Path
 from typing import Any, TextIO
 
 from ampaudit.core.errors import UsageError
+from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 
-FORMAT_VERSION = 1  # the header's "ampaudit_watch" value
+FORMAT_VERSION = 2  # the header's "ampaudit_watch" value: 2 writes Stats as rows (``stats_merge.LOG_ROW``)
+READS = (1, 2)  # the versions read: 1 wrote each Stats as its dict
 
 
 def create_log(path: Path, header: dict[str, Any]) -> TextIO:
@@ -33,7 +36,7 @@ def create_log(path: Path, header: dict[str, Any]) -> TextIO:
         handle = open(path, "w", encoding="utf-8")  # noqa: SIM115 (the caller closes it)
     except OSError as exc:
         raise UsageError(f"cannot write the log {path}: {exc.strerror or exc}") from None
-    handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header}) + "\n")
+    handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header, "row": list(LOG_ROW)}) + "\n")
     handle.flush()
     return handle
 
@@ -88,7 +91,34 @@ def open_log(path: Path, *, steps_only: bool = False) -> tuple[dict[str, Any], G
     header = next(lines, None)
     if header is None:
         raise UsageError(f"{path} is empty")
+    if header["ampaudit_watch"] >= 2:
+        lines = _as_stats(lines, header.get("row"), path)
     return header, (r for r in lines if "step" in r) if steps_only else lines
+
+
+def _as_stats(records: Generator[dict[str, Any], None, None], names: Any,
+              path: Path) -> Generator[dict[str, Any], None, None]:
+    """Format 2 records with each Stats row as its dict, as format 1 wrote them: what every
+    reader of a log works with."""
+    if not (isinstance(names, list) and "hist_from" in names and all(isinstance(n, str) for n in names)):
+        raise UsageError(f"{path}: its header does not name the fields of a row")
+    with closing(records):
+        for record in records:
+            if "step" in record:
+                try:
+                    record["layers"] = {module: {phase: stats_from_row(row, names) for phase, row in phases.items()}
+                                        for module, phases in record["layers"].items()}
+                    norms, scaled = record.pop("norms", {}), record.pop("overflow_at_scale", None)
+                    params = {}
+                    for name, row in record["params"].items():
+                        params[name] = stats = stats_from_row(row, names)
+                        stats["norm"] = norms.get(name)
+                        if scaled is not None:
+                            stats["overflow_at_scale"] = scaled.get(name, 0)
+                    record["params"] = params
+                except (TypeError, ValueError, AttributeError):
+                    raise UsageError(f"{path}: step {record['step']}: a malformed row") from None
+            yield record
 
 
 def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
@@ -115,7 +145,11 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
             if not isinstance(record, dict):
                 raise UsageError(f"{path}:{number}: a {type(record).__name__}, not a JSON object")
             if not header:
-                if record.get("ampaudit_watch") != FORMAT_VERSION or not isinstance(record.get("dtype"), str):
+                version = record.get("ampaudit_watch")
+                if isinstance(version, int) and version > max(READS) and isinstance(record.get("dtype"), str):
+                    raise UsageError(f"{path} is a watch log of format {version}, from a newer ampaudit: this "
+                                     f"one reads formats {READS[0]}-{READS[-1]}")
+                if version not in READS or not isinstance(record.get("dtype"), str):
                     raise UsageError(f"{path} is not an ampaudit watch log (its first line is no ampaudit_watch "
                                      "header)")
                 header = True

@@ -31,7 +31,7 @@ from ampaudit.core.errors import AmpauditError
 from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
-from ampaudit.watch.decode import step_record
+from ampaudit.watch.decode import log_record, step_record
 from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder, unmeasurable
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
@@ -251,22 +251,24 @@ class Monitor:
                 recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
                 len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
                 modes=modes, sharded=tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params))
-            if not self.sink.is_open and self.reducer.world <= 1:
-                # Nobody reads per-step numbers: keep the totals on the device and read back
-                # only what this step must decide (first non-finite, skipped, scale).
+            context = {"unmeasured": dict(recorder.unmeasured),  # so far: the builder keeps the latest
+                       "dtype": self.dtype_name, "dtype_source": self.dtype_source,
+                       "eval_forwards": recorder.eval_forwards}
+            if self.reducer.world <= 1:
+                # Totals and the verdicts' conditions stay on the device; the step reads back
+                # only what it must decide (first non-finite, skipped, scale).
                 values = self.reducer.accumulate(flat, buf, keys, param_keys)
                 self._conditions.add(step, flat, keys, param_keys, scale, self.limits)
             else:
-                values = self.reducer.read(self.reducer.gather(flat, buf), buf)
+                flat = self.reducer.gather(flat, buf)
+                values = self.reducer.read(flat, buf)
             record = step_record(step, values, keys, param_keys, recorder.events, world=self.reducer.world,
-                                 skipped=skipped, context={
-                                     "unmeasured": dict(recorder.unmeasured),  # so far: the builder keeps the latest
-                                     "dtype": self.dtype_name, "dtype_source": self.dtype_source,
-                                     "eval_forwards": recorder.eval_forwards})
+                                 skipped=skipped, context=context)
             self._trace(record, values.first, modes,
                         [k for k, bad in zip(param_keys, values.param_nonfinite, strict=True) if bad])
             self.builder.add(record)
-            self.sink.write(record)
+            if self.sink.is_open:  # the per-step rows, read back: the log's one extra read
+                self.sink.write(log_record({**record, "layers": {}, "params": {}}, flat.cpu(), buf, keys, param_keys))
         self.step_index += 1
         recorder.end_step(logging_next=self.step_index % self.every == 0)
         if record is not None:

@@ -1,7 +1,7 @@
 """The step boundary on the device: a logged step's raw rows reduced into one flat float64
-buffer (``layout.StepBuffer``), under torch.distributed one ``all_gather`` of it, then one
-read back - or, when nobody reads per-step numbers (no log, one process), running totals
-kept on the device and only what the step must decide read back.
+buffer (``layout.StepBuffer``). In one process its rows are added to running totals on the
+device and only what the step must decide is read back (a log reads the rest of the buffer
+for its line); under torch.distributed one ``all_gather`` of it, then one read back.
 
 Every offset and reduction - which columns are summed and which keep their maximum, over a
 step's events, over steps and over ranks - comes from ``layout.LAYOUT``. The first

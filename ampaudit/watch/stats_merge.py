@@ -29,3 +29,20 @@ def add_stats(total: dict, more: dict) -> dict:
         hist[exponent] = hist.get(exponent, 0) + count
     total["hist"] = [[e, c] for e, c in sorted(hist.items())]
     return total
+
+
+# A log line (format 2) holds each Stats as one flat list, the cheapest form to write every
+# step: the fields (``LOG_ROW``, named in the log's header), then the histogram as a dense
+# run of counts from exponent ``hist_from`` (zeros inside the run kept, none outside it).
+LOG_ROW = (*FIELDS, "hist_from")
+
+
+def stats_from_row(row: list, names: list[str]) -> dict:
+    """A log row (``LOG_ROW``, its fields as the log's header ``names`` them) as the Stats
+    dict the summary adds up; a field the log predates reads as 0."""
+    n = len(names)
+    stats = dict.fromkeys(FIELDS, 0)
+    stats.update(zip(names, row[:n], strict=True))
+    start = stats.pop("hist_from")
+    stats["hist"] = [[start + i, count] for i, count in enumerate(row[n:]) if count]
+    return stats
