@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ampaudit.watch import stats
-from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder
+from ampaudit.watch.hooks import COMPILED, INPUT_GRAD, StepRecorder
 from ampaudit.watch.provenance import Call, GradSpec, replay_backward, replay_forward
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 
@@ -115,7 +115,7 @@ class _Trace:
         index = self.events[seq].call
         call = self.call(index)
         if call is None:
-            return {**first, "note": "the call was released before the step ended"}
+            return {**first, "note": _no_replay(index)}
         origin = replay_forward(call)
         if origin.op is None and not self.flags()[0][seq]:  # -inf only, and no arithmetic made it
             return None
@@ -137,7 +137,7 @@ class _Trace:
             found = {"step": first["step"], "module": event.module, "phase": "backward", "tensor": event.tensor}
             if origin is not None and origin.op is not None:
                 return {**found, **origin.to_dict()}
-            fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": "the call was released"})}
+            fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": _no_replay(event.call)})}
         if fallback is not None:
             return fallback
         param = blame_parameter(self.events, self.bad(), nonfinite_params)
@@ -149,7 +149,7 @@ class _Trace:
 
     def call(self, index: int | None) -> Call | None:
         calls = self.recorder.calls
-        return calls[index] if index is not None and index < len(calls) else None
+        return calls[index] if index is not None and 0 <= index < len(calls) else None
 
     def calls_of(self, module: str) -> list[int]:
         return [i for i, call in enumerate(self.recorder.calls)
@@ -189,6 +189,13 @@ class Event:
     phase: str
     tensor: str
     call: int | None = None
+
+
+def _no_replay(call: int | None) -> str:
+    """Why an event's module was not replayed."""
+    if call == COMPILED:
+        return "it ran inside torch.compile, where calls are not kept for a replay"
+    return "the call was released before the step ended"
 
 
 def blame_backward(events: Sequence[Event], bad: Sequence[bool]) -> list[int]:

@@ -27,14 +27,15 @@ import torch
 from torch.nn.modules import module as module_hooks
 
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.watch import stats
+from ampaudit.watch import compiled, stats
 from ampaudit.watch.arena import Handle, RowArena
 from ampaudit.watch.provenance import Call, autocast_state
 
 # The gradient w.r.t. a module's input: an event that may be the first non-finite (it is what
 # the module's backward made), but in no statistics row - the producer's output gradient
 # already counts that tensor.
-INPUT_GRAD = "input grad"
+INPUT_GRAD = compiled.INPUT_GRAD
+COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: none kept, no replay
 
 
 def unmeasurable(t: torch.Tensor) -> str | None:
@@ -85,9 +86,10 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
 
 
 def _compiling() -> bool:
-    """Inside a torch.compile'd region the hooks record nothing: dynamo traces them as a branch
-    not taken, so watch adds no graph break. A compiled model's rows are those of the modules
-    around the compiled region (the model's own output) and its parameter gradients."""
+    """Inside a torch.compile'd region the hooks are traced, not run. By default they record
+    nothing there (a branch dynamo does not take: no graph break, the compiled graph is the
+    one without watch); with ``inside_compile`` the forward hook of a watched model's module
+    puts the recording op in the graph (``compiled``)."""
     return torch.compiler.is_compiling()
 
 
@@ -111,9 +113,10 @@ class StepRecorder:
     audited dtype (detected at the first forward unless ``dtype_source`` is given)."""
 
     def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool,
-                 provenance: bool = True) -> None:
+                 provenance: bool = True, inside_compile: bool = False) -> None:
         self.limits, self.dtype_source = limits, dtype_source
         self.record_inputs, self.record_eval, self.provenance = record_inputs, record_eval, provenance
+        self.inside_compile = inside_compile  # modules inside a torch.compile'd region recorded (``compiled``)
         self.logging = True  # this step is recorded
         self.active = False  # hooks attached (a gradient hook outlives detach: it checks)
         self.paused = False  # a replay runs modules: not the run's data
@@ -130,6 +133,9 @@ class StepRecorder:
         self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle]] = {}  # this step's measured tensors
         self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
+        self._modules: list[str] = []
+        self._token = compiled.register(self)  # how the op in a compiled graph finds this recorder
         self._param_names: dict[int, str] = {}
         self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
         self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
@@ -163,10 +169,15 @@ class StepRecorder:
     def _name_tree(self, root: torch.nn.Module, prefix: str) -> None:
         """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
         "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
-        for name, module in root.named_modules(remove_duplicate=False):
-            name = _user_name(name)
+        for raw, module in root.named_modules(remove_duplicate=False):
+            name = _user_name(raw)
             label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
             self._names.setdefault(id(module), label)
+            # numbered for a compiled graph - but not the compiled model's inner copy of the root,
+            # whose outputs the root (run outside the graph) records
+            if raw != "_orig_mod" and id(module) not in self._index:
+                self._index[id(module)] = len(self._modules)
+                self._modules.append(self._names[id(module)])
         for name, param in root.named_parameters(remove_duplicate=False):
             name = _user_name(name)
             self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
@@ -203,7 +214,13 @@ class StepRecorder:
 
     def after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """The forward hook: the module's inputs and its output, after it ran."""
-        if self.paused or _compiling():
+        if _compiling():  # traced: what changes between steps is read when the graph runs
+            index = self._index.get(id(module)) if self.inside_compile else None
+            if index is not None:
+                compiled.trace_forward(self, self._token, index, output, measurable_tensors(output),
+                                       _positional(args) if self.provenance else [])
+            return
+        if self.paused:
             return
         name = self._names.get(id(module))
         phase = "forward"
@@ -272,8 +289,9 @@ class StepRecorder:
         """Record the gradient w.r.t. ``tensor`` when backward computes it (phase "backward")."""
         call = self._call
 
-        def hook(grad: torch.Tensor) -> None:
-            if self.logging and self.active and not self.paused:
+        def hook(grad: torch.Tensor | None) -> None:
+            # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
+            if self.logging and self.active and not self.paused and grad is not None:
                 self.record(module, phase, grad, label, call)
 
         tensor.register_hook(hook)
@@ -291,6 +309,16 @@ class StepRecorder:
         self.event_rows.append(row[1])
         self.events.append((module, phase, label))
         self.event_calls.append(self._call if call is None else call)
+
+    def record_traced(self, tensor: torch.Tensor, module: int, kind: int, index: int) -> None:
+        """One event from a compiled graph (``compiled``), as it runs: module number ``module``'s
+        tensor of ``kind`` (``compiled.KINDS``), the ``index``-th."""
+        if not (self.active and self.logging) or self.paused:
+            return
+        phase, label = compiled.event(kind, index)
+        if self.dtype_source is None and phase == "forward":
+            self._detect_dtype([tensor])
+        self.record(self._modules[module], phase, tensor, label, COMPILED)
 
     def record_params(self, params: list[tuple[str, torch.nn.Parameter]], scale: torch.Tensor | None) -> None:
         """A row per parameter gradient, at the step boundary: with its norm, and with a

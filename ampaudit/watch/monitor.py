@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ampaudit.core.arguments import require_module
 from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
+from ampaudit.watch import compiled
 from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
@@ -90,14 +91,21 @@ class Monitor:
     name the op; modules matching an ``ignore`` pattern (fnmatch) are never the first.
     ``guard`` (with a GradScaler): True, or the LR schedulers and EMAs to hold, makes a step
     the scaler skips leave them and BatchNorm's running statistics as they were (``StepGuard``).
+    Under ``torch.compile`` the modules inside the compiled region are not recorded (their
+    graph stays the one without watch); ``inside_compile`` records them with an op in the graph
+    (no graph break; inductor's results may then differ in the last bits: ``compiled``).
     Use as a context manager, or ``start()`` / ``stop()``; read ``summary()`` or ``print()``."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
                  dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
                  inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
-                 ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False) -> None:
+                 ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False,
+                 inside_compile: bool = False) -> None:
         require_module(model, "ampaudit.watch", optional=True)
+        if inside_compile and not compiled.SUPPORTED:
+            raise ValueError(f"inside_compile needs torch's effect tokens, which torch {torch.__version__} does not "
+                             "have: update torch, or watch without it (the compiled region's own modules unrecorded)")
         optimizer = unwrap_optimizer(optimizer)  # Accelerate's wrapper: the torch optimizer inside
         self.guard = _step_guard(guard, scaler, optimizer, model)
         if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
@@ -116,7 +124,7 @@ class Monitor:
         # None: the dtype the run uses, read at its first forward (autocast's, else the model's own)
         self.recorder = StepRecorder(LowDtype.parse(dtype if dtype is not None else FLOAT16),
                                      "given" if dtype is not None else None, record_inputs=inputs, record_eval=eval,
-                                     provenance=provenance)
+                                     provenance=provenance, inside_compile=inside_compile)
         self.optimizer_tap = OptimizerTap(self._boundary, optimizer)
         self.scaler_tap = ScalerTap(self._boundary)
         self.reducer = StepReducer(world)
@@ -353,8 +361,8 @@ def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = N
           scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
           dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
           inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
-          ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False) -> Monitor:
+          ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False, inside_compile: bool = False) -> Monitor:
     """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
     return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
                    stop_on_nonfinite=stop_on_nonfinite, inputs=inputs, stop_after_skips=stop_after_skips,
-                   eval=eval, provenance=provenance, ignore=ignore, guard=guard)
+                   eval=eval, provenance=provenance, ignore=ignore, guard=guard, inside_compile=inside_compile)

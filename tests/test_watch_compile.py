@@ -1,0 +1,132 @@
+"""watch on a torch.compile'd model: by default the compiled graph is untouched (bit-identical,
+no graph break) and only what runs outside it is recorded; with ``inside_compile=True`` every
+module inside it gets its rows too, from an op in the graph - still no graph break, also with
+``fullgraph=True``, under the user's module names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampaudit
+from ampaudit.watch import compiled
+
+pytestmark = pytest.mark.skipif(not compiled.SUPPORTED, reason="this torch has no effect tokens")
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.by = 1.0  # set to inf: the output goes non-finite
+
+    def forward(self, x):
+        return x * self.by
+
+
+class TinyLM(nn.Module):
+    """nanoGPT's shape in small: returns (logits, loss), so the logits' gradient is never made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(32, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 32)
+        self.scale = Scale()
+
+    def forward(self, idx, targets):
+        h = F.gelu(self.fc(self.ln(self.emb(idx))))
+        logits = self.scale(self.head(h))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _run(backend: str, *, watched: bool, inside: bool = False, steps: int = 3, fullgraph: bool = True,
+         blowup_at: int | None = None):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyLM()
+    net = torch.compile(model, backend=backend, fullgraph=fullgraph)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (4, 8), generator=gen)
+    mon = ampaudit.watch(net, optimizer=opt, inside_compile=inside) if watched else None
+    if mon:
+        mon.start()
+    for step in range(steps):
+        if step == blowup_at:
+            model.scale.by = float("inf")
+        _, loss = net(idx, idx.roll(1, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if mon:
+        mon.stop()
+    params = [p.detach().clone() for p in model.parameters()]
+    return mon, sum(counters["graph_break"].values()), params
+
+
+MODULES = {"(model)", "emb", "ln", "fc", "head", "scale"}
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_inside_compile_records_every_module_with_no_graph_break_and_the_same_numbers(fullgraph):
+    _, breaks, plain = _run("aot_eager", watched=False, fullgraph=fullgraph)
+    mon, watched_breaks, params = _run("aot_eager", watched=True, inside=True, fullgraph=fullgraph)
+    assert watched_breaks == breaks == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, params, strict=True))  # aot_eager: bit-identical
+    layers = mon.summary()["layers"]
+    assert set(layers) == MODULES  # the user's names: no _orig_mod
+    assert all(sorted(phases) == ["backward", "forward"] for phases in layers.values())
+    eager = ampaudit.watch(model := TinyLM(), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with eager:
+        gen = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, 32, (4, 8), generator=gen)
+        opt = eager.optimizer
+        for _ in range(3):
+            _, loss = model(idx, idx.roll(1, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    uncompiled = eager.summary()["layers"]
+    for module in MODULES:  # the same tensors, counted the same, as without compile
+        for phase, stats in layers[module].items():
+            if (module, phase) == ("(model)", "backward"):
+                # the logits' gradient: made inside the graph, it never reaches the graph's output
+                assert stats["numel"] == 3 and uncompiled[module][phase]["numel"] == 3 + 3 * 4 * 8 * 32
+                continue
+            want = uncompiled[module][phase]
+            assert {k: stats[k] for k in ("numel", "nan", "inf", "zero")} == {k: want[k] for k in ("numel", "nan",
+                                                                                              "inf", "zero")}
+            assert stats["absmax"] == pytest.approx(want["absmax"], rel=1e-5)
+
+
+def test_a_nan_inside_the_compiled_graph_is_found_in_its_module():
+    mon, breaks, _ = _run("aot_eager", watched=True, inside=True, blowup_at=1)
+    first = mon.summary()["first_nonfinite"]
+    assert breaks == 0
+    assert (first["step"], first["module"], first["phase"]) == (1, "scale", "forward")
+    assert first["note"] == "it ran inside torch.compile, where calls are not kept for a replay"
+
+
+def test_by_default_the_compiled_graph_is_untouched_under_inductor():
+    # A model whose graph returns an output no loss uses (its gradient hook gets None).
+    _, breaks, plain = _run("inductor", watched=False, steps=2)
+    mon, watched_breaks, params = _run("inductor", watched=True, steps=2)
+    assert watched_breaks == breaks == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, params, strict=True))
+    assert set(mon.summary()["layers"]) == {"(model)"}
+
+
+def test_inside_compile_under_inductor_changes_only_the_last_bits():
+    # A recorded tensor must be in memory: inductor may fuse, and so add up, differently.
+    _, breaks, plain = _run("inductor", watched=False, steps=2)
+    mon, watched_breaks, params = _run("inductor", watched=True, inside=True, steps=2)
+    assert watched_breaks == breaks == 0
+    assert set(mon.summary()["layers"]) == MODULES
+    for a, b in zip(plain, params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
