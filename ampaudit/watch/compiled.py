@@ -26,12 +26,20 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ampaudit.watch.hooks import StepRecorder
+
+class StepRecorder(Protocol):
+    """What the op needs of ``hooks.StepRecorder`` (which imports this module, so the two
+    files do not import each other)."""
+
+    record_eval: bool
+    provenance: bool
+
+    def record_traced(self, tensor: torch.Tensor, module: int, kind: int, index: int) -> None: ...
+
 
 INPUT_GRAD = "input grad"  # hooks.INPUT_GRAD (hooks imports this module)
 
