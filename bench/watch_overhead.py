@@ -8,7 +8,11 @@ writes: <= 1.25x every step, <= 1.05x every 10th); and with --workload mlp a sma
 fp16 autocast with a GradScaler, next to transformers' DebugUnderflowOverflow (target <= 1.5x).
 (The GPU benchmark, GPT-2 small with autocast, is bench/watch_gpu.py.)
 
-Run: python bench/watch_overhead.py [--workload gpt|mlp] [--steps N] [--rounds R] [--width D]
+With --compile the model is torch.compile'd (inductor): the compiled run against watch (the
+graph untouched), watch with the log, and watch(inside_compile=True) (every module inside the
+graph recorded by an op in it), with the log too.
+
+Run: python bench/watch_overhead.py [--workload gpt|mlp] [--compile] [--steps N] [--rounds R] [--width D]
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128, help="model width d (4 heads, 4 blocks)")
     parser.add_argument("--workload", choices=("gpt", "mlp"), default="gpt",
                         help="gpt: TinyGPT in fp32; mlp: a small MLP, fp16 autocast and a GradScaler")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     args = parser.parse_args()
     device = "cpu"
     torch.manual_seed(0)
@@ -108,16 +113,20 @@ def main() -> None:
 
         title = "MLP (5 Linear, 256 wide, batch 64), fp16 autocast + GradScaler"
 
+    if args.compile:  # the steps above read `model` when they run: the compiled one from here on
+        model = torch.compile(model)
+        title += ", torch.compile (inductor)"
+
     def watched(every=1, **options):
         return ampaudit.watch(model, optimizer=opt, scaler=scaler, every=every, **options)
 
     log_dir = tempfile.mkdtemp(prefix="ampaudit-bench-")
 
-    def logged():  # what `ampaudit run` does: a log written every step
+    def logged(**options):  # what `ampaudit run` does: a log written every step
         path = os.path.join(log_dir, "run.jsonl")
         if os.path.exists(path):
             os.unlink(path)
-        return watched(log=path)
+        return watched(log=path, **options)
 
     @contextlib.contextmanager
     def torch_rows():
@@ -128,7 +137,11 @@ def main() -> None:
                 "watch, provenance=False": lambda: watched(provenance=False), "watch every=10": lambda: watched(10),
                 "watch, torch-op rows": torch_rows, "naive .item() hooks": lambda: ab.item_hooks(model),
                 "detect_anomaly": ab.anomaly}
-    if args.workload == "mlp":
+    if args.compile:
+        variants = {"compiled": contextlib.nullcontext, "watch": watched, "watch + log": logged,
+                    "watch every=10": lambda: watched(10), "inside_compile": lambda: watched(inside_compile=True),
+                    "inside_compile + log": lambda: logged(inside_compile=True)}
+    elif args.workload == "mlp":
         try:
             import transformers  # noqa: F401
             variants["HF DebugUnderflowOverflow"] = lambda: ab.hf_debug(model)

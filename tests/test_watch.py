@@ -310,6 +310,9 @@ def test_a_log_row_holds_exactly_the_stats():
     assert written[1][len(LOG_ROW) - 1:] == [-127, 3, 0, 0, 0, 0, 1] + [0] * 194 + [7]
     for row, out in zip(rows.tolist(), written, strict=True):
         assert stats_from_row(json.loads(json.dumps(out)), list(LOG_ROW)) == stats.to_stats(row)
+    # rows whose runs span a few exponents read back only those: the same rows
+    assert log_rows(rows[[0, 3]]) == [written[0], written[3]]
+    assert log_rows(rows[[3, 1]]) == [written[3], written[1]]
 
 
 def test_a_log_from_a_newer_ampaudit_or_with_a_bad_row_is_one_line(tmp_path, cli):
@@ -464,6 +467,54 @@ def test_a_tensor_shared_by_a_container_and_its_child_is_counted_for_both():
     assert layers["1"]["forward"] == layers["1.0"]["forward"] == layers["(model)"]["forward"]
     assert layers["1"]["backward"] == layers["1.0"]["backward"]
     assert layers["1.0"]["forward"]["numel"] == 3 * 2
+
+
+class _TwoLinears(nn.Module):
+    """The second Linear's input comes from code, not from a module: its gradient is an event of
+    its own (an input gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x) * 2)
+
+
+class _ReturnsItsChildsInput(nn.Module):
+    """The child's input-gradient hook goes on ``y`` before the parent's output hook: the
+    flags-only row made for the first must not stand in for the whole row the second needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = x * 2
+        self.child(y)
+        return y
+
+
+@pytest.mark.parametrize("make", [_TwoLinears, lambda: nn.Sequential(nn.Linear(4, 4), _ReturnsItsChildsInput(),
+                                                                      nn.Linear(4, 2))])
+def test_input_gradients_get_flags_only_rows_and_never_stand_in_for_statistics(monkeypatch, make):
+    flags_only, fill_nonfinite = [], stats.fill_nonfinite
+    monkeypatch.setattr(stats, "fill_nonfinite", lambda x, *row: (flags_only.append(x.shape), fill_nonfinite(x, *row)))
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # both runs see the same weights
+    x = torch.randn(3, 4)
+    results = []
+    for provenance in (True, False):
+        with ampaudit.watch(model, optimizer=opt, provenance=provenance) as mon:
+            loss = model(x).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        results.append(mon.summary()["layers"])
+    # one input gradient made by no module's output hook first, with provenance only
+    assert flags_only == [(3, 4)]
+    assert results[0] == results[1]  # and the statistics are the same either way
 
 
 @pytest.mark.parametrize(("args", "message"), [

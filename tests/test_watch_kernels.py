@@ -65,6 +65,40 @@ def test_c_kernel_matches_the_torch_ops(dtype, n):
         assert torch.equal(extras, want_extras)  # the finite absmax
 
 
+def _flags(counts: torch.Tensor) -> tuple[int, int, int]:
+    """What stats.nonfinite and stats.harmful read of a row: NaN, +-Inf, -inf."""
+    return int(counts[NAN_BINS].sum()), int(counts[INF_BIN]), int(counts[LAYOUT.count["neginf"]])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [0, 1, 19, 513, 4099])  # 513: a block and one more
+def test_the_flags_only_pass_counts_the_non_finite_values_of_the_whole_row(dtype, n):
+    values = _values(n, dtype)
+    shuffled = values[torch.randperm(n, generator=torch.Generator().manual_seed(0))]  # specials in later blocks
+    patterns = torch.arange(-(2**15), 2**15).to(torch.int16).view(torch.float16).to(dtype)
+    for x in (values, shuffled, patterns):
+        (counts, extras), (whole, _) = stats.new_row(x.device), _row(c_fill, x)
+        cpu_kernel.fill_nonfinite(x, counts)
+        assert _flags(counts) == _flags(whole)
+        assert int(counts.sum()) == sum(_flags(counts)) and not extras.any()  # nothing else written
+        assert (stats.nonfinite(stats.raw_matrix(counts[None], extras[None])).item(),
+                stats.harmful(stats.raw_matrix(counts[None], extras[None])).item()) == (
+            bool(x.isnan().any() or x.isinf().any()), bool(x.isnan().any() or (x == float("inf")).any()))
+
+
+@needs_kernel
+def test_the_flags_only_pass_tells_signalling_nans_and_minus_inf_apart():
+    signalling = torch.tensor([0x7F800001, 0xFF800010, 0xFF800000]).to(torch.int32).view(torch.float32)
+    counts, _ = stats.new_row(signalling.device)
+    cpu_kernel.fill_nonfinite(signalling, counts)
+    assert _flags(counts) == (2, 1, 1)
+    half = torch.tensor([0x7C01, 0xFC01, 0x7C00, 0xFC00]).to(torch.int16).view(torch.float16)
+    counts, _ = stats.new_row(half.device)
+    cpu_kernel.fill_nonfinite(half, counts)
+    assert _flags(counts) == (2, 2, 1)
+
+
 @needs_kernel
 def test_c_kernel_reads_views_and_counts_known_fields():
     base = torch.tensor(SPECIAL * 4).reshape(4, -1)
@@ -299,6 +333,9 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         counts, extras = stats.new_row(x.device)
         cpu_kernel.fill_row(x, counts, extras, LowDtype.parse(torch.float16).overflow_at)
         rows.append([counts.tolist(), extras.tolist()])
+        counts, extras = stats.new_row(x.device)
+        cpu_kernel.fill_nonfinite(x, counts)
+        rows.append(counts.tolist())
 print(json.dumps(rows))
 """
 

@@ -22,7 +22,8 @@ import struct
 import subprocess
 import sys
 import tempfile
-from functools import cache
+from dataclasses import dataclass
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -32,8 +33,16 @@ from ampaudit.watch.layout import LAYOUT
 SOURCE = Path(__file__).with_name("cpu_stats.c")
 DEFINES = [f"-DAMPAUDIT_BIN_SHIFT={LAYOUT.bin_shift}"]  # the layout's constants the source needs
 _ENTRY = {torch.float32: "ampaudit_rows_f32", torch.float16: "ampaudit_rows_f16", torch.bfloat16: "ampaudit_rows_bf16"}
+_NONFINITE_ENTRY = {torch.float32: "ampaudit_nonfinite_f32", torch.float16: "ampaudit_nonfinite_f16",
+                    torch.bfloat16: "ampaudit_nonfinite_bf16"}
 _status = "not built yet"
 _OVERFLOW, _NEGINF, _ABSMAX = LAYOUT.count["overflow"], LAYOUT.count["neginf"], LAYOUT.extra["absmax"]
+
+
+@dataclass(frozen=True)
+class _Library:
+    rows: dict[torch.dtype, ctypes._CFuncPtr]  # the whole row
+    nonfinite: dict[torch.dtype, ctypes._CFuncPtr]  # the NaN and Inf bins and the -inf slot only
 
 
 def status() -> str:
@@ -90,7 +99,7 @@ def _build(compiler: str | None) -> Path:
 
 
 @cache
-def _functions() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
+def _library() -> _Library | None:
     global _status
     if os.environ.get("AMPAUDIT_CPU_KERNEL", "1") == "0":
         _status = "torch ops (AMPAUDIT_CPU_KERNEL=0)"
@@ -103,31 +112,52 @@ def _functions() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
     if lib.ampaudit_bins() != LAYOUT.bins:
         _status = f"torch ops ({SOURCE.name} has {lib.ampaudit_bins()} bins, the layout {LAYOUT.bins})"
         return None
-    functions = {dtype: getattr(lib, name) for dtype, name in _ENTRY.items()}
-    for fn in functions.values():  # x, n, bins, overflow, neginf, absmax bits, threshold bits, threads
+    rows = {dtype: getattr(lib, name) for dtype, name in _ENTRY.items()}
+    for fn in rows.values():  # x, n, bins, overflow, neginf, absmax bits, threshold bits, threads
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
         fn.restype = None
+    nonfinite = {dtype: getattr(lib, name) for dtype, name in _NONFINITE_ENTRY.items()}
+    for fn in nonfinite.values():  # x, n, bins, neginf
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = None
     lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
-    return functions
+    return _Library(rows, nonfinite)
 
 
 def available() -> bool:
-    return _functions() is not None
+    return _library() is not None
+
+
+@lru_cache(maxsize=16)
+def _bits(value: float) -> int:
+    """The fp32 bits of ``value``: the kernel compares bits, whose order for values >= 0 is
+    the floats' order."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous memory of a dtype the kernel reads (a copy only where it must be)."""
+    if x.dtype not in _ENTRY:
+        x = x.detach().float()
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float) -> None:
     """In one pass over a CPU tensor: add its bin counts to the row's bins, how many |x| >=
     overflow_at to its overflow slot and how many x are -inf to its neginf slot (int64), and
     raise its absmax extra (float32, >= 0) to the finite absmax."""
-    flat = x.detach().reshape(-1)
-    if flat.dtype not in _ENTRY:
-        flat = flat.float()
-    flat = flat.contiguous()
-    # The kernel compares fp32 bits: for values >= 0 their order is the floats' order.
-    over_bits = struct.unpack("<I", struct.pack("<f", overflow_at))[0]
+    x = _readable(x)
     base, size = counts.data_ptr(), counts.element_size()
-    _functions()[flat.dtype](flat.data_ptr(), flat.numel(), base, base + _OVERFLOW * size, base + _NEGINF * size,
-                             extras.data_ptr() + _ABSMAX * extras.element_size(), over_bits,
+    _library().rows[x.dtype](x.data_ptr(), x.numel(), base, base + _OVERFLOW * size, base + _NEGINF * size,
+                             extras.data_ptr() + _ABSMAX * extras.element_size(), _bits(overflow_at),
                              torch.get_num_threads())
+
+
+def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor) -> None:
+    """Add to a row only how many values of a CPU tensor are NaN (to the NaN bin), +-inf (the
+    Inf bin) and -inf (the neginf slot): what ``stats.nonfinite`` and ``stats.harmful`` read."""
+    x = _readable(x)
+    base, size = counts.data_ptr(), counts.element_size()
+    _library().nonfinite[x.dtype](x.data_ptr(), x.numel(), base, base + _NEGINF * size)

@@ -181,6 +181,36 @@ DEFINE_ROWS(ampaudit_rows_f32, f32_raw, f32_abs, F32_NEGINF)
 DEFINE_ROWS(ampaudit_rows_f16, h16_raw, f16_abs, F16_NEGINF)
 DEFINE_ROWS(ampaudit_rows_bf16, h16_raw, bf16_abs, BF16_NEGINF)
 
+/* Only what a row needs to say whether its tensor held NaN, +inf or -inf (the Inf bin, the
+ * NaN bin, the -inf slot; every other slot untouched): for tensors that are candidates for
+ * the first non-finite value but in no statistics (a module's input gradient). Compares and
+ * adds on the raw bits, no histogram: the compiler vectorises it, several times faster than
+ * a row. MASK clears the sign, INF is +inf's bits: above it is NaN. */
+#define DEFINE_NONFINITE(NAME, RAW, MASK, INF, NEGINF)                                          \
+    SIMD_CLONES void NAME(const void *x, int64_t n, int64_t *bins, int64_t *neginf) {          \
+        int64_t inf = 0, nan = 0, neg = 0;                                                      \
+        for (int64_t b = 0; b < n; b += BLOCK) {                                                \
+            int len = n - b < BLOCK ? (int)(n - b) : BLOCK;                                     \
+            int32_t block_inf = 0, block_nan = 0;                                               \
+            for (int j = 0; j < len; j++) {                                                     \
+                int32_t a = RAW(x, b + j) & MASK;                                               \
+                block_inf += a == INF;                                                          \
+                block_nan += a > INF;                                                           \
+            }                                                                                   \
+            if (block_inf)                                                                      \
+                for (int j = 0; j < len; j++) neg += RAW(x, b + j) == NEGINF;                   \
+            inf += block_inf;                                                                   \
+            nan += block_nan;                                                                   \
+        }                                                                                       \
+        bins[INF_BIN] += inf;                                                                   \
+        bins[NAN_BIN] += nan;                                                                   \
+        *neginf += neg;                                                                         \
+    }
+
+DEFINE_NONFINITE(ampaudit_nonfinite_f32, f32_raw, 0x7fffffff, 0x7f800000, F32_NEGINF)
+DEFINE_NONFINITE(ampaudit_nonfinite_f16, h16_raw, 0x7fff, 0x7c00, F16_NEGINF)
+DEFINE_NONFINITE(ampaudit_nonfinite_bf16, h16_raw, 0x7fff, 0x7f80, BF16_NEGINF)
+
 int ampaudit_openmp(void) {
 #ifdef _OPENMP
     return 1;

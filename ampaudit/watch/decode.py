@@ -64,15 +64,19 @@ def log_rows(rows: torch.Tensor) -> list[list]:
     empty = ~nonzero.any(1)
     first = nonzero.to(torch.int8).argmax(1).masked_fill_(empty, 0)
     stop = (_EXPONENTS - nonzero.flip(1).to(torch.int8).argmax(1)).masked_fill_(empty, 0)
-    counts = rows.to(torch.int64).tolist()
+    firsts, stops = first.tolist(), stop.tolist()
+    # only the exponents some row uses are read back: a step's tensors span tens of the 255
+    lo_all = min((lo for lo, hi in zip(firsts, stops, strict=True) if hi), default=0)
+    hi_all = max(stops, default=0)
+    counts = torch.cat([rows[:, :LAYOUT.hist], hist[:, lo_all:hi_all]], 1).to(torch.int64).tolist()
     magnitudes = rows[:, _MAGNITUDE].tolist()
     out = []
-    for row, floats, lo, hi in zip(counts, magnitudes, first.tolist(), stop.tolist(), strict=True):
+    for row, floats, lo, hi in zip(counts, magnitudes, firsts, stops, strict=True):
         line = row[:LAYOUT.hist]
         for i, value in zip(_MAGNITUDE, floats, strict=True):
             line[i] = value
         line.append(lo - 127)
-        line += row[LAYOUT.hist + lo:LAYOUT.hist + hi]
+        line += row[LAYOUT.hist + lo - lo_all:LAYOUT.hist + hi - lo_all] if hi else []
         out.append(line)
     return out
 

@@ -131,7 +131,8 @@ class StepRecorder:
         self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle
         self.eval_forwards = 0  # the model's grad-disabled calls
         self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
-        self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle]] = {}  # this step's measured tensors
+        # this step's measured tensors: (tensor, row, whether the whole row or only its flags)
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle, bool]] = {}
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
@@ -300,12 +301,14 @@ class StepRecorder:
         """One event. Hot path: one raw row per tensor; everything else waits for the step
         boundary. A container often returns its last child's very tensor: measured once,
         counted for both."""
+        whole = phase != INPUT_GRAD  # an input gradient is only a candidate first non-finite: its flags do
         key = (id(tensor), tensor._version)
         row = self._seen.get(key)
-        if row is None or row[0]() is not tensor:  # a weak reference: never keeps activations alive
+        # a weak reference: never keeps activations alive; a flags-only row serves only flags
+        if row is None or row[0]() is not tensor or (whole and not row[2]):
             handle, counts, extras = self.arena.take(tensor.device)
-            stats.fill_row(tensor, counts, extras, self.limits)
-            row = self._seen[key] = (weakref.ref(tensor), handle)
+            (stats.fill_row if whole else stats.fill_nonfinite)(tensor, counts, extras, self.limits)
+            row = self._seen[key] = (weakref.ref(tensor), handle, whole)
         self.event_rows.append(row[1])
         self.events.append((module, phase, label))
         self.event_calls.append(self._call if call is None else call)

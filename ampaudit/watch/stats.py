@@ -63,6 +63,16 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
     fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
 
 
+def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
+    """What ``nonfinite`` and ``harmful`` read of a row (its NaN, Inf and -inf counts), for a
+    tensor that is in no statistics, only a candidate first non-finite: on the CPU a cheaper
+    pass than ``fill_row`` (``cpu_kernel.fill_nonfinite``), elsewhere the whole row."""
+    if type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type == "cpu" and cpu_kernel.available():
+        cpu_kernel.fill_nonfinite(x, counts)
+    else:
+        fill_row(x, counts, extras, limits)
+
+
 def fill_param_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype, *,
                       norm: bool, scale: torch.Tensor | None) -> None:
     """The sum of squares and the count over the loss scale, with torch ops: parameter
