@@ -130,3 +130,43 @@ def test_inside_compile_under_inductor_changes_only_the_last_bits():
     assert set(mon.summary()["layers"]) == MODULES
     for a, b in zip(plain, params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Unresumable(nn.Module):
+    """A graph break inside try/finally: dynamo cannot resume the model's frame and runs it
+    eagerly, compiling each function it calls (watch's hooks too) as a frame of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(4 + i, 5 + i) for i in range(4))
+
+    def forward(self, x):
+        try:
+            for layer in self.layers:
+                x = layer(x)
+            torch._dynamo.graph_break()
+        finally:
+            pass
+        return x
+
+
+def _layers_after_two_steps(model: nn.Module, net: nn.Module, inside: bool) -> dict:
+    with ampaudit.watch(net, inside_compile=inside) as mon:
+        for _ in range(2):
+            net(torch.arange(8.0).reshape(2, 4)).sum().backward()
+    return mon.summary()["layers"]
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_model_dynamo_runs_eagerly_is_counted_once(monkeypatch, inside):
+    # Past the recompile limit the hooks run eagerly, on the compiled model's inner copy of the
+    # root too (_orig_mod), which returns the root's output: it was counted a second time.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    model = _Unresumable()
+    layers = _layers_after_two_steps(model, torch.compile(model, backend="aot_eager"), inside)
+    eager = _layers_after_two_steps(model, model, inside=False)
+    assert layers["(model)"]["forward"]["numel"] == eager["(model)"]["forward"]["numel"] == 2 * 2 * 8
+    for module, phases in layers.items():
+        assert phases == eager[module]

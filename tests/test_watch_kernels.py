@@ -65,6 +65,26 @@ def test_c_kernel_matches_the_torch_ops(dtype, n):
         assert torch.equal(extras, want_extras)  # the finite absmax
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 1, 513, 3 * 65536 + 7])  # one thread; several pieces on threads
+def test_c_kernel_sums_squares_in_the_same_pass(dtype, n):
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 30).to(dtype)
+    (counts, extras), (plain_counts, plain_extras) = stats.new_row(x.device), stats.new_row(x.device)
+    cpu_kernel.fill_row(x, counts, extras, FP16.overflow_at, norm=True)
+    cpu_kernel.fill_row(x, plain_counts, plain_extras, FP16.overflow_at)
+    sumsq = LAYOUT.extra["sumsq"]
+    assert float(extras[sumsq]) == pytest.approx(float(x.double().pow(2).sum()), rel=1e-7)  # fp64, stored in fp32
+    assert torch.equal(counts, plain_counts) and float(plain_extras[sumsq]) == 0.0  # the rest as without it
+    assert torch.equal(extras[: sumsq], plain_extras[: sumsq])
+    for special, want in ((float("nan"), "nan"), (float("-inf"), "inf")):
+        bad = x.clone() if n else torch.zeros(1, dtype=dtype)
+        bad[-1] = special
+        counts, extras = stats.new_row(x.device)
+        cpu_kernel.fill_row(bad, counts, extras, FP16.overflow_at, norm=True)
+        assert str(float(extras[sumsq])) == want  # as a dot product: NaN stays NaN, an infinity inf
+
+
 def _flags(counts: torch.Tensor) -> tuple[int, int, int]:
     """What stats.nonfinite and stats.harmful read of a row: NaN, +-Inf, -inf."""
     return int(counts[NAN_BINS].sum()), int(counts[INF_BIN]), int(counts[LAYOUT.count["neginf"]])
@@ -127,7 +147,7 @@ def test_c_kernel_counts_every_nan_as_nan():
 @needs_kernel
 def test_stats_uses_the_c_kernel_on_the_cpu(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_kernel, "fill_row", lambda x, *row_and_threshold: calls.append(x))
+    monkeypatch.setattr(cpu_kernel, "fill_row", lambda x, *row_and_threshold, **norm: calls.append(x))
     stats.tensor_stats(torch.ones(3), FP16)
     assert len(calls) == 1 and calls[0].shape == (3,)
 

@@ -176,6 +176,22 @@ def test_forward_nonfinite_names_the_op_and_line():
                      "source": _line_of(Exp.forward, "torch.exp")}
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_weight_already_non_finite_is_named_not_denied(value):
+    # Every op that went non-finite read the weight, so no op made NaN/Inf out of finite inputs;
+    # the replay used to say the module "stayed finite". Found on HF GPT-2 with an inf in c_proj.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = value
+    first = _steps(model, _batches(1))["first_nonfinite"]
+    assert first.pop("note") == ("its parameter weight already held NaN or Inf before this forward (an optimizer "
+                                 "step, or a write to the weights)")
+    # -inf in the weight is read by addmm, which makes +inf of it: that op, as well
+    made = {"op": "aten.addmm"} if value == float("-inf") else {}  # in nn.Linear: no line of the user's
+    assert first == {"step": 0, "module": "1", "phase": "forward", "tensor": "output", **made}
+
+
 def test_backward_nonfinite_names_the_module_node_and_line():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Norm(), nn.Linear(8, 2))

@@ -36,7 +36,8 @@ _ENTRY = {torch.float32: "ampaudit_rows_f32", torch.float16: "ampaudit_rows_f16"
 _NONFINITE_ENTRY = {torch.float32: "ampaudit_nonfinite_f32", torch.float16: "ampaudit_nonfinite_f16",
                     torch.bfloat16: "ampaudit_nonfinite_bf16"}
 _status = "not built yet"
-_OVERFLOW, _NEGINF, _ABSMAX = LAYOUT.count["overflow"], LAYOUT.count["neginf"], LAYOUT.extra["absmax"]
+_OVERFLOW, _NEGINF = LAYOUT.count["overflow"], LAYOUT.count["neginf"]
+_ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,9 @@ def _library() -> _Library | None:
         _status = f"torch ops ({SOURCE.name} has {lib.ampaudit_bins()} bins, the layout {LAYOUT.bins})"
         return None
     rows = {dtype: getattr(lib, name) for dtype, name in _ENTRY.items()}
-    for fn in rows.values():  # x, n, bins, overflow, neginf, absmax bits, threshold bits, threads
+    for fn in rows.values():  # x, n, bins, overflow, neginf, absmax bits, threshold bits, sumsq or NULL, threads
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
+                       ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int]
         fn.restype = None
     nonfinite = {dtype: getattr(lib, name) for dtype, name in _NONFINITE_ENTRY.items()}
     for fn in nonfinite.values():  # x, n, bins, neginf
@@ -144,14 +145,17 @@ def _readable(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float) -> None:
+def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float, *,
+             norm: bool = False) -> None:
     """In one pass over a CPU tensor: add its bin counts to the row's bins, how many |x| >=
     overflow_at to its overflow slot and how many x are -inf to its neginf slot (int64), and
-    raise its absmax extra (float32, >= 0) to the finite absmax."""
+    raise its absmax extra (float32, >= 0) to the finite absmax; with ``norm``, add the sum of
+    its squares to the sumsq extra (summed in fp64)."""
     x = _readable(x)
     base, size = counts.data_ptr(), counts.element_size()
+    extra, width = extras.data_ptr(), extras.element_size()
     _library().rows[x.dtype](x.data_ptr(), x.numel(), base, base + _OVERFLOW * size, base + _NEGINF * size,
-                             extras.data_ptr() + _ABSMAX * extras.element_size(), _bits(overflow_at),
+                             extra + _ABSMAX * width, _bits(overflow_at), extra + _SUMSQ * width if norm else None,
                              torch.get_num_threads())
 
 

@@ -2,7 +2,8 @@
  * means): bins[k] += how many |x| have fp32 bits k after a shift right by AMPAUDIT_BIN_SHIFT
  * (8 exponent bits, 2 mantissa bits), *overflow += how many |x| >= the fp32 value with bits
  * over_bits (Inf included, NaN not), *neginf += how many x are exactly -inf,
- * *maxbits = max(*maxbits, fp32 bits of the largest finite |x|).
+ * *maxbits = max(*maxbits, fp32 bits of the largest finite |x|), and where sumsq is not NULL
+ * *sumsq += the sum of x^2 (a parameter gradient's squared norm).
  *
  * The row's layout is Python's (ampaudit/watch/layout.py): the caller passes a pointer to each
  * slot, and cpu_kernel.py compiles this file with -DAMPAUDIT_BIN_SHIFT from the layout and
@@ -92,6 +93,12 @@ void ampaudit_init(void) {
     }
 }
 
+static inline float as_float(int32_t a) {
+    float f;
+    memcpy(&f, &a, sizeof f);
+    return f;
+}
+
 /* The bin: the top 10 bits, except that subnormals too small to reach bin 1 go there rather
  * than into bin 0, which holds exact zeros only. */
 static inline int32_t key(int32_t a) {
@@ -110,6 +117,7 @@ static inline int32_t key(int32_t a) {
     int16_t keys[BLOCK];                                                   \
     int32_t peak = 0;                                                      \
     int64_t over = 0, neg = 0;                                             \
+    double squares = 0.0;                                                  \
     memset(c, 0, sizeof c);                                                \
     for (int64_t b = lo; b < hi; b += BLOCK) {                             \
         int len = hi - b < BLOCK ? (int)(hi - b) : BLOCK;                  \
@@ -122,6 +130,15 @@ static inline int32_t key(int32_t a) {
             block_over += a >= over_bits; /* NaN too: taken out below */   \
         }                                                                  \
         over += block_over;                                                \
+        if (sumsq) { /* |x|^2 = x^2, NaN and Inf kept: what a dot product gives */ \
+            double s = 0.0;                                                \
+            _Pragma("omp simd reduction(+:s)")                             \
+            for (int j = 0; j < len; j++) {                                \
+                double v = as_float(ABS(RAW(x, b + j)));                   \
+                s += v * v;                                                \
+            }                                                              \
+            squares += s;                                                  \
+        }                                                                  \
         uint32_t infs = LANES(INF_BIN);                                    \
         int j = 0;                                                         \
         for (; j + 4 <= len; j += 4) {                                     \
@@ -139,42 +156,48 @@ static inline int32_t key(int32_t a) {
     /* every NaN is the quiet one, in NAN_BIN: one compare, not two */     \
     *overflow += over - LANES(NAN_BIN);                                    \
     *neginf += neg;                                                        \
+    if (sumsq) *sumsq += squares;                                          \
     if ((uint32_t)peak > *maxbits) *maxbits = (uint32_t)peak;
 
 /* The entry points: split into pieces, on OpenMP threads when there are several. */
 #define DEFINE_ROWS(NAME, RAW, ABS, NEGINF)                                                      \
     SIMD_CLONES static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t *bins,              \
                              int64_t *overflow, int64_t *neginf, uint32_t *maxbits,              \
-                             int32_t over_bits) {                                                \
+                             int32_t over_bits, double *sumsq) {                                 \
         PIECE_BODY(RAW, ABS, NEGINF)                                                             \
     }                                                                                            \
     void NAME(const void *x, int64_t n, int64_t *bins, int64_t *overflow, int64_t *neginf,       \
-              uint32_t *maxbits, uint32_t over_bits, int threads) {                              \
+              uint32_t *maxbits, uint32_t over_bits, float *sumsq, int threads) {                \
         int64_t pieces = (n + PIECE - 1) / PIECE;                                                \
         int32_t over_at = over_bits > 0x7f800000u ? 0x7f800000 : (int32_t)over_bits;             \
+        double squares = 0.0, *want = sumsq ? &squares : 0;                                      \
         if (threads < 2 || pieces < 2) {                                                         \
             for (int64_t p = 0; p < pieces; p++)                                                 \
                 NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, bins,           \
-                             overflow, neginf, maxbits, over_at);                                \
+                             overflow, neginf, maxbits, over_at, want);                          \
+            if (sumsq) *sumsq += (float)squares;                                                 \
             return;                                                                              \
         }                                                                                        \
         _Pragma("omp parallel num_threads(threads)")                                             \
         {                                                                                        \
             int64_t local[NBINS], local_over = 0, local_neg = 0;                                 \
             uint32_t peak = 0;                                                                   \
+            double local_sq = 0.0;                                                               \
             memset(local, 0, sizeof local);                                                      \
             _Pragma("omp for schedule(static)")                                                  \
             for (int64_t p = 0; p < pieces; p++)                                                 \
                 NAME##_piece(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, local,          \
-                             &local_over, &local_neg, &peak, over_at);                           \
+                             &local_over, &local_neg, &peak, over_at, want ? &local_sq : 0);     \
             _Pragma("omp critical")                                                              \
             {                                                                                    \
                 for (int k = 0; k < NBINS; k++) bins[k] += local[k];                             \
                 *overflow += local_over;                                                         \
                 *neginf += local_neg;                                                            \
+                squares += local_sq;                                                             \
                 if (peak > *maxbits) *maxbits = peak;                                            \
             }                                                                                    \
         }                                                                                        \
+        if (sumsq) *sumsq += (float)squares;                                                     \
     }
 
 DEFINE_ROWS(ampaudit_rows_f32, f32_raw, f32_abs, F32_NEGINF)

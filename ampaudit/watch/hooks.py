@@ -171,12 +171,15 @@ class StepRecorder:
         """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
         "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
         for raw, module in root.named_modules(remove_duplicate=False):
+            if raw == "_orig_mod":
+                # torch.compile's inner copy of the root returns the root's own output, which the
+                # root records: named, it would count it twice wherever it runs outside the graph
+                # (dynamo falling back to eager for the model's frame)
+                continue
             name = _user_name(raw)
             label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
             self._names.setdefault(id(module), label)
-            # numbered for a compiled graph - but not the compiled model's inner copy of the root,
-            # whose outputs the root (run outside the graph) records
-            if raw != "_orig_mod" and id(module) not in self._index:
+            if id(module) not in self._index:  # numbered for a compiled graph
                 self._index[id(module)] = len(self._modules)
                 self._modules.append(self._names[id(module)])
         for name, param in root.named_parameters(remove_duplicate=False):

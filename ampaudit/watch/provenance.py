@@ -71,6 +71,7 @@ class Origin:
     line: int | None = None
     note: str | None = None  # why the op is unknown, or what else to know
     outside: bool = False  # the call's inputs were already non-finite: made before this module
+    state: str | None = None  # the module's parameter or buffer that already held NaN/Inf ("parameter weight")
 
     def to_dict(self) -> dict[str, Any]:
         found = {"op": self.op, "source": f"{self.file}:{self.line}" if self.file else None, "note": self.note}
@@ -215,8 +216,24 @@ def replay_forward(call: Call) -> Origin:
             call.module(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
     except Exception as exc:  # the user's code: a failed replay only loses the op
         return Origin(note=f"replaying the module failed: {type(exc).__name__}: {exc}"[:200])
-    return scan.result() or Origin(note="replayed on its inputs the module stayed finite: it depends on state, "
-                                        "random numbers or inputs changed in place since")
+    found, state = scan.result(), _nonfinite_state(call.module)
+    if state is not None:  # the ops read it: with NaN/+inf none made them from finite inputs
+        found = found or Origin()
+        found.state = state
+        found.note = found.note or (f"its {state} already held NaN or Inf before this forward (an optimizer step, "
+                                    "or a write to the weights)")
+    return found or Origin(note="replayed on its inputs the module stayed finite: it depends on state, "
+                                "random numbers or inputs changed in place since")
+
+
+def _nonfinite_state(module: torch.nn.Module) -> str | None:
+    """The first of ``module``'s parameters and buffers that holds NaN or Inf, named ("parameter
+    weight", "buffer running_var"), or None."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"{kind} {name}"
+    return None
 
 
 @dataclass

@@ -57,7 +57,8 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
             triton_stats.fill_row(x, counts, extras, limits.overflow_at, norm=norm, scale=scale, limit=limits.max)
             return
     if x.device.type == "cpu" and cpu_kernel.available():
-        cpu_kernel.fill_row(x, counts, extras, limits.overflow_at)
+        cpu_kernel.fill_row(x, counts, extras, limits.overflow_at, norm=norm)  # the norm in the same pass
+        norm = False
     else:
         torch_fill_row(x, counts, extras, limits)
     fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
