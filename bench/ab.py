@@ -49,8 +49,11 @@ def anomaly() -> contextlib.AbstractContextManager:
 
 
 def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps: int, rounds: int,
-                warmup: int) -> dict[str, float]:
-    """Median seconds per step of each variant; the first one is the baseline."""
+                warmup: int) -> dict[str, tuple[float, float]]:
+    """Per variant: (median seconds per step, median ratio to the baseline). The first variant
+    is the baseline; each round times it again right before every other variant, and a ratio
+    is that pair's - so that a machine whose speed drifts within a round (a shared one) moves
+    both sides of each ratio alike."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     def timed(variant: Variant, n: int) -> float:
@@ -67,11 +70,17 @@ def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps
     warnings.filterwarnings("ignore")  # detect_anomaly warns that it is slow
     for variant in variants.values():
         timed(variant, warmup)
+    (base_name, base), *others = variants.items()
     times: dict[str, list[float]] = {name: [] for name in variants}
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
-        for name, variant in variants.items():
+        for name, variant in others:
+            before = timed(base, steps)
+            times[base_name].append(before)
             times[name].append(timed(variant, steps))
-    return {name: statistics.median(values) for name, values in times.items()}
+            ratios[name].append(times[name][-1] / before)
+    ratios[base_name] = [1.0]
+    return {name: (statistics.median(times[name]), statistics.median(ratios[name])) for name in variants}
 
 
 def syncs_per_step(variant: Variant, step: Callable[[], None], steps: int = 3) -> float:
@@ -88,7 +97,7 @@ def syncs_per_step(variant: Variant, step: Callable[[], None], steps: int = 3) -
     return sum("synchronizing" in str(w.message) for w in caught) / steps
 
 
-def print_ratios(medians: dict[str, float]) -> None:
-    base = next(iter(medians.values()))
-    for name, med in medians.items():
-        print(f"  {name:<26} {med * 1000:8.1f} ms/step  {med / base:5.2f}x")
+def print_ratios(medians: dict[str, tuple[float, float]]) -> None:
+    """Each variant's median time and its median ratio to the baseline (``interleaved``)."""
+    for name, (med, ratio) in medians.items():
+        print(f"  {name:<26} {med * 1000:8.1f} ms/step  {ratio:5.2f}x")

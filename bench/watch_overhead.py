@@ -1,4 +1,6 @@
-"""Benchmark: the cost of ampaudit.watch per training step, A/B interleaved in one run.
+"""Benchmark: the cost of ampaudit.watch per training step, A/B interleaved in one run: each
+variant's ratio is the median over rounds of its time over the plain step's, timed just before
+it (``ab.interleaved``).
 
 Variants: a plain step; ampaudit.watch (every step, every 10th, and every step with the
 torch-op rows instead of the C kernel); per-module hooks that call .item() on each
