@@ -244,7 +244,9 @@ def test_memory_is_flat_over_1000_steps():
         objects, tensors = len(gc.get_objects()), sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
         steps(900)
         gc.collect()
-        assert abs(len(gc.get_objects()) - objects) < 200
+        # growth is what leaks; fewer objects is what earlier tests left and got freed meanwhile
+        # (after the torch.compile tests: 630 fewer)
+        assert len(gc.get_objects()) - objects < 200
         assert sum(isinstance(o, torch.Tensor) for o in gc.get_objects()) <= tensors
     assert mon.summary()["steps"] == 1000
 

@@ -170,3 +170,43 @@ def test_a_model_dynamo_runs_eagerly_is_counted_once(monkeypatch, inside):
     assert layers["(model)"]["forward"]["numel"] == eager["(model)"]["forward"]["numel"] == 2 * 2 * 8
     for module, phases in layers.items():
         assert phases == eager[module]
+
+
+COMPILED_SCRIPT = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+net = torch.compile(model, backend="aot_eager", fullgraph=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = net(torch.ones(2, 4)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_run_records_inside_a_compiled_script_when_asked(tmp_path, inside):
+    # ampaudit run hooks every module globally: the traced global hook puts the recording op in
+    # the graph too (it used to return before it, so --inside-compile recorded nothing inside).
+    import subprocess
+    import sys
+
+    from ampaudit.watch.summary import read_log
+    from tests.conftest import ROOT
+
+    script, log = tmp_path / "train.py", tmp_path / "watch.jsonl"
+    script.write_text(COMPILED_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", str(log),
+                           *(["--inside-compile"] if inside else []), str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_log(log).summary()
+    assert summary["steps"] == 3
+    assert set(summary["layers"]) == ({"(model)", "0", "1", "2"} if inside else {"(model)"})
+    if inside:  # 3 steps of 2 x 8 activations, counted once
+        assert summary["layers"]["0"]["forward"]["numel"] == summary["layers"]["1"]["forward"]["numel"] == 3 * 16
+        assert summary["layers"]["(model)"]["forward"]["numel"] == 3 * 2

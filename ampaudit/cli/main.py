@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-provenance", dest="provenance", action="store_false",
                      help="do not keep a step's module calls to replay the one that went non-finite (saves the "
                           "memory of their inputs; the report then names the module but not the op)")
+    run.add_argument("--inside-compile", action="store_true",
+                     help="under torch.compile, record the modules inside the compiled graph too (an op in the "
+                          "graph: no graph break; inductor's results may differ in the last bits)")
     run.add_argument("script", type=Path)
     run.add_argument("args", nargs=argparse.REMAINDER)
     report = sub.add_parser("report", help="summarize an ampaudit watch log",
@@ -430,7 +433,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _refuse_overwriting_inputs(args.log, [args.script], "--log")
     return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype,
-                      ignore=args.ignore, provenance=args.provenance)
+                      ignore=args.ignore, provenance=args.provenance, inside_compile=args.inside_compile)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

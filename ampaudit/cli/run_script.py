@@ -15,11 +15,11 @@ from ampaudit.watch.monitor import Monitor
 
 
 def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtype: LowDtype | str | None = None,
-               ignore: Sequence[str] = (), provenance: bool = True) -> int:
+               ignore: Sequence[str] = (), provenance: bool = True, inside_compile: bool = False) -> int:
     if not script.is_file():
         raise UsageError(f"no such script: {script}")
     monitor = Monitor(None, log=log, every=every, dtype=LowDtype.parse(dtype) if dtype is not None else None,
-                      ignore=ignore, provenance=provenance)
+                      ignore=ignore, provenance=provenance, inside_compile=inside_compile)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]

@@ -267,7 +267,10 @@ class StepRecorder:
             self.before_forward(module, args)
 
     def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.paused or _compiling():
+        if _compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
+            self.after_forward(module, args, kwargs, output)
+            return
+        if self.paused:
             return
         self._depth = max(0, self._depth - 1)
         self.after_forward(module, args, kwargs, output)
