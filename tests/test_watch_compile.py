@@ -210,3 +210,14 @@ def test_run_records_inside_a_compiled_script_when_asked(tmp_path, inside):
     if inside:  # 3 steps of 2 x 8 activations, counted once
         assert summary["layers"]["0"]["forward"]["numel"] == summary["layers"]["1"]["forward"]["numel"] == 3 * 16
         assert summary["layers"]["(model)"]["forward"]["numel"] == 3 * 2
+
+
+def test_run_inside_compile_on_a_torch_without_effect_tokens_is_one_line(tmp_path, cli, monkeypatch):
+    monkeypatch.setattr(compiled, "SUPPORTED", False)
+    script = tmp_path / "train.py"
+    script.write_text(COMPILED_SCRIPT)
+    result = cli("run", "--inside-compile", "--log", tmp_path / "watch.jsonl", script)
+    assert result.code == 2 and not (tmp_path / "watch.jsonl").exists()
+    assert result.err.strip().splitlines() == [
+        "ampaudit: error: --inside-compile needs torch's effect tokens, which this torch does not have: update "
+        "torch, or run without it"]

@@ -430,6 +430,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     require_torch("ampaudit run")
     from ampaudit.cli.run_script import run_script
+    from ampaudit.watch import compiled
+
+    if args.inside_compile and not compiled.SUPPORTED:
+        raise UsageError("--inside-compile needs torch's effect tokens, which this torch does not have: update "
+                         "torch, or run without it")
 
     _refuse_overwriting_inputs(args.log, [args.script], "--log")
     return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype,
