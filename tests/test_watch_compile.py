@@ -5,6 +5,9 @@ module inside it gets its rows too, from an op in the graph - still no graph bre
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,8 @@ from torch import nn
 
 import ampaudit
 from ampaudit.watch import compiled
+from ampaudit.watch.summary import read_log
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not compiled.SUPPORTED, reason="this torch has no effect tokens")
 
@@ -192,12 +197,6 @@ for step in range(3):
 def test_run_records_inside_a_compiled_script_when_asked(tmp_path, inside):
     # ampaudit run hooks every module globally: the traced global hook puts the recording op in
     # the graph too (it used to return before it, so --inside-compile recorded nothing inside).
-    import subprocess
-    import sys
-
-    from ampaudit.watch.summary import read_log
-    from tests.conftest import ROOT
-
     script, log = tmp_path / "train.py", tmp_path / "watch.jsonl"
     script.write_text(COMPILED_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", str(log),
