@@ -8,9 +8,10 @@ matters (fp16 matmuls are slow on most CPUs); docs/benchmarks.md has the CPU num
 
 Memory, two ways: the training state counted after a backward (parameters, masters,
 gradients, optimizer state), and the measured peak of a whole step, per phase, from the
-allocator's own records (peak_rise). Variants: fp32, autocast + GradScaler, converted
-(working copies released during the optimizer's step), convert-kept (release_low=False),
-convert-fp32w (modules backend, weights="fp32").
+allocator's own records (peak_rise). Variants: fp32, autocast + GradScaler, converted (the
+default for training: fx backend, weights="fp32", cast at each use), convert-modules (the
+modules backend, same weights), convert-low (weights="low": stored low, fp32 masters, working
+copies released during the optimizer's step), convert-kept (weights="low", release_low=False).
 
 Run: python bench/convert_speed.py [--steps N] [--layers L] [--batch B] [--tokens T] [--optimizer adamw|sgd]
 (GPT2_EMBD=384 for the CPU table in docs/benchmarks.md)
@@ -29,7 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("fp32", "autocast", "convert", "convert-kept", "convert-fp32w")
+VARIANTS = ("fp32", "autocast", "convert", "convert-modules", "convert-low", "convert-kept")
+_CONVERT_OPTIONS = {"convert": {}, "convert-modules": {"backend": "modules"}, "convert-low": {"weights": "low"},
+                    "convert-kept": {"weights": "low"}}
 
 
 def run_variant(variant: str, steps: int, batch: int, tokens: int, optimizer_name: str = "adamw") -> dict[str, float]:
@@ -50,10 +53,9 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int, optimizer_nam
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    if variant.startswith("convert"):  # convert-fp32w: the modules backend, fp32 weights cast at each use
-        options = {"backend": "modules", "weights": "fp32"} if variant == "convert-fp32w" else {}
+    if variant.startswith("convert"):
         model, optimizer = ampaudit.convert(model, optimizer, example_inputs=(ids[:1, :64], targets[:1, :64]),
-                                            verify=False, **options)
+                                            verify=False, **_CONVERT_OPTIONS[variant])
         optimizer.release_low = variant != "convert-kept"  # kept: working copies alive through the step
 
     def step() -> float:
@@ -249,15 +251,15 @@ def main() -> None:
     n = results["fp32"]["params_n"]
     print(f"GPT-2 ({env['GPT2_LAYERS']} layers, {n / 1e6:.1f}M parameters), batch {batch} x {tokens} tokens, "
           f"{steps} timed steps, {device}, {args.optimizer}")
-    print(f"  {'variant':<14} {'ms/step':>9} {'x autocast':>10} {'peak RSS':>9} {'loss':>9}")
+    print(f"  {'variant':<16} {'ms/step':>9} {'x autocast':>10} {'peak RSS':>9} {'loss':>9}")
     base = results["autocast"]["ms_per_step"]
     for variant, r in results.items():
-        print(f"  {variant:<14} {r['ms_per_step']:9.1f} {r['ms_per_step'] / base:10.2f} "
+        print(f"  {variant:<16} {r['ms_per_step']:9.1f} {r['ms_per_step'] / base:10.2f} "
               f"{r['peak_bytes'] / 2**30:5.2f} GiB {r['loss']:9.4f}")
     print("Training state right after a backward, counted (each tensor once), and the measured peak of one "
           f"step ({'torch.cuda max_memory_allocated' if device == 'cuda' else 'the CPU allocator, via torch.profiler'}"
           "; zero_grad first, the peak per phase):")
-    print(f"  {'variant':<14} {'params':>7} {'masters':>7} {'grads':>7} {'opt st':>7} {'counted':>7} {'x ac':>6} "
+    print(f"  {'variant':<16} {'params':>7} {'masters':>7} {'grads':>7} {'opt st':>7} {'counted':>7} {'x ac':>6} "
           f"{'B/p':>5} | {'forward':>7} {'backwd':>7} {'step':>7} {'peak':>7} {'x ac':>6} {'B/p':>5}")
     mib = 2**20
     base_state, base_peak = results["autocast"]["state_bytes"], results["autocast"]["step_peak"]
@@ -265,7 +267,7 @@ def main() -> None:
         phases = r["phase_peaks"]
         shown = " ".join(f"{phases[p] / mib:7.1f}" if p in phases else f"{'-':>7}" for p in ("forward", "backward",
                                                                                            "step"))
-        print(f"  {variant:<14} {r['params'] / mib:7.1f} {r['masters'] / mib:7.1f} {r['grads'] / mib:7.1f} "
+        print(f"  {variant:<16} {r['params'] / mib:7.1f} {r['masters'] / mib:7.1f} {r['grads'] / mib:7.1f} "
               f"{r['state'] / mib:7.1f} {r['state_bytes'] / mib:7.1f} {r['state_bytes'] / base_state:6.3f} "
               f"{r['state_bytes'] / n:5.2f} | {shown} {r['step_peak'] / mib:7.1f} "
               f"{r['step_peak'] / base_peak:6.3f} {r['step_peak'] / n:5.2f}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -158,7 +159,8 @@ def test_master_weights_keep_updates_below_fp16_spacing():
     nn.init.constant_(lin.weight, 1.0)
     x = torch.ones(1, 1)
     half = copy.deepcopy(lin).half()
-    mp, opt = ampaudit.convert(lin, torch.optim.SGD(lin.parameters(), lr=1e-4), (x,), verify=False, loss_scale=None)
+    mp, opt = ampaudit.convert(lin, torch.optim.SGD(lin.parameters(), lr=1e-4), (x,), verify=False, loss_scale=None,
+                               weights="low")
     half_opt = torch.optim.SGD(half.parameters(), lr=1e-4)
     for _ in range(10):
         opt.zero_grad()
@@ -251,7 +253,8 @@ def test_checkpoint_round_trip_gives_the_same_numbers(tmp_path, backend):
 def test_bf16_keeps_master_weights_without_loss_scaling():
     net = _tiny()
     x, y = torch.randn(8, 4), torch.randn(8, 2)
-    mp, opt = ampaudit.convert(net, torch.optim.SGD(net.parameters(), lr=0.05), (x,), dtype=torch.bfloat16)
+    mp, opt = ampaudit.convert(net, torch.optim.SGD(net.parameters(), lr=0.05), (x,), dtype=torch.bfloat16,
+                               weights="low")
     assert opt.scaler is None and opt.scale == 1.0
     assert mp.get_parameter("0.weight").dtype == torch.bfloat16
     assert all(m.dtype == torch.float32 for _, m in opt.pairs)
@@ -266,7 +269,7 @@ def test_user_optimizer_state_moves_to_the_masters():
     net(x).sum().backward()
     adam.step()  # state before conversion
     exp_avg = [adam.state[p]["exp_avg"].clone() for p in net.parameters()]
-    mp, opt = ampaudit.convert(net, adam, example_inputs=(x,), verify=False)
+    mp, opt = ampaudit.convert(net, adam, example_inputs=(x,), verify=False, weights="low")
     assert isinstance(opt, MixedPrecisionOptimizer) and opt.optimizer is adam
     assert adam.param_groups[0]["betas"] == (0.8, 0.9)
     masters = adam.param_groups[0]["params"]
@@ -323,7 +326,8 @@ def test_the_modules_backend_trains_a_tied_gpt_like_fp32():
     torch.manual_seed(0)
     reference = copy.deepcopy(loaded.model)
     optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
-    model_mp, opt_mp = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs, backend="modules")
+    model_mp, opt_mp = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs, backend="modules",
+                                        weights="low")
     assert model_mp.lm_head.weight is model_mp.wte.weight and model_mp.lm_head.weight.dtype == torch.float16
     assert model_mp.summary.train["passed"]
     loss, fp32_loss = _train_beside_fp32(model_mp, opt_mp, reference, loaded.inputs.args, steps=50)
@@ -405,22 +409,26 @@ torch.save({"out": out if isinstance(out, torch.Tensor) else out[0]}, sys.argv[4
 """
 
 
-@pytest.mark.parametrize("fixture", ["clean_transformer.py", "untraceable.py"])
-def test_exports_load_in_a_fresh_interpreter_with_pickles_disabled(cli, tmp_path, fixture):
+@pytest.mark.parametrize(("fixture", "weights"), [("clean_transformer.py", "low"), ("clean_transformer.py", "fp32"),
+                                                 ("untraceable.py", "low")])
+def test_exports_load_in_a_fresh_interpreter_with_pickles_disabled(cli, tmp_path, fixture, weights):
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
     out = tmp_path / "export"
-    assert cli("convert", model(fixture), "-o", out).code == 0
+    assert cli("convert", model(fixture), "-o", out, "--weights", weights).code == 0
+    if weights == "fp32":  # the weights stay fp32; module.py shows each cast
+        assert json.loads((out / "plan.json").read_text())["summary"]["weights"] == "fp32"
+        assert "linear(" in (out / "module.py").read_text()
     assert not [p for p in out.iterdir() if p.suffix in (".pt", ".pth", ".pkl", ".bin")]
     result = tmp_path / "out.pt"
     proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_PICKLE, str(ROOT), model(fixture), str(out),
                            str(result)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = load_target(model(fixture))
-    expected = ampaudit.convert(loaded.model, loaded.inputs)
+    expected = ampaudit.convert(loaded.model, loaded.inputs, weights=weights)
     with torch.no_grad():
         want = expected(*loaded.inputs.args, **loaded.inputs.kwargs)
     got = torch.load(result, weights_only=True)["out"]
@@ -435,16 +443,22 @@ def test_apply_refuses_a_plan_made_for_another_model(cli, tmp_path):
         ampaudit.apply(other, out)
 
 
-def test_tied_weights_stay_one_parameter_and_train_like_fp32(cli, tmp_path):
-    # nanoGPT's tie (wte.weight = lm_head.weight) in a model fx cannot trace at the top level:
-    # its children are converted one by one and must keep sharing one tensor. Before, the
-    # converted model had 29 parameters instead of 28 and its lm_head never trained.
+@pytest.mark.parametrize(("backend", "weights"), [("modules", "low"), ("modules", "fp32"), ("fx", "low"),
+                                                 ("fx", "fp32")])
+def test_tied_weights_stay_one_parameter_and_train_like_fp32(cli, tmp_path, backend, weights):
+    # nanoGPT's tie (wte.weight = lm_head.weight) in a model fx cannot trace at the top level
+    # (auto picks the modules backend; fx converts its children one by one): the two must keep
+    # sharing one tensor. Before, the converted model had 29 parameters instead of 28 and its
+    # lm_head never trained.
     loaded = load_target(model("tied_gpt.py"))
     torch.manual_seed(0)
     reference = copy.deepcopy(loaded.model)
     optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
-    model_mp, opt_mp = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs)
+    model_mp, opt_mp = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs, weights=weights,
+                                        backend=backend)
+    assert (model_mp.summary.backend, model_mp.summary.weights) == (backend, weights)
     assert model_mp.lm_head.weight is model_mp.wte.weight
+    assert len(opt_mp.pairs) == {"fp32": 0, "low": 17}[weights]  # "low": the linears' weights and biases
     assert len(list(model_mp.parameters())) == len(list(loaded.model.parameters())) == 28
     assert len(opt_mp.pairs) + len(opt_mp.fp32_params) == 28
     state = model_mp.state_dict()
@@ -454,7 +468,7 @@ def test_tied_weights_stay_one_parameter_and_train_like_fp32(cli, tmp_path):
     assert abs(loss - fp32_loss) / fp32_loss < 0.02
     # the export keeps the tie too
     out = tmp_path / "export"
-    assert cli("convert", model("tied_gpt.py"), "-o", out).code == 0
+    assert cli("convert", model("tied_gpt.py"), "-o", out, "--weights", weights, "--backend", backend).code == 0
     applied = ampaudit.apply(load_target(model("tied_gpt.py")).model, out)
     assert applied.lm_head.weight is applied.wte.weight
 
@@ -482,6 +496,29 @@ def test_ops_without_a_low_precision_kernel_here_stay_fp32(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"summary": model_mp.summary.to_dict(), "plan": model_mp.plan}, default=str))
     assert ampaudit.apply(_Spectral(), plan).plan == model_mp.plan  # the plan makes it again, without inputs
+
+
+@torch.fx.wrap
+def _refuses_half(x):
+    if x.dtype == torch.float16:
+        raise TypeError("a bug that shows only in float16")
+    return x
+
+
+class _Buggy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _refuses_half(self.inp(x))
+
+
+def test_an_error_that_is_not_a_missing_kernel_is_raised_not_hidden_in_fp32():
+    # a missing kernel raises RuntimeError ("not implemented for 'Half'", "Unsupported
+    # dtype"); a TypeError is a bug - the model's or ours - and is reported, not promoted away
+    with pytest.raises(ampaudit.core.errors.LoadError, match="fails to run: TypeError: a bug that shows only"):
+        ampaudit.convert(_Buggy(), (torch.randn(2, 4),))
 
 
 def test_verify_trains_and_catches_a_broken_tie(cli, tmp_path, monkeypatch):
@@ -518,7 +555,8 @@ def test_low_gradients_move_into_the_masters_during_backward():
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     x = torch.randn(4, 8)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    model_mp, opt_mp = ampaudit.convert(net, optimizer, example_inputs=(x,), train_steps=0, loss_scale=None)
+    model_mp, opt_mp = ampaudit.convert(net, optimizer, example_inputs=(x,), train_steps=0, loss_scale=None,
+                                        weights="low")
     assert opt_mp.pairs
     opt_mp.zero_grad()
     opt_mp.backward(model_mp(x).sum())
@@ -538,8 +576,8 @@ def test_modules_backend_with_fp32_weights_holds_what_autocast_holds():
     assert {p.dtype for p in model_mp.parameters()} == {torch.float32} and not opt_mp.pairs
     assert model_mp.summary.weights == "fp32" and model_mp.summary.train["passed"]
     assert model_mp.lm_head.weight is model_mp.wte.weight
-    with pytest.raises(UsageError, match="modules-backend option"):
-        ampaudit.convert(nn.Linear(2, 2), (torch.ones(1, 2),), weights="fp32")
+    with pytest.raises(UsageError, match="weights must be 'auto', 'low' or 'fp32'"):
+        ampaudit.convert(nn.Linear(2, 2), (torch.ones(1, 2),), weights="half")
 
 
 def test_modules_backend_searches_promotions_and_apply_keeps_them(tmp_path):
@@ -556,3 +594,45 @@ def test_modules_backend_searches_promotions_and_apply_keeps_them(tmp_path):
     export(model_mp, tmp_path / "out", summary=summary.to_dict())
     applied = ampaudit.apply(load_target(model("untraceable.py")).model, tmp_path / "out")
     assert applied.plan == model_mp.plan and applied.fc1.weight.dtype == torch.float32
+
+
+def _train_losses(weights: str, optimizer_type: type, *, module: nn.Module | None = None, steps: int = 6):
+    torch.manual_seed(0)
+    net = module or nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    x = torch.randn(16, 8) if module is None else torch.randn(4, 3, 8, 8)
+    model_mp, opt_mp = ampaudit.convert(net, optimizer_type(net.parameters(), lr=1e-2), example_inputs=(x,),
+                                        train_steps=0, weights=weights)
+    losses = []
+    for _ in range(steps):
+        loss = model_mp(x).float().pow(2).mean()
+        opt_mp.zero_grad()
+        opt_mp.backward(loss)
+        opt_mp.step()
+        losses.append(loss.item())
+    return losses, model_mp, opt_mp
+
+
+@pytest.mark.parametrize("optimizer_type", [torch.optim.SGD, torch.optim.AdamW])
+def test_training_keeps_weights_fp32_and_trains_bit_for_bit_as_stored_low_weights(optimizer_type):
+    # weights="auto" with an optimizer is "fp32": every parameter stays fp32 and the graph casts
+    # it where a low-precision op reads it. The fp16 values the ops see, the gradients the fp32
+    # parameters get and so every update are the ones stored-low weights with fp32 masters give.
+    low, _, opt_low = _train_losses("low", optimizer_type)
+    fp32, model_mp, opt_mp = _train_losses("auto", optimizer_type)
+    assert fp32 == low and fp32[-1] < fp32[0]
+    assert model_mp.summary.weights == "fp32" and not opt_mp.pairs and opt_low.pairs
+    assert {p.dtype for p in model_mp.parameters()} == {torch.float32}
+    assert len(re.findall(r"linear\(cast\w*, cast_\d+, cast_\d+\)", model_mp.code)) == 2  # input, weight, bias
+    # without an optimizer (inference) "auto" stores the low-precision modules' weights low
+    inference = ampaudit.convert(nn.Linear(8, 4), (torch.randn(2, 8),))
+    assert inference.summary.weights == "low" and inference.weight.dtype == torch.float16
+
+
+def test_fp32_weights_reach_modules_without_a_functional_spelling():
+    # a circular-padded convolution is called through torch.func.functional_call with its
+    # parameters cast; it trains exactly as its stored-low twin
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), nn.Flatten())
+    low, _, _ = _train_losses("low", torch.optim.SGD, module=copy.deepcopy(conv))
+    fp32, model_mp, _ = _train_losses("fp32", torch.optim.SGD, module=conv)
+    assert fp32 == low
+    assert "call_with" in model_mp.code and model_mp.get_submodule("0").weight.dtype == torch.float32

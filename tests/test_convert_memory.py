@@ -15,7 +15,7 @@ import ampaudit
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-from convert_speed import PHASES, peak_rise
+from convert_speed import PHASES, peak_rise, training_state_bytes
 
 MiB = 2**20
 
@@ -60,7 +60,7 @@ def _converted(release: bool):
     model = _Layers()
     x, y = torch.randn(2, 256), torch.randn(2, 256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model_mp, opt_mp = ampaudit.convert(model, optimizer, example_inputs=(x,), verify=False)
+    model_mp, opt_mp = ampaudit.convert(model, optimizer, example_inputs=(x,), verify=False, weights="low")
     opt_mp.release_low = release
 
     def backward():
@@ -109,3 +109,50 @@ def test_fused_unscale_still_finds_non_finite_gradients(bad):
     assert opt_mp.step() is False and opt_mp.scale == scale / 2 and opt_mp.skipped_steps == 1
     for key, value in model_mp.state_dict().items():
         assert torch.equal(value, before[key])
+
+
+def _peak_of_a_step(variant: str, optimizer_name: str) -> tuple[int, int]:
+    """(training state counted after a backward, highest bytes alive in one whole step) of
+    ``_Layers`` trained with autocast + GradScaler or converted with the training defaults."""
+    torch.manual_seed(0)
+    model = _Layers()
+    x, y = torch.randn(2, 256), torch.randn(2, 256)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if optimizer_name == "sgd"
+                 else torch.optim.AdamW(model.parameters(), lr=1e-3))
+    scaler = torch.amp.GradScaler("cpu")
+    if variant == "convert":
+        model, optimizer = ampaudit.convert(model, optimizer, example_inputs=(x,), verify=False)
+
+    def step():
+        with record_function(PHASES[0]), torch.autocast("cpu", dtype=torch.float16, enabled=variant == "autocast"):
+            loss = nn.functional.mse_loss(model(x), y)
+        with record_function(PHASES[1]):
+            scaler.scale(loss).backward() if variant == "autocast" else optimizer.backward(loss)
+        with record_function(PHASES[2]):
+            if variant == "autocast":
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer's state exists from here on
+    rise = peak_rise(step)["all"]
+    with torch.autocast("cpu", dtype=torch.float16, enabled=variant == "autocast"):
+        loss = nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward() if variant == "autocast" else optimizer.backward(loss)
+    state = training_state_bytes(model, optimizer)
+    return state["state_bytes"], state["state_bytes"] - state["grads"] + rise  # the step starts without gradients
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_the_training_default_holds_what_autocast_holds(optimizer_name):
+    # weights="fp32" (the default with an optimizer): no second copy of any weight - counted
+    # after a backward and at the peak of a whole step, as autocast + GradScaler. SGD is the
+    # case stored-low weights missed (the step peaks in the backward, where they are alive).
+    autocast_counted, autocast_peak = _peak_of_a_step("autocast", optimizer_name)
+    counted, peak = _peak_of_a_step("convert", optimizer_name)
+    assert counted == autocast_counted
+    # the peak: equal to within 512 bytes (SGD: one fp16 bias copy alive a moment longer in
+    # the backward; AdamW: 4 bytes less) - a weight copy would be 128 KiB
+    assert peak - autocast_peak <= 512

@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fx: rewrite the traced graph; modules: keep the model's own forward and apply the plan "
                            "per module (any model); auto (default): fx where the model traces, else modules")
     conv.add_argument("--weights", choices=("low", "fp32"), default="low",
-                      help="modules backend: store low-precision modules' weights low (fp32 masters in the optimizer; "
-                           "default), or keep them fp32 and let autocast cast at each use (autocast's memory)")
+                      help="low (default): store low-precision modules' weights low (half their bytes; fp32 masters "
+                           "when trained); fp32: keep every weight fp32 and cast it at each use, as autocast does - "
+                           "what ampaudit.convert(model, optimizer) does by default (autocast's training memory)")
     conv.add_argument("--train-steps", type=_STEPS, default=20, metavar="N",
                       help="also verify by training: N AdamW steps of copies of the converted and the fp32 model, "
                            "loss by loss (default 20; 0: off)")

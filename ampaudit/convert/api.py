@@ -15,7 +15,7 @@ from torch import fx
 from ampaudit.convert.kernel_probe import promote_missing_kernels
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
-from ampaudit.convert.rewrite import rewrite
+from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
 from ampaudit.convert.verify import output_error, search_promotions
 from ampaudit.core.arguments import require_module
@@ -49,7 +49,7 @@ class ConversionSummary:
     train: dict[str, Any] | None = None  # the training check (train_check.TrainCheck), when one ran
     search: dict[str, int] | None = None  # the promotion search: forward passes made, promotion sets tried
     backend: str = "fx"  # "fx" or "modules"
-    weights: str = "low"  # modules backend: "low" (stored low, fp32 masters) or "fp32" (cast at use)
+    weights: str = "low"  # "low" (stored low, fp32 masters in the optimizer) or "fp32" (cast at each use)
     constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
     keep_low_outputs: bool = False
 
@@ -80,7 +80,7 @@ def convert(
     config: Config | None = None,
     train_steps: int = DEFAULT_STEPS,
     backend: str = "auto",
-    weights: str = "low",
+    weights: str = "auto",
 ):
     """Rewrite ``model`` into explicit mixed precision.
 
@@ -94,9 +94,10 @@ def convert(
     ``backend``: "fx" rewrites the traced graph (where the top level does not trace, its
     children); "modules" keeps the model's own class and forward and applies the plan per
     module (convert/module_backend.py; needs example inputs); "auto": fx where the top level
-    traces, else modules. ``weights`` (modules backend): "low" stores low-precision modules'
-    parameters low (fp32 masters in the optimizer); "fp32" keeps every parameter fp32 and lets
-    autocast cast at each use - the memory of autocast + GradScaler, with the plan's fp32 modules.
+    traces, else modules. ``weights``: "low" stores low-precision modules' parameters low (fp32
+    masters in the optimizer); "fp32" keeps every parameter fp32 and casts it at each use, as
+    autocast does - the memory of autocast + GradScaler, with the plan's fp32 ops; "auto" (the
+    default): fp32 when an optimizer is given, low otherwise.
     """
     require_module(model, "ampaudit.convert")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
@@ -111,10 +112,7 @@ def convert(
         refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
     backend = _pick_backend(backend, model, catalog, inputs)
-    if weights not in ("low", "fp32"):
-        raise UsageError(f"weights must be 'low' or 'fp32' (got {weights!r})")
-    if weights == "fp32" and backend != "modules":
-        raise UsageError("weights='fp32' is a modules-backend option (backend='modules')")
+    weights = _pick_weights(weights, optimizer)
     if backend == "modules":
         return _finish(model, _convert_modules(model, catalog, low, inputs, constants=constants,
                                                keep_low_outputs=keep_low_outputs, verify=verify, weights=weights,
@@ -126,7 +124,7 @@ def convert(
 
     def build(promoted: Mapping[str, str | Decision]) -> fx.GraphModule:
         return _convert_once(model, catalog, low, inputs, promoted={**promoted, **kernels}, constants=constants,
-                             keep_low_outputs=keep_low_outputs, measured=seen)
+                             keep_low_outputs=keep_low_outputs, weights=weights, measured=seen)
 
     was_training = model.training
     model.eval()  # compare deterministic outputs: dropout off on both sides
@@ -145,6 +143,16 @@ def convert(
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual
     return _finish(model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
                    train_steps=train_steps)
+
+
+def _pick_weights(weights: str, optimizer: torch.optim.Optimizer | None) -> str:
+    """"auto": fp32 when training (an optimizer is given: what autocast + GradScaler holds, no
+    second copy of the weights), low otherwise (inference: half the weights' bytes)."""
+    if weights not in ("auto", "low", "fp32"):
+        raise UsageError(f"weights must be 'auto', 'low' or 'fp32' (got {weights!r})")
+    if weights == "auto":
+        return "fp32" if optimizer is not None else "low"
+    return weights
 
 
 def _pick_backend(backend: str, model: torch.nn.Module, catalog: Catalog, inputs: ExampleInputs | None) -> str:
@@ -221,7 +229,7 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
     was_training = model.training
     try:
         model_mp = _convert_once(model, build_catalog(config), low, None, promoted=forced, constants=constants,
-                                 keep_low_outputs=keep)
+                                 keep_low_outputs=keep, weights=str(summary.get("weights", "low")))
     finally:
         model.train(was_training)
     model_mp.train(was_training)
@@ -258,6 +266,7 @@ class _Conversion:
     promoted: Mapping[str, str | Decision]
     constants: str
     keep_low_outputs: bool
+    weights: str = "low"  # "low": stored low (fp32 masters in the optimizer); "fp32": cast at each use
     calls: Mapping[str, ExampleInputs] = field(default_factory=dict)  # how each submodule was called
     declared: Declared = field(default_factory=Declared)  # what the model keeps in fp32 itself
     records: list[dict[str, Any]] = field(default_factory=list)  # the plan, op by op
@@ -268,15 +277,16 @@ class _Conversion:
 
 def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, *, promoted: Mapping[str, str | Decision], constants: str,
-                  keep_low_outputs: bool, measured: _Measured | None = None) -> torch.nn.Module:
+                  keep_low_outputs: bool, weights: str = "low", measured: _Measured | None = None) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
     measured = measured if measured is not None else _Measured()
     if measured.calls is None:  # how each child is called, for children traced on their own
         measured.calls = record_calls(work, inputs) if inputs is not None else {}
-    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, calls=measured.calls,
+    run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, weights, calls=measured.calls,
                       declared=declared_precision(work, low), measured=measured)
     converted = _with_plan(_convert_tree(work, "", inputs, run), run.records, low, promoted, casts=run.casts,
-                           notes=run.notes, constants=constants, keep_low_outputs=keep_low_outputs)
+                           notes=run.notes, constants=constants, keep_low_outputs=keep_low_outputs,
+                           weights=weights)
     if not isinstance(converted, fx.GraphModule):
         converted.code = f"# {type(model).__name__}.forward is not traceable: its submodules were converted\n"
     return converted
@@ -308,8 +318,10 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
                            declared=run.declared)
     plan = decide(view, constants=run.constants, promoted=run.promoted)
     keep = run.keep_low_outputs if keep_low_outputs is None else keep_low_outputs
-    stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep)
+    stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep, weights=run.weights)
     run.records += plan_records(view, plan, stats.produced)
+    if run.weights == "fp32":
+        cast_module_weights_at_use(gm, plan, run.low.torch)
     run.casts += stats.casts
     for path in opaque:
         run.notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "

@@ -3,8 +3,8 @@ a CPU, some ops in bfloat16 on older GPUs): found by running the converted model
 the example inputs, and kept in fp32 with a plan entry saying why.
 
 The run goes through an fx Interpreter per converted graph, so a failure names its node -
-the innermost graph's - without parsing tracebacks. A node that still fails in fp32 is not
-a kernel problem: that error is the user's, and is raised.
+the innermost graph's - without parsing tracebacks. A node that still fails in fp32, or
+fails with anything but a RuntimeError, is not a kernel problem: that error is raised.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def promote_missing_kernels(build: Callable[[Mapping[str, Decision]], torch.nn.M
         if failure is None:
             return model, moved
         node, error = failure
-        if not node or node in moved:  # not in a converted graph, or fails in fp32 too: not a kernel
+        # not in a converted graph, fails in fp32 too, or not the RuntimeError a missing kernel
+        # raises (a TypeError is a bug, ours or the model's): not a kernel
+        if not node or node in moved or not isinstance(error, RuntimeError):
             raise LoadError(f"the converted model fails to run: {describe_exception(error)}") from error
         moved[node] = Decision(FP32, f"no {dtype} kernel for this op on {_device(model)} "
                                      f"({describe_exception(error)}): kept in fp32", "kernel")

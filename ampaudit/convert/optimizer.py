@@ -1,19 +1,21 @@
-"""FP32 master weights and loss scaling around any torch.optim optimizer (apex O2's recipe).
+"""Loss scaling, and fp32 master weights where needed, around any torch.optim optimizer.
 
-The converted model holds low-precision working copies; the optimizer is re-pointed at
-fp32 masters of them, keeping its hyperparameters and state. Backward moves each low
-gradient into its master's fp32 gradient as soon as it is accumulated (a post-accumulate-grad
-hook), so the two are never both alive; a step unscales them, checks for inf/NaN with one host sync, skips the
-step (weights and optimizer state untouched) when it finds any, and otherwise updates the
-masters and copies them back into the model.
+A model converted with ``weights="fp32"`` (the default for training) keeps fp32 parameters:
+the optimizer steps them directly and this adds loss scaling and the inf/NaN skip. With
+``weights="low"`` the model holds low-precision working copies and the optimizer is
+re-pointed at fp32 masters of them (apex O2's recipe), keeping its hyperparameters and
+state. Backward moves each low gradient into its master's fp32 gradient as soon as it is
+accumulated (a post-accumulate-grad hook), so the two are never both alive. A step unscales
+the gradients, checks for inf/NaN with one host sync, skips the step (weights and optimizer
+state untouched) when it finds any, and otherwise updates the fp32 weights (and copies the
+masters back into the model).
 
 The working copies are stale while the masters are updated, and that update is where a
 training step's memory peaks (AdamW's temporaries): by default (``release_low=True``) their
 storage is freed for the optimizer's own step and allocated again for the copy back, so the
 peak holds what autocast + GradScaler's does. The tensors stay the same objects (ties and
 views survive) but not the same addresses: ``release_low=False`` keeps them, for code that
-needs static weight addresses (CUDA graphs), at 2 bytes per parameter more at the peak.
-"""
+needs static weight addresses (CUDA graphs), at 2 bytes per parameter more at the peak."""
 
 from __future__ import annotations
 

@@ -3,19 +3,21 @@
 Casts go in front of an op only where its input arrives in another dtype than the op
 computes in; ops that follow their inputs get none. Modules and parameters used only by
 low-precision ops are stored in the low dtype; everything else (norm weights, BatchNorm,
-buffers of fp32 ops) stays fp32. ``cast`` leaves non-float values alone, so token ids and
-masks pass through untouched even where the graph cannot tell their dtype.
-"""
+buffers of fp32 ops) stays fp32 - or, with ``weights="fp32"``, every parameter stays fp32
+and is cast where a low-precision op reads it, as autocast does (cast nodes in the graph).
+``cast`` leaves non-float values alone, so token ids and masks pass through untouched even
+where the graph cannot tell their dtype."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from ampaudit.convert.plan import FP32, LOW, Decision
-from ampaudit.convert.runtime import cast
+from ampaudit.convert.runtime import call_with, cast
 
 
 @dataclass
@@ -62,14 +64,14 @@ def _store_low(gm: fx.GraphModule, target: str, dtype: torch.dtype) -> None:
 
 
 def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtype, *,
-            keep_low_outputs: bool = False) -> RewriteStats:
+            keep_low_outputs: bool = False, weights: str = "low") -> RewriteStats:
     graph = gm.graph
     targets = {LOW: dtype, FP32: torch.float32}
-    low_params = _low_parameters(gm, plan)
+    low_params = _low_parameters(gm, plan) if weights == "low" else set()
     for target in low_params:
         _store_low(gm, target, dtype)
     for node, decision in plan.items():
-        if node.op == "call_module" and decision.compute == LOW:
+        if node.op == "call_module" and decision.compute == LOW and weights == "low":
             gm.get_submodule(node.target).to(dtype)
 
     produced: dict[fx.Node, str] = {}
@@ -107,6 +109,56 @@ def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtyp
     graph.lint()
     gm.recompile()
     return RewriteStats(len(casts), {n: d for n, d in produced.items() if n.op != "output"})
+
+
+def cast_module_weights_at_use(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtype) -> None:
+    """``weights="fp32"``, after the plan is recorded: each low-precision module call gets its
+    parameters as explicit casts in the graph - ``linear(x, cast(w), cast(b))``, or
+    ``call_with(m, names, casts, x)`` for other modules - so they stay fp32 and are cast at
+    use, as autocast does. One cast per tensor and forward (autocast's cache): a tied weight
+    used by two modules is cast once. The node keeps its name and users."""
+    graph = gm.graph
+    casts: dict[int, fx.Node] = {}  # id(tensor) -> its cast, for ties across modules
+    for node in graph.nodes:  # casts the rewrite already made of get_attr tensors
+        if node.target is cast and node.args[0].op == "get_attr" and node.args[1] == dtype:
+            casts.setdefault(id(_attr(gm, node.args[0].target)), node)
+
+    def cast_of(target: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+        if id(tensor) not in casts:
+            with graph.inserting_before(before):
+                casts[id(tensor)] = graph.call_function(cast, (graph.get_attr(target), dtype))
+        return casts[id(tensor)]
+
+    for node, decision in plan.items():
+        if node.op != "call_module" or decision.compute != LOW:
+            continue
+        module = gm.get_submodule(node.target)
+        state = {name: cast_of(f"{node.target}.{name}", t, node)
+                 for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_floating_point()}
+        explicit = _functional(module, node, state)
+        if explicit is not None:
+            node.op, node.target, node.args, node.kwargs = "call_function", *explicit
+        else:
+            with graph.inserting_before(node):
+                owner = graph.get_attr(node.target)
+            node.op, node.target = "call_function", call_with
+            node.args = (owner, tuple(state), tuple(state.values()), *node.args)
+    graph.lint()
+    gm.recompile()
+
+
+def _functional(module: torch.nn.Module, node: fx.Node, state: dict[str, fx.Node]):
+    """(function, args, kwargs) of the common leaves, spelled out; None for any other module."""
+    if len(node.args) != 1 or node.kwargs:
+        return None
+    (x,) = node.args
+    if type(module) is torch.nn.Linear:
+        return F.linear, (x, state["weight"], state.get("bias")), {}
+    conv = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}.get(type(module))
+    if conv is not None and module.padding_mode == "zeros":
+        return conv, (x, state["weight"], state.get("bias"), module.stride, module.padding, module.dilation,
+                      module.groups), {}
+    return None
 
 
 def _apply_clamp(node: fx.Node, clamp: dict[int | str, float]) -> None:

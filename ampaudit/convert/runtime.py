@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch import nn
 
 
 @torch.fx.wrap
@@ -15,3 +16,12 @@ def cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
         return value.to(dtype)
     return value
+
+
+@torch.fx.wrap
+def call_with(module: nn.Module, names: tuple[str, ...], values: tuple[torch.Tensor, ...], *args: Any,
+              **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` with ``values`` (its parameters and buffers ``names``, cast)
+    in place of its own for this call: a low-precision module whose weights stay fp32
+    (``weights="fp32"``). Names and values come apart because fx freezes a dict argument."""
+    return torch.func.functional_call(module, dict(zip(names, values, strict=True)), args, kwargs)
