@@ -88,29 +88,8 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int, optimizer_nam
         else:
             model(ids, targets).backward()
 
-    def phased_step() -> None:  # one step, each phase named for the peak's report; no gradient before or after
-        from torch.profiler import record_function
-
-        with record_function(PHASES[0]):
-            if variant == "autocast":
-                with torch.autocast(device, dtype=torch.float16):
-                    loss = model(ids, targets)
-            else:
-                loss = model(ids, targets)
-        with record_function(PHASES[1]):
-            if variant == "autocast":
-                scaler.scale(loss).backward()
-            elif variant.startswith("convert"):
-                optimizer.backward(loss)
-            else:
-                loss.backward()
-        with record_function(PHASES[2]):
-            if variant == "autocast":
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def phased_step() -> None:
+        train_step(variant, lambda: model(ids, targets), optimizer, scaler, device)
 
     scaler = torch.amp.GradScaler(device) if variant == "autocast" else None
     for _ in range(2):  # warm-up
@@ -140,6 +119,31 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int, optimizer_nam
 
 PHASES = ("bench:forward", "bench:backward", "bench:step")
 MEASURED = "bench:measured"
+
+
+def train_step(variant: str, forward, optimizer, scaler, device: str) -> None:
+    """One training step of ``variant`` ("fp32", "autocast" with ``scaler``, "convert...":
+    ampaudit's optimizer), each phase named (``PHASES``) for :func:`peak_rise`; ``forward()``
+    returns the loss. No gradient is alive before or after it."""
+    import torch
+    from torch.profiler import record_function
+
+    with record_function(PHASES[0]), torch.autocast(device, dtype=torch.float16, enabled=variant == "autocast"):
+        loss = forward()
+    with record_function(PHASES[1]):
+        if variant == "autocast":
+            scaler.scale(loss).backward()
+        elif variant.startswith("convert"):
+            optimizer.backward(loss)
+        else:
+            loss.backward()
+    with record_function(PHASES[2]):
+        if variant == "autocast":
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def peak_rise(fn) -> dict[str, int]:

@@ -421,7 +421,7 @@ def test_exports_load_in_a_fresh_interpreter_with_pickles_disabled(cli, tmp_path
     assert cli("convert", model(fixture), "-o", out, "--weights", weights).code == 0
     if weights == "fp32":  # the weights stay fp32; module.py shows each cast
         assert json.loads((out / "plan.json").read_text())["summary"]["weights"] == "fp32"
-        assert "linear(" in (out / "module.py").read_text()
+        assert "call_with(" in (out / "module.py").read_text()
     assert not [p for p in out.iterdir() if p.suffix in (".pt", ".pth", ".pkl", ".bin")]
     result = tmp_path / "out.pt"
     proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_PICKLE, str(ROOT), model(fixture), str(out),
@@ -622,17 +622,24 @@ def test_training_keeps_weights_fp32_and_trains_bit_for_bit_as_stored_low_weight
     assert fp32 == low and fp32[-1] < fp32[0]
     assert model_mp.summary.weights == "fp32" and not opt_mp.pairs and opt_low.pairs
     assert {p.dtype for p in model_mp.parameters()} == {torch.float32}
-    assert len(re.findall(r"linear\(cast\w*, cast_\d+, cast_\d+\)", model_mp.code)) == 2  # input, weight, bias
+    calls = re.findall(r"call_with\(\w+, \('weight', 'bias'\), \(cast_\d+, cast_\d+\), cast\w*\)", model_mp.code)
+    assert len(calls) == 2  # the two linears: weight and bias cast, then the module called
     # without an optimizer (inference) "auto" stores the low-precision modules' weights low
     inference = ampaudit.convert(nn.Linear(8, 4), (torch.randn(2, 8),))
     assert inference.summary.weights == "low" and inference.weight.dtype == torch.float16
 
 
-def test_fp32_weights_reach_modules_without_a_functional_spelling():
-    # a circular-padded convolution is called through torch.func.functional_call with its
-    # parameters cast; it trains exactly as its stored-low twin
+@pytest.mark.parametrize("weights", ["low", "fp32"])
+def test_converted_modules_are_still_called_so_their_hooks_fire(weights):
+    # with fp32 weights a low-precision module is called with its parameters cast
+    # (torch.func.functional_call): still a module call, so ampaudit.watch and the user's
+    # hooks see it; a circular-padded convolution trains as its stored-low twin
     conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), nn.Flatten())
     low, _, _ = _train_losses("low", torch.optim.SGD, module=copy.deepcopy(conv))
-    fp32, model_mp, _ = _train_losses("fp32", torch.optim.SGD, module=conv)
-    assert fp32 == low
-    assert "call_with" in model_mp.code and model_mp.get_submodule("0").weight.dtype == torch.float32
+    losses, model_mp, _ = _train_losses(weights, torch.optim.SGD, module=conv)
+    assert losses == low
+    seen = []
+    model_mp.get_submodule("0").register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    model_mp(torch.randn(1, 3, 8, 8))
+    assert seen == [(torch.float16, torch.float16)]
+    assert model_mp.get_submodule("0").weight.dtype == {"low": torch.float16, "fp32": torch.float32}[weights]

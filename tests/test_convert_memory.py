@@ -15,7 +15,7 @@ import ampaudit
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-from convert_speed import PHASES, peak_rise, training_state_bytes
+from convert_speed import PHASES, peak_rise, train_step, training_state_bytes
 
 MiB = 2**20
 
@@ -124,17 +124,7 @@ def _peak_of_a_step(variant: str, optimizer_name: str) -> tuple[int, int]:
         model, optimizer = ampaudit.convert(model, optimizer, example_inputs=(x,), verify=False)
 
     def step():
-        with record_function(PHASES[0]), torch.autocast("cpu", dtype=torch.float16, enabled=variant == "autocast"):
-            loss = nn.functional.mse_loss(model(x), y)
-        with record_function(PHASES[1]):
-            scaler.scale(loss).backward() if variant == "autocast" else optimizer.backward(loss)
-        with record_function(PHASES[2]):
-            if variant == "autocast":
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-        optimizer.zero_grad()
+        train_step(variant, lambda: nn.functional.mse_loss(model(x), y), optimizer, scaler, "cpu")
 
     step()  # the optimizer's state exists from here on
     rise = peak_rise(step)["all"]

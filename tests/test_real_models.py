@@ -196,11 +196,13 @@ def test_convert_keeps_t5s_declared_fp32_modules_in_fp32():
     assert {p.dtype for n, p in model_mp.named_parameters() if n.endswith("wo.weight")} == {__import__("torch").float32}
 
 
+@pytest.mark.parametrize("weights", ["low", "auto"])
 @pytest.mark.parametrize("spec", ["hf:gpt2", "hf:bert", "hf:llama", "hf:t5"])
-def test_modules_backend_on_hf_models_trains_and_round_trips(spec, tmp_path):
-    # the whole model converted with its own forward: most parameters stored in float16, the
-    # training check within 2%, and the pickle-free export applied to a fresh model gives the
-    # same outputs
+def test_modules_backend_on_hf_models_trains_and_round_trips(spec, weights, tmp_path):
+    # the whole model converted with its own forward: with weights="low" most parameters
+    # stored in float16, with the training default ("auto": fp32 with an optimizer) all fp32;
+    # the training check within 2%, and the pickle-free export applied to a fresh model gives
+    # the same outputs
     import torch
 
     import ampaudit
@@ -209,11 +211,15 @@ def test_modules_backend_on_hf_models_trains_and_round_trips(spec, tmp_path):
 
     loaded = load_target(spec)
     optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
-    model_mp, _ = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs, backend="modules")
+    model_mp, _ = ampaudit.convert(loaded.model, optimizer, example_inputs=loaded.inputs, backend="modules",
+                                   weights=weights)
     summary = model_mp.summary
     assert type(model_mp) is type(loaded.model) and summary.backend == "modules"
     assert summary.error_after < 1e-2 and summary.train["passed"]
-    assert summary.param_bytes["float16"] > 2 * summary.param_bytes.get("float32", 0) / 2  # most weights low
+    if weights == "low":
+        assert summary.param_bytes["float16"] > summary.param_bytes.get("float32", 0)  # most weights low
+    else:
+        assert set(summary.param_bytes) == {"float32"} and summary.weights == "fp32"
     export(model_mp, tmp_path / "out", summary=summary.to_dict())
     applied = ampaudit.apply(load_target(spec).model, tmp_path / "out")
     with torch.no_grad():

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from ampaudit.convert.plan import FP32, LOW, Decision
@@ -112,11 +111,12 @@ def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtyp
 
 
 def cast_module_weights_at_use(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtype) -> None:
-    """``weights="fp32"``, after the plan is recorded: each low-precision module call gets its
-    parameters as explicit casts in the graph - ``linear(x, cast(w), cast(b))``, or
-    ``call_with(m, names, casts, x)`` for other modules - so they stay fp32 and are cast at
-    use, as autocast does. One cast per tensor and forward (autocast's cache): a tied weight
-    used by two modules is cast once. The node keeps its name and users."""
+    """``weights="fp32"``, after the plan is recorded: each low-precision module call
+    ``m(x)`` becomes ``call_with(m, names, casts, x)`` - the module called with its parameters
+    cast, by explicit cast nodes in the graph - so they stay fp32 and are cast at use, as
+    autocast does. The module is still called (its hooks, ``ampaudit.watch``'s included,
+    fire); the node keeps its name and users. One cast per tensor and forward (autocast's
+    cache): a tied weight used by two modules is cast once."""
     graph = gm.graph
     casts: dict[int, fx.Node] = {}  # id(tensor) -> its cast, for ties across modules
     for node in graph.nodes:  # casts the rewrite already made of get_attr tensors
@@ -135,30 +135,12 @@ def cast_module_weights_at_use(gm: fx.GraphModule, plan: dict[fx.Node, Decision]
         module = gm.get_submodule(node.target)
         state = {name: cast_of(f"{node.target}.{name}", t, node)
                  for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_floating_point()}
-        explicit = _functional(module, node, state)
-        if explicit is not None:
-            node.op, node.target, node.args, node.kwargs = "call_function", *explicit
-        else:
-            with graph.inserting_before(node):
-                owner = graph.get_attr(node.target)
-            node.op, node.target = "call_function", call_with
-            node.args = (owner, tuple(state), tuple(state.values()), *node.args)
+        with graph.inserting_before(node):
+            owner = graph.get_attr(node.target)
+        node.op, node.target = "call_function", call_with
+        node.args = (owner, tuple(state), tuple(state.values()), *node.args)
     graph.lint()
     gm.recompile()
-
-
-def _functional(module: torch.nn.Module, node: fx.Node, state: dict[str, fx.Node]):
-    """(function, args, kwargs) of the common leaves, spelled out; None for any other module."""
-    if len(node.args) != 1 or node.kwargs:
-        return None
-    (x,) = node.args
-    if type(module) is torch.nn.Linear:
-        return F.linear, (x, state["weight"], state.get("bias")), {}
-    conv = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}.get(type(module))
-    if conv is not None and module.padding_mode == "zeros":
-        return conv, (x, state["weight"], state.get("bias"), module.stride, module.padding, module.dilation,
-                      module.groups), {}
-    return None
 
 
 def _apply_clamp(node: fx.Node, clamp: dict[int | str, float]) -> None:
