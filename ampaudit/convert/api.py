@@ -309,6 +309,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
                          "its submodules converted")
         _convert_children(module, prefix, run)
         return module
+    _keep_untraced_state(gm, module)
     if inputs is not None:
         run.measured.measure(prefix, gm, inputs, run.catalog, run.low)
     if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
@@ -328,6 +329,36 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
                          "converted")
         _convert_children(gm.get_submodule(path), _join(prefix, path), run)
     return gm
+
+
+def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
+    """Give ``gm`` back the parameters and buffers of ``module`` its graph does not read: a
+    GraphModule holds only what the forward uses, but the state_dict keys and ties are the
+    model's (transformers' BERT keeps ``cls.predictions.bias``, tied to ``decoder.bias``,
+    which its forward never reads: dropped, the optimizer trained a tensor the converted
+    model no longer held, and the tie was lost)."""
+    held = dict(_state(gm))
+    for name, tensor in _state(module):
+        if name in held:
+            continue
+        path, _, attr = name.rpartition(".")
+        try:
+            owner = gm.get_submodule(path)
+        except AttributeError:  # a whole submodule the forward never calls: keep it as it is
+            gm.add_submodule(path, module.get_submodule(path))
+            held |= {f"{path}.{n}": t for n, t in _state(module.get_submodule(path))}
+            continue
+        source = module.get_submodule(path)
+        if attr in source._parameters:
+            owner.register_parameter(attr, tensor)
+        else:
+            owner.register_buffer(attr, tensor, persistent=attr not in source._non_persistent_buffers_set)
+        held[name] = tensor
+
+
+def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by every name (a tied tensor once per name)."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
 
 def _convert_children(owner: torch.nn.Module, prefix: str, run: _Conversion) -> None:

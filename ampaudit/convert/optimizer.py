@@ -95,12 +95,13 @@ class MixedPrecisionOptimizer:
         """Re-point ``optimizer`` (built on ``original``'s parameters) at fp32 masters of
         ``converted``'s parameters, moving its per-parameter state along."""
         converted_params = dict(converted.named_parameters(remove_duplicate=False))
+        names: dict[int, list[str]] = {}  # a tied tensor has several names: any may be the converted one's
+        for name, param in original.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
         replacement: dict[int, torch.nn.Parameter] = {}
         pairs, fp32 = [], []
-        for name, param in original.named_parameters(remove_duplicate=False):
-            if id(param) in replacement:
-                continue
-            working = converted_params.get(name)
+        for param in original.parameters():
+            working = next((converted_params[n] for n in names[id(param)] if n in converted_params), None)
             if working is None:  # not used by the converted graph: train the original, harmlessly
                 replacement[id(param)] = param
             elif working.dtype != torch.float32 and working.is_floating_point():
