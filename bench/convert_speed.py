@@ -58,45 +58,15 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int, optimizer_nam
                                             verify=False, **_CONVERT_OPTIONS[variant])
         optimizer.release_low = variant != "convert-kept"  # kept: working copies alive through the step
 
-    def step() -> float:
-        if variant == "fp32":
-            loss = model(ids, targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        elif variant == "autocast":
-            with torch.autocast(device, dtype=torch.float16):
-                loss = model(ids, targets)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss = model(ids, targets)
-            optimizer.zero_grad()
-            optimizer.backward(loss)
-            optimizer.step()
-        return float(loss)
-
-    def backward_only() -> None:
-        if variant == "autocast":
-            with torch.autocast(device, dtype=torch.float16):
-                loss = model(ids, targets)
-            scaler.scale(loss).backward()
-        elif variant.startswith("convert"):
-            optimizer.backward(model(ids, targets))
-        else:
-            model(ids, targets).backward()
-
-    def phased_step() -> None:
-        train_step(variant, lambda: model(ids, targets), optimizer, scaler, device)
+    def step(*, update: bool = True) -> float:
+        return float(train_step(variant, lambda: model(ids, targets), optimizer, scaler, device, update=update))
 
     scaler = torch.amp.GradScaler(device) if variant == "autocast" else None
     for _ in range(2):  # warm-up
         step()
     optimizer.zero_grad(set_to_none=True)
     at_start = training_state_bytes(model, optimizer)["state_bytes"]  # alive when the measured step starts
-    rises = peak_rise(phased_step)
+    rises = peak_rise(step)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -107,7 +77,7 @@ def run_variant(variant: str, steps: int, batch: int, tokens: int, optimizer_nam
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    backward_only()  # gradients alive, for training_state_bytes
+    step(update=False)  # gradients alive, for training_state_bytes
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"ms_per_step": statistics.median(times) * 1000, "peak_bytes": peak, "loss": loss, "device": device,
@@ -121,10 +91,11 @@ PHASES = ("bench:forward", "bench:backward", "bench:step")
 MEASURED = "bench:measured"
 
 
-def train_step(variant: str, forward, optimizer, scaler, device: str) -> None:
+def train_step(variant: str, forward, optimizer, scaler, device: str, *, update: bool = True):
     """One training step of ``variant`` ("fp32", "autocast" with ``scaler``, "convert...":
     ampaudit's optimizer), each phase named (``PHASES``) for :func:`peak_rise`; ``forward()``
-    returns the loss. No gradient is alive before or after it."""
+    returns the loss, and so does this. No gradient is alive before or after it - or, with
+    ``update=False``, it stops after the backward, its gradients alive."""
     import torch
     from torch.profiler import record_function
 
@@ -137,6 +108,8 @@ def train_step(variant: str, forward, optimizer, scaler, device: str) -> None:
             optimizer.backward(loss)
         else:
             loss.backward()
+    if not update:
+        return loss
     with record_function(PHASES[2]):
         if variant == "autocast":
             scaler.step(optimizer)
@@ -144,6 +117,7 @@ def train_step(variant: str, forward, optimizer, scaler, device: str) -> None:
         else:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 def peak_rise(fn) -> dict[str, int]:

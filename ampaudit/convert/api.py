@@ -342,13 +342,13 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
         if name in held:
             continue
         path, _, attr = name.rpartition(".")
+        source = module.get_submodule(path)
         try:
             owner = gm.get_submodule(path)
         except AttributeError:  # a whole submodule the forward never calls: keep it as it is
-            gm.add_submodule(path, module.get_submodule(path))
-            held |= {f"{path}.{n}": t for n, t in _state(module.get_submodule(path))}
+            gm.add_submodule(path, source)
+            held |= {f"{path}.{n}": t for n, t in _state(source)}
             continue
-        source = module.get_submodule(path)
         if attr in source._parameters:
             owner.register_parameter(attr, tensor)
         else:
