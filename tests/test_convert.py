@@ -220,7 +220,7 @@ def _train(mp, opt, x, y, steps):
         opt.zero_grad()
         opt.backward(loss)
         opt.unscale_()
-        nn.utils.clip_grad_norm_([m for _, m in opt.pairs], 1.0)
+        nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], 1.0)
         opt.step()
         losses.append(loss.item())
     return losses
@@ -602,14 +602,7 @@ def _train_losses(weights: str, optimizer_type: type, *, module: nn.Module | Non
     x = torch.randn(16, 8) if module is None else torch.randn(4, 3, 8, 8)
     model_mp, opt_mp = ampaudit.convert(net, optimizer_type(net.parameters(), lr=1e-2), example_inputs=(x,),
                                         train_steps=0, weights=weights)
-    losses = []
-    for _ in range(steps):
-        loss = model_mp(x).float().pow(2).mean()
-        opt_mp.zero_grad()
-        opt_mp.backward(loss)
-        opt_mp.step()
-        losses.append(loss.item())
-    return losses, model_mp, opt_mp
+    return _train(model_mp, opt_mp, x, torch.zeros(()), steps), model_mp, opt_mp
 
 
 @pytest.mark.parametrize("optimizer_type", [torch.optim.SGD, torch.optim.AdamW])
