@@ -16,10 +16,40 @@ MODELS = ROOT / "fixtures" / "models"
 RULE_FIXTURES = ROOT / "fixtures" / "rules"
 
 
+def pytest_addoption(parser):
+    # tests/test_rule_goldens.py: accept what the rules give now (AMPAUDIT_UPDATE_GOLDENS=1 does the same)
+    parser.addoption("--update-goldens", action="store_true",
+                     help="rewrite the rule golden files (*.expected, *.fixed.py) instead of comparing with them")
+
+
 def pytest_configure(config):
     # A fresh build cache per run: the suite compiles watch's C kernel itself (about 0.1 s)
     # rather than trusting whatever an earlier version left in ~/.cache.
     os.environ["AMPAUDIT_CACHE_DIR"] = config._ampaudit_cache = tempfile.mkdtemp(prefix="ampaudit-cache-")
+    _load_hypothesis_profile()
+
+
+def _load_hypothesis_profile() -> None:
+    # "quick" for a developer's run, "ci" in CI (.ci/run): tests/test_fuzz.py scales each test's
+    # example count by max_examples / 100, so "ci" runs the counts the tests name.
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    settings.register_profile("ci", max_examples=100)
+    settings.register_profile("quick", max_examples=10)
+    settings.load_profile(os.environ.get("AMPAUDIT_HYPOTHESIS_PROFILE", "quick"))
+
+
+def pytest_collection_modifyitems(config, items):
+    # The slow tier (benchmarks, wheel installs, real-compiler runs) runs only when a -m
+    # expression asks for it: `python -m pytest -m slow`, as .ci/run does after the default run.
+    if config.option.markexpr:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 def pytest_unconfigure(config):

@@ -1,4 +1,4 @@
-"""The watch benchmarks run end to end (tiny settings; the numbers live in docs/benchmarks.md)."""
+"""The benchmarks run end to end (tiny settings; the numbers live in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # each runs a benchmark script end to end in a fresh interpreter
 
 
 def _run(*args: str) -> str:
@@ -62,7 +64,6 @@ def test_convert_time_benchmark_runs():
     assert "convert (trace, measure, verify, search):" in out and "with the training check (1 steps)" in out
 
 
-@pytest.mark.slow
 def test_install_size_benchmark_runs_for_the_lint():
     pytest.importorskip("hatchling", reason="the benchmark builds ampaudit's wheel offline")
     out = _run("bench/install_size.py", "--lint-only", "--rounds", "1")

@@ -43,6 +43,7 @@ def test_emit_writes_each_policy_with_the_plans_fp32_modules(export):
     assert 'fully_shard(model.get_submodule("attn"), mp_policy=FP32)' in (export / "fsdp2_policy.py").read_text()
 
 
+@pytest.mark.slow  # inductor compiles C++ for the CPU: the real compiler, end to end
 def test_autocast_policy_under_torch_compile_without_graph_breaks(export):
     # the emitted file (torch only) and ampaudit.autocast_policy do the same; inductor on the CPU
     from torch._dynamo.utils import counters

@@ -46,6 +46,11 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False
                                        HealthCheck.filter_too_much])
 EXPLICIT = settings(FUZZ, phases=[Phase.explicit])  # only the @example reproducers
 
+
+def _scaled(ci_examples: int) -> int:
+    """The count CI runs, scaled by the loaded profile (tests/conftest.py: "ci" 100, "quick" 10)."""
+    return max(1, ci_examples * settings.default.max_examples // 100)
+
 # Codes whose findings carry an automatic fix (AMP401 safe, the others unsafe).
 FIXABLE = frozenset({"AMP401", "AMP405", "AMP406", "AMP407", "AMP414", "AMP418", "AMP423", "AMP424"})
 
@@ -493,13 +498,13 @@ def _lint_source_or_syntax_error(source: str) -> None:
         assert f.rule.startswith("AMP") and f.line >= 1
 
 
-@settings(FUZZ, max_examples=60)
+@settings(FUZZ, max_examples=_scaled(60))
 @given(hypothesmith.from_grammar())
 def test_lint_source_never_crashes_on_generated_python(source):
     _lint_source_or_syntax_error(source)
 
 
-@settings(FUZZ, max_examples=10)
+@settings(FUZZ, max_examples=_scaled(10))
 @given(hypothesmith.from_node())
 def test_lint_source_never_crashes_on_generated_syntax_trees(source):
     _lint_source_or_syntax_error(source)
@@ -528,7 +533,7 @@ def odd_files(draw) -> bytes:
     return script[:at] + (b"\x00" if kind == "null" else b"") + script[at + (kind == "cut"):]
 
 
-@settings(FUZZ, max_examples=80)
+@settings(FUZZ, max_examples=_scaled(80))
 @example(b"\xef\xbb\xbf# coding: latin-1\nx = 1\n")  # Python: "encoding problem: iso-8859-1 with BOM"
 @example(b"# coding: bogus\nx = 1\n")  # Python: "unknown encoding: bogus"
 @example(b"x = 1\x00\n")
@@ -549,7 +554,7 @@ def test_lint_file_never_raises_and_reports_what_python_refuses(raw):
 # --------------------------------------------------------------------------- 2-4. --fix and --diff
 
 
-@settings(FUZZ, max_examples=20)
+@settings(FUZZ, max_examples=_scaled(20))
 @given(hypothesmith.from_grammar())
 def test_fix_roundtrip_on_generated_python(source):
     try:
@@ -559,7 +564,7 @@ def test_fix_roundtrip_on_generated_python(source):
     check_fix_roundtrip(raw, unsafe=True, must_lint=False)
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=_scaled(100))
 # the unified diff of fix.py once split lines where str.splitlines does (a form feed, U+2028)
 # and ran a last line with no newline into the next one: `patch` read back something else
 @example(b"import torch\nscaler = torch.cuda.amp.GradScaler()", False)
@@ -615,7 +620,7 @@ def test_training_scripts_reach_the_fixes():
     of every fixable code."""
     seen: list[tuple[set[str], set[str]]] = []
 
-    @settings(FUZZ, max_examples=60)
+    @settings(FUZZ, max_examples=60)  # a census of the generator: every profile needs all 60
     @given(training_scripts())
     def collect(raw):
         assert _compiles(raw), raw.decode("utf-8", "replace")

@@ -7,6 +7,10 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
+pytestmark = pytest.mark.slow  # builds the wheel and installs it
+
 # The `wheel` fixture (tests/conftest.py) builds one offline with hatchling, once per session.
 
 
