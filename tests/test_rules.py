@@ -4,48 +4,22 @@ for the runtime rules (AMP6xx), watch logs of real runs that do and do not produ
 from __future__ import annotations
 
 import json
-import sys
-from contextlib import contextmanager
 
 import pytest
 
-from ampaudit.check.api import check_path
-from ampaudit.check.options import CheckOptions
-from ampaudit.check.run import check_targets
-from ampaudit.core.config import Config
 from ampaudit.core.rulebook import CODE_RE, rulebook
 from ampaudit.report.rule_docs import rules_markdown
-from ampaudit.watch.summary import read_log
 from ampaudit.watch.verdicts import RUNTIME_RULES
 from tests.conftest import ROOT, RULE_FIXTURES, expected_markers
+from tests.rule_outputs import WATCH_FIXTURES, findings
 
 RULES = sorted(rulebook())
 CHECK_RULES = [code for code in RULES if code not in RUNTIME_RULES]  # fixtures/rules/CODE_*.py
-WATCH_FIXTURES = ROOT / "fixtures" / "watch"  # CODE_invalid.jsonl, CODE_valid.jsonl: fixtures/watch/record.py
 
 
-@contextmanager
-def _without_torch():
-    """`import torch` fails as where torch is not installed (tests/test_no_torch.py blocks it for real)."""
-    saved = sys.modules.get("torch")
-    sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        sys.modules["torch"] = saved
-
-
-def _found(path, code):
-    config = Config(select=[code], fail_on="never")
-    if code == "AMP004":  # syntax errors are findings when a folder is checked
-        report = check_targets([str(path.relative_to(ROOT)), "fixtures/models/clean_cnn.py"], config,
-                               CheckOptions())
-    elif code == "AMP006":  # a model file checked without torch
-        with _without_torch():
-            report = check_path(str(path.relative_to(ROOT)), config=config)
-    else:
-        report = check_path(str(path.relative_to(ROOT)), config=config)
-    return [(f.line, f.rule) for f in report.findings]
+def _found(code, kind):
+    # cached: tests/test_rule_goldens.py compares the same findings with the golden files
+    return [(f.line, f.rule) for f in findings(code, kind)]
 
 
 @pytest.mark.parametrize("code", RULES)
@@ -62,21 +36,21 @@ def test_invalid_fixture_fires_on_the_marked_lines(code):
     path = RULE_FIXTURES / f"{code}_invalid.py"
     expected = [m for m in expected_markers(path) if m[1] == code]
     assert expected, f"{path.name} marks no line with `# expect: {code}`"
-    assert _found(path, code) == expected
+    assert _found(code, "invalid") == expected
 
 
 @pytest.mark.parametrize("code", CHECK_RULES)
 def test_valid_fixture_is_clean(code):
     path = RULE_FIXTURES / f"{code}_valid.py"
     assert not expected_markers(path)
-    assert _found(path, code) == []
+    assert _found(code, "valid") == []
 
 
 def _watch_fixture(code: str, kind: str) -> tuple[list, list]:
     """A runtime rule's log: what its header expects ([code, module]) and what it gives."""
     path = WATCH_FIXTURES / f"{code}_{kind}.jsonl"
     expect = json.loads(path.read_text().splitlines()[0])["expect"]
-    found = [[f["rule"], f["module"]] for f in read_log(path).summary()["findings"] if f["rule"] == code]
+    found = [[f.rule, f.module] for f in findings(code, kind)]  # only those of code
     return expect, found
 
 
@@ -93,7 +67,7 @@ def test_runtime_valid_fixture_is_clean(code):
 
 
 def test_every_fixture_belongs_to_a_rule():
-    stems = {p.stem.rsplit("_", 1)[0] for p in RULE_FIXTURES.glob("AMP*.py")}
+    stems = {p.stem.rsplit("_", 1)[0] for p in RULE_FIXTURES.glob("AMP*valid.py")}  # not the goldens' .fixed.py
     assert stems == set(CHECK_RULES)
     logs = {p.stem.rsplit("_", 1)[0] for p in WATCH_FIXTURES.glob("AMP*.jsonl")}
     assert logs == set(RUNTIME_RULES)
@@ -127,6 +101,6 @@ def test_every_rule_is_implemented_once_and_documented():
     graph, lint, runtime = set(GRAPH_RULES.load()), set(LINT_RULES.load()), set(RUNTIME_RULES)
     assert not graph & lint and not (graph | lint) & runtime
     assert graph | lint | runtime <= set(rulebook())
-    assert all(code.startswith("AMP6") for code in runtime)  # watch's verdicts (watch/verdicts.py)
+    assert all(code.startswith("AMP6") for code in runtime)  # watch's runtime rules (watch/runtime_rules.py)
     # The rest are reported by the pipeline itself: trace coverage and syntax errors.
     assert set(rulebook()) - graph - lint - runtime == {"AMP001", "AMP002", "AMP003", "AMP004", "AMP005", "AMP006"}
