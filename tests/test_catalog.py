@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import operator
 from pathlib import Path
@@ -335,3 +336,118 @@ def test_load_catalog_unreadable_policy_file_is_a_usage_error(tmp_path: Path) ->
     broken.write_text("[ops.gelu\n", encoding="utf-8")
     with pytest.raises(UsageError, match="cannot read policy file"):
         load_catalog(policy_files=[broken])
+
+
+# -- op traits ------------------------------------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ampaudit"
+# Where graph passes decide what to do by an op's kind: the traits they use live in ops.toml.
+TRAIT_READERS = (PACKAGE / "graph", PACKAGE / "check" / "graph_rules")
+
+
+def _traits_read() -> dict[str, list[str]]:
+    """Trait name -> the files that read it with ``catalog.trait("name", ...)``."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "trait":
+                for a in node.args:
+                    assert isinstance(a, ast.Constant) and isinstance(a.value, str), f"{path}: trait names are literals"
+                    found.setdefault(a.value, []).append(path.name)
+    return found
+
+
+def test_ops_toml_documents_the_traits_schema() -> None:
+    text = (rules_dir() / "ops.toml").read_text(encoding="utf-8")
+    header = text.split("schema = 1", 1)[0]
+    assert "[traits.NAME]" in header
+    for field in ("description", "ops"):
+        assert f"#   {field}" in header
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG.traits))
+def test_every_trait_names_known_op_kinds_and_explains_itself(name: str) -> None:
+    trait = CATALOG.traits[name]
+    assert trait.name == name
+    assert trait.description.strip() and "\n" not in trait.description
+    assert trait.ops
+    # Kinds of the catalog, not aliases: a node's kind is never an alias, so an alias would match nothing.
+    assert sorted(trait.ops - set(CATALOG.ops)) == []
+    assert CATALOG.trait(name) == trait.ops
+
+
+def test_every_trait_is_read_and_every_read_trait_exists() -> None:
+    read = _traits_read()
+    assert sorted(set(read) - set(CATALOG.traits)) == [], "a pass reads a trait ops.toml lacks"
+    assert sorted(set(CATALOG.traits) - set(read)) == [], "a trait no pass reads"
+
+
+def _op_kind_sets(source: str, kinds: set[str]) -> list[int]:
+    """Lines of the set and frozenset literals whose elements are all strings naming op kinds."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        elements = None
+        if isinstance(node, ast.Set):
+            elements = node.elts
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("set", "frozenset")
+              and len(node.args) == 1 and isinstance(node.args[0], (ast.Set, ast.List, ast.Tuple))):
+            elements = node.args[0].elts
+        if elements and all(isinstance(e, ast.Constant) and e.value in kinds for e in elements):
+            found.append(node.lineno)
+    return sorted(set(found))
+
+
+OP_NAMES = set(CATALOG.ops) | set(CATALOG.aliases)
+
+
+def test_no_set_of_op_kinds_is_left_in_graph_code() -> None:
+    """A set of op kinds in a pass is an op trait: it belongs in ops.toml's [traits]."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}"
+             for folder in TRAIT_READERS for path in sorted(folder.rglob("*.py"))
+             for line in _op_kind_sets(path.read_text(encoding="utf-8"), OP_NAMES)]
+    assert found == []
+
+
+def test_the_op_kind_set_scan_finds_what_it_looks_for() -> None:
+    source = ('_A = frozenset({"relu", "abs"})\n_B = {"swapaxes"}\n_C = {"shape", "relu"}\n_D = set(["exp"])\n'
+              '_E = ("relu", "abs")\n_F = frozenset()\n')
+    assert _op_kind_sets(source, OP_NAMES) == [1, 2, 4]
+
+
+def test_trait_reads_are_unions_resolved_once() -> None:
+    both = CATALOG.trait("same_values", "passes_values")
+    assert both == CATALOG.trait("same_values") | CATALOG.trait("passes_values")
+    assert CATALOG.trait("same_values", "passes_values") is both
+    with pytest.raises(KeyError, match="no op trait 'moves_values'"):
+        CATALOG.trait("moves_values")
+
+
+def test_overlay_adds_ops_to_a_trait() -> None:
+    overlay = {
+        "ops": {"my_shuffle": {"precision": "neutral", "reason": "permutes channels"}},
+        "traits": {"same_values": {"ops": ["my_shuffle"]}, "non_negative": {"description": "mine", "ops": ["gelu"]}},
+    }
+    merged = CATALOG.merged(overlay, "t.toml")
+    assert merged.trait("same_values") == CATALOG.trait("same_values") | {"my_shuffle"}
+    assert merged.trait("non_negative") == CATALOG.trait("non_negative") | {"gelu"}
+    assert merged.traits["non_negative"].description == CATALOG.traits["non_negative"].description
+    assert "my_shuffle" not in CATALOG.trait("same_values")  # the builtin is untouched
+    assert merged.merged({"ops": {"gelu": "fp32"}}, "u.toml").trait("non_negative") == merged.trait("non_negative")
+
+
+@pytest.mark.parametrize(
+    ("traits", "message"),
+    [
+        ({"moves_values": {"ops": ["view"]}}, r"traits\.moves_values is not a trait ampaudit reads \(it reads "),
+        ({"same_values": {"ops": ["swapaxes"]}}, r"'swapaxes', .* \(it is an alias of 'transpose'"),
+        ({"same_values": {"ops": ["veiw"]}}, r"lists 'veiw', which is not an op kind \(did you mean 'view'\?\)"),
+        ({"same_values": {"ops": []}}, r"traits\.same_values needs a non-empty ops list"),
+        ({"same_values": {"ops": "view"}}, r"traits\.same_values needs a non-empty ops list"),
+        ({"same_values": {"ops": ["view"], "why": "x"}}, r"traits\.same_values: unknown key\(s\) why"),
+        ({"same_values": ["view"]}, r"traits\.same_values must be a table"),
+        ({"same_values": {"ops": ["view"], "description": 3}}, r"traits\.same_values\.description must be a string"),
+    ],
+)
+def test_malformed_trait_overlays_are_usage_errors(traits: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        CATALOG.merged({"traits": traits}, "bad.toml")

@@ -3,8 +3,10 @@
 Every op the tools see - an fx ``call_function`` target, a tensor method, an aten
 overload, an ``nn.Module`` leaf - is reduced to one canonical *kind* (``linear``,
 ``layer_norm``, ``softmax``...) by :func:`canonical_kind`, and the catalog maps kinds
-to a :class:`OpPolicy`. Users extend or override it with a TOML file of the same shape
-(``--policy FILE``) or ``[tool.ampaudit.policy]`` in pyproject.toml.
+to a :class:`OpPolicy`. Op *traits* (``[traits]``: "moves values unchanged", "never
+negative"...) name the kinds a graph pass treats alike, read with :meth:`Catalog.trait`.
+Users extend or override it with a TOML file of the same shape (``--policy FILE``) or
+``[tool.ampaudit.policy]`` in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ class OpPolicy:
     fp32_under_autocast: bool = False
 
 
+@dataclass(frozen=True)
+class Trait:
+    """A property of ops that graph passes rely on, and the kinds that have it."""
+
+    name: str
+    description: str
+    ops: frozenset[str]
+
+
 def _dunder_core(name: str) -> str:
     if name.startswith("__") and name.endswith("__") and len(name) > 4:
         core = name[2:-2]
@@ -65,12 +76,15 @@ class Catalog:
         aliases: Mapping[str, str],
         modules: Mapping[str, str],
         declared: OpPolicy | None = None,
+        traits: Mapping[str, Trait] | None = None,
     ) -> None:
         self.ops = dict(ops)
         self.aliases = dict(aliases)
         self.modules = dict(modules)
         # How ops in a module the model itself keeps in fp32 are classified ([declared]).
         self.declared = declared
+        self.traits = dict(traits or {})
+        self._trait_kinds: dict[tuple[str, ...], frozenset[str]] = {}
 
     # -- names -------------------------------------------------------------------------
     def canonical_kind(self, name: str) -> str:
@@ -109,16 +123,38 @@ class Catalog:
     def lookup(self, kind: str) -> OpPolicy | None:
         return self.ops.get(kind)
 
+    # -- traits ------------------------------------------------------------------------
+    def trait(self, *names: str) -> frozenset[str]:
+        """The op kinds with any of the named traits: ``trait("non_negative")``,
+        ``trait("same_values", "passes_values")``. Cached: passes call it per graph."""
+        kinds = self._trait_kinds.get(names)
+        if kinds is None:
+            missing = [name for name in names if name not in self.traits]
+            if missing:
+                raise KeyError(f"no op trait {', '.join(map(repr, missing))} in the catalog")
+            kinds = self._trait_kinds[names] = frozenset().union(*(self.traits[name].ops for name in names))
+        return kinds
+
     def merged(self, overlay: Mapping[str, Any], origin: str) -> Catalog:
         """A new catalog with a user policy table (same schema as ops.toml) applied on top."""
-        ops, aliases, modules, declared = _parse(overlay, origin, defaults={"source": f"user policy ({origin})"})
+        ops, aliases, modules, declared, traits = _parse(overlay, origin,
+                                                         defaults={"source": f"user policy ({origin})"})
         merged_ops = dict(self.ops)
         for kind, entry in ops.items():
             base = merged_ops.get(kind)
             merged_ops[kind] = entry if base is None else replace(entry, autocast=_keep(entry, base))
         _unknown_kinds({**aliases, **modules}, merged_ops, origin)
-        return Catalog(merged_ops, {**self.aliases, **aliases}, {**self.modules, **modules},
-                       declared or self.declared)
+        merged_aliases = {**self.aliases, **aliases}
+        merged_traits = dict(self.traits)
+        for name, (_, kinds) in traits.items():
+            base = merged_traits.get(name)
+            if base is None:
+                raise UsageError(f"{origin}: traits.{name} is not a trait ampaudit reads "
+                                 f"(it reads {', '.join(sorted(merged_traits))})")
+            _check_trait_ops(name, kinds, merged_ops, merged_aliases, origin, UsageError)
+            merged_traits[name] = replace(base, ops=base.ops | frozenset(kinds))
+        return Catalog(merged_ops, merged_aliases, {**self.modules, **modules},
+                       declared or self.declared, merged_traits)
 
 
 def _keep(entry: OpPolicy, base: OpPolicy) -> str:
@@ -171,9 +207,10 @@ def _entry(kind: str, raw: Any, origin: str, defaults: Mapping[str, Any]) -> OpP
 
 def _parse(
     table: Mapping[str, Any], origin: str, defaults: Mapping[str, Any] | None = None
-) -> tuple[dict[str, OpPolicy], dict[str, str], dict[str, str], OpPolicy | None]:
+) -> tuple[dict[str, OpPolicy], dict[str, str], dict[str, str], OpPolicy | None,
+           dict[str, tuple[str | None, list[str]]]]:
     defaults = dict(defaults or {})
-    unknown = set(table) - {"schema", "group", "ops", "aliases", "modules", "declared"}
+    unknown = set(table) - {"schema", "group", "ops", "aliases", "modules", "declared", "traits"}
     if unknown:
         raise UsageError(f"{origin}: unknown section(s) {', '.join(sorted(unknown))}")
     ops: dict[str, OpPolicy] = {}
@@ -196,7 +233,40 @@ def _parse(
     aliases = {str(k): _op_name(v, f"{origin}: aliases.{k}") for k, v in _section(table, "aliases", origin).items()}
     modules = {str(k): _op_name(v, f"{origin}: modules.{k}") for k, v in _section(table, "modules", origin).items()}
     declared = _entry("declared", table["declared"], origin, defaults) if "declared" in table else None
-    return ops, aliases, modules, declared
+    traits = {str(name): _trait(str(name), raw, origin) for name, raw in _section(table, "traits", origin).items()}
+    return ops, aliases, modules, declared, traits
+
+
+def _trait(name: str, raw: Any, origin: str) -> tuple[str | None, list[str]]:
+    """(description or None, op kinds) of one [traits.NAME] table."""
+    where = f"{origin}: traits.{name}"
+    if not isinstance(raw, Mapping):
+        raise UsageError(f"{where} must be a table with an ops list")
+    unknown = set(raw) - {"description", "ops"}
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    kinds = raw.get("ops")
+    if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
+        raise UsageError(f"{where} needs a non-empty ops list of op names")
+    description = raw.get("description")
+    if description is not None and not isinstance(description, str):
+        raise UsageError(f"{where}.description must be a string")
+    return description, kinds
+
+
+def _check_trait_ops(name: str, kinds: Iterable[str], ops: Mapping[str, OpPolicy], aliases: Mapping[str, str],
+                     origin: str, error: type[Exception]) -> None:
+    """A trait listing a name that no node's kind can be would silently do nothing: refuse it,
+    naming the kind an alias stands for or the nearest kind."""
+    for kind in kinds:
+        if kind in ops:
+            continue
+        if kind in aliases:
+            hint = f" (it is an alias of {aliases[kind]!r}: list that)"
+        else:
+            near = difflib.get_close_matches(kind, list(ops), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else " (`ampaudit ops` lists the kinds)"
+        raise error(f"{origin}: traits.{name} lists {kind!r}, which is not an op kind{hint}")
 
 
 def _section(table: Mapping[str, Any], key: str, origin: str) -> Mapping[str, Any]:
@@ -225,11 +295,17 @@ def _unknown_kinds(mapping: Mapping[str, str], ops: Mapping[str, OpPolicy], orig
 @cache
 def builtin_catalog() -> Catalog:
     """The catalog shipped with ampaudit (rules/ops.toml)."""
-    ops, aliases, modules, declared = _parse(load_toml(rules_dir() / "ops.toml"), "ops.toml")
+    ops, aliases, modules, declared, raw_traits = _parse(load_toml(rules_dir() / "ops.toml"), "ops.toml")
     missing = sorted({kind for kind in (*aliases.values(), *modules.values()) if kind not in ops})
     if missing:
         raise RuntimeError(f"ops.toml: aliases or modules point at unknown ops: {', '.join(missing)}")
-    return Catalog(ops, aliases, modules, declared)
+    traits = {}
+    for name, (description, kinds) in raw_traits.items():
+        if not description or not description.strip():
+            raise RuntimeError(f"ops.toml: traits.{name} needs a description")
+        _check_trait_ops(name, kinds, ops, aliases, "ops.toml", RuntimeError)
+        traits[name] = Trait(name, description.strip(), frozenset(kinds))
+    return Catalog(ops, aliases, modules, declared, traits)
 
 
 def load_catalog(policy_files: Iterable[Path] = (), tables: Iterable[tuple[Mapping, str]] = ()) -> Catalog:

@@ -25,11 +25,6 @@ LOW = "low"  # the target low-precision dtype (float16 or bfloat16)
 FP32 = "fp32"
 
 _CAST_METHODS = {"half": LOW, "bfloat16": LOW, "float": FP32, "double": FP32}
-# Ops whose result is not a floating-point tensor (masks, indices, sizes).
-_NON_FLOAT = frozenset({
-    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
-    "isnan", "isinf", "isfinite", "argmax", "argmin", "argsort", "size", "numel", "long", "int", "bool",
-})
 
 
 def _dtype_flow(dtype: torch.dtype) -> str | None:
@@ -91,6 +86,7 @@ def low_precision_flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog
 def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *, autocast: bool,
           python: Collection[fx.Node] = (), fp32: Collection[fx.Node] = ()):
     flow: dict[fx.Node, str | None] = {}
+    non_float = catalog.trait("non_float")  # masks, indices, sizes
     for node in gm.graph.nodes:
         inputs = [flow[n] for n in node.all_input_nodes if flow.get(n) is not None]
         if node in python or _not_float(gm, node):
@@ -118,7 +114,7 @@ def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *,
             flow[node] = flow.get(other) if isinstance(other, fx.Node) else None
             continue
         kind = kinds.get(node, "")
-        if kind in _NON_FLOAT:
+        if kind in non_float:
             flow[node] = None
             continue
         policy = catalog.lookup(kind)

@@ -12,14 +12,6 @@ from ampaudit.core.catalog import Catalog
 
 _STRUCTURAL = ("placeholder", "get_attr", "output")
 
-# Ops that hand back their input's values untouched when the model is audited (in eval
-# mode): nn.Identity, every dropout, aliases and copies. Passes look through them, and a
-# finding about the values belongs to the op that made them, not to these.
-IDENTITY_LIKE = frozenset({
-    "identity", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-    "alias", "detach", "clone", "contiguous",
-})
-
 
 def _snake(name: str) -> str:
     """A kind-shaped name for things the catalog does not know: ``FancyNorm`` -> fancy_norm."""

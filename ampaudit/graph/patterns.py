@@ -1,4 +1,7 @@
-"""Small helpers for matching op patterns on fx graphs (shared by the hazard rules)."""
+"""Small helpers for matching op patterns on fx graphs (shared by the hazard rules).
+
+Which ops count as a maximum, as never negative, or as moving values unchanged is data: op
+traits in rules/ops.toml, read through the view's catalog."""
 
 from __future__ import annotations
 
@@ -8,15 +11,7 @@ from typing import Any
 
 from torch import fx
 
-from ampaudit.graph.kinds import IDENTITY_LIKE
 from ampaudit.graph.view import GraphView
-
-# Ops that move or reshape values without changing them: looked through when asking
-# "where does this value come from?" - nn.Identity and dropout (identities in eval) too.
-TRANSPARENT = IDENTITY_LIKE | frozenset({
-    "getitem", "getattr", "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as",
-    "flatten", "transpose", "permute", "to", "float", "type_as",
-})
 
 
 def arg(node: fx.Node, index: int, name: str | None = None, default: Any = None) -> Any:
@@ -38,9 +33,11 @@ def number(view: GraphView, value: Any) -> float | None:
 
 
 def source(view: GraphView, value: Any) -> fx.Node | None:
-    """The node that produced ``value``, looking through reshapes, indexing and copies."""
+    """The node that produced ``value``, looking through reshapes, indexing, casts and copies
+    (the ``same_values`` and ``passes_values`` traits)."""
+    through = view.catalog.trait("same_values", "passes_values")
     seen = 0
-    while isinstance(value, fx.Node) and view.kind(value) in TRANSPARENT and value.args and seen < 32:
+    while isinstance(value, fx.Node) and view.kind(value) in through and value.args and seen < 32:
         value = value.args[0]
         seen += 1
     return value if isinstance(value, fx.Node) else None
@@ -51,9 +48,6 @@ def source_kind(view: GraphView, value: Any) -> str | None:
     return view.kind(node) if node is not None else None
 
 
-_MAXIMA = frozenset({"max", "amax", "logsumexp", "maximum"})
-_BOUNDED_ABOVE = frozenset({"log_softmax", "logsigmoid", "log", "minimum"})
-_NON_NEGATIVE = frozenset({"abs", "relu", "softplus", "exp", "square", "sigmoid", "softmax"})
 MAX_SAFE_EXPONENT = 11.0  # exp(11.09) is float16's max
 
 
@@ -62,7 +56,7 @@ def non_negative(view: GraphView, node: Any) -> bool:
     if kind == "pow":
         exponent = number(view, arg(source(view, node), 1, "exponent"))
         return exponent is not None and exponent % 2 == 0
-    return kind in _NON_NEGATIVE
+    return kind in view.catalog.trait("non_negative")
 
 
 def bounded_exponent(view: GraphView, exponent: fx.Node | None) -> bool:
@@ -72,7 +66,7 @@ def bounded_exponent(view: GraphView, exponent: fx.Node | None) -> bool:
         return False
     kind = view.kind(exponent)
     if kind == "sub":
-        return source_kind(view, arg(exponent, 1, "other")) in _MAXIMA
+        return source_kind(view, arg(exponent, 1, "other")) in view.catalog.trait("max_like")
     if kind == "neg":
         return non_negative(view, arg(exponent, 0))
     if kind == "mul":  # a negative constant times something non-negative
@@ -85,4 +79,4 @@ def bounded_exponent(view: GraphView, exponent: fx.Node | None) -> bool:
     if kind in ("clamp", "clamp_max"):
         upper = number(view, arg(exponent, 2, "max") if kind == "clamp" else arg(exponent, 1, "max"))
         return upper is not None and upper <= MAX_SAFE_EXPONENT
-    return kind in _BOUNDED_ABOVE
+    return kind in view.catalog.trait("bounded_above")

@@ -17,23 +17,15 @@ import torch
 from torch import fx
 from torch.func import functional_call
 
+from ampaudit.core.catalog import Catalog, builtin_catalog
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.graph.kinds import IDENTITY_LIKE
 from ampaudit.graph.tree import map_tensors
 
 MEASURED = "ampaudit_measured"  # node.meta key: Measured
 SHAPE = "ampaudit_shape"  # node.meta key: output shape (tuple of ints)
 DTYPE = "ampaudit_dtype"  # node.meta key: output torch.dtype, where the output is a tensor
 
-# Ops whose output is random by design: comparing two runs of them measures nothing.
-_RANDOM = frozenset({"rand", "randn", "rand_like", "randn_like", "randint", "bernoulli", "multinomial",
-                     "normal", "uniform"})
 _SAMPLE_ROWS = 64  # rows of a linear layer's input re-run in low precision to estimate its error
-# Ops whose output holds exactly their input's values, rearranged: they inherit its
-# statistics and add no error, so the probe does not scan them again.
-_SAME_VALUES = IDENTITY_LIKE | frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten",
-                                         "unsqueeze", "squeeze", "t", "view_as", "reshape_as", "movedim",
-                                         "swapaxes"})
 
 
 @dataclass(frozen=True)
@@ -168,12 +160,19 @@ def _batch_statistics(module: torch.nn.Module, x: Any, state: dict[str, torch.Te
 
 
 class RangeProbe(fx.Interpreter):
-    """Runs the graph in fp32, recording per node its range and its low-precision error."""
+    """Runs the graph in fp32, recording per node its range and its low-precision error.
 
-    def __init__(self, gm: fx.GraphModule, dtype: LowDtype | torch.dtype, kinds: dict[fx.Node, str]) -> None:
+    ``catalog`` (default: the builtin one) gives the op traits it reads: ``same_values`` ops
+    inherit their input's measurements, ``random`` ones are not compared across runs."""
+
+    def __init__(self, gm: fx.GraphModule, dtype: LowDtype | torch.dtype, kinds: dict[fx.Node, str],
+                 catalog: Catalog | None = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.limits = LowDtype.parse(dtype)
         self.kinds = kinds
+        catalog = builtin_catalog() if catalog is None else catalog
+        self._same_values = catalog.trait("same_values")
+        self._random = catalog.trait("random")
         self._rounded_state: dict[str, dict[str, torch.Tensor]] = {}
         self._rounded: dict[fx.Node, Any] = {}  # node -> its output rounded to the low dtype
         self._untrained: dict[str, bool] = {}  # module target -> an untrained BatchNorm
@@ -216,12 +215,12 @@ class RangeProbe(fx.Interpreter):
 
     def _measure(self, n: fx.Node, result: torch.Tensor, early: Any = None, *, comparable: bool = True) -> Measured:
         source = n.args[0] if n.args else None
-        if self.kinds.get(n) in _SAME_VALUES and isinstance(source, fx.Node) and MEASURED in source.meta:
+        if self.kinds.get(n) in self._same_values and isinstance(source, fx.Node) and MEASURED in source.meta:
             m = source.meta[MEASURED]
             return Measured(result.numel(), m.absmax, m.min_nonzero, m.overflow, m.flush, m.subnormal, 0.0, 0)
         numel, absmax, min_nz, overflow, flush, sub = _stats(result, self.limits)
         rel, lost = None, None
-        if not comparable or not n.op.startswith("call_") or self.kinds.get(n) in _RANDOM:
+        if not comparable or not n.op.startswith("call_") or self.kinds.get(n) in self._random:
             pass
         elif early is not _NOT_RUN:
             if isinstance(early, torch.Tensor) and early.shape == result.shape:
@@ -334,8 +333,8 @@ class ProbeError(Exception):
 
 
 def probe(gm: fx.GraphModule, dtype: LowDtype | torch.dtype, kinds: dict[fx.Node, str], args: tuple,
-          kwargs: dict) -> Any:
+          kwargs: dict, catalog: Catalog | None = None) -> Any:
     """Run ``gm`` on the inputs, leaving a :class:`Measured` in each float node's meta."""
     values = placeholder_values(gm, args, kwargs)
     with torch.no_grad():
-        return RangeProbe(gm, dtype, kinds).run(*values)
+        return RangeProbe(gm, dtype, kinds, catalog).run(*values)

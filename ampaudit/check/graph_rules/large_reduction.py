@@ -14,14 +14,13 @@ from ampaudit.core.rulebook import rule
 from ampaudit.graph.range_probe import SHAPE
 from ampaudit.graph.view import GraphView
 
-_REDUCTIONS = frozenset({"sum", "nansum", "prod", "cumsum", "cumprod", "norm", "vector_norm", "frobenius_norm"})
-
 
 @graph_rule("AMP210")
 def large_reduction(view: GraphView) -> Iterator[Finding]:
     min_elements = rule("AMP210").params["min_elements"]
+    reductions = view.catalog.trait("accumulates")
     for node in view.ops():
-        if view.kinds[node] not in _REDUCTIONS or not view.runs_low(node):
+        if view.kinds[node] not in reductions or not view.runs_low(node):
             continue
         source = node.args[0] if node.args else None
         in_shape = source.meta.get(SHAPE) if hasattr(source, "meta") else None

@@ -9,15 +9,12 @@ from ampaudit.core.findings import Finding
 from ampaudit.graph.patterns import arg, number, source
 from ampaudit.graph.view import GraphView
 
-_LOG = frozenset({"log", "log2", "log10"})
 _FUSED = {"softmax": "torch.log_softmax(x, dim)", "sigmoid": "torch.nn.functional.logsigmoid(x)"}
-# Producers whose output reaches exactly 0 (or underflows to 0 in low precision).
-_REACH_ZERO = frozenset({"relu", "relu6", "abs", "square", "exp", "rsub", "hardtanh", "elu"})
 
 
 def _can_be_zero(view: GraphView, producer) -> bool:
     kind = view.kind(producer)
-    if kind in _REACH_ZERO:
+    if kind in view.catalog.trait("reaches_zero"):
         return True
     if kind == "pow":
         exponent = number(view, arg(producer, 1, "exponent"))
@@ -29,8 +26,9 @@ def _can_be_zero(view: GraphView, producer) -> bool:
 
 @graph_rule("AMP207", "AMP208")
 def log_hazards(view: GraphView) -> Iterator[Finding]:
+    logs = view.catalog.trait("logarithm")
     for node in view.ops():
-        if view.kinds[node] not in _LOG:
+        if view.kinds[node] not in logs:
             continue
         producer = source(view, arg(node, 0, "input"))
         kind = view.kind(producer)

@@ -13,8 +13,6 @@ from ampaudit.core.findings import Finding
 from ampaudit.graph.patterns import arg, number, source
 from ampaudit.graph.view import GraphView
 
-_REDUCTIONS = frozenset({"mean", "sum", "nansum", "nanmean"})
-
 
 def _is_square(view: GraphView, node) -> bool:
     kind = view.kind(node)
@@ -30,8 +28,9 @@ def _is_square(view: GraphView, node) -> bool:
 
 @graph_rule("AMP209")
 def low_precision_variance(view: GraphView) -> Iterator[Finding]:
+    reductions = view.catalog.trait("sum_like")
     for node in view.ops():
-        if view.kinds[node] not in _REDUCTIONS:
+        if view.kinds[node] not in reductions:
             continue
         square = source(view, arg(node, 0, "input"))
         if square is not None and _is_square(view, square) and view.runs_low(square):

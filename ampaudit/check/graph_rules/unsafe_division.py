@@ -9,8 +9,6 @@ from ampaudit.core.findings import Finding
 from ampaudit.graph.patterns import arg, bounded_exponent, source
 from ampaudit.graph.view import GraphView
 
-_CAN_VANISH = frozenset({"norm", "vector_norm", "frobenius_norm", "sum", "mean", "sqrt", "std", "var", "amax"})
-
 
 def _sum_of_shifted_exp(view: GraphView, total) -> bool:
     terms = source(view, arg(total, 0, "input"))
@@ -19,6 +17,7 @@ def _sum_of_shifted_exp(view: GraphView, total) -> bool:
 
 @graph_rule("AMP211")
 def unsafe_division(view: GraphView) -> Iterator[Finding]:
+    can_vanish = view.catalog.trait("vanishes_with_input")
     for node in view.ops():
         if view.kinds[node] != "div" or not view.runs_low(node):
             continue
@@ -26,6 +25,6 @@ def unsafe_division(view: GraphView) -> Iterator[Finding]:
         kind = view.kind(divisor)
         if kind == "sum" and _sum_of_shifted_exp(view, divisor):
             continue  # a softmax denominator: one term is exp(0) = 1
-        if kind in _CAN_VANISH:
+        if kind in can_vanish:
             yield view.finding("AMP211", node, divisor=kind, dtype=view.dtype,
                                fix="add an eps (x / (n + eps)) or clamp the divisor: n.clamp_min(eps)")
