@@ -6,13 +6,28 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import ampaudit
+from ampaudit.core.findings import Severity
+from ampaudit.core.rulebook import RuleInfo, rulebook
 from ampaudit.watch import conditions, verdicts
+from ampaudit.watch.rule_api import (
+    REGISTRY,
+    Condition,
+    GradientRule,
+    LayerRule,
+    Verdict,
+    maximum,
+    minimum,
+    runtime_rule,
+    steps_text,
+    where,
+)
 from ampaudit.watch.summary import SummaryBuilder, read_log
 from fixtures.watch.record import Gain, _constant, _net  # the models the rule fixtures were recorded with
 from tests.conftest import ROOT, line_of
@@ -202,7 +217,7 @@ def test_state_stays_constant_however_long_the_run():
         builder.add(_record(step, scale=2.0**16 if step % 2 else 2.0**15, skipped=step % 2 == 0,
                             layers={"fc": {"forward": nan}}))
     v = builder.verdicts
-    assert len(v.rows) == 2 and len(v._nonfinite) == 1 and len(v._skip_best) == 6
+    assert len(v.rows) == 2 and len(v.nonfinite) == 1 and len(v.units["AMP604"].best) == 6
     codes = [f.rule for f in builder.findings()]
     assert codes == ["AMP605"]  # never 10 skips in a row; fc always NaN
     assert builder.findings()[0].message.startswith("`fc` (forward) is non-finite in every logged step from 0 to "
@@ -287,3 +302,81 @@ def test_run_points_the_findings_at_the_script(tmp_path, cli):
     assert result.code == 0
     assert f"{script} AMP601 [warning] 100% of `0`'s parameter gradients" in " ".join(result.err.split())
     assert [(f["file"], f["line"]) for f in read_log(log).summary()["findings"]] == [(str(script), 0)] * 2
+
+
+def test_each_runtime_code_is_one_registered_unit():
+    units = REGISTRY.load()
+    assert set(units) == {code for code in rulebook() if code.startswith("AMP6")} == set(verdicts.RUNTIME_RULES)
+    assert len(set(units.values())) == len(units) and all(cls.code == code for code, cls in units.items())
+    with pytest.raises(RuntimeError, match="AMP601 registered twice"):
+        runtime_rule("AMP601")(type("Again", (LayerRule,), {}))
+
+
+def test_no_rule_is_written_outside_its_unit():
+    # The engines know no rule: a code or a threshold named there would be a second copy of it.
+    params = {name for code in verdicts.RUNTIME_RULES for name in rulebook()[code].params}
+    for name in ("verdicts.py", "conditions.py", "rule_api.py", "summary.py", "monitor.py"):
+        text = (ROOT / "ampaudit" / "watch" / name).read_text()
+        assert re.findall(r"AMP6\d\d", text) == [], name
+        assert [p for p in params if f'"{p}"' in text or f"'{p}'" in text] == [], name
+
+
+def _toy_rulebook(monkeypatch, code, message, **params):
+    monkeypatch.setitem(rulebook(), code, RuleInfo(code, "toy", Severity.INFO, message, "", "", "", "",
+                                                   params=params, hints={"fix": "a toy's fix"}))
+
+
+def test_a_new_rule_is_one_unit_and_finds_the_same_from_a_log_and_on_the_device(monkeypatch, tmp_path):
+    # A rule added in one place - its words in the rulebook, its condition written once - fires
+    # from the log (Python numbers) as on the device (tensor columns), with no other edit.
+    REGISTRY.load()
+    monkeypatch.setattr(REGISTRY, "by_code", dict(REGISTRY.by_code))  # the toys leave with the test
+    _toy_rulebook(monkeypatch, "AMP698", "`{module}` ({phase}): up to {zeros} of it zero {steps}", share=0.25)
+    _toy_rulebook(monkeypatch, "AMP699", "`{module}`'s gradients peak at {peak} {steps}", floor=1e-30)
+
+    @runtime_rule("AMP698")
+    class MostlyZero(LayerRule):
+        phases = ("forward", "backward")
+
+        def condition(self, s, step):
+            share = where(s.numel > 0, s.zero / maximum(s.numel, 1), 0.0)
+            return Condition((share >= self.params["share"]) & ((s.nan + s.inf) == 0), share, s.numel)
+
+        def report(self, rows, run):
+            for (module, phase), row in rows.items():
+                if row.count:
+                    yield Verdict(row.first, module, self.hints["fix"],
+                                  dict(module=module, phase=phase, zeros=f"{row.peak:.3f}", steps=steps_text(row)))
+
+    @runtime_rule("AMP699")
+    class GradientPeak(GradientRule):
+        def measure(self, s, step):
+            return minimum(s.absmax, 1e30), s.numel
+
+        def condition(self, peak, numel, step):
+            return (peak > self.params["floor"]) & (numel > 0)
+
+        def report(self, rows, run):
+            for (module, _), row in rows.items():
+                if row.count >= 2:
+                    yield Verdict(row.first, module, None, dict(module=module, peak=f"{row.peak:.4g}",
+                                                               steps=steps_text(row)))
+
+    log = tmp_path / "run.jsonl"
+    live = _run(_net(nn.ReLU()), 4, bad_step=1)
+    logged = _run(_net(nn.ReLU()), 4, bad_step=1, log=log)
+    found = live.summary()["findings"]
+    assert found == logged.summary()["findings"] == read_log(log).summary()["findings"]
+    toys = [(f["rule"], f["module"]) for f in found if f["rule"] in ("AMP698", "AMP699")]
+    assert toys == [("AMP698", "0"), ("AMP698", "1"), ("AMP699", "0")]  # ReLU's zeros: its output, 0's gradient
+    toy = next(f for f in found if f["rule"] == "AMP698")
+    assert (toy["message"], toy["fix"]) == ("`0` (backward): up to 0.500 of it zero at step 0", "a toy's fix")
+
+
+def test_the_condition_helpers_are_the_same_on_numbers_and_tensors():
+    xs, ys = [0.0, 2.0, -3.0, 5.0], [1.0, 2.0, -4.0, 0.5]
+    tx, ty = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    assert [where(x > y, x, y) for x, y in zip(xs, ys, strict=True)] == where(tx > ty, tx, ty).tolist()
+    for fn in (maximum, minimum):
+        assert [fn(x, y) for x, y in zip(xs, ys, strict=True)] == fn(tx, ty).tolist()
+        assert [fn(x, 1.0) for x in xs] == fn(tx, 1.0).tolist() == fn(1.0, tx).tolist()

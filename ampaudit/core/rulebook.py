@@ -22,7 +22,7 @@ FAMILIES = {
     "AMP3": "measured ranges",
     "AMP4": "training scripts",
     "AMP5": "conversion",  # reserved: convert reports a ConversionSummary, no findings yet
-    "AMP6": "runtime",  # watch's verdicts, at the end of its summary (watch/verdicts.py)
+    "AMP6": "runtime",  # watch's verdicts, at the end of its summary (watch/runtime_rules.py)
 }
 
 

@@ -1,11 +1,12 @@
 """The AMP6xx condition rows kept on the device, for a Monitor that writes no log.
 
 Without a log, per-step layer and parameter statistics never leave the device (the Monitor
-adds them to running totals there), so the per-step conditions the verdicts need
-(``watch/verdicts.py``) are tracked there too: each logged step gathers the rows of the keys
-it saw, updates them with a few tensor ops - the same arithmetic as ``verdicts.update_row``
-on the host - and writes them back. Nothing is read until ``read()`` at ``summary()``: no
-host sync per step, and memory stays constant (one row per key).
+adds them to running totals there), so each ``ModuleRule``'s condition (``runtime_rules.py``)
+runs there too, over a ``DeviceView`` whose columns are tensors with one element per module.
+Each logged step gathers the rows of the keys it saw, updates them with a few tensor ops -
+the same arithmetic as ``verdicts.update_row`` on the host - and writes them back. Nothing
+is read until ``read()`` at ``summary()``: no host sync per step, and memory stays constant
+(one row per key).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import torch
 
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import arena, stats
-from ampaudit.watch.stats_merge import FIELDS
-from ampaudit.watch.verdicts import (
+from ampaudit.watch.rule_api import (
     BEST_LAST,
     BEST_LEN,
     BEST_START,
@@ -26,35 +26,39 @@ from ampaudit.watch.verdicts import (
     COUNT,
     FIRST,
     GRADIENTS,
-    HEADROOM,
     LAST,
-    NONFINITE,
     PEAK,
     RUN_LEN,
     RUN_START,
     SEEN,
-    SUM_A,
-    SUM_B,
-    UNDERFLOW,
+    SUM_TOTAL,
+    SUM_VALUE,
     UNSET,
-    Key,
-    Thresholds,
+    LayerRule,
+    ModuleRule,
+    StatsView,
+    Step,
+    Value,
     owner,
+    rule_units,
 )
+from ampaudit.watch.stats_merge import FIELDS
+from ampaudit.watch.verdicts import Key
 
-_NUMEL, _NAN, _INF, _ZERO, _ABSMAX = (FIELDS.index(f) for f in ("numel", "nan", "inf", "zero", "absmax"))
+_FIELD = {name: i for i, name in enumerate(FIELDS)}
+_EXPONENTS = 255  # the histogram's magnitudes: exponent 255 (Inf/NaN) is none
 
 
-def update_rows(rows: torch.Tensor, step: int, prev: int, cond: torch.Tensor, a: torch.Tensor,
-                b: torch.Tensor) -> torch.Tensor:
+def update_rows(rows: torch.Tensor, step: int, prev: int, cond: torch.Tensor, value: torch.Tensor,
+                total: torch.Tensor) -> torch.Tensor:
     """``verdicts.update_row`` for N keys at once: ``rows`` N x len(COLUMNS) float64, ``cond``
-    N bools, ``a`` and ``b`` N float64. Returns the updated rows."""
+    N bools, ``value`` and ``total`` N float64. Returns the updated rows."""
     col = rows.unbind(1)
     extend = cond & (col[RUN_LEN] > 0) & (col[LAST] == prev)
     run_len = torch.where(cond, torch.where(extend, col[RUN_LEN] + 1, 1.0), col[RUN_LEN])
     run_start = torch.where(cond & ~extend, float(step), col[RUN_START])
     better = cond & (run_len > col[BEST_LEN])
-    zero = torch.zeros_like(a)
+    zero = torch.zeros_like(value)
     new = {
         FIRST: torch.where(cond & (col[FIRST] < 0), float(step), col[FIRST]),
         LAST: torch.where(cond, float(step), col[LAST]),
@@ -65,49 +69,90 @@ def update_rows(rows: torch.Tensor, step: int, prev: int, cond: torch.Tensor, a:
         SEEN: col[SEEN] + 1,
         RUN_LEN: run_len,
         BEST_LEN: torch.where(better, run_len, col[BEST_LEN]),
-        SUM_A: col[SUM_A] + torch.where(cond, a, zero),
-        SUM_B: col[SUM_B] + torch.where(cond, b, zero),
-        PEAK: torch.where(cond, torch.maximum(col[PEAK], a), col[PEAK]),
+        SUM_VALUE: col[SUM_VALUE] + torch.where(cond, value, zero),
+        SUM_TOTAL: col[SUM_TOTAL] + torch.where(cond, total, zero),
+        PEAK: torch.where(cond, torch.maximum(col[PEAK], value), col[PEAK]),
     }
     return torch.stack([new[i] for i in range(len(COLUMNS))], dim=1)
 
 
+class _Part:
+    """One module rule's share of a step's layout: the Stats rows it reads (a LayerRule's
+    phases), or each parameter's module (a GradientRule), and how many condition rows."""
+
+    def __init__(self, rows: list[int], phases: list[str], group: list[int], n: int, device: torch.device) -> None:
+        self.rows = arena.index_tensor(rows, device)
+        self.phases = tuple(phases)
+        self.group = arena.index_tensor(group, device)
+        self.n = n
+        self.device = device
+        self._masks: dict[str, torch.Tensor] = {}
+
+    def mask(self, phase: str) -> torch.Tensor:
+        found = self._masks.get(phase)
+        if found is None:
+            found = self._masks[phase] = arena.index_tensor([int(p == phase) for p in self.phases], self.device).bool()
+        return found
+
+
 class _Layout:
     """Where one step's keys sit, computed once per distinct (keys, param_keys): which
-    Stats rows feed which condition, and the state row of each."""
+    Stats rows feed which rule, and the state row of each condition."""
 
-    def __init__(self, state: DeviceConditions, keys: tuple, param_keys: tuple, scaled: bool,
-                 device: torch.device) -> None:
-        nonfinite, allowed, headroom, index = [], [], [], []
-        for i, (module, phase) in enumerate(keys):
-            if phase in ("forward", "backward"):
-                nonfinite.append(i)
-                allowed.append(phase == "forward" or not scaled)
-                index.append(state.slot((NONFINITE, module, phase)))
-        for i, (module, phase) in enumerate(keys):
-            if phase == "forward":
-                headroom.append(i)
-                index.append(state.slot((HEADROOM, module, phase)))
+    def __init__(self, state: DeviceConditions, keys: tuple, param_keys: tuple, device: torch.device) -> None:
         modules: dict[str, int] = {}
         group = []
         for name in param_keys:
             module = owner(name)
             group.append(modules.setdefault(module, len(modules)))
             state.params.setdefault(module, set()).add(name)
-        index += [state.slot((UNDERFLOW, module, GRADIENTS)) for module in modules]
-        self.nonfinite = arena.index_tensor(nonfinite, device)
-        self.allowed = arena.index_tensor([int(x) for x in allowed], device).bool()
-        self.headroom = arena.index_tensor(headroom, device)
-        self.group = arena.index_tensor(group, device)
-        self.modules = len(modules)
+        index: list[int] = []
+        self.parts: list[_Part] = []
+        for unit in state.units:
+            if isinstance(unit, LayerRule):
+                rows = [i for i, (_, phase) in enumerate(keys) if phase in unit.phases]
+                index += [state.slot((unit.code, *keys[i])) for i in rows]
+                part = _Part(rows, [keys[i][1] for i in rows], [], len(rows), device)
+            else:
+                index += [state.slot((unit.code, module, GRADIENTS)) for module in modules]
+                part = _Part([], [GRADIENTS] * len(param_keys), group, len(modules), device)
+            self.parts.append(part)
         self.index = arena.index_tensor(index, device)
+
+
+class DeviceView(StatsView):
+    """A step's Stats rows (N x ``stats.WIDTH``) as a condition reads them: a tensor column per field."""
+
+    def __init__(self, rows: torch.Tensor, part: _Part, bounds: torch.Tensor) -> None:
+        self._rows, self._part, self._bounds = rows, part, bounds
+
+    def field(self, name: str) -> Value:
+        return self._rows[:, _FIELD[name]]
+
+    @property
+    def nonzero(self) -> Value:
+        return self._rows[:, stats.HIST: stats.HIST + _EXPONENTS].sum(1)
+
+    def below(self, limit: float, scale: Value | None) -> Value:
+        top = self._bounds if scale is None else self._bounds * scale.to(self._bounds.device, torch.float64).reshape(())
+        return (self._rows[:, stats.HIST:] * (top <= limit)).sum(1)
+
+    def in_phase(self, phase: str) -> Value:
+        return self._part.mask(phase)
+
+
+def _column(x: Value, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A condition's result as n elements: a constant (a rule may return one) filled on the device."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype).expand(n)
+    return torch.full((n,), x, dtype=dtype, device=device)
 
 
 class DeviceConditions:
     """Condition rows on the device, keyed like ``Verdicts.rows``."""
 
     def __init__(self) -> None:
-        self.thresholds = Thresholds.load()
+        self.units: list[ModuleRule] = [u for u in rule_units().values() if isinstance(u, ModuleRule)]
         self.keys: dict[Key, int] = {}
         self.params: dict[str, set[str]] = {}
         self._rows: torch.Tensor | None = None
@@ -129,46 +174,49 @@ class DeviceConditions:
         device = flat.device
         stat = flat[: (n_layers + len(param_keys)) * width].reshape(-1, width)
         layers, params = stat[:n_layers], stat[n_layers:]
-        cache = (tuple(keys), tuple(param_keys), scale is None, device)
+        cache = (tuple(keys), tuple(param_keys), device)
         layout = self._layouts.get(cache)
         if layout is None:
             if len(self._layouts) >= 64:
                 del self._layouts[next(iter(self._layouts))]
-            layout = self._layouts[cache] = _Layout(self, *cache[:2], scale is not None, device)
+            layout = self._layouts[cache] = _Layout(self, *cache)
         self._grow(device)
-        t = self.thresholds
-        # AMP605: NaN or Inf; AMP602: the absmax near the dtype's max
-        nf = layers.index_select(0, layout.nonfinite)
-        nf_bad = nf[:, _NAN] + nf[:, _INF]
-        hr = layers.index_select(0, layout.headroom)
-        hr_peak = hr[:, _ABSMAX]
-        # AMP601: gradients below the smallest normal at the step's scale, with the zeros beside them
+        bounds = self._bin_tops(device)
+        at = Step(limits, scale)
+        f64 = torch.float64
+        holds, values, totals = [], [], []
+        for unit, part in zip(self.units, layout.parts, strict=True):
+            if not part.n:
+                continue
+            if isinstance(unit, LayerRule):
+                cond, value, total = unit.condition(DeviceView(layers.index_select(0, part.rows), part, bounds), at)
+            else:  # a GradientRule: each parameter measured, the sums judged per module
+                value, total = unit.measure(DeviceView(params, part, bounds), at)
+                sums = [torch.zeros(part.n, dtype=f64, device=device).index_add_(
+                    0, part.group, _column(x, len(param_keys), f64, device)) for x in (value, total)]
+                value, total = sums
+                cond = unit.condition(value, total, at)
+            holds.append(_column(cond, part.n, torch.bool, device))
+            values.append(_column(value, part.n, f64, device))
+            totals.append(_column(total, part.n, f64, device))
+        if holds:
+            rows = self._rows.index_select(0, layout.index)
+            self._rows.index_copy_(0, layout.index, update_rows(rows, step, self._prev, torch.cat(holds),
+                                                                torch.cat(values), torch.cat(totals)))
+        self._prev = step
+
+    def _bin_tops(self, device: torch.device) -> torch.Tensor:
+        """2^(e+1), the top of each exponent bin of the Stats histogram; the Inf/NaN bin never counts."""
         bounds = self._bounds.get(device)
-        if bounds is None:  # 2^(e+1): the top of each exponent bin; the Inf/NaN bin never counts
-            top = [math.ldexp(1.0, e - 127 + 1) for e in range(255)] + [math.inf]
+        if bounds is None:
+            top = [math.ldexp(1.0, e - 127 + 1) for e in range(_EXPONENTS)] + [math.inf]
             bounds = torch.tensor(top, dtype=torch.float64)
             if device.type == "cuda":  # from pinned memory, without waiting: no host sync
                 bounds = bounds.pin_memory().to(device, non_blocking=True)
             else:
                 bounds = bounds.to(device)
             self._bounds[device] = bounds
-        at_scale = bounds if scale is None else bounds * scale.to(device, torch.float64).reshape(())
-        under = (params[:, stats.HIST:] * (at_scale <= limits.normal)).sum(1)
-        zero, nonzero = params[:, _ZERO], params[:, stats.HIST: stats.HIST + 255].sum(1)
-        finite = (params[:, _NAN] + params[:, _INF]) == 0  # a tensor that overflowed says nothing of underflow
-        none = torch.zeros_like(zero)
-        lost = torch.where(finite, under + torch.where((nonzero == 0) | (under >= t.zero_share * nonzero), zero, none),
-                           none)
-        numel = torch.where(finite, params[:, _NUMEL], none)
-        lost_m = torch.zeros(layout.modules, dtype=torch.float64, device=device).index_add_(0, layout.group, lost)
-        numel_m = torch.zeros(layout.modules, dtype=torch.float64, device=device).index_add_(0, layout.group, numel)
-        cond = torch.cat([(nf_bad > 0) & layout.allowed, hr_peak >= limits.max / t.factor,
-                          (numel_m > 0) & (lost_m >= t.min_share * numel_m)])
-        a = torch.cat([nf_bad, hr_peak, lost_m])
-        b = torch.cat([nf[:, _NUMEL], hr[:, _NUMEL], numel_m])
-        rows = self._rows.index_select(0, layout.index)
-        self._rows.index_copy_(0, layout.index, update_rows(rows, step, self._prev, cond, a, b))
-        self._prev = step
+        return bounds
 
     def _grow(self, device: torch.device) -> None:
         have = 0 if self._rows is None else self._rows.shape[0]

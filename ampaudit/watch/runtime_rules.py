@@ -1,0 +1,187 @@
+"""The runtime rules (AMP6xx): watch's verdicts on a run, one unit per rule.
+
+Each rule's condition is written once, over a ``StatsView`` (``rule_api.py`` says what it
+may use): the host runs it over a log's records (``verdicts.py``), the device over a step's
+rows when no log is written (``conditions.py``). Thresholds are ``[AMP6nn.params]`` of
+rules/rules.toml, messages and fixes its ``message`` and ``[AMP6nn.hints]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from ampaudit.watch.rule_api import (
+    Condition,
+    GradientRule,
+    LayerRule,
+    Row,
+    Run,
+    ScaleStep,
+    StatsView,
+    Step,
+    StepRule,
+    Value,
+    Verdict,
+    names,
+    owner,
+    percent,
+    runtime_rule,
+    scale_text,
+    steps_text,
+    where,
+)
+
+
+@runtime_rule("AMP601")
+class GradientUnderflow(GradientRule):
+    """Of a module's parameter-gradient elements, the share that is zero or below the dtype's
+    smallest normal *at the step's loss scale* reaches ``min_share``. With a GradScaler watch
+    records the gradients after ``scaler.step()`` unscaled them, so each magnitude bin is
+    multiplied back by the scale. Zeros count only in a tensor whose nonzero values are mostly
+    (``zero_share``) below it too, or that has none: zeros beside healthy magnitudes are
+    structure (dead ReLU units). A tensor holding NaN or Inf (a step the scaler skips) says
+    nothing of underflow."""
+
+    def measure(self, s: StatsView, step: Step) -> tuple[Value, Value]:
+        under = s.below(step.limits.normal, step.scale)
+        zeros = where((s.nonzero == 0) | (under >= self.params["zero_share"] * s.nonzero), s.zero, 0)
+        finite = (s.nan + s.inf) == 0
+        return where(finite, under + zeros, 0), where(finite, s.numel, 0)
+
+    def condition(self, lost: Value, numel: Value, step: Step) -> Value:
+        return (numel > 0) & (lost >= self.params["min_share"] * numel)
+
+    def report(self, rows: dict[tuple[str, str], Row], run: Run) -> Iterator[Verdict]:
+        fix = self.hints["with_scaler" if run.scaled else "without_scaler"]
+        for (module, _), row in rows.items():
+            if row.count >= self.params["min_steps"]:
+                yield Verdict(row.first, module, fix, dict(
+                    share=percent(row.sum_value / row.sum_total), module=module,
+                    params=names(sorted(run.params.get(module, ()))), dtype=run.limits.name,
+                    at_scale="at the loss scale" if run.scaled else "with no loss scale", steps=steps_text(row)))
+
+
+@runtime_rule("AMP602")
+class ActivationHeadroom(LayerRule):
+    """A module's finite forward absmax >= the dtype's max / ``factor``."""
+
+    def condition(self, s: StatsView, step: Step) -> Condition:
+        return Condition(s.absmax >= step.limits.max / self.params["factor"], s.absmax, s.numel)
+
+    def report(self, rows: dict[tuple[str, str], Row], run: Run) -> Iterator[Verdict]:
+        for (module, _), row in rows.items():
+            if row.count >= 1:
+                yield Verdict(row.first, module, self.hints.get("fix"), dict(
+                    module=module, absmax=f"{row.peak:.5g}", steps=steps_text(row),
+                    factor=f"{self.params['factor']:g}", dtype=run.limits.name, limit=f"{run.limits.max:g}"))
+
+
+@runtime_rule("AMP603")
+class LossScaleCollapse(StepRule):
+    """The loss scale a step used fell below ``min_scale``, or ``max_drop`` times below the
+    highest scale a step was applied with; reported once, at its lowest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collapse: dict[str, Any] | None = None
+
+    def observe(self, step: ScaleStep) -> None:
+        if step.scale is None:
+            return
+        below = step.scale < self.params["min_scale"]
+        dropped = step.peak is not None and step.scale * self.params["max_drop"] <= step.peak[0]
+        if below or dropped:
+            c = self.collapse
+            if c is None:
+                c = self.collapse = {"first": step.step, "count": 0, "low": math.inf}
+            c["last"], c["count"] = step.step, c["count"] + 1
+            if step.scale < c["low"]:
+                c.update(low=step.scale, low_step=step.step, peak=step.peak)
+
+    def report(self, run: Run) -> Iterator[Verdict]:
+        c = self.collapse
+        if c is None:
+            return
+        top = run.nonfinite.most_common(1)
+        culprit = top[0][0] if top else None
+        min_scale = self.params["min_scale"]
+        if c["low"] < min_scale:
+            reason = f"below {min_scale:g}"
+        else:
+            peak, peak_step = c["peak"]
+            reason = (f"{scale_text(peak / c['low'])}x below {scale_text(peak)}, "
+                      f"the scale step {peak_step} was applied with")
+        yield Verdict(c["first"], owner(culprit) if culprit else None, self.hints.get("fix"), dict(
+            low=scale_text(c["low"]), low_step=c["low_step"], reason=reason,
+            steps=f"; in {c['count']} logged steps from {c['first']} to {c['last']}" if c["count"] > 1 else "",
+            where=f"; non-finite gradients most often in `{culprit}`" if culprit else ""))
+
+
+@runtime_rule("AMP604")
+class PersistentSkippedSteps(StepRule):
+    """``in_a_row`` or more consecutive logged steps skipped by the GradScaler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run: dict[str, Any] | None = None  # the current run of skipped steps
+        self.best: dict[str, Any] | None = None  # the longest, without its Counter
+
+    def observe(self, step: ScaleStep) -> None:
+        if step.scale is None or not step.skipped:
+            self.run = None
+            return
+        run = self.run
+        if run is None:
+            run = self.run = {"first": step.step, "count": 0, "scale_first": step.scale, "params": Counter()}
+        run["last"], run["count"], run["scale_last"] = step.step, run["count"] + 1, step.scale
+        run["params"].update(step.nonfinite)
+        if self.best is None or run["count"] > self.best["count"]:
+            top = run["params"].most_common(1)
+            self.best = {k: v for k, v in run.items() if k != "params"}
+            self.best["param"] = top[0][0] if top else None
+
+    def report(self, run: Run) -> Iterator[Verdict]:
+        best = self.best
+        if best is None or best["count"] < self.params["in_a_row"]:
+            return
+        param = best["param"]
+        yield Verdict(best["first"], owner(param) if param else None,
+                      self.hints.get("at_start" if best["first"] == run.first_scaled else "fix"), dict(
+                          count=best["count"], first=best["first"], last=best["last"],
+                          scale_first=scale_text(best["scale_first"]), scale_last=scale_text(best["scale_last"]),
+                          where=f"; non-finite gradients most often in `{param}`" if param else ""))
+
+
+@runtime_rule("AMP605")
+class AlwaysNonfinite(LayerRule):
+    """NaN or Inf in a module's forward output, or in its output's gradient when no GradScaler
+    is watched (with one, a non-finite gradient is a skipped step: AMP603/AMP604), in a run of
+    ``min_steps`` consecutive logged steps. Modules non-finite over the same steps are one
+    finding, under the one that went non-finite first."""
+
+    phases = ("forward", "backward")
+
+    def condition(self, s: StatsView, step: Step) -> Condition:
+        bad = s.nan + s.inf
+        return Condition((bad > 0) & (s.in_phase("forward") | (step.scale is None)), bad, s.numel)
+
+    def report(self, rows: dict[tuple[str, str], Row], run: Run) -> Iterator[Verdict]:
+        groups: dict[tuple[float, float, float], list[tuple[str, str]]] = {}
+        for (module, phase), row in rows.items():
+            if row.best_len >= self.params["min_steps"]:
+                groups.setdefault((row.best_start, row.best_last, row.best_len), []).append((module, phase))
+        first_nonfinite = run.first_nonfinite
+        for (first, last, count), members in groups.items():
+            members.sort(key=lambda mp: (mp[1] != "forward", mp[0]))
+            lead = members[0]
+            if first_nonfinite and first <= first_nonfinite["step"] <= last:
+                named = (first_nonfinite["module"], first_nonfinite["phase"])
+                if named in members:
+                    lead = named
+            rest = [f"{m} ({p})" for m, p in members if (m, p) != lead]
+            others = f"; also non-finite in those steps: {names(rest)}" if rest else ""
+            yield Verdict(first, lead[0], self.hints.get("fix"), dict(
+                module=lead[0], phase=lead[1], first=int(first), last=int(last), count=int(count), others=others))
