@@ -26,8 +26,10 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import ampaudit
 from ampaudit.integrations import _common
 from ampaudit.watch.monitor import NonFiniteError
+from ampaudit.watch.options import WatchOptions
 from ampaudit.watch.summary import read_log
 from tests.conftest import ROOT
+from tests.test_watch_options import EFFECTS, EXPECTED, samples
 
 INF = float("inf")
 
@@ -304,6 +306,19 @@ def test_lightning_stop_on_nonfinite_raises_and_unhooks(tmp_path):
     assert _records(log)[-1]["first_nonfinite"]["step"] == 2
 
 
+def test_lightning_guard_guards_the_plugins_scaler(tmp_path):
+    pl = _lightning()
+    from ampaudit.integrations.lightning import AmpAuditCallback
+
+    callback = AmpAuditCallback(guard=True)
+    _fit(pl, "16-mixed", [callback], steps=8, bad_batch=5, init_scale=2.0**4)
+    assert callback.summary()["guard"]["steps"] == 8
+    assert callback.summary()["guard"]["skipped_steps"] == callback.summary()["scaler"]["skipped_steps"] == [5]
+    assert callback.monitor.step_applied
+    with pytest.raises(ValueError, match="guard needs the GradScaler that skips steps, and this trainer runs without"):
+        _fit(pl, "bf16-mixed", [AmpAuditCallback(guard=True)], steps=1)
+
+
 def test_lightning_callback_checks_its_options_when_built():
     _lightning()
     from ampaudit.integrations.lightning import AmpAuditCallback
@@ -465,6 +480,16 @@ def test_transformers_stop_on_nonfinite_raises_and_unhooks(tmp_path):
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 1
 
 
+def test_transformers_guard_guards_accelerates_scaler(tmp_path):
+    _transformers()
+    from ampaudit.integrations.transformers import AmpAuditCallback
+
+    callback = AmpAuditCallback(guard=True)
+    _train_hf(tmp_path, "fp16", [callback], steps=5, bad_call=3)
+    assert callback.summary()["guard"]["steps"] == 5
+    assert callback.summary()["guard"]["skipped_steps"] == callback.summary()["scaler"]["skipped_steps"] == [3]
+
+
 # --------------------------------------------------------------------------- Accelerate
 
 
@@ -617,3 +642,38 @@ def test_plain_watch_takes_accelerates_wrapped_optimizer():
 def test_watch_refuses_what_is_not_an_optimizer():
     with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer \(got object\)"):
         ampaudit.watch(nn.Linear(2, 2), optimizer=object())
+
+
+
+# --------------------------------------------------------------------------- every watch option
+
+
+@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+def test_the_callbacks_take_every_watch_option(framework):
+    (_lightning if framework == "lightning" else _transformers)()
+    callback = __import__(f"ampaudit.integrations.{framework}", fromlist=["_"]).AmpAuditCallback
+    given = samples()
+    assert callback(**given).options == WatchOptions(**given)
+    assert callback(WatchOptions(**given), every=7).options == WatchOptions(**{**given, "every": 7})
+    name = rf"ampaudit\.integrations\.{framework}\.AmpAuditCallback\(\)"
+    with pytest.raises(TypeError, match=rf"^{name} got an unexpected option 'evry'; its options are log, "):
+        callback(evry=2)
+
+
+def test_accelerates_watch_takes_every_watch_option():
+    accelerate = _accelerate()
+    from ampaudit.integrations.accelerate import watch
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="guard needs the GradScaler that skips steps, and this accelerator has none"):
+        watch(accelerator, model, optimizer, guard=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu")  # what it holds with fp16 on a GPU
+    given = samples()
+    for mon in (watch(accelerator, model, optimizer, **given),
+                watch(accelerator, model, optimizer, options=WatchOptions(**given))):
+        assert mon.options == WatchOptions(**given)
+        assert {name: EFFECTS[name](mon) for name in given} == {name: EXPECTED[name] for name in given}
+    with pytest.raises(TypeError, match=r"^ampaudit\.integrations\.accelerate\.watch\(\) got an unexpected option"):
+        watch(accelerator, model, optimizer, evry=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from ampaudit._version import __version__
@@ -17,6 +18,7 @@ from ampaudit.core.dtypes import LOW_DTYPES
 from ampaudit.core.errors import AmpauditError, UsageError
 from ampaudit.core.findings import Severity
 from ampaudit.load.time_limit import DEFAULT_SECONDS  # torch-free, as --help must be
+from ampaudit.watch.options import WatchOptions  # torch-free too
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 FORMATS = ("text", "json", "sarif", "github")
@@ -46,7 +48,6 @@ def _path(text: str) -> Path:
 
 _SECONDS = _number(float, least=0, what="a number of seconds >= 0")
 _TOLERANCE = _number(float, least=0, what="a finite relative error >= 0")
-_EVERY = _number(int, least=1, what="a whole number >= 1")
 _STEPS = _number(int, least=0, what="a whole number >= 0")
 
 
@@ -144,20 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a training script with ampaudit watch attached",
                          description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
                                      "of every module that runs forward and every optimizer that steps.")
-    run.add_argument("--log", type=_path, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")
-    run.add_argument("--every", type=_EVERY, default=1, help="record every N-th step (default 1)")
-    run.add_argument("--dtype", choices=LOW_DTYPES, default=None,
-                     help="the low-precision dtype to count overflow/underflow against (default: the one the run "
-                          "uses - autocast's at the first forward, else the model's own, else float16)")
-    run.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
-                     help="modules (fnmatch on their names, e.g. 'blocks.*.attn.mask') never reported as where a "
-                          "NaN/Inf was born; repeatable")
-    run.add_argument("--no-provenance", dest="provenance", action="store_false",
-                     help="do not keep a step's module calls to replay the one that went non-finite (saves the "
-                          "memory of their inputs; the report then names the module but not the op)")
-    run.add_argument("--inside-compile", action="store_true",
-                     help="under torch.compile, record the modules inside the compiled graph too (an op in the "
-                          "graph: no graph break; inductor's results may differ in the last bits)")
+    _add_watch_options(run)
     run.add_argument("script", type=Path)
     run.add_argument("args", nargs=argparse.REMAINDER)
     report = sub.add_parser("report", help="summarize an ampaudit watch log",
@@ -426,6 +414,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if missed else EXIT_OK
 
 
+def _add_watch_options(run: argparse.ArgumentParser) -> None:
+    """``ampaudit run``'s flags: one per ``WatchOptions`` field that has one (watch/options.py),
+    its ``dest`` the field's name."""
+    for option in fields(WatchOptions):
+        flag, name = option.metadata["flag"], option.name.replace("_", "-")
+        if flag is None:
+            continue
+        text = flag.help or option.metadata["doc"]
+        if isinstance(option.default, bool):  # a switch: on, or off for an option on by default
+            run.add_argument(f"--no-{name}" if option.default else f"--{name}", dest=option.name,
+                             action="store_false" if option.default else "store_true", help=text)
+            continue
+        kwargs = {"default": flag.default if flag.default is not None else option.default, "metavar": flag.metavar,
+                  "choices": flag.choices}
+        if flag.least is not None:
+            kwargs["type"] = _number(int, least=flag.least, what=f"a whole number >= {flag.least}")
+        if flag.path:
+            kwargs["type"] = _path
+        if flag.repeat:
+            kwargs.update(action="append", default=[])
+            text += "; repeatable"
+        run.add_argument(f"--{name}", dest=option.name, help=text, **kwargs)
+
+
+def watch_options(args: argparse.Namespace) -> WatchOptions:
+    """The ``WatchOptions`` of ``ampaudit run``'s parsed flags."""
+    return WatchOptions(**{o.name: getattr(args, o.name) for o in fields(WatchOptions) if o.metadata["flag"]})
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ampaudit.core.torch_extra import require_torch
 
@@ -438,8 +455,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "torch, or run without it")
 
     _refuse_overwriting_inputs(args.log, [args.script], "--log")
-    return run_script(args.script, args.args, log=args.log, every=args.every, dtype=args.dtype,
-                      ignore=args.ignore, provenance=args.provenance, inside_compile=args.inside_compile)
+    return run_script(args.script, args.args, watch_options(args))
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -6,20 +6,18 @@ from __future__ import annotations
 import runpy
 import sys
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
 
-from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
-from ampaudit.watch.monitor import Monitor
+from ampaudit.watch.monitor import Monitor, NonFiniteError
+from ampaudit.watch.options import WatchOptions
 
 
-def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtype: LowDtype | str | None = None,
-               ignore: Sequence[str] = (), provenance: bool = True, inside_compile: bool = False) -> int:
+def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
+    """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code."""
     if not script.is_file():
         raise UsageError(f"no such script: {script}")
-    monitor = Monitor(None, log=log, every=every, dtype=LowDtype.parse(dtype) if dtype is not None else None,
-                      ignore=ignore, provenance=provenance, inside_compile=inside_compile)
+    monitor = Monitor(None, options=options)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
@@ -35,6 +33,9 @@ def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtyp
     except KeyboardInterrupt:
         code = 130
         sys.stderr.write("ampaudit run: interrupted\n")
+    except NonFiniteError as exc:  # --stop-on-nonfinite: the reason, not the script's stack
+        code = exc.exit_code
+        sys.stderr.write(f"ampaudit run: stopped: {exc}\n")
     except BaseException:
         traceback.print_exc()  # the script's error, shown as python would show it
         code = 1
@@ -45,5 +46,6 @@ def run_script(script: Path, argv: list[str], *, log: Path, every: int = 1, dtyp
     from ampaudit.watch.render import render_summary
 
     render_summary(monitor.summary(), make_console(sys.stderr))
-    sys.stderr.write(f"ampaudit run: log written to {log}\n")
+    if options.log is not None:
+        sys.stderr.write(f"ampaudit run: log written to {options.log}\n")
     return code

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.graph.forward import ExampleInputs, iter_tensors
+from ampaudit.core.tensors import iter_tensors
+from ampaudit.graph.forward import ExampleInputs
 
 DEFAULT_STEPS = 20
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}  # relative loss difference allowed at any step

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ampaudit.graph.forward import ExampleInputs, iter_tensors
+from ampaudit.core.tensors import iter_tensors
+from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.range_probe import MEASURED, untrained_batch_norm
 
 Build = Callable[[dict[str, str]], fx.GraphModule]

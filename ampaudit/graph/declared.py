@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.userframe import Loc
 from ampaudit.graph.fx_tracer import forward_location
-from ampaudit.graph.userframe import Loc
 
 # attribute -> the low dtypes it applies to (transformers' PreTrainedModel._get_dtype_plan)
 _FP32_ATTRIBUTES = {

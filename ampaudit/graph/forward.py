@@ -4,7 +4,7 @@ forward every audit starts from, and turning its failures into one-line errors."
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +12,8 @@ import torch
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.paths import display_path
-from ampaudit.graph.userframe import traceback_location
+from ampaudit.core.tensors import has_tensor, iter_tensors
+from ampaudit.core.userframe import traceback_location
 
 
 @dataclass
@@ -45,23 +46,6 @@ def refuse_meta(model: torch.nn.Module, inputs: ExampleInputs | None, remedy: st
     if inputs is not None and any(t.is_meta for t in iter_tensors((inputs.args, inputs.kwargs))):
         raise LoadError(f"the example inputs ({inputs.origin}) are meta tensors (no values): they cannot run; "
                         f"{remedy}")
-
-
-def has_tensor(value: Any) -> bool:
-    """Whether a (nested) output holds a tensor; dict subclasses such as HF's ModelOutput count."""
-    return next(iter_tensors(value), None) is not None
-
-
-def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a nest of tuples, lists and mappings (HF's ModelOutput too), depth first."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from iter_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from iter_tensors(item)
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -8,7 +8,8 @@ from ampaudit.core.catalog import Catalog
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import LoadError
 from ampaudit.core.paths import display_path
-from ampaudit.graph.forward import ExampleInputs, has_tensor
+from ampaudit.core.tensors import has_tensor
+from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fx_tracer import LOC
 from ampaudit.graph.kinds import node_kind
 from ampaudit.graph.range_probe import ProbeError, probe
@@ -17,7 +18,7 @@ from ampaudit.graph.range_probe import ProbeError, probe
 def measure_ranges(gm: fx.GraphModule, inputs: ExampleInputs, catalog: Catalog, dtype: LowDtype) -> None:
     kinds = {n: node_kind(n, gm, catalog)[0] for n in gm.graph.nodes}
     try:
-        output = probe(gm, dtype, kinds, inputs.args, inputs.kwargs)
+        output = probe(gm, dtype, kinds, inputs.args, inputs.kwargs, catalog)
     except ProbeError as exc:
         loc = exc.node.meta[LOC]
         text = str(exc.error).strip().splitlines()[0] if str(exc.error).strip() else ""

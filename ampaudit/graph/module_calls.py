@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ampaudit.graph.forward import ExampleInputs, has_tensor
+from ampaudit.core.tensors import has_tensor
+from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.tree import map_tensors
 
 

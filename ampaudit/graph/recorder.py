@@ -27,10 +27,10 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.catalog import Catalog
-from ampaudit.graph.forward import has_tensor
+from ampaudit.core.tensors import has_tensor
+from ampaudit.core.userframe import Loc, boundary, user_location
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
 from ampaudit.graph.tree import is_namedtuple, map_tensors
-from ampaudit.graph.userframe import Loc, boundary, user_location
 
 # Tensor dunders that fx spells as operator functions; reflected ones swap operands.
 _BINARY = {

@@ -16,10 +16,10 @@ import torch
 from torch import fx
 
 from ampaudit.core.catalog import Catalog
+from ampaudit.core.userframe import Loc
 from ampaudit.graph.forward import ExampleInputs, run_model
 from ampaudit.graph.fx_tracer import LOC, MODULE, FxFailure, forward_location, fx_trace, is_leaf
 from ampaudit.graph.recorder import record_trace
-from ampaudit.graph.userframe import Loc
 
 
 @dataclass

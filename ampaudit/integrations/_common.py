@@ -1,19 +1,20 @@
 """What the integrations share: the one-line error for a framework that is not installed, what
-a callback holds (the watch's options and its Monitor), and the step boundary at a trainer's
-hook - the one place they reach into Monitor's internals."""
+a callback holds (the watch's options and its Monitor), the guard on the trainer's GradScaler,
+and the step boundary at a trainer's hook - the one place they reach into Monitor's internals."""
 
 from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch.monitor import Monitor
+from ampaudit.watch.options import WatchOptions, resolve
+from ampaudit.watch.step_guard import guard_for
 
 
 def require(candidates: tuple[str, ...], needs: str) -> ModuleType:
@@ -34,22 +35,33 @@ def require(candidates: tuple[str, ...], needs: str) -> ModuleType:
 
 class WatchingCallback:
     """What the callbacks share (mixed into each framework's callback class): ``ampaudit.watch``'s
-    options, checked when the callback is built; the Monitor of the current (or last) run,
-    ``monitor``; and ``close()``, ``summary()``, ``print()``."""
+    options (a ``WatchOptions``, or its fields as keyword arguments), checked when the callback
+    is built; the Monitor of the current (or last) run, ``monitor``; and ``close()``,
+    ``summary()``, ``print()``."""
 
-    def __init__(self, *, log: str | Path | None = None, every: int = 1,
-                 dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
-                 inputs: bool = False, stop_after_skips: int = 10, eval: bool = False) -> None:
+    def __init__(self, options: WatchOptions | None = None, **keywords: Any) -> None:
         super().__init__()  # the framework's callback class, next in line
-        self.options = {"log": log, "every": every, "dtype": dtype, "stop_on_nonfinite": stop_on_nonfinite,
-                        "inputs": inputs, "stop_after_skips": stop_after_skips, "eval": eval}
-        Monitor(None, **self.options)  # a bad option fails here, not when training starts; hooks nothing
+        self.options = resolve(options, keywords, caller=f"{type(self).__module__}.{type(self).__name__}()")
+        # A bad option fails here, not when training starts; hooks nothing. The guard waits for
+        # the trainer's GradScaler, known when training starts.
+        Monitor(None, options=replace(self.options, guard=False))
         self.monitor: Monitor | None = None
         self._running = False
 
-    def _start(self, model: torch.nn.Module) -> None:
+    def _start(self, model: torch.nn.Module, scaler: torch.amp.GradScaler | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Watch ``model``; ``scaler`` (the trainer's GradScaler) and ``optimizer`` (None: any the
+        scaler steps) are what the ``guard`` option guards."""
         self.close()  # an earlier run that ended without its end hook (an exception)
-        self.monitor = Monitor(model, **self.options).start()
+        # The trainer's hook ends each step (end_step): the scaler is given to the guard alone,
+        # as a Monitor given a scaler would end steps at its update() too.
+        monitor = Monitor(model, options=replace(self.options, guard=False))
+        if self.options.guard not in (False, None):
+            if scaler is None:
+                raise ValueError("guard needs the GradScaler that skips steps, and this trainer runs without one "
+                                 "(it has one with fp16 mixed precision)")
+            monitor.guard = guard_for(self.options.guard, scaler, optimizer, model)
+        self.monitor = monitor.start()
         self._running = True
 
     def close(self) -> None:

@@ -35,13 +35,14 @@ def _build() -> type:
 
     class AmpAuditCallback(WatchingCallback, pl.Callback):
         """Watch the LightningModule while it trains: ``AmpAuditCallback(log=..., every=...,
-        dtype=..., stop_on_nonfinite=...)`` takes ``ampaudit.watch``'s options; ``summary()``,
-        ``print()`` and ``monitor`` read the run."""
+        dtype=..., ...)`` or ``AmpAuditCallback(WatchOptions(...))`` takes ``ampaudit.watch``'s
+        options (``guard``: the precision plugin's GradScaler); ``summary()``, ``print()`` and
+        ``monitor`` read the run."""
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             # 16-mixed: the plugin's GradScaler, which unscales before on_before_optimizer_step; bf16: None
             self._scaler = getattr(trainer.precision_plugin, "scaler", None)
-            self._start(pl_module)
+            self._start(pl_module, self._scaler)
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if self._running:

@@ -40,11 +40,14 @@ def _build() -> type:
 
     class AmpAuditCallback(WatchingCallback, transformers.TrainerCallback):
         """Watch the Trainer's model while it trains: ``AmpAuditCallback(log=..., every=...,
-        dtype=..., stop_on_nonfinite=...)`` takes ``ampaudit.watch``'s options; ``summary()``,
-        ``print()`` and ``monitor`` read the run, ``close()`` ends it after ``train()`` raised."""
+        dtype=..., ...)`` or ``AmpAuditCallback(WatchOptions(...))`` takes ``ampaudit.watch``'s
+        options (``guard``: Accelerate's GradScaler, with fp16); ``summary()``, ``print()`` and
+        ``monitor`` read the run, ``close()`` ends it after ``train()`` raised."""
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-            self._start(model)
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                           **kwargs: Any) -> None:
+            # with fp16, the prepared optimizer (Accelerate's AcceleratedOptimizer) carries the GradScaler
+            self._start(model, getattr(optimizer, "scaler", None), getattr(optimizer, "optimizer", optimizer))
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                                   **kwargs: Any) -> None:

@@ -24,8 +24,8 @@ import torch
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.paths import display_path
+from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs, describe_exception
-from ampaudit.graph.userframe import traceback_location
 from ampaudit.load.inputs import INPUT_FUNCTIONS, default_inputs, from_shapes
 from ampaudit.load.isolation import shadows, user_folders
 from ampaudit.load.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ampaudit.watch import stats
-from ampaudit.watch.hooks import COMPILED, INPUT_GRAD, StepRecorder
+from ampaudit.watch.events import INPUT_GRAD
+from ampaudit.watch.hooks import COMPILED, StepRecorder
 from ampaudit.watch.provenance import Call, GradSpec, replay_backward, replay_forward
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 

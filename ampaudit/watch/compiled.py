@@ -26,43 +26,27 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from ampaudit.watch.events import EVAL, FORWARD, GRAD_INPUT, GRAD_OUTPUT
 
-class StepRecorder(Protocol):
-    """What the op needs of ``hooks.StepRecorder`` (which imports this module, so the two
-    files do not import each other)."""
+# What the op calls when its graph runs: a recorder's ``record_traced(tensor, module, kind, index)``.
+Record = Callable[[torch.Tensor, int, int, int], None]
 
-    record_eval: bool
-    provenance: bool
-
-    def record_traced(self, tensor: torch.Tensor, module: int, kind: int, index: int) -> None: ...
-
-
-INPUT_GRAD = "input grad"  # hooks.INPUT_GRAD (hooks imports this module)
-
-# What a recorded tensor is: (phase, label); "{}" is the tensor's index among the module's.
-KINDS = (("forward", "output"), ("forward", "output[{}]"), ("eval", "output"), ("eval", "output[{}]"),
-         ("backward", "grad of output"), ("backward", "grad of output[{}]"), (INPUT_GRAD, "grad of input[{}]"))
-FORWARD, EVAL, GRAD_OUTPUT, GRAD_INPUT = 0, 2, 4, 6  # KINDS[k] one tensor; KINDS[k + 1] one of several
-
-_recorders: weakref.WeakValueDictionary[int, StepRecorder] = weakref.WeakValueDictionary()
+_records: dict[int, weakref.WeakMethod] = {}
 _tokens = itertools.count(1)
 
 
-def register(recorder: StepRecorder) -> int:
-    """The token by which the op finds ``recorder`` (held weakly)."""
+def register(record: Record) -> int:
+    """The token by which the op finds ``record``, a recorder's bound method - held weakly, so
+    a compiled graph that outlives its watch records nothing and keeps no recorder alive."""
     token = next(_tokens)
-    _recorders[token] = recorder
+    _records[token] = weakref.WeakMethod(record)
+    weakref.finalize(record.__self__, _records.pop, token, None)
     return token
-
-
-def event(kind: int, index: int) -> tuple[str, str]:
-    """The (phase, label) of a tensor of ``kind`` (``KINDS``), the ``index``-th of its module's."""
-    phase, label = KINDS[kind]
-    return phase, label.format(index)
 
 
 @torch.library.custom_op("ampaudit::record", mutates_args=())
@@ -103,9 +87,10 @@ def record(x: torch.Tensor, token: int, module: int, kind: int, index: int) -> N
 
 
 def _record_now(x: torch.Tensor | None, token: int, module: int, kind: int, index: int) -> None:
-    recorder = _recorders.get(token)
-    if recorder is not None and x is not None:  # a compiled backward passes None for a gradient never made
-        recorder.record_traced(x, module, kind, index)
+    ref = _records.get(token)
+    target = ref() if ref is not None else None
+    if target is not None and x is not None:  # a compiled backward passes None for a gradient never made
+        target(x, module, kind, index)
 
 
 def hook_grad(x: torch.Tensor, token: int, module: int, kind: int, index: int) -> None:
@@ -116,19 +101,20 @@ def hook_grad(x: torch.Tensor, token: int, module: int, kind: int, index: int) -
     x.register_hook(hook)
 
 
-def trace_forward(recorder: StepRecorder, token: int, module: int, output: Any, tensors: list[torch.Tensor],
-                  inputs: list[tuple[int, torch.Tensor]]) -> None:
+def trace_forward(token: int, module: int, output: Any, tensors: list[torch.Tensor],
+                  inputs: list[tuple[int, torch.Tensor]], *, record_eval: bool) -> None:
     """What a module's forward hook does while dynamo traces it: its output ``tensors`` (and, in
-    training, their gradients and those of its positional ``inputs``) recorded by the op."""
+    training, their gradients and those of its positional ``inputs``: none, without provenance)
+    recorded by the op; ``record_eval``: whether grad-disabled forwards are recorded."""
     grad = torch.is_grad_enabled()
-    if not grad and not recorder.record_eval:
+    if not grad and not record_eval:
         return
     several = not isinstance(output, torch.Tensor)
     for i, t in enumerate(tensors):
         record(t, token, module, (FORWARD if grad else EVAL) + several, i)
         if grad and t.requires_grad:
             hook_grad(t, token, module, GRAD_OUTPUT + several, i)
-    if grad and recorder.provenance:
+    if grad:
         for i, t in inputs:
             if t.requires_grad:
                 hook_grad(t, token, module, GRAD_INPUT, i)

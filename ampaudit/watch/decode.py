@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ampaudit.watch import stats
-from ampaudit.watch.hooks import INPUT_GRAD
+from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.layout import LAYOUT, StepBuffer
 from ampaudit.watch.reducer import NO_EVENT, StepValues
 

@@ -29,12 +29,9 @@ from torch.nn.modules import module as module_hooks
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import compiled, stats
 from ampaudit.watch.arena import Handle, RowArena
+from ampaudit.watch.events import INPUT_GRAD, event
 from ampaudit.watch.provenance import Call, autocast_state
 
-# The gradient w.r.t. a module's input: an event that may be the first non-finite (it is what
-# the module's backward made), but in no statistics row - the producer's output gradient
-# already counts that tensor.
-INPUT_GRAD = compiled.INPUT_GRAD
 COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: none kept, no replay
 
 
@@ -136,7 +133,7 @@ class StepRecorder:
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
-        self._token = compiled.register(self)  # how the op in a compiled graph finds this recorder
+        self._token = compiled.register(self.record_traced)  # how the op in a compiled graph finds this recorder
         self._param_names: dict[int, str] = {}
         self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
         self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
@@ -221,8 +218,8 @@ class StepRecorder:
         if _compiling():  # traced: what changes between steps is read when the graph runs
             index = self._index.get(id(module)) if self.inside_compile else None
             if index is not None:
-                compiled.trace_forward(self, self._token, index, output, measurable_tensors(output),
-                                       _positional(args) if self.provenance else [])
+                compiled.trace_forward(self._token, index, output, measurable_tensors(output),
+                                       _positional(args) if self.provenance else [], record_eval=self.record_eval)
             return
         if self.paused:
             return
@@ -321,10 +318,10 @@ class StepRecorder:
 
     def record_traced(self, tensor: torch.Tensor, module: int, kind: int, index: int) -> None:
         """One event from a compiled graph (``compiled``), as it runs: module number ``module``'s
-        tensor of ``kind`` (``compiled.KINDS``), the ``index``-th."""
+        tensor of ``kind`` (``events.KINDS``), the ``index``-th."""
         if not (self.active and self.logging) or self.paused:
             return
-        phase, label = compiled.event(kind, index)
+        phase, label = event(kind, index)
         if self.dtype_source is None and phase == "forward":
             self._detect_dtype([tensor])
         self.record(self._modules[module], phase, tensor, label, COMPILED)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fnmatch
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,15 @@ from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import log_record, step_record
-from ampaudit.watch.hooks import INPUT_GRAD, StepRecorder, unmeasurable
+from ampaudit.watch.events import INPUT_GRAD
+from ampaudit.watch.hooks import StepRecorder, unmeasurable
 from ampaudit.watch.log_file import LogSink
+from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
-from ampaudit.watch.step_guard import StepGuard
+from ampaudit.watch.step_guard import guard_for
 from ampaudit.watch.summary import SummaryBuilder, describe_first
 
-__all__ = ["Monitor", "NonFiniteError", "stop_reason", "unmeasurable", "watch"]
+__all__ = ["Monitor", "NonFiniteError", "WatchOptions", "stop_reason", "unmeasurable", "watch"]
 
 
 class NonFiniteError(AmpauditError):
@@ -67,20 +68,6 @@ def stop_reason(record: dict[str, Any], skips_in_row: int, stop_after_skips: int
     return None
 
 
-def _step_guard(guard: bool | Sequence[Any], scaler: torch.amp.GradScaler | None,
-                optimizer: torch.optim.Optimizer | None, model: torch.nn.Module | None) -> StepGuard | None:
-    """``watch(guard=...)``: None, or a StepGuard for the watched scaler, holding the given
-    schedulers (objects with ``step`` and ``get_last_lr``) and EMAs (the others)."""
-    if guard is False or guard is None:
-        return None
-    if scaler is None:
-        raise ValueError("guard needs the GradScaler that skips steps: watch(..., scaler=scaler, guard=True)")
-    held = [] if guard is True else list(guard)
-    schedulers = [h for h in held if callable(getattr(h, "step", None)) and hasattr(h, "get_last_lr")]
-    emas = [h for h in held if not any(h is s for s in schedulers)]
-    return StepGuard(scaler, optimizer, model=model, schedulers=schedulers, emas=emas)
-
-
 class Monitor:
     """Hooks on ``model`` (or, with ``model=None``, on every module that runs forward and every
     optimizer that steps: ``ampaudit run``). Steps end at ``optimizer.step()``, at
@@ -94,37 +81,36 @@ class Monitor:
     Under ``torch.compile`` the modules inside the compiled region are not recorded (their
     graph stays the one without watch); ``inside_compile`` records them with an op in the graph
     (no graph break; inductor's results may then differ in the last bits: ``compiled``).
-    Use as a context manager, or ``start()`` / ``stop()``; read ``summary()`` or ``print()``."""
+    Use as a context manager, or ``start()`` / ``stop()``; read ``summary()`` or ``print()``.
+
+    The options are a :class:`WatchOptions` (``options``), or its fields as keyword arguments
+    (``every=10``), which set those fields of ``options``."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
-                 scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
-                 dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
-                 inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
-                 ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False,
-                 inside_compile: bool = False) -> None:
+                 scaler: torch.amp.GradScaler | None = None, options: WatchOptions | None = None,
+                 **keywords: Any) -> None:
+        self.options = options = resolve(options, keywords, caller="Monitor()")
         require_module(model, "ampaudit.watch", optional=True)
-        if inside_compile and not compiled.SUPPORTED:
+        if options.inside_compile and not compiled.SUPPORTED:
             raise ValueError(f"inside_compile needs torch's effect tokens, which torch {torch.__version__} does not "
                              "have: update torch, or watch without it (the compiled region's own modules unrecorded)")
         optimizer = unwrap_optimizer(optimizer)  # Accelerate's wrapper: the torch optimizer inside
-        self.guard = _step_guard(guard, scaler, optimizer, model)
-        if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
-            raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
-        self.ignore = tuple(ignore)
+        self.guard = guard_for(options.guard, scaler, optimizer, model)
+        self.ignore = options.ignore
         self._modes: dict[tuple[str, str], int] = {}  # (module, phase) -> reducer mode (IGNORED...)
         self.masks: set[str] = set()  # modules found (by a replay) to write -inf masks on purpose
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.every, self.stop_on_nonfinite = every, stop_on_nonfinite
-        self.stop_after_skips = stop_after_skips
-        self.log_path = Path(log) if log is not None else None
+        self.every, self.stop_on_nonfinite = options.every, options.stop_on_nonfinite
+        self.stop_after_skips = options.stop_after_skips
+        self.log_path = Path(options.log) if options.log is not None else None
         distributed = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         # None: the dtype the run uses, read at its first forward (autocast's, else the model's own)
+        dtype = options.dtype
         self.recorder = StepRecorder(LowDtype.parse(dtype if dtype is not None else FLOAT16),
-                                     "given" if dtype is not None else None, record_inputs=inputs, record_eval=eval,
-                                     provenance=provenance, inside_compile=inside_compile)
+                                     "given" if dtype is not None else None, record_inputs=options.inputs,
+                                     record_eval=options.eval, provenance=options.provenance,
+                                     inside_compile=options.inside_compile)
         self.optimizer_tap = OptimizerTap(self._boundary, optimizer)
         self.scaler_tap = ScalerTap(self._boundary)
         self.reducer = StepReducer(world)
@@ -358,11 +344,10 @@ class Monitor:
 
 
 def watch(model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-          scaler: torch.amp.GradScaler | None = None, log: str | Path | None = None, every: int = 1,
-          dtype: LowDtype | torch.dtype | str | None = None, stop_on_nonfinite: bool = False,
-          inputs: bool = False, stop_after_skips: int = 10, eval: bool = False, provenance: bool = True,
-          ignore: Sequence[str] = (), guard: bool | Sequence[Any] = False, inside_compile: bool = False) -> Monitor:
-    """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt) as mon: ...``."""
-    return Monitor(model, optimizer=optimizer, scaler=scaler, log=log, every=every, dtype=dtype,
-                   stop_on_nonfinite=stop_on_nonfinite, inputs=inputs, stop_after_skips=stop_after_skips,
-                   eval=eval, provenance=provenance, ignore=ignore, guard=guard, inside_compile=inside_compile)
+          scaler: torch.amp.GradScaler | None = None, options: WatchOptions | None = None,
+          **keywords: Any) -> Monitor:
+    """Watch ``model`` while it trains: ``with ampaudit.watch(model, optimizer=opt, every=10) as mon: ...``.
+    The options (``log``, ``every``, ``dtype``, ...) are :class:`WatchOptions`' fields, given as
+    keyword arguments or as ``options=WatchOptions(...)``."""
+    return Monitor(model, optimizer=optimizer, scaler=scaler,
+                   options=resolve(options, keywords, caller="ampaudit.watch()"))

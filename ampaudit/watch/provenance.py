@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampaudit.graph.forward import iter_tensors
-from ampaudit.graph.userframe import boundary, user_location
+from ampaudit.core.tensors import iter_tensors
+from ampaudit.core.userframe import boundary, user_location
 
 FINITE, MASKED, BAD = 0, 1, 2  # a tensor's state; BAD: NaN or +inf (or -inf that arithmetic made)
 # Ops that write a given value: -inf out of them is a mask the user asked for.

@@ -12,7 +12,7 @@ synchronised on them: no extra host sync.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -118,3 +118,17 @@ class StepGuard:
                 for buffer, saved in self._bn_saved:
                     buffer.copy_(saved)
             self.counts["batchnorm_restores"] += 1
+
+
+def guard_for(guard: bool | Sequence[Any] | None, scaler: torch.amp.GradScaler | None,
+              optimizer: torch.optim.Optimizer | None, model: torch.nn.Module | None) -> StepGuard | None:
+    """The watch option ``guard``: None, or a StepGuard for the watched scaler, holding the given
+    schedulers (objects with ``step`` and ``get_last_lr``) and EMAs (the others)."""
+    if guard is False or guard is None:
+        return None
+    if scaler is None:
+        raise ValueError("guard needs the GradScaler that skips steps: watch(..., scaler=scaler, guard=True)")
+    held = [] if guard is True else list(guard)
+    schedulers = [h for h in held if callable(getattr(h, "step", None)) and hasattr(h, "get_last_lr")]
+    emas = [h for h in held if not any(h is s for s in schedulers)]
+    return StepGuard(scaler, optimizer, model=model, schedulers=schedulers, emas=emas)

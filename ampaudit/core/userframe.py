@@ -1,11 +1,15 @@
 """Find the user's source line behind an op: the innermost frame that is not torch's.
 
-Tracers stamp every node with ``(file, line)`` from here. Walking a few frames per node
-is far cheaper than fx's ``record_stack_traces`` (which formats the whole stack).
+Tracers stamp every node with ``(file, line)`` from here, load-time errors point at the
+user's line, and watch's replays name the line of the op that went non-finite. Walking a few
+frames per node is far cheaper than fx's ``record_stack_traces`` (which formats the whole
+stack). Like the rest of core/, importing this module does not import torch: torch's folder is
+found from its import spec.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import site
 import sysconfig
@@ -14,14 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
-import torch
-
 
 def _folder(path: str) -> str:
     return str(Path(path).resolve()) + os.sep
 
 
-_TORCH_ROOT = _folder(os.path.dirname(torch.__file__))
+def _torch_roots() -> tuple[str, ...]:
+    # find_spec returns an imported torch's own spec, so this is the torch that runs
+    spec = importlib.util.find_spec("torch")
+    return (_folder(os.path.dirname(spec.origin)),) if spec is not None and spec.origin else ()
+
+
+_TORCH_ROOTS = _torch_roots()
 _STDLIB_ROOT = _folder(sysconfig.get_paths()["stdlib"])
 # Installed packages often live under the stdlib folder (lib/python3.X/site-packages), but
 # they are model code as far as the user is concerned: transformers' modeling files, timm.
@@ -76,7 +84,7 @@ def _classify(filename: str) -> str:
             path = os.path.realpath(filename)
             if path.startswith(_AMPAUDIT_ROOT):
                 verdict = "ampaudit"
-            elif path.startswith(_TORCH_ROOT) or (
+            elif path.startswith(_TORCH_ROOTS) or (
                 path.startswith(_STDLIB_ROOT) and not path.startswith(_PACKAGE_ROOTS)
             ):
                 verdict = "internal"

@@ -1,0 +1,118 @@
+"""The options of a watch, defined once: ``ampaudit.watch()`` / ``Monitor``, the trainers'
+callbacks, Accelerate's ``watch`` and ``ampaudit run`` all take a :class:`WatchOptions` (or its
+fields as keyword arguments), and ``ampaudit run``'s flags are made from its fields.
+
+Each field carries its default and a one-line ``doc``; ``flag`` says how ``ampaudit run`` takes
+it (``None``: not on the command line, ``no_flag`` says why). Adding an option is one field
+here, its use where the watch is built (``monitor.py``), and its test (tests/test_watch_options.py).
+
+Torch-free: the command line's ``--help`` reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ampaudit.core.dtypes import LOW_DTYPES, LowDtype
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How ``ampaudit run`` takes an option. A bool is a switch: ``--NAME``, or ``--no-NAME`` for
+    one on by default; any other option takes a value: ``least`` (a whole number at least this),
+    ``choices``, ``path``, or ``repeat`` (each use adds one). ``default``: the command's own,
+    where it is not the API's; ``help``: where the field's doc does not read as a flag's."""
+
+    least: int | None = None
+    choices: tuple[str, ...] | None = None
+    path: bool = False
+    repeat: bool = False
+    metavar: str | None = None
+    default: Any = None
+    help: str | None = None
+
+
+def _about(doc: str, flag: Flag | None = None, *, no_flag: str | None = None) -> dict[str, Any]:
+    """A field's metadata: its doc, and its flag (a plain one unless given), or why it has none."""
+    if no_flag is None and flag is None:
+        flag = Flag()
+    return {"doc": doc, "flag": flag, "no_flag": no_flag}
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """How a watch records and reports; see docs/watch.md. Build it with keyword arguments, or
+    let the APIs build it from theirs (``resolve``)."""
+
+    log: str | Path | None = field(default=None, metadata=_about(
+        "the JSON-lines log to write, one line per recorded step (rank 0 writes it); None: no log",
+        Flag(path=True, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")))
+    every: int = field(default=1, metadata=_about(
+        "record every N-th step", Flag(least=1, help="record every N-th step (default 1)")))
+    dtype: LowDtype | torch.dtype | str | None = field(default=None, metadata=_about(
+        "the low-precision dtype overflow and underflow are counted against; None: the one the run uses",
+        Flag(choices=LOW_DTYPES, help="the low-precision dtype to count overflow/underflow against (default: the "
+             "one the run uses - autocast's at the first forward, else the model's own, else float16)")))
+    stop_on_nonfinite: bool = field(default=False, metadata=_about(
+        "raise NonFiniteError at the step boundary on a non-finite value a loss scale cannot fix",
+        Flag(help="stop the script (exit 1) at the step boundary on a non-finite value a loss scale cannot fix")))
+    inputs: bool = field(default=False, metadata=_about("also record each module's positional inputs"))
+    stop_after_skips: int = field(default=10, metadata=_about(
+        "with stop_on_nonfinite and a GradScaler: stop after this many skipped steps in a row",
+        Flag(least=1, metavar="N", help="with --stop-on-nonfinite and a GradScaler: stop after N skipped steps "
+             "in a row (default 10)")))
+    eval: bool = field(default=False, metadata=_about(
+        'record grad-disabled forwards (phase "eval"), not only count them'))
+    provenance: bool = field(default=True, metadata=_about(
+        "keep a step's module calls, to replay the one that went non-finite and name its op and line",
+        Flag(help="do not keep a step's module calls to replay the one that went non-finite (saves the memory of "
+             "their inputs; the report then names the module but not the op)")))
+    ignore: Sequence[str] = field(default=(), metadata=_about(
+        "modules (fnmatch on their names, e.g. 'blocks.*.attn.mask') never reported as where a NaN/Inf was born",
+        Flag(repeat=True, metavar="PATTERN")))
+    guard: bool | Sequence[Any] = field(default=False, metadata=_about(
+        "with a GradScaler: True, or the LR schedulers and EMAs to hold, so that a step the scaler skips leaves "
+        "them and BatchNorm's running statistics as they were",
+        no_flag="it holds the script's own schedulers, EMAs and model, which a command line cannot name"))
+    inside_compile: bool = field(default=False, metadata=_about(
+        "under torch.compile, record the modules inside the compiled graph too (an op in the graph: no graph "
+        "break; inductor's results may differ in the last bits)"))
+
+    def __post_init__(self) -> None:
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
+        ignore = self.ignore
+        try:
+            patterns = tuple(ignore) if not isinstance(ignore, str) else None
+        except TypeError:
+            patterns = None
+        if patterns is None or not all(isinstance(p, str) for p in patterns):
+            raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
+        object.__setattr__(self, "ignore", patterns)
+        if not isinstance(self.guard, (bool, type(None))):  # a generator is read once, here
+            object.__setattr__(self, "guard", tuple(self.guard))
+
+
+NAMES = tuple(f.name for f in fields(WatchOptions))
+
+
+def resolve(given: WatchOptions | None = None, keywords: Mapping[str, Any] | None = None, *,
+            caller: str = "ampaudit.watch()") -> WatchOptions:
+    """``given`` (or the defaults) with ``keywords`` set: what every API that watches calls with
+    its ``options=`` and ``**options`` arguments. A name that is not an option is a TypeError
+    naming ``caller`` and the options there are."""
+    keywords = dict(keywords or {})
+    unknown = sorted(set(keywords) - set(NAMES))
+    if unknown:
+        raise TypeError(f"{caller} got {'an unexpected option' if len(unknown) == 1 else 'unexpected options'} "
+                        f"{', '.join(map(repr, unknown))}; its options are {', '.join(NAMES)}")
+    if given is not None and not isinstance(given, WatchOptions):
+        raise TypeError(f"{caller}: options must be a WatchOptions (got {type(given).__name__})")
+    return replace(given, **keywords) if given is not None else WatchOptions(**keywords)

@@ -1,0 +1,147 @@
+"""Watch's options, defined once (ampaudit/watch/options.py): every field is taken, with the same
+meaning, by ``ampaudit.watch()`` and ``Monitor`` (here), by the trainers' callbacks and
+Accelerate's ``watch`` (tests/test_integrations.py) and by ``ampaudit run``'s command line (here,
+parsed only); a name that is no option is a TypeError naming the API; docs/watch.md lists them.
+
+A new option needs a sample value here (``SAMPLES``), what the Monitor makes of it (``EFFECTS``)
+and its flag (``FLAGS``, or the field's ``no_flag``): the tests below fail until it has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ampaudit
+from ampaudit.cli.main import build_parser, watch_options
+from ampaudit.watch import compiled
+from ampaudit.watch.monitor import Monitor
+from ampaudit.watch.options import NAMES, WatchOptions, resolve
+from tests.conftest import ROOT
+
+# Per option, a value that is not its default.
+SAMPLES: dict[str, Any] = {
+    "log": Path("watch-run.jsonl"), "every": 3, "dtype": "bfloat16", "stop_on_nonfinite": True, "inputs": True,
+    "stop_after_skips": 4, "eval": True, "provenance": False, "ignore": ("blocks.*.mask",), "guard": True,
+    "inside_compile": True,
+}
+# Per option, what a Monitor made of it.
+EFFECTS = {
+    "log": lambda m: m.log_path,
+    "every": lambda m: m.every,
+    "dtype": lambda m: (m.dtype_name, m.dtype_source),
+    "stop_on_nonfinite": lambda m: m.stop_on_nonfinite,
+    "inputs": lambda m: m.record_inputs,
+    "stop_after_skips": lambda m: m.stop_after_skips,
+    "eval": lambda m: m.record_eval,
+    "provenance": lambda m: m.recorder.provenance,
+    "ignore": lambda m: m.ignore,
+    "guard": lambda m: m.guard is not None,
+    "inside_compile": lambda m: m.recorder.inside_compile,
+}
+EXPECTED = {**SAMPLES, "dtype": ("bfloat16", "given")}
+# Per option with a flag, the command line that sets it to its sample.
+FLAGS = {
+    "log": ["--log", "watch-run.jsonl"], "every": ["--every", "3"], "dtype": ["--dtype", "bfloat16"],
+    "stop_on_nonfinite": ["--stop-on-nonfinite"], "inputs": ["--inputs"],
+    "stop_after_skips": ["--stop-after-skips", "4"],
+    "eval": ["--eval"], "provenance": ["--no-provenance"], "ignore": ["--ignore", "blocks.*.mask"],
+    "inside_compile": ["--inside-compile"],
+}
+NO_FLAG = {f.name for f in dataclasses.fields(WatchOptions) if f.metadata["flag"] is None}
+
+
+def samples(*, without: tuple[str, ...] = ()) -> dict[str, Any]:
+    """SAMPLES, less ``inside_compile`` where this torch cannot record inside a compiled graph."""
+    left_out = set(without) | (set() if compiled.SUPPORTED else {"inside_compile"})
+    return {k: v for k, v in SAMPLES.items() if k not in left_out}
+
+
+def test_every_option_has_a_default_a_doc_and_a_flag_or_the_reason_it_has_none():
+    for option in dataclasses.fields(WatchOptions):
+        assert option.default is not dataclasses.MISSING, option.name
+        doc = option.metadata["doc"]
+        assert doc and "\n" not in doc, option.name
+        assert (option.metadata["flag"] is None) == bool(option.metadata["no_flag"]), option.name
+    assert WatchOptions() == WatchOptions(**{f.name: f.default for f in dataclasses.fields(WatchOptions)})
+
+
+def test_the_samples_cover_every_option_and_differ_from_its_default():
+    assert set(SAMPLES) == set(EFFECTS) == set(NAMES)
+    assert set(FLAGS) == set(NAMES) - NO_FLAG
+    defaults = WatchOptions()
+    assert all(getattr(defaults, name) != value for name, value in SAMPLES.items())
+
+
+@pytest.mark.parametrize("api", [ampaudit.watch, Monitor], ids=["watch", "Monitor"])
+@pytest.mark.parametrize("form", ["keywords", "options"])
+def test_watch_and_monitor_take_every_option(api, form):
+    given = samples()
+    scaler = torch.amp.GradScaler("cpu")  # guard guards a GradScaler
+    model = nn.Linear(2, 2)
+    mon = api(model, scaler=scaler, **given) if form == "keywords" else \
+        api(model, scaler=scaler, options=WatchOptions(**given))
+    assert mon.options == WatchOptions(**given)
+    assert {name: EFFECTS[name](mon) for name in given} == {name: EXPECTED[name] for name in given}
+
+
+def test_keywords_set_fields_of_the_options_given():
+    mon = ampaudit.watch(nn.Linear(2, 2), options=WatchOptions(every=5, inputs=True), every=2)
+    assert (mon.every, mon.record_inputs) == (2, True)
+
+
+@pytest.mark.parametrize(("api", "name"), [(ampaudit.watch, "ampaudit.watch()"), (Monitor, "Monitor()")])
+def test_a_name_that_is_no_option_is_a_type_error_naming_the_api(api, name):
+    with pytest.raises(TypeError, match=rf"^{re.escape(name)} got an unexpected option 'evry'; its options are log, "):
+        api(nn.Linear(2, 2), evry=2)
+    with pytest.raises(TypeError, match="options must be a WatchOptions"):
+        api(nn.Linear(2, 2), options={"every": 2})
+
+
+def test_options_are_checked_when_built():
+    with pytest.raises(ValueError, match=r"every must be a whole number >= 1 \(got 0\)"):
+        WatchOptions(every=0)
+    with pytest.raises(TypeError, match="ignore must be a list of module-name patterns"):
+        WatchOptions(ignore="blocks.*")
+    assert WatchOptions(ignore=iter(["a", "b"])).ignore == ("a", "b")  # read once, kept
+    assert resolve(WatchOptions(every=4), {"eval": True}) == WatchOptions(every=4, eval=True)
+
+
+def test_ampaudit_run_takes_every_option_that_has_a_flag():
+    argv = [a for name in FLAGS if name in samples() for a in FLAGS[name]]
+    args = build_parser().parse_args(["run", *argv, "train.py", "--lr", "1"])
+    assert watch_options(args) == WatchOptions(**samples(without=tuple(NO_FLAG)))
+    assert (args.script, args.args) == (Path("train.py"), ["--lr", "1"])
+    defaults = watch_options(build_parser().parse_args(["run", "train.py"]))
+    assert defaults == WatchOptions(log=Path("ampaudit-watch.jsonl"))  # the command's own log; the rest as the API
+
+
+def test_an_option_without_a_flag_is_not_on_the_command_line():
+    assert {"guard"} == NO_FLAG  # the script's own schedulers, EMAs and model
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--guard", "train.py"])
+
+
+def test_docs_list_every_option():
+    watch_doc = (ROOT / "docs" / "watch.md").read_text()
+    listed = re.findall(r"^\| `(\w+)` \|", watch_doc, flags=re.M)
+    assert [name for name in listed if name in NAMES] == list(NAMES)
+
+
+def test_ampaudit_run_stop_on_nonfinite_stops_the_script_with_the_reason(cli, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "for step in range(3):\n"
+                      "    x = torch.ones(1, 2) * (float('inf') if step == 1 else 1.0)\n"
+                      "    model(x).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
+                      "print('finished')\n")
+    result = cli("run", "--stop-on-nonfinite", "--log", tmp_path / "run.jsonl", script)
+    assert result.code == 1
+    assert "finished" not in result.out
+    assert re.search(r"ampaudit run: stopped: non-finite values .*step 1", result.err), result.err
