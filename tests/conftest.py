@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,12 @@ def pytest_configure(config):
     # A fresh build cache per run: the suite compiles watch's C kernel itself (about 0.1 s)
     # rather than trusting whatever an earlier version left in ~/.cache.
     os.environ["AMPAUDIT_CACHE_DIR"] = config._ampaudit_cache = tempfile.mkdtemp(prefix="ampaudit-cache-")
+    # One torch thread (here and in the subprocesses tests start): the tensors are tiny, and
+    # OpenMP threads that spin while another worker or process holds the core make a step up
+    # to 40x slower (measured: one convert test, 2.5 s alone, took 110 s on a loaded machine).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # a plugin imported it before the variable could count
+        sys.modules["torch"].set_num_threads(1)
     _load_hypothesis_profile()
 
 
@@ -72,8 +79,12 @@ def wheel(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _run_from_repo_root(monkeypatch):
-    # Reports name files relative to the working directory; pin it so paths are stable.
+    # Reports name files relative to the working directory; pin it so paths are stable. The
+    # width of a report is rich's choice from COLUMNS (a terminal, pytest-xdist's workers set
+    # it to 80): tests that want a width set it themselves.
     monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
 
 
 class CliResult:

@@ -235,6 +235,19 @@ def test_kind_of_callable(fn: object, kind: str) -> None:
 # -- user overlays --------------------------------------------------------------------------
 
 
+def test_search_matches_kinds_aliases_and_module_types_in_any_case() -> None:
+    by_kind = {m.kind: m for m in CATALOG.search("SOFTMAX")}
+    assert "softmax" in by_kind and "log_softmax" in by_kind
+    assert "torch.nn.Softmax" in by_kind["softmax"].also  # the names that also map to the kind, sorted
+    assert list(by_kind["softmax"].also) == sorted(by_kind["softmax"].also)
+    assert by_kind["softmax"].policy == CATALOG.lookup("softmax")
+    alias, kind = next(iter(sorted(CATALOG.aliases.items())))
+    assert kind in {m.kind for m in CATALOG.search(alias.upper())}
+    everything = CATALOG.search("")
+    assert [m.kind for m in everything] == sorted(CATALOG.ops)
+    assert CATALOG.search("no_such_op_anywhere") == []
+
+
 def test_override_keeps_the_autocast_fact() -> None:
     merged = CATALOG.merged({"ops": {"layer_norm": {"precision": "fp16", "reason": "we measured it"}}}, "t.toml")
     policy = merged.lookup("layer_norm")

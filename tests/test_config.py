@@ -6,9 +6,10 @@ import textwrap
 
 import pytest
 
-from ampaudit.core.config import load_config
+from ampaudit.core.config import Config, load_config
 from ampaudit.core.errors import UsageError
 from ampaudit.core.finalize import suppressed_codes
+from ampaudit.core.findings import FAIL_ON, Finding, Report, Severity, Target, fails_on
 
 HEAD = '''\
 """A model whose LayerNorm output feeds var() and an unknown op."""
@@ -144,3 +145,18 @@ def test_config_is_found_upwards(tmp_path):
 ])
 def test_suppression_comment_syntax(line, codes):
     assert suppressed_codes(line) == codes
+
+
+@pytest.mark.parametrize(("threshold", "fails"), [("error", False), ("warning", True), ("info", True),
+                                                  ("never", False)])
+def test_fail_on_is_the_least_severity_that_fails(threshold, fails):
+    findings = [Finding("AMP002", Severity.WARNING, "m", "f.py", 1), Finding("AMP001", Severity.INFO, "m", "f.py", 2)]
+    report = Report(Target("f.py", "", "none"), findings=findings)
+    assert fails_on(findings, threshold) is fails
+    assert report.fails(threshold) is fails
+    assert Config(fail_on=threshold).fails(report) is fails
+    assert threshold in FAIL_ON
+
+
+def test_no_finding_never_fails():
+    assert not any(fails_on([], threshold) for threshold in FAIL_ON)

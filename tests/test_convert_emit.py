@@ -101,8 +101,8 @@ def test_fsdp2_policy_shards_and_runs(export, monkeypatch):
 
 
 def test_autocast_policy_survives_a_deep_copy(export):
-    # the fp32 wrapper is bound to its module: before, a copy of the model (an EMA, say) ran
-    # the original's attention
+    # the fp32 wrapper is bound to its module, so a copy of the model (an EMA, say) runs its
+    # own attention, not the original's
     import copy
 
     loaded = load_target(model(FIXTURE))

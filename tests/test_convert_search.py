@@ -78,8 +78,8 @@ def test_search_doubles_when_no_op_is_over_the_tolerance():
 @pytest.mark.parametrize("backend", ["fx", "modules"])
 def test_untrained_batch_norms_are_compared_as_training_normalises(backend):
     # Freshly built, its BatchNorms do not normalise in eval mode and the logits come out near
-    # 6e-7, below fp16's normal range: compared that way the error was 7% and the search
-    # promoted ops (16 forward passes) for an error training never has. Compared with the
+    # 6e-7, below fp16's normal range: compared that way the error is 7% and the search would
+    # promote ops (16 forward passes) for an error training never has. Compared with the
     # batch's statistics, as training and the range audit do, nothing needs promoting.
     loaded = load_target(model("untrained_batchnorm.py"))
     with torch.no_grad():
@@ -91,3 +91,19 @@ def test_untrained_batch_norms_are_compared_as_training_normalises(backend):
     for module in (*loaded.model.modules(), *model_mp.modules()):  # running statistics untouched
         if isinstance(module, torch.nn.BatchNorm2d):
             assert int(module.num_batches_tracked) == 0 and not module.running_mean.any()
+
+
+@pytest.mark.parametrize("backend", ["fx", "modules"])
+def test_a_batch_with_one_value_per_channel_is_compared_as_the_model_runs(backend):
+    # Training refuses such a batch ("more than 1 value per channel"): verification and the
+    # range audit keep the untrained BatchNorm's own output instead of the batch's statistics.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)).eval()
+    x = torch.randn(1, 4)
+    model_mp = ampaudit.convert(net, (x,), backend=backend)
+    assert model_mp.summary.error_before < 1e-2 and model_mp.summary.promoted == []
+    report = ampaudit.check(net, (x,))
+    (norm,) = [n for n in report.nodes if n.kind == "batch_norm"]
+    with torch.no_grad():
+        want = float(net[:2](x).abs().max())
+    assert norm.measured["absmax"] == pytest.approx(want, rel=1e-3)

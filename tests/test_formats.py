@@ -121,3 +121,18 @@ def test_sarif_uris_are_percent_encoded(cli, tmp_path, monkeypatch):
     doc = cli("check", "--lint-only", "my runs #2", "--format", "sarif").json()
     locations = {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for r in doc["runs"][0]["results"]}
     assert locations == {"my%20runs%20%232/train%20100%25.py"}
+
+
+def test_each_commands_formats_are_its_renderers_table():
+    from ampaudit.cli.main import build_parser
+    from ampaudit.report.formats import FORMATS, MACHINE_FORMATS
+    from ampaudit.report.op_table import OPS_FORMATS
+    from ampaudit.report.rule_docs import RULE_FORMATS
+
+    def choices(command):
+        sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+        return tuple(next(a for a in sub._actions if a.dest == "format").choices)
+
+    assert ("text", *MACHINE_FORMATS) == FORMATS
+    assert choices("check") == choices("report") == FORMATS
+    assert choices("rules") == tuple(RULE_FORMATS) and choices("ops") == tuple(OPS_FORMATS)

@@ -602,9 +602,9 @@ def test_a_file_python_refuses_before_parsing_is_not_linted(tmp_path, raw, reaso
 
 
 @pytest.mark.parametrize(("raw", "unsafe"), [
-    # a CRLF file: the inserted scaler.update() used to land between the CR and the LF
+    # a CRLF file: the inserted scaler.update() goes after the CR and the LF, not between them
     (b"def f(scaler, opt, loss):\r\n    scaler.scale(loss).backward()\r\n    scaler.step(opt)\r\n", True),
-    # a form feed (or \x0b, \x1c-\x1e, \x85, U+2028) is no line break for Python: fix offsets shifted
+    # a form feed (or \x0b, \x1c-\x1e, \x85, U+2028) is no line break for Python, nor for fix offsets
     (b"\x0c\nscaler = torch.cuda.amp.GradScaler()\n", False),
     ("# \u2028 \x85\nscaler = torch.cuda.amp.GradScaler()\n".encode(), False),
     # AMP405's fix (optimizer.step() -> scaler.step(optimizer)) also adds the missing update,

@@ -101,6 +101,21 @@ def test_unsafe_fixes_need_the_flag_and_then_resolve_the_finding(cli, tmp_path, 
     compile(path.read_text(), str(path), "exec")
 
 
+def test_fix_and_recheck_is_the_fix_loop_as_a_function(tmp_path):
+    from ampaudit.check.fix import fix_and_recheck
+
+    path = _copy(tmp_path, "AMP414_invalid.py")  # its fixes change behaviour: unsafe only
+    before = path.read_text()
+    run = fix_and_recheck([str(path)])  # the config `ampaudit check` would read
+    assert (run.files, run.fixed, run.unsafe_left) == ([], 0, 2) and path.read_text() == before
+    run = fix_and_recheck([str(path)], Config(), unsafe=True)
+    assert len(run.files) == 1 and run.fixed == 2 and run.unsafe_left == 0
+    assert path.read_text() != before
+    # the report is of the rewritten file: only the finding with no automatic fix is left
+    assert [f.rule for f in run.report.findings if f.rule == "AMP414"] == ["AMP414"]
+    assert run.report.findings == check_targets([str(path)], Config(), CheckOptions()).findings
+
+
 def test_diff_prints_and_writes_nothing(cli, tmp_path):
     path = _copy(tmp_path, "AMP401_invalid.py")
     before = path.read_bytes()
@@ -189,7 +204,7 @@ def _all_fixture_files():
 def test_skipping_irrelevant_code_changes_no_finding(monkeypatch):
     # relevant_statements() drops functions and classes that mention nothing the rules read;
     # the findings must be exactly those of a full visit, on every fixture we have.
-    from ampaudit.check.lint import facts
+    from ampaudit.check.lint import collect
 
     def lint_all():
         out = {}
@@ -201,7 +216,7 @@ def test_skipping_irrelevant_code_changes_no_finding(monkeypatch):
         return out
 
     fast = lint_all()
-    monkeypatch.setattr(facts, "relevant_statements", lambda facts, tree, relevant: tree.body)
+    monkeypatch.setattr(collect, "relevant_statements", lambda text, tree, relevant: tree.body)
     assert lint_all() == fast
     assert sum(len(v) for v in fast.values() if isinstance(v, list)) > 35
 
@@ -238,6 +253,104 @@ def test_a_new_rule_is_heard_inside_functions_it_declares_it_reads(monkeypatch):
     assert [(f.rule, f.line) for f in found] == [("AMP402", 2)]
     monkeypatch.setattr(LINT_RULES, "_pattern", None)  # the registry's cache is rebuilt without it afterwards
 
+
+
+def _immutable(value, seen=None):
+    """Whether ``value`` and everything it holds - tuples, frozensets, read-only mappings,
+    frozen records - cannot be changed (syntax tree nodes are the parse's, not facts)."""
+    import ast
+    import dataclasses
+    from types import MappingProxyType
+
+    if isinstance(value, (str, int, float, bool, type(None), ast.AST)):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(_immutable(v) for v in value)
+    if isinstance(value, MappingProxyType):
+        return all(_immutable(k) and _immutable(v) for k, v in value.items())
+    if dataclasses.is_dataclass(value):
+        return type(value).__dataclass_params__.frozen and all(
+            _immutable(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+def test_facts_are_read_only_after_the_visit(monkeypatch):
+    # Every rule reads the same ScriptFacts: none can change what the next one reads. A helper
+    # that derives something several rules ask memoizes it outside the facts (memo.per_file).
+    import dataclasses
+
+    from ampaudit.check.lint.collect import collect
+    from ampaudit.check.script_rules import LINT_RULES, lint_rule
+
+    path = ROOT / "fixtures" / "trainers" / "13_gan_two_scalers_bug.py"
+    facts = collect(str(path), path.read_text())
+    assert facts.calls and facts.assignments and facts.autocasts and facts.scopes()
+    for field in dataclasses.fields(facts):
+        assert _immutable(getattr(facts, field.name)), field.name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.calls = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.cache = {}  # no new attribute either
+    with pytest.raises(AttributeError):
+        facts.calls[0].line = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.autocasts[0].enabled = False
+    with pytest.raises(AttributeError):
+        facts.calls.append(facts.calls[0])
+    with pytest.raises(TypeError):
+        facts.scalers_by_scope[facts.module_scope] = frozenset()
+
+    # and through the lint: a rule that writes into the facts fails
+    LINT_RULES.load()
+    monkeypatch.setattr(LINT_RULES, "by_code", dict(LINT_RULES.by_code))
+    monkeypatch.setattr(LINT_RULES, "reads", dict(LINT_RULES.reads))
+    monkeypatch.setattr(LINT_RULES, "_pattern", None)
+
+    @lint_rule("AMP499", reads=("backward",))
+    def caching(facts):
+        facts.seen = [c for c in facts.calls if c.method == "backward"]
+        yield from ()
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lint_source(str(path), path.read_text())
+    monkeypatch.setattr(LINT_RULES, "_pattern", None)  # the registry's cache is rebuilt without it afterwards
+
+
+def test_a_helper_memoizes_per_file_and_forgets_with_the_facts():
+    import gc
+    import weakref
+
+    from ampaudit.check.lint.collect import collect
+    from ampaudit.check.lint.memo import per_file
+
+    asked = []
+
+    @per_file
+    def calls_named(facts, name):
+        asked.append(name)
+        return tuple(c for c in facts.calls if c.method == name)
+
+    facts, other = collect("a.py", "x.step()\nx.step()\n"), collect("b.py", "x.step()\n")
+    assert len(calls_named(facts, "step")) == 2 and calls_named(facts, "step") is calls_named(facts, "step")
+    assert len(calls_named(other, "step")) == 1 and asked == ["step", "step"]  # once per file
+    gone = weakref.ref(facts)
+    del facts
+    gc.collect()
+    assert gone() is None  # the memo does not keep a file's facts alive
+
+
+def test_a_rule_reads_the_same_facts_whatever_ran_before():
+    # AMP416 asks whether the file uses fp16 at all: a fact of the visit (any torch.float16 /
+    # torch.half in the code), not of which names other rules happened to look up first.
+    from ampaudit.check.lint.collect import collect
+    from ampaudit.check.script_rules.one_plus_tiny import one_plus_tiny
+
+    source = "import torch\nx = torch.zeros(3, dtype=torch.float16)\ny = 1 - 1e-5\n"
+    assert [f.rule for f in one_plus_tiny(collect("t.py", source))] == ["AMP416"]
+    assert [f.rule for f in lint_source("t.py", source)] == ["AMP416"]
+    aliased = "from torch import half\nx = torch.zeros(3, dtype=half)\ny = 1 - 1e-5\n"
+    assert [f.rule for f in lint_source("t.py", aliased)] == ["AMP416"]
+    assert lint_source("t.py", "import torch\nx = torch.zeros(3)\ny = 1 - 1e-5\n") == []
 
 def test_a_lint_rule_must_say_what_it_reads():
     from ampaudit.check.script_rules import lint_rule

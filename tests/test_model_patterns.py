@@ -1,4 +1,4 @@
-"""Patterns of real model code that used to raise false alarms: in-place activations,
+"""Patterns of real model code that must raise no false alarm: in-place activations,
 checks and size arithmetic, identity-like modules, untrained BatchNorms, precision a model
 declares for itself - and the timm / torchvision models they come from."""
 

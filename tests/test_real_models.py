@@ -168,8 +168,8 @@ def test_more_architectures_report_only_their_real_hazards(name):
 @pytest.mark.parametrize("spec", ["hf:gpt2", "hf:bert", "hf:llama", "hf:t5"])
 def test_convert_hf_models_built_from_configs(spec):
     # None of them traces at the top level: their children are traced as the model calls them
-    # (BERT's embeddings get token_type_ids=None: before, the child was traced with a tensor
-    # there and the converted model crashed).
+    # (BERT's embeddings get token_type_ids=None, and the child is traced with None there:
+    # traced with a tensor, the converted model would crash).
     import torch
 
     import ampaudit

@@ -228,7 +228,9 @@ def test_hooks_are_removed_on_exit_and_on_exceptions():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # gc.get_objects() meets torch's deprecated aliases
-def test_memory_is_flat_over_1000_steps():
+def test_memory_is_flat():
+    # A leak of one object every 5 steps shows as 20 over the 100 measured steps: the rate the
+    # bound below catches (after a warm-up that fills the step buffers and caches).
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.ones(2, 4)
@@ -239,16 +241,15 @@ def test_memory_is_flat_over_1000_steps():
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-        steps(100)
+        steps(20)
         gc.collect()
         objects, tensors = len(gc.get_objects()), sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
-        steps(900)
+        steps(100)
         gc.collect()
         # growth is what leaks; fewer objects is what earlier tests left and got freed meanwhile
-        # (after the torch.compile tests: 630 fewer)
-        assert len(gc.get_objects()) - objects < 200
+        assert len(gc.get_objects()) - objects < 20
         assert sum(isinstance(o, torch.Tensor) for o in gc.get_objects()) <= tensors
-    assert mon.summary()["steps"] == 1000
+    assert mon.summary()["steps"] == 120
 
 
 @pytest.mark.parametrize("variant", ["autocast-bf16", "autocast-fp16", "half", "convert"])
@@ -747,7 +748,7 @@ def _scaled_steps(model, opt, scaler, losses, *, mon_kwargs):
 
 
 def test_stop_on_nonfinite_lets_the_scaler_skip_an_overflow():
-    # a gradient overflow the GradScaler skips is the scaler working: no stop (it stopped before)
+    # a gradient overflow the GradScaler skips is the scaler working: no stop
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -782,8 +783,8 @@ class _Odd(nn.Module):
 
 
 def test_tensors_watch_cannot_measure_are_skipped_and_counted(tmp_path):
-    # before, a sparse output crashed the user's step ("reshape is not implemented for sparse
-    # tensors"); a sparse embedding's gradient too
+    # a sparse output, or a sparse embedding's gradient, is skipped and counted: measured, it
+    # would crash the user's step ("reshape is not implemented for sparse tensors")
     import warnings
 
     embed = nn.Embedding(10, 4, sparse=True)
@@ -811,7 +812,7 @@ def test_tensors_watch_cannot_measure_are_skipped_and_counted(tmp_path):
     ("given", "bfloat16", "given"),
 ])
 def test_the_audited_dtype_is_the_one_the_run_uses(tmp_path, setup, dtype, source):
-    # a bf16 run (HF bf16=True, Lightning bf16-mixed) was audited for float16 unless told
+    # a bf16 run (HF bf16=True, Lightning bf16-mixed) is audited for bfloat16 without being told
     import contextlib
 
     model = _net()
@@ -835,8 +836,8 @@ def test_the_audited_dtype_is_the_one_the_run_uses(tmp_path, setup, dtype, sourc
 
 @pytest.mark.parametrize("optimizer_type", ["sgd", "lbfgs"])
 def test_closure_steps_record_each_step_in_its_own_step(optimizer_type):
-    # optimizer.step(closure) runs forward and backward inside step(): before, every record
-    # landed one step late (an empty step 0, an extra step, a NaN at step 2 reported at step 3)
+    # optimizer.step(closure) runs forward and backward inside step(): each record belongs to
+    # that step, not one late (no empty step 0, no extra step, a NaN at step 2 reported at 2)
     model = _net(_Blowup(at_step=2))
     opt = (torch.optim.SGD(model.parameters(), lr=0.01) if optimizer_type == "sgd"
            else torch.optim.LBFGS(model.parameters(), lr=0.01, max_iter=1))
@@ -859,8 +860,8 @@ def test_closure_steps_record_each_step_in_its_own_step(optimizer_type):
 
 @pytest.mark.parametrize("record_eval", [False, True])
 def test_eval_forwards_stay_out_of_the_training_statistics(record_eval):
-    # nanoGPT's estimate_loss(): torch.no_grad() forwards between steps used to be added to
-    # the next training step's statistics
+    # nanoGPT's estimate_loss(): torch.no_grad() forwards between steps stay out of the next
+    # training step's statistics (with eval=True they are recorded apart)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.ones(3, 4)
@@ -882,7 +883,7 @@ def test_eval_forwards_stay_out_of_the_training_statistics(record_eval):
 
 @pytest.mark.parametrize("width", [80, 120])
 def test_the_summary_fits_the_terminal(width):
-    # at 80 columns the numeric columns used to shrink to nothing, and counts were cut at 120
+    # at 80 and at 120 columns the summary fits, its numeric columns show, long counts stay whole
     import io
 
     from rich.console import Console
@@ -907,8 +908,8 @@ def test_the_summary_fits_the_terminal(width):
 
 @pytest.mark.parametrize("order", ["lifo", "fifo"])
 def test_two_watches_on_one_scaler_keep_their_own_steps(order):
-    # each watch's stop() used to remove whichever wrapper was on top: the other watch lost its
-    # step boundaries (and the scaler kept a dead wrapper)
+    # each watch's stop() removes its own wrapper, whichever is on top: the other watch keeps
+    # its step boundaries, and the scaler keeps no dead wrapper
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -1020,7 +1021,7 @@ def test_add_stats_takes_a_missing_field_as_zero_on_either_side():
 
 
 def test_stop_on_nonfinite_records_the_step_once(tmp_path):
-    # the step that raised used to be recorded again by stop(): twice in the log, its counts doubled
+    # the step that raised is in the log once, its counts added once: stop() does not record it again
     model = _net(_Blowup(at_step=1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     log = tmp_path / "run.jsonl"

@@ -199,7 +199,7 @@ for step in range(3):
 @pytest.mark.parametrize("inside", [False, True])
 def test_run_records_inside_a_compiled_script_when_asked(tmp_path, inside):
     # ampaudit run hooks every module globally: the traced global hook puts the recording op in
-    # the graph too (it used to return before it, so --inside-compile recorded nothing inside).
+    # the graph too (a hook that returned first would leave --inside-compile recording nothing).
     script, log = tmp_path / "train.py", tmp_path / "watch.jsonl"
     script.write_text(COMPILED_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", str(log),

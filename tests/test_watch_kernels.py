@@ -107,6 +107,20 @@ def test_the_flags_only_pass_counts_the_non_finite_values_of_the_whole_row(dtype
             bool(x.isnan().any() or x.isinf().any()), bool(x.isnan().any() or (x == float("inf")).any()))
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_candidate_first_nonfinite_is_flagged_with_or_without_the_c_kernel(monkeypatch, kernel):
+    # Without the C kernel (or off the CPU) the flags come from the whole row instead.
+    if kernel and not cpu_kernel.available():
+        pytest.skip(f"no C kernel: {cpu_kernel.status()}")
+    monkeypatch.setattr(cpu_kernel, "available", lambda: kernel)
+    x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0, float("nan")])
+    counts, extras = stats.new_row(x.device)
+    stats.fill_nonfinite(x, counts, extras, FP16)
+    raw = stats.raw_matrix(counts[None], extras[None])
+    assert _flags(counts) == (2, 2, 1)
+    assert (stats.nonfinite(raw).item(), stats.harmful(raw).item()) == (True, True)
+
+
 @needs_kernel
 def test_the_flags_only_pass_tells_signalling_nans_and_minus_inf_apart():
     signalling = torch.tensor([0x7F800001, 0xFF800010, 0xFF800000]).to(torch.int32).view(torch.float32)
@@ -363,15 +377,21 @@ print(json.dumps(rows))
 @needs_kernel
 @pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 builds")
 @pytest.mark.parametrize("flags", [["-DAMPAUDIT_NO_CLONES"], ["-DAMPAUDIT_NO_CLONES", "-march=x86-64-v3"]])
-def test_every_cpu_clone_of_the_kernel_makes_the_same_rows(tmp_path, flags):
+def test_every_cpu_clone_of_the_kernel_makes_the_same_rows(tmp_path, flags, rows_this_cpu_picks):
     # The library holds a baseline, an AVX2 and an AVX-512 build of each loop, and the CPU
     # picks one: the baseline and AVX2 builds, forced here, agree with the one this CPU picks.
-    def rows(extra: list[str], cache: str) -> list:
-        proc = subprocess.run([sys.executable, "-c", _ROWS_IN_SUBPROCESS, *extra], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "AMPAUDIT_CACHE_DIR": cache})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout
-
     if "-march=x86-64-v3" in flags and "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
-    assert rows(flags, str(tmp_path)) == rows([], str(cpu_kernel.cache_dir()))
+    assert _rows_in_subprocess(flags, str(tmp_path)) == rows_this_cpu_picks
+
+
+def _rows_in_subprocess(extra: list[str], cache: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", _ROWS_IN_SUBPROCESS, *extra], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "AMPAUDIT_CACHE_DIR": cache})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def rows_this_cpu_picks() -> str:
+    return _rows_in_subprocess([], str(cpu_kernel.cache_dir()))

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import ampaudit
-from ampaudit.cli.main import build_parser, watch_options
+from ampaudit.cli.main import build_parser
+from ampaudit.cli.run_cmd import watch_options
 from ampaudit.watch import compiled
 from ampaudit.watch.monitor import Monitor
 from ampaudit.watch.options import NAMES, WatchOptions, resolve

@@ -178,8 +178,9 @@ def test_forward_nonfinite_names_the_op_and_line():
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_a_weight_already_non_finite_is_named_not_denied(value):
-    # Every op that went non-finite read the weight, so no op made NaN/Inf out of finite inputs;
-    # the replay used to say the module "stayed finite". Found on HF GPT-2 with an inf in c_proj.
+    # Every op that went non-finite read the weight, so no op made NaN/Inf out of finite inputs:
+    # the note names the parameter, and does not say the module "stayed finite" (HF GPT-2 with
+    # an inf in c_proj).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     with torch.no_grad():

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import difflib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ampaudit.check.lint import edits
+from ampaudit.check.options import CheckOptions
+from ampaudit.check.run import check_targets, config_for
+from ampaudit.core.config import Config
 from ampaudit.core.errors import UsageError
 from ampaudit.core.files import digest, locked, write_atomic
-from ampaudit.core.findings import Finding
+from ampaudit.core.findings import Finding, Report
 from ampaudit.core.python_source import read_python
 
 
@@ -22,8 +25,39 @@ class FileFix:
     diff: str
 
 
+@dataclass
+class FixRun:
+    """What ``ampaudit check --fix`` did: the files it rewrote and the report checked after."""
+
+    files: list[FileFix]
+    report: Report  # the findings left: checked again when a file was rewritten
+
+    @property
+    def fixed(self) -> int:
+        return sum(len(f.fixed) for f in self.files)
+
+    @property
+    def unsafe_left(self) -> int:
+        """How many findings left only ``unsafe=True`` would fix."""
+        return len(fixable(self.report.findings, unsafe=True)) - len(fixable(self.report.findings, unsafe=False))
+
+
 def fixable(findings: Iterable[Finding], *, unsafe: bool) -> list[Finding]:
     return [f for f in findings if f.autofix is not None and (f.autofix.safe or unsafe)]
+
+
+def fix_and_recheck(targets: Sequence[str], config: Config | None = None, options: CheckOptions | None = None,
+                    *, unsafe: bool = False) -> FixRun:
+    """``ampaudit check --fix TARGETS``: check ``targets``, apply the fixes of what is found in
+    place (``unsafe``: also those that change behaviour), then check again for what is left.
+    ``config``: by default the one ``ampaudit check`` would read (:func:`config_for`)."""
+    config = config if config is not None else config_for(targets)
+    options = options if options is not None else CheckOptions()
+    report = check_targets(targets, config, options)
+    files = fix_files(report.findings, unsafe=unsafe, write=True)
+    if files:  # with nothing rewritten the first report stands: no second import of the model
+        report = check_targets(targets, config, options)
+    return FixRun(files, report)
 
 
 def fix_files(findings: Iterable[Finding], *, unsafe: bool, write: bool) -> list[FileFix]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ampaudit.check.lint.facts import collect
+from ampaudit.check.lint.collect import collect
 from ampaudit.check.script_rules import LINT_RULES, run_lint_rules
 from ampaudit.core.errors import LoadError
 from ampaudit.core.files import digest

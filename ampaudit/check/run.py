@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ampaudit.check.lint_file import lint_file
 from ampaudit.check.options import CheckOptions
-from ampaudit.core.config import Config
+from ampaudit.core.config import Config, load_config
 from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
@@ -77,6 +77,18 @@ def _lint_many(files: list[Path], options: CheckOptions) -> list[Finding]:
 def _lint_in_worker(path: Path) -> list[Finding]:
     # A module-level function, so worker processes can receive it.
     return lint_file(path, syntax_errors_as_findings=True)
+
+
+def config_for(targets: Sequence[str]) -> Config:
+    """The ``[tool.ampaudit]`` settings ``ampaudit check TARGETS`` reads: the nearest
+    pyproject.toml above the first target's file, or above the current folder for a model
+    named without a file."""
+    from ampaudit.load.spec import parse_spec
+
+    first = parse_spec(targets[0]) if targets else None
+    if first is None or first.kind == "file":
+        return load_config(first.path if first is not None and first.path.exists() else None)
+    return load_config(Path.cwd())
 
 
 def check_targets(targets: Sequence[str], config: Config, options: CheckOptions) -> Report:

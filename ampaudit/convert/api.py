@@ -335,8 +335,8 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
     """Give ``gm`` back the parameters and buffers of ``module`` its graph does not read: a
     GraphModule holds only what the forward uses, but the state_dict keys and ties are the
     model's (transformers' BERT keeps ``cls.predictions.bias``, tied to ``decoder.bias``,
-    which its forward never reads: dropped, the optimizer trained a tensor the converted
-    model no longer held, and the tie was lost)."""
+    which its forward never reads: dropped, the tie would be lost and the optimizer would
+    train a tensor the converted model does not hold)."""
     held = dict(_state(gm))
     for name, tensor in _state(module):
         if name in held:

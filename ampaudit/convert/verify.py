@@ -65,7 +65,7 @@ def _untrained_norms_use_batch_statistics(model: torch.nn.Module) -> Iterator[No
     """A BatchNorm that never saw a batch (running mean 0, variance 1: a model built, not yet
     trained) does not normalise at all in eval mode, and the outputs it leads to can be far
     from anything training sees - timm's efficientnet_b0 gives logits near 2e-6 at 32 x 32,
-    below fp16's normal range. Compared that way, verification promoted ops for an error
+    below fp16's normal range. Compared that way, verification would promote ops for an error
     training never has. Such norms normalise with the batch's own statistics here, as
     training does and as the range audit measures (running statistics untouched)."""
     handles = [m.register_forward_hook(_batch_normalised) for m in model.modules() if untrained_batch_norm(m)]

@@ -44,6 +44,18 @@ class OpPolicy:
 
 
 @dataclass(frozen=True)
+class OpMatch:
+    """A kind :meth:`Catalog.search` found: its policy and the other names that map to it."""
+
+    policy: OpPolicy
+    also: tuple[str, ...]  # its aliases and module types, sorted
+
+    @property
+    def kind(self) -> str:
+        return self.policy.kind
+
+
+@dataclass(frozen=True)
 class Trait:
     """A property of ops that graph passes rely on, and the kinds that have it."""
 
@@ -122,6 +134,17 @@ class Catalog:
     # -- policy ------------------------------------------------------------------------
     def lookup(self, kind: str) -> OpPolicy | None:
         return self.ops.get(kind)
+
+    def search(self, pattern: str) -> list[OpMatch]:
+        """The kinds whose name, alias or module type contains ``pattern`` (in any case), sorted
+        by kind: ``ampaudit ops PATTERN``. An empty pattern matches every kind."""
+        needle = pattern.lower()
+        names: dict[str, list[str]] = {kind: [] for kind in self.ops}
+        for name, kind in (*self.aliases.items(), *self.modules.items()):
+            if kind in names:
+                names[kind].append(name)
+        return [OpMatch(self.ops[kind], tuple(sorted(also))) for kind, also in sorted(names.items())
+                if needle in kind.lower() or any(needle in name.lower() for name in also)]
 
     # -- traits ------------------------------------------------------------------------
     def trait(self, *names: str) -> frozenset[str]:

@@ -12,10 +12,9 @@ from typing import Any
 
 from ampaudit.core.dtypes import FLOAT16, LOW_DTYPES, LowDtype
 from ampaudit.core.errors import UsageError
-from ampaudit.core.findings import Report, Severity
+from ampaudit.core.findings import FAIL_ON, Report
 from ampaudit.core.resources import load_toml
 
-FAIL_ON = ("error", "warning", "info", "never")
 _KEYS = {"select", "ignore", "fail-on", "dtype", "policy"}
 _PREFIX = re.compile(r"^AMP\d{0,3}$")
 
@@ -35,10 +34,8 @@ class Config:
         return not any(code.startswith(p) for p in self.ignore)
 
     def fails(self, report: Report) -> bool:
-        if self.fail_on == "never":
-            return False
-        threshold = Severity(self.fail_on).rank
-        return any(f.severity.rank >= threshold for f in report.findings)
+        """Whether ``report`` has a finding at or above this config's ``fail_on``."""
+        return report.fails(self.fail_on)
 
 
 def check_prefixes(values: Iterable[str], what: str) -> list[str]:

@@ -11,6 +11,7 @@ ConversionSummary, and the AMP5xx family is reserved for when it reports through
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,18 @@ class Severity(str, enum.Enum):
             return cls(text.lower())
         except ValueError:
             raise ValueError(f"unknown severity {text!r} (expected error, warning or info)") from None
+
+
+FAIL_ON = ("error", "warning", "info", "never")  # the thresholds --fail-on and [tool.ampaudit] fail-on take
+
+
+def fails_on(findings: Iterable[Finding], threshold: str) -> bool:
+    """Whether any of ``findings`` is at least as severe as ``threshold`` (one of ``FAIL_ON``):
+    what makes ``ampaudit check`` and ``ampaudit report`` exit 1. ``"never"``: none fails."""
+    if threshold == "never":
+        return False
+    least = Severity.parse(threshold).rank
+    return any(f.severity.rank >= least for f in findings)
 
 
 class Precision(str, enum.Enum):
@@ -154,6 +167,10 @@ class Report:
 
     def count(self, severity: Severity) -> int:
         return sum(f.severity is severity for f in self.findings)
+
+    def fails(self, threshold: str) -> bool:
+        """Whether a finding is at least as severe as ``threshold`` (see :func:`fails_on`)."""
+        return fails_on(self.findings, threshold)
 
     def summary(self) -> dict[str, int]:
         return {

@@ -1,6 +1,8 @@
 """What the integrations share: the one-line error for a framework that is not installed, what
 a callback holds (the watch's options and its Monitor), the guard on the trainer's GradScaler,
-and the step boundary at a trainer's hook - the one place they reach into Monitor's internals."""
+and the step boundary at a trainer's hook. They use Monitor's public API only (``start``,
+``step(scaler=...)``, ``stop``, ``summary``; ``guard`` is set once the trainer's GradScaler is
+known); the one private state read is the GradScaler's per-optimizer stage (``unscale_once``)."""
 
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ class DeviceConditions:
     def add(self, step: int, flat: torch.Tensor, keys: list, param_keys: list, scale: torch.Tensor | None,
             limits: LowDtype) -> None:
         """One logged step. ``flat``: the Monitor's step buffer, whose first rows are the Stats
-        rows of ``keys`` ((module, phase)) and then of ``param_keys`` (``Monitor._step_buffer``);
+        rows of ``keys`` ((module, phase)) and then of ``param_keys`` (``StepReducer.step_buffer``);
         ``scale``: the loss scale the step used (a device scalar), or None without a GradScaler."""
         n_layers, width = len(keys), stats.WIDTH
         if not n_layers and not param_keys:

@@ -19,6 +19,7 @@ import ast
 import re
 
 from ampaudit.check.lint.facts import Call, Guard, ScriptFacts
+from ampaudit.check.lint.memo import per_file
 from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.values import string_value
 
@@ -152,9 +153,8 @@ def decide(facts: ScriptFacts, guards: tuple[Guard, ...], scalers: frozenset[str
     return None, None
 
 
+@per_file
 def amp_state(facts: ScriptFacts, call: Call) -> tuple[str | None, str | None]:
     """The AMP state of a call's path: "on", "off" or None, and the guard that says so.
     Every protocol rule asks it of the same calls: decided once per call."""
-    if call not in facts.amp_states:
-        facts.amp_states[call] = decide(facts, call.guards, facts.scalers(call.scope))
-    return facts.amp_states[call]
+    return decide(facts, call.guards, facts.scalers(call.scope))

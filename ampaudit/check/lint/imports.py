@@ -5,11 +5,14 @@ from __future__ import annotations
 import ast
 import builtins
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from ampaudit.check.lint.nodes import dotted
 
 
+@dataclass(frozen=True, eq=False)
 class ImportMap:
     """What each imported name stands for: ``F`` -> ``torch.nn.functional``, ``amp`` ->
     ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast``. Read from every import
@@ -17,8 +20,7 @@ class ImportMap:
     only asks about torch's, apex's and the frameworks' names, which scripts do not rebind -
     so no scope analysis is needed."""
 
-    def __init__(self, bound: dict[str, str]) -> None:
-        self.bound = bound
+    bound: Mapping[str, str]  # name -> what it stands for
 
     @classmethod
     def of(cls, tree: ast.Module) -> ImportMap:
@@ -36,7 +38,7 @@ class ImportMap:
                 for alias in node.names:
                     if alias.name != "*":
                         bound[alias.asname or alias.name] = f"{module}.{alias.name}"
-        return cls(bound)
+        return cls(MappingProxyType(bound))
 
     def qualify(self, node: ast.AST) -> frozenset[str]:
         """``{"torch.cuda.amp.autocast"}`` for ``amp.autocast`` after ``from torch.cuda import

@@ -16,8 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from ampaudit.check.lint import edits
-from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Call, Scope, ScriptFacts
+from ampaudit.check.lint.facts import FLOAT16_NAMES, GRAD_SCALERS, Assignment, Call, Scope, ScriptFacts
 from ampaudit.check.lint.guards import OFF, amp_state
+from ampaudit.check.lint.memo import per_file
 from ampaudit.check.lint.nodes import arguments, dotted, unstarred, unwrap_cast
 from ampaudit.core.findings import Autofix, Edit, Finding, Severity
 from ampaudit.core.paths import display_path
@@ -90,8 +91,7 @@ _OPTIMIZER_NAME = re.compile(r"(^|[._])(opt|optim|optimizer|optimiser)s?(_\w+)?$
 def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
     """Names that hold an optimizer here: built from torch.optim, handed to a scaler, or
     named like one."""
-    built = facts.once("optimizers built", lambda: [a for a in facts.assignments if is_optimizer(a.call)])
-    names = {a.target for a in built if a.call.scope is scope or a.call.scope.kind == "module"}
+    names = {a.target for a in _built_optimizers(facts) if a.call.scope is scope or a.call.scope.kind == "module"}
     names |= {c.receiver for c in facts.method_calls("step", scope)
               if c.receiver and _OPTIMIZER_NAME.search(c.receiver)}
     scalers = facts.scalers(scope)
@@ -101,6 +101,11 @@ def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
             if target:
                 names.add(target)
     return names
+
+
+@per_file
+def _built_optimizers(facts: ScriptFacts) -> tuple[Assignment, ...]:
+    return tuple(a for a in facts.assignments if is_optimizer(a.call))
 
 
 def scaler_for(facts: ScriptFacts, call: Call, scalers: set[str], optimizer: str | None = None) -> str:
@@ -156,9 +161,15 @@ def lacks_update(facts: ScriptFacts, step: Call, scaler: str, optimizer: ast.exp
     if not scaler.startswith("self."):
         return True
     attribute = scaler.rsplit(".", 1)[-1]
-    updates = facts.once("self updates", lambda: [c for c in facts.method_calls("update")
-                                                   if (c.receiver or "").startswith("self.")])
-    return not any(c.scope is not step.scope and c.receiver.rsplit(".", 1)[-1] == attribute for c in updates)
+    return not any(c.scope is not step.scope and c.receiver.rsplit(".", 1)[-1] == attribute
+                   for c in _self_updates(facts))
+
+
+@per_file
+def _self_updates(facts: ScriptFacts) -> tuple[Call, ...]:
+    """``self.x.update()`` calls, in every method: a scaler updated in another method of the
+    object (a trainer's after-step hook)."""
+    return tuple(c for c in facts.method_calls("update") if (c.receiver or "").startswith("self."))
 
 
 def insert_update(facts: ScriptFacts, step: Call, scaler: str) -> Edit:
@@ -231,15 +242,12 @@ def parameters_of(value: ast.expr, depth: int = 0) -> str | None:
     return None
 
 
-def half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
+@per_file
+def half_casts(facts: ScriptFacts) -> tuple[tuple[str, Call], ...]:
     """(model name, call) for ``m.half()`` / ``m.to(torch.float16)`` whose model is trained
     afterwards: its parameters go to an optimizer, or it is put in train mode, on a later
     line. Not a cast straight back (``m.half().float()``, which rounds the weights), nor one
     in a block that returns before training (an inference-only branch). Three rules ask."""
-    return facts.once("half casts", lambda: _half_casts(facts))
-
-
-def _half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
     trained = set()
     last = 0  # the last line that trains: an optimizer built, train mode, backward or step
     for call in facts.calls:
@@ -261,4 +269,4 @@ def _half_casts(facts: ScriptFacts) -> list[tuple[str, Call]]:
         name = targets.get(id(call.node), call.receiver)  # model = Net().half() or model.half()
         if name in trained and call.line < last:
             casts.append((name, call))
-    return casts
+    return tuple(casts)

@@ -13,21 +13,30 @@ import ast
 import keyword
 import re
 from bisect import bisect_right
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 
+@dataclass(frozen=True, eq=False)
 class SourceText:
-    """Positions in ``source``; ``index()`` must run once before any question is asked."""
+    """Positions in ``source``; read-only, its line index built once when it is made."""
 
     source: str
-    newline: str  # the file's line break, for the lines a fix inserts
-    _starts: list[int]  # character offset of each line's start, then one past the end
-    _ascii: bool  # byte columns are character columns
+    newline: str = field(init=False, repr=False)  # the file's line break, for the lines a fix inserts
+    _starts: tuple[int, ...] = field(init=False, repr=False)  # each line's start offset, then one past the end
+    _ascii: bool = field(init=False, repr=False)  # byte columns are character columns
 
-    def index(self) -> None:
-        self._starts = _line_starts(self.source)
-        self._ascii = self.source.isascii()
-        self.newline = "\r\n" if "\r\n" in self.source else "\r" if "\r" in self.source else "\n"
+    def __post_init__(self) -> None:
+        source = self.source
+        newline = "\r\n" if "\r\n" in source else "\r" if "\r" in source else "\n"
+        self._set_index(_line_starts(source), source.isascii(), newline)
+
+    def _set_index(self, starts: tuple[int, ...], ascii_only: bool, newline: str) -> None:
+        """The fields derived from the text, set once while the object is made (a subclass
+        built over the same text takes them from a ``SourceText`` instead of computing them)."""
+        object.__setattr__(self, "_starts", starts)
+        object.__setattr__(self, "_ascii", ascii_only)
+        object.__setattr__(self, "newline", newline)
 
     def offset(self, line: int, column: int) -> int:
         """Character offset in the source of an ``ast`` position (1-based line, byte column)."""
@@ -109,12 +118,12 @@ class SourceText:
         return len(self.source[start:self._starts[line]].encode()[:column].decode())
 
 
-def _line_starts(source: str) -> list[int]:
+def _line_starts(source: str) -> tuple[int, ...]:
     """Character offset of each line's start, as ``ast`` numbers lines (``\\n``, ``\\r\\n``,
     ``\\r`` - not the form feeds and other separators ``str.splitlines`` also breaks at)."""
     if "\r" not in source:
-        return list(accumulate([len(line) + 1 for line in source.split("\n")], initial=0))
-    return [0, *(m.end() for m in _NEWLINE.finditer(source)), len(source) + 1]
+        return tuple(accumulate([len(line) + 1 for line in source.split("\n")], initial=0))
+    return (0, *(m.end() for m in _NEWLINE.finditer(source)), len(source) + 1)
 
 
 _NEWLINE = re.compile(r"\r\n?|\n")

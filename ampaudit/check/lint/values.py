@@ -27,3 +27,8 @@ def string_value(node: ast.expr | None) -> str | bytes | None:
 def literal_integer(node: ast.expr | None) -> bool:
     """Whether ``node`` is an integer literal (``16``; not ``True``)."""
     return node.__class__ is ast.Constant and node.value.__class__ is int
+
+
+def is_false(node: ast.expr | None) -> bool:
+    """Whether ``node`` is the literal ``False`` (``enabled=False``)."""
+    return node.__class__ is ast.Constant and node.value is False

@@ -15,8 +15,7 @@ from ampaudit.core.rulebook import rule
 
 
 def _uses_low_precision(facts: ScriptFacts) -> bool:
-    return bool(facts.autocasts) or any(c.method == "half" for c in facts.calls) or any(
-        "torch.float16" in names or "torch.half" in names for names in facts.names.values())
+    return bool(facts.autocasts) or facts.mentions_float16 or any(c.method == "half" for c in facts.calls)
 
 
 @lint_rule("AMP416", reads=(r"\de-\d", "autocast", "half", "float16"))

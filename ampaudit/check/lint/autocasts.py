@@ -1,0 +1,79 @@
+"""Which ``with`` contexts are autocast regions, and of what device and dtype: the
+``torch.autocast`` family and a framework's own ``x.autocast()``, called in the ``with``
+or held in a variable first (``ctx = torch.autocast(...)``, ``partial(torch.autocast, ...)``,
+``accelerator.autocast if amp else nullcontext``)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+
+from ampaudit.check.lint.facts import BFLOAT16_NAMES, FLOAT16_NAMES, Autocast, Scope
+from ampaudit.check.lint.nodes import arguments
+from ampaudit.check.lint.source import SourceText
+from ampaudit.check.lint.values import is_false, string_value
+from ampaudit.core.dtypes import BFLOAT16, FLOAT16
+
+AUTOCASTS = {  # qualified name -> the device it implies (None: given as an argument)
+    "torch.autocast": None, "torch.amp.autocast": None, "torch.amp.autocast_mode.autocast": None,
+    "torch.cuda.amp.autocast": "cuda", "torch.cpu.amp.autocast": "cpu",
+}
+_NAMES = (ast.Name, ast.Attribute)
+Qualify = Callable[[ast.AST], frozenset[str]]  # an expression's qualified names (ImportMap.qualify)
+
+
+def device(qualify: Qualify, func: ast.expr) -> str | bool | None:
+    """The device an autocast callee implies (None: an argument, or a framework's own
+    ``x.autocast``); False when ``func`` is no autocast."""
+    for name in qualify(func):
+        if name in AUTOCASTS:
+            return AUTOCASTS[name]
+    if func.__class__ is ast.Attribute and func.attr == "autocast":
+        return None  # accelerator.autocast(), a trainer's own: AMP of some dtype
+    return False
+
+
+def held_in(qualify: Qualify, value: ast.expr) -> ast.Call | None:
+    """The autocast call a context variable holds: ``torch.autocast(...)``, one side of
+    ``nullcontext() if cpu else torch.autocast(...)``, ``partial(torch.autocast, ...)``, or
+    the uncalled function (``accelerator.autocast if amp else nullcontext``)."""
+    for candidate in (value, *(getattr(value, side, None) for side in ("body", "orelse"))):
+        if candidate.__class__ in _NAMES and device(qualify, candidate) is not False:
+            return ast.Call(func=candidate, args=[], keywords=[])  # `ctx = accelerator.autocast if amp else ...`
+        if candidate.__class__ is not ast.Call:
+            continue
+        if device(qualify, candidate.func) is not False:
+            return candidate
+        written = arguments(candidate)
+        if "functools.partial" in qualify(candidate.func) and written \
+                and device(qualify, written[0].value) is not False:
+            rest = [a.node for a in written[1:]]
+            return ast.Call(func=written[0].value, args=[a for a in rest if a.__class__ is not ast.keyword],
+                            keywords=[a for a in rest if a.__class__ is ast.keyword])
+    return None
+
+
+def region(text: SourceText, qualify: Qualify, node: ast.With | ast.AsyncWith, call: ast.Call,
+           implied: str | None, scope: Scope) -> Autocast:
+    """The autocast block ``node`` opens with ``call``, whose callee implies the device
+    ``implied`` (None: read it from the arguments)."""
+    written = arguments(call)
+    args = [a for a in written if a.keyword is None]
+    keywords = {a.keyword: a.value for a in written if a.keyword is not None}
+    on = implied
+    if on is None:
+        value = keywords.get("device_type", args[0].value if args else None)
+        on = string_value(value)
+    dtype_node = keywords.get("dtype", args[1].value if on is not None and len(args) > 1 else None)
+    dtype = dtype_text = None
+    if dtype_node is not None:
+        names = qualify(dtype_node)
+        dtype = FLOAT16 if names & FLOAT16_NAMES else BFLOAT16 if names & BFLOAT16_NAMES else None
+        dtype_text = None if dtype else text.code(dtype_node)
+    elif on == "cuda":
+        dtype = FLOAT16  # CUDA autocast's default
+    elif on == "cpu":
+        dtype = BFLOAT16
+    line, column = text.position(node)
+    return Autocast(node, on, dtype, scope, line, column, enabled=not is_false(keywords.get("enabled")),
+                    dtype_text=dtype_text)

@@ -1,0 +1,69 @@
+"""Parse a training script once and collect its facts in one visit (visit.py): the lint's
+way in. Top-level functions and classes that mention nothing any rule reads are not
+visited at all."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.imports import ImportMap
+from ampaudit.check.lint.source import SourceText
+from ampaudit.check.lint.visit import Visitor
+
+
+def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> ScriptFacts:
+    """Parse ``source`` once and gather its facts; raises SyntaxError.
+
+    ``relevant``: what the rules read (``RuleRegistry.read_pattern``); top-level functions
+    and classes it does not match are not visited. None visits everything."""
+    with _no_collection():
+        tree = _parse(source)
+        text = SourceText(source)
+        visitor = Visitor(text, ImportMap.of(tree))
+        visitor.module(relevant_statements(text, tree, relevant) if relevant is not None else tree.body)
+        return visitor.facts(path)
+
+
+def relevant_statements(text: SourceText, tree: ast.Module, relevant: re.Pattern[str]) -> list[ast.stmt]:
+    """The module's statements, less the top-level functions and classes whose text
+    ``relevant`` (what the rules read) does not match: model code (layers, datasets,
+    configs) holds nothing the protocol rules read, so it is not visited."""
+    kept = []
+    for node in tree.body:
+        if node.__class__ in _DEFINITIONS:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if not relevant.search(text.source, text.line_start(first), text.line_start(node.end_lineno + 1)):
+                continue
+        kept.append(node)
+    return kept
+
+
+def _parse(source: str) -> ast.Module:
+    """The syntax tree of ``source``, without the warnings Python's compiler gives about the
+    code (``"\\."``, an invalid escape): the user asked for the lint's findings, not those."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(source)
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """The cyclic garbage collector paused: a syntax tree and its facts hold no cycles, yet
+    the millions of nodes of a large file set the collector off again and again (half the
+    time of a parse, and more than linear in the file's size)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+_DEFINITIONS = frozenset({ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef})

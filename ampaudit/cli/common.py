@@ -1,0 +1,69 @@
+"""What every command shares: exit codes, argument types, and where a rendering goes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from ampaudit.core.errors import UsageError
+
+EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+
+
+def number_type(kind: type, *, least: float, what: str) -> Callable[[str], Any]:
+    """An argparse type: a finite number of ``kind`` that is at least ``least``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+def path_type(text: str) -> Path:
+    """A path argument; an empty one would silently mean the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: name a file or folder")
+    return Path(text)
+
+
+SECONDS = number_type(float, least=0, what="a number of seconds >= 0")
+
+
+def refuse_overwriting_inputs(output: Path | None, inputs: Iterable[Path | str | None], flag: str) -> None:
+    """An output path that names one of the command's inputs would destroy it: refuse."""
+    if output is None:
+        return
+    from ampaudit.core.files import same_file
+
+    for item in inputs:
+        if item is not None and Path(item).is_file() and Path(output).exists() and same_file(output, item):
+            raise UsageError(f"{flag} {output} is an input of this command ({item}): refusing to overwrite it")
+
+
+def emit(text: str, output: Path | None) -> None:
+    """``text`` to stdout, or atomically to ``output``."""
+    if output is None:
+        sys.stdout.write(text)
+        return
+    from ampaudit.core.files import write_atomic
+
+    write_atomic(output, text)
+
+
+def show(rendered: Any) -> None:
+    """A renderer's result on stdout: text as it is, anything else (a rich table) on a console."""
+    if isinstance(rendered, str):
+        sys.stdout.write(rendered)
+        return
+    from ampaudit.core.console import make_console
+
+    make_console().print(rendered)

@@ -1,0 +1,98 @@
+"""``ampaudit convert``: its flags; the model converted by ``convert/``, exported, summarized."""
+
+from __future__ import annotations
+
+import argparse
+
+from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, SECONDS, number_type, path_type
+from ampaudit.core.dtypes import LOW_DTYPES
+from ampaudit.core.errors import UsageError
+from ampaudit.load.time_limit import DEFAULT_SECONDS
+
+_TOLERANCE = number_type(float, least=0, what="a finite relative error >= 0")
+_STEPS = number_type(int, least=0, what="a whole number >= 0")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="rewrite a model into explicit mixed precision",
+                          description="Convert the model in PATH to fp16/bf16 compute with fp32 where needed, verify "
+                                      "it against fp32, and write a standalone module, its weights and plan.json.")
+    conv.add_argument("target", metavar="PATH[:NAME]",
+                      help="model file (entry points as for `check`), module.path:NAME_OR_EXPR or hf:MODEL_TYPE")
+    conv.add_argument("-o", "--output", type=path_type, required=True, metavar="OUT_DIR", help="folder to write to")
+    conv.add_argument("--dtype", choices=LOW_DTYPES, default="float16")
+    conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
+    conv.add_argument("--tolerance", type=_TOLERANCE,
+                      help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
+    conv.add_argument("--emit", action="append", default=[], choices=("autocast", "hf", "fsdp2"), metavar="FORMAT",
+                      help="also write the plan as a policy for other tools: autocast (modules to run in fp32 "
+                           "under torch.autocast), hf (_keep_in_fp32_modules), fsdp2 (MixedPrecisionPolicy per "
+                           "module); repeatable")
+    conv.add_argument("--backend", choices=("auto", "fx", "modules"), default="auto",
+                      help="fx: rewrite the traced graph; modules: keep the model's own forward and apply the plan "
+                           "per module (any model); auto (default): fx where the model traces, else modules")
+    conv.add_argument("--weights", choices=("low", "fp32"), default="low",
+                      help="low (default): store low-precision modules' weights low (half their bytes; fp32 masters "
+                           "when trained); fp32: keep every weight fp32 and cast it at each use, as autocast does - "
+                           "what ampaudit.convert(model, optimizer) does by default (autocast's training memory)")
+    conv.add_argument("--train-steps", type=_STEPS, default=20, metavar="N",
+                      help="also verify by training: N AdamW steps of copies of the converted and the fp32 model, "
+                           "loss by loss (default 20; 0: off)")
+    conv.add_argument("--constants", choices=("fp32", "clamp"), default="fp32",
+                      help="ops with constants the dtype cannot hold: keep in fp32 (default) or clamp the constant")
+    conv.add_argument("--input-shape", action="append", default=[], metavar="SHAPE")
+    conv.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE")
+    conv.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", dest="model_config",
+                      help="for hf:MODEL_TYPE, set a field of the model's config (repeatable)")
+    conv.add_argument("--exec", dest="allow_exec", action="store_true")
+    conv.add_argument("--import-timeout", type=SECONDS, default=DEFAULT_SECONDS, metavar="SECONDS",
+                      help=f"as for check (default {DEFAULT_SECONDS:g}; 0: no limit)")
+    conv.add_argument("--force", action="store_true",
+                      help="write into a non-empty OUT_DIR that holds no earlier ampaudit export")
+    conv.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ampaudit.core.torch_extra import require_torch
+
+    require_torch("ampaudit convert", ("torch", "safetensors"))  # one line naming the install, exit 2
+    import torch
+
+    from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
+    from ampaudit.convert.export import check_export_folder, export
+    from ampaudit.core.console import make_console, slow_status
+    from ampaudit.core.findings import Target
+    from ampaudit.core.streams import user_output_to_stderr
+    from ampaudit.load.loader import NotImported, load_target
+    from ampaudit.load.spec import parse_spec
+    from ampaudit.report.conversion import render_conversion
+
+    model_file = parse_spec(args.target).path
+    check_export_folder(args.output, force=args.force, inputs=[model_file] if model_file else [])  # before the work
+    with user_output_to_stderr():
+        loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
+                             input_dtypes=args.input_dtype, model_config=args.model_config,
+                             import_timeout=args.import_timeout)
+        if isinstance(loaded, NotImported):
+            raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
+                             "import (pass --exec to import it anyway)")
+        trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify
+        progress = slow_status("converting: tracing, deciding, verifying against fp32"
+                               + (f", {args.train_steps} training steps" if trains else ""))
+        # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)
+        optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
+        with progress:
+            result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
+                             verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
+                             train_steps=args.train_steps, backend=args.backend, weights=args.weights)
+        model_mp = result[0] if optimizer is not None else result
+    summary = model_mp.summary.to_dict()
+    files = export(model_mp, args.output, summary=summary, force=args.force,
+                   inputs=[model_file] if model_file else [], emit=dict.fromkeys(args.emit))
+    render_conversion(summary, Target(loaded.label, loaded.entry, "fx"), [str(f) for f in files],
+                      make_console())
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+    after = summary["error_after"]
+    trained = summary["train"]
+    missed = (after is not None and after > tolerance) or (trained is not None and not trained["passed"])
+    return EXIT_FINDINGS if missed else EXIT_OK

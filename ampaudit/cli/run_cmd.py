@@ -1,0 +1,64 @@
+"""``ampaudit run``: one flag per ``WatchOptions`` field that has one (watch/options.py), and
+the script run with watch attached (``run_script.py``)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+from ampaudit.cli.common import number_type, path_type, refuse_overwriting_inputs
+from ampaudit.core.errors import UsageError
+from ampaudit.watch.options import WatchOptions  # torch-free, as --help must be
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="run a training script with ampaudit watch attached",
+                         description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
+                                     "of every module that runs forward and every optimizer that steps.")
+    _add_watch_options(run)
+    run.add_argument("script", type=Path)
+    run.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _add_watch_options(run: argparse.ArgumentParser) -> None:
+    """A flag per ``WatchOptions`` field that has one, its ``dest`` the field's name."""
+    for option in fields(WatchOptions):
+        flag, name = option.metadata["flag"], option.name.replace("_", "-")
+        if flag is None:
+            continue
+        text = flag.help or option.metadata["doc"]
+        if isinstance(option.default, bool):  # a switch: on, or off for an option on by default
+            run.add_argument(f"--no-{name}" if option.default else f"--{name}", dest=option.name,
+                             action="store_false" if option.default else "store_true", help=text)
+            continue
+        kwargs = {"default": flag.default if flag.default is not None else option.default, "metavar": flag.metavar,
+                  "choices": flag.choices}
+        if flag.least is not None:
+            kwargs["type"] = number_type(int, least=flag.least, what=f"a whole number >= {flag.least}")
+        if flag.path:
+            kwargs["type"] = path_type
+        if flag.repeat:
+            kwargs.update(action="append", default=[])
+            text += "; repeatable"
+        run.add_argument(f"--{name}", dest=option.name, help=text, **kwargs)
+
+
+def watch_options(args: argparse.Namespace) -> WatchOptions:
+    """The ``WatchOptions`` of ``ampaudit run``'s parsed flags."""
+    return WatchOptions(**{o.name: getattr(args, o.name) for o in fields(WatchOptions) if o.metadata["flag"]})
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ampaudit.core.torch_extra import require_torch
+
+    require_torch("ampaudit run")
+    from ampaudit.cli.run_script import run_script
+    from ampaudit.watch import compiled
+
+    if args.inside_compile and not compiled.SUPPORTED:
+        raise UsageError("--inside-compile needs torch's effect tokens, which this torch does not have: update "
+                         "torch, or run without it")
+
+    refuse_overwriting_inputs(args.log, [args.script], "--log")
+    return run_script(args.script, args.args, watch_options(args))
