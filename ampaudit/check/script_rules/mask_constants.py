@@ -33,6 +33,25 @@ def _value_args(call: Call) -> list[ast.expr]:
     return values
 
 
+def _limited_dtype(facts: ScriptFacts, call: Call, value: ast.expr) -> str:
+    """The dtype expression whose finfo the hint names: the filled tensor's, where the call says."""
+    if call.receiver and call.method in rule("AMP414").params["methods"]:
+        return f"{call.receiver}.dtype"
+    table = rule("AMP414").params["dtype_from"]
+    source = next((table[n] for n in call.names if n in table), None)
+    if source == "dtype":
+        given = call.kwarg("dtype")
+        return facts.text(given) if given is not None else "torch.float16"
+    if source == "other":
+        branches = [call.arg(1, "input"), call.arg(2, "other")]
+        tensor = next((b for b in branches if b is not None and b is not value), None)
+    else:
+        tensor = call.arg(source) if isinstance(source, int) else None
+    if tensor is None or literal_number(tensor) is not None:
+        return "torch.float16"
+    return f"{facts.text(tensor)}.dtype"
+
+
 def _finfo_fp32_limit(facts: ScriptFacts, node: ast.expr) -> str | None:
     """'min' or 'max' for ``torch.finfo(torch.float32).min`` / ``.max``."""
     if isinstance(node, ast.UnaryOp):
@@ -60,10 +79,9 @@ def mask_constants(facts: ScriptFacts) -> Iterator[Finding]:
                 shown, which = facts.text(value), bound
             else:
                 continue
+            replacement = f"torch.finfo({_limited_dtype(facts, call, value)}).{which}"
             autofix = None
             if call.receiver and call.method in ("masked_fill", "masked_fill_"):
-                autofix = Autofix((edits.replace(facts, value, f"torch.finfo({call.receiver}.dtype).{which}"),),
-                                  safe=False)
-            replacement = f"torch.finfo({call.receiver or 'x'}.dtype).{which}"
+                autofix = Autofix((edits.replace(facts, value, replacement),), safe=False)
             yield finding(facts, "AMP414", call, value=shown, replacement=replacement, fix=f"use {replacement}",
                           autofix=autofix)
