@@ -112,6 +112,11 @@ def _files(tmp: Path, case: str) -> None:
     (tmp / "bytes.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
     (tmp / "list.jsonl").write_text('{"ampaudit_watch": 1, "dtype": "float16"}\n[1, 2]\n')
     (tmp / "folder").mkdir()
+    os.mkfifo(tmp / "pipe")
+    (tmp / "dangling").symlink_to(tmp / "gone")
+    for name, manifest in (("exp-list", "[1, 2]"), ("exp-number", '{"files": 5}')):
+        (tmp / name).mkdir()
+        (tmp / name / "ampaudit-export.json").write_text(manifest)
 
 
 # case -> (argv, exit code, what the one stderr line says)
@@ -136,7 +141,7 @@ EVERY_COMMAND = {
     "convert-empty-output": (["convert", "m.py", "-o", ""], 2, "an empty path"),
     "every-zero": (["run", "--every", "0", "t.py"], 2, "'0' is not a whole number >= 1"),
     "log-missing-folder": (["run", "--log", "nowhere/x.jsonl", "t.py"], 2, "no folder nowhere"),
-    "log-onto-folder": (["run", "--log", "folder", "t.py"], 2, "the log folder is a folder"),
+    "log-onto-folder": (["run", "--log", "folder", "t.py"], 2, "--log folder is a folder: name a file"),
     "log-onto-user-data": (["run", "--log", "data.jsonl", "t.py"], 2,
                            "the log data.jsonl exists and is not an ampaudit watch log: refusing to overwrite it"),
     "log-onto-script": (["run", "--log", "t.py", "t.py"], 2, "is an input of this command"),
@@ -145,6 +150,17 @@ EVERY_COMMAND = {
     "report-not-object": (["report", "list.jsonl"], 2, "list.jsonl:2: a list, not a JSON object"),
     "report-not-a-log": (["report", "data.jsonl"], 2, "data.jsonl is not an ampaudit watch log"),
     "plot-not-image": (["report", "log.jsonl", "--plot", "x.txt"], 2, "--plot x.txt: name an image file"),
+    "check-empty-target": (["check", ""], 2, "an empty PATH (an unset variable?): name a file or folder"),
+    "check-fifo-target": (["check", "pipe"], 2, "pipe is not a regular file or a folder (a FIFO or a device)"),
+    "check-output-name-too-long": (["check", "t.py", "--lint-only", "-o", "a" * 300], 2, "File name too long"),
+    "check-output-fifo-no-reader": (["check", "t.py", "--lint-only", "-o", "pipe"], 2,
+                                    "-o pipe is a FIFO that no process reads: nothing written"),
+    "convert-dangling-output": (["convert", "m.py", "-o", "dangling"], 2, "does not exist"),
+    "convert-output-under-a-file": (["convert", "m.py", "-o", "t.py/out"], 2, "t.py is a file, not a folder"),
+    "convert-manifest-list": (["convert", "m.py", "-o", "exp-list"], 2, "holds no earlier ampaudit export"),
+    "convert-manifest-number": (["convert", "m.py", "-o", "exp-number"], 2, "holds no earlier ampaudit export"),
+    "log-full-disk": (["run", "--log", "/dev/full", "t.py"], 2, "cannot write the log /dev/full: No space left"),
+    "report-fifo": (["report", "pipe"], 2, "the log pipe is not a regular file (a FIFO or a device): not read"),
     "explain-unknown": (["explain", "AMP999"], 2, "AMP999"),
     "ops-missing-policy": (["ops", "--policy", "nope.toml"], 2, "policy file not found: nope.toml"),
     "rules-bad-format": (["rules", "--format", "xml"], 2, "invalid choice: 'xml'"),
@@ -156,7 +172,7 @@ def test_every_command_bad_input_is_one_line(tmp_path, monkeypatch, capsys, case
     argv, code, expected = EVERY_COMMAND[case]
     _files(tmp_path, case)
     monkeypatch.chdir(tmp_path)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and not p.is_fifo()}
     try:
         result = main(argv)
     except SystemExit as exc:  # argparse's own usage errors
@@ -168,7 +184,7 @@ def test_every_command_bad_input_is_one_line(tmp_path, monkeypatch, capsys, case
     assert len(lines) == 1 and lines[0].startswith("ampaudit: error: "), err
     assert expected in lines[0]
     # no input and no bystander file was touched
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and not p.is_fifo()} == before
 
 
 def test_debug_on_an_unexpected_error_prints_the_traceback_and_exits_2(cli, tmp_path, monkeypatch):
@@ -282,3 +298,15 @@ def test_fix_refuses_an_immutable_file(tmp_path, cli):
     finally:
         subprocess.run(["chattr", "-i", str(path)], check=False)
     assert "torch.cuda.amp.GradScaler()" in path.read_text()
+
+
+def test_a_deleted_working_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (tmp_path / "t.py").write_text("x = 1\n")
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert main(["check", str(tmp_path / "t.py"), "--lint-only", "-o", "report.txt"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "ampaudit: error: -o report.txt: the working folder is gone (No such file or directory)\n"

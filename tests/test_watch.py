@@ -625,7 +625,7 @@ def test_arena_rows_grow_by_chunks_and_reset_to_zero():
 
 
 @pytest.mark.parametrize(("flag", "needs", "message"), [
-    ("--tensorboard", "tensorboard", "cannot write TensorBoard events to {out}: File exists"),
+    ("--tensorboard", "tensorboard", "--tensorboard {out} is a file: name a folder"),
     ("--plot", "matplotlib", "--plot {out}: no folder {out.parent}"),
 ])
 def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag, needs, message):

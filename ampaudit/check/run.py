@@ -56,6 +56,40 @@ def python_files(root: Path, exclude: Sequence[str] = (), skipped: list[Path] | 
     return found
 
 
+def target_files(targets: Sequence[str], exclude: Sequence[str] = (), skipped: list[Path] | None = None) -> list[Path]:
+    """Every file ``check TARGETS`` lints: named files, and the walk of named folders. A target
+    that is neither a file nor a folder (a FIFO, a device) is refused: reading it may never end."""
+    files: list[Path] = []
+    for spec in targets:
+        path = Path(spec)
+        if not path.exists():
+            raise LoadError(f"no such file or folder: {spec}")
+        if path.is_dir():
+            files += python_files(path, exclude, skipped)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise LoadError(f"{spec} is not a regular file or a folder (a FIFO or a device): not read")
+    return _once_each(files)
+
+
+def _once_each(files: list[Path]) -> list[Path]:
+    """One path per file: a file reached by several names (links, hard links) is linted and
+    fixed once, under its own name rather than a link's; a path that cannot be read stays, for
+    its AMP004."""
+    chosen: dict[object, Path] = {}
+    for path in files:
+        try:
+            info = path.stat()
+            key: object = (info.st_dev, info.st_ino)
+        except OSError:
+            key = path
+        if key not in chosen or (chosen[key].is_symlink() and not path.is_symlink()):
+            chosen[key] = path
+    keep = set(chosen.values())
+    return [p for p in files if p in keep]
+
+
 def _lint_many(files: list[Path], options: CheckOptions) -> list[Finding]:
     tick = options.progress(len(files)) if options.progress and len(files) >= PARALLEL_FROM else None
     if len(files) < PARALLEL_FROM or options.jobs == 1:
@@ -105,13 +139,8 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
             return _check_model(targets[0], config, options)
         if specs[0].path.is_file():
             return _check_file(targets[0], specs[0].path, specs[0].selector, config, options)
-    files: list[Path] = []
     skipped: list[Path] = []
-    for spec in targets:
-        path = Path(spec)
-        if not path.exists():
-            raise LoadError(f"no such file or folder: {spec}")
-        files += python_files(path, options.exclude, skipped) if path.is_dir() else [path]
+    files = target_files(targets, options.exclude, skipped)
     findings = _lint_many(files, options)
     notes = [f"linted {len(files)} Python file{'s' if len(files) != 1 else ''}", *options.notes]
     if skipped:

@@ -7,8 +7,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, SECONDS, emit, path_type, refuse_overwriting_inputs
+from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, SECONDS, emit, path_type
 from ampaudit.core.dtypes import LOW_DTYPES
+from ampaudit.core.errors import UsageError
 from ampaudit.core.findings import FAIL_ON, Report
 from ampaudit.load.time_limit import DEFAULT_SECONDS  # torch-free, as --help must be
 from ampaudit.report.formats import FORMATS
@@ -63,19 +64,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from ampaudit.check.fix import fix_and_recheck, fix_files
     from ampaudit.check.options import CheckOptions
-    from ampaudit.check.run import check_targets, config_for
+    from ampaudit.check.run import check_targets, config_for, target_files
     from ampaudit.core.config import check_prefixes
+    from ampaudit.core.outputs import refuse_special_file, resolve_output
     from ampaudit.core.streams import user_output_to_stderr
     from ampaudit.load.spec import parse_spec
 
+    if any(not t.strip() for t in args.targets):
+        raise UsageError("an empty PATH (an unset variable?): name a file or folder")
     config = config_for(args.targets)
     if args.select:
         config.select = check_prefixes(args.select, "--select")
     config.ignore += check_prefixes(args.ignore, "--ignore")
     if args.fail_on:
         config.fail_on = args.fail_on
-    inputs = [parse_spec(t).path for t in args.targets] + list(args.policy) + [config.source]
-    refuse_overwriting_inputs(args.output, inputs, "-o")
+    for policy in args.policy:
+        refuse_special_file(policy, "--policy")
+    # every file the command reads; resolved now, before a model's code can chdir
+    walked = target_files([t for t in args.targets if parse_spec(t).kind == "file" and Path(t).is_dir()])
+    inputs = [parse_spec(t).path for t in args.targets] + walked + list(args.policy) + [config.source]
+    args.output = resolve_output(args.output, "-o", inputs=inputs) if args.output is not None else None
     options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                            input_dtypes=args.input_dtype, model_config=args.model_config,
                            policy_files=args.policy, run=not args.no_run, import_timeout=args.import_timeout,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ampaudit.core.errors import UsageError
+if TYPE_CHECKING:
+    from ampaudit.core.outputs import Output
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
@@ -38,25 +39,15 @@ def path_type(text: str) -> Path:
 SECONDS = number_type(float, least=0, what="a number of seconds >= 0")
 
 
-def refuse_overwriting_inputs(output: Path | None, inputs: Iterable[Path | str | None], flag: str) -> None:
-    """An output path that names one of the command's inputs would destroy it: refuse."""
-    if output is None:
-        return
-    from ampaudit.core.files import same_file
-
-    for item in inputs:
-        if item is not None and Path(item).is_file() and Path(output).exists() and same_file(output, item):
-            raise UsageError(f"{flag} {output} is an input of this command ({item}): refusing to overwrite it")
-
-
-def emit(text: str, output: Path | None) -> None:
-    """``text`` to stdout, or atomically to ``output``."""
+def emit(text: str, output: Output | None) -> None:
+    """``text`` to stdout, or to a resolved ``output`` (core/outputs.py: atomically, or in
+    place for a device or a FIFO)."""
     if output is None:
         sys.stdout.write(text)
         return
-    from ampaudit.core.files import write_atomic
+    from ampaudit.core.outputs import write_output
 
-    write_atomic(output, text)
+    write_output(output, text)
 
 
 def show(rendered: Any) -> None:

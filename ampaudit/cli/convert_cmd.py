@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
 
 from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, SECONDS, number_type, path_type
 from ampaudit.core.dtypes import LOW_DTYPES
@@ -87,8 +91,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                              train_steps=args.train_steps, backend=args.backend, weights=args.weights)
         model_mp = result[0] if optimizer is not None else result
     summary = model_mp.summary.to_dict()
-    files = export(model_mp, args.output, summary=summary, force=args.force,
-                   inputs=[model_file] if model_file else [], emit=dict.fromkeys(args.emit))
+    files = export(model_mp, args.output, summary=summary, force=args.force, inputs=_model_files(model_file),
+                   emit=dict.fromkeys(args.emit))
     render_conversion(summary, Target(loaded.label, loaded.entry, "fx"), [str(f) for f in files],
                       make_console())
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
@@ -96,3 +100,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     trained = summary["train"]
     missed = (after is not None and after > tolerance) or (trained is not None and not trained["passed"])
     return EXIT_FINDINGS if missed else EXIT_OK
+
+
+def _model_files(model_file: Path | None) -> Iterator[str]:
+    """The model file and every module file loaded so far - a sibling ``module.py`` the model
+    imported among them: the export may overwrite none. Lazy: export() reads them only when
+    OUT_DIR holds a file it would replace."""
+    if model_file:
+        yield str(model_file)
+    for module in list(sys.modules.values()):
+        # vars(), not getattr: a module's __getattr__ (lazy imports) must not run here
+        file = vars(module).get("__file__") if isinstance(module, types.ModuleType) else None
+        if isinstance(file, str):
+            yield file

@@ -9,8 +9,12 @@ Exit codes, like ruff: 0 no finding at or above --fail-on, 1 findings, 2 usage o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 from ampaudit._version import __version__
 from ampaudit.cli import catalog_cmd, check_cmd, convert_cmd, report_cmd, run_cmd
@@ -42,15 +46,68 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, so that temporary files and folders are removed."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def _paths_not_options(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``check``'s arguments with every existing file whose name starts with "-" (and is not
+    one of check's options) written as ``./NAME``: a file ``-ofoo.py`` passed by pre-commit is
+    a path to lint, not ``-o foo.py``."""
+    if not argv or argv[0] != "check":
+        return argv
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = {o for action in commands.choices["check"]._actions for o in action.option_strings}
+    out = [argv[0]]
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "--":
+            return out + argv[i:]
+        is_path = arg.startswith("-") and arg not in options and arg != "-" and os.path.lexists(arg)
+        out.append(f"./{arg}" if is_path else arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = _paths_not_options(list(sys.argv[1:] if argv is None else argv), parser)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_ERROR
     debug = getattr(args, "debug", False)
+    with _signals(args.command):
+        return _run(args, debug)
+
+
+@contextlib.contextmanager
+def _signals(command: str) -> Iterator[None]:
+    """Over ``ulimit -f`` a write fails with EFBIG (said in one line) instead of killing the
+    process; SIGTERM unwinds, so temporary files go (``run`` leaves it to the training script)."""
+    wanted = {}
+    if hasattr(signal, "SIGXFSZ"):
+        wanted[signal.SIGXFSZ] = signal.SIG_IGN
+    if command != "run":
+        wanted[signal.SIGTERM] = _terminate
+    if threading.current_thread() is not threading.main_thread():
+        wanted = {}
+    saved = {signum: signal.signal(signum, handler) for signum, handler in wanted.items()}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def _run(args: argparse.Namespace, debug: bool) -> int:
     try:
         return COMMANDS[args.command](args)
+    except Terminated:
+        sys.stderr.write("ampaudit: terminated\n")
+        return 143
     except AmpauditError as exc:
         if debug:
             import traceback
@@ -61,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("ampaudit: interrupted\n")
         return 130
+    except OSError as exc:  # a file the command could not use (a name too long, a folder gone, a full disk)
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        sys.stderr.write(f"ampaudit: error: {where}{exc.strerror or exc or type(exc).__name__}\n")
+        return EXIT_ERROR
     except BaseException as exc:  # a bug in ampaudit, or user code that failed or called exit()
         if isinstance(exc, SystemExit) and args.command not in ("check", "convert"):
             raise  # no model code runs there: rich's exit on a closed pipe (`| head`), say - its code stands

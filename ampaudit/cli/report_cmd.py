@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, path_type, refuse_overwriting_inputs
+from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, path_type
 from ampaudit.core.findings import FAIL_ON, Finding, Report, Target, fails_on
 from ampaudit.report.formats import FORMATS
 
@@ -32,14 +32,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ampaudit.core.console import make_console
+    from ampaudit.core.outputs import refuse_special_file, resolve_output
     from ampaudit.report.watch_plot import check_plot_path, plot
     from ampaudit.watch.log_file import open_log
     from ampaudit.watch.render import render_summary
     from ampaudit.watch.summary import read_log
 
-    refuse_overwriting_inputs(args.plot, [args.log], "--plot")
+    refuse_special_file(args.log, "the log")
     if args.plot is not None:
         check_plot_path(args.plot)
+        args.plot = resolve_output(args.plot, "--plot", inputs=[args.log])
+    if args.tensorboard is not None:
+        args.tensorboard = resolve_output(args.tensorboard, "--tensorboard", inputs=[args.log], folder=True).target
     summary = read_log(args.log).summary()  # streamed; the plots read the log again, also streamed
     if args.plot is not None:
         plot(open_log(args.log, steps_only=True)[1], summary, args.plot)

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import fields
 from pathlib import Path
 
-from ampaudit.cli.common import number_type, path_type, refuse_overwriting_inputs
+from ampaudit.cli.common import number_type, path_type
 from ampaudit.core.errors import UsageError
 from ampaudit.watch.options import WatchOptions  # torch-free, as --help must be
 
@@ -50,6 +50,7 @@ def watch_options(args: argparse.Namespace) -> WatchOptions:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from ampaudit.core.outputs import resolve_output
     from ampaudit.core.torch_extra import require_torch
 
     require_torch("ampaudit run")
@@ -60,5 +61,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--inside-compile needs torch's effect tokens, which this torch does not have: update "
                          "torch, or run without it")
 
-    refuse_overwriting_inputs(args.log, [args.script], "--log")
+    if args.log is not None:  # resolved before the script runs (it may chdir)
+        args.log = resolve_output(args.log, "--log", inputs=[args.script]).target
     return run_script(args.script, args.args, watch_options(args))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ampaudit.convert.api import convert_by_plan
-from ampaudit.convert.export import PLAN, WEIGHTS
+from ampaudit.convert.export import EXPORT_ID, PLAN, WEIGHTS
 from ampaudit.core.arguments import require_module
 from ampaudit.core.config import Config
 from ampaudit.core.errors import UsageError
@@ -35,11 +35,11 @@ def apply(model: torch.nn.Module, export: str | Path, *, config: Config | None =
         raise UsageError(f"cannot read the plan {plan_file}: {exc}") from None
     if not isinstance(data, dict) or "summary" not in data or "plan" not in data:
         raise UsageError(f"{plan_file} is not an ampaudit plan")
+    if weights is not None:
+        _check_one_export(plan_file, data.get(EXPORT_ID), weights)
     model_mp = convert_by_plan(model, data["summary"], data["plan"], config=config)
     _check_same(plan_file, data["plan"], model_mp.plan)
     if weights is not None:
-        if not weights.is_file():
-            raise UsageError(f"{weights}: no weights in the export")
         from safetensors.torch import load_model
 
         missing, unexpected = load_model(model_mp, str(weights), strict=False)
@@ -47,6 +47,23 @@ def apply(model: torch.nn.Module, export: str | Path, *, config: Config | None =
             raise UsageError(f"{weights} does not fit this model: missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]}")
     return model_mp
+
+
+def _check_one_export(plan_file: Path, plan_id: object, weights: Path) -> None:
+    """An interrupted export can leave one export's plan.json beside another's weights: refuse
+    the mix. Exports made before ids were written (neither file has one) load as before."""
+    if not weights.is_file():
+        raise UsageError(f"{weights}: no weights in the export")
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights), "pt") as fh:  # reads the header only
+            weights_id = (fh.metadata() or {}).get(EXPORT_ID)
+    except (OSError, SafetensorError) as exc:
+        raise UsageError(f"cannot read the weights {weights}: {exc}") from None
+    if plan_id is not None and weights_id is not None and plan_id != weights_id:
+        raise UsageError(f"{plan_file.parent}: plan.json and weights.safetensors come from two different exports "
+                         "(an export was interrupted): export again")
 
 
 def _check_same(plan_file: Path, recorded: list[dict[str, Any]], rebuilt: list[dict[str, Any]]) -> None:

@@ -1,8 +1,9 @@
 """Writing files without ever losing what the user had.
 
 Every write goes to a temporary file in the target's folder and is renamed over it, so no
-reader sees half a file. A symlink is written through: the file it points to is replaced and
-the link stays a link. A read-only file is refused, not overwritten. A rewrite of a file the
+reader sees half a file. A symlink is written through when asked (``--fix``; outputs are
+resolved by core/outputs.py first): the file it points to is replaced and the link stays a
+link. A read-only file is refused, not overwritten; a rewritten file keeps its mode and owner. A rewrite of a file the
 tool read first (``--fix``) is compare-and-swap: under an advisory lock, the file must still
 hold exactly what was read, or nothing is written.
 """
@@ -14,6 +15,7 @@ import hashlib
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +31,8 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -43,9 +46,13 @@ def _read(path: Path, encoding: str) -> str | None:
         return None
 
 
+LOCK_WAIT = 10.0  # seconds --fix waits for another process's lock on a file before giving up
+
+
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``path`` (another ``--fix`` on it waits)."""
+def locked(path: Path, wait: float | None = None) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` (another ``--fix`` on it waits, at most
+    ``wait`` seconds, then a one-line UsageError)."""
     try:
         fh = open(path, "rb") if fcntl is not None else None  # noqa: SIM115 - closed below
     except OSError:  # missing or unreadable: the read that follows says so, in one line
@@ -53,48 +60,84 @@ def locked(path: Path) -> Iterator[None]:
     if fh is None:
         yield
         return
+    wait = LOCK_WAIT if wait is None else wait
     with fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise UsageError(f"{path} is locked by another process (another --fix?) for over {wait:g} s: "
+                                     "not rewritten") from None
+                time.sleep(0.05)
         try:
             yield
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def write_atomic(path: Path, text: str, *, expected: str | None = None, encoding: str = "utf-8") -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename.
+def write_atomic(path: Path, data: str | bytes, *, expected: str | None = None, encoding: str = "utf-8",
+                 follow_links: bool = True, shown: str | None = None) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename.
 
-    The text is written as is (no newline translation); an existing file keeps its
-    permission bits, a new one gets the umask's. ``expected``: the content ``path`` must still
-    hold right before the rename (compare-and-swap); otherwise nothing is written and a
-    UsageError says the file changed. ``encoding``: the file's own (a fixed latin-1 file with
-    its coding cookie stays latin-1; ``utf-8-sig`` keeps a BOM).
+    Text is written as is (no newline translation), in ``encoding`` (the file's own: a fixed
+    latin-1 file with its coding cookie stays latin-1; ``utf-8-sig`` keeps a BOM). An existing
+    file keeps its permission bits and, where the process may set them, its owner and group; a
+    new one gets the umask's bits. A file whose mode lets no one write is refused, even for root.
+    ``expected``: the content ``path`` must still hold right before the rename
+    (compare-and-swap); otherwise nothing is written. ``follow_links``: write through a link at
+    ``path`` (``--fix`` inside the walked tree); outputs come resolved (core/outputs.py).
+    ``shown``: how errors name the file.
     """
-    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)  # write through a link
-    if path.is_dir():
-        raise UsageError(f"cannot write {path}: it is a folder")
-    existing = path.exists()
-    if existing and not os.access(path, os.W_OK):
-        if path.stat().st_mode & 0o222:  # its mode allows writing: a file attribute or the mount forbids it
-            raise UsageError(f"{path} cannot be written (immutable, or on a read-only file system): not rewritten")
-        raise UsageError(f"{path} is read-only: not rewritten (make it writable to allow it)")
+    path = Path(path)
+    if follow_links and path.is_symlink():
+        path = Path(os.path.realpath(path))
+    shown = shown or str(path)
+    try:
+        existing: os.stat_result | None = os.stat(path)
+    except FileNotFoundError:
+        existing = None
+    except OSError as exc:
+        raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
+    if existing is not None:
+        _check_writable(path, existing, shown)
     folder = path.parent if str(path.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=folder)
     except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror}") from None
+        raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
     try:
-        with os.fdopen(fd, "w", encoding=encoding, newline="") as fh:
-            fh.write(text)
-        mode = stat.S_IMODE(os.stat(path).st_mode) if existing else 0o666 & ~_umask()
-        os.chmod(tmp, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode(encoding, "surrogateescape") if isinstance(data, str) else data)
+        os.chmod(tmp, stat.S_IMODE(existing.st_mode) if existing is not None else 0o666 & ~umask())
+        if existing is not None and (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
+            with contextlib.suppress(OSError):  # only root (or the owner, for the group) may
+                os.chown(tmp, existing.st_uid, existing.st_gid)
         if expected is not None and _read(path, encoding) != expected:
-            raise UsageError(f"{path} changed since ampaudit read it: nothing written (run the command again)")
+            raise UsageError(f"{shown} changed since ampaudit read it: nothing written (run the command again)")
         os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise UsageError(f"cannot write {shown}: {exc.strerror or exc}") from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _check_writable(path: Path, existing: os.stat_result, shown: str) -> None:
+    if stat.S_ISDIR(existing.st_mode):
+        raise UsageError(f"cannot write {shown}: it is a folder")
+    if not existing.st_mode & 0o222:  # root may write anything: the mode still says no
+        raise UsageError(f"{shown} is read-only: not rewritten (make it writable to allow it)")
+    if os.access(path, os.W_OK):
+        return
+    if existing.st_uid == os.geteuid() or os.geteuid() == 0:  # the mode allows it: an attribute or the mount not
+        raise UsageError(f"{shown} cannot be written (immutable, or on a read-only file system): not rewritten")
+    raise UsageError(f"{shown} cannot be written by this user: not rewritten")
 
 
 def same_file(a: Path, b: Path) -> bool:

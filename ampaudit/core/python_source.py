@@ -45,8 +45,10 @@ def read_python(path: Path) -> tuple[str, str]:
             raise LoadError(f"{path} has {reason}") from None
     try:
         text = raw.decode(encoding)
-    except (UnicodeDecodeError, LookupError):
+    except UnicodeDecodeError:
         raise LoadError(f"{path} is not {encoding} text") from None
+    except (UnicodeError, LookupError):  # a codec that never decodes ('undefined')
+        raise LoadError(f"{path} declares the encoding {encoding!r}, which cannot decode text") from None
     if "\x00" in text:  # Python refuses the file, even with the null byte in a comment or a string
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise LoadError(f"{path} has a null byte on line {line}, which Python refuses")

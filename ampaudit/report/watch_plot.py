@@ -3,26 +3,25 @@ steps, drawn with matplotlib from a watch log."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ampaudit.core.errors import UsageError
+from ampaudit.core.outputs import Output, write_output
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
 
 
 def check_plot_path(path: Path) -> None:
-    """Before reading a log: matplotlib picks the format from the suffix."""
+    """Before reading a log: the suffix names the image format."""
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot {path}: name an image file ({', '.join(PLOT_SUFFIXES[:3])}, ...)")
-    if path.is_dir():
-        raise UsageError(f"--plot {path} is a folder: name an image file")
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"--plot {path}: no folder {path.parent}")
 
 
-def plot(records: Iterable[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+def plot(records: Iterable[dict[str, Any]], summary: dict[str, Any], output: Output) -> None:
+    """Draw the plot in memory, then write it whole (an earlier plot is never left truncated)."""
     """Per-layer gradient-magnitude histograms and overflow/underflow over steps (matplotlib).
     ``records`` are streamed: only three numbers per step are kept."""
     try:
@@ -54,9 +53,9 @@ def plot(records: Iterable[dict[str, Any]], summary: dict[str, Any], path: Path)
     bottom.set_xlabel("step")
     bottom.legend()
     fig.tight_layout()
+    image = io.BytesIO()
     try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise UsageError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+        fig.savefig(image, format=output.path.suffix[1:].lower())
     finally:
         plt.close(fig)
+    write_output(output, image.getvalue())

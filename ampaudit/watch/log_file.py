@@ -8,13 +8,19 @@ naming the line.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
 from collections.abc import Generator
 from contextlib import closing
 from pathlib import Path
 from typing import Any, TextIO
 
 from ampaudit.core.errors import UsageError
+from ampaudit.core.outputs import resolve_output
+from ampaudit.core.paths import display_path
 from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 
 FORMAT_VERSION = 2  # the header's "ampaudit_watch" value: 2 writes Stats as rows (``stats_merge.LOG_ROW``)
@@ -23,22 +29,46 @@ READS = (1, 2)  # the versions read: 1 wrote each Stats as its dict
 
 def create_log(path: Path, header: dict[str, Any]) -> TextIO:
     """Open a new log for writing, its header written. It replaces an earlier watch log, never
-    another file: a folder, a missing folder, or a file that is not a watch log is a one-line
-    UsageError before anything is written."""
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"the log {path} is a folder: name a file")
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"the log {path}: no folder {path.parent}")
-    if path.exists() and path.stat().st_size and not _is_log(path):
-        raise UsageError(f"the log {path} exists and is not an ampaudit watch log: refusing to overwrite it")
-    try:
-        handle = open(path, "w", encoding="utf-8")  # noqa: SIM115 (the caller closes it)
+    another file: a folder, a missing folder, a file that is not a watch log, a planted link
+    (core/outputs.py) or a log another watch is still writing (it holds an exclusive lock while
+    it writes) is a one-line UsageError before anything is written. A device or a FIFO is
+    written in place."""
+    shown = display_path(str(path))
+    output = resolve_output(shown, "the log")
+    try:  # O_NOFOLLOW: a link planted since the check is refused; O_NONBLOCK: no wait for a FIFO's reader
+        fd = os.open(output.target, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     except OSError as exc:
-        raise UsageError(f"cannot write the log {path}: {exc.strerror or exc}") from None
-    handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header, "row": list(LOG_ROW)}) + "\n")
-    handle.flush()
+        cause = "a FIFO that no process reads" if exc.errno == errno.ENXIO else exc.strerror
+        raise UsageError(f"cannot write the log {shown}: {cause}") from None
+    try:
+        os.set_blocking(fd, True)
+        if output.kind != "stream":
+            _claim(fd, output.target, shown)
+        handle = os.fdopen(fd, "w", encoding="utf-8", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header, "row": list(LOG_ROW)}) + "\n")
+        handle.flush()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            handle.close()
+        raise UsageError(f"cannot write the log {shown}: {exc.strerror or exc}") from None
     return handle
+
+
+def _claim(fd: int, target: Path, shown: Path | str) -> None:
+    """Lock a regular log file for this writer and empty it - unless another watch holds it or
+    it is not a watch log."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"the log {shown} is being written by another watch: refusing a second writer "
+                         "(name another log)") from None
+    if os.fstat(fd).st_size and not _is_log(target):
+        raise UsageError(f"the log {shown} exists and is not an ampaudit watch log: refusing to overwrite it")
+    os.ftruncate(fd, 0)
 
 
 class LogSink:

@@ -1,0 +1,194 @@
+"""Where an output goes, decided once, before any user code runs.
+
+A command's output path (``-o``, ``--plot``, ``--log``, ``--tensorboard``, convert's ``-o``)
+is resolved when the command starts: made absolute (a model that calls ``os.chdir`` cannot
+move it), its symbolic links checked, and its kind fixed:
+
+- a missing path or a regular file is written atomically (a temporary file renamed over it);
+- a character device or a FIFO (``/dev/null``, ``/dev/stdout``, a pipe) is written in place,
+  never replaced; a FIFO with no reader is refused rather than waited on;
+- a block device, a socket, or a folder where a file is wanted is refused.
+
+A symbolic link is followed only when the running user or root owns it and the folder that
+holds it is not writable by others: a link planted in a shared folder (``/tmp``) by another
+user is refused, whoever runs ampaudit (the kernel's ``fs.protected_symlinks`` applies the
+same idea to sticky folders; a rename into the link's target would bypass it).
+
+An output never names a file the command reads: ``inputs`` are compared by device and inode.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ampaudit.core.errors import UsageError
+
+_MAX_LINKS = 40  # as the kernel's ELOOP limit
+
+
+@dataclass(frozen=True)
+class Output:
+    """A resolved output. ``target``: where the bytes land (a followed link's target);
+    ``kind``: "new", "file", "stream" (written in place) or "folder"."""
+
+    flag: str
+    path: Path
+    target: Path
+    kind: str
+    shown: str = ""  # the path as the user wrote it, for messages
+
+    def __str__(self) -> str:
+        return self.shown or str(self.path)
+
+
+def _check_link(link: Path, flag: str, shown: str, absolute: Path) -> None:
+    """Refuse to follow ``link`` unless the running user or root owns it and no one else can
+    swap it: in a folder others may write, only the user's own link in a sticky folder."""
+    owner = os.lstat(link).st_uid
+    which = f"{flag} {shown} is" if link == absolute else f"{flag} {shown}: {link} is"
+    if owner not in (os.geteuid(), 0):
+        raise UsageError(f"{which} a symbolic link owned by another user (uid {owner}): not followed "
+                         "(remove it, or write elsewhere)")
+    folder = os.stat(link.parent).st_mode
+    if folder & stat.S_IWOTH and not (folder & stat.S_ISVTX and owner == os.geteuid()):
+        raise UsageError(f"{which} a symbolic link in a folder others can write: not followed")
+
+
+def _resolve(path: Path, flag: str, shown: str) -> Path:
+    """``path`` with every symbolic link (in any component) checked and followed. Links in
+    /proc (``/dev/stdout`` ends at ``/proc/self/fd/1``) are the kernel's own: trusted."""
+    parts = list(path.parts[1:])
+    current = Path(path.anchor)
+    hops = 0
+    while parts:
+        current = current / parts.pop(0)
+        if str(current).startswith("/proc/"):
+            return Path(current, *parts)
+        try:
+            is_link = stat.S_ISLNK(os.lstat(current).st_mode)
+        except FileNotFoundError:
+            return Path(current, *parts)
+        except OSError as exc:
+            raise UsageError(f"{flag} {shown}: {exc.strerror}") from None
+        if not is_link:
+            continue
+        hops += 1
+        if hops > _MAX_LINKS:
+            raise UsageError(f"{flag} {shown}: too many levels of symbolic links")
+        _check_link(current, flag, shown, path)
+        pointed = Path(os.readlink(current))
+        base = current.parent if not pointed.is_absolute() else Path(pointed.anchor)
+        parts = list(pointed.parts[1:] if pointed.is_absolute() else pointed.parts) + parts
+        current = base
+    return Path(os.path.normpath(current))
+
+
+def _same_as_input(target: Path, inputs: Iterable[Path | str | None]) -> Path | None:
+    try:
+        mine = os.stat(target)
+    except OSError:
+        return None
+    for item in inputs:
+        if item is None:
+            continue
+        try:
+            theirs = os.stat(item)
+        except OSError:
+            continue
+        if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
+            return Path(item)
+    return None
+
+
+def resolve_output(path: Path | str, flag: str, *, inputs: Iterable[Path | str | None] = (),
+                   folder: bool = False) -> Output:
+    """Decide where ``path`` is written (module docstring); a one-line UsageError otherwise.
+    ``folder``: the output is a folder (created when missing) rather than a file."""
+    text = str(path)
+    if not text.strip():
+        raise UsageError(f"{flag}: an empty path")
+    try:
+        absolute = Path(os.path.abspath(text))
+    except OSError as exc:  # the working folder was deleted
+        raise UsageError(f"{flag} {text}: the working folder is gone ({exc.strerror})") from None
+    target = _resolve(absolute, flag, text)
+    kind = _kind(target, flag, text, folder)
+    clash = _same_as_input(target, inputs)
+    if clash is not None:
+        raise UsageError(f"{flag} {text} is an input of this command ({clash}): refusing to overwrite it")
+    return Output(flag, absolute, target, kind, text)
+
+
+def _kind(target: Path, flag: str, shown: str, folder: bool) -> str:
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        if folder:
+            return "new"  # created with its missing parents
+        parent = target.parent
+        named = Path(shown).parent if Path(os.path.abspath(shown)) == target else parent  # as the user wrote it
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {shown}: no folder {named}") from None
+        if not os.access(parent, os.W_OK):
+            raise UsageError(f"{flag} {shown}: the folder {named} is not writable") from None
+        return "new"
+    except OSError as exc:
+        raise UsageError(f"{flag} {shown}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        if folder:
+            return "folder"
+        raise UsageError(f"{flag} {shown} is a folder: name a file")
+    if folder:
+        raise UsageError(f"{flag} {shown} is a file: name a folder")
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        return "stream"
+    what = "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+    raise UsageError(f"{flag} {shown} is {what}: name a regular file")
+
+
+def write_output(output: Output, data: str | bytes) -> None:
+    """Write ``data`` to a resolved output: atomically, or in place for a stream."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    if output.kind == "stream":
+        _write_stream(output, payload)
+        return
+    from ampaudit.core.files import write_atomic
+
+    write_atomic(output.target, payload, follow_links=False, shown=f"{output.flag} {output}")
+
+
+def _write_stream(output: Output, payload: bytes) -> None:
+    shown = f"{output.flag} {output}"
+    try:
+        fd = os.open(output.target, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise UsageError(f"{shown} is a FIFO that no process reads: nothing written") from None
+        raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
+    try:
+        os.set_blocking(fd, True)  # non-blocking only to not wait for a FIFO's reader
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def refuse_special_file(path: Path | str, what: str) -> None:
+    """An input the command reads whole must be a regular file: a FIFO would block and a device
+    (``/dev/zero``) never end. A missing path is left to the reader's own message."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise UsageError(f"{what} {path} is not a regular file (a FIFO or a device): not read")
