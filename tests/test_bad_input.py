@@ -309,4 +309,4 @@ def test_a_deleted_working_folder_is_one_line(tmp_path, monkeypatch, capsys):
     assert main(["check", str(tmp_path / "t.py"), "--lint-only", "-o", "report.txt"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err == "ampaudit: error: -o report.txt: the working folder is gone (No such file or directory)\n"
+    assert err == "ampaudit: error: the working folder was deleted: cd to an existing folder\n"

@@ -151,7 +151,7 @@ def test_force_never_overwrites_a_module_the_model_imported(tmp_path, cli):
         for name in ("module", "m"):
             sys.modules.pop(name, None)
         sys.modules.update(saved)
-    assert result.code == 2 and "would overwrite the model file" in result.err
+    assert result.code == 2 and "the model or a file it imported" in result.err
     assert str(src / "module.py") in result.err and len(result.err.strip().splitlines()) == 1
     assert (src / "module.py").read_text() == (FIXTURES / "module.py").read_text()
     assert sorted(p.name for p in src.iterdir()) == ["m.py", "module.py"]

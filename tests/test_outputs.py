@@ -3,6 +3,7 @@ core/outputs.py resolves an output once, before user code runs; core/files.py wr
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -323,7 +324,7 @@ def test_a_write_killed_at_the_rename_leaves_the_old_file_and_no_temporary(tmp_p
     target = tmp_path / "report.txt"
     target.write_text("old")
     script = ("import os, sys\nfrom pathlib import Path\nfrom ampaudit.core.outputs import resolve_output, "
-              "write_output\nos.replace = lambda *a: os._exit(9)\n"
+              "write_output\nos.replace = lambda *a, **k: os._exit(9)\n"
               f"write_output(resolve_output({str(target)!r}, '-o'), 'new' * 1000)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert done.returncode == 9 and target.read_text() == "old"
@@ -335,7 +336,7 @@ def test_sigterm_during_a_write_removes_the_temporary_file(tmp_path):
     target = tmp_path / "report.txt"
     script = ("import os, signal, sys\nfrom ampaudit.cli import main as m\nfrom ampaudit.core import files\n"
               "real = os.replace\n"
-              "def slow(*a):\n    os.kill(os.getpid(), signal.SIGTERM)\n    real(*a)\n"
+              "def slow(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    real(*a, **k)\n"
               "files.os.replace = slow\n"
               f"sys.exit(m.main(['check', {str(tmp_path / 't.py')!r}, '--lint-only', '-o', {str(target)!r}]))\n")
     (tmp_path / "t.py").write_text(DEPRECATED)
@@ -354,3 +355,132 @@ def test_concurrent_writers_leave_one_whole_output(tmp_path):
         t.join()
     assert (tmp_path / "r.txt").read_text() in texts
     assert [p.name for p in tmp_path.iterdir()] == ["r.txt"]
+
+
+# found by trying to break the rules above (issue 24's second pass)
+def test_convert_output_is_resolved_before_the_model_changes_folder(tree, cli):
+    pytest.importorskip("safetensors")
+    (tree / "else").mkdir()
+    (tree / "mc.py").write_text(f"import os\nimport torch\n\n\ndef get_model():\n    os.chdir({str(tree / 'else')!r})\n"
+                                "    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n")
+    try:
+        result = cli("convert", "mc.py", "-o", "out", "--input-shape", "2,4", "--no-verify", "--train-steps", "0")
+    finally:
+        os.chdir(tree)
+    assert result.code == 0, result.err
+    assert (tree / "out" / "plan.json").is_file() and not (tree / "else" / "out").exists()
+
+
+@ROOT_ONLY
+def test_convert_output_through_another_users_link_is_refused(tree, cli):
+    (tree / "victim").mkdir()
+    (tree / "planted").symlink_to(tree / "victim")
+    os.lchown(tree / "planted", NOBODY, NOBODY)
+    (tree / "m.py").write_text("import torch\n\n\ndef get_model():\n    return torch.nn.Linear(4, 4)\n")
+    line = _one_line(cli("convert", "m.py", "-o", "planted/sub", "--input-shape", "2,4", "--no-verify",
+                         "--train-steps", "0"))
+    assert "planted is a symbolic link owned by another user" in line and list((tree / "victim").iterdir()) == []
+
+
+@ROOT_ONLY
+def test_proc_self_cwd_does_not_skip_the_link_checks(tree, cli):
+    (tree / "victim").mkdir()
+    (tree / "planted").symlink_to(tree / "victim")
+    os.lchown(tree / "planted", NOBODY, NOBODY)
+    line = _one_line(cli("check", "src", "--lint-only", "-o", "/proc/self/cwd/planted/x.txt"))
+    assert "is a symbolic link owned by another user" in line and list((tree / "victim").iterdir()) == []
+
+
+@ROOT_ONLY
+def test_fix_does_not_write_through_another_users_link(tree, cli):
+    (tree / "victim.py").write_text(DEPRECATED)
+    (tree / "planted.py").symlink_to(tree / "victim.py")
+    os.lchown(tree / "planted.py", NOBODY, NOBODY)
+    line = _one_line(cli("check", "planted.py", "--lint-only", "--fix"))
+    assert "--fix planted.py is a symbolic link owned by another user" in line
+    assert (tree / "victim.py").read_text() == DEPRECATED
+
+
+def test_a_folder_swapped_for_a_link_after_the_check_is_not_written_through(tree):
+    (tree / "out").mkdir()
+    (tree / "victim").mkdir()
+    out = resolve_output("out/report.txt", "-o")
+    os.rename(tree / "out", tree / "moved")  # the checked folder goes; a link to another takes its name
+    (tree / "out").symlink_to(tree / "victim")
+    write_output(out, "report")
+    assert list((tree / "victim").iterdir()) == [] and (tree / "moved" / "report.txt").read_text() == "report"
+
+
+def test_dev_stdout_is_the_processs_own_stdout_even_into_an_appended_file(tmp_path):
+    (tmp_path / "t.py").write_text(DEPRECATED)
+    log = tmp_path / "app.txt"
+    log.write_text("earlier line\n")
+    with open(log, "a") as append:
+        done = subprocess.run([sys.executable, "-m", "ampaudit", "check", "t.py", "--lint-only", "--format", "json",
+                               "-o", "/dev/stdout"], cwd=tmp_path, stdout=append, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    assert done.returncode == 1, done.stderr
+    head, _, rest = log.read_text().partition("\n")
+    assert head == "earlier line" and json.loads(rest)["findings"][0]["rule"] == "AMP401"
+
+
+def test_run_log_to_dev_stdout(tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "train.py").write_text("import torch\nm = torch.nn.Linear(2, 2)\n"
+                                       "m(torch.ones(1, 2)).sum().backward()\n")
+    done = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "/dev/stdout", "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["ampaudit_watch"] == 2
+
+
+def test_a_read_only_earlier_log_is_not_rewritten(tree, cli):
+    torch = pytest.importorskip("torch")
+    import ampaudit
+
+    net = torch.nn.Linear(2, 2)
+    with ampaudit.watch(net, log="run.jsonl"):
+        net(torch.ones(1, 2)).sum().backward()
+    before = (tree / "run.jsonl").read_bytes()
+    (tree / "run.jsonl").chmod(0o444)
+    with pytest.raises(UsageError, match=r"the log run\.jsonl is read-only: not rewritten"), \
+            ampaudit.watch(net, log="run.jsonl"):
+        pass
+    assert (tree / "run.jsonl").read_bytes() == before
+
+
+def test_a_log_that_cannot_grow_stops_logging_not_training(tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "train.py").write_text("import torch\nm = torch.nn.Linear(4, 4)\n"
+                                       "opt = torch.optim.SGD(m.parameters())\nfor _ in range(30):\n"
+                                       "    m(torch.ones(8, 4)).sum().backward()\n"
+                                       "    opt.step()\n    opt.zero_grad()\nprint('trained')\n")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+    done = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "log.jsonl", "train.py"], cwd=tmp_path,
+                          capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr
+    assert ("ampaudit: the log log.jsonl could not be written (File too large): logging stopped, training goes on"
+            in done.stderr.splitlines())
+
+
+@pytest.mark.parametrize("argv", [
+    ["convert", "pipe.py", "-o", "out"], ["run", "pipe.py"],
+])
+def test_a_fifo_model_or_script_is_refused(tree, cli, argv):
+    os.mkfifo(tree / "pipe.py")
+    assert "pipe.py is not a regular file (a FIFO or a device): not read" in _one_line(cli(*argv))
+
+
+@pytest.mark.parametrize("argv", [
+    ["convert", "", "-o", "out"], ["report", ""], ["run", ""], ["check", "src", "--policy", ""],
+])
+def test_an_empty_path_is_refused_by_every_command(tree, cli, argv):
+    try:
+        result = cli(*argv)
+    except SystemExit as exc:  # argparse's own usage error: one line, exit 2
+        assert exc.code == 2
+        return
+    assert "empty" in _one_line(result)

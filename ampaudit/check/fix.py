@@ -15,6 +15,7 @@ from ampaudit.core.config import Config
 from ampaudit.core.errors import UsageError
 from ampaudit.core.files import digest, locked, write_atomic
 from ampaudit.core.findings import Finding, Report
+from ampaudit.core.outputs import resolve_output
 from ampaudit.core.python_source import read_python
 
 
@@ -86,8 +87,13 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
     if after == before:
         return None
     diff = unified_diff(before, after, file)
-    if write:
-        write_atomic(Path(file), after, expected=before, encoding=encoding)
+    if write:  # through links the user or root owns, as an output is (core/outputs.py)
+        target = resolve_output(file, "--fix")
+        try:
+            write_atomic(target.target, after, expected=before, encoding=encoding, follow_links=False,
+                         shown=file, folder_fd=target.folder_fd)
+        finally:
+            target.close()
     return FileFix(file, fixed, diff)
 
 

@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--import-timeout", type=SECONDS, default=DEFAULT_SECONDS, metavar="SECONDS",
                        help="stop importing the model file and building its model after this long "
                             f"(default {DEFAULT_SECONDS:g}; 0: no limit)")
-    check.add_argument("--policy", action="append", default=[], type=Path, metavar="FILE",
+    check.add_argument("--policy", action="append", default=[], type=path_type, metavar="FILE",
                        help="TOML file extending or overriding the op catalog (ops.toml schema); repeatable")
     check.add_argument("--select", action="append", default=[], metavar="CODES",
                        help="only report these rule codes or prefixes (comma-separated)")

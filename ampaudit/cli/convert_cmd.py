@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -66,13 +67,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ampaudit.convert.export import check_export_folder, export
     from ampaudit.core.console import make_console, slow_status
     from ampaudit.core.findings import Target
+    from ampaudit.core.outputs import refuse_special_file, resolve_output
     from ampaudit.core.streams import user_output_to_stderr
     from ampaudit.load.loader import NotImported, load_target
     from ampaudit.load.spec import parse_spec
     from ampaudit.report.conversion import render_conversion
 
+    if not args.target.strip():
+        raise UsageError("an empty PATH (an unset variable?): name a model file")
     model_file = parse_spec(args.target).path
-    check_export_folder(args.output, force=args.force, inputs=[model_file] if model_file else [])  # before the work
+    if model_file is not None:
+        refuse_special_file(model_file, "the model file")
+        model_file = Path(os.path.abspath(model_file))
+    # before the model's code runs (it may chdir) and before the work: links checked, the path made absolute
+    args.output = resolve_output(args.output, "-o", folder=True).path
+    check_export_folder(args.output, force=args.force, inputs=[model_file] if model_file else [])
     with user_output_to_stderr():
         loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                              input_dtypes=args.input_dtype, model_config=args.model_config,

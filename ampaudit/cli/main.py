@@ -104,6 +104,11 @@ def _signals(command: str) -> Iterator[None]:
 
 def _run(args: argparse.Namespace, debug: bool) -> int:
     try:
+        os.getcwd()
+    except OSError:  # torch's own libraries fail to load from a deleted folder, with no ampaudit line
+        sys.stderr.write("ampaudit: error: the working folder was deleted: cd to an existing folder\n")
+        return EXIT_ERROR
+    try:
         return COMMANDS[args.command](args)
     except Terminated:
         sys.stderr.write("ampaudit: terminated\n")

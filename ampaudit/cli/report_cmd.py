@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser("report", help="summarize an ampaudit watch log",
                             description="Summarize a watch log: per-module counts, then the run's findings (AMP6xx) "
                                         "in check's format.")
-    report.add_argument("log", type=Path)
+    report.add_argument("log", type=path_type)
     findings_only = " or ".join(f for f in FORMATS if f not in _SUMMARY_FORMATS)
     report.add_argument("--format", choices=FORMATS, default="text",
                         help=f"{' or '.join(_SUMMARY_FORMATS)}: the summary, findings last; {findings_only}: "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
-from pathlib import Path
 
 from ampaudit.cli.common import number_type, path_type
 from ampaudit.core.errors import UsageError
@@ -17,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
                                      "of every module that runs forward and every optimizer that steps.")
     _add_watch_options(run)
-    run.add_argument("script", type=Path)
+    run.add_argument("script", type=path_type)
     run.add_argument("args", nargs=argparse.REMAINDER)
 
 
@@ -50,7 +49,7 @@ def watch_options(args: argparse.Namespace) -> WatchOptions:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ampaudit.core.outputs import resolve_output
+    from ampaudit.core.outputs import refuse_special_file, resolve_output
     from ampaudit.core.torch_extra import require_torch
 
     require_torch("ampaudit run")
@@ -61,6 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--inside-compile needs torch's effect tokens, which this torch does not have: update "
                          "torch, or run without it")
 
+    refuse_special_file(args.script, "the script")
     if args.log is not None:  # resolved before the script runs (it may chdir)
         args.log = resolve_output(args.log, "--log", inputs=[args.script]).target
     return run_script(args.script, args.args, watch_options(args))

@@ -135,7 +135,8 @@ def _check_inputs(folder: Path, inputs: Iterable[Path | str]) -> None:
         return
     for source in inputs:
         if _file_id(source) in targets:
-            raise UsageError(f"-o {folder} would overwrite the model file {source}: choose another folder")
+            raise UsageError(f"-o {folder} would overwrite {source}, the model or a file it imported: "
+                             "choose another folder")
 
 
 def _file_id(path: Path | str) -> tuple[int, int] | None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,14 +36,6 @@ def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _read(path: Path, encoding: str) -> str | None:
-    try:
-        with open(path, encoding=encoding, newline="") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        return None
 
 
 LOCK_WAIT = 10.0  # seconds --fix waits for another process's lock on a file before giving up
@@ -79,7 +71,7 @@ def locked(path: Path, wait: float | None = None) -> Iterator[None]:
 
 
 def write_atomic(path: Path, data: str | bytes, *, expected: str | None = None, encoding: str = "utf-8",
-                 follow_links: bool = True, shown: str | None = None) -> None:
+                 follow_links: bool = True, shown: str | None = None, folder_fd: int | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename.
 
     Text is written as is (no newline translation), in ``encoding`` (the file's own: a fixed
@@ -88,52 +80,84 @@ def write_atomic(path: Path, data: str | bytes, *, expected: str | None = None, 
     new one gets the umask's bits. A file whose mode lets no one write is refused, even for root.
     ``expected``: the content ``path`` must still hold right before the rename
     (compare-and-swap); otherwise nothing is written. ``follow_links``: write through a link at
-    ``path`` (``--fix`` inside the walked tree); outputs come resolved (core/outputs.py).
+    ``path`` (``--fix``); an output comes resolved, with ``folder_fd``: its folder, opened when
+    it was checked, so that a folder swapped for a link since then is not written through.
     ``shown``: how errors name the file.
     """
     path = Path(path)
     if follow_links and path.is_symlink():
         path = Path(os.path.realpath(path))
     shown = shown or str(path)
+    payload = data.encode(encoding, "surrogateescape") if isinstance(data, str) else data
+    if folder_fd is not None:
+        _replace_in(folder_fd, path.name, payload, expected, encoding, shown)
+        return
+    folder_fd = open_folder(path.parent if str(path.parent) else Path("."), shown)
     try:
-        existing: os.stat_result | None = os.stat(path)
+        _replace_in(folder_fd, path.name, payload, expected, encoding, shown)
+    finally:
+        os.close(folder_fd)
+
+
+def open_folder(folder: Path, shown: str) -> int:
+    """A file descriptor of ``folder``, for writes relative to it."""
+    try:
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
+
+
+def _replace_in(folder: int, name: str, payload: bytes, expected: str | None, encoding: str, shown: str) -> None:
+    try:
+        existing: os.stat_result | None = os.stat(name, dir_fd=folder, follow_symlinks=False)
     except FileNotFoundError:
         existing = None
     except OSError as exc:
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
     if existing is not None:
-        _check_writable(path, existing, shown)
-    folder = path.parent if str(path.parent) else Path(".")
+        _check_writable(folder, name, existing, shown)
+    tmp = f".{name[:200]}.{secrets.token_hex(4)}.tmp"
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=folder)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
     except OSError as exc:
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode(encoding, "surrogateescape") if isinstance(data, str) else data)
-        os.chmod(tmp, stat.S_IMODE(existing.st_mode) if existing is not None else 0o666 & ~umask())
-        if existing is not None and (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
-            with contextlib.suppress(OSError):  # only root (or the owner, for the group) may
-                os.chown(tmp, existing.st_uid, existing.st_gid)
-        if expected is not None and _read(path, encoding) != expected:
+            fh.write(payload)
+            os.fchmod(fh.fileno(), stat.S_IMODE(existing.st_mode) if existing is not None else 0o666 & ~umask())
+            if existing is not None and (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(OSError):  # only root (or the owner, for the group) may
+                    os.fchown(fh.fileno(), existing.st_uid, existing.st_gid)
+        if expected is not None and _read_in(folder, name, encoding) != expected:
             raise UsageError(f"{shown} changed since ampaudit read it: nothing written (run the command again)")
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except OSError as exc:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=folder)
         raise UsageError(f"cannot write {shown}: {exc.strerror or exc}") from None
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=folder)
         raise
 
 
-def _check_writable(path: Path, existing: os.stat_result, shown: str) -> None:
+def _read_in(folder: int, name: str, encoding: str) -> str | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=folder)
+    except FileNotFoundError:
+        return None
+    with open(fd, encoding=encoding, newline="") as fh:
+        return fh.read()
+
+
+def _check_writable(folder: int, name: str, existing: os.stat_result, shown: str) -> None:
     if stat.S_ISDIR(existing.st_mode):
         raise UsageError(f"cannot write {shown}: it is a folder")
+    if stat.S_ISLNK(existing.st_mode):  # outputs are resolved first: a link now was planted since
+        raise UsageError(f"{shown} became a symbolic link since it was checked: nothing written")
     if not existing.st_mode & 0o222:  # root may write anything: the mode still says no
         raise UsageError(f"{shown} is read-only: not rewritten (make it writable to allow it)")
-    if os.access(path, os.W_OK):
+    if os.access(name, os.W_OK, dir_fd=folder):
         return
     if existing.st_uid == os.geteuid() or os.geteuid() == 0:  # the mode allows it: an attribute or the mount not
         raise UsageError(f"{shown} cannot be written (immutable, or on a read-only file system): not rewritten")

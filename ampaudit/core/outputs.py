@@ -19,31 +19,52 @@ An output never names a file the command reads: ``inputs`` are compared by devic
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
 import stat
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ampaudit.core.errors import UsageError
+from ampaudit.core.files import open_folder, write_atomic
+from ampaudit.core.paths import display_path
 
 _MAX_LINKS = 40  # as the kernel's ELOOP limit
 
 
-@dataclass(frozen=True)
+_FD_PATH = re.compile(r"/dev/(?:fd/(?P<n>\d+)|(?P<std>stdout|stderr))|/proc/self/fd/(?P<p>\d+)")
+
+
+@dataclass
 class Output:
     """A resolved output. ``target``: where the bytes land (a followed link's target);
-    ``kind``: "new", "file", "stream" (written in place) or "folder"."""
+    ``kind``: "new", "file", "stream" (a device or FIFO, written in place), "fd" (``/dev/stdout``:
+    written to the process's own descriptor ``fd``) or "folder". ``folder_fd``: the target's
+    folder, opened when it was checked (the write goes there, whatever its path names later)."""
 
     flag: str
     path: Path
     target: Path
     kind: str
     shown: str = ""  # the path as the user wrote it, for messages
+    fd: int | None = None
+    folder_fd: int | None = None
 
     def __str__(self) -> str:
         return self.shown or str(self.path)
+
+    def close(self) -> None:
+        if self.folder_fd is not None:
+            os.close(self.folder_fd)
+            self.folder_fd = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def _check_link(link: Path, flag: str, shown: str, absolute: Path) -> None:
@@ -60,19 +81,19 @@ def _check_link(link: Path, flag: str, shown: str, absolute: Path) -> None:
 
 
 def _resolve(path: Path, flag: str, shown: str) -> Path:
-    """``path`` with every symbolic link (in any component) checked and followed. Links in
-    /proc (``/dev/stdout`` ends at ``/proc/self/fd/1``) are the kernel's own: trusted."""
+    """``path`` with every symbolic link (in any component) checked and followed, /proc's too
+    (``/proc/self/cwd`` leads to a real folder, checked like any other)."""
     parts = list(path.parts[1:])
     current = Path(path.anchor)
     hops = 0
     while parts:
         current = current / parts.pop(0)
-        if str(current).startswith("/proc/"):
-            return Path(current, *parts)
         try:
             is_link = stat.S_ISLNK(os.lstat(current).st_mode)
         except FileNotFoundError:
             return Path(current, *parts)
+        except NotADirectoryError:
+            raise UsageError(f"{flag} {shown}: {display_path(str(current.parent))} is a file, not a folder") from None
         except OSError as exc:
             raise UsageError(f"{flag} {shown}: {exc.strerror}") from None
         if not is_link:
@@ -82,6 +103,8 @@ def _resolve(path: Path, flag: str, shown: str) -> Path:
             raise UsageError(f"{flag} {shown}: too many levels of symbolic links")
         _check_link(current, flag, shown, path)
         pointed = Path(os.readlink(current))
+        if not pointed.is_absolute() and ":" in pointed.parts[0] and str(current).startswith("/proc/"):
+            return Path(current, *parts)  # a pipe or socket behind /proc/PID/fd/N: no path to follow
         base = current.parent if not pointed.is_absolute() else Path(pointed.anchor)
         parts = list(pointed.parts[1:] if pointed.is_absolute() else pointed.parts) + parts
         current = base
@@ -116,20 +139,50 @@ def resolve_output(path: Path | str, flag: str, *, inputs: Iterable[Path | str |
         absolute = Path(os.path.abspath(text))
     except OSError as exc:  # the working folder was deleted
         raise UsageError(f"{flag} {text}: the working folder is gone ({exc.strerror})") from None
+    own = _FD_PATH.fullmatch(str(absolute))
+    if own and not folder:  # the process's own stdout/stderr/fd N: written to, never replaced or reopened
+        number = int(own["n"] or own["p"] or (1 if own["std"] == "stdout" else 2))
+        try:
+            os.fstat(number)
+        except OSError:
+            raise UsageError(f"{flag} {text}: descriptor {number} is not open") from None
+        return Output(flag, absolute, absolute, "fd", text, fd=number)
     target = _resolve(absolute, flag, text)
     kind = _kind(target, flag, text, folder)
     clash = _same_as_input(target, inputs)
     if clash is not None:
         raise UsageError(f"{flag} {text} is an input of this command ({clash}): refusing to overwrite it")
-    return Output(flag, absolute, target, kind, text)
+    output = Output(flag, absolute, target, kind, text)
+    if kind in ("new", "file"):
+        output.folder_fd = _open_checked_folder(absolute, target, flag, text)
+    return output
+
+
+def _open_checked_folder(absolute: Path, target: Path, flag: str, shown: str) -> int:
+    """The target's folder, opened, and checked again after opening: a folder swapped for a
+    link between the check and the open is refused, and later swaps no longer matter."""
+    folder_fd = open_folder(target.parent, f"{flag} {shown}")
+    try:
+        again = _resolve(absolute, flag, shown).parent
+        held, named = os.fstat(folder_fd), os.stat(again)
+    except BaseException:
+        os.close(folder_fd)
+        raise
+    if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+        os.close(folder_fd)
+        raise UsageError(f"{flag} {shown}: its folder changed while it was checked: nothing written")
+    return folder_fd
 
 
 def _kind(target: Path, flag: str, shown: str, folder: bool) -> str:
     try:
         mode = os.stat(target).st_mode
     except FileNotFoundError:
-        if folder:
-            return "new"  # created with its missing parents
+        if folder:  # created with its missing parents: the nearest existing one must be writable
+            existing = next(p for p in target.parents if p.exists())
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise UsageError(f"{flag} {shown}: the folder {display_path(str(existing))} is not writable") from None
+            return "new"
         parent = target.parent
         named = Path(shown).parent if Path(os.path.abspath(shown)) == target else parent  # as the user wrote it
         if not parent.is_dir():
@@ -140,6 +193,8 @@ def _kind(target: Path, flag: str, shown: str, folder: bool) -> str:
     except OSError as exc:
         raise UsageError(f"{flag} {shown}: {exc.strerror}") from None
     if stat.S_ISDIR(mode):
+        if folder and not os.access(target, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {shown}: the folder is not writable")
         if folder:
             return "folder"
         raise UsageError(f"{flag} {shown} is a folder: name a file")
@@ -156,12 +211,32 @@ def _kind(target: Path, flag: str, shown: str, folder: bool) -> str:
 def write_output(output: Output, data: str | bytes) -> None:
     """Write ``data`` to a resolved output: atomically, or in place for a stream."""
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    if output.kind == "stream":
+    if output.kind == "fd":
+        _write_fd(output, payload)
+    elif output.kind == "stream":
         _write_stream(output, payload)
-        return
-    from ampaudit.core.files import write_atomic
+    else:
+        try:
+            write_atomic(output.target, payload, follow_links=False, shown=f"{output.flag} {output}",
+                         folder_fd=output.folder_fd)
+        finally:
+            output.close()
 
-    write_atomic(output.target, payload, follow_links=False, shown=f"{output.flag} {output}")
+
+def _write_fd(output: Output, payload: bytes) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()  # what Python buffered goes first
+    try:
+        _write_all(output.fd, payload)
+    except OSError as exc:
+        raise UsageError(f"cannot write {output.flag} {output}: {exc.strerror}") from None
+
+
+def _write_all(fd: int, payload: bytes) -> None:
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _write_stream(output: Output, payload: bytes) -> None:
@@ -174,9 +249,7 @@ def _write_stream(output: Output, payload: bytes) -> None:
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
     try:
         os.set_blocking(fd, True)  # non-blocking only to not wait for a FIFO's reader
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, payload)
     except OSError as exc:
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
     finally:

@@ -12,6 +12,7 @@ Tags, one point per logged step:
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ def write_tensorboard(records: Iterable[dict[str, Any]], directory: Path) -> int
     if first is None:
         raise UsageError("the log has no finished step to write")
     points = 0
+    failed: list[BaseException] = []
+    saved_hook = threading.excepthook  # the writer's own thread writes: its error is ours to say, once
+    threading.excepthook = lambda hook_args: failed.append(hook_args.exc_value)
     try:
         writer = SummaryWriter(log_dir=str(directory))
         try:
@@ -60,5 +64,10 @@ def write_tensorboard(records: Iterable[dict[str, Any]], directory: Path) -> int
         finally:
             writer.close()
     except OSError as exc:
-        raise UsageError(f"cannot write TensorBoard events to {directory}: {exc.strerror or exc}") from None
+        failed.append(exc)
+    finally:
+        threading.excepthook = saved_hook
+    if failed:
+        cause = getattr(failed[0], "strerror", None) or failed[0]
+        raise UsageError(f"cannot write TensorBoard events to {directory}: {cause}") from None
     return points

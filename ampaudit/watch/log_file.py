@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import sys
 from collections.abc import Generator
 from contextlib import closing
 from pathlib import Path
@@ -35,14 +36,22 @@ def create_log(path: Path, header: dict[str, Any]) -> TextIO:
     written in place."""
     shown = display_path(str(path))
     output = resolve_output(shown, "the log")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:  # O_NOFOLLOW: a link planted since the check is refused; O_NONBLOCK: no wait for a FIFO's reader
-        fd = os.open(output.target, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        if output.kind == "fd":
+            fd = os.dup(output.fd)
+        elif output.folder_fd is not None:
+            fd = os.open(output.target.name, flags, 0o666, dir_fd=output.folder_fd)
+        else:
+            fd = os.open(output.target, flags, 0o666)
     except OSError as exc:
         cause = "a FIFO that no process reads" if exc.errno == errno.ENXIO else exc.strerror
         raise UsageError(f"cannot write the log {shown}: {cause}") from None
+    finally:
+        output.close()
     try:
         os.set_blocking(fd, True)
-        if output.kind != "stream":
+        if output.kind in ("new", "file"):
             _claim(fd, output.target, shown)
         handle = os.fdopen(fd, "w", encoding="utf-8", closefd=True)
     except BaseException:
@@ -66,7 +75,10 @@ def _claim(fd: int, target: Path, shown: Path | str) -> None:
     except BlockingIOError:
         raise UsageError(f"the log {shown} is being written by another watch: refusing a second writer "
                          "(name another log)") from None
-    if os.fstat(fd).st_size and not _is_log(target):
+    info = os.fstat(fd)
+    if not info.st_mode & 0o222:  # root may write anything: the mode still says no
+        raise UsageError(f"the log {shown} is read-only: not rewritten (make it writable to allow it)")
+    if info.st_size and not _is_log(target):
         raise UsageError(f"the log {shown} exists and is not an ampaudit watch log: refusing to overwrite it")
     os.ftruncate(fd, 0)
 
@@ -91,9 +103,17 @@ class LogSink:
             self._handle = create_log(self.path, header)
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._handle is not None:
+        if self._handle is None:
+            return
+        try:
             self._handle.write(json.dumps(record) + "\n")
             self._handle.flush()
+        except OSError as exc:  # a full disk or `ulimit -f` must not stop the training: stop logging
+            with contextlib.suppress(OSError):
+                self._handle.close()
+            self._handle = None
+            sys.stderr.write(f"ampaudit: the log {display_path(str(self.path))} could not be written "
+                             f"({exc.strerror or exc}): logging stopped, training goes on\n")
 
     def close(self, final_scale: float | None = None) -> None:
         """The last line - the loss scale after the last ``update()``, with a GradScaler -
@@ -101,7 +121,8 @@ class LogSink:
         if final_scale is not None:
             self.write({"final_scale": final_scale})
         if self._handle is not None:
-            self._handle.close()
+            with contextlib.suppress(OSError):  # the last flush of a full disk: said by write() already
+                self._handle.close()
             self._handle = None
 
 
