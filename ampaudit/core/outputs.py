@@ -5,14 +5,17 @@ is resolved when the command starts: made absolute (a model that calls ``os.chdi
 move it), its symbolic links checked, and its kind fixed:
 
 - a missing path or a regular file is written atomically (a temporary file renamed over it);
-- a character device or a FIFO (``/dev/null``, ``/dev/stdout``, a pipe) is written in place,
-  never replaced; a FIFO with no reader is refused rather than waited on;
+- ``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N`` are the process's own descriptors, written to;
+- a character device or a FIFO (``/dev/null``, a named pipe) is written in place, never
+  replaced; a FIFO with no reader is refused rather than waited on;
 - a block device, a socket, or a folder where a file is wanted is refused.
 
 A symbolic link is followed only when the running user or root owns it and the folder that
 holds it is not writable by others: a link planted in a shared folder (``/tmp``) by another
 user is refused, whoever runs ampaudit (the kernel's ``fs.protected_symlinks`` applies the
-same idea to sticky folders; a rename into the link's target would bypass it).
+same idea to sticky folders; a rename into the link's target would bypass it). The target's
+folder is opened when checked, and the write happens in that open folder: a later swap of a
+folder for a link is not followed. docs/files.md states every rule.
 
 An output never names a file the command reads: ``inputs`` are compared by device and inode.
 """
