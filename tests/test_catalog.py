@@ -319,6 +319,7 @@ def test_invalid_precision_is_a_usage_error_naming_the_key() -> None:
         ({"ops": {"softmax": 3}}, r"ops\.softmax must be a table"),
         ({"ops": {"not-an-op": "fp32"}}, r"is not an op name"),
         ({"group": [{"precision": "fp32"}]}, r"group #1 needs a non-empty ops list"),
+        ({"group": [{"precision": "fp32", "ops": [1, 2]}]}, r"group #1 needs a non-empty ops list of op names"),
         ({"rules": {}}, r"unknown section\(s\) rules"),
     ],
 )

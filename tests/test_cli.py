@@ -32,9 +32,9 @@ def test_help_is_fast_and_does_not_import_torch():
     assert wall < 2.0  # interpreter start-up included, on a loaded CI machine
 
 
-def test_no_command_prints_help_and_exits_2(cli):
+def test_no_command_prints_help_on_stderr_and_exits_2(cli):
     result = cli()
-    assert result.code == 2 and "check" in result.out
+    assert result.code == 2 and result.out == "" and "check" in result.err
 
 
 def test_exit_codes_follow_fail_on(cli):

@@ -9,6 +9,7 @@ Exit codes, like ruff: 0 no finding at or above --fail-on, 1 findings, 2 usage o
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import os
 import signal
@@ -71,12 +72,22 @@ def _paths_not_options(argv: list[str], parser: argparse.ArgumentParser) -> list
     return out
 
 
+def _encodable_output() -> None:
+    """A terminal or pipe whose encoding cannot hold the report's characters (``LC_ALL=C``,
+    ``PYTHONIOENCODING=ascii``) gets them replaced, rather than losing the report to an error."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, LookupError, TypeError):  # captured, closed, None
+            if codecs.lookup(stream.encoding).name not in ("utf-8", "utf-16", "utf-32", "gb18030"):
+                stream.reconfigure(errors="replace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _encodable_output()
     parser = build_parser()
     argv = _paths_not_options(list(sys.argv[1:] if argv is None else argv), parser)
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
+    if args.command is None:  # a usage error: the help goes where errors go
+        parser.print_help(sys.stderr)
         return EXIT_ERROR
     debug = getattr(args, "debug", False)
     with _signals(args.command):

@@ -242,8 +242,8 @@ def _parse(
         raise UsageError(f"{origin}: group must be an array of tables ([[group]])")
     for index, group in enumerate(groups):
         names = group.get("ops")
-        if not isinstance(names, list) or not names:
-            raise UsageError(f"{origin}: group #{index + 1} needs a non-empty ops list")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise UsageError(f"{origin}: group #{index + 1} needs a non-empty ops list of op names (strings)")
         shared = {k: v for k, v in group.items() if k != "ops"}
         for kind in names:
             if kind in ops:

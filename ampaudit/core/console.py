@@ -5,18 +5,36 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator
 
 from rich.console import Console
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+MIN_COLUMNS = 20  # a COLUMNS below this (0, garbage) is ignored: rich would print nothing
+
 
 def make_console(file=None, *, width: int | None = None) -> Console:
+    if width is None and not _usable_columns():
+        width = 120
     console = Console(file=file, highlight=False, soft_wrap=False, width=width)
     if width is None and not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = 120  # logs and pipes: rich's 80 columns would wrap code lines
     return console
+
+
+def _usable_columns() -> bool:
+    """Whether COLUMNS is absent or a width rich can print in."""
+    text = os.environ.get("COLUMNS")
+    return text is None or (text.strip().isdigit() and int(text) >= MIN_COLUMNS)
+
+
+def printable(text: str) -> str:
+    """``text`` with terminal control characters (ESC, BEL, ...) shown as ``\\xNN``: a file name
+    or a source line must not drive the user's terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
 
 
 @contextlib.contextmanager

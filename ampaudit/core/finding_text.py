@@ -11,6 +11,7 @@ from rich.console import Console, Group
 from rich.syntax import Syntax
 from rich.text import Text
 
+from ampaudit.core.console import printable
 from ampaudit.core.findings import Finding, Severity
 
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
@@ -19,7 +20,8 @@ SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severi
 def snippet(finding: Finding, color: bool) -> Syntax | Text | None:
     """The finding's line with one line either side, or None (no file, no line: line 0)."""
     try:
-        lines = Path(finding.file).read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = [printable(line) for line in Path(finding.file).read_text(encoding="utf-8", errors="replace")
+                 .splitlines()]
     except OSError:
         return None
     if not 0 < finding.line <= len(lines):
@@ -40,7 +42,8 @@ def snippet(finding: Finding, color: bool) -> Syntax | Text | None:
 
 def finding_block(finding: Finding, color: bool) -> Group:
     head = Text()
-    head.append(f"{finding.file}:{finding.line}" if finding.line > 0 else finding.file, style="bold")
+    file = printable(finding.file)
+    head.append(f"{file}:{finding.line}" if finding.line > 0 else file, style="bold")
     if finding.column:
         head.append(f":{finding.column}", style="bold")
     head.append(" ")

@@ -14,6 +14,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ampaudit.core.console import printable
 from ampaudit.core.finding_text import SEVERITY_STYLE as _STYLE
 from ampaudit.core.finding_text import render_findings
 from ampaudit.core.findings import Precision, Report, Severity
@@ -48,7 +49,7 @@ def _summary_panel(report: Report) -> Panel:
     grid.add_column(style="bold")
     grid.add_column()
     entry = f" ({escape(report.target.entry)})" if report.target.entry else ""
-    grid.add_row("target", f"{escape(report.target.file)}{entry}")
+    grid.add_row("target", f"{escape(printable(report.target.file))}{entry}")
     if report.nodes or report.target.trace != "none":
         grid.add_row("trace", report.target.trace)
         grid.add_row("dtype", report.dtype.name)
@@ -96,7 +97,7 @@ def _where(file: str, line: int, report: Report) -> str:
     for library code outside the working folder (``modeling_gpt2.py:254``)."""
     if file == report.target.file:
         return str(line)
-    return f"{escape(os.path.basename(file) if os.path.isabs(file) else file)}:{line}"
+    return f"{escape(printable(os.path.basename(file) if os.path.isabs(file) else file))}:{line}"
 
 
 def _ops_table(report: Report) -> Table:
