@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -160,3 +161,28 @@ def test_fail_on_is_the_least_severity_that_fails(threshold, fails):
 
 def test_no_finding_never_fails():
     assert not any(fails_on([], threshold) for threshold in FAIL_ON)
+
+
+def test_the_search_stops_at_the_project_root(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("this is [not toml\n")  # a broken one above the project
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("[project]\nname = 'x'\n")  # the root, without the table
+    (project / "src" / "t.py").write_text("x = 1\n")
+    assert load_config(project / "src" / "t.py").source is None
+    (project / "pyproject.toml").unlink()
+    (project / ".git").mkdir()  # a repository root without pyproject.toml stops the search too
+    assert load_config(project / "src" / "t.py").source is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder another user owns")
+def test_a_config_in_a_folder_others_may_write_is_not_read(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 65534, 65534)
+    shared.chmod(0o1777)  # like /tmp: anyone may drop a pyproject.toml here
+    (shared / "pyproject.toml").write_text('[tool.ampaudit]\nignore = ["AMP"]\n')
+    (shared / "t.py").write_text("x = 1\n")
+    assert load_config(shared / "t.py").source is None
+    os.chown(shared, 0, 0)  # the user's own shared folder: read
+    assert load_config(shared / "t.py").ignore == ["AMP"]

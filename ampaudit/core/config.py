@@ -4,7 +4,9 @@ Which findings they keep is applied by ``core/finalize.py``."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,25 +54,46 @@ def check_prefixes(values: Iterable[str], what: str) -> list[str]:
 
 
 def find_pyproject(start: Path) -> Path | None:
-    """The nearest pyproject.toml with a [tool.ampaudit] table, from ``start`` upwards."""
+    """The pyproject.toml whose [tool.ampaudit] table applies to ``start``: the search goes up
+    to the project root - the first folder holding a pyproject.toml or .git - and no further
+    (a broken or foreign pyproject.toml above the project is never read). A pyproject.toml in
+    a folder others may write and the user does not own (``/tmp``) is never read: anyone could
+    have put an ``ignore = ["AMP"]`` there."""
     folder = start.resolve()
     if folder.is_file():
         folder = folder.parent
     for candidate in (folder, *folder.parents):
         path = candidate / "pyproject.toml"
         if path.is_file():
-            try:
-                data = load_toml(path)
-            except Exception as exc:
-                raise UsageError(f"cannot read {path}: {exc}") from None
-            tool = data.get("tool", {})
-            if not isinstance(tool, dict):
-                raise UsageError(f"{path}: [tool] must be a table, not {type(tool).__name__}")
-            if "ampaudit" in tool:
-                if not isinstance(tool["ampaudit"], dict):
-                    raise UsageError(f"{path}: [tool.ampaudit] must be a table, not {type(tool['ampaudit']).__name__}")
-                return path
+            if _shared_by_others(candidate):
+                return None
+            return path if _has_table(path) else None
+        if (candidate / ".git").exists():
+            return None
     return None
+
+
+def _shared_by_others(folder: Path) -> bool:
+    try:
+        info = folder.stat()
+    except OSError:
+        return True
+    return bool(info.st_mode & stat.S_IWOTH) and info.st_uid != os.geteuid()
+
+
+def _has_table(path: Path) -> bool:
+    try:
+        data = load_toml(path)
+    except Exception as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+    tool = data.get("tool", {})
+    if not isinstance(tool, dict):
+        raise UsageError(f"{path}: [tool] must be a table, not {type(tool).__name__}")
+    if "ampaudit" not in tool:
+        return False
+    if not isinstance(tool["ampaudit"], dict):
+        raise UsageError(f"{path}: [tool.ampaudit] must be a table, not {type(tool['ampaudit']).__name__}")
+    return True
 
 
 def load_config(start: Path | None) -> Config:
