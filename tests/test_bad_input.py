@@ -274,7 +274,8 @@ def test_exit_codes_are_the_readmes(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize(("call", "message"), [
     (lambda: __import__("ampaudit").check(None), r"ampaudit.check\(\) takes a torch.nn.Module as its model, not "
-                                                 r"NoneType \(for a model file use ampaudit.check_path"),
+                                                 r"NoneType \(for a model file: from ampaudit.check.api import "
+                                                 r"check_path"),
     (lambda: __import__("ampaudit").check(5), r"ampaudit.check\(\) takes a torch.nn.Module as its model, not int"),
     (lambda: __import__("ampaudit").convert("model.py"), r"ampaudit.convert\(\) takes a torch.nn.Module .* not str"),
     (lambda: __import__("ampaudit").watch(5), r"ampaudit.watch\(\) takes a torch.nn.Module .* not int"),
@@ -283,6 +284,37 @@ def test_exit_codes_are_the_readmes(tmp_path, monkeypatch, capsys):
 def test_python_api_names_the_type_it_takes(call, message):
     with pytest.raises(TypeError, match=message):
         call()
+
+
+def test_the_check_path_the_hint_names_exists():
+    from ampaudit.check.api import check_path
+
+    assert callable(check_path)
+
+
+def _linear():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda a, x: a.convert(_linear(), example_inputs=x, tolerance=-1), ValueError, r"tolerance must be a finite"),
+    (lambda a, x: a.convert(_linear(), example_inputs=x, tolerance=float("nan")), ValueError, r"tolerance must be"),
+    (lambda a, x: a.convert(_linear(), example_inputs=x, train_steps=-5), ValueError,
+     r"train_steps must be a whole number >= 0, not -5"),
+    (lambda a, x: a.check(__import__("torch").jit.script(_linear()), example_inputs=x), TypeError,
+     r"takes the module before torch.jit.script"),
+    (lambda a, x: a.convert(__import__("torch").compile(_linear()), example_inputs=x), TypeError,
+     r"takes the module before torch.compile: pass model._orig_mod"),
+    (lambda a, x: a.autocast_policy(_linear(), {"plan": "x"}), Exception, r"a plan's \"plan\" is a list of records"),
+])
+def test_python_api_rejects_what_the_cli_rejects(call, error, message):
+    torch = pytest.importorskip("torch")
+    import ampaudit
+
+    with pytest.raises(error, match=message):
+        call(ampaudit, (torch.randn(2, 4),))
 
 
 def test_fix_refuses_an_immutable_file(tmp_path, cli):

@@ -39,7 +39,7 @@ def check(
     ``policy``: a TOML file or a table with the ops.toml schema, layered over the catalog.
     ``run=False``: never execute the model (no value ranges; untraceable parts stay unseen).
     """
-    require_module(model, "ampaudit.check")
+    require_module(model, "ampaudit.check", eager=True)
     file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None

@@ -4,6 +4,7 @@ optimizer, one that keeps fp32 master weights and scales the loss)."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,10 +100,14 @@ def convert(
     autocast does - the memory of autocast + GradScaler, with the plan's fp32 ops; "auto" (the
     default): fp32 when an optimizer is given, low otherwise.
     """
-    require_module(model, "ampaudit.convert")
+    require_module(model, "ampaudit.convert", eager=True)
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
     if constants not in ("fp32", "clamp"):
         raise UsageError(f"constants must be 'fp32' or 'clamp' (got {constants!r})")
+    if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf):
+        raise ValueError(f"ampaudit.convert() tolerance must be a finite relative error >= 0, not {tolerance!r}")
+    if not isinstance(train_steps, int) or isinstance(train_steps, bool) or train_steps < 0:
+        raise ValueError(f"ampaudit.convert() train_steps must be a whole number >= 0, not {train_steps!r}")
     low = LowDtype.parse(dtype)
     file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)

@@ -41,7 +41,12 @@ def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
         except (OSError, ValueError) as exc:
             raise UsageError(f"cannot read the plan {path}: {exc}") from None
     if isinstance(plan, Mapping) and "plan" in plan:
-        return list(plan["plan"]), str(plan.get("summary", {}).get("dtype", "float16"))
+        records, summary = plan["plan"], plan.get("summary", {})
+        if not isinstance(records, list) or not all(isinstance(r, Mapping) for r in records) \
+                or not isinstance(summary, Mapping):
+            raise UsageError("a plan's \"plan\" is a list of records (tables) and its \"summary\" a table: "
+                             "give a converted model, an export folder, a plan.json path or its content")
+        return list(records), str(summary.get("dtype", "float16"))
     raise UsageError("a plan is a converted model, an export folder, a plan.json path or its content")
 
 
