@@ -342,3 +342,42 @@ def test_a_deleted_working_folder_is_one_line(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err == "ampaudit: error: the working folder was deleted: cd to an existing folder\n"
+
+
+def _hostile_logs(tmp: Path) -> dict[str, str]:
+    """A real log's header and first record, bent one way each (issue 25, item 3)."""
+    header = {"ampaudit_watch": 2, "dtype": "float16", "every": 1, "world": 1,
+              "row": ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist_from"]}
+    record = {"step": 0, "layers": {"(model)": {"forward": [32, 0, 0, 0, 0, 0, 0, 1.5, -4, 8]}},
+              "params": {"weight": [16, 0, 0, 0, 0, 0, 0, 8.0, 3, 16]}, "scale": None, "skipped": False,
+              "first_nonfinite": None, "nonfinite_params": []}
+    bent = {
+        "version-true": ({**header, "ampaudit_watch": True}, record),
+        "huge-step": (header, {**record, "step": 10**30}),
+        "deep": (header, "[" * 100_000 + "]" * 100_000),
+        "first-module-number": (header, {**record, "first_nonfinite": {"module": 5}}),
+        "string-in-row": (header, {**record, "params": {"weight": [16, 0, 0, "x", 0, 0, 0, 8.0, 3, 16]}}),
+        "v1-missing-nan": ({"ampaudit_watch": 1, "dtype": "float16"},
+                           {"step": 0, "layers": {"a": {"forward": {"numel": 4, "inf": 0, "hist": []}}}, "params": {}}),
+    }
+    for name, (head, first) in bent.items():
+        lines = [head, first, record]
+        (tmp / f"{name}.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return {
+        "version-true": "version-true.jsonl is not an ampaudit watch log",
+        "huge-step": "huge-step.jsonl:2: step must be a whole number from 0 to 2**53",
+        "deep": "deep.jsonl:2: nested too deeply to be a log record",
+        "first-module-number": "first-module-number.jsonl:2: first_nonfinite.module must be text",
+        "string-in-row": "string-in-row.jsonl:2: params.weight: a row must be a list of numbers",
+        "v1-missing-nan": "v1-missing-nan.jsonl:2: layers.a.forward: no nan",
+    }
+
+
+@pytest.mark.parametrize("flags", [[], ["--tensorboard", "tb"]])
+def test_hostile_logs_are_one_line_naming_the_line(tmp_path, monkeypatch, capsys, flags):
+    monkeypatch.chdir(tmp_path)
+    for name, expected in _hostile_logs(tmp_path).items():
+        assert main(["report", f"{name}.jsonl", "--format", "json", *flags]) == 2, name
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"ampaudit: error: {expected}"), err
+        assert len(err.strip().splitlines()) == 1 and "unexpected" not in err, err

@@ -330,7 +330,9 @@ def test_a_log_from_a_newer_ampaudit_or_with_a_bad_row_is_one_line(tmp_path, cli
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(line) + "\n" for line in lines))
     result = cli("report", bad)
-    assert result.code == 2 and result.err.strip().endswith("bad.jsonl: step 0: a malformed row")
+    assert result.code == 2 and result.err.strip().endswith(
+        "bad.jsonl:2: layers.0.forward: a row must be a list of numbers, one per field the header names, then "
+        "histogram counts")
 
 
 def test_run_attaches_to_a_plain_script(tmp_path):

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from ampaudit.core.errors import UsageError
 from ampaudit.core.outputs import resolve_output
 from ampaudit.core.paths import display_path
+from ampaudit.watch.log_schema import step_problem
 from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 
 FORMAT_VERSION = 2  # the header's "ampaudit_watch" value: 2 writes Stats as rows (``stats_merge.LOG_ROW``)
@@ -193,10 +194,14 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
             except json.JSONDecodeError:
                 pending = f"{path}:{number}: not a JSON line"
                 continue
+            except RecursionError:  # a line nested deeper than the parser goes: no log writes that
+                raise UsageError(f"{path}:{number}: nested too deeply to be a log record") from None
             if not isinstance(record, dict):
                 raise UsageError(f"{path}:{number}: a {type(record).__name__}, not a JSON object")
             if not header:
                 version = record.get("ampaudit_watch")
+                if type(version) is not int:  # true == 1 to Python: not to a log
+                    version = None
                 if isinstance(version, int) and version > max(READS) and isinstance(record.get("dtype"), str):
                     raise UsageError(f"{path} is a watch log of format {version}, from a newer ampaudit: this "
                                      f"one reads formats {READS[0]}-{READS[-1]}")
@@ -204,14 +209,17 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
                     raise UsageError(f"{path} is not an ampaudit watch log (its first line is no ampaudit_watch "
                                      "header)")
                 header = True
+                names = record.get("row") if isinstance(record.get("row"), list) else None
                 yield record
                 continue
             if set(record) == {"final_scale"} and isinstance(record["final_scale"], (int, float)):
                 yield record  # written at stop(): the loss scale after the last update()
                 continue
-            if not isinstance(record.get("step"), int) or not isinstance(record.get("layers"), dict) \
-                    or not isinstance(record.get("params"), dict):
+            if "step" not in record or "layers" not in record or "params" not in record:
                 raise UsageError(f"{path}:{number}: not a step record (needs step, layers and params)")
+            problem = step_problem(record, version, names)
+            if problem:
+                raise UsageError(f"{path}:{number}: {problem}")
             yield record
         if not header and pending is not None:
             raise UsageError(pending)  # nothing but a bad line: not a log, not a crash

@@ -1,0 +1,86 @@
+"""What a watch log's step record may hold (docs/watch.md, "The log"): checked line by line as
+the log streams, so that a hostile or damaged log is one line naming FILE:LINE, never an error
+from deep inside the summary, the plots or TensorBoard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampaudit.watch.stats_merge import FIELDS
+
+MAX_STEP = 2**53  # a step TensorBoard (int64) and JSON numbers (doubles) hold exactly
+NEEDED = ("numel", "nan", "inf")  # a format-1 Stats dict without these cannot be summed
+_TEXT_KEYS = ("module", "phase", "op", "note")  # of first_nonfinite: shown as text
+_INT_KEYS = ("step", "rank")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def step_problem(record: dict[str, Any], version: int, names: list[str] | None) -> str | None:
+    """Why ``record`` is not a step record of a format-``version`` log (``names``: the row's
+    fields, format 2), or None."""
+    step = record.get("step")
+    if not _whole(step) or not 0 <= step < MAX_STEP:
+        return f"step must be a whole number from 0 to 2**53, not {str(step)[:40]}"
+    for key in ("layers", "params"):
+        if not isinstance(record.get(key), dict):
+            return f"{key} must be an object"
+    for module, phases in record["layers"].items():
+        if not isinstance(phases, dict):
+            return f"layers.{module} must be an object of phases"
+        for phase, stats in phases.items():
+            problem = _stats_problem(stats, version, names)
+            if problem:
+                return f"layers.{module}.{phase}: {problem}"
+    for name, stats in record["params"].items():
+        problem = _stats_problem(stats, version, names)
+        if problem:
+            return f"params.{name}: {problem}"
+    return _extras_problem(record)
+
+
+def _stats_problem(stats: Any, version: int, names: list[str] | None) -> str | None:
+    if version >= 2:
+        if not isinstance(stats, list) or len(stats) < len(names or ()) or not all(_number(v) for v in stats):
+            return "a row must be a list of numbers, one per field the header names, then histogram counts"
+        return None
+    if not isinstance(stats, dict):
+        return "must be an object of statistics"
+    missing = [f for f in NEEDED if f not in stats]
+    if missing:
+        return f"no {', '.join(missing)}"
+    bad = [f for f in FIELDS if f in stats and not _number(stats[f])]
+    if bad:
+        return f"{bad[0]} must be a number"
+    hist = stats.get("hist", [])
+    if not isinstance(hist, list) or not all(isinstance(b, list) and len(b) == 2 and all(_number(v) for v in b)
+                                             for b in hist):
+        return "hist must be a list of [exponent, count] pairs"
+    return None
+
+
+def _extras_problem(record: dict[str, Any]) -> str | None:
+    first = record.get("first_nonfinite")
+    if first is not None:
+        if not isinstance(first, dict):
+            return "first_nonfinite must be an object or null"
+        for key in _TEXT_KEYS:
+            if first.get(key) is not None and not isinstance(first[key], str):
+                return f"first_nonfinite.{key} must be text"
+        for key in _INT_KEYS:
+            if first.get(key) is not None and not _whole(first[key]):
+                return f"first_nonfinite.{key} must be a whole number"
+    if record.get("scale") is not None and not _number(record["scale"]):
+        return "scale must be a number or null"
+    if not isinstance(record.get("skipped", False), bool):
+        return "skipped must be true or false"
+    params = record.get("nonfinite_params", [])
+    if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+        return "nonfinite_params must be a list of names"
+    return None
