@@ -462,8 +462,10 @@ def test_a_log_that_cannot_grow_stops_logging_not_training(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "log.jsonl", "train.py"], cwd=tmp_path,
                           capture_output=True, text=True, preexec_fn=limit, timeout=120)
     assert done.returncode == 0 and "trained" in done.stdout, done.stderr
-    assert ("ampaudit: the log log.jsonl could not be written (File too large): logging stopped, training goes on"
-            in done.stderr.splitlines())
+    lines = done.stderr.splitlines()
+    assert "ampaudit: the log log.jsonl could not be written (File too large): logging stopped, training goes on" \
+        in lines
+    assert lines[-1].startswith("ampaudit run: the log ") and lines[-1].endswith("stops early: File too large")
 
 
 @pytest.mark.parametrize("argv", [
@@ -484,3 +486,73 @@ def test_an_empty_path_is_refused_by_every_command(tree, cli, argv):
         assert exc.code == 2
         return
     assert "empty" in _one_line(result)
+
+
+# the third pass
+@pytest.mark.parametrize("argv", [
+    ["convert", "m.py", "-o", "nx1/nx2/out", "--input-shape", "2,4", "--no-verify", "--train-steps", "0"],
+])
+def test_a_folder_output_with_missing_parents_is_created(tree, cli, argv):
+    pytest.importorskip("safetensors")
+    (tree / "m.py").write_text("import torch\n\n\ndef get_model():\n    return torch.nn.Linear(4, 4)\n")
+    assert cli(*argv).code == 0 and (tree / "nx1" / "nx2" / "out" / "plan.json").is_file()
+
+
+def test_a_fifo_swapped_for_a_link_after_the_check_is_not_written_through(tree):
+    os.mkfifo(tree / "pipe")
+    (tree / "secret").write_text("secret")
+    out = resolve_output("pipe", "-o")
+    os.unlink(tree / "pipe")
+    (tree / "pipe").symlink_to(tree / "secret")
+    with pytest.raises(UsageError, match="cannot write -o pipe: Too many levels of symbolic links"):
+        write_output(out, "report")
+    assert (tree / "secret").read_text() == "secret"
+
+
+def test_fix_on_a_file_swapped_for_a_fifo_does_not_block(tree):
+    from ampaudit.core.files import locked
+
+    os.mkfifo(tree / "pipe.py")
+    start = time.monotonic()
+    with pytest.raises(UsageError, match="is no longer a regular file"), locked(tree / "pipe.py"):
+        pass
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(("policy", "expected"), [
+    ("pipe.toml", "policy file pipe.toml is not a regular file (a FIFO or a device): not read"),
+    ("/dev/zero", "policy file /dev/zero is not a regular file"),
+    ("", "empty"),
+])
+def test_ops_policy_refuses_what_check_refuses(tree, cli, policy, expected):
+    os.mkfifo(tree / "pipe.toml")
+    try:
+        result = cli("ops", "--policy", policy)
+    except SystemExit as exc:  # argparse: an empty path
+        assert exc.code == 2 and expected == "empty"
+        return
+    assert expected in _one_line(result)
+
+
+def test_an_export_folder_swapped_for_a_link_during_the_conversion_is_refused(tree, monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    import ampaudit
+    from ampaudit.convert import export as export_module
+
+    (tree / "out").mkdir()
+    (tree / "victim").mkdir()
+    real_stage = export_module._stage
+
+    def stage_then_swap(*args, **kwargs):
+        names = real_stage(*args, **kwargs)
+        os.rename(tree / "out", tree / "out.old")  # another user swaps the checked folder for a link
+        (tree / "out").symlink_to(tree / "victim")
+        return names
+
+    monkeypatch.setattr(export_module, "_stage", stage_then_swap)
+    model = ampaudit.convert(torch.nn.Linear(4, 4), example_inputs=(torch.randn(2, 4),), verify=False)
+    with pytest.raises(UsageError, match="a folder on its path was replaced"):
+        export_module.export(model, tree / "out", force=True)
+    assert list((tree / "victim").iterdir()) == []
+    assert [p.name for p in tree.iterdir() if ".ampaudit-" in p.name] == []

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ampaudit.cli.common import EXIT_OK, show
+from ampaudit.cli.common import EXIT_OK, path_type, show
 from ampaudit.core.errors import UsageError
 from ampaudit.report.op_table import OPS_FORMATS
 from ampaudit.report.rule_docs import RULE_FORMATS
@@ -22,7 +22,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          description="List catalog entries whose kind, module type or alias contains PATTERN.")
     ops.add_argument("pattern", nargs="?", default="", help="substring of an op kind, alias or module type")
     ops.add_argument("--format", choices=tuple(OPS_FORMATS), default="text")
-    ops.add_argument("--policy", action="append", default=[], type=Path, metavar="FILE",
+    ops.add_argument("--policy", action="append", default=[], type=path_type, metavar="FILE",
                      help="apply this policy file first (repeatable)")
 
 

@@ -46,6 +46,9 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
     from ampaudit.watch.render import render_summary
 
     render_summary(monitor.summary(), make_console(sys.stderr))
-    if options.log is not None:
+    failure = monitor.sink.failure
+    if options.log is not None and failure is not None:
+        sys.stderr.write(f"ampaudit run: the log {options.log} stops early: {failure}\n")
+    elif options.log is not None:
         sys.stderr.write(f"ampaudit run: log written to {options.log}\n")
     return code

@@ -180,11 +180,20 @@ def export(model: torch.nn.Module, folder: Path, *, class_name: str = "Converted
         try:
             staging = new_staging(target, staging_home(target))
             names = _stage(model, staging, folder, class_name, summary, emit)
+            _refuse_moved(folder, target)
             _call(f"cannot write {folder}", lambda: _publish(staging, target, names))
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)  # the staged files, or the earlier export
     return [folder / name for name in names]
+
+
+def _refuse_moved(folder: Path, target: Path) -> None:
+    """The export goes where OUT_DIR was when it was checked: a folder on its path swapped for a
+    link during the conversion (another user's, in a shared folder) is refused, not followed."""
+    if _target(folder) != target:
+        raise UsageError(f"-o {folder}: a folder on its path was replaced (by a link?) during the conversion: "
+                         "nothing published")
 
 
 def _stage(model: torch.nn.Module, staging: Path, folder: Path, class_name: str,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ampaudit.core.errors import UsageError
 from ampaudit.core.findings import Precision
+from ampaudit.core.outputs import refuse_special_file
 from ampaudit.core.resources import load_toml, rules_dir
 
 if TYPE_CHECKING:
@@ -337,11 +338,16 @@ def load_catalog(policy_files: Iterable[Path] = (), tables: Iterable[tuple[Mappi
     for table, origin in tables:
         catalog = catalog.merged(table, origin)
     for path in policy_files:
+        if not str(path).strip():
+            raise UsageError("an empty policy file path: name a TOML file")
+        refuse_special_file(path, "policy file")  # a FIFO blocks, /dev/zero never ends
         try:
             table = load_toml(path)
         except FileNotFoundError:
             raise UsageError(f"policy file not found: {path}") from None
-        except Exception as exc:  # tomllib.TOMLDecodeError and OSError
+        except OSError as exc:
+            raise UsageError(f"cannot read policy file {path}: {exc.strerror or exc}") from None
+        except Exception as exc:  # tomllib.TOMLDecodeError
             raise UsageError(f"cannot read policy file {path}: {exc}") from None
         catalog = catalog.merged(table, str(path))
     return catalog

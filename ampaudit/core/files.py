@@ -45,10 +45,13 @@ LOCK_WAIT = 10.0  # seconds --fix waits for another process's lock on a file bef
 def locked(path: Path, wait: float | None = None) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (another ``--fix`` on it waits, at most
     ``wait`` seconds, then a one-line UsageError)."""
-    try:
-        fh = open(path, "rb") if fcntl is not None else None  # noqa: SIM115 - closed below
+    try:  # O_NONBLOCK: a file swapped for a FIFO must not block the open
+        fh = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") if fcntl is not None else None
     except OSError:  # missing or unreadable: the read that follows says so, in one line
         fh = None
+    if fh is not None and not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+        fh.close()
+        raise UsageError(f"{path} is no longer a regular file: not rewritten")
     if fh is None:
         yield
         return

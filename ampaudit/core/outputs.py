@@ -156,7 +156,7 @@ def resolve_output(path: Path | str, flag: str, *, inputs: Iterable[Path | str |
     if clash is not None:
         raise UsageError(f"{flag} {text} is an input of this command ({clash}): refusing to overwrite it")
     output = Output(flag, absolute, target, kind, text)
-    if kind in ("new", "file"):
+    if not folder:  # a file, device or FIFO: written inside the folder opened now
         output.folder_fd = _open_checked_folder(absolute, target, flag, text)
     return output
 
@@ -244,13 +244,18 @@ def _write_all(fd: int, payload: bytes) -> None:
 
 def _write_stream(output: Output, payload: bytes) -> None:
     shown = f"{output.flag} {output}"
-    try:
-        fd = os.open(output.target, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:  # in the folder checked, never through a link put in the device's or FIFO's place since
+        fd = os.open(output.target.name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW,
+                     dir_fd=output.folder_fd)
     except OSError as exc:
+        output.close()
         if exc.errno == errno.ENXIO:
             raise UsageError(f"{shown} is a FIFO that no process reads: nothing written") from None
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
+    output.close()
     try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for a file since the check: not ours to write in place
+            raise UsageError(f"{shown} became a regular file since it was checked: nothing written")
         os.set_blocking(fd, True)  # non-blocking only to not wait for a FIFO's reader
         _write_all(fd, payload)
     except OSError as exc:

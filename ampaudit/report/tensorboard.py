@@ -12,6 +12,7 @@ Tags, one point per logged step:
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,8 +41,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def write_tensorboard(records: Iterable[dict[str, Any]], directory: Path) -> int:
-    """Write every record's scalars as one event file under ``directory``; returns how many
-    points were written."""
+    """Write every record's scalars as one event file under ``directory`` (resolved by
+    core/outputs.py: a real path, no links); returns how many points were written."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -55,6 +56,8 @@ def write_tensorboard(records: Iterable[dict[str, Any]], directory: Path) -> int
     saved_hook = threading.excepthook  # the writer's own thread writes: its error is ours to say, once
     threading.excepthook = lambda hook_args: failed.append(hook_args.exc_value)
     try:
+        if os.path.realpath(directory) != str(directory):  # resolved at the start: a folder replaced by a link since
+            raise UsageError(f"--tensorboard {directory}: a folder on its path was replaced: nothing written")
         writer = SummaryWriter(log_dir=str(directory))
         try:
             for record in itertools.chain([first], records):

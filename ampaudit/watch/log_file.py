@@ -92,6 +92,7 @@ class LogSink:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._handle: TextIO | None = None
+        self.failure: str | None = None  # why writing stopped early (a full disk), if it did
 
     @property
     def is_open(self) -> bool:
@@ -113,8 +114,9 @@ class LogSink:
             with contextlib.suppress(OSError):
                 self._handle.close()
             self._handle = None
+            self.failure = str(exc.strerror or exc)
             sys.stderr.write(f"ampaudit: the log {display_path(str(self.path))} could not be written "
-                             f"({exc.strerror or exc}): logging stopped, training goes on\n")
+                             f"({self.failure}): logging stopped, training goes on\n")
 
     def close(self, final_scale: float | None = None) -> None:
         """The last line - the loss scale after the last ``update()``, with a GradScaler -
