@@ -346,9 +346,9 @@ def test_sigterm_during_a_write_removes_the_temporary_file(tmp_path):
 
 
 def test_concurrent_writers_leave_one_whole_output(tmp_path):
-    out = resolve_output(tmp_path / "r.txt", "-o")
     texts = [str(i) * 200_000 for i in range(6)]
-    threads = [threading.Thread(target=write_output, args=(out, t)) for t in texts]
+    threads = [threading.Thread(target=lambda t: write_output(resolve_output(tmp_path / "r.txt", "-o"), t),
+                                args=(t,)) for t in texts]
     for t in threads:
         t.start()
     for t in threads:

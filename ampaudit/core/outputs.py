@@ -212,7 +212,8 @@ def _kind(target: Path, flag: str, shown: str, folder: bool) -> str:
 
 
 def write_output(output: Output, data: str | bytes) -> None:
-    """Write ``data`` to a resolved output: atomically, or in place for a stream."""
+    """Write ``data`` to a resolved output: atomically, or in place for a stream. An Output is
+    written once: its folder descriptor is closed after the write."""
     payload = data.encode("utf-8") if isinstance(data, str) else data
     if output.kind == "fd":
         _write_fd(output, payload)
