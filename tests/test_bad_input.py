@@ -381,3 +381,17 @@ def test_hostile_logs_are_one_line_naming_the_line(tmp_path, monkeypatch, capsys
         out, err = capsys.readouterr()
         assert out == "" and err.startswith(f"ampaudit: error: {expected}"), err
         assert len(err.strip().splitlines()) == 1 and "unexpected" not in err, err
+
+
+@pytest.mark.parametrize(("name", "code", "expected"), [
+    ("no_parameters.py", 0, None),
+    ("complex_parameter.py", 2, "w is a complex tensor: ampaudit converts real floating-point models"),
+    ("broken_backward.py", 2, "the training check failed in the model's own backward (in fp32): RuntimeError: my "
+                              "backward is broken (fixtures/unconvertible/broken_backward.py:9); pass --train-steps 0"),
+])
+def test_convert_on_a_model_it_cannot_handle_is_one_line(cli, tmp_path, name, code, expected):
+    pytest.importorskip("safetensors")
+    result = cli("convert", f"fixtures/unconvertible/{name}", "-o", tmp_path / "out", "--train-steps", "2")
+    assert result.code == code, result.err
+    if expected is not None:
+        assert result.err.startswith(f"ampaudit: error: {expected}") and len(result.err.strip().splitlines()) == 1

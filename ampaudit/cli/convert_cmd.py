@@ -89,7 +89,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if isinstance(loaded, NotImported):
             raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
                              "import (pass --exec to import it anyway)")
-        trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify
+        # no trainable parameter, nothing to train: the conversion is still checked against fp32
+        trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify \
+            and any(p.requires_grad for p in loaded.model.parameters())
         progress = slow_status("converting: tracing, deciding, verifying against fp32"
                                + (f", {args.train_steps} training steps" if trains else ""))
         # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)

@@ -101,6 +101,11 @@ def convert(
     default): fp32 when an optimizer is given, low otherwise.
     """
     require_module(model, "ampaudit.convert", eager=True)
+    complex_state = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_complex()),
+                         None)
+    if complex_state is not None:
+        raise UsageError(f"{complex_state} is a complex tensor: ampaudit converts real floating-point models "
+                         "(float16/bfloat16 have no complex counterpart to convert to)")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
     if constants not in ("fp32", "clamp"):
         raise UsageError(f"constants must be 'fp32' or 'clamp' (got {constants!r})")

@@ -19,7 +19,10 @@ from typing import Any
 import torch
 
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.errors import UsageError
+from ampaudit.core.paths import display_path
 from ampaudit.core.tensors import iter_tensors
+from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs
 
 DEFAULT_STEPS = 20
@@ -59,17 +62,30 @@ def train_check(model: torch.nn.Module, model_mp: torch.nn.Module, optimizer: to
     for _ in range(steps):
         loss = _loss(reference(*inputs.args, **inputs.kwargs), target)
         reference_opt.zero_grad()
-        loss.backward()
+        _backward(torch.Tensor.backward, "the model's own backward (in fp32)", loss)
         reference_opt.step()
         fp32.append(float(loss.detach()))
         loss_mp = _loss(trial(*inputs.args, **inputs.kwargs), target)
         trial_opt.zero_grad()
-        trial_opt.backward(loss_mp)
+        _backward(trial_opt.backward, "the converted model's backward", loss_mp)
         trial_opt.step()
         converted.append(float(loss_mp.detach()))
     worst = max((_relative(a, b) for a, b in zip(fp32, converted, strict=True)), default=0.0)
     return TrainCheck(steps, fp32, converted, worst, tolerance if tolerance is not None else TOLERANCE[dtype.name],
                       trial_opt.skipped_steps)
+
+
+def _backward(run: Any, what: str, loss: torch.Tensor) -> None:
+    """``run(loss)``, a backward of the training check; when the model's code fails in it, one
+    line naming the error and the user's line (it is the model's, not ampaudit's)."""
+    try:
+        run(loss)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+        where = traceback_location(exc.__traceback__)
+        at = f" ({display_path(where.file)}:{where.line})" if where is not None else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UsageError(f"the training check failed in {what}: {type(exc).__name__}: {text}{at}; pass "
+                         "--train-steps 0 (train_steps=0) to convert without it") from exc
 
 
 def same_optimizer(optimizer: torch.optim.Optimizer, owner: torch.nn.Module,
