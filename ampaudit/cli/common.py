@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ampaudit.load.time_limit import MAX_SECONDS, MIN_SECONDS  # torch-free
 
 if TYPE_CHECKING:
     from ampaudit.core.outputs import Output
@@ -14,14 +17,16 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
 
-def number_type(kind: type, *, least: float, what: str) -> Callable[[str], Any]:
-    """An argparse type: a finite number of ``kind`` that is at least ``least``."""
+def number_type(kind: type, *, least: float, what: str, most: float = math.inf,
+                smallest_positive: float = 0.0) -> Callable[[str], Any]:
+    """An argparse type: a finite number of ``kind`` from ``least`` to ``most``; when
+    ``smallest_positive`` is set, 0 or at least that (a timer of 1e-9 s fires before its handler)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value != value or value in (float("inf"), float("-inf")) or value < least:
+        if value != value or not least <= value <= most or 0 < value < smallest_positive:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 
@@ -36,7 +41,8 @@ def path_type(text: str) -> Path:
     return Path(text)
 
 
-SECONDS = number_type(float, least=0, what="a number of seconds >= 0")
+SECONDS = number_type(float, least=0, most=MAX_SECONDS, smallest_positive=MIN_SECONDS,
+                      what=f"a number of seconds from {MIN_SECONDS:g} to {MAX_SECONDS:g} (a day), or 0 for no limit")
 
 
 def emit(text: str, output: Output | None) -> None:

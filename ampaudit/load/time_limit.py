@@ -22,6 +22,8 @@ from types import FrameType
 DEFAULT_SECONDS = 60.0
 
 
+MIN_SECONDS, MAX_SECONDS = 0.01, 86_400.0  # below: the timer fires before its handler; above: a day
+
 class TimeLimitExceeded(BaseException):
     """The user's code was still running when the limit ran out."""
 
@@ -30,6 +32,9 @@ class TimeLimitExceeded(BaseException):
 def time_limit(seconds: float | None) -> Iterator[None]:
     """Run the block under a wall-clock limit of ``seconds`` (None or 0: no limit). Only the
     main thread of a POSIX process can be interrupted; elsewhere the block runs unlimited."""
+    if seconds and not (isinstance(seconds, (int, float)) and MIN_SECONDS <= seconds <= MAX_SECONDS):
+        raise ValueError(f"import_timeout must be 0 (no limit) or {MIN_SECONDS:g} to {MAX_SECONDS:g} seconds, "
+                         f"not {seconds!r}")
     if not seconds or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
         yield
         return
