@@ -395,3 +395,16 @@ def _rows_in_subprocess(extra: list[str], cache: str) -> str:
 @pytest.fixture(scope="module")
 def rows_this_cpu_picks() -> str:
     return _rows_in_subprocess([], str(cpu_kernel.cache_dir()))
+
+
+def test_the_torch_path_reads_an_expanded_gradient():
+    # sum()'s gradient is an expanded tensor (stride 0): viewing it as half-words raised, and
+    # without the C kernel that broke the user's backward
+    limits = LowDtype.parse("float16")
+    expanded = torch.tensor([float("inf")]).expand(4)
+    rows = []
+    for x in (expanded, expanded.contiguous()):
+        counts, extras = stats.new_row(x.device)
+        stats.torch_fill_row(x, counts, extras, limits)
+        rows.append((counts.clone(), extras.clone()))
+    assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])

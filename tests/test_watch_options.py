@@ -137,7 +137,9 @@ def test_docs_list_every_option():
 
 def test_ampaudit_run_stop_on_nonfinite_stops_the_script_with_the_reason(cli, tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    # seeded: the weights' signs decide whether the inf input makes NaN or only -inf (see the xfail below)
+    script.write_text("import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 2)\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                       "for step in range(3):\n"
                       "    x = torch.ones(1, 2) * (float('inf') if step == 1 else 1.0)\n"
                       "    model(x).sum().backward()\n    opt.step()\n    opt.zero_grad()\n"
@@ -146,3 +148,20 @@ def test_ampaudit_run_stop_on_nonfinite_stops_the_script_with_the_reason(cli, tm
     assert result.code == 1
     assert "finished" not in result.out
     assert re.search(r"ampaudit run: stopped: non-finite values .*step 1", result.err), result.err
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: a step whose input is +inf and whose forward is all -inf "
+                                       "(every weight negative) is not flagged; its +inf weight gradient neither")
+def test_a_step_with_an_inf_input_and_an_all_negative_inf_forward_is_flagged():
+    import ampaudit
+
+    torch.manual_seed(3)  # every weight of this Linear is negative: the forward is -inf, never NaN
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as monitor:
+        for step in range(3):
+            model(torch.ones(1, 2) * (float("inf") if step == 1 else 1.0)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert monitor.summary()["first_nonfinite"] is not None
+

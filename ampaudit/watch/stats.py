@@ -117,7 +117,8 @@ def _signed_bins(x: torch.Tensor) -> torch.Tensor:
 
 def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
     """``fill_row`` with torch ops: the path without a kernel."""
-    x = x.detach().reshape(-1).float()
+    # contiguous: an expanded gradient (sum()'s, stride 0) cannot be viewed as half-words
+    x = x.detach().reshape(-1).float().contiguous()
     keys = _signed_bins(x)  # signed: -inf is the negative half's Inf bin, at no extra pass
     if x.device.type == "cpu":
         signed = torch.bincount(keys, minlength=2 * BINS)
