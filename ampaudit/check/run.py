@@ -14,6 +14,7 @@ from ampaudit.check.lint_file import lint_file
 from ampaudit.check.options import CheckOptions
 from ampaudit.core.config import Config, load_config
 from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound, UsageError
+from ampaudit.core.files import file_id
 from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
 from ampaudit.core.paths import display_path
@@ -79,11 +80,7 @@ def _once_each(files: list[Path]) -> list[Path]:
     its AMP004."""
     chosen: dict[object, Path] = {}
     for path in files:
-        try:
-            info = path.stat()
-            key: object = (info.st_dev, info.st_ino)
-        except OSError:
-            key = path
+        key = file_id(path) or path
         if key not in chosen or (chosen[key].is_symlink() and not path.is_symlink()):
             chosen[key] = path
     keep = set(chosen.values())

@@ -80,10 +80,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         config.fail_on = args.fail_on
     for policy in args.policy:
         refuse_special_file(policy, "--policy")
-    # every file the command reads; resolved now, before a model's code can chdir
-    walked = target_files([t for t in args.targets if parse_spec(t).kind == "file" and Path(t).is_dir()])
-    inputs = [parse_spec(t).path for t in args.targets] + walked + list(args.policy) + [config.source]
-    args.output = resolve_output(args.output, "-o", inputs=inputs) if args.output is not None else None
+    if args.output is not None:  # resolved now, before a model's code can chdir; never onto a file it reads
+        walked = target_files([t for t in args.targets if parse_spec(t).kind == "file" and Path(t).is_dir()])
+        inputs = [parse_spec(t).path for t in args.targets] + walked + list(args.policy) + [config.source]
+        args.output = resolve_output(args.output, "-o", inputs=inputs)
     options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                            input_dtypes=args.input_dtype, model_config=args.model_config,
                            policy_files=args.policy, run=not args.no_run, import_timeout=args.import_timeout,

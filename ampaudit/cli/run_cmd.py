@@ -62,5 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     refuse_special_file(args.script, "the script")
     if args.log is not None:  # resolved before the script runs (it may chdir)
-        args.log = resolve_output(args.log, "--log", inputs=[args.script]).target
+        log = resolve_output(args.log, "--log", inputs=[args.script])
+        log.close()  # the watch opens the log itself, resolving it again
+        args.log = log.target
     return run_script(args.script, args.args, watch_options(args))

@@ -38,7 +38,7 @@ from torch import fx
 from ampaudit.convert.emit import FILES as EMIT_FILES
 from ampaudit.convert.emit import emit as emit_policy
 from ampaudit.core.errors import UsageError
-from ampaudit.core.files import umask
+from ampaudit.core.files import file_id, umask
 from ampaudit.core.staging import (
     RANDOM,
     STAGING,
@@ -130,21 +130,13 @@ def _name_max(folder: Path) -> int:
 
 def _check_inputs(folder: Path, inputs: Iterable[Path | str]) -> None:
     # the export's files are few: their inodes first, then the inputs (maybe every imported module)
-    targets = {_file_id(folder / name) for name in (*_FILES, MANIFEST)} - {None}
+    targets = {file_id(folder / name) for name in (*_FILES, MANIFEST)} - {None}
     if not targets:
         return
     for source in inputs:
-        if _file_id(source) in targets:
+        if file_id(source) in targets:
             raise UsageError(f"-o {folder} would overwrite {source}, the model or a file it imported: "
                              "choose another folder")
-
-
-def _file_id(path: Path | str) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)  # through links: refusing a link too loses nothing
-    except (OSError, ValueError):
-        return None
-    return (info.st_dev, info.st_ino) if stat.S_ISREG(info.st_mode) else None
 
 
 def _target(folder: Path) -> Path:

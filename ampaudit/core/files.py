@@ -3,9 +3,9 @@
 Every write goes to a temporary file in the target's folder and is renamed over it, so no
 reader sees half a file. A symlink is written through when asked (``--fix``; outputs are
 resolved by core/outputs.py first): the file it points to is replaced and the link stays a
-link. A read-only file is refused, not overwritten; a rewritten file keeps its mode and owner. A rewrite of a file the
-tool read first (``--fix``) is compare-and-swap: under an advisory lock, the file must still
-hold exactly what was read, or nothing is written.
+link. A read-only file is refused, not overwritten; a rewritten file keeps its mode and owner.
+A rewrite of a file the tool read first (``--fix``) is compare-and-swap: under an advisory
+lock, the file must still hold exactly what was read, or nothing is written.
 """
 
 from __future__ import annotations
@@ -167,9 +167,11 @@ def _check_writable(folder: int, name: str, existing: os.stat_result, shown: str
     raise UsageError(f"{shown} cannot be written by this user: not rewritten")
 
 
-def same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (through links, relative parts, hard links)."""
+def file_id(path: Path | str) -> tuple[int, int] | None:
+    """What names one file however it is reached (links, relative parts, hard links): its
+    device and inode; None when it cannot be read."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino

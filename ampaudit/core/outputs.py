@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampaudit.core.errors import UsageError
-from ampaudit.core.files import open_folder, write_atomic
+from ampaudit.core.files import file_id, open_folder, write_atomic
 from ampaudit.core.paths import display_path
 
 _MAX_LINKS = 40  # as the kernel's ELOOP limit
@@ -115,20 +115,10 @@ def _resolve(path: Path, flag: str, shown: str) -> Path:
 
 
 def _same_as_input(target: Path, inputs: Iterable[Path | str | None]) -> Path | None:
-    try:
-        mine = os.stat(target)
-    except OSError:
+    mine = file_id(target)
+    if mine is None:
         return None
-    for item in inputs:
-        if item is None:
-            continue
-        try:
-            theirs = os.stat(item)
-        except OSError:
-            continue
-        if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
-            return Path(item)
-    return None
+    return next((Path(item) for item in inputs if item is not None and file_id(item) == mine), None)
 
 
 def resolve_output(path: Path | str, flag: str, *, inputs: Iterable[Path | str | None] = (),
