@@ -95,6 +95,32 @@ class CliResult:
         return json.loads(self.out)
 
 
+@pytest.fixture(autouse=True)
+def _model_code_in_this_process(request, monkeypatch):
+    """The command line runs the model's code in a child process (core/child.py), which imports
+    torch afresh: about 2 s a test. Here it runs in this process, still through pickle both
+    ways, so that what crosses the boundary is checked; tests marked ``child_process`` (which
+    test the boundary itself, and ``--import-timeout``) start the real child."""
+    if request.node.get_closest_marker("child_process") is None:
+        import ampaudit.core.child as child
+
+        monkeypatch.setattr(child, "run_in_child", _run_here)
+
+
+def _run_here(module: str, function: str, *args, import_timeout=None, **kwargs):
+    import importlib
+    import pickle
+
+    from ampaudit.core.errors import AmpauditError
+
+    args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+    try:
+        value = getattr(importlib.import_module(module), function)(*args, **kwargs)
+    except AmpauditError as exc:
+        raise pickle.loads(pickle.dumps(exc)) from exc
+    return pickle.loads(pickle.dumps(value))
+
+
 @pytest.fixture
 def cli(capsys):
     """Run the ampaudit CLI in-process; returns exit code, stdout and stderr."""

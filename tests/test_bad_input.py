@@ -104,7 +104,10 @@ def _files(tmp: Path, case: str) -> None:
         "exit-message-in-factory": MODEL.replace("return nn.Linear(4, 4)", "raise SystemExit('no GPU here')"),
         "generator-exit": MODEL.replace("return nn.Linear(4, 4)", "raise GeneratorExit"),
         "meta-inputs": MODEL.replace("torch.ones(2, 4)", "torch.ones(2, 4, device='meta')"),
-        "hangs": MODEL.replace("def get_model():", "def get_model():\n    while True:\n        pass"),
+        "hangs": MODEL.replace("def get_model():", "def get_model():\n    while True: pass"),  # one line
+        "inputs-nested-deep": MODEL.replace("return (torch.ones(2, 4),)",
+                                            "x = torch.ones(2, 4)\n    for _ in range(1000):\n        x = [x]\n"
+                                            "    return (x,)"),
     }
     if case in bodies:
         (tmp / "m.py").write_text(bodies[case])
@@ -133,6 +136,9 @@ EVERY_COMMAND = {
     "meta-inputs": (["check", "m.py"], 2, "are meta tensors (no values): they cannot run; pass --no-run"),
     "hangs": (["check", "m.py:get_model", "--import-timeout", "0.5"], 2,
               "importing m.py was stopped after 0.5 s at line 6 (--import-timeout)"),
+    "inputs-nested-deep": (["check", "m.py"], 2, "example_inputs() gave containers nested more than 32 deep"),
+    "input-shape-too-big": (["check", "m.py:get_model", "--input-shape", "100000,100000,100000"], 2,
+                            "--input-shape 100000,100000,100000: 3,725,290.3 GiB of float32 cannot be allocated"),
     "timeout-negative": (["check", "m.py", "--import-timeout", "-1"], 2, "'-1' is not a number of seconds from 0.01"),
     "timeout-tiny": (["check", "m.py", "--import-timeout", "1e-9"], 2, "'1e-9' is not a number of seconds from 0.01"),
     "timeout-huge": (["convert", "m.py", "-o", "out", "--import-timeout", "1e308"], 2,
@@ -170,7 +176,8 @@ EVERY_COMMAND = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(EVERY_COMMAND))
+@pytest.mark.parametrize("case", [  # a hang is stopped by the parent of the real child process
+    pytest.param(c, marks=pytest.mark.child_process) if c == "hangs" else c for c in sorted(EVERY_COMMAND)])
 def test_every_command_bad_input_is_one_line(tmp_path, monkeypatch, capsys, case):
     argv, code, expected = EVERY_COMMAND[case]
     _files(tmp_path, case)

@@ -20,7 +20,9 @@ from torch import nn
 
 import ampaudit
 from ampaudit.convert import export as export_module
-from ampaudit.convert.export import MANIFEST, PLAN, WEIGHTS, check_export_folder, export
+from ampaudit.convert import publish
+from ampaudit.convert.export import export
+from ampaudit.convert.publish import MANIFEST, PLAN, WEIGHTS, check_export_folder
 from ampaudit.core.errors import UsageError
 from tests.conftest import ROOT
 
@@ -108,7 +110,7 @@ def test_only_staging_folders_of_dead_processes_are_removed(tmp_path):
 def test_a_swap_without_renameat2_falls_back_to_renames(tmp_path, monkeypatch):
     out = tmp_path / "out"
     export_seed(0, out)
-    monkeypatch.setattr(export_module, "exchange", lambda a, b: False)  # ENOSYS, EINVAL, no symbol
+    monkeypatch.setattr(publish, "exchange", lambda a, b: False)  # ENOSYS, EINVAL, no symbol
     export_seed(1, out)
     assert loaded_seed(out) == 1 and staging_folders(tmp_path) == []
 

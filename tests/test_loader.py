@@ -166,12 +166,25 @@ def test_import_timeout_stops_code_that_swallows_the_first_stop(tmp_path):
     assert err.value.line in (5, 6, 7, 8, 9, 10)
 
 
+@pytest.mark.child_process  # the parent of the real child process keeps the clock
 def test_import_timeout_on_the_lint_path_is_an_info_finding(cli, tmp_path, monkeypatch):
-    (tmp_path / "m.py").write_text("from torch import nn\n\n\ndef slow(fn):\n    while True:\n        pass\n\n\n"
-                                   "@slow\ndef get_model():\n    return nn.Linear(2, 2)\n")
+    (tmp_path / "m.py").write_text("from torch import nn\n\n\ndef slow(fn):\n    while True: pass\n\n\n\n"
+                                   "@slow\ndef get_model():\n    return nn.Linear(2, 2)\n")  # the loop: one line
     monkeypatch.chdir(tmp_path)
     result = cli("check", "m.py", "--exec", "--import-timeout", "0.3", "--format", "json")
     assert result.code == 0
     (finding,) = result.json()["findings"]
     assert (finding["rule"], finding["line"]) == ("AMP005", 5)
     assert "still running after 0.3 s, stopped at line 5" in finding["message"]
+
+
+def test_a_torch_compiled_model_is_loaded_as_the_module_it_wraps(tmp_path):
+    # `model = torch.compile(Net())` at top level: dynamo's wrapper cannot be traced or copied;
+    # the module it wraps is the model the user wrote
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n"
+                                   "    def __init__(self):\n        super().__init__()\n"
+                                   "        self.fc = nn.Linear(4, 4)\n\n    def forward(self, x):\n"
+                                   "        return self.fc(x)\n\n\nmodel = torch.compile(Net())\n")
+    loaded = load_target(str(tmp_path / "m.py"))
+    assert type(loaded.model).__name__ == "Net" and loaded.entry == "model._orig_mod"
+    assert loaded.notes == ["the model is torch.compile'd: the module it wraps (_orig_mod) was used"]

@@ -544,7 +544,7 @@ def test_an_export_folder_swapped_for_a_link_during_the_conversion_is_refused(tr
 
     (tree / "out").mkdir()
     (tree / "victim").mkdir()
-    real_stage = export_module._stage
+    real_stage = export_module.stage
 
     def stage_then_swap(*args, **kwargs):
         names = real_stage(*args, **kwargs)
@@ -552,7 +552,7 @@ def test_an_export_folder_swapped_for_a_link_during_the_conversion_is_refused(tr
         (tree / "out").symlink_to(tree / "victim")
         return names
 
-    monkeypatch.setattr(export_module, "_stage", stage_then_swap)
+    monkeypatch.setattr(export_module, "stage", stage_then_swap)
     model = ampaudit.convert(torch.nn.Linear(4, 4), example_inputs=(torch.randn(2, 4),), verify=False)
     with pytest.raises(UsageError, match="a folder on its path was replaced"):
         export_module.export(model, tree / "out", force=True)

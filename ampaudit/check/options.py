@@ -28,3 +28,4 @@ class CheckOptions:
     jobs: int | None = None  # worker processes for many files; None: all cores
     progress: Callable[[int], Callable[[], None]] | None = None  # given a total, returns "one more done"
     notes: list[str] = field(default_factory=list)
+    isolate: bool = False  # run the model's code in a child process (the command line; core/child.py)

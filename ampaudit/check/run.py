@@ -8,6 +8,7 @@ import fnmatch
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from ampaudit.check.lint_file import lint_file
@@ -19,7 +20,7 @@ from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
-from ampaudit.core.torch_extra import INSTALL, require_torch, torch_missing
+from ampaudit.core.torch_extra import INSTALL, TorchMissing, require_torch
 
 # Folders never worth linting: VCS data, caches, build output, virtual environments.
 SKIP_DIRS = frozenset({
@@ -148,12 +149,24 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
 
 
 def _check_model(spec: str, config: Config, options: CheckOptions) -> Report:
+    report = _graph(spec, config, options)
+    report.target.notes += options.notes
+    return finalize(report, config)
+
+
+def _graph(spec: str, config: Config, options: CheckOptions) -> Report:
+    """The graph audit of the model ``spec`` names, where the model's code runs: in a child
+    process for the command line (``options.isolate``: whatever that code does ends there),
+    here for the Python API. Without torch: TorchMissing, naming what is missing."""
+    if options.isolate:
+        from ampaudit.core.child import run_in_child
+
+        inside = replace(options, isolate=False, progress=None, import_timeout=None)  # the parent keeps the clock
+        return run_in_child(__name__, "_graph", spec, config, inside, import_timeout=options.import_timeout)
     require_torch(f"auditing {spec}")
     from ampaudit.check.audit import graph_report  # imports torch
 
-    report = graph_report(spec, config, options)
-    report.target.notes += options.notes
-    return finalize(report, config)
+    return graph_report(spec, config, options)
 
 
 def _check_file(spec: str, path: Path, name: str | None, config: Config, options: CheckOptions) -> Report:
@@ -174,16 +187,12 @@ def _check_file(spec: str, path: Path, name: str | None, config: Config, options
             why += (f"; its {imported[0]} comes from {source}: audit a model that builds with "
                     f"`ampaudit check {source}:\"{imported[0]}(...)\"`")
         return _lint_only(path, lint, why, config, options)
-    if name is not None:  # the user named the model: auditing it is the point
-        require_torch(f"auditing {spec}")
-    else:
-        missing = torch_missing()
-        if missing is not None:
-            return _needs_torch(path, source, lint, missing, config, options)
-    from ampaudit.check.audit import graph_report  # imports torch
-
     try:
-        report = graph_report(spec, config, options)
+        report = _graph(spec, config, options)
+    except TorchMissing as exc:
+        if name is not None:  # the user named the model: auditing it is the point
+            raise
+        return _needs_torch(path, source, lint, exc.missing, config, options)
     except NoModelFound as exc:
         if name is not None:
             raise

@@ -87,7 +87,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
                            input_dtypes=args.input_dtype, model_config=args.model_config,
                            policy_files=args.policy, run=not args.no_run, import_timeout=args.import_timeout,
-                           lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar)
+                           lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar,
+                           isolate=True)
 
     if args.fix and not args.diff:
         with user_output_to_stderr():  # the user's model code may print: stdout is the report's

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-import types
-from collections.abc import Iterator
 from pathlib import Path
 
 from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, SECONDS, number_type, path_type
@@ -58,69 +55,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ampaudit.core.torch_extra import require_torch
-
-    require_torch("ampaudit convert", ("torch", "safetensors"))  # one line naming the install, exit 2
-    import torch
-
-    from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
-    from ampaudit.convert.export import check_export_folder, export
-    from ampaudit.core.console import make_console, slow_status
+    from ampaudit.convert.publish import staged_export
+    from ampaudit.core.child import run_in_child
+    from ampaudit.core.console import make_console
     from ampaudit.core.findings import Target
     from ampaudit.core.outputs import refuse_special_file, resolve_output
-    from ampaudit.core.streams import user_output_to_stderr
-    from ampaudit.load.loader import NotImported, load_target
+    from ampaudit.core.torch_extra import require_installed
     from ampaudit.load.spec import parse_spec
     from ampaudit.report.conversion import render_conversion
 
+    require_installed("ampaudit convert", ("torch", "safetensors"))  # one line naming the install, exit 2
     if not args.target.strip():
         raise UsageError("an empty PATH (an unset variable?): name a model file")
     model_file = parse_spec(args.target).path
     if model_file is not None:
         refuse_special_file(model_file, "the model file")
         model_file = Path(os.path.abspath(model_file))
-    # before the model's code runs (it may chdir) and before the work: links checked, the path made absolute
+    # before the model's code runs and before the work: links checked, the path made absolute
     args.output = resolve_output(args.output, "-o", folder=True).path
-    check_export_folder(args.output, force=args.force, inputs=[model_file] if model_file else [])
-    with user_output_to_stderr():
-        loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
-                             input_dtypes=args.input_dtype, model_config=args.model_config,
-                             import_timeout=args.import_timeout)
-        if isinstance(loaded, NotImported):
-            raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
-                             "import (pass --exec to import it anyway)")
-        # no trainable parameter, nothing to train: the conversion is still checked against fp32
-        trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify \
-            and any(p.requires_grad for p in loaded.model.parameters())
-        progress = slow_status("converting: tracing, deciding, verifying against fp32"
-                               + (f", {args.train_steps} training steps" if trains else ""))
-        # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)
-        optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
-        with progress:
-            result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
-                             verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
-                             train_steps=args.train_steps, backend=args.backend, weights=args.weights)
-        model_mp = result[0] if optimizer is not None else result
-    summary = model_mp.summary.to_dict()
-    files = export(model_mp, args.output, summary=summary, force=args.force, inputs=_model_files(model_file),
-                   emit=dict.fromkeys(args.emit))
-    render_conversion(summary, Target(loaded.label, loaded.entry, "fx"), [str(f) for f in files],
-                      make_console())
-    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-    after = summary["error_after"]
-    trained = summary["train"]
-    missed = (after is not None and after > tolerance) or (trained is not None and not trained["passed"])
+    with staged_export(args.output, force=args.force, inputs=[model_file] if model_file else []) as staged:
+        # the model's code runs in a child process: whatever it does, the parent says it in one line
+        done = run_in_child("ampaudit.cli.convert_job", "convert_job", args, str(staged.path),
+                            str(model_file) if model_file else None, import_timeout=args.import_timeout)
+        staged.names, staged.inputs = done.names, done.modules
+    files = [args.output / name for name in done.names]
+    render_conversion(done.summary, Target(done.label, done.entry, "fx"), [str(f) for f in files], make_console())
+    after, trained = done.summary["error_after"], done.summary["train"]
+    missed = (after is not None and after > done.tolerance) or (trained is not None and not trained["passed"])
     return EXIT_FINDINGS if missed else EXIT_OK
-
-
-def _model_files(model_file: Path | None) -> Iterator[str]:
-    """The model file and every module file loaded so far - a sibling ``module.py`` the model
-    imported among them: the export may overwrite none. Lazy: export() reads them only when
-    OUT_DIR holds a file it would replace."""
-    if model_file:
-        yield str(model_file)
-    for module in list(sys.modules.values()):
-        # vars(), not getattr: a module's __getattr__ (lazy imports) must not run here
-        file = vars(module).get("__file__") if isinstance(module, types.ModuleType) else None
-        if isinstance(file, str):
-            yield file

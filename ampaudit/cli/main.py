@@ -128,7 +128,8 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
         if debug:
             import traceback
 
-            traceback.print_exception(exc.__cause__ or exc)
+            remote = getattr(exc, "remote_traceback", "")  # raised in the child process (core/child.py)
+            sys.stderr.write(remote) if remote else traceback.print_exception(exc.__cause__ or exc)
         sys.stderr.write(f"ampaudit: error: {exc}\n")
         return exc.exit_code
     except KeyboardInterrupt:

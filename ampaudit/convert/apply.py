@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ampaudit.convert.api import convert_by_plan
-from ampaudit.convert.export import EXPORT_ID, PLAN, WEIGHTS
+from ampaudit.convert.publish import EXPORT_ID, PLAN, WEIGHTS
 from ampaudit.core.arguments import require_module
 from ampaudit.core.config import Config
 from ampaudit.core.errors import UsageError

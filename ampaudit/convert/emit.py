@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
+from ampaudit.convert.publish import EMIT_FILES
 from ampaudit.core.errors import UsageError
 
 FORMATS = ("autocast", "hf", "fsdp2")
 OVERRIDES = frozenset({"AMP201", "AMP301", "verify", "declared", "kernel"})
-FILES = {"autocast": "autocast_policy.py", "hf": "hf_keep_in_fp32.py", "fsdp2": "fsdp2_policy.py"}
+FILES = EMIT_FILES  # the file each format is written to
 
 
 def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:

@@ -18,12 +18,8 @@ killed exports are removed by the next export; SIGTERM during an export removes 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
-import shutil
-import stat
 import textwrap
 import uuid
 from collections.abc import Callable, Iterable
@@ -35,24 +31,11 @@ from safetensors import SafetensorError
 from safetensors.torch import save_model
 from torch import fx
 
-from ampaudit.convert.emit import FILES as EMIT_FILES
 from ampaudit.convert.emit import emit as emit_policy
+from ampaudit.convert.publish import EMIT_FILES, EXPORT_ID, MANIFEST, MODULE, PLAN, WEIGHTS, staged_export
 from ampaudit.core.errors import UsageError
-from ampaudit.core.files import file_id, umask
-from ampaudit.core.staging import (
-    RANDOM,
-    STAGING,
-    cleanup_on_sigterm,
-    exchange,
-    new_staging,
-    os_cause,
-    remove_stale_staging,
-    staging_home,
-    swap_by_renames,
-)
-
-PLAN, WEIGHTS, MODULE = "plan.json", "weights.safetensors", "module.py"
-EXPORT_ID = "export_id"  # the key of the export's id in plan.json, the manifest and the weights' metadata
+from ampaudit.core.files import umask
+from ampaudit.core.staging import os_cause
 
 _HEADER = '''"""{title}
 
@@ -67,95 +50,6 @@ converted model (no pickles):
 '''
 
 
-MANIFEST = "ampaudit-export.json"
-# what an export may write (and earlier versions wrote, so that a new export removes them)
-_FILES = (PLAN, WEIGHTS, MODULE, *EMIT_FILES.values(), "model.pt", "modules.pt", "weights.pt")
-
-
-def check_export_folder(folder: Path, *, force: bool = False, inputs: Iterable[Path | str] = ()) -> None:
-    """Refuse an OUT_DIR that would lose the user's files or cannot be written - before any work
-    is done. ``inputs``: files that must survive (read lazily: only when OUT_DIR holds a file
-    the export would replace)."""
-    folder = Path(folder)
-    existing = _nearest_existing(folder)
-    if existing == folder and not folder.is_dir():
-        raise UsageError(f"-o {folder} is a file: give a folder to write the converted model to")
-    if not existing.is_dir():  # mkdir would fail with NotADirectoryError
-        raise UsageError(f"-o {folder}: {existing} is a file, not a folder")
-    _check_writable(folder, existing)
-    _check_inputs(folder, inputs)
-    if existing == folder and any(folder.iterdir()) and _earlier_files(folder) is None and not force:
-        raise UsageError(f"-o {folder} is not empty and holds no earlier ampaudit export: choose an empty "
-                         "folder, or pass --force to write into it")
-
-
-def _nearest_existing(folder: Path) -> Path:
-    """``folder`` itself if it exists, else its nearest existing ancestor; one line for a path
-    that cannot be one (a dangling link, a name too long, a loop of links)."""
-    path = folder
-    while True:
-        try:
-            os.stat(path)
-            return path
-        except FileNotFoundError:
-            if os.path.islink(path):
-                where = f"-o {folder}" if path == folder else f"-o {folder}: {path}"
-                raise UsageError(f"{where} is a link to {os.readlink(path)}, which does not exist") from None
-        except NotADirectoryError:
-            pass  # a component above is a file: going up finds it
-        except OSError as exc:
-            raise UsageError(f"-o {folder}: {exc.strerror or exc}") from None
-        if path.parent == path:
-            return path
-        path = path.parent
-
-
-def _check_writable(folder: Path, existing: Path) -> None:
-    target = _target(folder)
-    # an existing OUT_DIR's files are replaced (staged beside it, or inside where its parent is not writable)
-    place = target if existing == folder else existing
-    if not os.access(place, os.R_OK | os.W_OK | os.X_OK):
-        raise UsageError(f"-o {folder}: {place} is not writable")
-    staging = STAGING.format(name=target.name, pid=os.getpid())
-    if len(os.fsencode(staging)) + RANDOM > _name_max(place):
-        raise UsageError(f"-o {folder}: the folder's name is too long (the export stages it as {staging}...)")
-
-
-def _name_max(folder: Path) -> int:
-    try:
-        return os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError, AttributeError):
-        return 255
-
-
-def _check_inputs(folder: Path, inputs: Iterable[Path | str]) -> None:
-    # the export's files are few: their inodes first, then the inputs (maybe every imported module)
-    targets = {file_id(folder / name) for name in (*_FILES, MANIFEST)} - {None}
-    if not targets:
-        return
-    for source in inputs:
-        if file_id(source) in targets:
-            raise UsageError(f"-o {folder} would overwrite {source}, the model or a file it imported: "
-                             "choose another folder")
-
-
-def _target(folder: Path) -> Path:
-    """Where the export really goes: absolute (``-o .`` has a name) and through links, so a link
-    to a folder stays a link and the staging folder lies on the same file system."""
-    return Path(os.path.realpath(folder))
-
-
-def _earlier_files(folder: Path) -> list[str] | None:
-    """The files an earlier export listed in its manifest; None when there is no valid manifest."""
-    try:
-        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    files = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
-        return None
-    return files
-
 
 def export(model: torch.nn.Module, folder: Path, *, class_name: str = "ConvertedModel",
            summary: dict[str, Any] | None = None, force: bool = False, inputs: Iterable[Path | str] = (),
@@ -163,35 +57,15 @@ def export(model: torch.nn.Module, folder: Path, *, class_name: str = "Converted
     """Write the model, its weights and plan.json into ``folder`` - and the plan in each
     ``emit`` format (convert/emit.py); returns the files."""
     folder = Path(folder)
-    check_export_folder(folder, force=force, inputs=inputs)
-    target = _target(folder)
-    _call(f"cannot create {folder.parent}", lambda: target.parent.mkdir(parents=True, exist_ok=True))
-    remove_stale_staging(target)
-    with cleanup_on_sigterm():
-        staging = None
-        try:
-            staging = new_staging(target, staging_home(target))
-            names = _stage(model, staging, folder, class_name, summary, emit)
-            _refuse_moved(folder, target)
-            _call(f"cannot write {folder}", lambda: _publish(staging, target, names))
-        finally:
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)  # the staged files, or the earlier export
-    return [folder / name for name in names]
+    with staged_export(folder, force=force, inputs=inputs) as staged:
+        staged.names = stage(model, staged.path, folder, class_name=class_name, summary=summary, emit=emit)
+    return [folder / name for name in staged.names]
 
 
-def _refuse_moved(folder: Path, target: Path) -> None:
-    """The export goes where OUT_DIR was when it was checked: a folder on its path swapped for a
-    link during the conversion (another user's, in a shared folder) is refused, not followed."""
-    if _target(folder) != target:
-        raise UsageError(f"-o {folder}: a folder on its path was replaced (by a link?) during the conversion: "
-                         "nothing published")
-
-
-def _stage(model: torch.nn.Module, staging: Path, folder: Path, class_name: str,
-           summary: dict[str, Any] | None, emit: Iterable[str]) -> list[str]:
-    """Write every file into ``staging``, with the umask's modes; returns their names (without
-    the manifest, which is written too)."""
+def stage(model: torch.nn.Module, staging: Path, folder: Path, *, class_name: str = "ConvertedModel",
+          summary: dict[str, Any] | None = None, emit: Iterable[str] = ()) -> list[str]:
+    """Write every file of the export to ``folder`` into ``staging`` (convert/publish.py made it),
+    with the umask's modes; returns their names (without the manifest, which is written too)."""
     export_id = uuid.uuid4().hex
     names = _write(model, staging, class_name, summary, folder, export_id)
     for format in emit:
@@ -234,75 +108,3 @@ def _call(what: str, action: Callable[[], object]) -> None:
         action()
     except (OSError, SafetensorError) as exc:
         raise UsageError(f"{what}: {os_cause(exc)}") from exc
-
-
-# --- publishing ---------------------------------------------------------------------------------
-
-
-def _publish(staging: Path, target: Path, names: list[str]) -> None:
-    """Make the staged export ``target``'s content, removing what the earlier export there wrote."""
-    for _ in range(3):  # another export may create the folder meanwhile: look again
-        if not os.path.lexists(target):
-            try:
-                os.rename(staging, target)  # the whole export appears at once
-                return
-            except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-                continue
-        earlier = _earlier_files(target)
-        if earlier is not None and _holds_only(target, earlier) and not _holds_cwd(target) \
-                and _swap(staging, target, earlier):
-            return
-        _move_files(staging, target, names, earlier or [])
-        return
-    raise OSError(errno.EEXIST, "other exports keep replacing it")
-
-
-def _holds_only(folder: Path, earlier: list[str]) -> bool:
-    """Whether ``folder`` holds nothing but an export's files: then it may be replaced whole."""
-    allowed = {name for name in earlier if name in _FILES} | {MANIFEST}
-    try:
-        names = os.listdir(folder)
-        return set(names) <= allowed and all(stat.S_ISREG(os.lstat(folder / n).st_mode) for n in names)
-    except OSError:
-        return False
-
-
-def _holds_cwd(folder: Path) -> bool:
-    # swapped away, the working folder would become the removed earlier export (``-o .``)
-    try:
-        return Path.cwd().resolve().is_relative_to(folder)
-    except OSError:
-        return True
-
-
-def _swap(staging: Path, target: Path, earlier: list[str]) -> bool:
-    """Replace ``target`` by ``staging`` whole; False when it cannot be (then files are moved).
-    Afterwards ``staging`` names the earlier export, for export() to remove."""
-    with contextlib.suppress(OSError):
-        os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))  # the folder keeps its permissions
-    try:
-        exchanged = exchange(staging, target)
-    except OSError:  # a mount point (EBUSY), another file system: move the files instead
-        return False
-    if not exchanged:
-        return swap_by_renames(staging, target)
-    if not _holds_only(staging, earlier):  # a file of the user's came in meanwhile: back, and move files
-        exchange(staging, target)
-        return False
-    return True
-
-
-def _move_files(staging: Path, target: Path, names: list[str], earlier: list[str]) -> None:
-    """Into a folder that also holds the user's files: file by file. The manifest goes first and
-    comes back last, so an interrupted move never passes for a whole export (and plan.json's id
-    differs from the weights')."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(target / MANIFEST)
-    for name in earlier:
-        stale = target / name
-        if name in _FILES and name not in names and stale.is_file() and not stale.is_symlink():
-            stale.unlink()  # an earlier export's file this one does not write again
-    for name in [*names, MANIFEST]:
-        os.replace(staging / name, target / name)

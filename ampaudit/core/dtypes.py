@@ -95,6 +95,10 @@ class LowDtype:
     def __str__(self) -> str:
         return self.name
 
+    def __reduce__(self) -> tuple:
+        # by name: the cached torch dtype would make unpickling import torch (a report from the child process)
+        return LowDtype.parse, (self.name,)
+
 
 FLOAT16 = LowDtype("float16", "fp16", exponent_bits=5, mantissa=10)
 BFLOAT16 = LowDtype("bfloat16", "bf16", exponent_bits=8, mantissa=7)

@@ -12,6 +12,17 @@ class AmpauditError(Exception):
 
     exit_code = 2
 
+    def __reduce__(self) -> tuple:
+        # pickled whole (keyword-only fields too): a child process raises it in its parent (core/child.py)
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type[AmpauditError], args: tuple, state: dict) -> AmpauditError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class UsageError(AmpauditError):
     """Bad command line, configuration or policy file."""

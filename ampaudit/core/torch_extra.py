@@ -23,7 +23,12 @@ TORCH_EXTRA = ("torch", "safetensors")  # what the [torch] extra installs, by im
 
 class TorchMissing(AmpauditError, ImportError):
     """torch (or safetensors) is not installed, or cannot be imported: ``str(err)`` is one
-    line naming what needed it and the install command."""
+    line naming what needed it and the install command; ``missing`` says which and why
+    ("torch, which is not installed")."""
+
+    def __init__(self, message: str, missing: str = "") -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 def _unimportable(name: str) -> str | None:
@@ -54,7 +59,22 @@ def require_torch(what: str, modules: Sequence[str] = ("torch",)) -> None:
     convert"``) names the feature in the message."""
     why = torch_missing(modules)
     if why is not None:
-        raise TorchMissing(f"{what} needs {why}: {INSTALL}")
+        raise TorchMissing(f"{what} needs {why}: {INSTALL}", why)
+
+
+def require_installed(what: str, modules: Sequence[str] = ("torch",)) -> None:
+    """As :func:`require_torch`, but without importing: only whether each module is installed
+    (the command line's parent process, whose child process imports torch)."""
+    import importlib.util
+
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a finder that refuses it, a broken __spec__
+            found = False
+        if not found:
+            why = f"{name}, which is not installed"
+            raise TorchMissing(f"{what} needs {why}: {INSTALL}", why)
 
 
 def import_needing_torch(module: str, what: str) -> ModuleType:
@@ -67,4 +87,4 @@ def import_needing_torch(module: str, what: str) -> ModuleType:
         if top not in TORCH_EXTRA or isinstance(exc, TorchMissing):
             raise
         why = _unimportable(top) or f"{top}, which cannot be imported ({exc})"
-        raise TorchMissing(f"{what} needs {why}: {INSTALL}") from exc
+        raise TorchMissing(f"{what} needs {why}: {INSTALL}", why) from exc

@@ -27,6 +27,9 @@ class ExampleInputs:
         """A tuple/list of positional args, a dict of kwargs, or a single tensor."""
         if isinstance(value, ExampleInputs):
             return value
+        if _nested_deeper_than(value, MAX_NESTING):
+            raise LoadError(f"{origin} gave containers nested more than {MAX_NESTING} deep: ampaudit follows "
+                            "tuples, lists and dicts of tensors up to that depth")
         if isinstance(value, dict):
             return cls((), dict(value), origin)
         if isinstance(value, (tuple, list)):
@@ -37,6 +40,23 @@ class ExampleInputs:
             f"{origin} gave {type(value).__name__}; expected a tuple of positional arguments, "
             "a dict of keyword arguments, or a tensor"
         )
+
+
+MAX_NESTING = 32  # tuples, lists and dicts inside one another: deeper is no model's input, and recursion ends
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value``'s tuples, lists and dicts nest more than ``limit`` deep (no recursion)."""
+    stack, seen = [(value, 0)], set()
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (tuple, list, dict)) or id(item) in seen:
+            continue
+        if depth >= limit:
+            return True
+        seen.add(id(item))
+        stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return False
 
 
 def refuse_meta(model: torch.nn.Module, inputs: ExampleInputs | None, remedy: str) -> None:

@@ -3,6 +3,7 @@ line, or a function in the model file (its names are here; the loader calls it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -49,12 +50,17 @@ def from_shapes(shapes: Sequence[str], dtypes: Sequence[str] = ()) -> ExampleInp
     for index, text in enumerate(shapes):
         shape = parse_shape(text)
         dtype = parse_dtype(dtypes[index if len(dtypes) > 1 else 0]) if dtypes else torch.float32
-        if dtype.is_floating_point:
-            args.append(torch.randn(shape, generator=generator).to(dtype))
-        elif dtype is torch.bool:
-            args.append(torch.ones(shape, dtype=torch.bool))
-        else:
-            args.append(torch.randint(0, 2, shape, generator=generator, dtype=dtype))
+        try:
+            if dtype.is_floating_point:
+                args.append(torch.randn(shape, generator=generator).to(dtype))
+            elif dtype is torch.bool:
+                args.append(torch.ones(shape, dtype=torch.bool))
+            else:
+                args.append(torch.randint(0, 2, shape, generator=generator, dtype=dtype))
+        except (RuntimeError, MemoryError):  # more elements than memory (or than a tensor may hold)
+            size = math.prod(shape) * dtype.itemsize
+            raise UsageError(f"--input-shape {text}: {size / 2**30:,.1f} GiB of {str(dtype).removeprefix('torch.')} "
+                             "cannot be allocated here") from None
     return ExampleInputs(tuple(args), {}, "--input-shape")
 
 

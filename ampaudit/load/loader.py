@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ampaudit.core.child_main import user_code
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.paths import display_path
 from ampaudit.core.userframe import traceback_location
@@ -108,9 +109,10 @@ def load_target(
 
 @contextmanager
 def _limited(seconds: float | None, path: Path | None, label: str) -> Iterator[None]:
-    """Run the user's code under ``--import-timeout``; a stop says where it was stopped."""
+    """Run the user's code under ``--import-timeout``; a stop says where it was stopped. In a
+    child process (core/child.py) the parent keeps the clock and ``seconds`` is None here."""
     try:
-        with time_limit(seconds):
+        with user_code(f"importing {label}", path), time_limit(seconds):
             yield
     except TimeLimitExceeded as exc:
         line = _line_in(path, exc.__traceback__) if path is not None else None
@@ -124,8 +126,13 @@ def _limited(seconds: float | None, path: Path | None, label: str) -> Iterator[N
 
 def _finish(model: torch.nn.Module, entry: str, path: Path | None, label: str | None, input_shapes: Sequence[str],
             input_dtypes: Sequence[str], file_inputs: ExampleInputs | None, *, defaults: bool = True) -> LoadedModel:
-    """Example inputs (the flags, the file's, or the model type's default) and eval mode."""
+    """Example inputs (the flags, the file's, or the model type's default) and eval mode; a
+    ``torch.compile``'d model is audited and converted as the module it wraps."""
     notes: list[str] = []
+    original = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(original, torch.nn.Module):
+        model, entry = original, f"{entry}._orig_mod"
+        notes.append("the model is torch.compile'd: the module it wraps (_orig_mod) was used")
     if input_shapes:
         inputs = from_shapes(input_shapes, input_dtypes)
     elif file_inputs is not None or not defaults:

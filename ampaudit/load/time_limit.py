@@ -1,5 +1,7 @@
-"""A wall-clock limit on the user's code that ampaudit runs: importing a model file, building
-its model, its ``example_inputs()``.
+"""A wall-clock limit on the user's code that ampaudit runs in its own process - the Python API's
+``check_path`` and ``load_target``: importing a model file, building its model, its
+``example_inputs()``. The command line does not use it: there the model runs in a child process
+that the parent kills when ``--import-timeout`` runs out (core/child.py).
 
 A hung import (a ``while True`` in a decorator, a download that never returns) must not hang
 ``ampaudit check``. The limit is a POSIX interval timer whose handler raises

@@ -1,0 +1,74 @@
+"""What ``ampaudit convert`` does in its child process (core/child.py): load the model - the
+user's code runs here - convert it, verify it against fp32, train copies of both, and write the
+export into the staging folder the parent made. The parent checks OUT_DIR before, publishes the
+staged files after, and renders the summary this returns."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ampaudit.core.errors import UsageError
+
+
+@dataclass
+class Converted:
+    """What crosses back to the parent: plain data, so that it never imports torch."""
+
+    summary: dict[str, Any]
+    label: str
+    entry: str
+    names: list[str]  # the files staged (convert/export.py), the manifest not counted
+    modules: list[str]  # every module file the model imported: the export may overwrite none
+    tolerance: float
+
+
+def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) -> Converted:
+    from ampaudit.core.torch_extra import require_torch
+
+    require_torch("ampaudit convert", ("torch", "safetensors"))  # one line naming the install, exit 2
+    import torch
+
+    from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
+    from ampaudit.convert.export import stage
+    from ampaudit.core.console import slow_status
+    from ampaudit.load.loader import NotImported, load_target
+
+    loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
+                         input_dtypes=args.input_dtype, model_config=args.model_config, import_timeout=None)
+    if isinstance(loaded, NotImported):
+        raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
+                         "import (pass --exec to import it anyway)")
+    # no trainable parameter, nothing to train: the conversion is still checked against fp32
+    trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify \
+        and any(p.requires_grad for p in loaded.model.parameters())
+    progress = slow_status("converting: tracing, deciding, verifying against fp32"
+                           + (f", {args.train_steps} training steps" if trains else ""))
+    # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)
+    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
+    with progress:
+        result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
+                         verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
+                         train_steps=args.train_steps, backend=args.backend, weights=args.weights)
+    model_mp = result[0] if optimizer is not None else result
+    summary = model_mp.summary.to_dict()
+    names = stage(model_mp, Path(staging), args.output, summary=summary, emit=dict.fromkeys(args.emit))
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+    return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance)
+
+
+def _model_files(model_file: str | None) -> Iterator[str]:
+    """The model file and every module file loaded so far - a sibling ``module.py`` the model
+    imported among them."""
+    if model_file:
+        yield model_file
+    for module in list(sys.modules.values()):
+        # vars(), not getattr: a module's __getattr__ (lazy imports) must not run here
+        file = vars(module).get("__file__") if isinstance(module, types.ModuleType) else None
+        if isinstance(file, str):
+            yield file
