@@ -171,7 +171,8 @@ def _pick_backend(backend: str, model: torch.nn.Module, catalog: Catalog, inputs
     if backend == "modules" and inputs is None:
         raise UsageError("the modules backend records the model running: give example inputs")
     if backend == "auto":
-        return "fx" if inputs is None or fx_trace(model, catalog)[0] is not None else "modules"
+        return "fx" if inputs is None or fx_trace(model, catalog, functions_as_leaves=True)[0] is not None \
+            else "modules"
     return backend
 
 
@@ -308,11 +309,11 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
     and convert the submodules it calls, recursively."""
     call = run.calls.get(prefix) if prefix else None  # the model itself is traced as the user calls it
     fixed = concrete_args(module, call) if call is not None else None
-    gm, failure = fx_trace(module, run.catalog, concrete_args=fixed)
+    gm, failure = fx_trace(module, run.catalog, concrete_args=fixed, functions_as_leaves=True)
     opaque: list[str] = []
     while gm is None and failure.module and failure.module not in opaque:
         opaque.append(failure.module)  # keep the failing submodule whole; trace the rest
-        gm, failure = fx_trace(module, run.catalog, opaque, concrete_args=fixed)
+        gm, failure = fx_trace(module, run.catalog, opaque, concrete_args=fixed, functions_as_leaves=True)
     label = prefix or type(module).__name__
     if gm is None:
         run.notes.append(f"{label}: forward not traceable by torch.fx ({failure.message}); kept in fp32, "

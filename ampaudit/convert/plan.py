@@ -19,7 +19,7 @@ from torch import fx
 from ampaudit.core.findings import Precision
 from ampaudit.core.paths import display_path
 from ampaudit.graph.constants import constant_values
-from ampaudit.graph.fx_tracer import LOC
+from ampaudit.graph.fx_tracer import LOC, autograd_function_of, custom_fwd_cast
 from ampaudit.graph.range_probe import MEASURED
 from ampaudit.graph.view import STRUCTURAL_OPS, GraphView
 
@@ -54,6 +54,8 @@ def decide(
             declared = view.fp32_declared[node]
             plan[node] = Decision(FP32, f"{view.declared.owner or 'the model'} keeps {declared.path} in fp32 "
                                         f"({declared.attribute})", "declared")
+        elif (function := autograd_function_of(node)) is not None:
+            plan[node] = _function_decision(function, view)
         elif name in promoted:
             given = promoted[name]
             plan[node] = replace(given) if isinstance(given, Decision) else Decision(FP32, given, "verify")
@@ -84,6 +86,17 @@ def decide(
                                         f"{limit:.6g}", "AMP301")
     _agree_on_shared_modules(plan)
     return plan
+
+
+def _function_decision(function: type, view: GraphView) -> Decision:
+    """A custom autograd Function runs whole - its own forward, its own backward - in the dtype
+    its ``custom_fwd(cast_inputs=...)`` names, else in its inputs' (as it would under autocast)."""
+    cast = custom_fwd_cast(function)
+    what = f"custom autograd Function {function.__name__}: its own forward and backward run"
+    if cast is None:
+        return Decision(FOLLOW, f"{what}, in its inputs' dtype")
+    compute = LOW if str(cast).removeprefix("torch.") == view.dtype.name else FP32
+    return Decision(compute, f"{what}, in {str(cast).removeprefix('torch.')} (custom_fwd(cast_inputs=...))")
 
 
 def _agree_on_shared_modules(plan: dict[fx.Node, Decision]) -> None:

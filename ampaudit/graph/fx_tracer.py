@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from ampaudit.core.catalog import Catalog
@@ -39,11 +42,18 @@ class AuditTracer(fx.Tracer):
     ``opaque`` names submodules to keep as leaves because tracing through them failed.
     """
 
-    def __init__(self, catalog: Catalog, opaque: Collection[str] = ()) -> None:
+    def __init__(self, catalog: Catalog, opaque: Collection[str] = (), *, functions_as_leaves: bool = False) -> None:
         super().__init__()
         self.catalog = catalog
         self.opaque = frozenset(opaque)
+        self.functions_as_leaves = functions_as_leaves
         self.failed_module: str | None = None  # innermost module whose forward raised
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        if not self.functions_as_leaves:
+            return super().trace(root, concrete_args)
+        with _autograd_functions_as_nodes(self):
+            return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opaque:
@@ -71,6 +81,56 @@ class AuditTracer(fx.Tracer):
         return node
 
 
+@contextlib.contextmanager
+def _autograd_functions_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
+    """While ``tracer`` traces, a custom ``torch.autograd.Function`` called on traced values is
+    one node that calls the Function, not the ops of its forward: traced through, autograd would
+    differentiate those ops instead of calling the Function's own backward (a straight-through
+    estimator's ``round`` would give a zero gradient)."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        traced = any(isinstance(a, fx.Proxy) and a.tracer is tracer for a in pytree.tree_leaves((args, kwargs)))
+        if traced:
+            return tracer.create_proxy("call_function", autograd_function_call(cls), args, kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+@functools.cache
+def autograd_function_call(function: type) -> Callable[..., Any]:
+    """The target of a Function's node: ``Function.apply``, named after the Function (the generated
+    code reads ``RoundSTE_apply(x)``) and marked with it (``autograd_function``)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return function.apply(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{function.__name__}_apply"
+    call.autograd_function = function  # type: ignore[attr-defined]
+    return call
+
+
+def autograd_function_of(node: fx.Node) -> type | None:
+    """The custom autograd Function a node calls (traced with ``functions_as_leaves``), or None."""
+    return getattr(node.target, "autograd_function", None) if node.op == "call_function" else None
+
+
+def custom_fwd_cast(function: type) -> torch.dtype | None:
+    """The dtype ``torch.amp.custom_fwd(cast_inputs=...)`` on the Function's forward casts its
+    inputs to under autocast (and runs it with autocast off); None without one."""
+    forward = inspect.getattr_static(function, "forward", None)
+    forward = getattr(forward, "__func__", forward)  # a staticmethod
+    try:
+        cast = inspect.getclosurevars(forward).nonlocals.get("cast_inputs")
+    except (TypeError, ValueError):
+        return None
+    return cast if isinstance(cast, torch.dtype) else None
+
+
 @dataclass
 class FxFailure:
     """Why tracing a module failed, and the user's line where it did."""
@@ -83,11 +143,13 @@ class FxFailure:
 
 @boundary
 def fx_trace(
-    root: torch.nn.Module, catalog: Catalog, opaque: Collection[str] = (), concrete_args: dict[str, Any] | None = None
+    root: torch.nn.Module, catalog: Catalog, opaque: Collection[str] = (), concrete_args: dict[str, Any] | None = None,
+    *, functions_as_leaves: bool = False,
 ) -> tuple[fx.GraphModule | None, FxFailure | None]:
     """Trace ``root``; on failure return which (innermost) module failed and where.
-    ``concrete_args``: forward's non-tensor arguments to specialise on (module_calls.py)."""
-    tracer = AuditTracer(catalog, opaque)
+    ``concrete_args``: forward's non-tensor arguments to specialise on (module_calls.py);
+    ``functions_as_leaves``: keep each custom autograd Function one node (what convert runs)."""
+    tracer = AuditTracer(catalog, opaque, functions_as_leaves=functions_as_leaves)
     try:
         graph = tracer.trace(root, concrete_args=concrete_args)
     except USER_CODE_ERRORS as exc:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
