@@ -32,10 +32,17 @@ from safetensors.torch import save_model
 from torch import fx
 
 from ampaudit.convert.emit import emit as emit_policy
-from ampaudit.convert.publish import EMIT_FILES, EXPORT_ID, MANIFEST, MODULE, PLAN, WEIGHTS, staged_export
-from ampaudit.core.errors import UsageError
+from ampaudit.convert.publish import (
+    EMIT_FILES,
+    EXPORT_ID,
+    MANIFEST,
+    MODULE,
+    PLAN,
+    WEIGHTS,
+    call_reported,
+    staged_export,
+)
 from ampaudit.core.files import umask
-from ampaudit.core.staging import os_cause
 
 _HEADER = '''"""{title}
 
@@ -104,7 +111,4 @@ def _write_file(staging: Path, folder: Path, name: str, text: str) -> None:
 def _call(what: str, action: Callable[[], object]) -> None:
     """``action()``, its OS error one line: safetensors raises SafetensorError, not OSError, when
     a write fails (disk full, ``ulimit -f``)."""
-    try:
-        action()
-    except (OSError, SafetensorError) as exc:
-        raise UsageError(f"{what}: {os_cause(exc)}") from exc
+    call_reported(what, action, (OSError, SafetensorError))

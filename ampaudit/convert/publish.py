@@ -152,7 +152,7 @@ def staged_export(folder: Path, *, force: bool = False, inputs: Iterable[Path | 
     folder = Path(folder)
     check_export_folder(folder, force=force, inputs=inputs)
     target = _target(folder)
-    _call(f"cannot create {folder.parent}", lambda: target.parent.mkdir(parents=True, exist_ok=True))
+    call_reported(f"cannot create {folder.parent}", lambda: target.parent.mkdir(parents=True, exist_ok=True))
     remove_stale_staging(target)
     with cleanup_on_sigterm():
         staging = None
@@ -162,16 +162,18 @@ def staged_export(folder: Path, *, force: bool = False, inputs: Iterable[Path | 
             yield staged
             _check_inputs(folder, staged.inputs)
             _refuse_moved(folder, target)
-            _call(f"cannot write {folder}", lambda: _publish(staging, target, staged.names))
+            call_reported(f"cannot write {folder}", lambda: _publish(staging, target, staged.names))
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)  # the staged files, or the earlier export
 
 
-def _call(what: str, action: Callable[[], object]) -> None:
+def call_reported(what: str, action: Callable[[], object],
+                  errors: tuple[type[BaseException], ...] = (OSError,)) -> None:
+    """``action()``, an error of ``errors`` one line: "WHAT: its cause"."""
     try:
         action()
-    except OSError as exc:
+    except errors as exc:
         raise UsageError(f"{what}: {os_cause(exc)}") from exc
 
 

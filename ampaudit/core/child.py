@@ -49,8 +49,8 @@ def run_in_child(module: str, function: str, *args: Any, import_timeout: float |
     dump_r, dump_w = os.pipe()
     job = Job(module, function, args, kwargs, list(sys.argv), list(sys.path), memory_limit(), dump_w)
     os.set_blocking(dump_r, False)
-    relay = _stream_fd(sys.stderr) is None  # stderr captured (pytest, a notebook): copy the child's output
-    output = subprocess.PIPE if relay else _stream_fd(sys.stderr)
+    stderr_fd = _stream_fd(sys.stderr)  # None: captured (pytest, a notebook), the child's output is copied
+    output = subprocess.PIPE if stderr_fd is None else stderr_fd
     try:
         boot = _BOOT.format(path=list(sys.path), request=request_r, result=result_w)
         process = subprocess.Popen([sys.executable, "-u", "-c", boot], pass_fds=(request_r, result_w, dump_w),
