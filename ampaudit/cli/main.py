@@ -85,7 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _encodable_output()
     parser = build_parser()
     argv = _paths_not_options(list(sys.argv[1:] if argv is None else argv), parser)
+    script_args = None
+    if argv[:1] == ["run"]:
+        argv, script_args = run_cmd.split_script_args(argv)
     args = parser.parse_args(argv)
+    if script_args is not None:
+        args.args = script_args
     if args.command is None:  # a usage error: the help goes where errors go
         parser.print_help(sys.stderr)
         return EXIT_ERROR

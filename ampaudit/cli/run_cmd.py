@@ -4,7 +4,7 @@ the script run with watch attached (``run_script.py``)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import Field, fields
 
 from ampaudit.cli.common import number_type, path_type
 from ampaudit.core.errors import UsageError
@@ -17,19 +17,53 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "of every module that runs forward and every optimizer that steps.")
     _add_watch_options(run)
     run.add_argument("script", type=path_type)
-    run.add_argument("args", nargs=argparse.REMAINDER)
+    run.add_argument("args", nargs=argparse.REMAINDER)  # what split_script_args leaves is used instead
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``["run", *options, SCRIPT]`` and SCRIPT's own arguments exactly as typed: argparse would
+    drop the first ``--`` after SCRIPT (``run s.py -- --x a`` must give the script ``['--',
+    '--x', 'a']``, as ``python s.py -- --x a`` does). (argv, None) when there is no SCRIPT."""
+    takes_value = dict(named for option in fields(WatchOptions) if (named := _flag(option)) is not None)
+    takes_value |= {"-h": False, "--help": False}
+    i = 1
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            i += 1
+            break
+        if not word.startswith("-") or word == "-":
+            break
+        name = word.split("=", 1)[0]
+        known = [o for o in takes_value if o == name or (name.startswith("--") and o.startswith(name))]
+        option = name if name in takes_value else known[0] if len(known) == 1 else None  # argparse's abbreviations
+        i += 2 if option is not None and takes_value[option] and "=" not in word else 1
+    if i >= len(argv):
+        return argv, None
+    return argv[:i + 1], argv[i + 1:]
+
+
+def _flag(option: Field) -> tuple[str, bool] | None:
+    """A ``WatchOptions`` field's flag and whether it takes a value; None if it has none. A
+    boolean is a switch: ``--name``, or ``--no-name`` for an option on by default."""
+    if option.metadata["flag"] is None:
+        return None
+    name = option.name.replace("_", "-")
+    if isinstance(option.default, bool):
+        return (f"--no-{name}" if option.default else f"--{name}"), False
+    return f"--{name}", True
 
 
 def _add_watch_options(run: argparse.ArgumentParser) -> None:
     """A flag per ``WatchOptions`` field that has one, its ``dest`` the field's name."""
     for option in fields(WatchOptions):
-        flag, name = option.metadata["flag"], option.name.replace("_", "-")
-        if flag is None:
+        named = _flag(option)
+        if named is None:
             continue
-        text = flag.help or option.metadata["doc"]
-        if isinstance(option.default, bool):  # a switch: on, or off for an option on by default
-            run.add_argument(f"--no-{name}" if option.default else f"--{name}", dest=option.name,
-                             action="store_false" if option.default else "store_true", help=text)
+        flag, text = option.metadata["flag"], option.metadata["flag"].help or option.metadata["doc"]
+        if not named[1]:
+            run.add_argument(named[0], dest=option.name, action="store_false" if option.default else "store_true",
+                             help=text)
             continue
         kwargs = {"default": flag.default if flag.default is not None else option.default, "metavar": flag.metavar,
                   "choices": flag.choices}
@@ -40,7 +74,7 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
         if flag.repeat:
             kwargs.update(action="append", default=[])
             text += "; repeatable"
-        run.add_argument(f"--{name}", dest=option.name, help=text, **kwargs)
+        run.add_argument(named[0], dest=option.name, help=text, **kwargs)
 
 
 def watch_options(args: argparse.Namespace) -> WatchOptions:

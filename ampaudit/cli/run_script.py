@@ -3,10 +3,15 @@ attached to every module that runs forward and every optimizer (or GradScaler) t
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 from ampaudit.core.errors import UsageError
 from ampaudit.watch.monitor import Monitor, NonFiniteError
@@ -19,6 +24,23 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
         raise UsageError(f"no such script: {script}")
     monitor = Monitor(None, options=options)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
+    with _kept_stderr() as stderr:
+        code = _run_watched(script, argv, monitor, stderr)
+        from ampaudit.core.console import make_console
+        from ampaudit.watch.render import render_summary
+
+        err = stderr()
+        render_summary(monitor.summary(), make_console(err))
+        failure = monitor.sink.failure
+        if options.log is not None and failure is not None:
+            err.write(f"ampaudit run: the log {options.log} stops early: {failure}\n")
+        elif options.log is not None:
+            err.write(f"ampaudit run: log written to {options.log}\n")
+        err.flush()
+    return code
+
+
+def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable[[], TextIO]) -> int:
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(script.resolve().parent))
@@ -29,26 +51,47 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
     except SystemExit as exc:  # the script's own exit code is ours, and its message, as python shows them
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
-            sys.stderr.write(f"{exc.code}\n")
+            _stderr(kept).write(f"{exc.code}\n")
     except KeyboardInterrupt:
         code = 130
-        sys.stderr.write("ampaudit run: interrupted\n")
+        _stderr(kept).write("ampaudit run: interrupted\n")
     except NonFiniteError as exc:  # --stop-on-nonfinite: the reason, not the script's stack
         code = exc.exit_code
-        sys.stderr.write(f"ampaudit run: stopped: {exc}\n")
+        _stderr(kept).write(f"ampaudit run: stopped: {exc}\n")
     except BaseException:
-        traceback.print_exc()  # the script's error, shown as python would show it
+        traceback.print_exc(file=_stderr(kept))  # the script's error, shown as python would show it
         code = 1
     finally:
         monitor.stop()
         sys.argv, sys.path[:] = saved_argv, saved_path
-    from ampaudit.core.console import make_console
-    from ampaudit.watch.render import render_summary
-
-    render_summary(monitor.summary(), make_console(sys.stderr))
-    failure = monitor.sink.failure
-    if options.log is not None and failure is not None:
-        sys.stderr.write(f"ampaudit run: the log {options.log} stops early: {failure}\n")
-    elif options.log is not None:
-        sys.stderr.write(f"ampaudit run: log written to {options.log}\n")
     return code
+
+
+def _stderr(kept: Callable[[], TextIO]) -> TextIO:
+    """Where python would print the script's last words: its ``sys.stderr``, unless it closed it."""
+    return kept() if getattr(sys.stderr, "closed", True) else sys.stderr
+
+
+@contextlib.contextmanager
+def _kept_stderr() -> Iterator[Callable[[], TextIO]]:
+    """The stream ampaudit's summary goes to, whatever the script did to ``sys.stderr`` (closed
+    it, or replaced it with its own logger): the one there at the start, or - when the script
+    closed that one - a copy of its file descriptor taken at the start. Afterwards
+    ``sys.stderr`` is that stream again, so that ampaudit's own last words reach the user too."""
+    original = sys.stderr
+    copy: TextIO | None = None
+    with contextlib.suppress(AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        copy = open(os.dup(original.fileno()), "w", encoding=getattr(original, "encoding", None) or "utf-8",  # noqa: SIM115
+                    errors="replace", buffering=1)
+
+    def stream() -> TextIO:
+        if not getattr(original, "closed", True):
+            return original
+        return copy if copy is not None else io.StringIO()  # nowhere left to write: say nothing
+
+    try:
+        yield stream
+    finally:
+        sys.stderr = stream()
+        if copy is not None and sys.stderr is not copy:
+            copy.close()

@@ -28,6 +28,8 @@ def _sparkline(hist: list[list[int]]) -> str:
 
 
 def render_summary(summary: dict[str, Any], console: Console) -> None:
+    """Names from the user's model (an ``nn.ModuleDict`` key may read ``[/bold]``) go in as
+    ``Text``, never as markup."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -38,7 +40,7 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     grid.add_row("first non-finite", Text(
         describe_first(first).removeprefix("first in "), style="bold red") if first else Text("none", style="green"))
     if first and first.get("note"):
-        grid.add_row("", first["note"])
+        grid.add_row("", Text(first["note"]))
     scaler = summary.get("scaler")
     if scaler:
         grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")
@@ -66,7 +68,7 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     for module, phases in summary["layers"].items():
         for phase, s in phases.items():
             bad = s["nan"] or s["inf"] or s["overflow"]
-            cells = [module, phase, f"{s['nan']}/{s['inf']}", _percent(s["overflow"], s["numel"]),
+            cells = [Text(module), phase, f"{s['nan']}/{s['inf']}", _percent(s["overflow"], s["numel"]),
                      _percent(s["underflow"], s["numel"]), _percent(s["zero"], s["numel"]), f"{s['absmax']:.3g}"]
             table.add_row(*cells, *([_sparkline(s["hist"])] if wide else []), style="red" if bad else None)
     console.print(table)
@@ -77,7 +79,7 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         for col in ["last norm", "nan/inf", "underflow %", "absmax"] + (["over at scale"] if scaled else []):
             params.add_column(col, justify="right", no_wrap=True)
         for name, s in summary["params"].items():
-            cells = [name, f"{s['norm']:.3g}" if s["norm"] is not None else "", f"{s['nan']}/{s['inf']}",
+            cells = [Text(name), f"{s['norm']:.3g}" if s["norm"] is not None else "", f"{s['nan']}/{s['inf']}",
                      _percent(s["underflow"], s["numel"]), f"{s['absmax']:.3g}"]
             params.add_row(*cells, *([str(s.get("overflow_at_scale", ""))] if scaled else []))
         console.print(params)

@@ -1,0 +1,80 @@
+"""``ampaudit run script.py`` trains exactly as ``python script.py`` would: the script's argv,
+exit code and output are its own, whatever it does to the streams or names its modules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ampaudit.cli.run_cmd import split_script_args
+from tests.conftest import ROOT
+
+ARGV_SCRIPT = "import json, sys\nopen('argv.json', 'w').write(json.dumps(sys.argv[1:]))\n"
+
+
+@pytest.mark.parametrize(("command", "script_args"), [
+    (["s.py", "--", "--x", "a"], ["--", "--x", "a"]),  # python s.py -- --x a
+    (["s.py", "a", "--", "b"], ["a", "--", "b"]),
+    (["--every", "2", "s.py", "--x", "--", "y"], ["--x", "--", "y"]),
+    (["--every=2", "s.py", "--"], ["--"]),
+    (["--", "s.py", "--", "z"], ["--", "z"]),  # the first -- ends run's options, as for any command
+    (["--log", "w.jsonl", "s.py", "--log", "x"], ["--log", "x"]),  # an option's value is not the script
+    (["--dt", "bfloat16", "s.py"], []),  # an abbreviation argparse takes (--dtype) takes its value too
+])
+def test_the_script_gets_its_arguments_exactly_as_python_gives_them(cli, tmp_path, monkeypatch, command, script_args):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text(ARGV_SCRIPT)
+    assert split_script_args(["run", *command])[1] == script_args
+    if "--log" not in command:
+        command = ["--log", "w.jsonl", *command]
+    assert cli("run", *command).code == 0
+    assert json.loads((tmp_path / "argv.json").read_text()) == script_args
+
+
+def test_a_run_without_a_script_is_left_to_argparse():
+    assert split_script_args(["run", "--every", "2"]) == (["run", "--every", "2"], None)
+    assert split_script_args(["run", "--help"]) == (["run", "--help"], None)
+
+
+MARKUP_MODEL = """
+import torch
+from torch import nn
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleDict({"[/bold]": nn.Linear(4, 4), "[red]x": nn.Linear(4, 4)})
+
+    def forward(self, x):
+        return self.heads["[red]x"](self.heads["[/bold]"](x)) * float("inf")
+
+m = M()
+m(torch.ones(2, 4)).sum().backward()
+print("trained")
+"""
+
+
+def test_rich_markup_in_module_names_is_printed_as_text(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text(MARKUP_MODEL)
+    result = cli("run", "--log", "w.jsonl", "s.py")
+    assert result.code == 0 and result.out == "trained\n"
+    assert "heads.[/bold]" in result.err and "heads.[red]x" in result.err  # the names, as named
+    report = cli("report", "w.jsonl")
+    assert "heads.[/bold]" in report.out + report.err and "MarkupError" not in report.out + report.err
+
+
+@pytest.mark.parametrize("what", ["sys.stderr.close()", "sys.stderr = io.StringIO()", "sys.stderr = None"])
+def test_a_script_that_closes_or_replaces_stderr_keeps_its_exit_code_and_gets_the_summary(tmp_path, what):
+    (tmp_path / "s.py").write_text(f"import io, sys\nimport torch\n"
+                                   f"torch.nn.Linear(2, 2)(torch.ones(1, 2)).sum().backward()\n"
+                                   f"print('trained')\n{what}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert (proc.returncode, proc.stdout) == (0, "trained\n"), proc.stderr
+    assert "ampaudit watch" in proc.stderr and "log written to" in proc.stderr  # on the stream saved at start
