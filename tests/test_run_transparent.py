@@ -78,3 +78,36 @@ def test_a_script_that_closes_or_replaces_stderr_keeps_its_exit_code_and_gets_th
                           capture_output=True, text=True, timeout=120, env=env)
     assert (proc.returncode, proc.stdout) == (0, "trained\n"), proc.stderr
     assert "ampaudit watch" in proc.stderr and "log written to" in proc.stderr  # on the stream saved at start
+
+
+def test_a_full_disk_stops_the_log_not_the_training(tmp_path):
+    # `ulimit -f`: the log's writes fail with EFBIG from some step on; the script trains to the
+    # end with its own exit code and output, and the summary says where the log stops
+    import resource
+
+    (tmp_path / "s.py").write_text("import torch\n"
+                                   "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))\n"
+                                   "opt = torch.optim.SGD(m.parameters(), lr=0.01)\n"
+                                   "for step in range(30):\n"
+                                   "    m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
+                                   "print('trained', step)\nraise SystemExit(3)\n")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env, preexec_fn=limit)
+    assert (proc.returncode, proc.stdout) == (3, "trained 29\n"), proc.stderr
+    assert proc.stderr.count("could not be written (File too large): logging stopped, training goes on") == 1
+    last = json.loads((tmp_path / "w.jsonl").read_text().splitlines()[-2])["step"]  # the last line is cut short
+    assert f"the log w.jsonl stops after step {last}: File too large" in proc.stderr
+    assert "│ steps             30" in proc.stderr  # the totals count every step
+
+
+def test_the_magnitude_sparkline_keeps_to_its_width():
+    from ampaudit.watch.render import _sparkline
+
+    assert _sparkline([[-3, 1], [-2, 4], [0, 2]]) == "▂█ ▄"  # one character per exponent when they fit
+    wide = _sparkline([[-149, 5], [-20, 1], [0, 10], [15, 3]])  # subnormals to past fp16's max
+    assert len(wide) == 15 and wide[0] != " " and wide[-1] != " "

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ampaudit.core.errors import UsageError
+from ampaudit.core.paths import display_path
 from ampaudit.watch.monitor import Monitor, NonFiniteError
 from ampaudit.watch.options import WatchOptions
 
@@ -30,13 +31,15 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
         from ampaudit.watch.render import render_summary
 
         err = stderr()
-        render_summary(monitor.summary(), make_console(err))
-        failure = monitor.sink.failure
-        if options.log is not None and failure is not None:
-            err.write(f"ampaudit run: the log {options.log} stops early: {failure}\n")
-        elif options.log is not None:
-            err.write(f"ampaudit run: log written to {options.log}\n")
-        err.flush()
+        sink = monitor.sink
+        with contextlib.suppress(OSError):  # a full disk under stderr: the script's exit code still stands
+            render_summary(monitor.summary(), make_console(err))
+            if options.log is not None and sink.failure is not None:
+                last = "before its first step" if sink.last_step is None else f"after step {sink.last_step}"
+                err.write(f"ampaudit run: the log {display_path(str(options.log))} stops {last}: {sink.failure}\n")
+            elif options.log is not None:
+                err.write(f"ampaudit run: log written to {display_path(str(options.log))}\n")
+            err.flush()
     return code
 
 

@@ -93,6 +93,7 @@ class LogSink:
         self.path = path
         self._handle: TextIO | None = None
         self.failure: str | None = None  # why writing stopped early (a full disk), if it did
+        self.last_step: int | None = None  # the last step written whole
 
     @property
     def is_open(self) -> bool:
@@ -110,6 +111,7 @@ class LogSink:
         try:
             self._handle.write(json.dumps(record) + "\n")
             self._handle.flush()
+            self.last_step = record.get("step", self.last_step)
         except OSError as exc:  # a full disk or `ulimit -f` must not stop the training: stop logging
             with contextlib.suppress(OSError):
                 self._handle.close()

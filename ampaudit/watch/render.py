@@ -17,14 +17,19 @@ from ampaudit.watch.summary import describe_first
 _BARS = " ▁▂▃▄▅▆▇█"
 
 
-def _sparkline(hist: list[list[int]]) -> str:
-    """Magnitudes at a glance: one character per log2 bin, from the smallest exponent seen."""
+def _sparkline(hist: list[list[int]], width: int = 16) -> str:
+    """Magnitudes at a glance: one character per log2 bin, from the smallest exponent seen - or
+    per group of neighbouring bins, so that a range from subnormals to overflow (150 exponents)
+    still takes ``width`` characters and leaves the table its columns."""
     if not hist:
         return ""
     low, high = hist[0][0], hist[-1][0]
-    counts = dict(map(tuple, hist))
-    peak = max(counts.values())
-    return "".join(_BARS[round(counts.get(e, 0) / peak * (len(_BARS) - 1))] for e in range(low, high + 1))
+    group = -(-(high - low + 1) // width)  # exponents per character
+    counts = [0] * -(-(high - low + 1) // group)
+    for exponent, count in hist:
+        counts[(exponent - low) // group] += count
+    peak = max(counts)
+    return "".join(_BARS[round(c / peak * (len(_BARS) - 1))] for c in counts)
 
 
 def render_summary(summary: dict[str, Any], console: Console) -> None:
