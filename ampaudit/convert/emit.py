@@ -3,8 +3,9 @@
 The plan's *overrides* are what autocast alone gets wrong: ops kept in fp32 because of a
 constant the low dtype cannot hold (AMP201), a measured overflow (AMP301), verification, the
 model's own declaration, or a missing low-precision kernel. Autocast already runs the
-catalog's fp32 ops (softmax, norms, losses) in fp32, so those need nothing. Each override
-names the module it runs in; that module is what the policies keep in fp32:
+catalog's fp32 ops (softmax, norms, losses) in fp32 on CUDA, so those need nothing there. Each
+override names the module it runs in; that module is what the autocast and hf policies keep
+in fp32; FSDP2 upcasts no op, so its policy reads the whole plan. The formats:
 
 - ``autocast``: keep ``torch.autocast`` + GradScaler and run those modules with autocast off
   and fp32 inputs (:func:`autocast_policy`, or the standalone file ``--emit autocast`` writes);
@@ -228,6 +229,8 @@ computes in fp32 with fp32 parameters. Gradients reduce in fp32.
 shard() skips a listed module that shares a parameter with a module outside it (a tied
 embedding) or holds a floating-point buffer (it would reach the module's low-precision ops
 uncast); its listed children are sharded instead, and the rest of it computes in fp32.
+FSDP2 may warn that a unit "returned a view tensor": each unit's output is cast to fp32
+after that check, a new tensor, so in-place ops on it are safe.
 """
 
 import torch
