@@ -40,7 +40,9 @@ def test_emit_writes_each_policy_with_the_plans_fp32_modules(export):
     assert _module(export / "autocast_policy.py", "autocast_policy").FP32_MODULES == ["attn"]
     hf = _module(export / "hf_keep_in_fp32.py", "hf_keep")
     assert hf.KEEP_IN_FP32 == ["attn"] and hf.FP32_MODULES == ["attn"]
-    assert 'fully_shard(model.get_submodule("attn"), mp_policy=FP32)' in (export / "fsdp2_policy.py").read_text()
+    fsdp2 = _module(export / "fsdp2_policy.py", "fsdp2_names")
+    # fp16 units: the modules whose every op computes in fp16; attn's fill stays fp32 outside them
+    assert fsdp2.LOW_MODULES == ["inp", "attn.q", "attn.k", "out"] and fsdp2.FP32_MODULES == ["attn"]
 
 
 @pytest.mark.slow  # inductor compiles C++ for the CPU: the real compiler, end to end
@@ -89,10 +91,10 @@ def test_fsdp2_policy_shards_and_runs(export, monkeypatch):
         loaded = load_target(model(FIXTURE))
         reference = load_target(model(FIXTURE)).model
         reference.load_state_dict(loaded.model.state_dict())
-        policy.shard(loaded.model)
+        assert policy.shard(loaded.model) == ["inp", "attn.q", "attn.k", "out"]
         (x,) = loaded.inputs.args
         out = loaded.model(x)
-        assert out.dtype == torch.float16
+        assert out.dtype == torch.float32  # the units' outputs come back in fp32
         expected = reference(x)
         assert float((out.float() - expected).norm() / expected.norm()) < 1e-2
     finally:

@@ -3,13 +3,16 @@
 The plan's *overrides* are what autocast alone gets wrong: ops kept in fp32 because of a
 constant the low dtype cannot hold (AMP201), a measured overflow (AMP301), verification, the
 model's own declaration, or a missing low-precision kernel. Autocast already runs the
-catalog's fp32 ops (softmax, norms, losses) in fp32, so those need nothing. Each override
-names the module it runs in; that module is what the policies keep in fp32:
+catalog's fp32 ops (softmax, norms, losses) in fp32 on CUDA, so those need nothing there. Each
+override names the module it runs in; that module is what the autocast and hf policies keep
+in fp32; FSDP2 upcasts no op, so its policy reads the whole plan. The formats:
 
 - ``autocast``: keep ``torch.autocast`` + GradScaler and run those modules with autocast off
   and fp32 inputs (:func:`autocast_policy`, or the standalone file ``--emit autocast`` writes);
-- ``hf``: the ``_keep_in_fp32_modules`` list for a transformers model;
-- ``fsdp2``: ``MixedPrecisionPolicy`` per module, to paste before ``fully_shard``.
+- ``hf``: the ``_keep_in_fp32_modules`` list for a transformers model, for inference (fp16
+  weights do not train);
+- ``fsdp2``: ``fully_shard`` with a low-precision ``MixedPrecisionPolicy`` on the modules whose
+  ops all compute low, fp32 on the rest (FSDP2 casts parameters, not ops: :func:`low_modules`).
 """
 
 from __future__ import annotations
@@ -114,9 +117,44 @@ def emit(plan: Any, format: str) -> str:
         return _HF.format(names=_pylist(names), modules=_pylist(modules))
     if format == "fsdp2":
         low = {"float16": "torch.float16", "bfloat16": "torch.bfloat16"}.get(dtype, "torch.bfloat16")
-        lines = "".join(f'    fully_shard(model.get_submodule("{m}"), mp_policy=FP32)\n' for m in modules)
-        return _FSDP2.format(low=low, lines=lines or "    pass  # the plan keeps no module in fp32\n")
+        units, fp32_with_low = low_modules(records, dtype)
+        return _FSDP2.format(low=low, dtype=dtype, units=_pylist(units), overrides=_pylist(modules),
+                             fp32_with_low=_pylist(fp32_with_low))
     raise UsageError(f"--emit {format!r}: choose one of {', '.join(FORMATS)}")
+
+
+def low_modules(records: Iterable[Mapping[str, Any]], dtype: str) -> tuple[list[str], list[str]]:
+    """For a policy that sets dtypes per module (FSDP2's ``param_dtype``): the called modules
+    whose every op computes in ``dtype`` or follows its inputs, with at least one in ``dtype``,
+    nested ones included, in plan order; and the modules holding a ``dtype`` op in their own
+    forward that are not among them (an fp32 op beside it: it computes in fp32 there).
+
+    FSDP2 casts a module's parameters, not its ops: every op outside these modules runs in
+    fp32 only if they are the only low-precision ones, so a module holding a catalog fp32
+    op (a norm, softmax, the loss) or an override is never one of them."""
+    fp32: set[str] = set()
+    low: set[str] = set()
+    called: set[str] = set()  # modules with ops of their own: their forward ran
+    order: dict[str, None] = {}
+    for record in records:
+        module = record.get("module") or ""
+        called.add(module)
+        parts = module.split(".") if module else []
+        for depth in range(1, len(parts) + 1):
+            order.setdefault(".".join(parts[:depth]))
+        if record.get("compute") == "float32" or record.get("rule") in OVERRIDES:
+            fp32.add(module)
+        elif record.get("compute") == dtype:
+            low.add(module)
+
+    def inside(path: str, outer: str) -> bool:
+        return path == outer or path.startswith(outer + ".")
+
+    # a unit must be called: FSDP2 gathers a unit's parameters in its forward, which a
+    # ModuleList, or a module whose children its parent calls, never runs
+    units = [m for m in order if m in called and any(inside(p, m) for p in low)
+             and not any(inside(p, m) for p in fp32)]
+    return units, [m for m in ("", *order) if m in low and not any(inside(m, u) for u in units)]
 
 
 def _pylist(items: list[str]) -> str:
@@ -155,6 +193,13 @@ def _fp32_forward(self, *args, **kwargs):
 
 _HF = '''"""For a transformers model: the module names to keep in fp32, from an ampaudit convert plan.
 
+For inference, not for training: from_pretrained(..., torch_dtype=torch.float16) stores every
+other weight in fp16, and fp16 weights do not train: their gradients are fp16, which
+GradScaler refuses to unscale, and without it AdamW's eps (1e-8) is 0 in fp16, so its first
+step makes NaN weights wherever a gradient is 0 (a tiny GPT-2's loss is NaN at step 2).
+To train, keep the weights fp32 and use torch.autocast + GradScaler with the autocast policy
+(ampaudit convert --emit autocast), or ampaudit.convert(model, optimizer, example_inputs=...).
+
 transformers matches each name against module paths at dot boundaries; set it on the model
 class before from_pretrained(..., torch_dtype=torch.float16):
 
@@ -167,9 +212,25 @@ KEEP_IN_FP32 = {names}
 FP32_MODULES = {modules}
 '''
 
-_FSDP2 = '''"""FSDP2 mixed-precision policies, from an ampaudit convert plan: the plan's fp32 modules get
-an fp32 policy, everything else computes in the low dtype with fp32 gradient reduction.
-Paste before sharding the model (fully_shard the inner modules first, then the root):
+_FSDP2 = '''"""FSDP2 mixed precision from an ampaudit convert plan, for a forward without torch.autocast.
+
+FSDP2 casts each fully_shard unit's parameters to its param_dtype; it does not upcast ops as
+autocast does. So only the modules below compute in {dtype}, each its own unit: their inputs
+are cast to {dtype} on the way in and their outputs back to fp32 on the way out. The root,
+and everything outside them - norms, softmax, the loss, embeddings, the plan's overrides -
+computes in fp32 with fp32 parameters. Gradients reduce in fp32.
+
+    import torch.distributed as dist
+    from fsdp2_policy import shard
+    dist.init_process_group("nccl")
+    shard(model)                   # instead of your own fully_shard calls; kwargs (mesh=...) pass on
+    scaler = torch.amp.GradScaler()  # float16: scale the loss, as with autocast
+
+shard() skips a listed module that shares a parameter with a module outside it (a tied
+embedding) or holds a floating-point buffer (it would reach the module's low-precision ops
+uncast); its listed children are sharded instead, and the rest of it computes in fp32.
+FSDP2 may warn that a unit "returned a view tensor": each unit's output is cast to fp32
+after that check, a new tensor, so in-place ops on it are safe.
 """
 
 import torch
@@ -179,11 +240,39 @@ try:
 except ImportError:  # torch < 2.6
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
-LOW = MixedPrecisionPolicy(param_dtype={low}, reduce_dtype=torch.float32)
-# inputs come in as the low dtype and are cast up; outputs go back down for the next module
-FP32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype={low})
+# the modules computing in {dtype} (nested ones too: shard() takes the outermost it can)
+LOW_MODULES = {units}
+
+# the plan's overrides: ops that autocast alone would run in {dtype} (outside LOW_MODULES: fp32)
+FP32_MODULES = {overrides}
+
+# low-precision ops in these modules' own forward ('' is the root) compute in fp32 here (an
+# fp32 op shares the module); under autocast they would run in {dtype}
+FP32_WITH_LOW_OPS = {fp32_with_low}
+
+LOW = MixedPrecisionPolicy(param_dtype={low}, reduce_dtype=torch.float32, output_dtype=torch.float32,
+                           cast_forward_inputs=True)
+FP32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
 
 
-def shard(model: torch.nn.Module) -> None:
-{lines}    fully_shard(model, mp_policy=LOW)
+def shard(model: torch.nn.Module, **kwargs) -> list[str]:
+    """fully_shard the low-precision modules with LOW, then the root with FP32; returns the
+    modules sharded with LOW."""
+    owners = {{}}  # parameter -> the module paths holding it
+    for path, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(param, set()).add(path)
+    chosen = []
+    for path in LOW_MODULES:
+        if any(path.startswith(outer + ".") for outer in chosen):
+            continue
+        module = model.get_submodule(path)
+        shared = any(not all(o == path or o.startswith(path + ".") for o in owners[p]) for p in module.parameters())
+        if shared or any(b.is_floating_point() for b in module.buffers()):
+            continue
+        chosen.append(path)
+    for path in chosen:
+        fully_shard(model.get_submodule(path), mp_policy=LOW, **kwargs)
+    fully_shard(model, mp_policy=FP32, **kwargs)
+    return chosen
 '''
