@@ -25,6 +25,7 @@ from ampaudit.core.config import Config, load_config
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.graph.declared import Declared, declared_precision
+from ampaudit.graph.dtype_flow import non_float_in_code
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
@@ -330,7 +331,8 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
                            declared=run.declared)
     plan = decide(view, constants=run.constants, promoted=run.promoted)
     keep = run.keep_low_outputs if keep_low_outputs is None else keep_low_outputs
-    stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep, weights=run.weights)
+    stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep, weights=run.weights,
+                    non_float=non_float_in_code(gm, view.kinds, run.catalog, python=view.python))
     run.records += plan_records(view, plan, stats.produced)
     if run.weights == "fp32":
         cast_module_weights_at_use(gm, plan, run.low.torch)

@@ -47,6 +47,9 @@ class AuditTracer(fx.Tracer):
         self.catalog = catalog
         self.opaque = frozenset(opaque)
         self.functions_as_leaves = functions_as_leaves
+        # convert traces buffers as graph values: ``self.pe[:, : x.size(1)]`` slices a buffer by a
+        # traced size (a constant tensor cannot be sliced by one)
+        self.proxy_buffer_attributes = functions_as_leaves
         self.failed_module: str | None = None  # innermost module whose forward raised
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
