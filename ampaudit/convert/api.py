@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ampaudit.convert.checkpoints import keep_checkpoints
 from ampaudit.convert.kernel_probe import promote_missing_kernels
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
@@ -336,6 +337,9 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
     run.records += plan_records(view, plan, stats.produced)
     if run.weights == "fp32":
         cast_module_weights_at_use(gm, plan, run.low.torch)
+    if kept := keep_checkpoints(gm):
+        run.notes.append(f"{label}: {kept} torch.utils.checkpoint call(s) kept: their ops, converted, are "
+                         "recomputed in backward")
     run.casts += stats.casts
     for path in opaque:
         run.notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "
