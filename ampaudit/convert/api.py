@@ -15,6 +15,7 @@ from torch import fx
 
 from ampaudit.convert.checkpoints import keep_checkpoints
 from ampaudit.convert.kernel_probe import promote_missing_kernels
+from ampaudit.convert.low_weights import fp32_copy, low_weight_dtypes, low_weight_notes
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
@@ -109,6 +110,9 @@ def convert(
         raise UsageError(f"{complex_state} is a complex tensor: ampaudit converts real floating-point models "
                          "(float16/bfloat16 have no complex counterpart to convert to)")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
+    user_model, found_low = model, low_weight_dtypes(model)
+    if found_low:  # bf16/fp16 weights: convert an fp32 copy (the optimizer still names the user's)
+        model = fp32_copy(model)
     if constants not in ("fp32", "clamp"):
         raise UsageError(f"constants must be 'fp32' or 'clamp' (got {constants!r})")
     if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf):
@@ -126,10 +130,11 @@ def convert(
     backend = _pick_backend(backend, model, catalog, inputs)
     weights = _pick_weights(weights, optimizer)
     if backend == "modules":
-        return _finish(model, _convert_modules(model, catalog, low, inputs, constants=constants,
-                                               keep_low_outputs=keep_low_outputs, verify=verify, weights=weights,
-                                               tolerance=tol),
-                       optimizer, inputs, low, verify=verify, loss_scale=loss_scale, train_steps=train_steps)
+        model_mp = _convert_modules(model, catalog, low, inputs, constants=constants,
+                                    keep_low_outputs=keep_low_outputs, verify=verify, weights=weights, tolerance=tol)
+        model_mp.summary.notes += low_weight_notes(found_low, low)
+        return _finish(user_model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
+                       train_steps=train_steps)
 
     kernels: dict[str, Decision] = {}  # ops with no low-precision kernel here: fp32 in every build
     seen = _Measured()  # what the example inputs showed, measured by the first build only
@@ -153,7 +158,8 @@ def convert(
     finally:
         model.train(was_training)
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual
-    return _finish(model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
+    model_mp.summary.notes += low_weight_notes(found_low, low)
+    return _finish(user_model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
                    train_steps=train_steps)
 
 
@@ -231,6 +237,8 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
+    if low_weight_dtypes(model):  # a bf16/fp16 model: its fp32 copy, as convert made it
+        model = fp32_copy(model)
     if summary.get("backend") == "modules":  # the records say what each module does: nothing to trace
         model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep,
                                      weights=str(summary.get("weights", "low")))
