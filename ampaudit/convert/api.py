@@ -331,6 +331,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
         _convert_children(module, prefix, run)
         return module
     _keep_untraced_state(gm, module)
+    _follow_order(gm, module)
     if inputs is not None:
         run.measured.measure(prefix, gm, inputs, run.catalog, run.low)
     if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
@@ -379,6 +380,24 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
         else:
             owner.register_buffer(attr, tensor, persistent=attr not in source._non_persistent_buffers_set)
         held[name] = tensor
+
+
+def _follow_order(gm: fx.GraphModule, module: torch.nn.Module) -> None:
+    """Put ``gm``'s submodules, parameters and buffers in ``module``'s order, level by level: a
+    GraphModule holds them in the order the graph first reads them (and ``_keep_untraced_state``
+    adds the rest at the end), but ``state_dict()`` and ``named_parameters()`` keys come in the
+    model's order (a checkpoint written from one is read by position in some tools)."""
+    originals = dict(module.named_modules(remove_duplicate=False))
+    for path, owner in gm.named_modules(remove_duplicate=False):
+        original = originals.get(path)
+        if original is None:
+            continue
+        for slot in ("_modules", "_parameters", "_buffers"):
+            mine, theirs = getattr(owner, slot), getattr(original, slot)
+            order = {name: i for i, name in enumerate(theirs)}
+            ordered = sorted(mine.items(), key=lambda item: order.get(item[0], len(order)))  # stable: ties kept
+            mine.clear()
+            mine.update(ordered)
 
 
 def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
