@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from ampaudit.convert.checkpoints import keep_checkpoints
 from ampaudit.convert.kernel_probe import promote_missing_kernels
+from ampaudit.convert.low_weights import fp32_copy, low_weight_dtypes, low_weight_notes
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
@@ -25,6 +27,7 @@ from ampaudit.core.config import Config, load_config
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.graph.declared import Declared, declared_precision
+from ampaudit.graph.dtype_flow import non_float_in_code
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
@@ -107,6 +110,9 @@ def convert(
         raise UsageError(f"{complex_state} is a complex tensor: ampaudit converts real floating-point models "
                          "(float16/bfloat16 have no complex counterpart to convert to)")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
+    user_model, found_low = model, low_weight_dtypes(model)
+    if found_low:  # bf16/fp16 weights: convert an fp32 copy (the optimizer still names the user's)
+        model = fp32_copy(model)
     if constants not in ("fp32", "clamp"):
         raise UsageError(f"constants must be 'fp32' or 'clamp' (got {constants!r})")
     if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf):
@@ -124,10 +130,11 @@ def convert(
     backend = _pick_backend(backend, model, catalog, inputs)
     weights = _pick_weights(weights, optimizer)
     if backend == "modules":
-        return _finish(model, _convert_modules(model, catalog, low, inputs, constants=constants,
-                                               keep_low_outputs=keep_low_outputs, verify=verify, weights=weights,
-                                               tolerance=tol),
-                       optimizer, inputs, low, verify=verify, loss_scale=loss_scale, train_steps=train_steps)
+        model_mp = _convert_modules(model, catalog, low, inputs, constants=constants,
+                                    keep_low_outputs=keep_low_outputs, verify=verify, weights=weights, tolerance=tol)
+        model_mp.summary.notes += low_weight_notes(found_low, low)
+        return _finish(user_model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
+                       train_steps=train_steps)
 
     kernels: dict[str, Decision] = {}  # ops with no low-precision kernel here: fp32 in every build
     seen = _Measured()  # what the example inputs showed, measured by the first build only
@@ -151,7 +158,8 @@ def convert(
     finally:
         model.train(was_training)
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual
-    return _finish(model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
+    model_mp.summary.notes += low_weight_notes(found_low, low)
+    return _finish(user_model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
                    train_steps=train_steps)
 
 
@@ -229,6 +237,8 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
+    if low_weight_dtypes(model):  # a bf16/fp16 model: its fp32 copy, as convert made it
+        model = fp32_copy(model)
     if summary.get("backend") == "modules":  # the records say what each module does: nothing to trace
         model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep,
                                      weights=str(summary.get("weights", "low")))
@@ -321,6 +331,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
         _convert_children(module, prefix, run)
         return module
     _keep_untraced_state(gm, module)
+    _follow_order(gm, module)
     if inputs is not None:
         run.measured.measure(prefix, gm, inputs, run.catalog, run.low)
     if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "dropout" for n in gm.graph.nodes):
@@ -330,10 +341,14 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
                            declared=run.declared)
     plan = decide(view, constants=run.constants, promoted=run.promoted)
     keep = run.keep_low_outputs if keep_low_outputs is None else keep_low_outputs
-    stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep, weights=run.weights)
+    stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep, weights=run.weights,
+                    non_float=non_float_in_code(gm, view.kinds, run.catalog, python=view.python))
     run.records += plan_records(view, plan, stats.produced)
     if run.weights == "fp32":
         cast_module_weights_at_use(gm, plan, run.low.torch)
+    if kept := keep_checkpoints(gm):
+        run.notes.append(f"{label}: {kept} torch.utils.checkpoint call(s) kept: their ops, converted, are "
+                         "recomputed in backward")
     run.casts += stats.casts
     for path in opaque:
         run.notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "
@@ -365,6 +380,24 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
         else:
             owner.register_buffer(attr, tensor, persistent=attr not in source._non_persistent_buffers_set)
         held[name] = tensor
+
+
+def _follow_order(gm: fx.GraphModule, module: torch.nn.Module) -> None:
+    """Put ``gm``'s submodules, parameters and buffers in ``module``'s order, level by level: a
+    GraphModule holds them in the order the graph first reads them (and ``_keep_untraced_state``
+    adds the rest at the end), but ``state_dict()`` and ``named_parameters()`` keys come in the
+    model's order (a checkpoint written from one is read by position in some tools)."""
+    originals = dict(module.named_modules(remove_duplicate=False))
+    for path, owner in gm.named_modules(remove_duplicate=False):
+        original = originals.get(path)
+        if original is None:
+            continue
+        for slot in ("_modules", "_parameters", "_buffers"):
+            mine, theirs = getattr(owner, slot), getattr(original, slot)
+            order = {name: i for i, name in enumerate(theirs)}
+            ordered = sorted(mine.items(), key=lambda item: order.get(item[0], len(order)))  # stable: ties kept
+            mine.clear()
+            mine.update(ordered)
 
 
 def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -42,6 +42,7 @@ from ampaudit.convert.publish import (
     call_reported,
     staged_export,
 )
+from ampaudit.convert.runtime import CheckpointedCall
 from ampaudit.core.files import umask
 
 _HEADER = '''"""{title}
@@ -100,6 +101,12 @@ def _write(model: torch.nn.Module, staging: Path, class_name: str, summary: dict
     source = _HEADER.format(title=f"{class_name}: {type(model).__name__} in explicit mixed precision",
                             folder=folder.name, model=type(model).__name__)
     source += f"class {class_name}:\n" + textwrap.indent(model.code.strip("\n"), "    ") + "\n"
+    for name, part in vars(model).items():  # the parts the model ran under torch.utils.checkpoint
+        if isinstance(part, CheckpointedCall):
+            options = ", ".join(f"{k}={v!r}" for k, v in part.kwargs.items())
+            code = part.code.strip("\n").replace("def forward(", f"def {name}(", 1)
+            source += f"\n    # self.{name}: run under torch.utils.checkpoint.checkpoint(..., {options})\n"
+            source += textwrap.indent(code, "    ") + "\n"
     _write_file(staging, folder, MODULE, source)
     return [PLAN, WEIGHTS, MODULE]
 

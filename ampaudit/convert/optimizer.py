@@ -120,7 +120,11 @@ class MixedPrecisionOptimizer:
             group["params"] = [replacement[id(p)] for p in group["params"]]
         moved = {}
         for param, state in list(optimizer.state.items()):
-            moved[replacement.get(id(param), param)] = state
+            new = replacement.get(id(param), param)
+            if new.dtype != param.dtype:  # a bf16 model's state (Adam's moments) for its fp32 weights
+                state = {k: v.to(new.dtype) if isinstance(v, torch.Tensor) and v.shape == param.shape else v
+                         for k, v in state.items()}
+            moved[new] = state
         optimizer.state.clear()
         optimizer.state.update(moved)
         return cls(optimizer, pairs, fp32, make_scaler(loss_scale, dtype), release_low=release_low)

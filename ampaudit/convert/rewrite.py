@@ -10,6 +10,7 @@ where the graph cannot tell their dtype."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,11 @@ def _store_low(gm: fx.GraphModule, target: str, dtype: torch.dtype) -> None:
 
 
 def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtype, *,
-            keep_low_outputs: bool = False, weights: str = "low") -> RewriteStats:
+            keep_low_outputs: bool = False, weights: str = "low",
+            non_float: Collection[fx.Node] = ()) -> RewriteStats:
+    """``non_float``: nodes that hold no floating-point tensor (sizes, Python numbers such as
+    ``math.sqrt(d_k)``, masks): they take no cast and do not promote the ops they feed - a
+    Python float divides fp16 scores into fp16 scores, not fp32 ones."""
     graph = gm.graph
     targets = {LOW: dtype, FP32: torch.float32}
     low_params = _low_parameters(gm, plan) if weights == "low" else set()
@@ -77,7 +82,7 @@ def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtyp
     casts: dict[tuple[fx.Node, str], fx.Node] = {}
 
     def cast_to(value, want: str, before: fx.Node):
-        if not isinstance(value, fx.Node) or produced.get(value) == want:
+        if not isinstance(value, fx.Node) or value in non_float or produced.get(value) == want:
             return value
         key = (value, want)
         if key not in casts:
@@ -103,6 +108,8 @@ def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtyp
             produced[node] = decision.compute
         else:
             produced[node] = _promote([produced[n] for n in node.all_input_nodes if n in produced])
+        if node in non_float:
+            produced.pop(node, None)
         if decision is not None and decision.clamp:
             _apply_clamp(node, decision.clamp)
     graph.lint()

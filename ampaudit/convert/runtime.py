@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -28,3 +29,28 @@ def call_with(module: nn.Module, names: tuple[str, ...], values: tuple[torch.Ten
     copy: modules with running statistics (BatchNorm) compute in fp32 by the catalog and are
     never called this way."""
     return torch.func.functional_call(module, dict(zip(names, values, strict=True)), args, kwargs)
+
+
+class CheckpointedCall:
+    """A part of a converted graph that the model ran under ``torch.utils.checkpoint.checkpoint``,
+    called under it again with the same options (convert/checkpoints.py): its activations are
+    recomputed in backward instead of kept. ``forward`` is the part's generated code, run with
+    ``owner`` (the converted GraphModule) as ``self``, so it reads the owner's own parameters and
+    modules. Not an nn.Module: the state stays the owner's, under the model's state_dict keys; a
+    deep copy of the owner copies this with it and points it at the copy."""
+
+    def __init__(self, owner: nn.Module, forward: Any, kwargs: dict[str, Any], code: str) -> None:
+        self.owner, self.forward, self.kwargs, self.code = owner, forward, kwargs, code
+
+    def __call__(self, *inputs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(self._run, *inputs, **self.kwargs)
+
+    def _run(self, *inputs: Any) -> Any:
+        return self.forward(self.owner, *inputs)
+
+
+@torch.fx.wrap
+def checkpointed(part: CheckpointedCall, *inputs: Any) -> Any:
+    """``part(*inputs)`` under ``torch.utils.checkpoint.checkpoint``: what a converted graph calls
+    where the model called checkpoint (the generated code reads ``checkpointed(self.ampaudit_checkpoint_0, x)``)."""
+    return part(*inputs)

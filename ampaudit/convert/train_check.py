@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ampaudit.convert.low_weights import fp32_copy
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.core.paths import display_path
@@ -53,7 +54,8 @@ def train_check(model: torch.nn.Module, model_mp: torch.nn.Module, optimizer: to
     of ``optimizer`` (built on ``model``'s parameters; not modified)."""
     from ampaudit.convert.optimizer import MixedPrecisionOptimizer
 
-    reference, source, trial = copy.deepcopy(model).eval(), copy.deepcopy(model).eval(), copy.deepcopy(model_mp).eval()
+    # fp32 copies: a model whose weights are bf16 trains in fp32 from the same values
+    reference, source, trial = fp32_copy(model).eval(), fp32_copy(model).eval(), copy.deepcopy(model_mp).eval()
     reference_opt = same_optimizer(optimizer, model, reference)
     trial_opt = MixedPrecisionOptimizer.from_optimizer(same_optimizer(optimizer, model, source), source, trial,
                                                        dtype=dtype.torch, loss_scale=loss_scale)

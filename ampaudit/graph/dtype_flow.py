@@ -55,6 +55,26 @@ def _fetch(gm: fx.GraphModule, target: str):
     return value
 
 
+def non_float_in_code(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *,
+                      python: Collection[fx.Node] = ()) -> frozenset[fx.Node]:
+    """The nodes the code alone shows to hold no floating-point tensor - Python values (sizes,
+    ``math.sqrt(d_k)``), comparisons and other non-float ops, integer and bool buffers -
+    whatever the example inputs are (a plan made again without them must agree)."""
+    non_float = catalog.trait("non_float")
+    found = set(python)
+    for node in gm.graph.nodes:
+        if kinds.get(node, "") in non_float or explicit_cast(node) is None:
+            found.add(node)
+        elif node.op == "get_attr":
+            try:
+                value = _fetch(gm, node.target)
+            except AttributeError:
+                continue
+            if isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
+                found.add(node)
+    return frozenset(found)
+
+
 def explicit_cast(node: fx.Node) -> str | bool | None:
     """LOW/FP32/None for a node that casts or fixes its dtype; False when it does not."""
     if node.op == "call_method" and node.target in _CAST_METHODS:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch import fx
 
 from ampaudit.core.catalog import Catalog
@@ -20,6 +21,7 @@ from ampaudit.core.userframe import Loc, boundary, traceback_location, user_loca
 
 LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
 MODULE = "ampaudit_module"  # node.meta key: qualified module path or None
+CHECKPOINT = "ampaudit_checkpoint"  # node.meta key: the Checkpoint whose function made the node
 
 
 def forward_location(module: torch.nn.Module) -> Loc:
@@ -47,12 +49,15 @@ class AuditTracer(fx.Tracer):
         self.catalog = catalog
         self.opaque = frozenset(opaque)
         self.functions_as_leaves = functions_as_leaves
+        # convert traces buffers as graph values: ``self.pe[:, : x.size(1)]`` slices a buffer by a
+        # traced size (a constant tensor cannot be sliced by one)
+        self.proxy_buffer_attributes = functions_as_leaves
         self.failed_module: str | None = None  # innermost module whose forward raised
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         if not self.functions_as_leaves:
             return super().trace(root, concrete_args)
-        with _autograd_functions_as_nodes(self):
+        with _autograd_functions_as_nodes(self), _checkpoints_as_regions(self):
             return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -90,16 +95,85 @@ def _autograd_functions_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        traced = any(isinstance(a, fx.Proxy) and a.tracer is tracer for a in pytree.tree_leaves((args, kwargs)))
-        if traced:
-            return tracer.create_proxy("call_function", autograd_function_call(cls), args, kwargs)
-        return original.__func__(cls, *args, **kwargs)
+        if not _traced_by(tracer, args, kwargs):
+            return original.__func__(cls, *args, **kwargs)
+        if cls is torch.utils.checkpoint.CheckpointFunction:  # checkpoint(..., use_reentrant=True)
+            function, preserve, *inputs = args
+            with _region(tracer, Checkpoint({"use_reentrant": True, "preserve_rng_state": preserve})):
+                return function(*inputs)
+        return tracer.create_proxy("call_function", autograd_function_call(cls), args, kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
     try:
         yield
     finally:
         torch.autograd.Function.apply = original
+
+
+def _traced_by(tracer: fx.Tracer, args: Any, kwargs: Any) -> bool:
+    return any(isinstance(a, fx.Proxy) and a.tracer is tracer for a in pytree.tree_leaves((args, kwargs)))
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """One call of ``torch.utils.checkpoint.checkpoint`` met while tracing: the keyword arguments
+    to call it with again (``use_reentrant``, ``preserve_rng_state``, ``context_fn``, ...). The
+    nodes its function made carry it in ``node.meta[CHECKPOINT]``."""
+
+    kwargs: dict[str, Any]
+
+
+@contextlib.contextmanager
+def _region(tracer: fx.Tracer, checkpoint: Checkpoint) -> Iterator[None]:
+    """Mark the nodes traced inside as made by ``checkpoint``'s function; a checkpoint inside
+    another is part of the outer one (only the outermost is called again)."""
+    last = tracer.graph._root.prev  # the graph's last node before the function runs
+    yield
+    node = last.next
+    while node is not tracer.graph._root:
+        if node.op != "placeholder":
+            node.meta.setdefault(CHECKPOINT, checkpoint)
+        node = node.next
+
+
+@contextlib.contextmanager
+def _checkpoints_as_regions(tracer: fx.Tracer) -> Iterator[None]:
+    """While ``tracer`` traces, ``torch.utils.checkpoint.checkpoint`` (and ``checkpoint_sequential``,
+    which calls it) on traced values traces its function's ops as usual and marks them, so that
+    convert can call them under checkpoint again (convert/checkpoints.py) - traced through
+    unmarked, the converted model would keep every activation of the checkpointed blocks.
+    ``use_reentrant=True`` goes through ``CheckpointFunction.apply`` (see
+    ``_autograd_functions_as_nodes``); ``use_reentrant=False`` through the generator patched here,
+    whose two steps come just before and just after the function runs."""
+    module = torch.utils.checkpoint
+    original = module._checkpoint_without_reentrant_generator
+
+    def generator(fn: Any, preserve: bool = True, context_fn: Any = module.noop_context_fn,
+                  determinism_check: str = module._DEFAULT_DETERMINISM_MODE, debug: bool = False,
+                  *rest: Any, **kwargs: Any) -> Iterator[None]:
+        if not _traced_by(tracer, rest, kwargs):
+            yield from original(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs)
+            return
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve}
+        if context_fn is not module.noop_context_fn:
+            options["context_fn"] = context_fn
+        if determinism_check != module._DEFAULT_DETERMINISM_MODE:
+            options["determinism_check"] = determinism_check
+        if debug:
+            options["debug"] = debug
+        with _region(tracer, Checkpoint(options)):
+            yield
+
+    module._checkpoint_without_reentrant_generator = generator
+    try:
+        yield
+    finally:
+        module._checkpoint_without_reentrant_generator = original
+
+
+def checkpoint_of(node: fx.Node) -> Checkpoint | None:
+    """The checkpoint call whose function made ``node`` (traced with ``functions_as_leaves``)."""
+    return node.meta.get(CHECKPOINT)
 
 
 @functools.cache
