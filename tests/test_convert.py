@@ -331,7 +331,7 @@ def test_cli_convert_writes_plan_weights_and_a_readable_module(cli, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["ampaudit-export.json", "module.py", "plan.json",
                                                       "weights.safetensors"]
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["summary"]["dtype"] == "float16" and plan["summary"]["casts"] == 8
+    assert plan["summary"]["dtype"] == "float16" and plan["summary"]["casts"] == 6
     assert {r["kind"] for r in plan["plan"] if r["compute"] == "float32"} >= {"layer_norm", "cross_entropy"}
     module = (out / "module.py").read_text()
     assert 'ampaudit.apply(TinyLM(...), "converted")' in module and "torch.float16" in module
@@ -580,7 +580,8 @@ def test_modules_backend_searches_promotions_and_apply_keeps_them(tmp_path):
     model_mp = ampaudit.convert(loaded.model, loaded.inputs, backend="modules", tolerance=1e-4)
     summary = model_mp.summary
     assert summary.error_before > 1e-4 >= summary.error_after
-    assert {p["node"] for p in summary.promoted} == {"fc1", "fc2"}
+    # the final softmax computes in fp32 as planned (on a CPU too): fc1 alone is enough
+    assert {p["node"] for p in summary.promoted} == {"fc1"}
     assert model_mp.fc1.weight.dtype == torch.float32
     export(model_mp, tmp_path / "out", summary=summary.to_dict())
     applied = ampaudit.apply(load_target(model("untraceable.py")).model, tmp_path / "out")

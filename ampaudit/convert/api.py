@@ -186,7 +186,8 @@ def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, in
 
         def build(promoted: Mapping[str, str | Decision]) -> torch.nn.Module:
             records = planner.records(promoted)
-            built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights)
+            built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights,
+                                      catalog=catalog)
             built.ampaudit_sources = planner.sources
             return _with_plan(built, records, low, promoted, casts=0, constants=constants,
                               keep_low_outputs=keep_low_outputs, backend="modules", weights=weights,
@@ -229,14 +230,14 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
+    file = forward_location(model).file
+    config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     if summary.get("backend") == "modules":  # the records say what each module does: nothing to trace
         model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep,
-                                     weights=str(summary.get("weights", "low")))
+                                     weights=str(summary.get("weights", "low")), catalog=build_catalog(config))
         model_mp.train(model.training)
         model_mp.plan, model_mp.summary = [dict(r) for r in records], ConversionSummary(**dict(summary))
         return model_mp
-    file = forward_location(model).file
-    config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     was_training = model.training
     try:
         model_mp = _convert_once(model, build_catalog(config), low, None, promoted=forced, constants=constants,

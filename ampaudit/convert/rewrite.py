@@ -17,6 +17,7 @@ from torch import fx
 
 from ampaudit.convert.plan import FP32, LOW, Decision
 from ampaudit.convert.runtime import call_with, cast
+from ampaudit.graph.python_values import python_values
 
 
 @dataclass
@@ -75,6 +76,9 @@ def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtyp
 
     produced: dict[fx.Node, str] = {}
     casts: dict[tuple[fx.Node, str], fx.Node] = {}
+    # sizes and shapes (x.size(-1), math.sqrt of it) are Python values: they do not promote
+    # a tensor they meet (linear_out.view(size, -1) stays in the linear's dtype)
+    python = python_values(gm)
 
     def cast_to(value, want: str, before: fx.Node):
         if not isinstance(value, fx.Node) or produced.get(value) == want:
@@ -102,7 +106,7 @@ def rewrite(gm: fx.GraphModule, plan: dict[fx.Node, Decision], dtype: torch.dtyp
             node.kwargs = fx.node.map_arg(node.kwargs, lambda n, at=node, d=decision: cast_to(n, d.compute, at))
             produced[node] = decision.compute
         else:
-            produced[node] = _promote([produced[n] for n in node.all_input_nodes if n in produced])
+            produced[node] = _promote([produced[n] for n in node.all_input_nodes if n in produced and n not in python])
         if decision is not None and decision.clamp:
             _apply_clamp(node, decision.clamp)
     graph.lint()
