@@ -15,7 +15,7 @@ from torch import fx
 
 from ampaudit.convert.kernel_probe import promote_missing_kernels
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
-from ampaudit.convert.plan import FP32, Decision, decide, plan_records
+from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
 from ampaudit.convert.verify import output_error, search_promotions
@@ -228,6 +228,8 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
         # what depended on the example inputs: verification's promotions, measured overflows
         forced = {str(r["node"]): Decision(FP32, str(r["reason"]), r["rule"]) for r in records
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
+        forced |= {str(r["node"]): Decision(LOW, str(r["reason"]), "measured") for r in records
+                   if r.get("rule") == "measured"}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
     file = forward_location(model).file
