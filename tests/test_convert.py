@@ -580,7 +580,8 @@ def test_modules_backend_searches_promotions_and_apply_keeps_them(tmp_path):
     model_mp = ampaudit.convert(loaded.model, loaded.inputs, backend="modules", tolerance=1e-4)
     summary = model_mp.summary
     assert summary.error_before > 1e-4 >= summary.error_after
-    assert {p["node"] for p in summary.promoted} == {"fc1", "fc2"}
+    # the final softmax computes in fp32 as planned (on a CPU too): fc1 alone is enough
+    assert {p["node"] for p in summary.promoted} == {"fc1"}
     assert model_mp.fc1.weight.dtype == torch.float32
     export(model_mp, tmp_path / "out", summary=summary.to_dict())
     applied = ampaudit.apply(load_target(model("untraceable.py")).model, tmp_path / "out")

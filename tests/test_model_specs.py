@@ -185,6 +185,23 @@ def test_hf_types_build_small_with_inputs_that_run(model_type, head):
 
 
 @needs_transformers
+@pytest.mark.parametrize(("model_type", "head", "inputs"), [
+    ("whisper", "WhisperForConditionalGeneration", {"input_features": (2, 16, 32), "decoder_input_ids": (2, 8)}),
+    ("vit", "ViTForImageClassification", {"pixel_values": (2, 3, 32, 32)})])
+def test_hf_types_build_the_model_people_train(model_type, head, inputs):
+    # hf:whisper built WhisperForCausalLM (the text decoder alone) and hf:vit the bare ViTModel:
+    # now the speech seq2seq model and the image classifier, with inputs that run them
+    import torch
+
+    loaded = load_target(f"hf:{model_type}")
+    assert type(loaded.model).__name__ == head and loaded.entry.startswith(head + "(")
+    assert {k: tuple(v.shape) for k, v in loaded.inputs.kwargs.items()} == inputs
+    with torch.no_grad():
+        out = loaded.model(**loaded.inputs.kwargs)
+    assert out.logits.shape[0] == 2
+
+
+@needs_transformers
 @pytest.mark.parametrize(("args", "words"), [
     (["hf:gpt3"], "hf:gpt3: unknown transformers model type (did you mean"),
     (["hf:no-such-type"], "hf:no-such-type: unknown transformers model type"),

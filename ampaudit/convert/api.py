@@ -17,7 +17,7 @@ from ampaudit.convert.checkpoints import keep_checkpoints
 from ampaudit.convert.kernel_probe import promote_missing_kernels
 from ampaudit.convert.low_weights import fp32_copy, low_weight_dtypes, low_weight_notes
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
-from ampaudit.convert.plan import FP32, Decision, decide, plan_records
+from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
 from ampaudit.convert.verify import output_error, search_promotions
@@ -194,7 +194,8 @@ def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, in
 
         def build(promoted: Mapping[str, str | Decision]) -> torch.nn.Module:
             records = planner.records(promoted)
-            built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights)
+            built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights,
+                                      catalog=catalog)
             built.ampaudit_sources = planner.sources
             return _with_plan(built, records, low, promoted, casts=0, constants=constants,
                               keep_low_outputs=keep_low_outputs, backend="modules", weights=weights,
@@ -235,18 +236,20 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
         # what depended on the example inputs: verification's promotions, measured overflows
         forced = {str(r["node"]): Decision(FP32, str(r["reason"]), r["rule"]) for r in records
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
+        forced |= {str(r["node"]): Decision(LOW, str(r["reason"]), "measured") for r in records
+                   if r.get("rule") == "measured"}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
     if low_weight_dtypes(model):  # a bf16/fp16 model: its fp32 copy, as convert made it
         model = fp32_copy(model)
+    file = forward_location(model).file
+    config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     if summary.get("backend") == "modules":  # the records say what each module does: nothing to trace
         model_mp = apply_module_plan(model, records, low, keep_low_outputs=keep,
-                                     weights=str(summary.get("weights", "low")))
+                                     weights=str(summary.get("weights", "low")), catalog=build_catalog(config))
         model_mp.train(model.training)
         model_mp.plan, model_mp.summary = [dict(r) for r in records], ConversionSummary(**dict(summary))
         return model_mp
-    file = forward_location(model).file
-    config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     was_training = model.training
     try:
         model_mp = _convert_once(model, build_catalog(config), low, None, promoted=forced, constants=constants,

@@ -18,6 +18,7 @@ from torch import fx
 from ampaudit.convert.plan import FP32, Decision
 from ampaudit.core.errors import LoadError
 from ampaudit.graph.forward import ExampleInputs, describe_exception
+from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.range_probe import placeholder_values
 
 MAX_PROBES = 16  # ops promoted one at a time; more than this is not a missing kernel
@@ -50,7 +51,7 @@ def failing_node(model: torch.nn.Module, inputs: ExampleInputs) -> tuple[str, Ba
     for path, gm in graphs:
         gm.forward = locating(path, gm)  # an instance attribute: the class's forward is untouched
     try:
-        with torch.no_grad():
+        with torch.no_grad(), attributes_kept(model):
             model(*inputs.args, **inputs.kwargs)
     except Exception as exc:
         return failed[0] if failed else ("", exc)

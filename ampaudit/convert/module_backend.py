@@ -5,7 +5,9 @@ This backend records what runs once (graph/recorder.py), decides every op as the
 does (convert/plan.py), and applies the decisions per module instead of rewriting a graph:
 
 - the forward runs under ``torch.autocast`` in the low dtype (so the user's own functional
-  code follows autocast's rules), its float outputs returned in fp32;
+  code follows autocast's rules), its float outputs returned in fp32; the plan's fp32 ops that
+  autocast does not upcast on the device (softmax on a CPU, ``mean`` anywhere) get fp32
+  inputs (convert/fp32_ops.py);
 - a module whose ops all compute in the low dtype stores its parameters there (fp32 masters
   live in the optimizer, as with the fx backend);
 - a leaf module with an op that needs fp32 (a norm, say), and any module holding one of the
@@ -19,6 +21,7 @@ are cast in place, as ``Module.to`` does).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 from collections.abc import Iterable, Mapping
@@ -27,9 +30,10 @@ from typing import Any
 import torch
 
 from ampaudit.convert.emit import OVERRIDES, device_type, run_in_fp32
+from ampaudit.convert.fp32_ops import Fp32Ops
 from ampaudit.convert.plan import FOLLOW, FP32, Decision, decide, plan_records
 from ampaudit.convert.verify import error_sources
-from ampaudit.core.catalog import Catalog
+from ampaudit.core.catalog import Catalog, builtin_catalog
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.graph import dtype_flow as flow
 from ampaudit.graph.declared import declared_precision
@@ -68,10 +72,13 @@ class ModulePlanner:
 
 
 def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any]], low: LowDtype,
-                      *, keep_low_outputs: bool = False, weights: str = "low") -> torch.nn.Module:
+                      *, keep_low_outputs: bool = False, weights: str = "low",
+                      catalog: Catalog | None = None) -> torch.nn.Module:
     """A copy of ``model`` converted by ``records``; the user's model is untouched.
     ``weights="fp32"``: parameters stay fp32 and autocast casts them at each use - no fp32
-    masters needed, so training holds exactly what autocast + GradScaler holds."""
+    masters needed, so training holds exactly what autocast + GradScaler holds. ``catalog``:
+    the conversion's, to tell which of the plan's fp32 ops autocast upcasts itself."""
+    records = list(records)
     work = copy.deepcopy(model).eval()
     ops: dict[str, list[Mapping[str, Any]]] = {}
     for record in records:
@@ -94,6 +101,7 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
                     if tensor.is_floating_point():
                         tensor.data = tensor.data.to(low.torch)  # in place: ties stay ties
     work.ampaudit_low = (low.torch, keep_low_outputs)
+    work.ampaudit_fp32_ops = Fp32Ops(records, catalog if catalog is not None else builtin_catalog())
     work.forward = types.MethodType(_autocast_forward, work)
     return work
 
@@ -102,7 +110,9 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
 # copy of the converted model - the training check makes one - calls its own modules.
 def _autocast_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     dtype, keep_low_outputs = self.ampaudit_low
-    with torch.autocast(device_type(args, kwargs), dtype=dtype):
+    device = device_type(args, kwargs)
+    upcast = self.ampaudit_fp32_ops.mode(device)  # the plan's fp32 ops autocast leaves low on this device
+    with torch.autocast(device, dtype=dtype), upcast if upcast is not None else contextlib.nullcontext():
         out = type(self).forward(self, *args, **kwargs)
     return out if keep_low_outputs else _to_fp32(out)
 

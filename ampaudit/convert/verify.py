@@ -26,6 +26,7 @@ from torch import fx
 
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.range_probe import MEASURED, untrained_batch_norm
 
 Build = Callable[[dict[str, str]], fx.GraphModule]
@@ -41,7 +42,7 @@ def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: tor
     """Worst relative L2 error over the float outputs; inf when the conversion is non-finite.
     ``reference``: the fp32 model, or its outputs already computed (``reference_outputs``)."""
     ref = reference if isinstance(reference, list) else reference_outputs(reference, inputs)
-    with torch.no_grad(), _untrained_norms_use_batch_statistics(converted):
+    with torch.no_grad(), attributes_kept(converted), _untrained_norms_use_batch_statistics(converted):
         out = _tensors(converted(*inputs.args, **inputs.kwargs))
     worst = 0.0
     for r, o in zip(ref, out, strict=False):
@@ -56,7 +57,7 @@ def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: tor
 
 def reference_outputs(reference: torch.nn.Module, inputs: ExampleInputs) -> list[torch.Tensor]:
     """The fp32 model's float outputs, computed once for every comparison of a search."""
-    with torch.no_grad(), _untrained_norms_use_batch_statistics(reference):
+    with torch.no_grad(), attributes_kept(reference), _untrained_norms_use_batch_statistics(reference):
         return _tensors(reference(*inputs.args, **inputs.kwargs))
 
 

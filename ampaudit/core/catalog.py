@@ -42,6 +42,9 @@ class OpPolicy:
     # True when the op already computes in fp32 under autocast without being upcast
     # (fp32 weights, fp32 statistics inside the kernel), so nothing is left to do.
     fp32_under_autocast: bool = False
+    # An fp32 op whose only hazard is range (pow): it computes in the low dtype when its output,
+    # measured on the example inputs, stays this many times below the dtype's max.
+    low_within: float | None = None
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ def _entry(kind: str, raw: Any, origin: str, defaults: Mapping[str, Any]) -> OpP
     if not isinstance(raw, Mapping):
         raise UsageError(f"{where} must be a table or a precision string")
     data = {**defaults, **raw}
-    unknown = set(data) - {"precision", "reason", "source", "autocast", "fp32_under_autocast", "ops"}
+    unknown = set(data) - {"precision", "reason", "source", "autocast", "fp32_under_autocast", "low_within", "ops"}
     if unknown:
         raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     try:
@@ -217,6 +220,10 @@ def _entry(kind: str, raw: Any, origin: str, defaults: Mapping[str, Any]) -> OpP
     autocast = data.get("autocast", "none")
     if autocast not in AUTOCAST_BEHAVIOURS:
         raise UsageError(f"{where}.autocast must be one of {', '.join(AUTOCAST_BEHAVIOURS)}")
+    low_within = data.get("low_within")
+    if low_within is not None and (isinstance(low_within, bool) or not isinstance(low_within, (int, float))
+                                   or not low_within >= 1):
+        raise UsageError(f"{where}.low_within must be a number >= 1 (a factor below the low dtype's max)")
     if not _KIND_RE.match(kind):
         raise UsageError(f"{where}: {kind!r} is not an op name")
     return OpPolicy(
@@ -226,6 +233,7 @@ def _entry(kind: str, raw: Any, origin: str, defaults: Mapping[str, Any]) -> OpP
         source=str(data.get("source", origin)),
         autocast=autocast,
         fp32_under_autocast=bool(data.get("fp32_under_autocast", False)),
+        low_within=None if low_within is None else float(low_within),
     )
 
 

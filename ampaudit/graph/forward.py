@@ -14,6 +14,7 @@ from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.paths import display_path
 from ampaudit.core.tensors import has_tensor, iter_tensors
 from ampaudit.core.userframe import traceback_location
+from ampaudit.graph.kept_attributes import attributes_kept
 
 
 @dataclass
@@ -89,7 +90,7 @@ def run_model(
     returns is passed through, and the model output is expected as its last element.
     """
     try:
-        with torch.no_grad():
+        with torch.no_grad(), attributes_kept(model):
             result = runner() if runner is not None else model(*inputs.args, **inputs.kwargs)
     except USER_CODE_ERRORS as exc:
         raise LoadError(f"the example inputs ({inputs.origin}) fail to run the model: "

@@ -18,6 +18,7 @@ from torch import fx
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.errors import USER_CODE_ERRORS
 from ampaudit.core.userframe import Loc, boundary, traceback_location, user_location
+from ampaudit.graph.kept_attributes import attributes_kept
 
 LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
 MODULE = "ampaudit_module"  # node.meta key: qualified module path or None
@@ -225,7 +226,8 @@ def fx_trace(
     ``functions_as_leaves``: keep each custom autograd Function one node (what convert runs)."""
     tracer = AuditTracer(catalog, opaque, functions_as_leaves=functions_as_leaves)
     try:
-        graph = tracer.trace(root, concrete_args=concrete_args)
+        with attributes_kept(root):  # a forward that sets self.x = proxy leaves nothing behind
+            graph = tracer.trace(root, concrete_args=concrete_args)
     except USER_CODE_ERRORS as exc:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
         path = tracer.failed_module or ""
         failed = root.get_submodule(path) if path else root

@@ -19,6 +19,7 @@ from torch.func import functional_call
 
 from ampaudit.core.catalog import Catalog, builtin_catalog
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.tree import map_tensors
 
 MEASURED = "ampaudit_measured"  # node.meta key: Measured
@@ -336,5 +337,5 @@ def probe(gm: fx.GraphModule, dtype: LowDtype | torch.dtype, kinds: dict[fx.Node
           kwargs: dict, catalog: Catalog | None = None) -> Any:
     """Run ``gm`` on the inputs, leaving a :class:`Measured` in each float node's meta."""
     values = placeholder_values(gm, args, kwargs)
-    with torch.no_grad():
+    with torch.no_grad(), attributes_kept(gm):
         return RangeProbe(gm, dtype, kinds, catalog).run(*values)

@@ -1,7 +1,7 @@
 """Fallback tracer: run the model on example inputs and record the ops that executed.
 
 A ``TorchFunctionMode`` sees every torch function, functional and tensor method the
-forward calls; module hooks give module paths and keep torch.nn leaves whole (as fx
+forward calls; each module's forward, wrapped for the run, gives module paths and keep torch.nn leaves whole (as fx
 does). The result is an ordinary ``fx.GraphModule`` of the straight-line program that
 ran, so every later pass (classification, hazard rules, range audit) works on it
 unchanged. Branches not taken on these inputs are, by construction, not seen.
@@ -30,6 +30,8 @@ from ampaudit.core.catalog import Catalog
 from ampaudit.core.tensors import has_tensor
 from ampaudit.core.userframe import Loc, boundary, user_location
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
+from ampaudit.graph.kept_attributes import attributes_kept
+from ampaudit.graph.module_calls import forwards_wrapped
 from ampaudit.graph.tree import is_namedtuple, map_tensors
 
 # Tensor dunders that fx spells as operator functions; reflected ones swap operands.
@@ -244,7 +246,6 @@ def _record(root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog) 
     builder = _GraphBuilder(root)
     mode = _RecordingMode(builder)
     names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-    handles = []
     # Modules that fx would keep whole (torch.nn leaves, catalog types) stay single nodes.
     default_leaf = fx.Tracer().is_leaf_module
     leaf_state: dict[int, bool] = {}
@@ -256,42 +257,32 @@ def _record(root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog) 
                 catalog, module, default_leaf(module, names.get(key, "")))
         return leaf_state[key]
 
-    calls: list[tuple | None] = []  # one entry per module call in flight
+    def wrap(module: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        # Wrapping forward, not hooks: ``self.attention.forward(...)`` (Meta's llama) calls a
+        # module without __call__, and its ops must still be its own.
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            if mode.suppress:  # inside a leaf: its internals are not separate ops
+                return forward(*args, **kwargs)
+            path = names.get(id(module), "")
+            leaf = is_leaf_module(module)
+            loc = user_location(sys._getframe(1))
+            builder.module_path.append(path)  # a failing forward ends the recording: no cleanup
+            mode.suppress += leaf
+            out = forward(*args, **kwargs)
+            mode.suppress -= leaf
+            if leaf:
+                builder.attrs[path] = module
+                builder.call("call_module", path, args, kwargs, out, loc)
+            builder.module_path.pop()
+            return out
+        return recording
 
-    def pre_hook(module, hook_args, hook_kwargs):
-        if mode.suppress or module is root:
-            calls.append(None)  # inside a leaf, or the root itself: nothing to record
-            return
-        path = names.get(id(module), "")
-        leaf = is_leaf_module(module)
-        calls.append((path, leaf, hook_args, hook_kwargs, user_location(sys._getframe(1))))
-        builder.module_path.append(path)
-        if leaf:
-            mode.suppress += 1
-
-    def post_hook(module, hook_args, hook_kwargs, out):
-        call = calls.pop()
-        if call is None:
-            return
-        path, leaf, call_args, call_kwargs, loc = call
-        if leaf:
-            mode.suppress -= 1
-            builder.attrs[path] = module
-            builder.call("call_module", path, call_args, call_kwargs, out, loc)
-        builder.module_path.pop()
-
-    for module in root.modules():
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
-    try:
+    with attributes_kept(root), forwards_wrapped(root, wrap):
         bound = inspect.signature(root.forward).bind(*args, **kwargs)
         for name, value in bound.arguments.items():
             builder.placeholder(name, value)
         with mode:
             out = root(*args, **kwargs)
         builder.output(out)
-    finally:
-        for handle in handles:
-            handle.remove()
     fill_missing_locations(builder.graph, root)
     return fx.GraphModule(builder.attrs, builder.graph, type(root).__name__), out

@@ -2,8 +2,9 @@
 
 No download: the config class's defaults, shrunk (2 layers, width 32, vocabulary 100), with
 ``--config KEY=VALUE`` on top, and random weights. Attention is eager, so the softmax is an
-op of its own. The head is the model type's language-model head when it has one
-(seq2seq, then masked, then causal LM), else the bare model.
+op of its own. The head is the one people train: the model type's language-model head
+(seq2seq, speech seq2seq - Whisper -, masked, then causal LM), else its image classifier (ViT;
+not for a model with a text tower, such as CLIP, trained whole), else the bare model.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ SMALL = {
     "encoder_attention_heads": 2, "decoder_attention_heads": 2,
     "intermediate_size": 64, "d_ff": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
     "vocab_size": 100, "max_position_embeddings": 64, "relative_attention_num_buckets": 8,
-    "image_size": 32, "patch_size": 8,
+    "image_size": 32, "patch_size": 8, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 16,
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id")
@@ -64,10 +65,13 @@ def _config_class(model_type: str):
 def _head(config) -> type[torch.nn.Module]:
     from transformers.models.auto import modeling_auto as auto
 
-    kinds = (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, auto.MODEL_FOR_MASKED_LM_MAPPING,
-             auto.MODEL_FOR_CAUSAL_LM_MAPPING, auto.MODEL_MAPPING)
+    kinds = [auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING,
+             auto.MODEL_FOR_MASKED_LM_MAPPING, auto.MODEL_FOR_CAUSAL_LM_MAPPING,
+             auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING, auto.MODEL_MAPPING]
     if not config.is_encoder_decoder:
-        kinds = kinds[1:]
+        kinds = kinds[2:]  # WhisperForCausalLM is the decoder alone: not what Whisper trains
+    if hasattr(config, "text_config"):  # CLIP, SigLIP: trained whole, not as an image classifier
+        kinds = [k for k in kinds if k is not auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING]
     for mapping in kinds:
         if type(config) in mapping:
             return mapping[type(config)]

@@ -78,6 +78,14 @@ def default_inputs(model: torch.nn.Module) -> ExampleInputs | None:
         if getattr(config, "is_encoder_decoder", False):
             kwargs["decoder_input_ids"] = torch.randint(0, vocab, SEQUENCE, generator=generator)
         return ExampleInputs((), kwargs, f"token ids {SEQUENCE[0]}x{SEQUENCE[1]}, the default for a language model")
+    if config is not None and main == "input_features":  # speech: log-mel frames (Whisper)
+        shape = (SEQUENCE[0], getattr(config, "num_mel_bins", 80), 2 * getattr(config, "max_source_positions", 1500))
+        kwargs = {"input_features": torch.randn(shape, generator=generator)}
+        if getattr(config, "is_encoder_decoder", False):
+            vocab = getattr(config, "vocab_size", None) or 2
+            kwargs["decoder_input_ids"] = torch.randint(0, vocab, SEQUENCE, generator=generator)
+        return ExampleInputs((), kwargs, f"log-mel features {'x'.join(map(str, shape))} and decoder token ids "
+                                         f"{SEQUENCE[0]}x{SEQUENCE[1]}, the default for a speech model")
     if config is not None and main == "pixel_values":
         size = getattr(config, "image_size", 224)
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)

@@ -1,0 +1,87 @@
+"""The plan's fp32 ops kept in fp32 under ``torch.autocast``, on every device.
+
+The modules backend leaves a module's own functional ops to autocast, but autocast's lists
+are per device and the catalog describes CUDA's: CPU autocast runs softmax, exp, log and the
+norms in float16, and no device upcasts ``mean``, ``var``, ``sin`` or ``cos``. So while a
+converted forward runs under autocast, a ``TorchFunctionMode`` gives each op the plan
+computes in fp32 fp32 inputs - matched by its kind and the user's line (plan records name
+both), so one ``pow`` the plan keeps low is not upcast with another. Ops autocast upcasts on
+the device itself are left to it (on CUDA the mode is usually not installed at all).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ampaudit.core.catalog import Catalog
+from ampaudit.core.userframe import user_location
+
+_LOW = (torch.float16, torch.bfloat16)
+_CALLS = ("call_function", "call_method")
+
+
+class Fp32Ops:
+    """Where the plan computes a catalog fp32 op in fp32: (kind, file name, line) sites."""
+
+    def __init__(self, records: Iterable[Mapping[str, Any]], catalog: Catalog) -> None:
+        self.sites = frozenset((r["kind"], os.path.basename(str(r["file"])), r["line"]) for r in records
+                               if r.get("op") in _CALLS and r.get("compute") == "float32" and r.get("rule") is None)
+        kinds = {kind for kind, _, _ in self.sites}
+        # CUDA autocast upcasts these itself (the catalog's autocast column)
+        upcast_by_cuda = {k for k in kinds if (p := catalog.lookup(k)) is not None
+                          and (p.autocast in ("fp32", "banned") or p.fp32_under_autocast)}
+        self.kinds = {"cuda": frozenset(kinds - upcast_by_cuda), None: frozenset(kinds)}
+        self.catalog = catalog
+        self._kind_of: dict[Any, str | None] = {}
+
+    def __deepcopy__(self, memo: dict) -> Fp32Ops:
+        return self  # read-only once built: copies of the converted model share it
+
+    def mode(self, device_type: str) -> TorchFunctionMode | None:
+        kinds = self.kinds.get(device_type, self.kinds[None])
+        return _Upcast(self, kinds) if kinds else None
+
+    def kind(self, func: Any) -> str | None:
+        """The catalog kind of a torch function or Tensor method; None for in-place ones."""
+        if func not in self._kind_of:
+            name = getattr(func, "__name__", "") or ""
+            in_place = (name.endswith("_") and not name.endswith("__")) or \
+                (name.startswith("__i") and name.endswith("__") and name != "__invert__")
+            self._kind_of[func] = None if in_place or not name else self.catalog.canonical_kind(name)
+        return self._kind_of[func]
+
+
+class _Upcast(TorchFunctionMode):
+    def __init__(self, ops: Fp32Ops, kinds: frozenset[str]) -> None:
+        super().__init__()
+        self.ops, self.kinds = ops, kinds
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = self.ops.kind(func)
+        if kind in self.kinds and "out" not in kwargs and _has_low(args, kwargs):
+            loc = user_location(sys._getframe(1))
+            if loc is not None and (kind, os.path.basename(loc.file), loc.line) in self.ops.sites:
+                args, kwargs = _up(args), _up(kwargs)
+        return func(*args, **kwargs)
+
+
+def _has_low(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype in _LOW for a in (*args, *kwargs.values())) or \
+        any(isinstance(a, (list, tuple)) and _has_low(tuple(a), {}) for a in (*args, *kwargs.values()))
+
+
+def _up(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _LOW else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_up(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _up(v) for k, v in value.items()}
+    return value
