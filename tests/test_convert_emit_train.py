@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
 import sys
 
@@ -167,6 +168,11 @@ def _autocast_policy(exports, name, steps):
     return (*train(net, args, kwargs, steps, autocast=True), policy.FP32_MODULES)
 
 
+def _measured_low(export) -> set[str]:
+    plan = json.loads((export / "plan.json").read_text())["plan"]
+    return {r["kind"] for r in plan if r["rule"] == "measured"}
+
+
 def _close(losses, reference):
     gap = abs(losses[-1] - reference[-1]) / abs(reference[-1])
     assert gap < TOLERANCE, (losses[-1], reference[-1])
@@ -179,7 +185,9 @@ def test_fsdp2_policy_trains_with_every_catalog_fp32_op_in_fp32(exports, process
     # makes fp32 activations) - before, the Transformer raised "mat1 and mat2 must have the
     # same dtype" and GPT-2 and T5 ran layer_norm, log_softmax and nll_loss in fp16
     losses, seen = _fsdp2(exports, name, 3)
-    assert seen.low() == set(), seen.ran
+    # except a catalog fp32 op the plan keeps low by its measured range (GPT-2's tanh GELU's
+    # pow(x, 3): rule "measured")
+    assert seen.low() <= _measured_low(exports[name]), seen.ran
     assert RUNS[name] <= set(seen.ran)
     reference = autocast_reference(name, 3) or _autocast_policy(exports, name, 3)[:2]
     assert abs(losses[0] - reference[0][0]) / reference[0][0] < 1e-2

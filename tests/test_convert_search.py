@@ -66,10 +66,11 @@ def test_module_tree_search_stops_at_the_budget():
 
 
 def test_search_doubles_when_no_op_is_over_the_tolerance():
-    # at 1e-4 no op's own error is over the tolerance: the worst op alone fails, the worst two
-    # match; then the first of them alone is tried (the last is needed: one op alone failed)
+    # at 5e-5 the worst op alone fails, the worst two match; then the first of them alone is
+    # tried (the last is needed: one op alone failed). (At 1e-4 fc1 alone is enough since the
+    # plan's fp32 softmax runs in fp32 on a CPU too.)
     loaded = load_target(model("untraceable.py"))
-    model_mp = ampaudit.convert(loaded.model, loaded.inputs, backend="modules", tolerance=1e-4)
+    model_mp = ampaudit.convert(loaded.model, loaded.inputs, backend="modules", tolerance=5e-5)
     summary = model_mp.summary
     assert {p["node"] for p in summary.promoted} == {"fc1", "fc2"}
     assert summary.search == {"forwards": 5, "tried": 3}

@@ -11,9 +11,10 @@ the device itself are left to it (on CUDA the mode is usually not installed at a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,8 +31,10 @@ class Fp32Ops:
     """Where the plan computes a catalog fp32 op in fp32: (kind, file name, line) sites."""
 
     def __init__(self, records: Iterable[Mapping[str, Any]], catalog: Catalog) -> None:
-        self.sites = frozenset((r["kind"], os.path.basename(str(r["file"])), r["line"]) for r in records
-                               if r.get("op") in _CALLS and r.get("compute") == "float32" and r.get("rule") is None)
+        sites = [r for r in records
+                 if r.get("op") in _CALLS and r.get("compute") == "float32" and r.get("rule") is None]
+        self.sites = frozenset((r["kind"], os.path.basename(str(r["file"])), r["line"]) for r in sites)
+        self._modules = frozenset(str(r["module"]) for r in sites if r.get("module") is not None)
         kinds = {kind for kind, _, _ in self.sites}
         # CUDA autocast upcasts these itself (the catalog's autocast column)
         upcast_by_cuda = {k for k in kinds if (p := catalog.lookup(k)) is not None
@@ -39,13 +42,30 @@ class Fp32Ops:
         self.kinds = {"cuda": frozenset(kinds - upcast_by_cuda), None: frozenset(kinds)}
         self.catalog = catalog
         self._kind_of: dict[Any, str | None] = {}
+        self._depth = 0  # forwards in flight that entered the mode
+
+    def modules(self) -> frozenset[str]:
+        """The modules whose own forward holds one of the sites."""
+        return self._modules
 
     def __deepcopy__(self, memo: dict) -> Fp32Ops:
         return self  # read-only once built: copies of the converted model share it
 
-    def mode(self, device_type: str) -> TorchFunctionMode | None:
+    @contextlib.contextmanager
+    def entered(self, device_type: str) -> Iterator[None]:
+        """The mode, for a forward on ``device_type``, unless an outer forward entered it. Each
+        module holding a site enters it, not only the model's forward: activation checkpointing
+        runs a block's forward again in backward, outside the model's forward."""
         kinds = self.kinds.get(device_type, self.kinds[None])
-        return _Upcast(self, kinds) if kinds else None
+        if self._depth or not kinds:
+            yield
+            return
+        self._depth += 1
+        try:
+            with _Upcast(self, kinds):
+                yield
+        finally:
+            self._depth -= 1
 
     def kind(self, func: Any) -> str | None:
         """The catalog kind of a torch function or Tensor method; None for in-place ones."""

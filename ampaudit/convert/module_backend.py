@@ -21,7 +21,6 @@ are cast in place, as ``Module.to`` does).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import types
 from collections.abc import Iterable, Mapping
@@ -101,7 +100,13 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
                     if tensor.is_floating_point():
                         tensor.data = tensor.data.to(low.torch)  # in place: ties stay ties
     work.ampaudit_low = (low.torch, keep_low_outputs)
-    work.ampaudit_fp32_ops = Fp32Ops(records, catalog if catalog is not None else builtin_catalog())
+    fp32_ops = Fp32Ops(records, catalog if catalog is not None else builtin_catalog())
+    for path in fp32_ops.modules():
+        module = modules.get(path)
+        if path and module is not None and not _under(path, overridden | leaves_fp32):
+            module.ampaudit_fp32_ops = fp32_ops
+            module.forward = types.MethodType(_fp32_ops_forward, module)
+    work.ampaudit_fp32_ops = fp32_ops
     work.forward = types.MethodType(_autocast_forward, work)
     return work
 
@@ -111,10 +116,17 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
 def _autocast_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     dtype, keep_low_outputs = self.ampaudit_low
     device = device_type(args, kwargs)
-    upcast = self.ampaudit_fp32_ops.mode(device)  # the plan's fp32 ops autocast leaves low on this device
-    with torch.autocast(device, dtype=dtype), upcast if upcast is not None else contextlib.nullcontext():
+    # the plan's fp32 ops that autocast leaves low on this device, upcast
+    with torch.autocast(device, dtype=dtype), self.ampaudit_fp32_ops.entered(device):
         out = type(self).forward(self, *args, **kwargs)
     return out if keep_low_outputs else _to_fp32(out)
+
+
+def _fp32_ops_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module holding one of the plan's fp32 ops: its forward enters the upcast itself, as it
+    runs again in backward under activation checkpointing."""
+    with self.ampaudit_fp32_ops.entered(device_type(args, kwargs)):
+        return type(self).forward(self, *args, **kwargs)
 
 
 def _to_fp32(value: Any) -> Any:

@@ -228,14 +228,17 @@ def fx_trace(
     try:
         with attributes_kept(root):  # a forward that sets self.x = proxy leaves nothing behind
             graph = tracer.trace(root, concrete_args=concrete_args)
+            # made before the attributes go back: it takes the tensor constants fx stored on the
+            # root while tracing (``_tensor_constant0``: a torch.tensor(...) made in forward)
+            gm = fx.GraphModule(tracer.root, graph, type(root).__name__)
     except USER_CODE_ERRORS as exc:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
         path = tracer.failed_module or ""
         failed = root.get_submodule(path) if path else root
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         loc = traceback_location(exc.__traceback__) or forward_location(failed)
         return None, FxFailure(path, type(failed).__name__, message, loc)
-    fill_missing_locations(graph, root)
-    return fx.GraphModule(tracer.root, graph, type(root).__name__), None
+    fill_missing_locations(gm.graph, root)
+    return gm, None
 
 
 def fill_missing_locations(graph: fx.Graph, root: torch.nn.Module) -> None:
