@@ -36,7 +36,9 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
 
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
     from ampaudit.convert.export import stage
+    from ampaudit.convert.train_check import CLI_SECONDS, train_check
     from ampaudit.core.console import slow_status
+    from ampaudit.core.dtypes import LowDtype
     from ampaudit.load.loader import NotImported, load_target
 
     loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
@@ -49,13 +51,15 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
         and any(p.requires_grad for p in loaded.model.parameters())
     progress = slow_status("converting: tracing, deciding, verifying against fp32"
                            + (f", {args.train_steps} training steps" if trains else ""))
-    # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)
-    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
     with progress:
-        result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
-                         verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
-                         train_steps=args.train_steps, backend=args.backend, weights=args.weights)
-    model_mp = result[0] if optimizer is not None else result
+        model_mp = convert(loaded.model, loaded.inputs, dtype=args.dtype, verify=not args.no_verify,
+                           constants=args.constants, tolerance=args.tolerance, backend=args.backend,
+                           weights=args.weights)
+        if trains:  # AdamW, the usual optimizer; the check trains copies, within the CLI's time budget
+            optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
+            model_mp.summary.train = train_check(loaded.model, model_mp, optimizer, loaded.inputs,
+                                                 dtype=LowDtype.parse(args.dtype), steps=args.train_steps,
+                                                 budget=CLI_SECONDS).to_dict()
     summary = model_mp.summary.to_dict()
     names = stage(model_mp, Path(staging), args.output, summary=summary, emit=dict.fromkeys(args.emit))
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
