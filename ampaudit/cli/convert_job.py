@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ampaudit.core.errors import UsageError
+from ampaudit.core.errors import USER_CODE_ERRORS, UsageError
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Converted:
     names: list[str]  # the files staged (convert/export.py), the manifest not counted
     modules: list[str]  # every module file the model imported: the export may overwrite none
     tolerance: float
+    export_ran: bool  # the staged export was loaded back and ran on the example inputs (False: there are none)
 
 
 def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) -> Converted:
@@ -62,8 +63,34 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
                                                  budget=CLI_SECONDS).to_dict()
     summary = model_mp.summary.to_dict()
     names = stage(model_mp, Path(staging), args.output, summary=summary, emit=dict.fromkeys(args.emit))
+    if loaded.inputs is not None:
+        run_export(loaded.model, Path(staging), loaded.inputs, args.output)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-    return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance)
+    return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
+                     export_ran=loaded.inputs is not None)
+
+
+def run_export(model: Any, staging: Path, inputs: Any, output: Path) -> None:
+    """Load the staged export back as a user would (``ampaudit.apply`` on a model built as
+    this one was) and run its forward on the example inputs: one that raises is never
+    published (VerificationFailed: exit 1, one line naming the error and the user's line)."""
+    import torch
+
+    from ampaudit.convert.apply import apply
+    from ampaudit.core.errors import AmpauditError, VerificationFailed
+    from ampaudit.core.paths import display_path
+    from ampaudit.core.userframe import traceback_location
+
+    try:
+        applied = apply(model, staging)
+        with torch.no_grad():
+            applied(*inputs.args, **inputs.kwargs)
+    except (AmpauditError, *USER_CODE_ERRORS) as exc:
+        where = traceback_location(exc.__traceback__)
+        at = f" ({display_path(where.file)}:{where.line})" if where is not None else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise VerificationFailed(f"the export fails on its example inputs, loaded back with ampaudit.apply: "
+                                 f"{type(exc).__name__}: {text}{at}; nothing was written to {output}") from exc
 
 
 def _model_files(model_file: str | None) -> Iterator[str]:

@@ -19,7 +19,10 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def render_conversion(summary: dict[str, Any], target: Target, files: list[str], console: Console) -> None:
+def render_conversion(summary: dict[str, Any], target: Target, files: list[str], console: Console, *,
+                      export_ran: bool | None = None) -> None:
+    """``export_ran``: whether the export was loaded back and run before it was written (None:
+    not said)."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -39,6 +42,10 @@ def render_conversion(summary: dict[str, Any], target: Target, files: list[str],
         grid.add_row("promoted", f"{item['node']}: {item['reason']}")
     for note in summary["notes"]:
         grid.add_row("note", note)
+    if export_ran is not None:
+        grid.add_row("export run", "loaded back with ampaudit.apply and run on the example inputs" if export_ran
+                     else "NOT RUN: no example inputs (define example_inputs() or give --input-shape to run "
+                          "the export before it is written)")
     grid.add_row("written", ", ".join(files))
     console.print(Panel(grid, title="ampaudit convert", title_align="left", expand=False))
 
