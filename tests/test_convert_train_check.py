@@ -10,7 +10,7 @@ import torch
 
 import ampaudit
 from ampaudit.convert.optimizer import MixedPrecisionOptimizer
-from ampaudit.convert.train_check import train_check
+from ampaudit.convert.train_check import _first_rows, train_check
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.load.loader import load_target
 from tests.conftest import model
@@ -103,6 +103,9 @@ def test_the_check_keeps_within_its_budget_with_fewer_steps_or_rows():
     slower = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0, clock=fast_clock(1e5))
     assert "batch 1 of 2" in slower.reduced and slower.steps >= 2
     assert slower.fp32[0] != full.fp32[0]  # trained on the first row only
+    one_row = _first_rows(inputs, 1)  # nothing to shrink: fewer steps only, and no second start
+    alone = train_check(fp32_model, model_mp, optimizer, one_row, dtype=FP16, budget=60.0, clock=fast_clock(1e5))
+    assert alone.reduced.startswith(f"{alone.steps} of 20 steps (a step took") and alone.steps >= 2
 
 
 @pytest.mark.parametrize("name", ["unet_style.py", "unet_style.py:bilinear_model",

@@ -84,7 +84,10 @@ def train_check(model: torch.nn.Module, model_mp: torch.nn.Module, optimizer: to
         wanted = min(steps, MIN_STEPS)
         if batch and per_step * wanted > deadline - clock():  # too slow for a trend: start again on fewer rows
             rows = max(1, int(batch * (deadline - clock()) / (wanted * per_step)))
-            runs = _Runs(model, model_mp, optimizer, _first_rows(inputs, rows), dtype, loss_scale)
+            if rows < batch:
+                runs = _Runs(model, model_mp, optimizer, _first_rows(inputs, rows), dtype, loss_scale)
+            else:  # one row already: fewer steps is all there is
+                rows = None
     fp32, converted = runs.finish(steps, deadline, clock)
     reduced = ""
     if len(fp32) < steps or rows is not None:
