@@ -133,16 +133,19 @@ class _Runs:
         """Both runs to ``steps`` losses, or as far as they get by ``deadline`` (two at least).
         A step the scaler skipped is tried again on the same weights; a scale that keeps
         skipping ends the converted run short, with the fp32 curve in full."""
+        last = 0.0  # how long the previous step took: the next one is not begun past the deadline
         while len(self.converted) < steps:
             if self.attempts >= steps + MAX_SKIPS:
                 while len(self.fp32) < steps:
                     self._fp32_step()
                 return self.fp32, self.converted
-            if len(self.converted) >= 2 and clock() > deadline:
+            begun = clock()
+            if len(self.converted) >= 2 and begun + last > deadline:
                 break
             if len(self.fp32) <= len(self.converted):
                 self._fp32_step()
             self._converted_step()
+            last = clock() - begun
         return self.fp32[:len(self.converted)], self.converted
 
     def _fp32_step(self) -> None:
