@@ -79,7 +79,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                             str(model_file) if model_file else None, import_timeout=args.import_timeout)
         staged.names, staged.inputs = done.names, done.modules
     files = [args.output / name for name in done.names]
-    render_conversion(done.summary, Target(done.label, done.entry, "fx"), [str(f) for f in files], make_console())
+    render_conversion(done.summary, Target(done.label, done.entry, "fx"), [str(f) for f in files], make_console(),
+                      export_ran=done.export_ran)
     after, trained = done.summary["error_after"], done.summary["train"]
     missed = (after is not None and after > done.tolerance) or (trained is not None and not trained["passed"])
     return EXIT_FINDINGS if missed else EXIT_OK

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ampaudit.core.errors import UsageError
+from ampaudit.core.errors import USER_CODE_ERRORS, UsageError
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Converted:
     names: list[str]  # the files staged (convert/export.py), the manifest not counted
     modules: list[str]  # every module file the model imported: the export may overwrite none
     tolerance: float
+    export_ran: bool  # the staged export was loaded back and ran on the example inputs (False: there are none)
 
 
 def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) -> Converted:
@@ -36,7 +37,9 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
 
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
     from ampaudit.convert.export import stage
+    from ampaudit.convert.train_check import CLI_SECONDS, train_check
     from ampaudit.core.console import slow_status
+    from ampaudit.core.dtypes import LowDtype
     from ampaudit.load.loader import NotImported, load_target
 
     loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
@@ -49,17 +52,45 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
         and any(p.requires_grad for p in loaded.model.parameters())
     progress = slow_status("converting: tracing, deciding, verifying against fp32"
                            + (f", {args.train_steps} training steps" if trains else ""))
-    # the training check needs an optimizer: AdamW, the usual one (its copies train; this one is not used)
-    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3) if trains else None
     with progress:
-        result = convert(loaded.model, optimizer, example_inputs=loaded.inputs, dtype=args.dtype,
-                         verify=not args.no_verify, constants=args.constants, tolerance=args.tolerance,
-                         train_steps=args.train_steps, backend=args.backend, weights=args.weights)
-    model_mp = result[0] if optimizer is not None else result
+        model_mp = convert(loaded.model, loaded.inputs, dtype=args.dtype, verify=not args.no_verify,
+                           constants=args.constants, tolerance=args.tolerance, backend=args.backend,
+                           weights=args.weights)
+        if trains:  # AdamW, the usual optimizer; the check trains copies, within the CLI's time budget
+            optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
+            model_mp.summary.train = train_check(loaded.model, model_mp, optimizer, loaded.inputs,
+                                                 dtype=LowDtype.parse(args.dtype), steps=args.train_steps,
+                                                 budget=CLI_SECONDS).to_dict()
     summary = model_mp.summary.to_dict()
     names = stage(model_mp, Path(staging), args.output, summary=summary, emit=dict.fromkeys(args.emit))
+    if loaded.inputs is not None:
+        run_export(loaded.model, Path(staging), loaded.inputs, args.output)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-    return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance)
+    return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
+                     export_ran=loaded.inputs is not None)
+
+
+def run_export(model: Any, staging: Path, inputs: Any, output: Path) -> None:
+    """Load the staged export back as a user would (``ampaudit.apply`` on a model built as
+    this one was) and run its forward on the example inputs: one that raises is never
+    published (VerificationFailed: exit 1, one line naming the error and the user's line)."""
+    import torch
+
+    from ampaudit.convert.apply import apply
+    from ampaudit.core.errors import AmpauditError, VerificationFailed
+    from ampaudit.core.paths import display_path
+    from ampaudit.core.userframe import traceback_location
+
+    try:
+        applied = apply(model, staging)
+        with torch.no_grad():
+            applied(*inputs.args, **inputs.kwargs)
+    except (AmpauditError, *USER_CODE_ERRORS) as exc:
+        where = traceback_location(exc.__traceback__)
+        at = f" ({display_path(where.file)}:{where.line})" if where is not None else ""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise VerificationFailed(f"the export fails on its example inputs, loaded back with ampaudit.apply: "
+                                 f"{type(exc).__name__}: {text}{at}; nothing was written to {output}") from exc
 
 
 def _model_files(model_file: str | None) -> Iterator[str]:

@@ -101,7 +101,9 @@ def convert(
     traces, else modules. ``weights``: "low" stores low-precision modules' parameters low (fp32
     masters in the optimizer); "fp32" keeps every parameter fp32 and casts it at each use, as
     autocast does - the memory of autocast + GradScaler, with the plan's fp32 ops; "auto" (the
-    default): fp32 when an optimizer is given, low otherwise.
+    default): fp32 when an optimizer is given, low otherwise. A model converted already (an
+    export loaded with ``ampaudit.apply``, to resume training) is returned as it is - with an
+    optimizer, together with its loss scaling and fp32 masters.
     """
     require_module(model, "ampaudit.convert", eager=True)
     complex_state = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_complex()),
@@ -110,6 +112,8 @@ def convert(
         raise UsageError(f"{complex_state} is a complex tensor: ampaudit converts real floating-point models "
                          "(float16/bfloat16 have no complex counterpart to convert to)")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
+    if converted_already(model):
+        return _resume(model, optimizer, loss_scale)
     user_model, found_low = model, low_weight_dtypes(model)
     if found_low:  # bf16/fp16 weights: convert an fp32 copy (the optimizer still names the user's)
         model = fp32_copy(model)
@@ -161,6 +165,26 @@ def convert(
     model_mp.summary.notes += low_weight_notes(found_low, low)
     return _finish(user_model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
                    train_steps=train_steps)
+
+
+def converted_already(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a conversion (``ampaudit.convert``'s or ``ampaudit.apply``'s result)."""
+    return isinstance(getattr(model, "summary", None), ConversionSummary) and hasattr(model, "plan")
+
+
+def _resume(model_mp: torch.nn.Module, optimizer: torch.optim.Optimizer | None, loss_scale: Any):
+    """A model converted already (an export loaded with ``ampaudit.apply``, to train on) is
+    not converted again: it is returned as it is, with, given an optimizer built on its
+    parameters, loss scaling and fp32 masters of its low-precision weights - made from those
+    weights, so an export with ``weights="low"`` resumes from fp16-rounded masters unless
+    ``opt_mp.load_state_dict`` brings the saved ones back."""
+    if optimizer is None:
+        return model_mp
+    from ampaudit.convert.optimizer import MixedPrecisionOptimizer
+
+    dtype = LowDtype.parse(model_mp.summary.dtype).torch
+    return model_mp, MixedPrecisionOptimizer.from_optimizer(optimizer, model_mp, model_mp, dtype=dtype,
+                                                            loss_scale=loss_scale)
 
 
 def _pick_weights(weights: str, optimizer: torch.optim.Optimizer | None) -> str:

@@ -42,7 +42,7 @@ def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: tor
     """Worst relative L2 error over the float outputs; inf when the conversion is non-finite.
     ``reference``: the fp32 model, or its outputs already computed (``reference_outputs``)."""
     ref = reference if isinstance(reference, list) else reference_outputs(reference, inputs)
-    with torch.no_grad(), attributes_kept(converted), _untrained_norms_use_batch_statistics(converted):
+    with torch.no_grad(), attributes_kept(converted), untrained_norms_use_batch_statistics(converted):
         out = _tensors(converted(*inputs.args, **inputs.kwargs))
     worst = 0.0
     for r, o in zip(ref, out, strict=False):
@@ -57,12 +57,12 @@ def output_error(reference: torch.nn.Module | list[torch.Tensor], converted: tor
 
 def reference_outputs(reference: torch.nn.Module, inputs: ExampleInputs) -> list[torch.Tensor]:
     """The fp32 model's float outputs, computed once for every comparison of a search."""
-    with torch.no_grad(), attributes_kept(reference), _untrained_norms_use_batch_statistics(reference):
+    with torch.no_grad(), attributes_kept(reference), untrained_norms_use_batch_statistics(reference):
         return _tensors(reference(*inputs.args, **inputs.kwargs))
 
 
 @contextmanager
-def _untrained_norms_use_batch_statistics(model: torch.nn.Module) -> Iterator[None]:
+def untrained_norms_use_batch_statistics(model: torch.nn.Module) -> Iterator[None]:
     """A BatchNorm that never saw a batch (running mean 0, variance 1: a model built, not yet
     trained) does not normalise at all in eval mode, and the outputs it leads to can be far
     from anything training sees - timm's efficientnet_b0 gives logits near 2e-6 at 32 x 32,

@@ -1,4 +1,5 @@
-"""Errors that end a run with exit code 2 and a one-line message (never a traceback)."""
+"""Errors that end a run with a one-line message (never a traceback): exit code 2, or 1 for a
+result that failed its check (VerificationFailed)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def _rebuild(cls: type[AmpauditError], args: tuple, state: dict) -> AmpauditErro
 
 class UsageError(AmpauditError):
     """Bad command line, configuration or policy file."""
+
+
+class VerificationFailed(AmpauditError):
+    """The work was done but its result failed a check (an export whose forward raises): exit 1."""
+
+    exit_code = 1
 
 
 class LoadError(AmpauditError):

@@ -19,7 +19,10 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def render_conversion(summary: dict[str, Any], target: Target, files: list[str], console: Console) -> None:
+def render_conversion(summary: dict[str, Any], target: Target, files: list[str], console: Console, *,
+                      export_ran: bool | None = None) -> None:
+    """``export_ran``: whether the export was loaded back and run before it was written (None:
+    not said)."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -34,15 +37,29 @@ def render_conversion(summary: dict[str, Any], target: Target, files: list[str],
                                        f"{summary['error_after']:.2e} after")
     train = summary.get("train")
     if train is not None:
-        verdict = "within" if train["passed"] else "OUTSIDE"
-        grid.add_row("training check", f"{train['steps']} steps: loss {train['converted'][-1]:.4g} vs "
-                                       f"{train['fp32'][-1]:.4g} in fp32, at most {train['worst']:.1%} apart "
-                                       f"({verdict} {train['tolerance']:.0%})"
-                                       + (f", {train['skipped']} steps skipped by the loss scale"
-                                          if train["skipped"] else ""))
+        _training_rows(grid, train)
     for item in summary["promoted"]:
         grid.add_row("promoted", f"{item['node']}: {item['reason']}")
     for note in summary["notes"]:
         grid.add_row("note", note)
+    if export_ran is not None:
+        grid.add_row("export run", "loaded back with ampaudit.apply and run on the example inputs" if export_ran
+                     else "NOT RUN: no example inputs (define example_inputs() or give --input-shape to run "
+                          "the export before it is written)")
     grid.add_row("written", ", ".join(files))
     console.print(Panel(grid, title="ampaudit convert", title_align="left", expand=False))
+
+
+def _training_rows(grid: Table, train: dict[str, Any]) -> None:
+    """The training check in one row; on failure both loss curves, update by update."""
+    verdict = "within" if train["passed"] else "OUTSIDE"
+    steps = train.get("reduced") or f"{train['steps']} steps"
+    skipped = train["skipped"]
+    grid.add_row("training check", f"{steps}: loss {train['converted'][-1]:.4g} vs {train['fp32'][-1]:.4g} in fp32, "
+                                   f"{train['worst']:.1%} apart over the last {train.get('window', 1)} "
+                                   f"({verdict} {train['tolerance']:.0%})"
+                                   + (f"; {skipped} step{'s' if skipped != 1 else ''} skipped by the loss scale, "
+                                      "compared by applied update" if skipped else ""))
+    if not train["passed"]:
+        grid.add_row("fp32 losses", " ".join(f"{v:.4g}" for v in train["fp32"]))
+        grid.add_row("converted losses", " ".join(f"{v:.4g}" for v in train["converted"]))

@@ -1,0 +1,38 @@
+"""An export is loaded back (``ampaudit.apply`` on the staged folder) and run on the example
+inputs before it is written: one that raises is never published."""
+
+from __future__ import annotations
+
+from ampaudit.convert.publish import MANIFEST
+from tests.conftest import line_of, model
+
+
+def _text(out: str) -> str:
+    return " ".join(word for word in out.split() if word != "│")
+
+
+def test_an_export_whose_forward_raises_is_never_written(cli, tmp_path):
+    # converted per module without verification, the model's own dtype check raises in the
+    # converted forward: before, the export was written (exit 0) and raised on first use
+    out = tmp_path / "out"
+    result = cli("convert", model("fp32_only_head.py"), "-o", out, "--no-verify")
+    assert result.code == 1 and not out.exists()
+    line = line_of(model("fp32_only_head.py"), "raise TypeError")
+    assert result.err == ("ampaudit: error: the export fails on its example inputs, loaded back with ampaudit.apply: "
+                          "TypeError: the head expects float32 features, got torch.float16 "
+                          f"(fixtures/models/fp32_only_head.py:{line}); nothing was written to {out}\n")
+    # an earlier export in OUT_DIR stays as it was
+    assert cli("convert", model("input_shape.py"), "-o", out, "--input-shape", "2,8", "--train-steps", "0").code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert cli("convert", model("fp32_only_head.py"), "-o", out, "--no-verify").code == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and MANIFEST in before
+
+
+def test_the_summary_says_whether_the_export_was_run(cli, tmp_path):
+    result = cli("convert", model("input_shape.py"), "-o", tmp_path / "a")
+    assert result.code == 0
+    assert "export run NOT RUN: no example inputs (define example_inputs() or give --input-shape to run the " \
+           "export before it is written)" in _text(result.out)
+    result = cli("convert", model("input_shape.py"), "-o", tmp_path / "b", "--input-shape", "2,8")
+    assert result.code == 0
+    assert "export run loaded back with ampaudit.apply and run on the example inputs" in _text(result.out)

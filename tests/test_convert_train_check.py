@@ -1,0 +1,117 @@
+"""The training check (convert/train_check.py): curves compared by applied update, the trend
+judged rather than one step, both curves shown on failure, and the CLI's time budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ampaudit
+from ampaudit.convert.optimizer import MixedPrecisionOptimizer
+from ampaudit.convert.train_check import _first_rows, train_check
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.load.loader import load_target
+from tests.conftest import model
+
+FP16 = LowDtype.parse("float16")
+
+
+def _converted(name: str):
+    torch.manual_seed(0)
+    loaded = load_target(model(name))
+    return loaded.model, ampaudit.convert(loaded.model, loaded.inputs, train_steps=0), loaded.inputs
+
+
+def _text(out: str) -> str:
+    """The summary's words, its border and line breaks left out."""
+    return " ".join(word for word in out.split() if word != "│")
+
+
+def _skip_attempt(monkeypatch, attempt: int) -> None:
+    """The converted model's ``attempt``-th step finds an inf gradient (as after a loss spike)."""
+    real, calls = MixedPrecisionOptimizer.unscale_, []
+
+    def unscale_(self):
+        found = real(self)
+        if self._unscaled is not None and len(calls) < attempt:
+            calls.append(self)
+            if len(calls) == attempt:
+                self._unscaled = True
+                return True
+        return found
+
+    monkeypatch.setattr(MixedPrecisionOptimizer, "unscale_", unscale_)
+
+
+def test_a_skipped_step_is_compared_by_applied_update(monkeypatch):
+    # a static scale: the skip changes nothing but the step it drops, so the k-th applied
+    # update of the run with a skip is the k-th of the run without one, bit for bit
+    fp32_model, model_mp, inputs = _converted("torchvision_style.py")
+
+    def run():
+        optimizer = torch.optim.AdamW(fp32_model.parameters(), lr=1e-3)
+        return train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, loss_scale=1024.0, steps=8)
+
+    clean = run()
+    _skip_attempt(monkeypatch, 3)
+    skipped = run()
+    assert (clean.skipped, skipped.skipped) == (0, 1)
+    assert skipped.converted == clean.converted and skipped.fp32 == clean.fp32 and len(skipped.converted) == 8
+    assert skipped.worst == clean.worst and skipped.passed
+
+
+def test_the_cli_check_passes_a_resnet_whose_scaler_skips_a_step(cli, tmp_path, monkeypatch):
+    # GradScaler's dynamic scale skips the step after AdamW's first-step loss spike; compared
+    # step by step, the converted curve was fp32's one step late and the check failed
+    _skip_attempt(monkeypatch, 3)
+    result = cli("convert", model("torchvision_style.py"), "-o", tmp_path / "out")
+    assert result.code == 0, result.out
+    assert "training check  20 steps: loss" in result.out
+    assert "1 step skipped by the loss scale, compared by applied update" in _text(result.out)
+
+
+def test_a_parameter_the_converted_model_no_longer_trains_still_fails():
+    # the head of the converted model frozen: its outputs match fp32 at initialisation, but
+    # its curve leaves fp32's as soon as training moves the head
+    fp32_model, model_mp, inputs = _converted("torchvision_style.py")
+    optimizer = torch.optim.AdamW(fp32_model.parameters(), lr=1e-3)
+    healthy = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16)
+    model_mp.fc.weight.requires_grad_(False)
+    model_mp.fc.bias.requires_grad_(False)
+    frozen = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16)
+    assert healthy.passed and healthy.worst < 5e-3
+    assert not frozen.passed and frozen.worst > 0.1 and frozen.fp32 == healthy.fp32
+
+
+def test_the_check_keeps_within_its_budget_with_fewer_steps_or_rows():
+    # a clock that runs 400 times fast: each step of the tiny U-Net looks slow
+    fp32_model, model_mp, inputs = _converted("unet_style.py")
+    optimizer = torch.optim.AdamW(fp32_model.parameters(), lr=1e-3)
+    start = time.perf_counter()
+
+    def fast_clock(factor: float):
+        return lambda: (time.perf_counter() - start) * factor
+
+    full = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0)
+    assert full.reduced == "" and full.steps == 20  # a few milliseconds a step: nothing to shorten
+    slow = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0, clock=fast_clock(400))
+    assert slow.reduced.startswith(f"{slow.steps} of 20 steps") or slow.reduced.startswith("batch 1 of 2")
+    assert "the check is kept within 60 s" in slow.reduced and slow.passed
+    assert len(slow.fp32) == len(slow.converted) == slow.steps >= 2
+    assert slow.seconds < 75  # no step begun where the last one would end past 60 s (steps vary a little)
+    slower = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0, clock=fast_clock(1e5))
+    assert "batch 1 of 2" in slower.reduced and slower.steps >= 2
+    assert slower.fp32[0] != full.fp32[0]  # trained on the first row only
+    one_row = _first_rows(inputs, 1)  # nothing to shrink: fewer steps only, and no second start
+    alone = train_check(fp32_model, model_mp, optimizer, one_row, dtype=FP16, budget=60.0, clock=fast_clock(1e5))
+    assert alone.reduced.startswith(f"{alone.steps} of 20 steps (a step took") and alone.steps >= 2
+
+
+@pytest.mark.parametrize("name", ["unet_style.py", "unet_style.py:bilinear_model",
+                                  "torchvision_style.py:bottleneck_model"])
+def test_unet_and_bottleneck_resnet_pass_the_cli_check(cli, tmp_path, name):
+    result = cli("convert", model(name), "-o", tmp_path / "out")
+    assert result.code == 0, result.out
+    assert "training check  20 steps" in result.out and "(within 2%)" in result.out
