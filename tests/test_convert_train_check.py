@@ -3,7 +3,7 @@ judged rather than one step, both curves shown on failure, and the CLI's time bu
 
 from __future__ import annotations
 
-import time
+import itertools
 
 import pytest
 import torch
@@ -86,26 +86,28 @@ def test_a_parameter_the_converted_model_no_longer_trains_still_fails():
 
 
 def test_the_check_keeps_within_its_budget_with_fewer_steps_or_rows():
-    # a clock that runs 400 times fast: each step of the tiny U-Net looks slow
+    # a clock that moves `tick` seconds each time it is read: every step looks as slow as the
+    # tick says, whatever the machine's load (the check reads it twice a step)
     fp32_model, model_mp, inputs = _converted("unet_style.py")
     optimizer = torch.optim.AdamW(fp32_model.parameters(), lr=1e-3)
-    start = time.perf_counter()
 
-    def fast_clock(factor: float):
-        return lambda: (time.perf_counter() - start) * factor
+    def ticking(tick: float):
+        ticks = itertools.count()
+        return lambda: next(ticks) * tick
 
     full = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0)
     assert full.reduced == "" and full.steps == 20  # a few milliseconds a step: nothing to shorten
-    slow = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0, clock=fast_clock(400))
-    assert slow.reduced.startswith(f"{slow.steps} of 20 steps") or slow.reduced.startswith("batch 1 of 2")
-    assert "the check is kept within 60 s" in slow.reduced and slow.passed
-    assert len(slow.fp32) == len(slow.converted) == slow.steps >= 2
-    assert slow.seconds < 75  # no step begun where the last one would end past 60 s (steps vary a little)
-    slower = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0, clock=fast_clock(1e5))
+    slow = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0, clock=ticking(4.0))
+    assert slow.reduced == f"{slow.steps} of 20 steps (a step took 4 s; the check is kept within 60 s)"
+    assert slow.passed and len(slow.fp32) == len(slow.converted) == slow.steps >= 2
+    # no step begun where the last one says it would end past 60 s: past it by at most the
+    # clock's own reads (two ticks: between two steps, and the check's last reading)
+    assert 60 - 4 <= slow.seconds <= 60 + 2 * 4
+    slower = train_check(fp32_model, model_mp, optimizer, inputs, dtype=FP16, budget=60.0, clock=ticking(30.0))
     assert "batch 1 of 2" in slower.reduced and slower.steps >= 2
     assert slower.fp32[0] != full.fp32[0]  # trained on the first row only
     one_row = _first_rows(inputs, 1)  # nothing to shrink: fewer steps only, and no second start
-    alone = train_check(fp32_model, model_mp, optimizer, one_row, dtype=FP16, budget=60.0, clock=fast_clock(1e5))
+    alone = train_check(fp32_model, model_mp, optimizer, one_row, dtype=FP16, budget=60.0, clock=ticking(30.0))
     assert alone.reduced.startswith(f"{alone.steps} of 20 steps (a step took") and alone.steps >= 2
 
 
