@@ -111,3 +111,60 @@ def test_the_magnitude_sparkline_keeps_to_its_width():
     assert _sparkline([[-3, 1], [-2, 4], [0, 2]]) == "▂█ ▄"  # one character per exponent when they fit
     wide = _sparkline([[-149, 5], [-20, 1], [0, 10], [15, 3]])  # subnormals to past fp16's max
     assert len(wide) == 15 and wide[0] != " " and wide[-1] != " "
+
+
+# Hogwild-shaped: one step in the parent, then a fork pool and an os.fork() child, all training.
+# Sizes and a loss (mse) whose ops never start torch's OpenMP pool in the parent, so plain python
+# finishes: before watch/forks.py the children hung in watch's own index_add_ on that pool.
+FORK_SCRIPT = """
+import os, torch, torch.nn as nn, multiprocessing as mp
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def train(n):
+    for _ in range(n):
+        x = torch.randn(16, 20); y = nn.functional.one_hot(torch.randint(0, 10, (16,)), 10).float()
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+    return round(float(loss.detach()), 6)
+train(3)
+with mp.get_context("fork").Pool(2) as pool:
+    print(pool.map(train, [4, 4]))
+pid = os.fork()
+print("child" if pid == 0 else "parent", train(4), flush=True)
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+torch.save(model.state_dict(), "weights.pt")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forking_trainer_trains_under_run_as_it_does_plainly(tmp_path):
+    import time
+
+    import torch
+    (tmp_path / "s.py").write_text(FORK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}  # a pool to deadlock on
+    env.pop("PYTEST_XDIST_WORKER", None)
+
+    def run(*command):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=90, env=env)
+        return proc, time.perf_counter() - start
+
+    plain, plain_s = run("s.py")
+    assert plain.returncode == 0, plain.stderr
+    expected = torch.load(tmp_path / "weights.pt")
+    watched, watched_s = run("-m", "ampaudit", "run", "--log", "w.jsonl", "s.py")
+    assert watched.returncode == 0, watched.stderr
+    assert sorted(watched.stdout.splitlines()) == sorted(plain.stdout.splitlines())
+    weights = torch.load(tmp_path / "weights.pt")
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    # the parent's 7 steps watched; the 3 forks (pool workers, the os.fork child) counted, not watched
+    assert "3 processes forked while watching" in watched.stderr
+    records = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "step" in r] == list(range(7))  # the children wrote nothing
+    assert [r["forks"] for r in records if "step" in r] == [0, 0, 0, 3, 3, 3, 3]
+    assert watched_s < 1.5 * plain_s + 10  # the interpreter and ampaudit's imports on top

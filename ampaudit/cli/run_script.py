@@ -27,6 +27,8 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
     with _kept_stderr() as stderr:
         code = _run_watched(script, argv, monitor, stderr)
+        if monitor.forked_child:  # a fork that ran to the script's end: the parent reports
+            return code
         from ampaudit.core.console import make_console
         from ampaudit.watch.render import render_summary
 

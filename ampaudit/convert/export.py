@@ -91,6 +91,8 @@ def stage(model: torch.nn.Module, staging: Path, folder: Path, *, class_name: st
 
 def _write(model: torch.nn.Module, staging: Path, class_name: str, summary: dict[str, Any] | None,
            folder: Path, export_id: str) -> list[str]:
+    if summary is None and hasattr(getattr(model, "summary", None), "to_dict"):
+        summary = model.summary.to_dict()  # what ampaudit.apply needs to build the model again
     plan = {"format": 2, EXPORT_ID: export_id, "summary": summary or {}, "plan": getattr(model, "plan", [])}
     _write_file(staging, folder, PLAN, json.dumps(plan, indent=2, default=str) + "\n")
     # tied tensors stored once (safetensors refuses aliases)

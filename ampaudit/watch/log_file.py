@@ -120,6 +120,12 @@ class LogSink:
             sys.stderr.write(f"ampaudit: the log {display_path(str(self.path))} could not be written "
                              f"({self.failure}): logging stopped, training goes on\n")
 
+    def abandon(self) -> None:
+        """In a forked child: forget the log without writing or flushing it (it is the parent's;
+        every record was flushed as written, so nothing of the parent's is pending)."""
+        self._handle = None
+        self.path = None
+
     def close(self, final_scale: float | None = None) -> None:
         """The last line - the loss scale after the last ``update()``, with a GradScaler -
         then close."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ampaudit.core.arguments import require_module
 from ampaudit.core.dtypes import FLOAT16, LowDtype
 from ampaudit.core.errors import AmpauditError
-from ampaudit.watch import compiled
+from ampaudit.watch import compiled, forks
 from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
@@ -39,6 +39,8 @@ from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
 from ampaudit.watch.step_guard import guard_for
 from ampaudit.watch.summary import SummaryBuilder, describe_first
+
+_CPU = torch.device("cpu")
 
 __all__ = ["Monitor", "NonFiniteError", "WatchOptions", "stop_reason", "unmeasurable", "watch"]
 
@@ -124,6 +126,8 @@ class Monitor:
         self._last_scaler: torch.amp.GradScaler | None = None
         self._skips_in_row = 0
         self._stopping = False
+        self.forks = 0  # processes forked while watching: not watched (watch/forks.py)
+        self.forked_child = False  # this process is a fork of the one watch started in
 
     # -- what the units hold ------------------------------------------------------------------
     @property
@@ -177,6 +181,7 @@ class Monitor:
         self.sink.open({"dtype": self.dtype_name, "every": self.every, "world": self.reducer.world,
                         "source": self.builder.source})
         self._started = True
+        forks.track(self)
         self.recorder.attach(self.model)
         if self.model is not None:  # walked once, not every step; named as the recorder names them
             self._model_params = [(self.recorder.param_name(p, n), p) for n, p in self.model.named_parameters()]
@@ -194,12 +199,8 @@ class Monitor:
     def stop(self) -> None:
         if not self._started:
             return
-        self._started = False
-        self.recorder.detach()
-        if self.guard is not None:
-            self.guard.stop()
-        self.optimizer_tap.detach()
-        self.scaler_tap.detach()
+        forks.untrack(self)
+        self._detach()
         if self.recorder.events:
             self._stopping = True  # recorded, never raised: the run is over (or already stopping)
             self._flush_step(skipped=False)  # a partial last step still counts
@@ -208,6 +209,24 @@ class Monitor:
             # the scale the next step would use: records carry the one each step used
             final_scale = self.builder.final_scale = float(self._last_scaler.get_scale())
         self.sink.close(final_scale)
+
+    def _detach(self) -> None:
+        self._started = False
+        self.recorder.detach()
+        if self.guard is not None:
+            self.guard.stop()
+        self.optimizer_tap.detach()
+        self.scaler_tap.detach()
+
+    def forked_here(self) -> None:
+        """In a forked child: stop watching, leave the log to the parent, write nothing."""
+        self._detach()
+        self.sink.abandon()
+        self.forked_child = True
+
+    def forked_away(self) -> None:
+        """In the parent, after a fork: what the child runs is not watched; count it."""
+        self.forks += 1
 
     # -- step boundaries --------------------------------------------------------------------------
     def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
@@ -239,23 +258,20 @@ class Monitor:
         if recorder.logging:
             keys = sorted(set((module, phase) for module, phase, _ in recorder.events if phase != INPUT_GRAD))
             param_keys = sorted(recorder.param_rows)
-            slot = {key: i for i, key in enumerate(keys)}
             modes = self._event_modes()
-            flat, buf = self.reducer.step_buffer(
-                recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
-                len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
-                modes=modes, sharded=tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params))
             context = {"unmeasured": dict(recorder.unmeasured),  # so far: the builder keeps the latest
                        "dtype": self.dtype_name, "dtype_source": self.dtype_source,
-                       "eval_forwards": recorder.eval_forwards}
-            if self.reducer.world <= 1:
-                # Totals and the verdicts' conditions stay on the device; the step reads back
-                # only what it must decide (first non-finite, skipped, scale).
-                values = self.reducer.accumulate(flat, buf, keys, param_keys)
-                self._conditions.add(step, flat, keys, param_keys, scale, self.limits)
-            else:
-                flat = self.reducer.gather(flat, buf)
-                values = self.reducer.read(flat, buf)
+                       "eval_forwards": recorder.eval_forwards, "forks": self.forks}
+            with forks.single_threaded(_CPU):  # a forked child must never wait on threads watch started
+                flat, buf = self._reduce(found_inf, scale, keys, param_keys, modes)
+                if self.reducer.world <= 1:
+                    # Totals and the verdicts' conditions stay on the device; the step reads back
+                    # only what it must decide (first non-finite, skipped, scale).
+                    values = self.reducer.accumulate(flat, buf, keys, param_keys)
+                    self._conditions.add(step, flat, keys, param_keys, scale, self.limits)
+                else:
+                    flat = self.reducer.gather(flat, buf)
+                    values = self.reducer.read(flat, buf)
             record = step_record(step, values, keys, param_keys, recorder.events, world=self.reducer.world,
                                  skipped=skipped, context=context)
             self._trace(record, values.first, modes,
@@ -267,6 +283,16 @@ class Monitor:
         recorder.end_step(logging_next=self.step_index % self.every == 0)
         if record is not None:
             self._check_stop(record)
+
+    def _reduce(self, found_inf: torch.Tensor | None, scale: torch.Tensor | None, keys: list[tuple[str, str]],
+                param_keys: list[str], modes: list[int]) -> tuple[torch.Tensor, Any]:
+        """The step's rows reduced into one buffer (``StepReducer.step_buffer``)."""
+        recorder = self.recorder
+        slot = {key: i for i, key in enumerate(keys)}
+        return self.reducer.step_buffer(
+            recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
+            len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
+            modes=modes, sharded=tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params))
 
     def _event_modes(self) -> list[int]:
         """Per event, which values make it a candidate first non-finite (``reducer.bad_events``)."""
@@ -311,10 +337,11 @@ class Monitor:
 
     # -- results ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        result = self.builder.summary(device=self._conditions.read())
+        with forks.single_threaded(_CPU):
+            result = self.builder.summary(device=self._conditions.read())
+            totals = self.reducer.totals()
         result["steps"] = max(result["steps"], self.step_index)
         result["dtype"] = self.dtype_name
-        totals = self.reducer.totals()
         if totals is not None:  # totals kept on the device: read back once, now
             layers, params = totals
             for module, phases in layers.items():
@@ -325,6 +352,7 @@ class Monitor:
         result["unmeasured"] = dict(sorted(self.unmeasured.items()))
         result["dtype_source"] = self.dtype_source or "default: no forward seen"
         result["eval_forwards"] = {"count": self.eval_forwards, "recorded": self.record_eval}
+        result["forks"] = self.forks
         if self.guard is not None:
             result["guard"] = self.guard.summary()
         return result

@@ -58,6 +58,10 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     if evals.get("count"):
         grid.add_row("eval forwards", f"{evals['count']} with grad disabled: "
                                       + ("recorded as phase eval" if evals["recorded"] else "not in the statistics"))
+    if summary.get("forks"):
+        n = summary["forks"]
+        grid.add_row("forked", f"{n} process{'es' if n != 1 else ''} forked while watching (fork pools, DataLoader "
+                               "workers): what they ran is not watched")
     if summary.get("unmeasured"):
         grid.add_row("not measured", ", ".join(f"{n} {kind} tensor{'s' if n != 1 else ''}"
                                                for kind, n in summary["unmeasured"].items()))

@@ -33,6 +33,7 @@ class SummaryBuilder:
         self.verdicts = Verdicts()
         self.dtype_source: str | None = None
         self.eval_forwards = 0  # the model's grad-disabled calls, not recorded
+        self.forks = 0  # processes forked while watching (not watched)
         self.final_scale: float | None = None  # the loss scale after the last update()
         self.steps = 0
         self.first_nonfinite: dict[str, Any] | None = None
@@ -69,6 +70,8 @@ class SummaryBuilder:
             self.dtype, self.dtype_source = record["dtype"], record.get("dtype_source")
         if "eval_forwards" in record:
             self.eval_forwards = record["eval_forwards"]
+        if isinstance(record.get("forks"), int):
+            self.forks = record["forks"]  # counted from the start of the run
         if record.get("unmeasured"):
             self.unmeasured = dict(record["unmeasured"])  # counted from the start of the run
         if record.get("scale") is not None:
@@ -95,6 +98,7 @@ class SummaryBuilder:
                 "unmeasured": dict(sorted(self.unmeasured.items())),
                 "dtype_source": self.dtype_source or "given",
                 "eval_forwards": {"count": self.eval_forwards, "recorded": False},
+                "forks": self.forks,
                 "findings": [f.to_dict() for f in self.findings(device)]}
 
 
