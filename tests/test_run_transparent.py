@@ -117,7 +117,7 @@ def test_the_magnitude_sparkline_keeps_to_its_width():
 # Sizes and a loss (mse) whose ops never start torch's OpenMP pool in the parent, so plain python
 # finishes: before watch/forks.py the children hung in watch's own index_add_ on that pool.
 FORK_SCRIPT = """
-import os, torch, torch.nn as nn, multiprocessing as mp
+import os, sys, torch, torch.nn as nn, multiprocessing as mp
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -131,7 +131,8 @@ train(3)
 with mp.get_context("fork").Pool(2) as pool:
     print(pool.map(train, [4, 4]))
 pid = os.fork()
-print("child" if pid == 0 else "parent", train(4), flush=True)
+# one write each: under PYTHONUNBUFFERED print writes its words one by one, and the two processes interleave
+sys.stdout.write(f"{'child' if pid == 0 else 'parent'} {train(4)}\\n"); sys.stdout.flush()
 if pid == 0:
     os._exit(0)
 os.waitpid(pid, 0)

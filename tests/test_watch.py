@@ -424,7 +424,7 @@ def test_summary_schema_is_pinned():
         scaler.update()
     summary = mon.summary()
     assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured",
-                             "dtype_source", "eval_forwards", "findings"]
+                             "dtype_source", "eval_forwards", "forks", "findings"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist"]
