@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from ampaudit.core.dtypes import BFLOAT16, FLOAT16, LOW_DTYPES, LowDtype
+from ampaudit.core.dtypes import BFLOAT16, E4M3, E5M2, FLOAT16, FP8_FORMATS, LOW_DTYPES, LowDtype
 from ampaudit.core.errors import UsageError
 
 
-@pytest.mark.parametrize("low", [FLOAT16, BFLOAT16])
+@pytest.mark.parametrize("low", [FLOAT16, BFLOAT16, E4M3, E5M2])
 def test_limits_match_torch_finfo(low):
     info = torch.finfo(low.torch)
     assert low.max == info.max
@@ -48,6 +48,17 @@ def test_parse_accepts_every_spelling(value, expected):
 def test_parse_refuses_anything_else_with_one_line(value):
     with pytest.raises(UsageError, match=r"^dtype must be float16 or bfloat16 \(got .*\)$"):
         LowDtype.parse(value)
+
+
+def test_fp8_formats_are_the_ocp_ones():
+    assert (E4M3.max, E4M3.normal, E4M3.tiniest) == (448.0, 2.0**-6, 2.0**-9)
+    assert (E5M2.max, E5M2.normal, E5M2.tiniest) == (57344.0, 2.0**-14, 2.0**-16)
+    assert FP8_FORMATS == {"e4m3": E4M3, "e5m2": E5M2}
+    # half the smallest subnormal rounds to zero in the cast, just above it does not
+    for low in (E4M3, E5M2):
+        half = torch.tensor(low.tiniest / 2, dtype=torch.float32)
+        assert half.to(low.torch).item() == 0.0
+        assert torch.nextafter(half, torch.tensor(1.0)).to(low.torch).float().item() == low.tiniest
 
 
 def test_names_and_printing():

@@ -25,12 +25,15 @@ def fp32_exponent(value: float) -> int:
 
 @dataclass(frozen=True)
 class LowDtype:
-    """A binary floating-point format narrower than fp32: float16 or bfloat16."""
+    """A binary floating-point format narrower than fp32: float16, bfloat16 or an fp8 format."""
 
-    name: str  # torch's name: "float16", "bfloat16"
-    short: str  # what tables print: "fp16", "bf16"
+    name: str  # torch's name: "float16", "bfloat16", "float8_e4m3fn"
+    short: str  # what tables print: "fp16", "bf16", "e4m3"
     exponent_bits: int
     mantissa: int  # stored mantissa bits (the implicit leading one not counted)
+    # OCP's e4m3 ("fn": finite, NaN only) has no infinities: its top exponent holds normal numbers,
+    # all but the all-ones mantissa (NaN), so its max is 448 where an IEEE-style layout gives 240.
+    finite_only: bool = False
 
     @cached_property
     def torch(self) -> Any:
@@ -46,6 +49,8 @@ class LowDtype:
     @cached_property
     def max(self) -> float:
         bias = 2 ** (self.exponent_bits - 1) - 1
+        if self.finite_only:
+            return math.ldexp(2.0 - 2 * self.eps, bias + 1)
         return math.ldexp(2.0 - self.eps, bias)
 
     @cached_property
@@ -103,6 +108,11 @@ class LowDtype:
 FLOAT16 = LowDtype("float16", "fp16", exponent_bits=5, mantissa=10)
 BFLOAT16 = LowDtype("bfloat16", "bf16", exponent_bits=8, mantissa=7)
 LOW_DTYPES: tuple[str, ...] = (FLOAT16.name, BFLOAT16.name)  # the choices the CLI and config accept
+# fp8 (OCP): what fp8 training casts GEMM operands to, each tensor scaled first. Not among LOW_DTYPES:
+# an fp8 audit chooses a recipe (which format each operand gets, how it is scaled), not one dtype.
+E4M3 = LowDtype("float8_e4m3fn", "e4m3", exponent_bits=4, mantissa=3, finite_only=True)
+E5M2 = LowDtype("float8_e5m2", "e5m2", exponent_bits=5, mantissa=2)
+FP8_FORMATS: dict[str, LowDtype] = {E4M3.short: E4M3, E5M2.short: E5M2}
 _BY_ALIAS = {
     "float16": FLOAT16, "fp16": FLOAT16, "half": FLOAT16,
     "bfloat16": BFLOAT16, "bf16": BFLOAT16,
