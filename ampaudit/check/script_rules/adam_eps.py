@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import ScriptFacts
+from ampaudit.check.lint.masters import READS, handled
 from ampaudit.check.lint.nodes import arguments
 from ampaudit.check.lint.protocol import ADAMS, finding, half_casts, parameters_of
 from ampaudit.check.lint.values import literal_number
@@ -14,9 +15,9 @@ from ampaudit.core.findings import Finding
 from ampaudit.core.rulebook import rule
 
 
-@lint_rule("AMP412", reads=(r"\bAdam", "optim", "half", "float16"))
+@lint_rule("AMP412", reads=(r"\bAdam", "optim", "half", "float16", *READS))
 def adam_eps_underflow(facts: ScriptFacts) -> Iterator[Finding]:
-    halves = {name for name, _ in half_casts(facts)}
+    halves = {name for name, cast in half_casts(facts) if not handled(facts, name, cast, masters=True)}
     if not halves:
         return
     smallest = rule("AMP412").params["smallest_subnormal"]
