@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ampaudit.check.lint import edits
@@ -113,6 +113,25 @@ def _all_uses_fixable(facts: ScriptFacts, imp: Import, uses: list[_Use]) -> bool
 
 @lint_rule("AMP401", reads=("autocast", "GradScaler", "custom_[fb]wd", r"\bamp\b"))
 def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
+    # One finding per deprecated binding - the import (or alias) of the old module, or a name
+    # spelled out in full - at its first appearance, naming the other lines: a trainer uses
+    # `autocast` a dozen times (type annotations too) and one migration fixes them all. Its
+    # fix still rewrites every use.
+    groups: dict[object, list[Finding]] = {}
+    for key, found in _each_use(facts):
+        groups.setdefault(key, []).append(found)
+    for found in groups.values():
+        found.sort(key=lambda f: (f.line, f.column or 0))
+        first, rest = found[0], found[1:]
+        lines = sorted({f.line for f in rest} - {first.line})
+        more = f" (also at line{'s' if len(lines) > 1 else ''} {', '.join(map(str, lines))})" if lines else ""
+        fixes = list(dict.fromkeys(e for f in found if f.autofix is not None for e in f.autofix.edits))
+        yield replace(first, message=first.message + more,
+                      autofix=Autofix(tuple(fixes)) if fixes and first.autofix is not None else first.autofix)
+
+
+def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
+    """Every deprecated spelling, with the binding it belongs to."""
     uses = _uses(facts)
     imports = [i for i in facts.imports if i.module in _OLD_MODULES and isinstance(i.node, ast.ImportFrom)
                and not i.compat]
@@ -123,36 +142,41 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
         fixable = _all_uses_fixable(facts, imp, uses)
         groups[id(imp)] = (edits.rename_module(facts, imp.node, "torch.amp"),
                            *(_device_edit(facts, u) for u in members)) if fixable else None
-        yield finding(facts, "AMP401", imp, old=f"from {imp.module} import", new="from torch.amp import",
-                      fix="import from torch.amp and pass the device to each use",
-                      autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
+        yield id(imp), finding(facts, "AMP401", imp, old=f"from {imp.module} import", new="from torch.amp import",
+                               fix="import from torch.amp and pass the device to each use",
+                               autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
     aliases = _module_aliases(facts)
     for bound, imp in aliases.items():
         groups[id(imp)] = _alias_fix(facts, imp, bound, uses)
         old = f"from {imp.module} import {bound}" if isinstance(imp.node, ast.ImportFrom) \
             else f"import {imp.names[0][0]} as {bound}"
         new = f"from torch import {bound}" if isinstance(imp.node, ast.ImportFrom) else f"import torch.amp as {bound}"
-        yield finding(facts, "AMP401", imp, old=old, new=new, fix="import torch.amp and pass the device to each use",
-                      autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
+        yield id(imp), finding(facts, "AMP401", imp, old=old, new=new,
+                               fix="import torch.amp and pass the device to each use",
+                               autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
     for use in uses:
         new = _DEPRECATED[use.old][0]
         imp = by_name.get(use.callee.id) if isinstance(use.callee, ast.Name) else None
         alias = aliases.get(dotted(use.callee.value) or "") if isinstance(use.callee, ast.Attribute) else None
+        key: object = use.old
         if imp is not None:
-            fix_edits = groups[id(imp)]
+            fix_edits, key = groups[id(imp)], id(imp)
         elif alias is not None:
-            fix_edits = groups[id(alias)]
+            fix_edits, key = groups[id(alias)], id(alias)
         elif dotted(use.callee) == use.old:  # spelled out in full: rename in place
             fix_edits = (edits.replace(facts, use.callee, new), _device_edit(facts, use))
         else:
             fix_edits = None
-        yield finding(facts, "AMP401", use.at, old=use.old, new=f"{new}({_device(use.old)}, ...)",
-                      fix=f"use {new} and pass {_device(use.old)}",
-                      autofix=Autofix(fix_edits) if fix_edits else None)
+        yield key, finding(facts, "AMP401", use.at, old=use.old, new=f"{new}({_device(use.old)}, ...)",
+                           fix=f"use {new} and pass {_device(use.old)}",
+                           autofix=Autofix(fix_edits) if fix_edits else None)
     used = {id(u.callee) for u in uses}
     for ref in facts.amp_references:
         old = next((n for n in ref.names if n in _DEPRECATED), None)
         if old is not None and id(ref.node) not in used and not ref.compat:
             new = _DEPRECATED[old][0]
-            yield finding(facts, "AMP401", ref, old=old, new=f"{new} with {_device(old)}",
-                          fix=f"use {new} and pass {_device(old)} where it is called")
+            root = (dotted(ref.node) or "").split(".")[0]
+            owner = by_name.get(root) or aliases.get(root)
+            yield (id(owner) if owner is not None else old), finding(
+                facts, "AMP401", ref, old=old, new=f"{new} with {_device(old)}",
+                fix=f"use {new} and pass {_device(old)} where it is called")
