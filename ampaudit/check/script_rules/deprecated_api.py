@@ -126,8 +126,8 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
         lines = sorted({f.line for f in rest} - {first.line})
         more = f" (also at line{'s' if len(lines) > 1 else ''} {', '.join(map(str, lines))})" if lines else ""
         fixes = list(dict.fromkeys(e for f in found if f.autofix is not None for e in f.autofix.edits))
-        yield replace(first, message=first.message + more,
-                      autofix=Autofix(tuple(fixes)) if fixes and first.autofix is not None else first.autofix)
+        # an annotation first (no fix of its own) still carries the fix of the calls after it
+        yield replace(first, message=first.message + more, autofix=Autofix(tuple(fixes)) if fixes else None)
 
 
 def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:

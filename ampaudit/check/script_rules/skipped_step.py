@@ -17,11 +17,18 @@ from ampaudit.core.findings import Finding
 _SCHEDULE = re.compile(r"(^|[._])(sched|scheduler|lr_scheduler|lr_sched|warmup)s?(_\w+)?$", re.IGNORECASE)
 _EMA = re.compile(r"(^|[._])(ema|model_ema|ema_model|swa_model)(_\w+)?$", re.IGNORECASE)
 _CHECKED = re.compile(r"get_scale|skip|step_applied|found_inf|optimizer_was_run", re.IGNORECASE)
+# A learning-rate range test (an "LR finder") raises the rate every step whatever happens:
+# it measures the loss per rate, it does not follow a schedule
+_RANGE_TEST = re.compile(r"range_?test|lr_?find|find_?lr|RangeTest", re.IGNORECASE)
+_PLATEAU = "ReduceLROnPlateau"
 
 
 @lint_rule("AMP419", reads=(r"\.step\(", "scaler", "GradScaler"))
 def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
+    plateaus = _plateaus(facts)
     for scope in facts.scopes():
+        if _RANGE_TEST.search(scope.name):
+            continue
         scalers = facts.scalers(scope)
         steps = [c for c in facts.method_calls("step", scope) if c.receiver in scalers and c.has_arguments
                  and amp_path(facts, c)]
@@ -33,10 +40,26 @@ def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
             follows = (call.method == "step" and _SCHEDULE.search(call.receiver)) or \
                 (call.method in ("update", "update_parameters") and _EMA.search(call.receiver))
             step = next((s for s in steps if s.loop is call.loop and s.line < call.line), None)
-            if not follows or step is None or _checked(facts, call):
+            if not follows or step is None or _checked(facts, call) or not _per_step(facts, call, plateaus):
                 continue
             yield finding(facts, "AMP419", call, call=f"{call.receiver}.{call.method}()", scaler=step.receiver,
                           fix=f"step it only when {step.receiver}.get_scale() did not drop in update()")
+
+
+def _plateaus(facts: ScriptFacts) -> frozenset[str]:
+    """Names holding a ReduceLROnPlateau, or a scheduler of a range test."""
+    return frozenset(a.target for a in facts.assignments
+                     if any(n.rsplit(".", 1)[-1] == _PLATEAU or _RANGE_TEST.search(n) for n in a.call.names)
+                     or _RANGE_TEST.search(dotted(a.call.node.func) or ""))
+
+
+def _per_step(facts: ScriptFacts, call: Call, plateaus: frozenset[str]) -> bool:
+    """Whether ``call`` advances a per-step schedule: not ``scheduler.step(val_loss)`` (a
+    plateau scheduler stepped on a metric - or the legacy ``step(epoch)`` -, which moves on
+    per evaluation, not per update), not a ReduceLROnPlateau, not an LR finder's schedule."""
+    if call.method == "step" and call.has_arguments:
+        return False
+    return call.receiver not in plateaus and not _RANGE_TEST.search(call.receiver or "")
 
 
 def _checked(facts: ScriptFacts, call: Call) -> bool:
