@@ -196,6 +196,8 @@ class ScriptFacts(SourceText):
     enabled_flags: frozenset[str]  # dotted names passed as enabled= to AMP APIs
     local_backward_classes: frozenset[str]  # classes defined here with a backward()
     instances: Mapping[str, str]  # name -> local class it was built from
+    returns: Mapping[Scope, frozenset[str]]  # function scope -> the dotted names its `return`s give
+    methods: Mapping[Scope, str]  # a function defined in a class body -> the class's name
     mentions_float16: bool  # torch.float16 / torch.half appears in the visited code
     module_scope: Scope  # the top level
     imports_map: ImportMap = field(repr=False)

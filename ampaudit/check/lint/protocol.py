@@ -267,6 +267,50 @@ def half_casts(facts: ScriptFacts) -> tuple[tuple[str, Call], ...]:
         if not _to_half(facts, call) or id(call.node) in back_to_fp32 or call.block_exits:
             continue
         name = targets.get(id(call.node), call.receiver)  # model = Net().half() or model.half()
-        if name in trained and call.line < last:
-            casts.append((name, call))
+        name = _loop_owner(call) or name  # for m in model.modules(): m.half()
+        for model in _models_named(facts, call, name):
+            if model in trained and call.line < last:
+                casts.append((model, call))
+                break
     return tuple(casts)
+
+
+_SUBMODULES = frozenset({"modules", "children", "named_modules", "named_children"})
+
+
+def _loop_owner(call: Call) -> str | None:
+    """``model`` when ``call`` casts the variable of ``for m in model.modules():`` (or
+    ``for name, m in model.named_modules()``): each module cast in turn is the model cast -
+    the loop usually keeps BatchNorm in fp32 (cifar10-airbench)."""
+    loop = call.loop
+    if not isinstance(loop, (ast.For, ast.AsyncFor)) or call.receiver is None:
+        return None
+    it = loop.iter
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in _SUBMODULES):
+        return None
+    target = loop.target
+    variables = [dotted(e) for e in target.elts] if isinstance(target, ast.Tuple) else [dotted(target)]
+    return dotted(it.func.value) if call.receiver in variables else None
+
+
+def _models_named(facts: ScriptFacts, call: Call, name: str | None) -> list[str]:
+    """What a cast of ``name`` casts, by the names it is trained under: the name itself; for
+    ``self`` in a method of class C, what ``x = C(...)`` builds; for a name a factory function
+    returns (``def make_net(): net = net.half(); return net``), what ``x = make_net()`` gets."""
+    if name is None:
+        return []
+    builders = set()
+    if name == "self" and call.scope in facts.methods:
+        builders.add(facts.methods[call.scope])
+    elif name in facts.returns.get(call.scope, ()):
+        builders.add(call.scope.name)
+    if not builders:
+        return [name]
+    return [name, *(a.target for a in facts.assignments if _built_by(a.call.node) in builders)]
+
+
+def _built_by(node: ast.Call) -> str | None:
+    """``Net`` for ``Net(...)``, ``Net(...).cuda().to(memory_format=...)``, ``make_net()``."""
+    while isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Call):
+        node = node.func.value
+    return dotted(node.func)

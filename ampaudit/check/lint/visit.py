@@ -60,6 +60,8 @@ class _Found:
     enabled_flags: set[str] = field(default_factory=set)
     local_backward_classes: set[str] = field(default_factory=set)
     instances: dict[str, str] = field(default_factory=dict)
+    returns: dict[Scope, set[str]] = field(default_factory=dict)
+    methods: dict[Scope, str] = field(default_factory=dict)
     references: dict[str, list[ast.AST]] = field(default_factory=dict)
     functions: list[Scope] = field(default_factory=list)  # every function scope entered
     mentions_float16: bool = False
@@ -87,6 +89,7 @@ class Visitor:
         self.scale_loss: list[bool] = [False]
         self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
         self.version_tests: dict[ast.AST, bool] = {}
+        self.class_body: str | None = None  # the class whose body is being visited (not its methods')
         # names an import of an old AMP module binds: their reads are collected (references)
         self.tracked = {name for name, target in imports.bound.items()
                         if target.startswith(("torch.cuda.amp", "torch.cpu.amp"))}
@@ -116,6 +119,8 @@ class Visitor:
             enabled_flags=frozenset(found.enabled_flags),
             local_backward_classes=frozenset(found.local_backward_classes),
             instances=MappingProxyType(found.instances), mentions_float16=found.mentions_float16,
+            returns=MappingProxyType({scope: frozenset(names) for scope, names in found.returns.items()}),
+            methods=MappingProxyType(found.methods),
             module_scope=self.module_scope, imports_map=self.imports,
             name_references=MappingProxyType({name: tuple(nodes) for name, nodes in found.references.items()}),
             calls_by_scope=calls_by_scope, assignments_by_scope=assignments_by_scope,
@@ -199,6 +204,9 @@ class Visitor:
         # the decorators and defaults count as the function's own, as they always have
         self.scope = Scope("function", node.name)
         self.found.functions.append(self.scope)
+        if self.class_body is not None:
+            self.found.methods[self.scope] = self.class_body
+        class_body, self.class_body = self.class_body, None
         self.loops, self.autocasts, self.guards, self.scale_loss = [None], [None], [], [False]
         for decorator in node.decorator_list:
             self._decorator(decorator)
@@ -207,6 +215,7 @@ class Visitor:
         if node.returns is not None:
             self.visit(node.returns)
         self._block(node.body, function=True)
+        self.class_body = class_body
         self.scope, self.loops, self.autocasts, self.guards, self.scale_loss = self.saved.pop()
 
     def _arguments(self, node: ast.arguments) -> None:
@@ -245,7 +254,9 @@ class Visitor:
         self._bind(node.name, node)
         self._visit_all(node.bases)
         self._visit_all(node.keywords)
+        class_body, self.class_body = self.class_body, node.name
         self._block(node.body)
+        self.class_body = class_body
 
     def _decorator(self, node: ast.expr) -> None:
         line, column = self.text.decorator_position(node)  # at the `@`, as the finding has always been
@@ -430,6 +441,13 @@ class Visitor:
                 if callee in self.found.local_backward_classes:
                     self.found.instances[name] = callee
 
+    def _return(self, node: ast.Return) -> None:
+        if node.value is not None:
+            name = dotted(node.value)
+            if name is not None and self.scope.kind == "function":
+                self.found.returns.setdefault(self.scope, set()).add(name)  # `return net`: a factory
+            self.visit(node.value)
+
     def _compare(self, node: ast.Compare) -> None:
         # `scaler.get_scale() != before`: kept for the skip-check rule; the sides are read there
         if len(node.ops) == 1 and node.ops[0].__class__ in (ast.NotEq, ast.Eq) \
@@ -501,7 +519,7 @@ _Handler = Callable[[Visitor, ast.AST], None]
 _HANDLERS: dict[type, _Handler] = {
     ast.Call: Visitor._call, ast.Assign: Visitor._assign, ast.Compare: Visitor._compare,
     ast.BinOp: Visitor._binary, ast.Attribute: Visitor._attribute, ast.Name: Visitor._name,
-    ast.IfExp: Visitor._if_expression, ast.Dict: Visitor._dict,
+    ast.IfExp: Visitor._if_expression, ast.Dict: Visitor._dict, ast.Return: Visitor._return,
     ast.FunctionDef: Visitor._function, ast.AsyncFunctionDef: Visitor._function,
     ast.arguments: Visitor._arguments, ast.ClassDef: Visitor._class,
     ast.If: Visitor._if, ast.For: Visitor._for, ast.AsyncFor: Visitor._for, ast.While: Visitor._while,
