@@ -191,7 +191,10 @@ class ScriptFacts(SourceText):
     binary_ops: tuple[BinaryOp, ...]
     amp_references: tuple[Reference, ...]
     scale_comparisons: tuple[Comparison, ...]  # == / != with a get_scale() side
-    low_names: Mapping[tuple[int, str], int]  # (scope id, name) -> line: holds fp16/bf16
+    # (scope id, name) -> (dtype, line): what the name holds after its last assignment -
+    # "low" (fp16/bf16; the line of the first low assignment) or "fp32" - by inference.py;
+    # a name of unknown dtype is absent
+    name_dtypes: Mapping[tuple[int, str], tuple[str, int]]
     scaled_values: Mapping[tuple[int, str], str]  # `loss = scaler.scale(loss)`: -> scaler
     enabled_flags: frozenset[str]  # dotted names passed as enabled= to AMP APIs
     local_backward_classes: frozenset[str]  # classes defined here with a backward()

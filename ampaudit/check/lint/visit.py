@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
 
-from ampaudit.check.lint import autocasts, scopes
+from ampaudit.check.lint import autocasts, inference, scopes
 from ampaudit.check.lint.facts import (
     FLOAT16_NAMES,
     GRAD_SCALERS,
@@ -55,7 +55,7 @@ class _Found:
     binary_ops: list[BinaryOp] = field(default_factory=list)
     amp_references: list[Reference] = field(default_factory=list)
     scale_comparisons: list[Comparison] = field(default_factory=list)
-    low_names: dict[tuple[int, str], int] = field(default_factory=dict)
+    name_dtypes: dict[tuple[int, str], tuple[str, int]] = field(default_factory=dict)
     scaled_values: dict[tuple[int, str], str] = field(default_factory=dict)
     enabled_flags: set[str] = field(default_factory=set)
     local_backward_classes: set[str] = field(default_factory=set)
@@ -90,6 +90,8 @@ class Visitor:
         self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
         self.version_tests: dict[ast.AST, bool] = {}
         self.class_body: str | None = None  # the class whose body is being visited (not its methods')
+        self.nn_modules: dict[str, str] = {}  # `criterion = nn.MSELoss()`: name -> torch.nn class
+        self.inference = inference.Inference(self._dtype_of, self.qualified, self.nn_modules.get)
         # names an import of an old AMP module binds: their reads are collected (references)
         self.tracked = {name for name, target in imports.bound.items()
                         if target.startswith(("torch.cuda.amp", "torch.cpu.amp"))}
@@ -115,7 +117,7 @@ class Visitor:
             autocasts=tuple(found.autocasts), classes=tuple(found.classes), imports=tuple(found.imports),
             decorators=tuple(found.decorators), binary_ops=tuple(found.binary_ops),
             amp_references=tuple(found.amp_references), scale_comparisons=tuple(found.scale_comparisons),
-            low_names=MappingProxyType(found.low_names), scaled_values=MappingProxyType(found.scaled_values),
+            name_dtypes=MappingProxyType(found.name_dtypes), scaled_values=MappingProxyType(found.scaled_values),
             enabled_flags=frozenset(found.enabled_flags),
             local_backward_classes=frozenset(found.local_backward_classes),
             instances=MappingProxyType(found.instances), mentions_float16=found.mentions_float16,
@@ -413,17 +415,10 @@ class Visitor:
         self.visit(node.value)
         value = node.value
         block = self.autocasts[-1]
-        # a value computed under enabled autocast, or cast with .half(), is low precision
-        low = (block is not None and block.enabled) or _calls_method(value, "half")
         scaled = unwrap_cast(value)
         scaler = dotted(scaled.func.value) if _calls_method(scaled, "scale") else None
         for target in node.targets:
-            for element in _targets(target):
-                bound = dotted(element)
-                if bound and low:
-                    self.found.low_names.setdefault((id(self.scope), bound), node.lineno)
-                elif bound:
-                    self.found.low_names.pop((id(self.scope), bound), None)  # reassigned in fp32
+            self._infer(target, value, block is not None and block.enabled, node.lineno)
             name = dotted(target)
             if not name:
                 continue
@@ -447,6 +442,35 @@ class Visitor:
             if name is not None and self.scope.kind == "function":
                 self.found.returns.setdefault(self.scope, set()).add(name)  # `return net`: a factory
             self.visit(node.value)
+
+    def _dtype_of(self, name: str) -> str | None:
+        return self.found.name_dtypes.get((id(self.scope), name), (None, 0))[0]
+
+    def _infer(self, target: ast.expr, value: ast.expr, autocast: bool, line: int) -> None:
+        """What ``target = value`` leaves each bound name holding (inference.py)."""
+        elements = _targets(target)
+        if len(elements) == 1 and elements[0] is target:
+            pairs = [(target, self.inference.of(value, autocast))]
+        elif value.__class__ in (ast.Tuple, ast.List) and len(value.elts) == len(target.elts):
+            pairs = [(t, self.inference.of(v, autocast)) for t, v in zip(target.elts, value.elts, strict=True)]
+        else:  # `a, b = model(x)`: a tuple of outputs, each of its own dtype
+            dtype = self.inference.of(value, autocast, single=False)
+            pairs = [(element, dtype) for element in elements]
+        dtypes = self.found.name_dtypes
+        for element, dtype in pairs:
+            bound = dotted(element)
+            if not bound:
+                continue
+            key = (id(self.scope), bound)
+            if dtype is None:
+                dtypes.pop(key, None)
+            elif dtype != inference.LOW or dtypes.get(key, (None,))[0] != inference.LOW:
+                dtypes[key] = (dtype, line)  # a low value keeps the line it first went low
+        if value.__class__ is ast.Call and len(elements) == 1:
+            module = next((n for n in self.qualified(value.func) if n.startswith("torch.nn.")), None)
+            bound = dotted(target)
+            if bound and module:
+                self.nn_modules[bound] = module
 
     def _compare(self, node: ast.Compare) -> None:
         # `scaler.get_scale() != before`: kept for the skip-check rule; the sides are read there

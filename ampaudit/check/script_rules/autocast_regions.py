@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import Autocast, Call, Scope, ScriptFacts
+from ampaudit.check.lint.inference import LOW, Inference, widest
 from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
 from ampaudit.check.script_rules import lint_rule
@@ -49,25 +50,41 @@ def forward_outside_autocast(facts: ScriptFacts) -> Iterator[Finding]:
 def fp32_region_fed_low_precision(facts: ScriptFacts) -> Iterator[Finding]:
     # Only torch's own functions and loss modules: a function of the user's may cast its
     # inputs itself (VITS' losses do), which the lint cannot see from here.
-    torch_modules = {a.target for a in facts.assignments if any(n.startswith("torch.nn.") for n in a.call.names)}
+    torch_modules = {a.target: next(n for n in a.call.names if n.startswith("torch.nn.")) for a in facts.assignments
+                     if any(n.startswith("torch.nn.") for n in a.call.names)}
     for call in facts.calls:
         block = call.autocast
         if block is None or block.enabled or _is_cast(call):
             continue
         if not any(n.startswith("torch.") for n in call.names) and dotted(call.node.func) not in torch_modules:
             continue
-        for arg in arguments(call.node):
-            name = _root_name(arg.value)
-            line = facts.low_names.get((id(call.scope), name or ""))
-            if name is not None and line is not None and line < block.line:
-                yield finding(facts, "AMP422", call, name=name, line_low=line,
-                              fix=f"pass {facts.text(arg.value)}.float() into the fp32 region")
-                break
+        written = arguments(call.node)
+        infer = _inference(facts, call.scope, block.line, torch_modules)
+        dtypes = [infer.of(arg.value, autocast=False) for arg in written]
+        if widest(dtypes) != LOW:
+            continue  # no low input, or an fp32 one the op promotes to (F.l1_loss(fp32, fp16))
+        arg = next(a for a, dtype in zip(written, dtypes, strict=True) if dtype == LOW)
+        name = _root_name(arg.value) or facts.text(arg.value)
+        line = facts.name_dtypes.get((id(call.scope), name), (LOW, call.line))[1]
+        yield finding(facts, "AMP422", call, name=name, line_low=line,
+                      fix=f"pass {facts.text(arg.value)}.float() into the fp32 region")
+
+
+def _inference(facts: ScriptFacts, scope: Scope, before: int, modules: dict[str, str]) -> Inference:
+    """Names' dtypes as the region at line ``before`` sees them: low only when computed before it."""
+    def lookup(name: str) -> str | None:
+        dtype, line = facts.name_dtypes.get((id(scope), name), (None, 0))
+        return None if dtype == LOW and line >= before else dtype
+    return Inference(lookup, facts.qualified, modules.get)
 
 
 def _root_name(value: ast.expr) -> str | None:
-    """``out`` for ``out``, ``out["logits"]``, ``out.logits`` - not for ``out.float()``."""
-    while isinstance(value, (ast.Subscript, ast.Attribute)):
+    """``out`` for ``out``, ``out["logits"]``, ``out.logits``, ``out.view(-1)[:, :2]``."""
+    while isinstance(value, (ast.Subscript, ast.Attribute, ast.Call)):
+        if isinstance(value, ast.Call):
+            if not isinstance(value.func, ast.Attribute):
+                return None
+            value = value.func
         value = value.value
     return value.id if isinstance(value, ast.Name) else None
 
