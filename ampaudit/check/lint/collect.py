@@ -25,7 +25,8 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
     with _no_collection():
         tree = _parse(source)
         text = SourceText(source)
-        visitor = Visitor(text, ImportMap.of(tree))
+        defined = frozenset(n.name for n in tree.body if n.__class__ in _FUNCTIONS)
+        visitor = Visitor(text, ImportMap.of(tree), defined)
         visitor.module(relevant_statements(text, tree, relevant) if relevant is not None else tree.body)
         return visitor.facts(path)
 
@@ -67,3 +68,4 @@ def _no_collection() -> Iterator[None]:
 
 
 _DEFINITIONS = frozenset({ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef})
+_FUNCTIONS = frozenset({ast.FunctionDef, ast.AsyncFunctionDef})

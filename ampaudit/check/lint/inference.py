@@ -13,9 +13,11 @@ Read from the source alone, one assignment at a time, in the order the visit mee
   catalog (rules/ops.toml, the data the graph audit reads): its fp16 list low, its fp32
   list (``log10``, the losses, ``softmax``) fp32, anything else the widest input; outside
   autocast, an op gives its widest input;
-- a call of the user's (a model's forward) under autocast gives low precision when it is
-  the one value assigned; the elements of a tuple it returns are unknown (a model returns
-  fp32 log-probabilities and masks beside its fp16 features).
+- a model's forward (a call of a variable: ``model(x)``, ``self.backbone(x)``) under autocast
+  gives low precision when it is the one value assigned; the elements of a tuple it returns
+  are unknown (a model returns fp32 log-probabilities and masks beside its fp16 features);
+- a function's result (imported, or defined at the top level) is unknown: VITS'
+  ``spec_to_mel_torch`` ends in a ``log``, which autocast runs in fp32.
 
 Unknown stays unknown (a parameter, a loop variable): it never makes a finding.
 """
@@ -63,10 +65,11 @@ class Inference:
     """The dtype of an expression, given the dtypes names hold so far in its scope."""
 
     def __init__(self, lookup: Callable[[str], Dtype], qualified: Callable[[ast.AST], frozenset[str]],
-                 modules: Callable[[str], str | None]) -> None:
+                 modules: Callable[[str], str | None], function: Callable[[str], bool] = lambda name: False) -> None:
         self.lookup = lookup  # dotted name -> its dtype here
         self.qualified = qualified
         self.modules = modules  # a name -> the torch.nn class it was built from (`criterion`)
+        self.function = function  # whether a callee is a function (imported or defined), not a model
 
     def of(self, node: ast.expr, autocast: bool, single: bool = True) -> Dtype:
         """``node``'s dtype when it is evaluated in (``autocast``) or out of an enabled
@@ -142,7 +145,7 @@ class Inference:
         if _SLICING.search(callee) and inputs:
             return self.of(inputs[0], autocast)
         if autocast:
-            return LOW if single else None
+            return LOW if single and not self.function(dotted(func) or "") else None
         args = [self.of(a, autocast) for a in inputs]
         return None if LOW in args else FP32
 

@@ -70,7 +70,7 @@ class _Found:
 class Visitor:
     """The one walk over the tree, in source order (the order rules see calls in)."""
 
-    def __init__(self, text: SourceText, imports: ImportMap) -> None:
+    def __init__(self, text: SourceText, imports: ImportMap, functions: frozenset[str] = frozenset()) -> None:
         self.text = text
         self.imports = imports
         self.found = _Found()
@@ -91,7 +91,9 @@ class Visitor:
         self.version_tests: dict[ast.AST, bool] = {}
         self.class_body: str | None = None  # the class whose body is being visited (not its methods')
         self.nn_modules: dict[str, str] = {}  # `criterion = nn.MSELoss()`: name -> torch.nn class
-        self.inference = inference.Inference(self._dtype_of, self.qualified, self.nn_modules.get)
+        # a callee that is a function (imported, or defined at the top level), not a model
+        self.functions = functions
+        self.inference = inference.Inference(self._dtype_of, self.qualified, self.nn_modules.get, self._is_function)
         # names an import of an old AMP module binds: their reads are collected (references)
         self.tracked = {name for name, target in imports.bound.items()
                         if target.startswith(("torch.cuda.amp", "torch.cpu.amp"))}
@@ -442,6 +444,10 @@ class Visitor:
             if name is not None and self.scope.kind == "function":
                 self.found.returns.setdefault(self.scope, set()).add(name)  # `return net`: a factory
             self.visit(node.value)
+
+    def _is_function(self, name: str) -> bool:
+        root = name.split(".")[0]
+        return root in self.imports.bound or root in self.functions
 
     def _dtype_of(self, name: str) -> str | None:
         return self.found.name_dtypes.get((id(self.scope), name), (None, 0))[0]
