@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import Call, ScriptFacts
-from ampaudit.check.lint.nodes import dotted
+from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -21,6 +21,10 @@ _CHECKED = re.compile(r"get_scale|skip|step_applied|found_inf|optimizer_was_run"
 # it measures the loss per rate, it does not follow a schedule
 _RANGE_TEST = re.compile(r"range_?test|lr_?find|find_?lr|RangeTest", re.IGNORECASE)
 _PLATEAU = "ReduceLROnPlateau"
+# `scheduler.step(train_step - warmup)`: a per-step schedule told the step number (the legacy
+# epoch argument), not a plateau scheduler told a metric
+_STEP_NUMBER = re.compile(r"step|epoch|iter|update", re.IGNORECASE)
+_METRIC = re.compile(r"loss|metric|score|acc\b|accuracy|perf|val|ppl|perplex|bleu|dice|iou|error|f1|\bmap\b", re.IGNORECASE)
 
 
 @lint_rule("AMP419", reads=(r"\.step\(", "scaler", "GradScaler"))
@@ -47,19 +51,26 @@ def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
 
 
 def _plateaus(facts: ScriptFacts) -> frozenset[str]:
-    """Names holding a ReduceLROnPlateau, or a scheduler of a range test."""
-    return frozenset(a.target for a in facts.assignments
-                     if any(n.rsplit(".", 1)[-1] == _PLATEAU or _RANGE_TEST.search(n) for n in a.call.names)
-                     or _RANGE_TEST.search(dotted(a.call.node.func) or ""))
+    """Names only ever assigned a ReduceLROnPlateau, or a range test's scheduler."""
+    kinds: dict[str, set[bool]] = {}
+    for a in facts.assignments:
+        names = [*a.call.names, dotted(a.call.node.func) or ""]
+        plateau = any(n.rsplit(".", 1)[-1] == _PLATEAU or _RANGE_TEST.search(n) for n in names)
+        if plateau or any(".lr_scheduler." in n for n in a.call.names):
+            kinds.setdefault(a.target, set()).add(plateau)
+    return frozenset(name for name, plateau in kinds.items() if plateau == {True})
 
 
 def _per_step(facts: ScriptFacts, call: Call, plateaus: frozenset[str]) -> bool:
     """Whether ``call`` advances a per-step schedule: not ``scheduler.step(val_loss)`` (a
-    plateau scheduler stepped on a metric - or the legacy ``step(epoch)`` -, which moves on
-    per evaluation, not per update), not a ReduceLROnPlateau, not an LR finder's schedule."""
-    if call.method == "step" and call.has_arguments:
+    plateau scheduler stepped on a metric, per evaluation, not per update), not a
+    ReduceLROnPlateau, not an LR finder's schedule - but ``scheduler.step(train_step)`` is."""
+    if _RANGE_TEST.search(call.receiver or ""):
         return False
-    return call.receiver not in plateaus and not _RANGE_TEST.search(call.receiver or "")
+    if call.method == "step" and call.has_arguments:
+        told = " ".join(facts.text(a.value) for a in arguments(call.node))
+        return bool(_STEP_NUMBER.search(told)) and not _METRIC.search(told)
+    return call.receiver not in plateaus
 
 
 def _checked(facts: ScriptFacts, call: Call) -> bool:
