@@ -24,7 +24,8 @@ _PLATEAU = "ReduceLROnPlateau"
 # `scheduler.step(train_step - warmup)`: a per-step schedule told the step number (the legacy
 # epoch argument), not a plateau scheduler told a metric
 _STEP_NUMBER = re.compile(r"step|epoch|iter|update", re.IGNORECASE)
-_METRIC = re.compile(r"loss|metric|score|acc\b|accuracy|perf|val|ppl|perplex|bleu|dice|iou|error|f1|\bmap\b", re.IGNORECASE)
+_METRIC = re.compile(r"loss|metric|score|acc\b|accuracy|perf|val|ppl|perplex|bleu|dice|iou|error|f1|\bmap\b",
+                     re.IGNORECASE)
 
 
 @lint_rule("AMP419", reads=(r"\.step\(", "scaler", "GradScaler"))
