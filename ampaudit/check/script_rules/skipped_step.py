@@ -19,7 +19,7 @@ _EMA = re.compile(r"(^|[._])(ema|model_ema|ema_model|swa_model)(_\w+)?$", re.IGN
 _CHECKED = re.compile(r"get_scale|skip|step_applied|found_inf|optimizer_was_run", re.IGNORECASE)
 # A learning-rate range test (an "LR finder") raises the rate every step whatever happens:
 # it measures the loss per rate, it does not follow a schedule
-_RANGE_TEST = re.compile(r"range_?test|lr_?find|find_?lr|RangeTest", re.IGNORECASE)
+_RANGE_TEST = re.compile(r"range_?test|lr_?find|find_?lr|record_?lr|lr_?range|RangeTest", re.IGNORECASE)
 _PLATEAU = "ReduceLROnPlateau"
 # `scheduler.step(train_step - warmup)`: a per-step schedule told the step number (the legacy
 # epoch argument), not a plateau scheduler told a metric
