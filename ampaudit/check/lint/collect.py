@@ -25,8 +25,10 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
     with _no_collection():
         tree = _parse(source)
         text = SourceText(source)
-        defined = frozenset(n.name for n in tree.body if n.__class__ in _FUNCTIONS)
-        visitor = Visitor(text, ImportMap.of(tree), defined)
+        # the names' dtypes (inference.py) matter only where autocast is turned off in a region
+        infer = _DISABLED.search(source) is not None
+        defined = frozenset(n.name for n in tree.body if n.__class__ in _FUNCTIONS) if infer else frozenset()
+        visitor = Visitor(text, ImportMap.of(tree), defined, infer_dtypes=infer)
         visitor.module(relevant_statements(text, tree, relevant) if relevant is not None else tree.body)
         return visitor.facts(path)
 
@@ -69,3 +71,4 @@ def _no_collection() -> Iterator[None]:
 
 _DEFINITIONS = frozenset({ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef})
 _FUNCTIONS = frozenset({ast.FunctionDef, ast.AsyncFunctionDef})
+_DISABLED = re.compile(r"enabled\s*=\s*False")  # autocast(enabled=False): what AMP422 looks into

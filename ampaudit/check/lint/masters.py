@@ -23,8 +23,8 @@ from ampaudit.check.lint.protocol import is_optimizer, parameters_of
 from ampaudit.core.rulebook import rule
 
 # the source text that names such an optimizer: rules that ask `handled` read it
-READS = ("_step_supports_amp_scaling", "master_weights", "FP16", "Float16", "FusedLAMB", "FusedAdam",
-         "deepspeed", "megatron", "fused")
+# (the optimizers themselves are built where `optim` is read anyway)
+READS = ("_step_supports_amp_scaling", "master_weights", "deepspeed")
 
 # `class Opt: _step_supports_amp_scaling = True`, `self._step_supports_amp_scaling = True`,
 # `optimizer._step_supports_amp_scaling = True`: GradScaler.step() hands the scaling over
@@ -66,7 +66,9 @@ def _model_of(call: Call) -> str | None:
 def _supporting_classes(facts: ScriptFacts) -> frozenset[str]:
     """Classes of the file that set ``_step_supports_amp_scaling = True`` (in the body or
     on ``self``), and names of objects it is set on (``opt._step_supports_amp_scaling = True``)."""
-    found = set()
+    found: set[str] = set()
+    if "_step_supports_amp_scaling" not in facts.source:
+        return frozenset()
     spans = [(c.node.name, c.node.lineno, c.node.end_lineno or c.node.lineno) for c in facts.classes]
     for match in _SUPPORTS.finditer(facts.source):
         line = facts.source.count("\n", 0, match.start()) + 1

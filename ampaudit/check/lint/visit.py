@@ -70,7 +70,8 @@ class _Found:
 class Visitor:
     """The one walk over the tree, in source order (the order rules see calls in)."""
 
-    def __init__(self, text: SourceText, imports: ImportMap, functions: frozenset[str] = frozenset()) -> None:
+    def __init__(self, text: SourceText, imports: ImportMap, functions: frozenset[str] = frozenset(),
+                 infer_dtypes: bool = True) -> None:
         self.text = text
         self.imports = imports
         self.found = _Found()
@@ -93,6 +94,7 @@ class Visitor:
         self.nn_modules: dict[str, str] = {}  # `criterion = nn.MSELoss()`: name -> torch.nn class
         # a callee that is a function (imported, or defined at the top level), not a model
         self.functions = functions
+        self.infer_dtypes = infer_dtypes
         self.inference = inference.Inference(self._dtype_of, self.qualified, self.nn_modules.get, self._is_function)
         # names an import of an old AMP module binds: their reads are collected (references)
         self.tracked = {name for name, target in imports.bound.items()
@@ -420,7 +422,8 @@ class Visitor:
         scaled = unwrap_cast(value)
         scaler = dotted(scaled.func.value) if _calls_method(scaled, "scale") else None
         for target in node.targets:
-            self._infer(target, value, block is not None and block.enabled, node.lineno)
+            if self.infer_dtypes:
+                self._infer(target, value, block is not None and block.enabled, node.lineno)
             name = dotted(target)
             if not name:
                 continue

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import Call, ScriptFacts
+from ampaudit.check.lint.memo import per_file
 from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding
 from ampaudit.check.script_rules import lint_rule
@@ -30,7 +31,6 @@ _METRIC = re.compile(r"loss|metric|score|acc\b|accuracy|perf|val|ppl|perplex|ble
 
 @lint_rule("AMP419", reads=(r"\.step\(", "scaler", "GradScaler"))
 def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
-    plateaus = _plateaus(facts)
     for scope in facts.scopes():
         if _RANGE_TEST.search(scope.name):
             continue
@@ -45,12 +45,13 @@ def schedule_steps_on_skipped_step(facts: ScriptFacts) -> Iterator[Finding]:
             follows = (call.method == "step" and _SCHEDULE.search(call.receiver)) or \
                 (call.method in ("update", "update_parameters") and _EMA.search(call.receiver))
             step = next((s for s in steps if s.loop is call.loop and s.line < call.line), None)
-            if not follows or step is None or _checked(facts, call) or not _per_step(facts, call, plateaus):
+            if not follows or step is None or _checked(facts, call) or not _per_step(facts, call):
                 continue
             yield finding(facts, "AMP419", call, call=f"{call.receiver}.{call.method}()", scaler=step.receiver,
                           fix=f"step it only when {step.receiver}.get_scale() did not drop in update()")
 
 
+@per_file
 def _plateaus(facts: ScriptFacts) -> frozenset[str]:
     """Names only ever assigned a ReduceLROnPlateau, or a range test's scheduler."""
     kinds: dict[str, set[bool]] = {}
@@ -62,7 +63,7 @@ def _plateaus(facts: ScriptFacts) -> frozenset[str]:
     return frozenset(name for name, plateau in kinds.items() if plateau == {True})
 
 
-def _per_step(facts: ScriptFacts, call: Call, plateaus: frozenset[str]) -> bool:
+def _per_step(facts: ScriptFacts, call: Call) -> bool:
     """Whether ``call`` advances a per-step schedule: not ``scheduler.step(val_loss)`` (a
     plateau scheduler stepped on a metric, per evaluation, not per update), not a
     ReduceLROnPlateau, not an LR finder's schedule - but ``scheduler.step(train_step)`` is."""
@@ -71,7 +72,7 @@ def _per_step(facts: ScriptFacts, call: Call, plateaus: frozenset[str]) -> bool:
     if call.method == "step" and call.has_arguments:
         told = " ".join(facts.text(a.value) for a in arguments(call.node))
         return bool(_STEP_NUMBER.search(told)) and not _METRIC.search(told)
-    return call.receiver not in plateaus
+    return call.receiver not in _plateaus(facts)
 
 
 def _checked(facts: ScriptFacts, call: Call) -> bool:
