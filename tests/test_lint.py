@@ -54,6 +54,30 @@ def test_rules_stay_inside_one_function():
     assert lint_source("t.py", source) == []
 
 
+_FAIRSEQ = (
+    "import torch\n"
+    "from fairseq import optim\n\n"
+    "def train(cfg, net, loader):\n"
+    "    model = net.half()\n"
+    "    params = [p for p in model.parameters() if p.requires_grad]\n"
+    "    optimizer = optim.FP16Optimizer.build_optimizer(cfg, params)\n"
+    "    model.train()\n"
+)
+_PLAIN = (
+    "\ndef other(net, loader):\n"
+    "    model = net.half()\n"
+    "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "    model.train()\n"
+)
+
+
+def test_a_master_weight_optimizer_covers_its_own_model_only():
+    # fairseq's optimizer is built through a class method of FP16Optimizer: it keeps the masters
+    assert _codes(lint_source("t.py", _FAIRSEQ)) == []
+    # another function's `model`, trained by plain SGD, is another model: still AMP411
+    assert [c for c in _codes(lint_source("t.py", _FAIRSEQ + _PLAIN)) if c[1] == "AMP411"] == [(11, "AMP411")]
+
+
 def _copy(tmp_path, name):
     target = tmp_path / name
     shutil.copy(RULE_FIXTURES / name, target)

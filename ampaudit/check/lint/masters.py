@@ -44,9 +44,10 @@ def _params() -> dict:
     return rule("AMP411").params
 
 
-def _last(call: Call) -> str:
-    name = next(iter(sorted(call.names)), None) or dotted(call.node.func) or ""
-    return name.rsplit(".", 1)[-1]
+def _parts(call: Call) -> set[str]:
+    """The names a callee is spelled with: ``FusedLAMBAMP``, and ``FP16Optimizer`` in fairseq's
+    ``optim.FP16Optimizer.build_optimizer(cfg, params)``."""
+    return {part for name in (*call.names, dotted(call.node.func) or "") for part in name.split(".")}
 
 
 def _is_true(node: ast.expr | None) -> bool:
@@ -101,11 +102,11 @@ def special_optimizers(facts: ScriptFacts) -> tuple[Special, ...]:
                                   masters or (known is not None and known.masters))
 
     for call in facts.calls:
-        name = _last(call)
+        parts = _parts(call)
         callee = dotted(call.node.func) or ""
         if call.names & engines:
             add(call, True)
-        elif name in wrappers or callee in supporting or _is_true(call.kwarg("master_weights")):
+        elif parts & wrappers or callee in supporting or _is_true(call.kwarg("master_weights")):
             add(call, True)
             # FP16_Optimizer(torch.optim.Adam(model.parameters())) or FP16_Optimizer(optimizer):
             # the wrapped optimizer updates the fp32 masters
@@ -127,14 +128,23 @@ def handled(facts: ScriptFacts, model: str, cast: Call, *, masters: bool) -> boo
     parameters: keeps fp32 masters (``masters``), or at least is not unscaled by GradScaler.
     An optimizer whose parameters the lint cannot trace counts for a cast in its own function,
     or anywhere when the file builds no plain optimizer over that model."""
-    specials = [s for s in special_optimizers(facts) if s.masters or not masters]
+    specials = [s for s in special_optimizers(facts) if (s.masters or not masters) and _near(facts, s.call, cast)]
     if not specials:
         return False
     if any(s.model == model for s in specials):
         return True
-    plain = any(parameters_of(a.value) == model for c in facts.calls if is_optimizer(c)
+    plain = any(parameters_of(a.value) == model for c in facts.calls if is_optimizer(c) and _near(facts, c, cast)
                 and all(c is not s.call for s in special_optimizers(facts)) for a in arguments(c.node)[:1])
     return any(s.model is None and (s.call.scope is cast.scope or not plain) for s in specials)
+
+
+def _near(facts: ScriptFacts, built: Call, cast: Call) -> bool:
+    """Whether an optimizer built at ``built`` can train what ``cast`` cast: in the same
+    function or at the top level - or anywhere, when the cast is in a model's own method or in
+    a factory that returns the model (its name is given where the model is built)."""
+    scopes = (built.scope, cast.scope)
+    return built.scope is cast.scope or any(s.kind == "module" for s in scopes) \
+        or cast.scope in facts.methods or bool(facts.returns.get(cast.scope))
 
 
 def unscales(facts: ScriptFacts, model: str) -> bool:
