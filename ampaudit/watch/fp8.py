@@ -21,6 +21,7 @@ after the step's one read of its own buffer, which has waited for the copy alrea
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -233,9 +234,45 @@ def to_scale(amax: torch.Tensor, fmax: float | torch.Tensor) -> torch.Tensor:
     return (fmax / amax.double().clamp(min=EPS)).float()
 
 
+_CUTS: dict[str, tuple[float, float]] = {}
+
+
+def cuts(fmt: LowDtype) -> tuple[float, float]:
+    """The smallest fp32 magnitude ``fmt``'s cast (round to nearest even) takes past its max -
+    a saturated cast clamps from there; the max's own rounding (up to half an ulp above it)
+    is not saturation - and the largest it rounds to zero. Found once, from the cast itself
+    (an fp32 bit search), so the counts are the cast's."""
+    found = _CUTS.get(fmt.name)
+    if found is None:
+        target = getattr(torch, fmt.name, None)
+        if target is None:  # a torch without float8 dtypes: the limits' arithmetic
+            found = (fmt.overflow_at, fmt.tiniest / 2)
+        else:
+            def first(lo: int, hi: int, bad: Any) -> int:  # the first fp32 bit pattern in [lo, hi] that is bad
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if bad(mid) else (mid + 1, hi)
+                return lo
+
+            def cast(bits: int) -> float:
+                return torch.tensor([bits], dtype=torch.int32).view(torch.float32).to(target).float().item()
+
+            def as_float(bits: int) -> float:
+                return torch.tensor([bits], dtype=torch.int32).view(torch.float32).item()
+
+            top = 0x7F7FFFFF  # fp32's max
+            saturate = first(0, top, lambda b: not math.isfinite(cast(b)))
+            # torch's e4m3fn cast saturates by itself (it never gives NaN): from past the tie
+            # between the max and the next step up, which rounds to even - the max
+            found = (as_float(saturate) if saturate < top else math.nextafter(fmt.overflow_at, math.inf),
+                     as_float(first(0, top, lambda b: cast(b) != 0) - 1))
+        _CUTS[fmt.name] = found
+    return found
+
+
 def cast_counts(a: torch.Tensor, scale: torch.Tensor, fmt: LowDtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Of |x| (fp32) times ``scale``: how many exceed the format's max (a saturated cast clamps
-    them) and how many nonzero ones round to zero (at most half the smallest subnormal: round
-    to nearest even takes exactly half to 0)."""
+    """Of |x| (fp32) times ``scale``: how many the cast takes past the format's max (a
+    saturated cast clamps them) and how many nonzero ones it rounds to zero."""
+    saturate_at, zero_to = cuts(fmt)
     y = a * scale
-    return (y > fmt.max).sum(), ((y <= fmt.tiniest / 2) & (a > 0)).sum()
+    return (y >= saturate_at).sum(), ((y <= zero_to) & (a > 0)).sum()
