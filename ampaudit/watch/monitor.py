@@ -114,6 +114,7 @@ class Monitor:
                                      "given" if dtype is not None else None, record_inputs=options.inputs,
                                      record_eval=options.eval, provenance=options.provenance,
                                      inside_compile=options.inside_compile)
+        self.fp8_history = options.fp8_history  # the delayed recipe's amax history, in steps
         self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused)
                     if options.fp8 else None)  # float8 statistics: a unit of their own (watch/fp8.py)
         self.optimizer_tap = OptimizerTap(self._boundary, optimizer)
