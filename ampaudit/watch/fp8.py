@@ -56,31 +56,45 @@ def module_formats(module: torch.nn.Module) -> tuple[str, dict[str, LowDtype]]:
 
 
 class _Rows:
-    """The device state of one device's rows: this step's sums and amax, each row's amax
-    history and the previous step's amax. Grows when a new (module, operand) first runs."""
+    """The device state of one device's rows: each row's amax history and the previous step's
+    amax, and this step's calls - their amax and counts, added into the rows at the step's end
+    (one kernel each, not a few per call). Grows when a new (module, operand) first runs."""
 
     def __init__(self, device: torch.device, history: int) -> None:
         self.device, self.history = device, history
-        self.sums = torch.zeros(0, _SUMS, dtype=torch.float64, device=device)
-        self.amax = torch.zeros(0, dtype=torch.float32, device=device)
         self.hist = torch.zeros(0, history, dtype=torch.float32, device=device)  # 0: no entry yet
         self.ptr = torch.zeros(0, dtype=torch.int64, device=device)  # each row's next history slot
         self.prev = torch.zeros(0, dtype=torch.float32, device=device)  # the previous step's amax (0: none)
         self.fmax = torch.zeros(0, dtype=torch.float64, device=device)  # each row's format's max
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}  # a step's rows as an index tensor, made once
+        self.calls: list[int] = []  # this step's calls: their rows, in order
+        self.amaxes: list[torch.Tensor] = []  # each call's amax
+        self.counts: list[torch.Tensor] = []  # a recorded step's calls: numel and FP8_SUMS' counts
+        self.delayed: torch.Tensor | None = None  # per row, the delayed recipe's scale this step (0: none)
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}  # rows as an index tensor, made once
 
     def grow(self, fmax: float) -> int:
         def more(t: torch.Tensor, value: float = 0.0) -> torch.Tensor:
             return torch.cat([t, torch.full((1, *t.shape[1:]), value, dtype=t.dtype, device=self.device)])
 
-        self.sums, self.amax, self.hist = more(self.sums), more(self.amax), more(self.hist)
-        self.ptr, self.prev, self.fmax = more(self.ptr), more(self.prev), more(self.fmax, fmax)
-        return len(self.amax) - 1
+        self.hist, self.ptr, self.prev = more(self.hist), more(self.ptr), more(self.prev)
+        self.fmax = more(self.fmax, fmax)
+        self.delayed = None
+        return len(self.prev) - 1
+
+    def delayed_scale(self, r: int) -> torch.Tensor:
+        """Row ``r``'s delayed scale this step, from the history before it (0: no history)."""
+        if self.delayed is None:  # once a step, for every row
+            hist = self.hist.max(1).values
+            self.delayed = torch.where(hist > 0, to_scale(hist, self.fmax), 0.0)
+        return self.delayed[r]
 
     def index(self, rows: tuple[int, ...]) -> torch.Tensor:
-        """The rows as a device tensor: made once per set of rows (a host-to-device copy waits)."""
+        """The rows as a device tensor: made once per sequence of rows (a host-to-device copy
+        waits, so a step that repeats the last one's calls makes none)."""
         found = self._index.get(rows)
         if found is None:
+            if len(self._index) > 64:  # calls that vary from step to step: keep it bounded
+                self._index.clear()
             found = self._index[rows] = torch.tensor(rows, dtype=torch.int64, device=self.device)
         return found
 
@@ -95,13 +109,16 @@ class Fp8Step:
         """``{module: {"kind": ..., operand: {"format": "e4m3", field: value, ...}}}``."""
         if self.event is not None:
             self.event.synchronize()  # done already: the step's own read waited for the stream
-        out: dict[str, Any] = {}
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
         for (module, operand), values in zip(self.names, self.host.tolist(), strict=True):
-            entry = out.setdefault(module, {"kind": kinds[module]})
             row: dict[str, Any] = {"format": formats[module][operand].short}
             for name, integer, value in zip(_NAMES, _INTEGER, values, strict=True):
                 row[name] = int(value) if integer else value
-            entry[operand] = row
+            rows[(module, operand)] = row
+        out: dict[str, Any] = {}
+        for module in sorted({m for m, _ in rows}):  # the operands in the GEMM's order
+            out[module] = {"kind": kinds[module], **{op: rows[(module, op)] for op in FP8_OPERANDS
+                                                     if (module, op) in rows}}
         return out
 
 
@@ -116,7 +133,6 @@ class Fp8Recorder:
         self.logging = True  # this step's counts are recorded (amax always is: the history needs it)
         self._devices: dict[torch.device, _Rows] = {}
         self._rows: dict[tuple[str, str], tuple[torch.device, int]] = {}  # (module, operand) -> its row
-        self._seen: dict[torch.device, set[int]] = {}  # this step's rows, per device
         self.kinds: dict[str, str] = {}  # module -> "Float8Linear (tensorwise)" / "Linear (what-if)"
         self.formats: dict[str, dict[str, LowDtype]] = {}
         self._handles: list[Any] = []
@@ -160,7 +176,8 @@ class Fp8Recorder:
             output.register_hook(hook)
 
     def measure(self, module: str, operand: str, tensor: torch.Tensor) -> None:
-        """One call's operand into the step's row: no host sync."""
+        """One call's operand: its amax and, on a recorded step, its counts, kept on the
+        device for the step's end. No host sync."""
         if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta:
             return
         fmt = self.formats[module][operand]
@@ -173,47 +190,53 @@ class Fp8Recorder:
             where = self._rows[key] = (tensor.device, rows.grow(fmt.max))
         device, r = where
         rows = self._devices[device]
-        self._seen.setdefault(device, set()).add(r)
         with torch.no_grad():
-            a = tensor.detach().abs().float().reshape(-1)
+            a = tensor.detach().abs()
+            a = (a if a.dtype == torch.float32 else a.float()).reshape(-1)
             amax = a.max()
-            rows.amax[r] = torch.maximum(rows.amax[r], amax)
-            if not self.logging:
-                return
-            scale = to_scale(amax, fmt.max)
-            hist = rows.hist[r].max()
-            delayed = torch.where(hist > 0, to_scale(hist, fmt.max), scale)
-            counts = torch.stack([*cast_counts(a, scale, fmt), *cast_counts(a, delayed, fmt)])
-            rows.sums[r, 0] += a.numel()
-            rows.sums[r, 1:] += counts
+            rows.calls.append(r)
+            rows.amaxes.append(amax)
+            if self.logging:
+                scale = to_scale(amax, fmt.max)
+                delayed = rows.delayed_scale(r)
+                delayed = torch.where(delayed > 0, delayed, scale)  # no history yet: the step's own amax
+                # the order of layout.FP8_SUMS; numel by a fill, not a copy from the host (it would wait)
+                nonzero = torch.count_nonzero(a)
+                y = a * delayed
+                rows.counts.append(torch.stack([
+                    torch.full((), a.numel(), dtype=torch.int64, device=device), flushed(a * scale, nonzero, fmt),
+                    saturated(y, fmt), flushed(y, nonzero, fmt)]))
 
     def end_step(self, logging_next: bool) -> Fp8Step | None:
-        """The step's amax into each row's history; a recorded step's rows on their way to the
-        host (``Fp8Step.read`` after the step's own read). On the device only."""
+        """The step's calls added into their rows; the step's amax into each row's history; a
+        recorded step's rows on their way to the host (``Fp8Step.read`` after the step's own
+        read). On the device only."""
         logged, pending = self.logging, []
         names_by_row = {v: k for k, v in self._rows.items()}
-        for device, seen in self._seen.items():
-            rows = self._devices[device]
-            ordered = tuple(sorted(seen, key=lambda r: names_by_row[(device, r)]))
-            idx = rows.index(ordered)
-            amax = rows.amax[idx]
-            if logged:
+        for device, rows in self._devices.items():
+            if not rows.calls:
+                continue
+            seen = tuple(sorted(set(rows.calls), key=lambda r: names_by_row[(device, r)]))
+            idx, calls = rows.index(seen), rows.index(tuple(rows.calls))
+            amax = torch.zeros(len(rows.prev), dtype=torch.float32, device=device)
+            amax = amax.scatter_reduce(0, calls, torch.stack(rows.amaxes), "amax")[idx]
+            if logged and rows.counts:
+                sums = torch.zeros(len(rows.prev), len(rows.counts[0]), dtype=torch.float64, device=device)
+                sums = sums.index_add(0, calls, torch.stack(rows.counts).double())[idx]
                 hist_amax = rows.hist[idx].max(1).values
                 fmax = rows.fmax[idx]
                 scale = to_scale(amax, fmax)
                 delayed = torch.where(hist_amax > 0, to_scale(hist_amax, fmax), scale)
                 prev = rows.prev[idx]
                 jump = torch.where(prev > 0, amax / prev.clamp(min=EPS), 0.0)
-                out = torch.cat([rows.sums[idx], torch.stack([amax, jump, hist_amax, scale, delayed], 1).double()], 1)
-                pending.append(([names_by_row[(device, r)] for r in ordered], out))
-            # the step's amax enters the history and becomes the previous one; unseen rows keep theirs
+                out = torch.cat([sums, torch.stack([amax, jump, hist_amax, scale, delayed], 1).double()], 1)
+                pending.append(([names_by_row[(device, r)] for r in seen], out))
+            # the step's amax enters the history and becomes the previous one; rows not run keep theirs
             ptr = rows.ptr[idx]
             rows.hist[idx, ptr] = amax
             rows.ptr[idx] = (ptr + 1) % self.history
             rows.prev[idx] = amax
-            rows.amax[idx] = 0.0
-            rows.sums[idx] = 0.0
-        self._seen = {}
+            rows.calls, rows.amaxes, rows.counts, rows.delayed = [], [], [], None
         self.logging = logging_next
         if not pending:
             return None
@@ -270,9 +293,15 @@ def cuts(fmt: LowDtype) -> tuple[float, float]:
     return found
 
 
-def cast_counts(a: torch.Tensor, scale: torch.Tensor, fmt: LowDtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Of |x| (fp32) times ``scale``: how many the cast takes past the format's max (a
-    saturated cast clamps them) and how many nonzero ones it rounds to zero."""
-    saturate_at, zero_to = cuts(fmt)
-    y = a * scale
-    return (y >= saturate_at).sum(), ((y <= zero_to) & (a > 0)).sum()
+def saturated(y: torch.Tensor, fmt: LowDtype) -> torch.Tensor:
+    """Of |x| times a scale (fp32, as the recipe computes it), how many the cast takes past the
+    format's max: a saturated cast clamps them. (A tensorwise scale never does: amax times
+    max / amax is within 2**-22 of the max, far from where the cast goes past it - so watch
+    counts it for the delayed scale only.)"""
+    return torch.count_nonzero(y >= cuts(fmt)[0])
+
+
+def flushed(y: torch.Tensor, nonzero: torch.Tensor, fmt: LowDtype) -> torch.Tensor:
+    """Of |x| times a scale, how many nonzero ones the cast rounds to zero: the nonzero ones
+    (``nonzero``) less those it keeps - counted without a bool-to-int copy."""
+    return nonzero - torch.count_nonzero(y > cuts(fmt)[1])

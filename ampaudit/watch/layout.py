@@ -58,9 +58,10 @@ FIELDS = (  # a summary's Stats, in this order; "hist" (not here) follows them
 )
 
 FP8_OPERANDS = ("input", "weight", "grad_output")  # a Linear's GEMM operands, as a float8 recipe casts them
-FP8_FIELDS = (  # watch(..., fp8=True): one row per (Linear, operand) and step (watch/fp8.py), in this order
+# watch(..., fp8=True): one row per (Linear, operand) and step (watch/fp8.py), in this order. No
+# "saturated" for the tensorwise scale: it puts the amax at the format's max, so none saturates.
+FP8_FIELDS = (
     Slot("numel", SUM, "elements"),
-    Slot("saturated", SUM, "elements beyond the format's max after the tensorwise (current) scale: clamped"),
     Slot("underflow", SUM, "nonzero elements that round to zero after the tensorwise (current) scale"),
     Slot("delayed_saturated", SUM, "elements beyond the format's max after the delayed recipe's scale"),
     Slot("delayed_underflow", SUM, "nonzero elements that round to zero after the delayed recipe's scale"),

@@ -104,21 +104,21 @@ def _fp8_table(fp8: dict[str, Any]) -> Table:
                         "amax, delayed = from the amax history; % of elements)", title_justify="left")
     table.add_column("module", overflow="fold", ratio=1)
     table.add_column("operand", no_wrap=True)
-    for col in ("fmt", "amax", "max jump", "scale", "sat %", "flush %", "delayed scale", "d.sat %", "d.flush %"):
+    for col in ("fmt", "amax", "max jump", "scale", "flush %", "delayed scale", "d.sat %", "d.flush %"):
         table.add_column(col, justify="right", no_wrap=True)
     for module, entry in fp8.items():
-        kind = entry.get("kind") or ""
+        first = True
         for operand, r in entry.items():
             if not isinstance(r, dict):
                 continue
             n = r.get("numel", 0)
-            bad = r.get("delayed_saturated") or r.get("saturated") or r.get("underflow")
-            table.add_row(Text(f"{module}\n{kind}" if operand == "input" or len(entry) == 2 else module),
-                          operand, str(r.get("format", "")), f"{r.get('amax', 0):.3g}", f"{r.get('jump', 0):.3g}",
-                          f"{r.get('scale', 0):.3g}", _percent(r.get("saturated", 0), n),
-                          _percent(r.get("underflow", 0), n), f"{r.get('delayed_scale', 0):.3g}",
-                          _percent(r.get("delayed_saturated", 0), n), _percent(r.get("delayed_underflow", 0), n),
-                          style="yellow" if bad else None)
+            bad = r.get("delayed_saturated") or r.get("underflow")
+            name = Text(module) + Text(f"\n{entry.get('kind') or ''}", style="dim") if first else Text("")
+            first = False
+            table.add_row(name, operand, str(r.get("format", "")), f"{r.get('amax', 0):.3g}",
+                          f"{r.get('jump', 0):.3g}", f"{r.get('scale', 0):.3g}", _percent(r.get("underflow", 0), n),
+                          f"{r.get('delayed_scale', 0):.3g}", _percent(r.get("delayed_saturated", 0), n),
+                          _percent(r.get("delayed_underflow", 0), n), style="yellow" if bad else None)
     return table
 
 
