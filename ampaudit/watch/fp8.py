@@ -287,7 +287,8 @@ def cuts(fmt: LowDtype) -> tuple[float, float]:
             saturate = first(0, top, lambda b: not math.isfinite(cast(b)))
             # torch's e4m3fn cast saturates by itself (it never gives NaN): from past the tie
             # between the max and the next step up, which rounds to even - the max
-            found = (as_float(saturate) if saturate < top else math.nextafter(fmt.overflow_at, math.inf),
+            tie = torch.tensor(fmt.overflow_at, dtype=torch.float32)  # the next fp32 up: a comparison in fp32
+            found = (as_float(saturate) if saturate < top else torch.nextafter(tie, tie + 1).item(),
                      as_float(first(0, top, lambda b: cast(b) != 0) - 1))
         _CUTS[fmt.name] = found
     return found
