@@ -202,3 +202,56 @@ def test_torchao_float8_linear_modules_are_measured_as_they_run(recipe):
     assert [fp8["0"][op]["format"] for op in ("input", "weight", "grad_output")] == ["e4m3", "e4m3", grad_format]
     assert fp8["0"]["input"]["amax"] == max(x.abs().max() for x in xs).item()
     assert fp8["0"]["input"]["steps"] == 3 and fp8["0"]["input"]["numel"] == 3 * 16 * 32
+
+
+def _cuda_train(model, opt, steps):
+    x = torch.randn(16, 64, device="cuda")
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("log", [False, True])
+def test_fp8_adds_no_host_sync_on_the_gpu(tmp_path, log):
+    import warnings
+
+    def syncs(fn) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+                torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in caught)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _cuda_train(model, opt, 2)
+    counts = {}
+    for fp8 in (False, True):
+        with ampaudit.watch(model, optimizer=opt, fp8=fp8, log=tmp_path / f"{fp8}.jsonl" if log else None) as mon:
+            _cuda_train(model, opt, 2)  # warm-up: the rows grow, the index tensors are made
+            counts[fp8] = syncs(lambda: _cuda_train(model, opt, 4))
+        if fp8:
+            assert set(mon.summary()["fp8"]) == {"0", "2"}
+    assert counts[True] == counts[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_rows_on_the_gpu_are_the_cpus():
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 8) * (30 if step == 2 else 1) for step in range(4)]
+    rows = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(1)
+        model = nn.Linear(8, 4).to(device)
+        mon, _ = _train(model, [b.to(device) for b in batches], loss_weight=torch.ones(6, 4, device=device))
+        rows[device] = mon.summary()["fp8"]
+    assert rows["cuda"] == rows["cpu"]

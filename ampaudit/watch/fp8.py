@@ -89,13 +89,15 @@ class _Rows:
         return self.delayed[r]
 
     def index(self, rows: tuple[int, ...]) -> torch.Tensor:
-        """The rows as a device tensor: made once per sequence of rows (a host-to-device copy
-        waits, so a step that repeats the last one's calls makes none)."""
+        """The rows as a device tensor, made once per sequence of rows; on CUDA copied from
+        pinned memory without waiting (a copy from pageable memory would wait for the stream)."""
         found = self._index.get(rows)
         if found is None:
             if len(self._index) > 64:  # calls that vary from step to step: keep it bounded
                 self._index.clear()
-            found = self._index[rows] = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            host = torch.tensor(rows, dtype=torch.int64)
+            found = self._index[rows] = (host.pin_memory().to(self.device, non_blocking=True)
+                                         if self.device.type == "cuda" else host.to(self.device))
         return found
 
 
