@@ -104,9 +104,9 @@ def test_grad_output_far_below_e5m2s_range_is_the_underflow_verdict_with_the_exa
     assert lost == 22  # 24 elements: the large one and the zero are not lost
     [found] = [f for f in mon.summary()["findings"] if f["rule"] == "AMP751"]
     assert found["module"] == "(model)"
-    assert found["message"] == ("`(model)`'s output gradient loses 91.7% of its nonzero elements to zero in e5m2 "
-                                "even at its own tensorwise scale, in 4 logged steps from 0 to 3 (4 in a row from "
-                                "step 0)")
+    assert found["message"] == ("`(model)`'s output gradient loses 91.7% of its elements (nonzero values rounded to "
+                                "zero) in e5m2 even at its own tensorwise scale, in 4 logged steps from 0 to 3 (4 in "
+                                "a row from step 0)")  # 22 of 24
     row = mon.summary()["fp8"]["(model)"]["grad_output"]
     assert (row["steps"], row["numel"], row["underflow"], row["format"]) == (4, 96, 88, "e5m2")
 
