@@ -264,7 +264,10 @@ class Monitor:
         step, recorder = self.step_index, self.recorder
         record = None
         # the fp8 rows leave the device before the step's own read, which then waits for them too
-        fp8 = self.fp8.end_step((step + 1) % self.every == 0) if self.fp8 is not None else None
+        fp8 = None
+        if self.fp8 is not None:
+            with forks.single_threaded(_CPU):
+                fp8 = self.fp8.end_step((step + 1) % self.every == 0)
         if recorder.logging:
             keys = sorted(set((module, phase) for module, phase, _ in recorder.events if phase != INPUT_GRAD))
             param_keys = sorted(recorder.param_rows)
