@@ -111,6 +111,22 @@ def test_grad_output_far_below_e5m2s_range_is_the_underflow_verdict_with_the_exa
     assert (row["steps"], row["numel"], row["underflow"], row["format"]) == (4, 96, 88, "e5m2")
 
 
+def test_two_steps_of_gradient_underflow_are_not_persistent():
+    torch.manual_seed(0)
+    far = torch.full((6, 4), 1e-12)
+    far[0, 0] = 1.0
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ampaudit.watch(model, optimizer=opt, fp8=True) as mon:
+        for step in range(5):  # flushed in steps 0, 1 and 3: never 3 in a row (min_steps)
+            weight = far if step in (0, 1, 3) else torch.ones(6, 4)
+            (model(torch.randn(6, 8)) * weight).sum().backward()
+            opt.step()
+    summary = mon.summary()
+    assert summary["fp8"]["(model)"]["grad_output"]["underflow"] == 3 * 23
+    assert [f["rule"] for f in summary["findings"] if f["rule"].startswith("AMP75")] == []
+
+
 def test_gradients_within_e5m2s_range_and_steady_inputs_give_no_fp8_verdict():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
