@@ -32,6 +32,11 @@ def test_cpu_watch_benchmark_runs_every_variant():
     assert ratios["plain"] == 1.0
 
 
+def test_fp8_watch_benchmark_runs_every_variant():
+    out = _run("bench/watch_fp8.py", "--steps", "1", "--rounds", "1", "--width", "16")
+    assert set(_ratios(out)) == {"plain", "watch", "watch + log", "watch fp8=True", "watch fp8=True + log"}
+
+
 def test_cpu_watch_benchmark_fp16_mlp_workload():
     out = _run("bench/watch_overhead.py", "--workload", "mlp", "--steps", "1", "--rounds", "1")
     assert "fp16 autocast + GradScaler" in out

@@ -30,7 +30,7 @@ from tests.conftest import ROOT
 SAMPLES: dict[str, Any] = {
     "log": Path("watch-run.jsonl"), "every": 3, "dtype": "bfloat16", "stop_on_nonfinite": True, "inputs": True,
     "stop_after_skips": 4, "eval": True, "provenance": False, "ignore": ("blocks.*.mask",), "guard": True,
-    "inside_compile": True,
+    "inside_compile": True, "fp8": True, "fp8_history": 4,
 }
 # Per option, what a Monitor made of it.
 EFFECTS = {
@@ -45,6 +45,8 @@ EFFECTS = {
     "ignore": lambda m: m.ignore,
     "guard": lambda m: m.guard is not None,
     "inside_compile": lambda m: m.recorder.inside_compile,
+    "fp8": lambda m: m.fp8 is not None,
+    "fp8_history": lambda m: m.fp8_history,
 }
 EXPECTED = {**SAMPLES, "dtype": ("bfloat16", "given")}
 # Per option with a flag, the command line that sets it to its sample.
@@ -53,7 +55,7 @@ FLAGS = {
     "stop_on_nonfinite": ["--stop-on-nonfinite"], "inputs": ["--inputs"],
     "stop_after_skips": ["--stop-after-skips", "4"],
     "eval": ["--eval"], "provenance": ["--no-provenance"], "ignore": ["--ignore", "blocks.*.mask"],
-    "inside_compile": ["--inside-compile"],
+    "inside_compile": ["--inside-compile"], "fp8": ["--fp8"], "fp8_history": ["--fp8-history", "4"],
 }
 NO_FLAG = {f.name for f in dataclasses.fields(WatchOptions) if f.metadata["flag"] is None}
 
@@ -108,6 +110,8 @@ def test_a_name_that_is_no_option_is_a_type_error_naming_the_api(api, name):
 def test_options_are_checked_when_built():
     with pytest.raises(ValueError, match=r"every must be a whole number >= 1 \(got 0\)"):
         WatchOptions(every=0)
+    with pytest.raises(ValueError, match=r"fp8_history must be a whole number >= 1 \(got 0\)"):
+        WatchOptions(fp8_history=0)
     with pytest.raises(TypeError, match="ignore must be a list of module-name patterns"):
         WatchOptions(ignore="blocks.*")
     assert WatchOptions(ignore=iter(["a", "b"])).ignore == ("a", "b")  # read once, kept

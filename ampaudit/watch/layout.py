@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUM, MAX = "sum", "max"  # how a slot or field reduces over events, steps and ranks
+LAST = "last"  # an fp8 field computed once per step (a scale): across steps, the latest
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,23 @@ FIELDS = (  # a summary's Stats, in this order; "hist" (not here) follows them
     Slot("zero", SUM, "exact zeros"),
     Slot("absmax", MAX, "the largest finite |x|", integer=False),
 )
+
+FP8_OPERANDS = ("input", "weight", "grad_output")  # a Linear's GEMM operands, as a float8 recipe casts them
+# watch(..., fp8=True): one row per (Linear, operand) and step (watch/fp8.py), in this order. No
+# "saturated" for the tensorwise scale: it puts the amax at the format's max, so none saturates.
+FP8_FIELDS = (
+    Slot("numel", SUM, "elements"),
+    Slot("underflow", SUM, "nonzero elements that round to zero after the tensorwise (current) scale"),
+    Slot("delayed_saturated", SUM, "elements beyond the format's max after the delayed recipe's scale"),
+    Slot("delayed_underflow", SUM, "nonzero elements that round to zero after the delayed recipe's scale"),
+    Slot("amax", MAX, "the largest |x| of the step", integer=False),
+    Slot("jump", MAX, "amax over the previous step's amax (0: no previous step)", integer=False),
+    Slot("history_amax", MAX, "the largest amax of the previous fp8_history steps: what delayed scaling "
+         "scales by (0: no history yet; the step's own amax is used)", integer=False),
+    Slot("scale", LAST, "the tensorwise (current) recipe's scale: the format's max / amax", integer=False),
+    Slot("delayed_scale", LAST, "the delayed recipe's scale: the format's max / history_amax", integer=False),
+)
+FP8_SUMS = tuple(s.name for s in FP8_FIELDS if s.reduce == SUM)  # filled per call, summed over a step's calls
 
 
 class StepLayout:

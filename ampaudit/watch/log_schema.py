@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampaudit.watch.layout import FP8_FIELDS, FP8_OPERANDS
 from ampaudit.watch.stats_merge import FIELDS
 
 MAX_STEP = 2**53  # a step TensorBoard (int64) and JSON numbers (doubles) hold exactly
@@ -83,4 +84,26 @@ def _extras_problem(record: dict[str, Any]) -> str | None:
     params = record.get("nonfinite_params", [])
     if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
         return "nonfinite_params must be a list of names"
+    return _fp8_problem(record.get("fp8"))
+
+
+def _fp8_problem(fp8: Any) -> str | None:
+    """``fp8=True``'s rows: {module: {"kind": text, operand: {"format": text, field: number}}}."""
+    if fp8 is None:
+        return None
+    if not isinstance(fp8, dict):
+        return "fp8 must be an object of modules"
+    for module, entry in fp8.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("kind", ""), str):
+            return f"fp8.{module} must be an object with a kind (text) and a row per operand"
+        for operand, row in entry.items():
+            if operand == "kind":
+                continue
+            if operand not in FP8_OPERANDS or not isinstance(row, dict):
+                return f"fp8.{module}.{operand}: not an operand ({', '.join(FP8_OPERANDS)}) with a row"
+            if not isinstance(row.get("format", ""), str):
+                return f"fp8.{module}.{operand}.format must be text"
+            bad = [f.name for f in FP8_FIELDS if f.name in row and not _number(row[f.name])]
+            if bad or not _number(row.get("numel")):
+                return f"fp8.{module}.{operand}.{(bad or ['numel'])[0]} must be a number"
     return None

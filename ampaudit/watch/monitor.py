@@ -33,6 +33,7 @@ from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import log_record, step_record
 from ampaudit.watch.events import INPUT_GRAD
+from ampaudit.watch.fp8 import Fp8Recorder
 from ampaudit.watch.hooks import StepRecorder, unmeasurable
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.options import WatchOptions, resolve
@@ -113,6 +114,9 @@ class Monitor:
                                      "given" if dtype is not None else None, record_inputs=options.inputs,
                                      record_eval=options.eval, provenance=options.provenance,
                                      inside_compile=options.inside_compile)
+        self.fp8_history = options.fp8_history  # the delayed recipe's amax history, in steps
+        self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused)
+                    if options.fp8 else None)  # float8 statistics: a unit of their own (watch/fp8.py)
         self.optimizer_tap = OptimizerTap(self._boundary, optimizer)
         self.scaler_tap = ScalerTap(self._boundary)
         self.reducer = StepReducer(world)
@@ -183,6 +187,8 @@ class Monitor:
         self._started = True
         forks.track(self)
         self.recorder.attach(self.model)
+        if self.fp8 is not None:  # after the recorder: its hooks name a module first
+            self.fp8.attach(self.model)
         if self.model is not None:  # walked once, not every step; named as the recorder names them
             self._model_params = [(self.recorder.param_name(p, n), p) for n, p in self.model.named_parameters()]
         if self.guard is not None:
@@ -213,6 +219,8 @@ class Monitor:
     def _detach(self) -> None:
         self._started = False
         self.recorder.detach()
+        if self.fp8 is not None:
+            self.fp8.detach()
         if self.guard is not None:
             self.guard.stop()
         self.optimizer_tap.detach()
@@ -255,6 +263,11 @@ class Monitor:
                     scale: torch.Tensor | None = None) -> None:
         step, recorder = self.step_index, self.recorder
         record = None
+        # the fp8 rows leave the device before the step's own read, which then waits for them too
+        fp8 = None
+        if self.fp8 is not None:
+            with forks.single_threaded(_CPU):
+                fp8 = self.fp8.end_step((step + 1) % self.every == 0)
         if recorder.logging:
             keys = sorted(set((module, phase) for module, phase, _ in recorder.events if phase != INPUT_GRAD))
             param_keys = sorted(recorder.param_rows)
@@ -274,6 +287,8 @@ class Monitor:
                     values = self.reducer.read(flat, buf)
             record = step_record(step, values, keys, param_keys, recorder.events, world=self.reducer.world,
                                  skipped=skipped, context=context)
+            if fp8 is not None:
+                record["fp8"] = fp8.read(self.fp8.kinds, self.fp8.formats)
             self._trace(record, values.first, modes,
                         [k for k, bad in zip(param_keys, values.param_nonfinite, strict=True) if bad])
             self.builder.add(record)

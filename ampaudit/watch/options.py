@@ -83,11 +83,21 @@ class WatchOptions:
     inside_compile: bool = field(default=False, metadata=_about(
         "under torch.compile, record the modules inside the compiled graph too (an op in the graph: no graph "
         "break; inductor's results may differ in the last bits)"))
+    fp8: bool = field(default=False, metadata=_about(
+        "float8 statistics of every Linear (torchao's Float8Linear as it runs, nn.Linear as a what-if): per "
+        "operand and step its amax, the tensorwise and delayed recipes' scales, the elements they saturate or "
+        "flush to zero, the amax's jump (AMP750, AMP751)"))
+    fp8_history: int = field(default=16, metadata=_about(
+        "with fp8: the delayed recipe's amax history, in steps (TransformerEngine's amax_history_len)",
+        Flag(least=1, metavar="N", help="with --fp8: the delayed recipe's amax history, in steps (default 16)")))
 
     def __post_init__(self) -> None:
         every = self.every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
+        history = self.fp8_history
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"fp8_history must be a whole number >= 1 (got {history!r})")
         ignore = self.ignore
         try:
             patterns = tuple(ignore) if not isinstance(ignore, str) else None

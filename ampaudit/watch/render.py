@@ -92,7 +92,34 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
                      _percent(s["underflow"], s["numel"]), f"{s['absmax']:.3g}"]
             params.add_row(*cells, *([str(s.get("overflow_at_scale", ""))] if scaled else []))
         console.print(params)
+    if summary.get("fp8"):
+        console.print(_fp8_table(summary["fp8"]))
     render_findings([Finding.from_dict(f) for f in summary.get("findings", [])], console)
+
+
+def _fp8_table(fp8: dict[str, Any]) -> Table:
+    """``fp8=True``: per Linear and operand, what a tensorwise (current) and a delayed float8
+    recipe do to it over the logged steps (docs/watch.md, "fp8 statistics")."""
+    table = Table(title="fp8 (per Linear operand, over logged steps; current = tensorwise scale from the step's "
+                        "amax, delayed = from the amax history; % of elements)", title_justify="left")
+    table.add_column("module", overflow="fold", ratio=1)
+    table.add_column("operand", no_wrap=True)
+    for col in ("fmt", "amax", "max jump", "scale", "flush %", "delayed scale", "d.sat %", "d.flush %"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for module, entry in fp8.items():
+        first = True
+        for operand, r in entry.items():
+            if not isinstance(r, dict):
+                continue
+            n = r.get("numel", 0)
+            bad = r.get("delayed_saturated") or r.get("underflow")
+            name = Text(module) + Text(f"\n{entry.get('kind') or ''}", style="dim") if first else Text("")
+            first = False
+            table.add_row(name, operand, str(r.get("format", "")), f"{r.get('amax', 0):.3g}",
+                          f"{r.get('jump', 0):.3g}", f"{r.get('scale', 0):.3g}", _percent(r.get("underflow", 0), n),
+                          f"{r.get('delayed_scale', 0):.3g}", _percent(r.get("delayed_saturated", 0), n),
+                          _percent(r.get("delayed_underflow", 0), n), style="yellow" if bad else None)
+    return table
 
 
 def _percent(count: int, total: int) -> str:

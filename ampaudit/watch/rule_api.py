@@ -20,6 +20,8 @@ the sums of what it measured - and the rule's ``report`` turns its rows into fin
 
 A ``StepRule`` judges the loss scale and skip of each logged step: numbers the host reads
 every step anyway, so its condition runs there only, keeping its own constant-size state.
+An ``Fp8Rule`` (AMP75x) judges the float8 rows of a step watched with ``fp8=True``
+(``watch/fp8.py``), read back with the step: on the host too, with its own state.
 
 Torch-free: ``ampaudit report`` runs the rules without importing torch.
 """
@@ -231,6 +233,32 @@ class StepRule(RuntimeRule, ABC):
     @abstractmethod
     def observe(self, step: ScaleStep) -> None:
         """One logged step, in order."""
+
+    @abstractmethod
+    def report(self, run: Run) -> Iterable[Verdict]:
+        """The findings, from the state ``observe`` kept."""
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """One logged step's float8 rows, as an Fp8Rule sees them (``layout.FP8_FIELDS``)."""
+
+    step: int
+    prev: int  # the logged step before (-1: none): a run of steps is consecutive logged steps
+    modules: dict[str, dict[str, Any]]  # module -> {"kind": ..., operand: {"format", field: value}}
+
+    def operands(self) -> Iterable[tuple[str, str, dict[str, Any]]]:
+        """(module, operand, row) for each operand measured in the step."""
+        for module, entry in self.modules.items():
+            for operand, row in entry.items():
+                if isinstance(row, dict):
+                    yield module, operand, row
+
+
+class Fp8Rule(RuntimeRule, ABC):
+    @abstractmethod
+    def observe(self, rows: Fp8Rows) -> None:
+        """One logged step's float8 rows, in order."""
 
     @abstractmethod
     def report(self, run: Run) -> Iterable[Verdict]:

@@ -1,4 +1,5 @@
-"""The runtime rules (AMP6xx): watch's verdicts on a run, one unit per rule.
+"""The runtime rules (AMP6xx, and AMP75x over ``fp8=True``'s float8 rows): watch's verdicts on
+a run, one unit per rule.
 
 Each rule's condition is written once, over a ``StatsView`` (``rule_api.py`` says what it
 may use): the host runs it over a log's records (``verdicts.py``), the device over a step's
@@ -15,6 +16,8 @@ from typing import Any
 
 from ampaudit.watch.rule_api import (
     Condition,
+    Fp8Rows,
+    Fp8Rule,
     GradientRule,
     LayerRule,
     Row,
@@ -185,3 +188,73 @@ class AlwaysNonfinite(LayerRule):
             others = f"; also non-finite in those steps: {names(rest)}" if rest else ""
             yield Verdict(first, lead[0], self.hints.get("fix"), dict(
                 module=lead[0], phase=lead[1], first=int(first), last=int(last), count=int(count), others=others))
+
+
+def _run_step(state: dict[str, Any], rows: Fp8Rows, **sums: float) -> None:
+    """One step a condition held in: the run it extends (consecutive logged steps), the longest,
+    and sums over the steps it held in."""
+    extends = state.get("last") == rows.prev and state.get("run", 0) > 0
+    state["run"] = state["run"] + 1 if extends else 1
+    state["run_start"] = state["run_start"] if extends else rows.step
+    state.setdefault("first", rows.step)
+    state["last"], state["count"] = rows.step, state.get("count", 0) + 1
+    for name, value in sums.items():
+        state[name] = state.get(name, 0) + value
+    if state["run"] > state.get("best", 0):
+        state.update(best=state["run"], best_start=state["run_start"], best_last=rows.step)
+
+
+@runtime_rule("AMP750")
+class Fp8AmaxSpike(Fp8Rule):
+    """An operand's amax jumped ``min_ratio`` times or more past the largest amax of its history
+    (the delayed recipe's scale): that scale would saturate the step's largest elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spikes: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def observe(self, rows: Fp8Rows) -> None:
+        for module, operand, row in rows.operands():
+            history = row.get("history_amax", 0)
+            spike = history > 0 and row["amax"] >= self.params["min_ratio"] * history
+            if spike and row.get("delayed_saturated", 0) > 0:
+                state = self.spikes.setdefault((module, operand), {"peak": 0.0})
+                _run_step(state, rows)
+                ratio = row["amax"] / history
+                if ratio > state["peak"]:
+                    state.update(peak=ratio, peak_step=rows.step, format=row.get("format", "?"),
+                                 share=row["delayed_saturated"] / max(row["numel"], 1))
+
+    def report(self, run: Run) -> Iterator[Verdict]:
+        for (module, operand), s in self.spikes.items():
+            more = f" (in {s['count']} logged steps from {s['first']} to {s['last']})" if s["count"] > 1 else ""
+            yield Verdict(s["first"], module, self.hints.get("fix"), dict(
+                module=module, operand=operand, ratio=f"{s['peak']:.3g}", step=s["peak_step"], more=more,
+                share=percent(s["share"]), format=s["format"]))
+
+
+@runtime_rule("AMP751")
+class Fp8GradientUnderflow(Fp8Rule):
+    """Of a Linear's output gradient, the share of nonzero elements that round to zero in its
+    float8 format (e5m2 in the tensorwise recipe) even at the step's own tensorwise scale reaches
+    ``min_share``, in ``min_steps`` or more consecutive logged steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: dict[str, dict[str, Any]] = {}
+
+    def observe(self, rows: Fp8Rows) -> None:
+        for module, operand, row in rows.operands():
+            if operand != "grad_output" or not row.get("numel"):
+                continue
+            if row["underflow"] >= self.params["min_share"] * row["numel"]:
+                state = self.lost.setdefault(module, {"format": row.get("format", "?")})
+                _run_step(state, rows, underflow=row["underflow"], numel=row["numel"])
+
+    def report(self, run: Run) -> Iterator[Verdict]:
+        for module, s in self.lost.items():
+            if s["best"] >= self.params["min_steps"]:
+                yield Verdict(s["first"], module, self.hints.get("fix"), dict(
+                    module=module, share=percent(s["underflow"] / s["numel"]), format=s["format"],
+                    steps=f"in {s['count']} logged steps from {s['first']} to {s['last']}",
+                    run=f"{s['best']} in a row from step {s['best_start']}"))

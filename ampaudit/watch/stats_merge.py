@@ -7,7 +7,7 @@ predates (``neginf``, say) reads as 0.
 
 from __future__ import annotations
 
-from ampaudit.watch.layout import LAYOUT, MAX
+from ampaudit.watch.layout import FP8_FIELDS, LAYOUT, MAX, SUM
 
 FIELDS = LAYOUT.fields
 
@@ -46,3 +46,20 @@ def stats_from_row(row: list, names: list[str]) -> dict:
     start = stats.pop("hist_from")
     stats["hist"] = [[start + i, count] for i, count in enumerate(row[n:]) if count]
     return stats
+
+
+def add_fp8(total: dict, more: dict) -> dict:
+    """An fp8 row (``layout.FP8_FIELDS``) of one more step added into ``total`` (returned):
+    counts summed, amax and jump the largest, scales and the history's amax the latest; the
+    steps counted. A field missing from a row counts as 0."""
+    total = dict(total) if total else {"format": more.get("format"), "steps": 0}
+    total["steps"] += 1
+    for f in FP8_FIELDS:
+        value = more.get(f.name, 0)
+        if f.reduce == SUM:
+            total[f.name] = total.get(f.name, 0) + value
+        elif f.reduce == MAX:
+            total[f.name] = max(total.get(f.name, 0), value)
+        else:
+            total[f.name] = value
+    return total

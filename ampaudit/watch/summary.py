@@ -8,7 +8,7 @@ from typing import Any
 
 from ampaudit.core.findings import Finding
 from ampaudit.watch.log_file import open_log
-from ampaudit.watch.stats_merge import add_stats
+from ampaudit.watch.stats_merge import add_fp8, add_stats
 from ampaudit.watch.verdicts import Verdicts, caller_source
 
 
@@ -43,6 +43,7 @@ class SummaryBuilder:
         self.skipped: list[int] = []
         self.nonfinite_params: dict[int, list[str]] = {}
         self.unmeasured: dict[str, int] = {}  # tensors watch skipped, by kind (sparse, nested, meta)
+        self.fp8: dict[str, dict[str, Any]] = {}  # fp8=True: module -> {"kind", operand: totals}
 
     def add(self, record: dict[str, Any]) -> None:
         """One logged step: {"step", "layers", "params", "scale", "skipped", "first_nonfinite", ...}
@@ -66,6 +67,11 @@ class SummaryBuilder:
             if "overflow_at_scale" in extra:
                 merged["overflow_at_scale"] = previous.get("overflow_at_scale", 0) + extra["overflow_at_scale"]
             self.params[name] = merged
+        for module, entry in (record.get("fp8") or {}).items():
+            slot = self.fp8.setdefault(module, {"kind": entry.get("kind")})
+            for operand, row in entry.items():
+                if isinstance(row, dict):
+                    slot[operand] = add_fp8(slot.get(operand, {}), row)
         if record.get("dtype"):  # detected at the run's first forward: every record says it
             self.dtype, self.dtype_source = record["dtype"], record.get("dtype_source")
         if "eval_forwards" in record:
@@ -99,6 +105,7 @@ class SummaryBuilder:
                 "dtype_source": self.dtype_source or "given",
                 "eval_forwards": {"count": self.eval_forwards, "recorded": False},
                 "forks": self.forks,
+                **({"fp8": dict(sorted(self.fp8.items()))} if self.fp8 else {}),
                 "findings": [f.to_dict() for f in self.findings(device)]}
 
 

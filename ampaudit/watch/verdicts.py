@@ -38,6 +38,8 @@ from ampaudit.watch.rule_api import (
     SUM_TOTAL,
     SUM_VALUE,
     UNSET,
+    Fp8Rows,
+    Fp8Rule,
     GradientRule,
     LayerRule,
     ModuleRule,
@@ -53,7 +55,7 @@ from ampaudit.watch.rule_api import (
     rule_units,
 )
 
-RUNTIME_RULES: tuple[str, ...] = tuple(sorted(REGISTRY.load()))  # the AMP6xx codes, one unit each
+RUNTIME_RULES: tuple[str, ...] = tuple(sorted(REGISTRY.load()))  # the AMP6xx and AMP75x codes, one unit each
 
 Key = tuple[str, str, str]  # (rule, module, phase)
 
@@ -162,6 +164,7 @@ class Verdicts:
         self.units: dict[str, RuntimeRule] = rule_units()
         self._module_units = [u for u in self.units.values() if isinstance(u, ModuleRule)]
         self._step_units = [u for u in self.units.values() if isinstance(u, StepRule)]
+        self._fp8_units = [u for u in self.units.values() if isinstance(u, Fp8Rule)]
         self.rows: dict[Key, list[float]] = {}
         self.params: dict[str, set[str]] = {}  # module -> its parameters seen with gradients
         self._prev = -1  # the logged step before
@@ -183,6 +186,10 @@ class Verdicts:
         for module, names in params.items():
             self.params.setdefault(module, set()).update(names)
         self._add_scale(step, record.get("scale"), bool(record.get("skipped")), record.get("nonfinite_params") or [])
+        if isinstance(record.get("fp8"), dict):  # watch(..., fp8=True)
+            rows = Fp8Rows(step, self._prev, record["fp8"])
+            for unit in self._fp8_units:
+                unit.observe(rows)
         self._prev = step
 
     def _add_scale(self, step: int, scale: float | None, skipped: bool, nonfinite: list[str]) -> None:
