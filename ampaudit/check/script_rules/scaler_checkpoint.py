@@ -19,9 +19,11 @@ _SCALER_NAME = re.compile(r"scaler", re.IGNORECASE)
 
 @lint_rule("AMP449", reads=("state_dict",))
 def scaler_state_not_checkpointed(facts: ScriptFacts) -> Iterator[Finding]:
-    saved = [c for c in facts.method_calls("state_dict") if _of_optimizer(facts, c)]
     restored = [c for c in facts.method_calls("load_state_dict") if _of_optimizer(facts, c)]
-    if not saved or not restored:
+    # optimizer.load_state_dict(optimizer.state_dict()) copies state around: no checkpoint
+    copied = {id(a) for c in restored for a in c.node.args}
+    saved = [c for c in facts.method_calls("state_dict") if _of_optimizer(facts, c) and id(c.node) not in copied]
+    if not saved or not restored or not _saves(facts):
         return
     scalers = [c.receiver for scope in facts.scopes() for c in facts.calls_in(scope)
                if c.method == "scale" and c.feeds_backward and c.receiver in facts.scalers(scope)]
@@ -32,6 +34,11 @@ def scaler_state_not_checkpointed(facts: ScriptFacts) -> Iterator[Finding]:
     yield finding(facts, "AMP449", first, optimizer=first.receiver, scaler=scalers[0],
                   fix=f'save {scalers[0]}.state_dict() beside the optimizer\'s ("scaler": ...) and call '
                       f"{scalers[0]}.load_state_dict(...) where the optimizer's state is restored")
+
+
+def _saves(facts: ScriptFacts) -> bool:
+    """Something is written: torch.save, save_on_master, accelerator.save, save_checkpoint..."""
+    return any("save" in (dotted(c.node.func) or "").rsplit(".", 1)[-1].lower() for c in facts.calls)
 
 
 def _of_optimizer(facts: ScriptFacts, call: Call) -> bool:
