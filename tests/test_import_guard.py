@@ -265,3 +265,12 @@ def test_a_file_that_is_not_imported_never_imports_torch(tmp_path):
     # with --exec the file is to be imported: that does go to the child
     probe = _probe(tmp_path, "check", str(path), "--exec", "--format", "json", "--fail-on", "never")
     assert probe["children"] == ["_graph"] and probe["torch"] is False
+
+
+def test_a_bad_policy_fails_on_a_file_that_is_not_imported_too(cli, tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(TRAINING_SCRIPT)
+    policy = tmp_path / "policy.toml"
+    policy.write_text("x = \n")
+    result = cli("check", path, "--policy", policy)
+    assert result.code == 2 and "cannot read policy file" in result.err

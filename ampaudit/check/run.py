@@ -227,7 +227,8 @@ def _refused_import(spec: str, scan: SourceScan, config: Config, options: CheckO
     if skipped is None:
         return None
     dtype = LowDtype.parse(options.dtype or config.dtype)
-    build_catalog(config, policy_files=options.policy_files)  # a bad --policy fails, imported or not
+    if config.policy or options.policy_files:  # a bad policy fails, imported or not; the builtin one is sound
+        build_catalog(config, policy_files=options.policy_files)
     return not_imported_report(skipped, dtype)
 
 
