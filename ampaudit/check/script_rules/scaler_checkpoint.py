@@ -17,7 +17,7 @@ _CHECKPOINTS = re.compile(r"save|checkpoint|ckpt|resume|load", re.IGNORECASE)
 _SCALER_NAME = re.compile(r"scaler", re.IGNORECASE)
 
 
-@lint_rule("AMP449", reads=("state_dict",))
+@lint_rule("AMP449", reads=("state_dict", "GradScaler", "scaler"))
 def scaler_state_not_checkpointed(facts: ScriptFacts) -> Iterator[Finding]:
     restored = [c for c in facts.method_calls("load_state_dict") if _of_optimizer(facts, c)]
     # optimizer.load_state_dict(optimizer.state_dict()) copies state around: no checkpoint
