@@ -73,3 +73,10 @@ def test_install_size_benchmark_runs_for_the_lint():
     pytest.importorskip("hatchling", reason="the benchmark builds ampaudit's wheel offline")
     out = _run("bench/install_size.py", "--lint-only", "--rounds", "1")
     assert re.search(r"^ampaudit \(the lint\) +[\d.]+ MB in site-packages .* \d+ distributions\)", out, re.M), out
+
+
+def test_check_vs_lint_benchmark_runs(tmp_path):
+    (tmp_path / "train.py").write_text("import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n"
+                                       "    pass\n\n\nfor step in range(3):\n    print(step)\n")
+    out = _run("bench/check_vs_lint.py", str(tmp_path), "--rounds", "1")
+    assert "train.py" in out and re.search(r"^this\s+not-imported\s+1 files: check / lint-only median", out, re.M)

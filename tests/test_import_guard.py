@@ -204,3 +204,73 @@ def test_an_imported_factory_is_not_the_files_entry_point(tmp_path):
     assert scan.factories == [] and not scan.has_model_attribute and not scan.has_entry_point
     scan = scan_source(tmp_path / "m.py", "from somewhere import create_model\n\ndef create_model():\n    pass\n")
     assert scan.factories == ["create_model"]
+
+
+TRAINING_SCRIPT = '''\
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10):  # runs on import: AMP003
+    optimizer.step()
+'''
+
+# Runs `check` in a fresh interpreter with the child process replaced by a recorder; prints
+# whether torch was imported and which jobs went to a child.
+PROBE = '''\
+import json, sys
+import ampaudit.core.child as child
+from ampaudit.core.errors import NoModelFound
+started = []
+def run_in_child(module, function, *args, **kwargs):
+    started.append(function)
+    raise NoModelFound("child not started in this test")
+child.run_in_child = run_in_child
+from ampaudit.cli.main import main
+code = main(json.loads(sys.argv[1]))
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "children": started}))
+'''
+
+
+def _probe(tmp_path: Path, *argv: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}  # this checkout's ampaudit
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(argv))], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_file_that_is_not_imported_never_imports_torch(tmp_path):
+    """AMP003 is decided from the source before torch is imported: `check train.py` on a
+    training script costs the lint, not a torch import in a child (issue 27, item 10)."""
+    path = tmp_path / "train.py"
+    path.write_text(TRAINING_SCRIPT)
+    probe = _probe(tmp_path, "check", str(path), "--format", "json", "--fail-on", "never")
+    assert probe == {"code": 0, "torch": False, "children": []}
+    # with --exec the file is to be imported: that does go to the child
+    probe = _probe(tmp_path, "check", str(path), "--exec", "--format", "json", "--fail-on", "never")
+    assert probe["children"] == ["_graph"] and probe["torch"] is False
+
+
+def test_a_bad_policy_fails_on_a_file_that_is_not_imported_too(cli, tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(TRAINING_SCRIPT)
+    policy = tmp_path / "policy.toml"
+    policy.write_text("x = \n")
+    result = cli("check", path, "--policy", policy)
+    assert result.code == 2 and "cannot read policy file" in result.err

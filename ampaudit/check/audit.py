@@ -8,13 +8,12 @@ import torch
 from ampaudit.check.classify import classify
 from ampaudit.check.coverage import coverage
 from ampaudit.check.graph_rules import run_graph_rules
+from ampaudit.check.not_imported import not_imported_report
 from ampaudit.check.options import CheckOptions
 from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding, NodeDecision, Report, Target
-from ampaudit.core.paths import display_path
-from ampaudit.core.rulebook import rule
 from ampaudit.graph.declared import Declared, declared_precision
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.measure import measure_ranges
@@ -80,16 +79,8 @@ def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
                          input_dtypes=options.input_dtypes, model_config=options.model_config,
                          import_timeout=options.import_timeout)
     if isinstance(loaded, NotImported):
-        return _not_imported_report(loaded, dtype)
+        return not_imported_report(loaded, dtype)
     report = audit_model(loaded.model, loaded.inputs, catalog, dtype, file=loaded.label, entry=loaded.entry,
                          run=options.run)
     report.target.notes += loaded.notes
     return report
-
-
-def _not_imported_report(skipped: NotImported, dtype: LowDtype) -> Report:
-    file = display_path(str(skipped.path))
-    finding = rule("AMP003").finding(file, skipped.line, column=skipped.column, what=skipped.what)
-    note = (f"not imported: {skipped.what} at line {skipped.line} would run on import; "
-            "no graph audit ran (pass --exec to import it anyway)")
-    return Report(Target(file, skipped.entry, "none", [note]), dtype, [], [finding])

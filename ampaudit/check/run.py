@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ampaudit.check.lint_file import lint_file
 from ampaudit.check.options import CheckOptions
@@ -21,6 +22,9 @@ from ampaudit.core.findings import Finding, Report, Target
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 from ampaudit.core.torch_extra import INSTALL, TorchMissing, require_torch
+
+if TYPE_CHECKING:
+    from ampaudit.load.source_scan import SourceScan
 
 # Folders never worth linting: VCS data, caches, build output, virtual environments.
 SKIP_DIRS = frozenset({
@@ -188,7 +192,7 @@ def _check_file(spec: str, path: Path, name: str | None, config: Config, options
                     f"`ampaudit check {source}:\"{imported[0]}(...)\"`")
         return _lint_only(path, lint, why, config, options)
     try:
-        report = _graph(spec, config, options)
+        report = _refused_import(spec, scan, config, options) or _graph(spec, config, options)
     except TorchMissing as exc:
         if name is not None:  # the user named the model: auditing it is the point
             raise
@@ -204,6 +208,28 @@ def _check_file(spec: str, path: Path, name: str | None, config: Config, options
     report.findings += lint
     report.target.notes += options.notes
     return finalize(report, config)
+
+
+def _refused_import(spec: str, scan: SourceScan, config: Config, options: CheckOptions) -> Report | None:
+    """AMP003 decided from the source, here, before torch is imported or a child started: a
+    training script that will not be imported costs its lint and nothing more. None when the
+    file will be imported, or when the loader must say what is wrong with the name."""
+    from ampaudit.check.not_imported import not_imported_report
+    from ampaudit.core.catalog import build_catalog
+    from ampaudit.core.dtypes import LowDtype
+    from ampaudit.load.source_scan import not_imported
+    from ampaudit.load.spec import parse_spec
+
+    target = parse_spec(spec)
+    if target.name is not None and target.name not in scan.names:
+        return None
+    skipped = not_imported(scan, target.selector, options.allow_exec)
+    if skipped is None:
+        return None
+    dtype = LowDtype.parse(options.dtype or config.dtype)
+    if config.policy or options.policy_files:  # a bad policy fails, imported or not; the builtin one is sound
+        build_catalog(config, policy_files=options.policy_files)
+    return not_imported_report(skipped, dtype)
 
 
 def _lint_only(path: Path, lint: list[Finding], why: str, config: Config, options: CheckOptions) -> Report:

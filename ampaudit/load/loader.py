@@ -29,7 +29,7 @@ from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.load.inputs import INPUT_FUNCTIONS, default_inputs, from_shapes
 from ampaudit.load.isolation import shadows, user_folders
-from ampaudit.load.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, SourceScan, scan_source
+from ampaudit.load.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, NotImported, SourceScan, not_imported, scan_source
 from ampaudit.load.spec import NAME_RE, ModelSpec, parse_spec, read_source
 from ampaudit.load.time_limit import DEFAULT_SECONDS, TimeLimitExceeded, time_limit
 
@@ -46,17 +46,6 @@ class LoadedModel:
     def __post_init__(self) -> None:
         if not self.label:
             self.label = display_path(str(self.path)) if self.path is not None else self.entry
-
-
-@dataclass
-class NotImported:
-    """The file defines a model but running its top level would do more than define it."""
-
-    path: Path
-    entry: str
-    line: int
-    column: int
-    what: str  # "a for loop", "a call", ...
 
 
 def load_target(
@@ -92,9 +81,8 @@ def load_target(
         raise LoadError(f"{path} defines no top-level {name!r}")
     if target.selector is None and not scan.has_entry_point:
         raise NoModelFound(_no_model_message(path))
-    if scan.unsafe is not None and not allow_exec:
-        line, column, what = scan.unsafe
-        return NotImported(path, target.selector or _static_entry(scan), line, column, what)
+    if (skipped := not_imported(scan, target.selector, allow_exec)) is not None:
+        return skipped
     with _limited(import_timeout, path, str(path)):
         module = _import_file(path, scan)
         torch.manual_seed(0)  # same weights and example inputs on every run: a stable report
@@ -191,14 +179,6 @@ def _select(module: ModuleType, target: ModelSpec, path: Path, scan: SourceScan 
     except Exception as exc:
         raise LoadError(f"{expr} (in {where}) raised {describe_exception(exc)}") from exc
     return _as_model(value, expr, path)
-
-
-def _static_entry(scan: SourceScan) -> str:
-    if scan.factories:
-        return f"{scan.factories[0]}()"
-    if scan.has_model_attribute:
-        return MODEL_ATTRIBUTE
-    return f"{scan.classes[0]}()" if len(scan.classes) == 1 else "an nn.Module class"
 
 
 def _no_model_message(path: Path) -> str:

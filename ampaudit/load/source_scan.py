@@ -377,6 +377,35 @@ def _scan_block(body: list[ast.stmt], scan: SourceScan) -> None:
             _scan_block(stmt.finalbody, scan)
 
 
+@dataclass
+class NotImported:
+    """The file defines a model but running its top level would do more than define it."""
+
+    path: Path
+    entry: str
+    line: int
+    column: int
+    what: str  # "a for loop", "a call", ...
+
+
+def static_entry(scan: SourceScan) -> str:
+    """The entry point the file's source names, as a report shows it."""
+    if scan.factories:
+        return f"{scan.factories[0]}()"
+    if scan.has_model_attribute:
+        return MODEL_ATTRIBUTE
+    return f"{scan.classes[0]}()" if len(scan.classes) == 1 else "an nn.Module class"
+
+
+def not_imported(scan: SourceScan, selector: str | None, allow_exec: bool) -> NotImported | None:
+    """Whether the file stays unimported (AMP003): its top level runs code and ``--exec`` was
+    not passed. Decided from the source alone, so a caller can answer before importing torch."""
+    if scan.unsafe is None or allow_exec:
+        return None
+    line, column, what = scan.unsafe
+    return NotImported(scan.path, selector or static_entry(scan), line, column, what)
+
+
 def scan_source(path: Path, source: str) -> SourceScan:
     """Parse ``source``; a syntax error becomes a LoadError naming file:line. The walk is
     recursive: deeply nested valid code gets a deep stack (core/python_source.run_deep)."""

@@ -75,5 +75,9 @@ def region(text: SourceText, qualify: Qualify, node: ast.With | ast.AsyncWith, c
     elif on == "cpu":
         dtype = BFLOAT16
     line, column = text.position(node)
-    return Autocast(node, on, dtype, scope, line, column, enabled=not is_false(keywords.get("enabled")),
-                    dtype_text=dtype_text)
+    # enabled is torch.cuda.amp.autocast's first parameter, torch.autocast's third
+    position = 0 if implied is not None else 2
+    enabled = keywords.get("enabled", args[position].value if len(args) > position else None)
+    switched = enabled is not None and not (enabled.__class__ is ast.Constant and type(enabled.value) is bool)
+    return Autocast(node, on, dtype, scope, line, column, enabled=not is_false(enabled), dtype_text=dtype_text,
+                    switched=switched)

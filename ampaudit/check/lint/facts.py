@@ -53,6 +53,7 @@ class Autocast:
     column: int
     enabled: bool = True  # False for autocast(enabled=False): a region where AMP is off
     dtype_text: str | None = None  # the dtype argument as written, when not a literal dtype
+    switched: bool = False  # enabled=<expression>: on in some runs only
 
 
 # A condition a statement runs under: the test expression and whether it held (True: the

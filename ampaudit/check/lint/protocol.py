@@ -103,6 +103,11 @@ def optimizers(facts: ScriptFacts, scope: Scope) -> set[str]:
     return names
 
 
+def named_like_optimizer(name: str) -> bool:
+    """``optimizer``, ``opt``, ``self.optim_g``: a parameter or attribute named like one."""
+    return bool(_OPTIMIZER_NAME.search(name))
+
+
 @per_file
 def _built_optimizers(facts: ScriptFacts) -> tuple[Assignment, ...]:
     return tuple(a for a in facts.assignments if is_optimizer(a.call))

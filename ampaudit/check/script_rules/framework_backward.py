@@ -58,7 +58,7 @@ def torch_clip_after_accelerator_backward(facts: ScriptFacts) -> Iterator[Findin
         yield softened(found, "when it is fp16") if accelerators[accelerator] is None else found
 
 
-@lint_rule("AMP424", reads=("LightningModule", "backward"))
+@lint_rule("AMP424", reads=("LightningModule", "backward", "Trainer"))
 def backward_in_lightning_module(facts: ScriptFacts) -> Iterator[Finding]:
     modules = [c for c in facts.classes if c.bases & _LIGHTNING_MODULES]
     if not modules:
