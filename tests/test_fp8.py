@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -153,3 +156,58 @@ def test_sqnr_matches_its_definition():
     x = torch.tensor([3.0, 4.0])
     assert sqnr_db(x, x) == math.inf
     assert sqnr_db(x, x + torch.tensor([0.5, 0.0])) == pytest.approx(10 * math.log10(25 / 0.25))
+
+
+def test_fp8_policy_names_exactly_the_layers_kept_and_why():
+    import ampaudit
+    from tests.conftest import MODELS
+
+    spec = importlib.util.spec_from_file_location("fp8_massive_tokens", MODELS / "fp8_massive_tokens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.MassiveTokens()
+    policy = ampaudit.fp8_policy(model, module.example_inputs(), recipe="tensorwise")
+    assert policy.recipe == "tensorwise" and policy.fp8 == ["fc2"]
+    assert list(policy.keep) == ["fc1"] and policy.keep["fc1"].startswith("AMP702: massive-activation tokens")
+    assert not policy.module_filter_fn(model.fc1, "fc1") and policy.module_filter_fn(model.fc2, "fc2")
+    # no recipe: the torchao recipe that keeps the fewest layers (rowwise recovers the tokens)
+    chosen = ampaudit.fp8_policy(model, module.example_inputs())
+    assert (chosen.recipe, chosen.keep, chosen.fp8) == ("rowwise", {}, ["fc1", "fc2"])
+    with pytest.raises(ampaudit.core.errors.UsageError, match="mxfp8 is audited"):
+        ampaudit.fp8_policy(model, module.example_inputs(), recipe="mxfp8")
+
+
+def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verification(cli, tmp_path):
+    _torchao()
+    out = tmp_path / "out"
+    result = cli("convert", model_path("fp8_massive_tokens.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", "tensorwise", "--train-steps", "8", "-o", out)
+    assert result.code == 0, result.err
+    assert "fc1: AMP702: massive-activation tokens" in result.out
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    assert plan["recipe"] == "tensorwise" and list(plan["keep"]) == ["fc1"] and plan["fp8"] == ["fc2"]
+    text = (out / "fp8_torchao.py").read_text()
+    assert "KEEP_IN_BF16 = {\n    'fc1',  # AMP702: massive-activation tokens" in text
+    run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    train = plan["train"]
+    assert run.stdout.strip().endswith(
+        f"{train['steps']} steps, loss {train['bf16'][-1]:.6g} (bf16) vs {train['fp8'][-1]:.6g} (fp8): "
+        f"gap {train['worst']:.4g} (tolerance 0.05)")
+
+
+def test_convert_fp8_fails_past_the_tolerance(cli, tmp_path):
+    _torchao()
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "--train-steps",
+                 "4", "--tolerance", "0", "-o", tmp_path / "out")
+    assert result.code == 1 and "OUTSIDE 0%" in result.out
+    assert "head: AMP701: out_features 10 not divisible by 16" in result.out
+
+
+def test_convert_fp8_flags_are_checked(cli, tmp_path):
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--emit", "torchao", "-o", tmp_path / "a")
+    assert result.code == 2 and "--emit torchao writes an fp8 policy: pass --dtype fp8" in result.err
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "hf", "-o", tmp_path / "b")
+    assert result.code == 2 and "emits torchao's policy only" in result.err

@@ -40,7 +40,7 @@ def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str 
     if not judgement.layers:
         notes.append("no nn.Linear ran on the example inputs: nothing for fp8 training to convert")
     report = Report(Target(file, entry, "fp8", notes), E4M3, [], findings)
-    report.fp8 = fp8_table(judgement, seconds)
+    report.fp8 = judgement.to_dict(seconds)
     return report
 
 
@@ -58,25 +58,3 @@ def _cost_note(judgement: Fp8Judgement, seconds: float) -> str:
     return (f"fp8 ({judgement.recipe}): one fp32 forward and backward on the example inputs, every nn.Linear's "
             f"input, weight and output gradient cast as each recipe casts them (emulated, as torchao computes "
             f"them); {seconds:.2f} s{ratio}")
-
-
-def fp8_table(judgement: Fp8Judgement, seconds: float | None = None) -> dict[str, Any]:
-    """``Report.fp8``: plain data, as the JSON report and the terminal table read it."""
-    m = judgement.measurement
-    layers = []
-    for v in judgement.layers:
-        row = v.layer.to_dict()
-        row.update(verdict="bf16" if v.keep else "fp8", reason=v.reason, rules=[x.code for x in v.verdicts])
-        layers.append(row)
-    times = dict(m.seconds)
-    if seconds is not None:
-        times["total"] = seconds
-    return {"recipe": m.recipe, "layers": layers, "output_sqnr_db": _num(m.output_sqnr_db),
-            "output_sqnr_without_db": _num(m.output_sqnr_without_db), "dominant": m.dominant,
-            "seconds": {k: round(t, 4) for k, t in times.items()}}
-
-
-def _num(value: float | None) -> float | str | None:
-    if value is None:
-        return None
-    return value if abs(value) != float("inf") else ("inf" if value > 0 else "-inf")

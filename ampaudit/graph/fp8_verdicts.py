@@ -40,6 +40,12 @@ class LayerVerdict:
         return "; ".join(v.reason for v in self.verdicts) if self.verdicts else "fp8"
 
 
+def _finite(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return "inf" if value > 0 else "-inf"
+
+
 def _db(value: float) -> str:
     return "inf" if value == math.inf else f"{value:.1f}"
 
@@ -94,6 +100,22 @@ class Fp8Judgement:
     @property
     def keep(self) -> list[LayerVerdict]:
         return [v for v in self.layers if v.keep]
+
+    def to_dict(self, seconds: float | None = None) -> dict[str, Any]:
+        """Plain data: check's ``Report.fp8`` (JSON, the table), convert's plan. ``seconds``:
+        the whole audit's time, beside its parts'."""
+        m = self.measurement
+        layers = []
+        for v in self.layers:
+            row = v.layer.to_dict()
+            row.update(verdict="bf16" if v.keep else "fp8", reason=v.reason, rules=[x.code for x in v.verdicts])
+            layers.append(row)
+        times = dict(m.seconds)
+        if seconds is not None:
+            times["total"] = seconds
+        return {"recipe": m.recipe, "layers": layers, "output_sqnr_db": _finite(m.output_sqnr_db),
+                "output_sqnr_without_db": _finite(m.output_sqnr_without_db), "dominant": m.dominant,
+                "seconds": {k: round(t, 4) for k, t in times.items()}}
 
 
 def judge(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Judgement:

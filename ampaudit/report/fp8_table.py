@@ -54,3 +54,32 @@ def fp8_table(fp8: dict[str, Any]) -> Table:
         table.caption = f"model output with the fp8 layers emulated: {_db(fp8['output_sqnr_db'])} dB SQNR vs fp32"
         table.caption_justify = "left"
     return table
+
+
+def render_fp8_conversion(summary: dict[str, Any], label: str, entry: str, files: list[str], console: Any) -> None:
+    """``convert --dtype fp8``: the table, the layers kept in bf16 and why, the training check."""
+    from rich.panel import Panel
+
+    if summary["table"].get("layers"):
+        console.print(fp8_table(summary["table"]))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("model", escape(f"{label} ({entry})"))
+    grid.add_row("recipe", summary["recipe"])
+    grid.add_row("fp8", f"{len(summary['fp8'])} nn.Linear")
+    for fqn, reason in summary["keep"].items():
+        grid.add_row("bf16", escape(f"{fqn}: {reason}"))
+    train = summary["train"]
+    if train is not None:
+        verdict = "within" if train["passed"] else "OUTSIDE"
+        grid.add_row("training check", f"{train['steps']} steps: loss {train['fp8'][-1]:.4g} in fp8 vs "
+                                       f"{train['bf16'][-1]:.4g} in bf16 autocast, {train['worst']:.1%} apart over "
+                                       f"the last {train['window']} ({verdict} {train['tolerance']:.0%})")
+        if not train["passed"]:
+            grid.add_row("bf16 losses", " ".join(f"{v:.4g}" for v in train["bf16"]))
+            grid.add_row("fp8 losses", " ".join(f"{v:.4g}" for v in train["fp8"]))
+    else:
+        grid.add_row("training check", "not run (--train-steps 0 or --no-verify)")
+    grid.add_row("written", escape(", ".join(files)))
+    console.print(Panel(grid, title="ampaudit convert --dtype fp8", title_align="left", expand=False))
