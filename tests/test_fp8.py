@@ -211,3 +211,28 @@ def test_convert_fp8_flags_are_checked(cli, tmp_path):
     assert result.code == 2 and "--emit torchao writes an fp8 policy: pass --dtype fp8" in result.err
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "hf", "-o", tmp_path / "b")
     assert result.code == 2 and "emits torchao's policy only" in result.err
+
+
+def test_products_are_each_layers_own_when_layers_share_inputs_and_weights():
+    """q, k and v read the same input, and a head tied to an embedding shares its weight: the
+    gradient autograd leaves on either is a sum over users, not the layer's own product."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import measure_fp8
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 32)
+            self.q, self.k = nn.Linear(32, 32), nn.Linear(32, 32)
+            self.head = nn.Linear(32, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            return self.head(self.q(x) * self.k(x) + x)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(0))
+    m = measure_fp8(Shared(), ExampleInputs.coerce((ids,), "ids"), "tensorwise")
+    for layer in m.layers:
+        assert 15 < layer.gemms["grad_input"] < 40 and 15 < layer.gemms["grad_weight"] < 40, (layer.name, layer.gemms)

@@ -147,8 +147,7 @@ class _Record:
     x: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     out: torch.Tensor | None = None  # x @ W.T as fp32 computed it (the output less the bias)
-    grad_input: torch.Tensor | None = None  # the gradient fp32 passed to x, when x needed one
-    grad_weight: torch.Tensor | None = None  # the weight's gradient from this run
+    grad_weight: torch.Tensor | None = None  # the weight's gradient from this run, when no other module shares it
     calls: int = 0
     file: str | None = None
     line: int = 0
@@ -201,11 +200,6 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             loc = user_location(sys._getframe(1))
             if loc is not None:
                 rec.file, rec.line = loc.file, loc.line
-            if x.requires_grad:
-                def keep_input(g: torch.Tensor, rec: _Record = rec) -> None:
-                    if rec.grad_input is None:
-                        rec.grad_input = g.detach().float().reshape(-1, g.shape[-1])
-                x.register_hook(keep_input)
 
     def post(module: nn.Module, args: tuple, output: Any) -> None:
         rec = by_id[id(module)]
@@ -231,9 +225,13 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             output = model(*inputs.args, **inputs.kwargs)
             loss = model_loss(output)
             loss.backward()
+        owners: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
         for rec in records.values():
             g = rec.module.weight.grad
-            rec.grad_weight = g.detach().float() if g is not None else None
+            if g is not None and owners.get(id(rec.module.weight)) == 1:  # a tied weight's gradient is a sum
+                rec.grad_weight = g.detach().float()
     finally:
         for h in handles:
             h.remove()
@@ -300,8 +298,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
     once = rec.calls == 1  # called more than once: the recorded products are the first call's, recomputed
     layer.gemms["output"] = sqnr_db(rec.out if once and rec.out is not None else rec.x @ w.t(), gemms.output)
     if rec.grad is not None:
-        if rec.grad_input is not None and once:
-            layer.gemms["grad_input"] = sqnr_db(rec.grad_input, gemms.grad_input)
+        # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
+        layer.gemms["grad_input"] = sqnr_db(rec.grad @ w, gemms.grad_input)
         grad_weight = rec.grad_weight if once and rec.grad_weight is not None else rec.grad.t() @ rec.x
         layer.gemms["grad_weight"] = sqnr_db(grad_weight, gemms.grad_weight)
     return layer
