@@ -109,8 +109,11 @@ def test_massive_tokens_get_the_tensorwise_verdict_not_the_rowwise_one(cli):
     # the whole tensor hides it: the 4 huge tokens hold its energy; the other 60 lost most bits
     assert ops["tensorwise"]["input"]["sqnr_db"] > 30 and ops["tensorwise"]["input"]["sqnr_rest_db"] < 20
     assert ops["rowwise"]["input"]["sqnr_rest_db"] > 30
+    # the ordinary tokens' output rows too: 18 dB, where the whole output keeps 28.8
+    assert fc1["gemms"]["output"] > 28 and fc1["gemms"]["output_ordinary_tokens"] < 20
     assert _layer(tensorwise, "fc2")["verdict"] == "fp8"
-    assert _codes(_check(cli, "fp8_massive_tokens.py", "--fp8-recipe", "rowwise")) == []
+    rowwise = _check(cli, "fp8_massive_tokens.py", "--fp8-recipe", "rowwise")
+    assert _codes(rowwise) == [] and _layer(rowwise, "fc1")["gemms"]["output_ordinary_tokens"] > 28
 
 
 def test_outlier_channels_get_tensorwise_and_rowwise_verdicts_not_mxfp8(cli):

@@ -296,7 +296,11 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
             for op, t in tensors.items()}
     gemms = linear_gemms(rec.x, w, rec.grad, chosen, casts.for_recipe(chosen))
     once = rec.calls == 1  # called more than once: the recorded products are the first call's, recomputed
-    layer.gemms["output"] = sqnr_db(rec.out if once and rec.out is not None else rec.x @ w.t(), gemms.output)
+    reference = rec.out if once and rec.out is not None else rec.x @ w.t()
+    layer.gemms["output"] = sqnr_db(reference, gemms.output)
+    if tokens.any():  # the ordinary tokens' output rows: what their lost input bits cost
+        ordinary = ~tokens
+        layer.gemms["output_ordinary_tokens"] = sqnr_db(reference[ordinary], gemms.output[ordinary])
     if rec.grad is not None:
         # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
         layer.gemms["grad_input"] = sqnr_db(rec.grad @ w, gemms.grad_input)
