@@ -150,6 +150,10 @@ def test_fp8_json_report_matches_the_schema_and_text_has_the_table(cli):
 def test_bad_fp8_arguments_are_one_line(cli):
     result = cli("check", model_path("fp8_odd_dims.py"), "--fp8-recipe", "rowwise")
     assert result.code == 2 and "--fp8-recipe goes with --dtype fp8" in result.err
+    result = cli("check", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--no-run")
+    assert result.code == 2 and "--no-run leaves nothing to measure" in result.err
+    result = cli("check", model_path("untraceable_no_inputs.py"), "--dtype", "fp8")
+    assert result.code == 2 and "it needs example inputs" in result.err
     with pytest.raises(SystemExit) as exited:  # argparse's choices
         cli("check", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--fp8-recipe", "blockwise")
     assert exited.value.code == 2
@@ -239,3 +243,15 @@ def test_products_are_each_layers_own_when_layers_share_inputs_and_weights():
     m = measure_fp8(Shared(), ExampleInputs.coerce((ids,), "ids"), "tensorwise")
     for layer in m.layers:
         assert 15 < layer.gemms["grad_input"] < 40 and 15 < layer.gemms["grad_weight"] < 40, (layer.name, layer.gemms)
+
+
+def test_the_check_api_audits_fp8_too():
+    import ampaudit
+    from tests.conftest import MODELS
+
+    spec = importlib.util.spec_from_file_location("fp8_odd_dims", MODELS / "fp8_odd_dims.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = ampaudit.check(module.OddHead(), module.example_inputs(), dtype="fp8", fp8_recipe="rowwise")
+    assert [(f.rule, f.module) for f in report.findings] == [("AMP701", "head")]
+    assert report.fp8["recipe"] == "rowwise" and [layer["verdict"] for layer in report.fp8["layers"]] == ["fp8", "bf16"]

@@ -78,6 +78,8 @@ def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
     fp8 = is_fp8(options.dtype)
     if options.fp8_recipe is not None and not fp8:
         raise UsageError("--fp8-recipe goes with --dtype fp8")
+    if fp8 and not options.run:
+        raise UsageError("an fp8 audit measures the model on its example inputs: --no-run leaves nothing to measure")
     dtype = E4M3 if fp8 else LowDtype.parse(options.dtype or config.dtype)
     catalog = build_catalog(config, policy_files=options.policy_files)  # bad policy: fail before importing
     loaded = load_target(spec, allow_exec=options.allow_exec, input_shapes=options.input_shapes,
