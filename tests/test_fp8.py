@@ -255,3 +255,10 @@ def test_the_check_api_audits_fp8_too():
     report = ampaudit.check(module.OddHead(), module.example_inputs(), dtype="fp8", fp8_recipe="rowwise")
     assert [(f.rule, f.module) for f in report.findings] == [("AMP701", "head")]
     assert report.fp8["recipe"] == "rowwise" and [layer["verdict"] for layer in report.fp8["layers"]] == ["fp8", "bf16"]
+
+
+def test_convert_fp8_without_torchao_is_one_line(cli, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` fails, as where it is not installed
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "-o", tmp_path / "a")
+    assert result.code == 2 and 'pip install "ampaudit[fp8]"' in result.err
+    assert not (tmp_path / "a").exists()

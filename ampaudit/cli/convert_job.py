@@ -82,6 +82,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         emit_torchao,
         fp8_policy,
         load_emitted,
+        require_torchao,
         verify_with,
         write_fp8,
     )
@@ -107,6 +108,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         names = write_fp8(Path(staging), policy, text, None)
         train = None
         if steps and not args.no_verify:
+            require_torchao()
             module = load_emitted(Path(staging) / names[0])
             train = module.main(steps=steps) if file is not None else \
                 verify_with(module, loaded.model, loaded.inputs, steps)

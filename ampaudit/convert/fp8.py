@@ -112,13 +112,17 @@ def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str
     return [EMIT_FILE, PLAN_FILE]
 
 
-def verify_with(module: Any, model: torch.nn.Module, inputs: ExampleInputs, steps: int) -> dict[str, Any]:
-    """The emitted file's ``verify`` on ``model`` (copies are trained; it is untouched)."""
+def require_torchao() -> None:
+    """Verifying trains with torchao (the emitted file imports it): one line when it is missing."""
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise UsageError('verifying an fp8 policy trains with torchao: pip install "ampaudit[fp8]" '
                          "(or pass --train-steps 0)") from None
+
+
+def verify_with(module: Any, model: torch.nn.Module, inputs: ExampleInputs, steps: int) -> dict[str, Any]:
+    """The emitted file's ``verify`` on ``model`` (copies are trained; it is untouched)."""
     return module.verify(model, inputs.args, inputs.kwargs, steps=steps)
 
 
