@@ -77,7 +77,6 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
 
     require_torch("ampaudit convert", ("torch",))
     from ampaudit.convert.fp8 import (
-        DEFAULT_STEPS,
         TOLERANCE,
         emit_torchao,
         fp8_policy,
@@ -97,7 +96,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
     if loaded.inputs is None:
         raise UsageError("an fp8 policy is measured on the model's example inputs: define example_inputs() or "
                          "give --input-shape")
-    steps = args.train_steps if args.train_steps != 20 else DEFAULT_STEPS
+    steps = args.train_steps
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE
     with slow_status("measuring every nn.Linear in fp8" + (f", {steps} training steps" if steps else "")):
         policy = fp8_policy(loaded.model, loaded.inputs, recipe=args.fp8_recipe)
