@@ -262,3 +262,19 @@ def test_convert_fp8_without_torchao_is_one_line(cli, tmp_path, monkeypatch):
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "-o", tmp_path / "a")
     assert result.code == 2 and 'pip install "ampaudit[fp8]"' in result.err
     assert not (tmp_path / "a").exists()
+
+
+def test_a_model_that_fails_or_has_nothing_to_train_is_one_line(tmp_path, cli):
+    frozen = tmp_path / "frozen.py"
+    frozen.write_text("import torch\nfrom torch import nn\n\n\nclass Frozen(nn.Module):\n"
+                      "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(16, 16)\n"
+                      "        self.fc.requires_grad_(False)\n\n    def forward(self, x):\n"
+                      "        return self.fc(x)\n\n\n"
+                      "def example_inputs():\n    return (torch.randn(4, 16),)\n")
+    result = cli("check", frozen, "--dtype", "fp8")
+    assert result.code == 2 and "no tensor that depends on its weights" in result.err
+    broken = tmp_path / "broken.py"
+    broken.write_text(frozen.read_text().replace("        self.fc.requires_grad_(False)\n", "").replace(
+        "return self.fc(x)", "return self.fc(x).sum() * torch.ones(3, 3)[torch.tensor(5)].sum()"))
+    result = cli("check", broken, "--dtype", "fp8")
+    assert result.code == 2 and "IndexError" in result.err and "Traceback" not in result.err

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.tensors import iter_tensors
-from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import RECIPES, CastResult, Recipe, cast, linear_gemms, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
 
@@ -172,7 +173,7 @@ def model_loss(output: Any) -> torch.Tensor:
         return output.float()
     parts = [t.float().square().mean() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
     if not parts:
-        raise ValueError("the model's output has no tensor that depends on its weights")
+        raise LoadError("the model's output has no tensor that depends on its weights: nothing to train in fp8")
     return torch.stack(parts).sum()
 
 
@@ -222,9 +223,15 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         p.grad = None
     try:
         with attributes_kept(model), torch.enable_grad():
-            output = model(*inputs.args, **inputs.kwargs)
-            loss = model_loss(output)
-            loss.backward()
+            try:
+                output = model(*inputs.args, **inputs.kwargs)
+                loss = model_loss(output)
+                loss.backward()
+            except LoadError:
+                raise
+            except USER_CODE_ERRORS as exc:
+                raise LoadError(f"the fp8 audit's forward and backward on the example inputs ({inputs.origin}) "
+                                f"failed: {describe_exception(exc)}") from exc
         owners: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
