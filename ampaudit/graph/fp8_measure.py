@@ -338,7 +338,8 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
             h.remove()
 
 
-def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measurement, candidates: list[str]) -> None:
+def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measurement, candidates: list[str],
+              min_layers: int = 2) -> None:
     """Whether one of ``candidates``' fp8 error dominates the model output: the output SQNR
     with every candidate in fp8, and without the one whose own GEMM output is the worst."""
     import time
@@ -350,7 +351,7 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     recipe = RECIPES[measurement.recipe]
     measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe))
     by_name = {layer.name: layer for layer in measurement.layers}
-    if len(candidates) > 1:
+    if len(candidates) >= max(2, min_layers):  # with fewer, no one layer is said to dominate: no second run
         worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf))
         measurement.dominant = worst
         rest = set(candidates) - {worst}

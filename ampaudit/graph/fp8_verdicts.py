@@ -130,7 +130,7 @@ def judge(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Judgement:
         measurement = measure_fp8(model, inputs, recipe)
         layers = [LayerVerdict(layer, layer_verdicts(layer, recipe)) for layer in measurement.layers]
         candidates = [v.layer.name for v in layers if not v.keep]
-        dominance(model, inputs, measurement, candidates)
+        dominance(model, inputs, measurement, candidates, rule("AMP705").params["min_layers"])
     finally:
         for m, training in modes.items():
             m.train(training)
