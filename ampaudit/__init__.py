@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ampaudit.convert.api import convert
     from ampaudit.convert.apply import apply
     from ampaudit.convert.emit import autocast_policy
+    from ampaudit.convert.fp8 import fp8_policy
     from ampaudit.core.findings import Finding, NodeDecision, Report
     from ampaudit.watch.monitor import watch
     from ampaudit.watch.step_guard import StepGuard
@@ -25,11 +26,12 @@ else:
     from ampaudit import check, convert, watch
 
 __all__ = ["Finding", "NodeDecision", "Report", "StepGuard", "__version__", "apply", "autocast_policy", "check",
-           "convert", "watch"]
+           "convert", "fp8_policy", "watch"]
 
 _LAZY = {
     "apply": ("ampaudit.convert.apply", "apply"),
     "autocast_policy": ("ampaudit.convert.emit", "autocast_policy"),
+    "fp8_policy": ("ampaudit.convert.fp8", "fp8_policy"),
     "Report": ("ampaudit.core.findings", "Report"),
     "Finding": ("ampaudit.core.findings", "Finding"),
     "NodeDecision": ("ampaudit.core.findings", "NodeDecision"),

@@ -57,6 +57,8 @@ def compute_findings(code: str, kind: str) -> tuple[Finding, ...]:
     target = str(path.relative_to(ROOT))
     if code == "AMP004":  # syntax errors are findings when a folder is checked
         report = check_targets([target, "fixtures/models/clean_cnn.py"], config, CheckOptions())
+    elif code.startswith("AMP7"):  # the fp8 audit: `ampaudit check --dtype fp8` (tensorwise)
+        report = check_path(target, config=config, dtype="fp8")
     elif code == "AMP006":  # a model file checked without torch
         with without_torch():
             report = check_path(target, config=config)

@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
-from ampaudit.check.audit import audit_model
+from ampaudit.check.audit import audit_model, is_fp8
 from ampaudit.check.options import CheckOptions
 from ampaudit.check.run import check_targets
 from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import build_catalog
 from ampaudit.core.config import Config, load_config
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.errors import UsageError
 from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Report
 from ampaudit.core.paths import display_path
@@ -31,8 +32,13 @@ def check(
     policy: str | Path | Mapping | None = None,
     config: Config | None = None,
     run: bool = True,
+    fp8_recipe: str | None = None,
 ) -> Report:
     """Audit ``model`` for mixed precision.
+
+    ``dtype="fp8"``: which ``nn.Linear`` layers can train in float8 under ``fp8_recipe``
+    (tensorwise, rowwise, rowwise_with_gw_hp, mxfp8; default tensorwise), measured on
+    ``example_inputs`` (docs/fp8.md); the per-layer table is ``Report.fp8``.
 
     ``example_inputs``: a tuple of positional args, a dict of kwargs or a tensor; when given,
     the model runs once (fp32, no grad) so untraceable models are still audited.
@@ -43,6 +49,13 @@ def check(
     file = forward_location(model).file
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
+    if is_fp8(dtype):
+        from ampaudit.check.fp8_audit import fp8_audit
+
+        report = fp8_audit(model, inputs, fp8_recipe, file=display_path(file), entry=type(model).__name__)
+        return finalize(report, config)
+    if fp8_recipe is not None:
+        raise UsageError("fp8_recipe goes with dtype='fp8'")
     report = audit_model(model, inputs, build_catalog(config, policy), LowDtype.parse(dtype),
                          file=display_path(file), entry=type(model).__name__, run=run)
     return finalize(report, config)

@@ -15,7 +15,8 @@ from ampaudit.load.time_limit import DEFAULT_SECONDS
 class CheckOptions:
     """Options of one ``ampaudit check`` run (the CLI flags); the config holds the rest."""
 
-    dtype: LowDtype | str | None = None  # None: the config's
+    dtype: LowDtype | str | None = None  # None: the config's; "fp8": the fp8 audit (check/fp8_audit.py)
+    fp8_recipe: str | None = None  # with dtype "fp8": the recipe judged (None: tensorwise)
     allow_exec: bool = False
     import_timeout: float | None = DEFAULT_SECONDS  # for the model file's import and model build; None: no limit
     input_shapes: Sequence[str] = ()

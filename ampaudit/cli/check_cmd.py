@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, SECONDS, emit, path_type
-from ampaudit.core.dtypes import LOW_DTYPES
+from ampaudit.core.dtypes import FP8_RECIPES, LOW_DTYPES
 from ampaudit.core.errors import UsageError
 from ampaudit.core.findings import FAIL_ON, Report
 from ampaudit.load.time_limit import DEFAULT_SECONDS  # torch-free, as --help must be
@@ -27,8 +27,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "(torch.nn:\"Linear(4, 4)\") or hf:MODEL_TYPE (hf:gpt2)")
     check.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     check.add_argument("-o", "--output", type=path_type, help="write the report to this file instead of stdout")
-    check.add_argument("--dtype", choices=LOW_DTYPES, help="target low-precision dtype "
-                       "(default: float16, or [tool.ampaudit] dtype)")
+    check.add_argument("--dtype", choices=(*LOW_DTYPES, "fp8"), help="target low-precision dtype "
+                       "(default: float16, or [tool.ampaudit] dtype); fp8: which nn.Linear layers can train in "
+                       "float8 (torchao's recipes, emulated), measured on the example inputs")
+    check.add_argument("--fp8-recipe", choices=FP8_RECIPES, help="with --dtype fp8: the recipe judged "
+                       "(default: tensorwise; the table shows every recipe's SQNR)")
     check.add_argument("--input-shape", action="append", default=[], metavar="SHAPE",
                        help="example input shape such as 8,3,32,32; repeat once per positional argument")
     check.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
@@ -84,7 +87,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         walked = target_files([t for t in args.targets if parse_spec(t).kind == "file" and Path(t).is_dir()])
         inputs = [parse_spec(t).path for t in args.targets] + walked + list(args.policy) + [config.source]
         args.output = resolve_output(args.output, "-o", inputs=inputs)
-    options = CheckOptions(dtype=args.dtype, allow_exec=args.allow_exec, input_shapes=args.input_shape,
+    options = CheckOptions(dtype=args.dtype, fp8_recipe=args.fp8_recipe, allow_exec=args.allow_exec,
+                           input_shapes=args.input_shape,
                            input_dtypes=args.input_dtype, model_config=args.model_config,
                            policy_files=args.policy, run=not args.no_run, import_timeout=args.import_timeout,
                            lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar,

@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 
 from ampaudit.cli.common import EXIT_FINDINGS, EXIT_OK, SECONDS, number_type, path_type
-from ampaudit.core.dtypes import LOW_DTYPES
+from ampaudit.core.dtypes import FP8_RECIPES, LOW_DTYPES
 from ampaudit.core.errors import UsageError
 from ampaudit.load.time_limit import DEFAULT_SECONDS
 
+TORCHAO_RECIPES = tuple(r for r in FP8_RECIPES if r != "mxfp8")  # Float8LinearConfig.from_recipe_name
 _TOLERANCE = number_type(float, least=0, what="a finite relative error >= 0")
 _STEPS = number_type(int, least=0, what="a whole number >= 0")
 
@@ -22,14 +23,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("target", metavar="PATH[:NAME]",
                       help="model file (entry points as for `check`), module.path:NAME_OR_EXPR or hf:MODEL_TYPE")
     conv.add_argument("-o", "--output", type=path_type, required=True, metavar="OUT_DIR", help="folder to write to")
-    conv.add_argument("--dtype", choices=LOW_DTYPES, default="float16")
+    conv.add_argument("--dtype", choices=(*LOW_DTYPES, "fp8"), default="float16",
+                      help="fp8: which nn.Linear layers to train in float8 with torchao, measured as `check --dtype "
+                           "fp8` does; writes fp8_torchao.py (--emit torchao) and fp8_plan.json")
+    conv.add_argument("--fp8-recipe", choices=TORCHAO_RECIPES,
+                      help="with --dtype fp8: torchao's recipe (default: the one that keeps the fewest layers in bf16)")
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
     conv.add_argument("--tolerance", type=_TOLERANCE,
                       help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")
-    conv.add_argument("--emit", action="append", default=[], choices=("autocast", "hf", "fsdp2"), metavar="FORMAT",
+    conv.add_argument("--emit", action="append", default=[], choices=("autocast", "hf", "fsdp2", "torchao"),
+                      metavar="FORMAT",
                       help="also write the plan as a policy for other tools: autocast (modules to run in fp32 "
                            "under torch.autocast), hf (_keep_in_fp32_modules), fsdp2 (MixedPrecisionPolicy per "
-                           "module); repeatable")
+                           "module); with --dtype fp8: torchao (Float8LinearConfig and module_filter_fn); "
+                           "repeatable")
     conv.add_argument("--backend", choices=("auto", "fx", "modules"), default="auto",
                       help="fx: rewrite the traced graph; modules: keep the model's own forward and apply the plan "
                            "per module (any model); auto (default): fx where the model traces, else modules")
@@ -54,6 +61,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
 
+def _check_fp8_flags(args: argparse.Namespace) -> None:
+    fp8 = args.dtype == "fp8"
+    if args.fp8_recipe and not fp8:
+        raise UsageError("--fp8-recipe goes with --dtype fp8")
+    if "torchao" in args.emit and not fp8:
+        raise UsageError("--emit torchao writes an fp8 policy: pass --dtype fp8")
+    other = [e for e in args.emit if e != "torchao"]
+    if fp8 and other:
+        raise UsageError(f"--dtype fp8 emits torchao's policy only (not {', '.join(other)})")
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ampaudit.convert.publish import staged_export
     from ampaudit.core.child import run_in_child
@@ -65,6 +83,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ampaudit.report.conversion import render_conversion
 
     require_installed("ampaudit convert", ("torch", "safetensors"))  # one line naming the install, exit 2
+    _check_fp8_flags(args)
     if not args.target.strip():
         raise UsageError("an empty PATH (an unset variable?): name a model file")
     model_file = parse_spec(args.target).path
@@ -73,12 +92,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         model_file = Path(os.path.abspath(model_file))
     # before the model's code runs and before the work: links checked, the path made absolute
     args.output = resolve_output(args.output, "-o", folder=True).path
+    job = "fp8_job" if args.dtype == "fp8" else "convert_job"
     with staged_export(args.output, force=args.force, inputs=[model_file] if model_file else []) as staged:
         # the model's code runs in a child process: whatever it does, the parent says it in one line
-        done = run_in_child("ampaudit.cli.convert_job", "convert_job", args, str(staged.path),
+        done = run_in_child("ampaudit.cli.convert_job", job, args, str(staged.path),
                             str(model_file) if model_file else None, import_timeout=args.import_timeout)
         staged.names, staged.inputs = done.names, done.modules
     files = [args.output / name for name in done.names]
+    if args.dtype == "fp8":
+        from ampaudit.report.fp8_table import render_fp8_conversion
+
+        render_fp8_conversion(done.summary, done.label, done.entry, [str(f) for f in files], make_console())
+        trained = done.summary["train"]
+        return EXIT_FINDINGS if trained is not None and not trained["passed"] else EXIT_OK
     render_conversion(done.summary, Target(done.label, done.entry, "fx"), [str(f) for f in files], make_console(),
                       export_ran=done.export_ran)
     after, trained = done.summary["error_after"], done.summary["train"]

@@ -70,6 +70,53 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
                      export_ran=loaded.inputs is not None)
 
 
+def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> Converted:
+    """``convert --dtype fp8``: the policy measured, the torchao file written and run by the
+    verification (its own ``main()``, the model rebuilt from its file as running it does)."""
+    from ampaudit.core.torch_extra import require_torch
+
+    require_torch("ampaudit convert", ("torch",))
+    from ampaudit.convert.fp8 import (
+        TOLERANCE,
+        emit_torchao,
+        fp8_policy,
+        load_emitted,
+        require_torchao,
+        verify_with,
+        write_fp8,
+    )
+    from ampaudit.core.console import slow_status
+    from ampaudit.load.loader import NotImported, load_target
+
+    loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
+                         input_dtypes=args.input_dtype, model_config=args.model_config, import_timeout=None)
+    if isinstance(loaded, NotImported):
+        raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
+                         "import (pass --exec to import it anyway)")
+    if loaded.inputs is None:
+        raise UsageError("an fp8 policy is measured on the model's example inputs: define example_inputs() or "
+                         "give --input-shape")
+    steps = args.train_steps
+    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE
+    with slow_status("measuring every nn.Linear in fp8" + (f", {steps} training steps" if steps else "")):
+        policy = fp8_policy(loaded.model, loaded.inputs, recipe=args.fp8_recipe)
+        shapes = [[int(n) for n in shape.split(",")] for shape in args.input_shape] or None
+        file = str(loaded.path.resolve()) if loaded.path is not None else None
+        text = emit_torchao(policy, model_file=file, entry=loaded.entry, steps=steps, tolerance=tolerance,
+                            input_shapes=shapes)
+        names = write_fp8(Path(staging), policy, text, None)
+        train = None
+        if steps and not args.no_verify:
+            require_torchao()
+            module = load_emitted(Path(staging) / names[0])
+            train = module.main(steps=steps) if file is not None else \
+                verify_with(module, loaded.model, loaded.inputs, steps)
+            write_fp8(Path(staging), policy, text, train)
+    summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train}
+    return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
+                     export_ran=False)
+
+
 def run_export(model: Any, staging: Path, inputs: Any, output: Path) -> None:
     """Load the staged export back as a user would (``ampaudit.apply`` on a model built as
     this one was) and run its forward on the example inputs: one that raises is never

@@ -102,7 +102,7 @@ class LowDtype:
 
     def __reduce__(self) -> tuple:
         # by name: the cached torch dtype would make unpickling import torch (a report from the child process)
-        return LowDtype.parse, (self.name,)
+        return _by_name, (self.name,)
 
 
 FLOAT16 = LowDtype("float16", "fp16", exponent_bits=5, mantissa=10)
@@ -113,7 +113,15 @@ LOW_DTYPES: tuple[str, ...] = (FLOAT16.name, BFLOAT16.name)  # the choices the C
 E4M3 = LowDtype("float8_e4m3fn", "e4m3", exponent_bits=4, mantissa=3, finite_only=True)
 E5M2 = LowDtype("float8_e5m2", "e5m2", exponent_bits=5, mantissa=2)
 FP8_FORMATS: dict[str, LowDtype] = {E4M3.short: E4M3, E5M2.short: E5M2}
+# the fp8 training recipes ampaudit emulates (graph/fp8_casts.py); torch-free, for the CLI's choices
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 _BY_ALIAS = {
     "float16": FLOAT16, "fp16": FLOAT16, "half": FLOAT16,
     "bfloat16": BFLOAT16, "bf16": BFLOAT16,
 }
+_BY_NAME = {d.name: d for d in (FLOAT16, BFLOAT16, E4M3, E5M2)}
+
+
+def _by_name(name: str) -> LowDtype:
+    """A LowDtype unpickled: by its name, fp8 formats too (an fp8 audit's report names e4m3)."""
+    return _BY_NAME[name]

@@ -161,6 +161,7 @@ class Report:
     nodes: list[NodeDecision] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     version: str = __version__
+    fp8: dict[str, Any] | None = None  # `check --dtype fp8`: the recipe and each Linear's measurements and verdict
 
     def __post_init__(self) -> None:
         self.dtype = LowDtype.parse(self.dtype)  # "float16", "bf16" and torch dtypes are accepted
@@ -194,4 +195,5 @@ class Report:
             "nodes": [n.to_dict() for n in self.nodes],
             "findings": [f.to_dict() for f in self.findings],
             "summary": self.summary(),
+            **({"fp8": self.fp8} if self.fp8 is not None else {}),
         }

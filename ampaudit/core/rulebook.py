@@ -23,6 +23,7 @@ FAMILIES = {
     "AMP4": "training scripts",
     "AMP5": "conversion",  # reserved: convert reports a ConversionSummary, no findings yet
     "AMP6": "runtime",  # watch's verdicts, at the end of its summary (watch/runtime_rules.py)
+    "AMP7": "fp8",  # check --dtype fp8: which Linears train in fp8 under a recipe (check/fp8_audit.py)
 }
 
 

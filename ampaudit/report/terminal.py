@@ -50,7 +50,12 @@ def _summary_panel(report: Report) -> Panel:
     grid.add_column()
     entry = f" ({escape(report.target.entry)})" if report.target.entry else ""
     grid.add_row("target", f"{escape(printable(report.target.file))}{entry}")
-    if report.nodes or report.target.trace != "none":
+    if report.fp8 is not None:
+        layers = report.fp8["layers"]
+        kept = sum(layer["verdict"] != "fp8" for layer in layers)
+        grid.add_row("dtype", f"fp8 ({report.fp8['recipe']})")
+        grid.add_row("layers", f"{len(layers)} nn.Linear: {len(layers) - kept} fp8 · {kept} kept in bf16")
+    elif report.nodes or report.target.trace != "none":
         grid.add_row("trace", report.target.trace)
         grid.add_row("dtype", report.dtype.name)
         grid.add_row("ops", ops)
@@ -121,6 +126,10 @@ def _ops_table(report: Report) -> Table:
 
 def render(report: Report, console: Console, *, show_ops: bool = False) -> None:
     console.print(_summary_panel(report))
+    if report.fp8 is not None and report.fp8["layers"]:
+        from ampaudit.report.fp8_table import fp8_table
+
+        console.print(fp8_table(report.fp8))
     table = _fp32_table(report)
     if table is not None:
         console.print(table)

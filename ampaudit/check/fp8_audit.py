@@ -1,0 +1,60 @@
+"""``check --dtype fp8``: which Linears of a model can train in fp8 under a recipe, measured on
+its example inputs (``graph/fp8_verdicts.py``), reported as AMP7xx findings at the line that
+calls each layer, with the per-layer table in ``Report.fp8``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ampaudit.core.dtypes import E4M3
+from ampaudit.core.errors import UsageError
+from ampaudit.core.findings import Finding, Report, Target
+from ampaudit.core.paths import display_path
+from ampaudit.core.rulebook import rule
+from ampaudit.graph.forward import ExampleInputs, refuse_meta
+from ampaudit.graph.fp8_casts import RECIPES
+from ampaudit.graph.fp8_measure import Fp8Layer
+from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge
+
+DEFAULT_RECIPE = "tensorwise"  # torchao's default Float8LinearConfig
+
+
+def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str | None, *, file: str,
+              entry: str) -> Report:
+    """The fp8 audit of ``model``: one fp32 forward and backward on ``inputs``, every Linear's
+    operands cast as each recipe casts them, verdicts under ``recipe``."""
+    recipe = recipe or DEFAULT_RECIPE
+    if recipe not in RECIPES:
+        raise UsageError(f"unknown fp8 recipe {recipe!r} (expected one of {', '.join(RECIPES)})")
+    if inputs is None:
+        raise UsageError("an fp8 audit runs the model: it needs example inputs (example_inputs() or --input-shape)")
+    refuse_meta(model, inputs, "an fp8 audit measures the model: give it real weights")
+    start = time.perf_counter()
+    judgement = judge(model, inputs, recipe)
+    seconds = time.perf_counter() - start
+    findings = [_finding(v.code, layer.layer, v.fields, file) for layer in judgement.layers for v in layer.verdicts]
+    notes = [_cost_note(judgement, seconds)]
+    if not judgement.layers:
+        notes.append("no nn.Linear ran on the example inputs: nothing for fp8 training to convert")
+    report = Report(Target(file, entry, "fp8", notes), E4M3, [], findings)
+    report.fp8 = judgement.to_dict(seconds)
+    return report
+
+
+def _finding(code: str, layer: Fp8Layer, fields: dict[str, Any], file: str) -> Finding:
+    where = display_path(layer.file) if layer.file else file
+    info = rule(code)
+    return info.finding(where, layer.line or 1, module=layer.name, fix=info.hints.get("fix"), layer=layer.name,
+                        **fields)
+
+
+def _cost_note(judgement: Fp8Judgement, seconds: float) -> str:
+    m = judgement.measurement
+    base = m.seconds.get("forward_backward", 0.0)
+    ratio = f" ({seconds / base:.1f}x its fp32 forward and backward)" if base > 0 else ""
+    return (f"fp8 ({judgement.recipe}): one fp32 forward and backward on the example inputs, every nn.Linear's "
+            f"input, weight and output gradient cast as each recipe casts them (emulated, as torchao computes "
+            f"them); {seconds:.2f} s{ratio}")

@@ -1,0 +1,274 @@
+"""``convert --dtype fp8 --emit torchao`` and ``ampaudit.fp8_policy``: which Linears to train in
+fp8 with which torchao recipe, measured on the model (``graph/fp8_verdicts.py``), written as a
+standalone Python file - the ``Float8LinearConfig`` and a ``module_filter_fn`` naming exactly
+the layers kept in bf16, each with its reason - and verified by training.
+
+The verification is the emitted file's own ``verify()``: ampaudit loads the file it wrote and
+runs it, so running the file as written gives the same numbers. It trains k steps of a copy
+converted with torchao (``emulate=True`` without a GPU) beside k steps of a copy under bf16
+autocast, AdamW on the example inputs, and compares the loss curves by applied update over
+their last quarter, as the fp16/bf16 training check does (convert/train_check.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampaudit._version import __version__
+from ampaudit.core.arguments import require_module
+from ampaudit.core.errors import UsageError
+from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.fp8_casts import TORCHAO_RECIPES
+from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts
+
+EMIT_FILE = "fp8_torchao.py"
+PLAN_FILE = "fp8_plan.json"
+DEFAULT_STEPS = 20
+TOLERANCE = 5e-2  # relative gap of the curves' ends, fp8 against bf16 autocast (bf16's own against fp32)
+
+
+@dataclass
+class Fp8Policy:
+    """The recipe, the Linears kept in bf16 (FQN -> why) and those that train in fp8."""
+
+    recipe: str
+    keep: dict[str, str]
+    fp8: list[str]
+    table: dict[str, Any] = field(default_factory=dict)  # the measurements (check's Report.fp8)
+
+    def module_filter_fn(self, module: torch.nn.Module, fqn: str) -> bool:
+        """torchao's filter: True converts the module to fp8."""
+        return fqn not in self.keep
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "keep": dict(self.keep), "fp8": list(self.fp8)}
+
+
+def policy_from(judgement: Fp8Judgement) -> Fp8Policy:
+    keep = {v.layer.name: "; ".join(f"{x.code}: {x.reason}" for x in v.verdicts) for v in judgement.layers if v.keep}
+    fp8 = [v.layer.name for v in judgement.layers if not v.keep]
+    return Fp8Policy(judgement.recipe, keep, fp8, judgement.to_dict())
+
+
+def choose_recipe(model: torch.nn.Module, inputs: ExampleInputs) -> str:
+    """The torchao recipe that keeps the fewest layers in bf16 (per-layer verdicts, one
+    measurement); ties go to the cheaper one: tensorwise, then rowwise."""
+    judgement = judge(model, inputs, "tensorwise")
+    kept = {r: sum(bool(layer_verdicts(v.layer, r)) for v in judgement.layers) for r in TORCHAO_RECIPES}
+    return min(TORCHAO_RECIPES, key=lambda r: (kept[r], TORCHAO_RECIPES.index(r)))
+
+
+def fp8_policy(model: torch.nn.Module, example_inputs: Any, *, recipe: str | None = None) -> Fp8Policy:
+    """Which of ``model``'s Linears train in fp8 and which stay in bf16, and why, measured on
+    ``example_inputs`` (one fp32 forward and backward). ``recipe``: one of torchao's
+    (tensorwise, rowwise, rowwise_with_gw_hp); None picks the one that keeps the fewest."""
+    require_module(model, "ampaudit.fp8_policy", eager=True)
+    inputs = ExampleInputs.coerce(example_inputs, "example_inputs")
+    if recipe is not None and recipe not in TORCHAO_RECIPES:
+        raise UsageError(f"torchao's recipes are {', '.join(TORCHAO_RECIPES)} (got {recipe!r}); mxfp8 is audited "
+                         "by `check --dtype fp8 --fp8-recipe mxfp8` but not emitted")
+    recipe = recipe or choose_recipe(model, inputs)
+    return policy_from(judge(model, inputs, recipe))
+
+
+def emit_torchao(policy: Fp8Policy, *, model_file: str | None, entry: str, steps: int = DEFAULT_STEPS,
+                 tolerance: float = TOLERANCE, input_shapes: list[list[int]] | None = None) -> str:
+    """The standalone file: config, filter, ``convert(model)``, ``verify()`` and a ``__main__``
+    that rebuilds the model from its file and verifies."""
+    keep_lines = "".join(f"    {fqn!r},  # {_comment(reason)}\n" for fqn, reason in policy.keep.items())
+    keep_block = f"KEEP_IN_BF16 = {{\n{keep_lines}}}\n" if policy.keep else "KEEP_IN_BF16: set[str] = set()\n"
+    return _TEMPLATE.format(version=__version__, recipe=policy.recipe, keep_block=keep_block,
+                            fp8_count=len(policy.fp8), keep_count=len(policy.keep), steps=steps,
+                            tolerance=repr(tolerance), model_file=repr(model_file), entry=repr(entry),
+                            input_shapes=repr(input_shapes))
+
+
+def _comment(reason: str) -> str:
+    return " ".join(reason.split()).replace("\\", "/")
+
+
+def load_emitted(path: Path) -> Any:
+    """The emitted file as a module (ampaudit's verification runs its ``verify``)."""
+    spec = importlib.util.spec_from_file_location(f"_ampaudit_fp8_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str, Any] | None) -> list[str]:
+    """The emitted file and the plan (policy, measurements, verification) into ``folder``."""
+    from ampaudit.core.files import write_atomic
+
+    write_atomic(folder / EMIT_FILE, text)
+    plan = {"tool": "ampaudit", "version": __version__, **policy.to_dict(), "train": verification,
+            "layers": policy.table.get("layers", [])}
+    write_atomic(folder / PLAN_FILE, json.dumps(plan, indent=2, default=str) + "\n")
+    return [EMIT_FILE, PLAN_FILE]
+
+
+def require_torchao() -> None:
+    """Verifying trains with torchao (the emitted file imports it): one line when it is missing."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise UsageError('verifying an fp8 policy trains with torchao: pip install "ampaudit[fp8]" '
+                         "(or pass --train-steps 0)") from None
+
+
+def verify_with(module: Any, model: torch.nn.Module, inputs: ExampleInputs, steps: int) -> dict[str, Any]:
+    """The emitted file's ``verify`` on ``model`` (copies are trained; it is untouched)."""
+    return module.verify(model, inputs.args, inputs.kwargs, steps=steps)
+
+
+_TEMPLATE = '''"""fp8 training for this model with torchao, as `ampaudit convert --dtype fp8 --emit torchao`
+(ampaudit {version}) measured it on its example inputs: recipe {recipe!r}, {fp8_count} Linear layer(s)
+in fp8, {keep_count} kept in bf16 - each named below with the reason.
+
+Use: `convert(model)` before building the optimizer (then train as usual, e.g. under bf16
+autocast; torch.compile the model for speed on a GPU). Run this file to repeat ampaudit's
+verification: {steps} AdamW steps of the fp8 model beside bf16 autocast, exit 1 past the tolerance.
+"""
+
+import copy
+import dataclasses
+import math
+import sys
+
+import torch
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+RECIPE = {recipe!r}
+# Linear layers kept in bf16 (fully qualified names), each with ampaudit's reason:
+{keep_block}
+
+def module_filter_fn(module, fqn):
+    """torchao's filter: True trains the module in fp8."""
+    return fqn not in KEEP_IN_BF16
+
+
+def config(emulate=None):
+    """The recipe's Float8LinearConfig; emulated where no GPU runs the fp8 GEMMs."""
+    emulate = not torch.cuda.is_available() if emulate is None else emulate
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPE), emulate=emulate)
+
+
+def convert(model, emulate=None):
+    """``model`` with its Linear layers in fp8, but those in KEEP_IN_BF16 (in place)."""
+    return convert_to_float8_training(model, config=config(emulate), module_filter_fn=module_filter_fn)
+
+
+STEPS = {steps}
+TOLERANCE = {tolerance}
+
+
+def _first(value):
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if hasattr(value, "loss") and isinstance(value.loss, torch.Tensor):
+        return value.loss
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        found = _first(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _loss(output, target):
+    own = getattr(output, "loss", None)
+    if target is None:
+        return (own if isinstance(own, torch.Tensor) else _first(output)).float()
+    return torch.nn.functional.mse_loss(_first(output).float(), target)
+
+
+def _train(model, args, kwargs, target, steps, device):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = _loss(model(*args, **kwargs), target)
+        losses.append(float(loss.detach()))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
+def verify(model, args, kwargs=None, steps=STEPS):
+    """Train copies of ``model``: one converted to fp8, one in bf16 autocast; compare the loss
+    curves over their last quarter (the gap relative to the bf16 curve's area)."""
+    kwargs = kwargs or {{}}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reference = copy.deepcopy(model).eval()  # eval: no dropout on either side
+    with torch.no_grad():
+        output = reference(*args, **kwargs)
+    own = getattr(output, "loss", None)
+    first = _first(output)
+    target = None
+    if not (isinstance(own, torch.Tensor) or (first is not None and first.numel() == 1)):
+        generator = torch.Generator().manual_seed(0)
+        target = torch.randn(first.shape, generator=generator) * float(first.float().std().clamp_min(1e-3))
+    torch.manual_seed(0)
+    bf16 = _train(reference, args, kwargs, target, steps, device)
+    fp8_model = convert(copy.deepcopy(model).eval())
+    torch.manual_seed(0)
+    fp8 = _train(fp8_model, args, kwargs, target, steps, device)
+    window = max(1, steps // 4)
+    tail_ref, tail = bf16[-window:], fp8[-window:]
+    if all(math.isfinite(v) for v in tail):
+        gap = sum(abs(v - r) for r, v in zip(tail_ref, tail)) / max(sum(abs(r) for r in tail_ref), 1e-12)
+    else:
+        gap = math.inf
+    return {{"steps": steps, "bf16": bf16, "fp8": fp8, "worst": gap, "window": window, "tolerance": TOLERANCE,
+            "passed": gap <= TOLERANCE}}
+
+
+MODEL_FILE = {model_file}
+ENTRY = {entry}
+INPUT_SHAPES = {input_shapes}
+
+
+def _model_and_inputs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_model", MODEL_FILE)
+    module = importlib.util.module_from_spec(spec)
+    folder = str(__import__("pathlib").Path(MODEL_FILE).parent)
+    sys.path.insert(0, folder)  # the model file's sibling imports, while it imports
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    model = eval(ENTRY, vars(module))
+    model = model() if isinstance(model, type) else model
+    if INPUT_SHAPES:
+        generator = torch.Generator().manual_seed(0)
+        inputs = tuple(torch.randn(shape, generator=generator) for shape in INPUT_SHAPES)
+    else:
+        inputs = module.example_inputs()
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    return model, inputs
+
+
+def main(steps=STEPS):
+    """The model rebuilt from its file (seed 0) and verified: what ampaudit ran."""
+    torch.manual_seed(0)
+    model, inputs = _model_and_inputs()
+    return verify(model, inputs, steps=steps)
+
+
+if __name__ == "__main__":
+    if MODEL_FILE is None:
+        sys.exit("this policy was made for a model without a file: call verify(model, inputs) yourself")
+    result = main()
+    print(f"{{RECIPE}}: {{len(KEEP_IN_BF16)}} layer(s) kept in bf16; {{result['steps']}} steps, loss "
+          f"{{result['bf16'][-1]:.6g}} (bf16) vs {{result['fp8'][-1]:.6g}} (fp8): gap {{result['worst']:.4g}} "
+          f"(tolerance {{TOLERANCE:g}})")
+    sys.exit(0 if result["passed"] else 1)
+'''

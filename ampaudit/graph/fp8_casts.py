@@ -1,0 +1,191 @@
+"""fp8 training's casts, emulated exactly as torchao computes them: what each GEMM operand of
+an ``nn.Linear`` becomes under a recipe, in fp32, with what the cast flushed and saturated.
+
+A Linear trains with three GEMMs, each with two fp8 operands scaled along its reduction dim:
+
+    output      = X (M,K)   @ Wt (K,N)      X along K (rows),   Wt along K
+    grad_input  = G (M,N)   @ Wt.T (N,K)    G along N (rows),   Wt along N
+    grad_weight = G.T (N,M) @ X (M,K)       G along M (columns), X along M
+
+A scale is ``fmax / max(amax, 1e-12)`` computed in float64 then rounded to float32 (torchao's
+``amax_to_scale``), rounded down to a power of two where the recipe says so; the element is
+``x * scale`` clamped to ``±fmax`` and cast; the GEMM multiplies the dequantized operands
+(``q / scale``) in fp32, as torchao's ``emulate=True`` does. MXFP8 (OCP MX v1.0, as torchao's
+``to_mx`` in its default FLOOR mode): blocks of 32 along the reduction dim, an E8M0 scale
+``2^(floor(log2(amax)) - 8)`` (e4m3's largest exponent is 8), elements clamped and cast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ampaudit.core.dtypes import E4M3, E5M2, LowDtype
+
+EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)
+MX_BLOCK = 32
+_E8M0_MIN, _E8M0_MAX = -127, 127  # float8_e8m0fnu's exponents (255 is NaN)
+
+# how one operand is cast for one GEMM: "tensor", "row" (per slice along the reduction dim),
+# "block" (MX), or None (high precision: the GEMM does not run in fp8)
+TENSOR, ROW, BLOCK = "tensor", "row", "block"
+
+
+@dataclass(frozen=True)
+class Cast:
+    fmt: LowDtype | None  # None: kept in high precision
+    granularity: str | None = None
+
+    @property
+    def short(self) -> str:
+        if self.fmt is None:
+            return "hp"
+        return f"{self.fmt.short}/{self.granularity}"
+
+
+HP = Cast(None)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The six casts of one recipe (torchao's CastConfig names) and its scale rounding."""
+
+    name: str
+    input: Cast
+    weight: Cast
+    grad_output: Cast
+    input_for_grad_weight: Cast
+    weight_for_grad_input: Cast
+    grad_output_for_grad_weight: Cast
+    pow2_scales: bool
+
+    @property
+    def grad_output_format(self) -> LowDtype | None:
+        return self.grad_output.fmt
+
+
+RECIPES: dict[str, Recipe] = {
+    "tensorwise": Recipe("tensorwise", Cast(E4M3, TENSOR), Cast(E4M3, TENSOR), Cast(E5M2, TENSOR),
+                         Cast(E4M3, TENSOR), Cast(E4M3, TENSOR), Cast(E5M2, TENSOR), pow2_scales=False),
+    "rowwise": Recipe("rowwise", Cast(E4M3, ROW), Cast(E4M3, ROW), Cast(E4M3, ROW),
+                      Cast(E4M3, ROW), Cast(E4M3, ROW), Cast(E4M3, ROW), pow2_scales=True),
+    "rowwise_with_gw_hp": Recipe("rowwise_with_gw_hp", Cast(E4M3, ROW), Cast(E4M3, ROW), Cast(E4M3, ROW),
+                                 HP, Cast(E4M3, TENSOR), HP, pow2_scales=True),
+    "mxfp8": Recipe("mxfp8", Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), Cast(E4M3, BLOCK),
+                    Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), pow2_scales=True),
+}
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8LinearConfig.from_recipe_name
+
+
+@dataclass
+class CastResult:
+    """An operand as the GEMM sees it (dequantized, fp32), and what its cast lost."""
+
+    value: torch.Tensor
+    flushed: int  # nonzero elements that became 0
+    saturated: int  # elements clamped to the format's max after scaling
+    nonzero: int
+
+
+def _scale(amax: torch.Tensor, fmt: LowDtype, pow2: bool) -> torch.Tensor:
+    scale = (fmt.max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def _amax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    # one pass (abs then max would be two); the same values as torch.amax(torch.abs(x))
+    if dim is None:
+        return torch.linalg.vector_norm(x, math.inf)
+    return torch.linalg.vector_norm(x, math.inf, dim=dim, keepdim=True)
+
+
+def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | None = None) -> CastResult:
+    """``x`` (2-D, fp32) cast as ``how`` says, scaled along ``dim`` (the GEMM's reduction dim).
+    ``nonzero``: ``x``'s count of nonzero elements, when the caller knows it.
+
+    Tensor and row scales come from the amax, so nothing saturates (x * fmax/amax <= fmax; a
+    power-of-two scale is rounded down): only MX's floor-rounded block scales clamp values."""
+    x = x.float()
+    if nonzero is None:
+        nonzero = int(torch.count_nonzero(x))
+    if how.fmt is None:
+        return CastResult(x, 0, 0, nonzero)
+    if how.granularity == BLOCK:
+        return _mx_cast(x, how.fmt, dim, nonzero)
+    fmax = how.fmt.max
+    scale = _scale(_amax(x, None if how.granularity == TENSOR else dim), how.fmt, pow2)
+    q = (x * scale).clamp_(-fmax, fmax).to(how.fmt.torch).float()
+    flushed = nonzero - int(torch.count_nonzero(q))  # a nonzero q comes from a nonzero x
+    return CastResult(q.div_(scale), flushed, 0, nonzero)
+
+
+def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int) -> CastResult:
+    moved = x.movedim(dim, -1)
+    k = moved.shape[-1]
+    pad = (-k) % MX_BLOCK
+    padded = torch.nn.functional.pad(moved, (0, pad)) if pad else moved
+    blocks = padded.reshape(*padded.shape[:-1], -1, MX_BLOCK)
+    amax = _amax(blocks, -1)
+    # OCP MX: shared exponent = floor(log2(amax)) - emax of the element format (8 for e4m3)
+    emax = int(torch.finfo(fmt.torch).max).bit_length() - 1
+    exponent = torch.floor(torch.log2(amax)) - emax
+    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, _E8M0_MIN))
+    scale = torch.exp2(exponent.clamp(_E8M0_MIN, _E8M0_MAX))
+    scaled = blocks / scale
+    saturated = int(torch.count_nonzero(scaled.abs() > fmt.max))
+    q = scaled.clamp_(-fmt.max, fmt.max).to(fmt.torch).float()
+    flushed = nonzero - int(torch.count_nonzero(q))
+    value = q.mul_(scale).reshape(padded.shape)[..., :k].movedim(-1, dim)
+    return CastResult(value.contiguous(), flushed, saturated, nonzero)
+
+
+@dataclass
+class GemmResult:
+    """One Linear's three GEMMs under a recipe (fp32 results of the dequantized operands) and
+    each cast operand, by the name ``operand@gemm``."""
+
+    output: torch.Tensor
+    grad_input: torch.Tensor
+    grad_weight: torch.Tensor
+    casts: dict[str, CastResult]
+
+
+CastFn = Callable[[torch.Tensor, Cast, int], CastResult]
+
+
+def output_gemm(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe,
+                cast_fn: CastFn | None = None) -> tuple[torch.Tensor, dict[str, CastResult]]:
+    """``x`` (M,K) @ ``weight``.T (no bias) as the recipe computes it. ``cast_fn(x, how, dim)``
+    replaces :func:`cast` (a caller that memoizes the casts it already made)."""
+    pow2 = recipe.pow2_scales
+    cast_fn = cast_fn or (lambda t, how, dim: cast(t, how, dim, pow2=pow2))
+    xq = cast_fn(x, recipe.input, -1)
+    wq = cast_fn(weight.t(), recipe.weight, 0)
+    return torch.mm(xq.value, wq.value), {"input": xq, "weight": wq}
+
+
+def linear_gemms(x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor | None,
+                 recipe: Recipe, cast_fn: CastFn | None = None) -> GemmResult:
+    """The three GEMMs of a Linear with input ``x`` (M,K), ``weight`` (N,K) and the gradient of
+    its output ``grad_output`` (M,N); without a gradient, the forward only."""
+    pow2 = recipe.pow2_scales
+    cast_fn = cast_fn or (lambda t, how, dim: cast(t, how, dim, pow2=pow2))
+    out, casts = output_gemm(x, weight, recipe, cast_fn)
+    if grad_output is None:
+        empty = torch.empty(0)
+        return GemmResult(out, empty, empty, casts)
+    wt = weight.t()
+    go = cast_fn(grad_output, recipe.grad_output, -1)
+    w_gi = cast_fn(wt, recipe.weight_for_grad_input, -1)
+    grad_input = torch.mm(go.value, w_gi.value.t())
+    go_gw = cast_fn(grad_output, recipe.grad_output_for_grad_weight, 0)
+    x_gw = cast_fn(x, recipe.input_for_grad_weight, 0)
+    grad_weight = torch.mm(go_gw.value.t(), x_gw.value)  # (N,K), as weight.grad
+    casts.update({"grad_output": go, "weight@grad_input": w_gi, "grad_output@grad_weight": go_gw,
+                  "input@grad_weight": x_gw})
+    return GemmResult(out, grad_input, grad_weight, casts)

@@ -1,0 +1,148 @@
+"""Which Linears train in fp8 under a recipe, and why the others stay in bf16: the AMP7xx
+verdicts over an fp8 measurement (``graph/fp8_measure.py``), thresholds from rules.toml.
+check reports them as findings; convert turns them into torchao's ``module_filter_fn``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ampaudit.core.rulebook import rule
+from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.fp8_casts import RECIPES
+from ampaudit.graph.fp8_measure import Fp8Layer, Fp8Measurement, dominance, measure_fp8
+
+FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705")  # the verdicts this module gives
+
+
+@dataclass
+class Verdict:
+    code: str
+    fields: dict[str, Any]
+    reason: str  # a short why, for the table and the emitted filter's comment
+
+
+@dataclass
+class LayerVerdict:
+    layer: Fp8Layer
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def keep(self) -> bool:
+        return bool(self.verdicts)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(v.reason for v in self.verdicts) if self.verdicts else "fp8"
+
+
+def _finite(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return "inf" if value > 0 else "-inf"
+
+
+def _db(value: float) -> str:
+    return "inf" if value == math.inf else f"{value:.1f}"
+
+
+def _ratio(value: float) -> str:
+    return "inf" if value == math.inf else f"{value:.3g}"
+
+
+def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
+    """The AMP701-AMP704 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
+    found = []
+    if not layer.divisible:
+        dims = " and ".join(f"{n} {v}" for n, v in (("in_features", layer.in_features),
+                                                     ("out_features", layer.out_features)) if v % 16)
+        found.append(Verdict("AMP701", {"in_features": layer.in_features, "out_features": layer.out_features,
+                                        "dims": dims}, f"{dims} not divisible by 16"))
+    ops = layer.operands[recipe]
+    rest = ops["input"].sqnr_rest_db
+    if layer.outlier_tokens and rest < rule("AMP702").params["min_sqnr_db"]:
+        rowwise = layer.operands["rowwise"]["input"].sqnr_rest_db
+        found.append(Verdict("AMP702", {"tokens": layer.outlier_tokens, "rows": layer.rows,
+                                        "ratio": _ratio(layer.token_ratio),
+                                        "recipe": recipe, "sqnr": _db(rest), "rowwise": _db(rowwise)},
+                             f"massive-activation tokens: the others keep {_db(rest)} dB in {recipe} "
+                             f"(rowwise {_db(rowwise)} dB)"))
+    elif rest < rule("AMP703").params["min_sqnr_db"]:
+        mx = layer.operands["mxfp8"]["input"].sqnr_rest_db
+        or_mx = " or use mxfp8" if mx >= rule("AMP703").params["min_sqnr_db"] else ""
+        found.append(Verdict("AMP703", {"channels": layer.outlier_channels, "ratio": _ratio(layer.channel_ratio),
+                                        "recipe": recipe, "sqnr": _db(rest), "mxfp8": _db(mx), "or_mx": or_mx},
+                             f"outlier channels: the other elements keep {_db(rest)} dB in {recipe} "
+                             f"(mxfp8 {_db(mx)} dB)"))
+    grad = ops.get("grad_output")
+    fmt = RECIPES[recipe].grad_output.fmt
+    if grad is not None and fmt is not None and grad.flushed >= rule("AMP704").params["min_fraction"]:
+        e5m2 = layer.operands["tensorwise"]["grad_output"].flushed
+        found.append(Verdict("AMP704", {"percent": f"{grad.flushed * 100:.3g}%", "fmt": fmt.short,
+                                        "recipe": recipe, "e5m2": f"{e5m2 * 100:.3g}%"},
+                             f"{grad.flushed * 100:.3g}% of grad_output flushes to zero in {fmt.short}"))
+    return found
+
+
+@dataclass
+class Fp8Judgement:
+    measurement: Fp8Measurement
+    layers: list[LayerVerdict]
+
+    @property
+    def recipe(self) -> str:
+        return self.measurement.recipe
+
+    @property
+    def keep(self) -> list[LayerVerdict]:
+        return [v for v in self.layers if v.keep]
+
+    def to_dict(self, seconds: float | None = None) -> dict[str, Any]:
+        """Plain data: check's ``Report.fp8`` (JSON, the table), convert's plan. ``seconds``:
+        the whole audit's time, beside its parts'."""
+        m = self.measurement
+        layers = []
+        for v in self.layers:
+            row = v.layer.to_dict()
+            row.update(verdict="bf16" if v.keep else "fp8", reason=v.reason, rules=[x.code for x in v.verdicts])
+            layers.append(row)
+        times = dict(m.seconds)
+        if seconds is not None:
+            times["total"] = seconds
+        return {"recipe": m.recipe, "layers": layers, "output_sqnr_db": _finite(m.output_sqnr_db),
+                "output_sqnr_without_db": _finite(m.output_sqnr_without_db), "dominant": m.dominant,
+                "seconds": {k: round(t, 4) for k, t in times.items()}}
+
+
+def judge(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Judgement:
+    """Measure ``model`` on ``inputs`` (eval mode: no dropout) and judge every Linear under ``recipe``."""
+    if recipe not in RECIPES:
+        from ampaudit.core.errors import UsageError
+
+        raise UsageError(f"unknown fp8 recipe {recipe!r} (expected one of {', '.join(RECIPES)})")
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        measurement = measure_fp8(model, inputs, recipe)
+        layers = [LayerVerdict(layer, layer_verdicts(layer, recipe)) for layer in measurement.layers]
+        candidates = [v.layer.name for v in layers if not v.keep]
+        dominance(model, inputs, measurement, candidates, rule("AMP705").params["min_layers"])
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+    m = measurement
+    params = rule("AMP705").params
+    if (m.dominant is not None and m.output_sqnr_db is not None and m.output_sqnr_without_db is not None
+            and len(candidates) >= params["min_layers"]
+            and m.output_sqnr_without_db - m.output_sqnr_db >= params["min_gain_db"]):
+        verdict = next(v for v in layers if v.layer.name == m.dominant)
+        fields = {"all": _db(m.output_sqnr_db), "without": _db(m.output_sqnr_without_db),
+                  "own": _db(verdict.layer.gemms.get("output", math.inf))}
+        verdict.verdicts.append(Verdict("AMP705", fields,
+                                        f"dominates the output's fp8 error ({_db(m.output_sqnr_db)} -> "
+                                        f"{_db(m.output_sqnr_without_db)} dB kept in bf16)"))
+    return Fp8Judgement(measurement, layers)

@@ -1,0 +1,280 @@
+"""fp8 (issue 29): the recipes' casts emulated exactly as torchao computes them, and
+`check --dtype fp8` on models with planted outliers - SQNR per token class, verdicts per recipe."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import torch
+from torch import nn
+
+from ampaudit.core.dtypes import E4M3, E5M2
+from ampaudit.graph.fp8_casts import BLOCK, RECIPES, ROW, TENSOR, Cast, cast, linear_gemms
+from ampaudit.graph.fp8_measure import sqnr_db
+from tests.conftest import model as model_path
+
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _torchao():
+    pytest.importorskip("torchao.float8")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return Float8LinearConfig, convert_to_float8_training
+
+
+@pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
+def test_emulated_gemms_equal_torchaos_emulated_float8_linear_bit_for_bit(recipe):
+    config_cls, convert = _torchao()
+    g = torch.Generator().manual_seed(1)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(3, 5, 64, generator=g)
+    x[:, 0] *= 300.0  # a row far larger than the rest: row and tensor scales differ
+    grad = torch.randn(3, 5, 32, generator=g) * 1e-3
+    fp8 = nn.Sequential(copy.deepcopy(linear))
+    convert(fp8, config=dataclasses.replace(config_cls.from_recipe_name(recipe), emulate=True))
+    xr = x.clone().requires_grad_()
+    out = fp8(xr)
+    out.backward(grad)
+    mine = linear_gemms(x.reshape(-1, 64), linear.weight.detach(), grad.reshape(-1, 32), RECIPES[recipe])
+    assert torch.equal(mine.output + linear.bias.detach(), out.detach().reshape(-1, 32))
+    assert torch.equal(mine.grad_input, xr.grad.reshape(-1, 64))
+    assert torch.equal(mine.grad_weight, fp8[0].weight.grad)
+
+
+def test_mx_cast_equals_torchaos_to_mx():
+    pytest.importorskip("torchao.prototype.mx_formats")
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 6, 96)
+    scale, data = to_mx(x, torch.float8_e4m3fn, 32)
+    theirs = (data.float().reshape(6, 3, 32) * scale.float().reshape(6, 3, 1)).reshape(6, 96)
+    assert torch.equal(cast(x, Cast(E4M3, BLOCK), -1, pow2=True).value, theirs)
+
+
+def test_tensorwise_scale_maps_amax_to_the_format_max():
+    x = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
+    for fmt in (E4M3, E5M2):
+        q = cast(x, Cast(fmt, TENSOR), -1, pow2=False)
+        assert torch.equal(q.value, x)  # 2 -> fmax; 1, 0.5 are powers of two: exact in both formats
+        assert (q.flushed, q.saturated, q.nonzero) == (0, 0, 3)
+
+
+def test_row_scales_are_powers_of_two_and_flushes_are_counted():
+    x = torch.tensor([[1000.0, 1e-3, 3.0], [1.0, 0.75, 0.0]])
+    q = cast(x, Cast(E4M3, ROW), -1, pow2=True)
+    # row 0: scale 2^floor(log2(448/1000)) = 0.25; 1e-3 * 0.25 is below e4m3's smallest subnormal / 2
+    assert q.flushed == 1 and q.value[0, 1] == 0
+    assert q.value[0, 0] == 1024.0  # 250 rounds to 256 in e4m3 (3 mantissa bits)
+    assert torch.equal(q.value[1], x[1])
+    tensorwise = cast(x, Cast(E4M3, TENSOR), -1, pow2=False)
+    assert tensorwise.flushed == 1  # 1e-3 * 0.448 also flushes; 0.75 * 0.448 does not
+
+
+def test_mx_saturates_what_its_floor_scale_pushes_past_448():
+    x = torch.full((1, 32), 1.0)
+    x[0, 0] = 511.0  # scale 2^(8-8) = 1: 511 > 448 clamps
+    q = cast(x, Cast(E4M3, BLOCK), -1, pow2=True)
+    assert q.saturated == 1 and q.value[0, 0] == 448.0
+
+
+def _check(cli, name, *args):
+    result = cli("check", model_path(name), "--dtype", "fp8", "--format", "json", *args)
+    assert result.code in (0, 1), result.err
+    return json.loads(result.out)
+
+
+def _codes(report):
+    return sorted({(f["rule"], f["module"]) for f in report["findings"]})
+
+
+def _layer(report, name):
+    return next(layer for layer in report["fp8"]["layers"] if layer["name"] == name)
+
+
+def test_massive_tokens_get_the_tensorwise_verdict_not_the_rowwise_one(cli):
+    tensorwise = _check(cli, "fp8_massive_tokens.py")
+    assert _codes(tensorwise) == [("AMP702", "fc1")]
+    fc1 = _layer(tensorwise, "fc1")
+    assert fc1["outlier_tokens"] == 4 and fc1["verdict"] == "bf16"
+    ops = fc1["operands"]
+    # the whole tensor hides it: the 4 huge tokens hold its energy; the other 60 lost most bits
+    assert ops["tensorwise"]["input"]["sqnr_db"] > 30 and ops["tensorwise"]["input"]["sqnr_rest_db"] < 20
+    assert ops["rowwise"]["input"]["sqnr_rest_db"] > 30
+    # the ordinary tokens' output rows too: 18 dB, where the whole output keeps 28.8
+    assert fc1["gemms"]["output"] > 28 and fc1["gemms"]["output_ordinary_tokens"] < 20
+    assert _layer(tensorwise, "fc2")["verdict"] == "fp8"
+    rowwise = _check(cli, "fp8_massive_tokens.py", "--fp8-recipe", "rowwise")
+    assert _codes(rowwise) == [] and _layer(rowwise, "fc1")["gemms"]["output_ordinary_tokens"] > 28
+
+
+def test_outlier_channels_get_tensorwise_and_rowwise_verdicts_not_mxfp8(cli):
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        assert _codes(_check(cli, "fp8_outlier_channels.py", "--fp8-recipe", recipe)) == [("AMP703", "proj")]
+    report = _check(cli, "fp8_outlier_channels.py", "--fp8-recipe", "mxfp8")
+    assert _codes(report) == []
+    proj = _layer(report, "proj")
+    assert proj["outlier_channels"] == 1 and proj["outlier_tokens"] == 0
+    ops = proj["operands"]
+    assert ops["mxfp8"]["input"]["sqnr_rest_db"] > 20 > ops["rowwise"]["input"]["sqnr_rest_db"]
+
+
+def test_odd_dims_stay_in_bf16_under_every_recipe(cli):
+    for recipe in RECIPES:
+        report = _check(cli, "fp8_odd_dims.py", "--fp8-recipe", recipe)
+        assert [f["rule"] for f in report["findings"]] == ["AMP701"]
+        assert [(layer["name"], layer["divisible_by_16"]) for layer in report["fp8"]["layers"]] == [
+            ("body", True), ("head", False)]
+
+
+def test_fp8_json_report_matches_the_schema_and_text_has_the_table(cli):
+    from importlib import resources
+
+    schema = json.loads(resources.files("ampaudit.report").joinpath("report.schema.json").read_text())
+    report = _check(cli, "fp8_massive_tokens.py")
+    jsonschema.validate(report, schema)
+    assert report["dtype"] == "float8_e4m3fn" and report["fp8"]["recipe"] == "tensorwise"
+    text = cli("check", model_path("fp8_massive_tokens.py"), "--dtype", "fp8")
+    assert text.code == 1
+    assert "fp8 by layer" in text.out and "bf16: massive-activation tokens" in text.out
+
+
+def test_bad_fp8_arguments_are_one_line(cli):
+    result = cli("check", model_path("fp8_odd_dims.py"), "--fp8-recipe", "rowwise")
+    assert result.code == 2 and "--fp8-recipe goes with --dtype fp8" in result.err
+    result = cli("check", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--no-run")
+    assert result.code == 2 and "--no-run leaves nothing to measure" in result.err
+    result = cli("check", model_path("untraceable_no_inputs.py"), "--dtype", "fp8")
+    assert result.code == 2 and "it needs example inputs" in result.err
+    with pytest.raises(SystemExit) as exited:  # argparse's choices
+        cli("check", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--fp8-recipe", "blockwise")
+    assert exited.value.code == 2
+
+
+def test_sqnr_matches_its_definition():
+    x = torch.tensor([3.0, 4.0])
+    assert sqnr_db(x, x) == math.inf
+    assert sqnr_db(x, x + torch.tensor([0.5, 0.0])) == pytest.approx(10 * math.log10(25 / 0.25))
+
+
+def test_fp8_policy_names_exactly_the_layers_kept_and_why():
+    import ampaudit
+    from tests.conftest import MODELS
+
+    spec = importlib.util.spec_from_file_location("fp8_massive_tokens", MODELS / "fp8_massive_tokens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.MassiveTokens()
+    policy = ampaudit.fp8_policy(model, module.example_inputs(), recipe="tensorwise")
+    assert policy.recipe == "tensorwise" and policy.fp8 == ["fc2"]
+    assert list(policy.keep) == ["fc1"] and policy.keep["fc1"].startswith("AMP702: massive-activation tokens")
+    assert not policy.module_filter_fn(model.fc1, "fc1") and policy.module_filter_fn(model.fc2, "fc2")
+    # no recipe: the torchao recipe that keeps the fewest layers (rowwise recovers the tokens)
+    chosen = ampaudit.fp8_policy(model, module.example_inputs())
+    assert (chosen.recipe, chosen.keep, chosen.fp8) == ("rowwise", {}, ["fc1", "fc2"])
+    with pytest.raises(ampaudit.core.errors.UsageError, match="mxfp8 is audited"):
+        ampaudit.fp8_policy(model, module.example_inputs(), recipe="mxfp8")
+
+
+def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verification(cli, tmp_path):
+    _torchao()
+    out = tmp_path / "out"
+    result = cli("convert", model_path("fp8_massive_tokens.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", "tensorwise", "--train-steps", "8", "-o", out)
+    assert result.code == 0, result.err
+    assert "fc1: AMP702: massive-activation tokens" in result.out
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    assert plan["recipe"] == "tensorwise" and list(plan["keep"]) == ["fc1"] and plan["fp8"] == ["fc2"]
+    text = (out / "fp8_torchao.py").read_text()
+    assert "KEEP_IN_BF16 = {\n    'fc1',  # AMP702: massive-activation tokens" in text
+    run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    train = plan["train"]
+    assert run.stdout.strip().endswith(
+        f"{train['steps']} steps, loss {train['bf16'][-1]:.6g} (bf16) vs {train['fp8'][-1]:.6g} (fp8): "
+        f"gap {train['worst']:.4g} (tolerance 0.05)")
+
+
+def test_convert_fp8_fails_past_the_tolerance(cli, tmp_path):
+    _torchao()
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "--train-steps",
+                 "4", "--tolerance", "0", "-o", tmp_path / "out")
+    assert result.code == 1 and "OUTSIDE 0%" in result.out
+    assert "head: AMP701: out_features 10 not divisible by 16" in result.out
+
+
+def test_convert_fp8_flags_are_checked(cli, tmp_path):
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--emit", "torchao", "-o", tmp_path / "a")
+    assert result.code == 2 and "--emit torchao writes an fp8 policy: pass --dtype fp8" in result.err
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "hf", "-o", tmp_path / "b")
+    assert result.code == 2 and "emits torchao's policy only" in result.err
+
+
+def test_products_are_each_layers_own_when_layers_share_inputs_and_weights():
+    """q, k and v read the same input, and a head tied to an embedding shares its weight: the
+    gradient autograd leaves on either is a sum over users, not the layer's own product."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import measure_fp8
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 32)
+            self.q, self.k = nn.Linear(32, 32), nn.Linear(32, 32)
+            self.head = nn.Linear(32, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            return self.head(self.q(x) * self.k(x) + x)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(0))
+    m = measure_fp8(Shared(), ExampleInputs.coerce((ids,), "ids"), "tensorwise")
+    for layer in m.layers:
+        assert 15 < layer.gemms["grad_input"] < 40 and 15 < layer.gemms["grad_weight"] < 40, (layer.name, layer.gemms)
+
+
+def test_the_check_api_audits_fp8_too():
+    import ampaudit
+    from tests.conftest import MODELS
+
+    spec = importlib.util.spec_from_file_location("fp8_odd_dims", MODELS / "fp8_odd_dims.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = ampaudit.check(module.OddHead(), module.example_inputs(), dtype="fp8", fp8_recipe="rowwise")
+    assert [(f.rule, f.module) for f in report.findings] == [("AMP701", "head")]
+    assert report.fp8["recipe"] == "rowwise" and [layer["verdict"] for layer in report.fp8["layers"]] == ["fp8", "bf16"]
+
+
+def test_convert_fp8_without_torchao_is_one_line(cli, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` fails, as where it is not installed
+    result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "-o", tmp_path / "a")
+    assert result.code == 2 and 'pip install "ampaudit[fp8]"' in result.err
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_model_that_fails_or_has_nothing_to_train_is_one_line(tmp_path, cli):
+    frozen = tmp_path / "frozen.py"
+    frozen.write_text("import torch\nfrom torch import nn\n\n\nclass Frozen(nn.Module):\n"
+                      "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(16, 16)\n"
+                      "        self.fc.requires_grad_(False)\n\n    def forward(self, x):\n"
+                      "        return self.fc(x)\n\n\n"
+                      "def example_inputs():\n    return (torch.randn(4, 16),)\n")
+    result = cli("check", frozen, "--dtype", "fp8")
+    assert result.code == 2 and "no tensor that depends on its weights" in result.err
+    broken = tmp_path / "broken.py"
+    broken.write_text(frozen.read_text().replace("        self.fc.requires_grad_(False)\n", "").replace(
+        "return self.fc(x)", "return self.fc(x).sum() * torch.ones(3, 3)[torch.tensor(5)].sum()"))
+    result = cli("check", broken, "--dtype", "fp8")
+    assert result.code == 2 and "IndexError" in result.err and "Traceback" not in result.err
