@@ -394,3 +394,26 @@ def test_every_lint_rule_declares_patterns_that_compile():
         assert words, fn.__name__
         for word in words:
             re.compile(word)
+
+
+def test_fp32_region_input_of_unknown_dtype_may_promote_a_loss():
+    # RVC's train.py: the mel is a slice of a function's result (unknown), the prediction
+    # .half()-ed; F.l1_loss(fp32, fp16) computes in fp32, so an unknown input is no finding -
+    # while a non-tensor keyword (reduction=) or a Python number leaves a low input low.
+    source = (
+        "import torch\nimport torch.nn.functional as F\nfrom mel import spec_to_mel, slice_segments\n\n\n"
+        "def step(net_g, x, spec, ids, reduction):\n"
+        "    with torch.autocast('cuda'):\n"
+        "        y_hat = net_g(x)\n"
+        "        y_mel = slice_segments(spec_to_mel(spec), ids, 32)\n"
+        "        y_hat_mel = y_hat.float().half()\n"
+        "        with torch.autocast('cuda', enabled=False):\n"
+        "            a = F.l1_loss(y_mel, y_hat_mel)\n"
+        "            b = F.mse_loss(y_hat_mel, target=y_mel)\n"
+        "            c = F.mse_loss(y_hat_mel, y_hat, reduction=reduction)\n"
+        "            d = torch.add(y_hat_mel, -1.0)\n"
+        "            e = F.cross_entropy(y_hat, ids)\n"
+        "    return a + b + c + d + e\n"
+    )
+    assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP422"] == [
+        (14, "AMP422"), (15, "AMP422"), (16, "AMP422")]
