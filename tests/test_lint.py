@@ -417,3 +417,35 @@ def test_fp32_region_input_of_unknown_dtype_may_promote_a_loss():
     )
     assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP422"] == [
         (14, "AMP422"), (15, "AMP422"), (16, "AMP422")]
+
+
+def test_autograd_function_of_collectives_needs_no_custom_fwd():
+    # VICReg's FullGatherLayer (zeros_like, all_gather, stack, all_reduce) keeps its input's
+    # dtype forward and back: no AMP415; the same file's matmul Function still gets one.
+    source = (
+        "import torch\nimport torch.distributed as dist\n\n\n"
+        "class FullGatherLayer(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x):\n"
+        "        output = [torch.zeros_like(x) for _ in range(dist.get_world_size())]\n"
+        "        dist.all_gather(output, x)\n"
+        "        return tuple(output)\n\n"
+        "    @staticmethod\n"
+        "    def backward(ctx, *grads):\n"
+        "        all_gradients = torch.stack(grads)\n"
+        "        dist.all_reduce(all_gradients)\n"
+        "        return all_gradients[dist.get_rank()]\n\n\n"
+        "class Project(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x, w):\n"
+        "        ctx.save_for_backward(x, w)\n"
+        "        return torch.matmul(x, w)\n\n"
+        "    @staticmethod\n"
+        "    def backward(ctx, g):\n"
+        "        x, w = ctx.saved_tensors\n"
+        "        return g, g\n\n\n"
+        "def step(model, x):\n"
+        "    with torch.autocast('cuda'):\n"
+        "        return torch.cat(FullGatherLayer.apply(model(x)), dim=0)\n"
+    )
+    assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP415"] == [(19, "AMP415")]
