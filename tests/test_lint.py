@@ -449,3 +449,35 @@ def test_autograd_function_of_collectives_needs_no_custom_fwd():
         "        return torch.cat(FullGatherLayer.apply(model(x)), dim=0)\n"
     )
     assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP415"] == [(19, "AMP415")]
+
+
+def test_autocast_held_in_another_functions_local_is_not_this_ones():
+    # apple/ml-fastvit train.py (timm's shape): main() holds torch.cuda.amp.autocast in
+    # `amp_autocast` on the runs that also build a scaler; train_one_epoch's parameter of the
+    # same name defaults to contextlib.suppress - it is not main()'s local, so no AMP403 there.
+    source = (
+        "from contextlib import suppress\n\nimport torch\nfrom timm.utils import NativeScaler\n\n\n"
+        "def main(args, model, loader, optimizer):\n"
+        "    amp_autocast = suppress\n"
+        "    loss_scaler = None\n"
+        "    if args.amp:\n"
+        "        amp_autocast = torch.cuda.amp.autocast\n"
+        "        loss_scaler = NativeScaler()\n"
+        "    train_one_epoch(model, loader, optimizer, amp_autocast=amp_autocast, loss_scaler=loss_scaler)\n\n\n"
+        "def train_one_epoch(model, loader, optimizer, amp_autocast=suppress, loss_scaler=None):\n"
+        "    for x, y in loader:\n"
+        "        with amp_autocast():\n"
+        "            loss = model(x, y)\n"
+        "        if loss_scaler is not None:\n"
+        "            loss_scaler(loss, optimizer)\n"
+        "        else:\n"
+        "            loss.backward()\n"
+        "            optimizer.step()\n\n\n"
+        "def own_context(model, x, y, optimizer):\n"
+        "    amp_autocast = torch.autocast('cuda')\n"
+        "    with amp_autocast:\n"
+        "        loss = model(x, y)\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+    )
+    assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP403"] == [(29, "AMP403")]
