@@ -394,3 +394,90 @@ def test_every_lint_rule_declares_patterns_that_compile():
         assert words, fn.__name__
         for word in words:
             re.compile(word)
+
+
+def test_fp32_region_input_of_unknown_dtype_may_promote_a_loss():
+    # RVC's train.py: the mel is a slice of a function's result (unknown), the prediction
+    # .half()-ed; F.l1_loss(fp32, fp16) computes in fp32, so an unknown input is no finding -
+    # while a non-tensor keyword (reduction=) or a Python number leaves a low input low.
+    source = (
+        "import torch\nimport torch.nn.functional as F\nfrom mel import spec_to_mel, slice_segments\n\n\n"
+        "def step(net_g, x, spec, ids, reduction):\n"
+        "    with torch.autocast('cuda'):\n"
+        "        y_hat = net_g(x)\n"
+        "        y_mel = slice_segments(spec_to_mel(spec), ids, 32)\n"
+        "        y_hat_mel = y_hat.float().half()\n"
+        "        with torch.autocast('cuda', enabled=False):\n"
+        "            a = F.l1_loss(y_mel, y_hat_mel)\n"
+        "            b = F.mse_loss(y_hat_mel, target=y_mel)\n"
+        "            c = F.mse_loss(y_hat_mel, y_hat, reduction=reduction)\n"
+        "            d = torch.add(y_hat_mel, -1.0)\n"
+        "            e = F.cross_entropy(y_hat, ids)\n"
+        "    return a + b + c + d + e\n"
+    )
+    assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP422"] == [
+        (14, "AMP422"), (15, "AMP422"), (16, "AMP422")]
+
+
+def test_autograd_function_of_collectives_needs_no_custom_fwd():
+    # VICReg's FullGatherLayer (zeros_like, all_gather, stack, all_reduce) keeps its input's
+    # dtype forward and back: no AMP415; the same file's matmul Function still gets one.
+    source = (
+        "import torch\nimport torch.distributed as dist\n\n\n"
+        "class FullGatherLayer(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x):\n"
+        "        output = [torch.zeros_like(x) for _ in range(dist.get_world_size())]\n"
+        "        dist.all_gather(output, x)\n"
+        "        return tuple(output)\n\n"
+        "    @staticmethod\n"
+        "    def backward(ctx, *grads):\n"
+        "        all_gradients = torch.stack(grads)\n"
+        "        dist.all_reduce(all_gradients)\n"
+        "        return all_gradients[dist.get_rank()]\n\n\n"
+        "class Project(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x, w):\n"
+        "        ctx.save_for_backward(x, w)\n"
+        "        return torch.matmul(x, w)\n\n"
+        "    @staticmethod\n"
+        "    def backward(ctx, g):\n"
+        "        x, w = ctx.saved_tensors\n"
+        "        return g, g\n\n\n"
+        "def step(model, x):\n"
+        "    with torch.autocast('cuda'):\n"
+        "        return torch.cat(FullGatherLayer.apply(model(x)), dim=0)\n"
+    )
+    assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP415"] == [(19, "AMP415")]
+
+
+def test_autocast_held_in_another_functions_local_is_not_this_ones():
+    # apple/ml-fastvit train.py (timm's shape): main() holds torch.cuda.amp.autocast in
+    # `amp_autocast` on the runs that also build a scaler; train_one_epoch's parameter of the
+    # same name defaults to contextlib.suppress - it is not main()'s local, so no AMP403 there.
+    source = (
+        "from contextlib import suppress\n\nimport torch\nfrom timm.utils import NativeScaler\n\n\n"
+        "def main(args, model, loader, optimizer):\n"
+        "    amp_autocast = suppress\n"
+        "    loss_scaler = None\n"
+        "    if args.amp:\n"
+        "        amp_autocast = torch.cuda.amp.autocast\n"
+        "        loss_scaler = NativeScaler()\n"
+        "    train_one_epoch(model, loader, optimizer, amp_autocast=amp_autocast, loss_scaler=loss_scaler)\n\n\n"
+        "def train_one_epoch(model, loader, optimizer, amp_autocast=suppress, loss_scaler=None):\n"
+        "    for x, y in loader:\n"
+        "        with amp_autocast():\n"
+        "            loss = model(x, y)\n"
+        "        if loss_scaler is not None:\n"
+        "            loss_scaler(loss, optimizer)\n"
+        "        else:\n"
+        "            loss.backward()\n"
+        "            optimizer.step()\n\n\n"
+        "def own_context(model, x, y, optimizer):\n"
+        "    amp_autocast = torch.autocast('cuda')\n"
+        "    with amp_autocast:\n"
+        "        loss = model(x, y)\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+    )
+    assert [(f.line, f.rule) for f in lint_source("t.py", source) if f.rule == "AMP403"] == [(29, "AMP403")]

@@ -86,7 +86,9 @@ class Visitor:
         self.blocks: list[list[ast.stmt]] = []  # the indented blocks we are in (the module's first)
         self.block_exits: list[bool] = [False]
         self.exits: list[list[ast.stmt]] = []  # per early-exit guard: the block whose end drops it
-        self.contexts: dict[str, ast.Call] = {}  # `ctx = torch.autocast(...)`: name -> the call
+        # `ctx = torch.autocast(...)`: (the function a plain name is local to, or None for a
+        # module-level name or an attribute such as self.ctx, name) -> the call
+        self.contexts: dict[tuple[int | None, str], ast.Call] = {}
         self.scale_loss: list[bool] = [False]
         self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
         self.version_tests: dict[ast.AST, bool] = {}
@@ -371,7 +373,7 @@ class Visitor:
             call = item.context_expr
             if call.__class__ is not ast.Call or autocasts.device(self.qualified, call.func) is False:
                 bound = dotted(call.func if call.__class__ is ast.Call else call)  # `with ctx:` / `with ctx():`
-                call = self.contexts.get(bound or "")
+                call = self._context(bound or "")
             if call.__class__ is ast.Call and (device := autocasts.device(self.qualified, call.func)) is not False:
                 block = autocasts.region(self.text, self.qualified, node, call, device, self.scope)
                 self.found.autocasts.append(block)
@@ -433,13 +435,29 @@ class Visitor:
                 self.found.scaled_values.pop((id(self.scope), name), None)
             context = autocasts.held_in(self.qualified, value)
             if context is not None:
-                self.contexts[name] = context
+                self.contexts[(self._local_to(name), name)] = context
             call = value if value.__class__ is ast.Call else _conditional_call(value)
             if call is not None and call in self.by_node:
                 self.found.assignments.append(Assignment(name, self.by_node[call]))
                 callee = dotted(call.func)
                 if callee in self.found.local_backward_classes:
                     self.found.instances[name] = callee
+
+    def _local_to(self, name: str) -> int | None:
+        """The function a plain name assigned here is local to; None at module level or for
+        an attribute (``self.ctx``), which other functions and methods read."""
+        return id(self.scope) if self.scope.kind == "function" and "." not in name else None
+
+    def _context(self, name: str) -> ast.Call | None:
+        """The autocast call ``name`` holds here: assigned in this function or one enclosing
+        it, at module level, or as an attribute. Not another function's local of the same name:
+        fastvit's ``train_one_epoch(..., amp_autocast=suppress)`` is no autocast because main()'s
+        ``amp_autocast`` is one on some runs."""
+        if "." not in name:
+            for scope in (self.scope, *(saved[0] for saved in reversed(self.saved))):
+                if scope.kind == "function" and (id(scope), name) in self.contexts:
+                    return self.contexts[(id(scope), name)]
+        return self.contexts.get((None, name))
 
     def _return(self, node: ast.Return) -> None:
         if node.value is not None:

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import Autocast, Call, Scope, ScriptFacts
 from ampaudit.check.lint.inference import LOW, Inference, widest
-from ampaudit.check.lint.nodes import arguments, dotted
+from ampaudit.check.lint.nodes import Arg, arguments, dotted
 from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
 from ampaudit.check.script_rules import lint_rule
+from ampaudit.core.catalog import builtin_catalog
 from ampaudit.core.findings import Finding
 
 # `model(x)`, `self.net(x)`, `model.forward(x)`: a call of something named like the model
@@ -63,6 +64,8 @@ def fp32_region_fed_low_precision(facts: ScriptFacts) -> Iterator[Finding]:
         dtypes = [infer.of(arg.value, autocast=False) for arg in written]
         if widest(dtypes) != LOW:
             continue  # no low input, or an fp32 one the op promotes to (F.l1_loss(fp32, fp16))
+        if _may_promote(call, written, dtypes, torch_modules):
+            continue  # F.l1_loss(y_mel, y_hat_mel.half()): an input of unknown dtype may be fp32
         arg = next(a for a, dtype in zip(written, dtypes, strict=True) if dtype == LOW)
         name = _root_name(arg.value) or facts.text(arg.value)
         line = facts.name_dtypes.get((id(call.scope), name), (LOW, call.line))[1]
@@ -76,6 +79,35 @@ def _inference(facts: ScriptFacts, scope: Scope, before: int, modules: dict[str,
         dtype, line = facts.name_dtypes.get((id(scope), name), (None, 0))
         return None if dtype == LOW and line >= before else dtype
     return Inference(lookup, facts.qualified, modules.get)
+
+
+# the arguments that hold a promoting op's tensor inputs (not `reduction=`, `dim=`, `margin=`)
+_TENSOR_KEYWORDS = frozenset({"input", "target", "other", "var", "x1", "x2", "anchor", "positive", "negative"})
+
+
+def _may_promote(call: Call, written: list[Arg], dtypes: list[str | None], modules: dict[str, str]) -> bool:
+    """A promoting op (``promotes_inputs``: F.l1_loss, F.mse_loss, torch.add) one of whose
+    tensor inputs has a dtype the lint cannot tell: fp32 there lifts the op to fp32 - RVC's
+    ``F.l1_loss(y_mel, y_hat_mel)``, the mel the slice of a function's result (its ``log`` runs
+    in fp32 under autocast), the prediction ``.half()``-ed. Unknown stays unknown: no finding."""
+    catalog = builtin_catalog()
+    module = modules.get(dotted(call.node.func) or "")
+    if module is not None:
+        kind = catalog.modules.get(module)
+    else:
+        last = next(iter(sorted(call.names)), "")
+        kind = catalog.canonical_kind(last.rsplit(".", 1)[-1])
+    if kind not in catalog.trait("promotes_inputs"):
+        return False
+    return any(dtype is None and (arg.keyword is None or arg.keyword in _TENSOR_KEYWORDS)
+               and not _literal(arg.value) for arg, dtype in zip(written, dtypes, strict=True))
+
+
+def _literal(value: ast.expr) -> bool:
+    """A Python number or string (``2.0``, ``-1``): it takes no part in a tensor's dtype."""
+    while isinstance(value, ast.UnaryOp):
+        value = value.operand
+    return isinstance(value, ast.Constant)
 
 
 def _root_name(value: ast.expr) -> str | None:
