@@ -113,8 +113,9 @@ class Monitor:
                                      "given" if dtype is not None else None, record_inputs=options.inputs,
                                      record_eval=options.eval, provenance=options.provenance,
                                      inside_compile=options.inside_compile)
-        self.optimizer_tap = OptimizerTap(self._boundary, optimizer)
-        self.scaler_tap = ScalerTap(self._boundary)
+        here = self.recorder.thread.here  # steps end on the thread the watch follows (watch/threads.py)
+        self.optimizer_tap = OptimizerTap(self._boundary, optimizer, here)
+        self.scaler_tap = ScalerTap(self._boundary, here)
         self.reducer = StepReducer(world)
         self._rank = rank
         self.sink = LogSink(self.log_path if rank == 0 else None)  # rank 0 writes the log
