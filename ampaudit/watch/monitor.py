@@ -209,7 +209,11 @@ class Monitor:
         if self._last_scaler is not None and self._last_scaler._scale is not None:
             # the scale the next step would use: records carry the one each step used
             final_scale = self.builder.final_scale = float(self._last_scaler.get_scale())
-        self.sink.close(final_scale)
+        # what the live summary counts after the last logged step (eval after training, steps
+        # `every` left out) reaches the log too: `ampaudit report` says the same
+        self.sink.close({"steps": self.step_index, "forks": self.forks,
+                         "eval_forwards": {"count": self.eval_forwards, "recorded": self.record_eval},
+                         "unmeasured": dict(sorted(self.unmeasured.items()))}, final_scale)
 
     def _detach(self) -> None:
         self._started = False
