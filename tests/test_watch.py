@@ -1050,7 +1050,7 @@ def test_stop_on_nonfinite_records_the_step_once(tmp_path):
     with pytest.raises(NonFiniteError), ampaudit.watch(model, optimizer=opt, stop_on_nonfinite=True, log=log) as mon:
         _train(model, opt, 3)
     steps = [json.loads(line).get("step") for line in log.read_text().splitlines()[1:]]
-    assert steps == [0, 1]
+    assert steps == [0, 1, None]  # and the end
     summary = mon.summary()
     assert summary["steps"] == 2 and summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8
     assert read_log(log).summary()["layers"] == summary["layers"]  # (the params: their norm is NaN)

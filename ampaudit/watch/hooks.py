@@ -48,7 +48,8 @@ def _transformed() -> bool:
 def unmeasurable(t: torch.Tensor) -> str | None:
     """Why watch cannot measure a float tensor (its kind), or None: the row kernels read a
     dense, strided buffer with values."""
-    if _functorch is not None and _functorch.is_functorch_wrapped_tensor(t):
+    # not traced by dynamo (a C function it cannot trace): a compiled graph's tensors are no wrappers
+    if _functorch is not None and not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(t):
         return "functorch"
     if t.is_nested:
         return "nested"
