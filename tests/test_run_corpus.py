@@ -44,6 +44,13 @@ def test_a_script_trains_under_run_as_it_does_under_python(tmp_path, script):
     assert watched_out == plain_out, watched_err
     # the summary, and no traceback but the script's own (one script fails on purpose)
     assert "ampaudit watch" in watched_err and watched_err.count("Traceback") == plain_err.count("Traceback")
+    # and the log says what the summary at exit said (evaluation after the last step included)
+    from ampaudit.watch.summary import read_log
+
+    logged = read_log(tmp_path / "watched" / "w.jsonl").summary()
+    assert f"│ steps             {logged['steps']} " in watched_err
+    evals = logged["eval_forwards"]["count"]
+    assert (f"│ eval forwards     {evals} with grad disabled" in watched_err) == (evals > 0), watched_err
     plain = torch.load(tmp_path / "plain" / "weights.pt")
     watched = torch.load(tmp_path / "watched" / "weights.pt")
     assert list(watched) == list(plain)
