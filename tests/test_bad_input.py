@@ -369,6 +369,8 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         "string-in-row": (header, {**record, "params": {"weight": [16, 0, 0, "x", 0, 0, 0, 8.0, 3, 16]}}),
         "v1-missing-nan": ({"ampaudit_watch": 1, "dtype": "float16"},
                            {"step": 0, "layers": {"a": {"forward": {"numel": 4, "inf": 0, "hist": []}}}, "params": {}}),
+        "end-evals-number": ({**header, "ampaudit_watch": 3}, {"end": {"steps": 1, "eval_forwards": 4}}),
+        "end-extra-key": ({**header, "ampaudit_watch": 3}, {"end": {}, "final_scale": 2.0, "x": 1}),
     }
     for name, (head, first) in bent.items():
         lines = [head, first, record]
@@ -380,6 +382,9 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         "first-module-number": "first-module-number.jsonl:2: first_nonfinite.module must be text",
         "string-in-row": "string-in-row.jsonl:2: params.weight: a row must be a list of numbers",
         "v1-missing-nan": "v1-missing-nan.jsonl:2: layers.a.forward: no nan",
+        "end-evals-number": "end-evals-number.jsonl:2: end.eval_forwards must be {count: whole number, recorded: "
+                            "true or false}",
+        "end-extra-key": "end-extra-key.jsonl:2: not a step record (needs step, layers and params) nor the log's end",
     }
 
 

@@ -224,6 +224,8 @@ def test_lightning_counts_optimizer_steps_detects_bf16_and_leaves_out_validation
     # the log: one record per step, and the same summary read back
     assert [r["step"] for r in _records(log)] == [0, 1, 2]
     assert read_log(log).summary()["layers"] == summary["layers"]
+    # the validation after the last step too: the log's end carries it (it said 4 of 6)
+    assert read_log(log).summary()["eval_forwards"] == summary["eval_forwards"]
     assert _no_hooks(trainer.lightning_module)
 
 
@@ -425,6 +427,8 @@ def test_transformers_counts_optimizer_steps_detects_bf16_and_leaves_out_evaluat
     assert plain.summary()["params"] == summary["params"]
     assert [r["step"] for r in _records(log)] == [0, 1, 2]
     assert read_log(log).summary()["params"] == summary["params"]
+    # the evaluation after the last step too: the log's end carries it (it said 4 of 6)
+    assert read_log(log).summary()["eval_forwards"] == summary["eval_forwards"]
     assert _no_hooks(model)
 
 

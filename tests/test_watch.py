@@ -282,7 +282,9 @@ def test_log_and_report_round_trip(tmp_path, cli):
     with ampaudit.watch(model, optimizer=opt, log=log) as mon:
         _train(model, opt, 3)
     lines = log.read_text().splitlines()
-    assert json.loads(lines[0])["ampaudit_watch"] == 2 and len(lines) == 4  # header + one line per step
+    assert json.loads(lines[0])["ampaudit_watch"] == 3 and len(lines) == 5  # header, one line per step, the end
+    assert json.loads(lines[-1]) == {"end": {"steps": 3, "forks": 0, "eval_forwards": {"count": 0, "recorded": False},
+                                             "unmeasured": {}}}
     assert read_log(log).summary() == mon.summary()
     result = cli("report", log, "--format", "json")
     assert result.json() == json.loads(json.dumps(mon.summary()))
@@ -318,14 +320,32 @@ def test_a_log_row_holds_exactly_the_stats():
     assert log_rows(rows[[3, 1]]) == [written[3], written[1]]
 
 
+def test_the_report_counts_what_came_after_the_last_logged_step(tmp_path):
+    # evaluation after the last optimizer step, and steps `every` left out at the end: the live
+    # summary counted them and the log's records could not (HF Trainer said 8 eval forwards
+    # live, 6 in the report)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log, every=2) as mon:
+        _train(model, opt, 4)
+        with torch.no_grad():
+            model(torch.ones(1, 4))
+            model(torch.ones(1, 4))
+    live, read = mon.summary(), read_log(log).summary()
+    assert (live["steps"], live["eval_forwards"]) == (4, {"count": 2, "recorded": False})
+    assert (read["steps"], read["eval_forwards"]) == (live["steps"], live["eval_forwards"])
+    assert read == live
+
+
 def test_a_log_from_a_newer_ampaudit_or_with_a_bad_row_is_one_line(tmp_path, cli):
     log = _logged_run(tmp_path, steps=2)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     newer = tmp_path / "newer.jsonl"
-    newer.write_text(json.dumps({**lines[0], "ampaudit_watch": 3}) + "\n")
+    newer.write_text(json.dumps({**lines[0], "ampaudit_watch": 4}) + "\n")
     result = cli("report", newer)
     assert result.code == 2
-    assert "a watch log of format 3, from a newer ampaudit: this one reads formats 1-2" in result.err
+    assert "a watch log of format 4, from a newer ampaudit: this one reads formats 1-3" in result.err
     lines[1]["layers"]["0"]["forward"] = "7"
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -1030,7 +1050,7 @@ def test_stop_on_nonfinite_records_the_step_once(tmp_path):
     with pytest.raises(NonFiniteError), ampaudit.watch(model, optimizer=opt, stop_on_nonfinite=True, log=log) as mon:
         _train(model, opt, 3)
     steps = [json.loads(line).get("step") for line in log.read_text().splitlines()[1:]]
-    assert steps == [0, 1]
+    assert steps == [0, 1, None]  # and the end
     summary = mon.summary()
     assert summary["steps"] == 2 and summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 8
     assert read_log(log).summary()["layers"] == summary["layers"]  # (the params: their norm is NaN)

@@ -101,8 +101,12 @@ class _Trace:
                 self.modes = [HARMFUL if e.module == event.module and e.phase == "forward" and m == ANY else m
                               for e, m in zip(self.events, self.modes, strict=True)]
                 seq = next((i for i, bad in enumerate(self.bad()) if bad and i > seq), None)
-                if seq is None:
-                    return None
+                if seq is None:  # only masks among the events: a parameter's gradient may still be bad
+                    if not nonfinite_params:
+                        return None
+                    first = {"step": first["step"], "module": nonfinite_params[0], "phase": "backward",
+                             "tensor": "param grad"}
+                    return trace_parameter(first, self.recorder, nonfinite_params)
                 nxt = self.events[seq]
                 first = {"step": first["step"], "module": nxt.module, "tensor": nxt.tensor,
                          "phase": "backward" if nxt.phase == INPUT_GRAD else nxt.phase}
@@ -118,8 +122,8 @@ class _Trace:
         if call is None:
             return {**first, "note": _no_replay(index)}
         origin = replay_forward(call)
-        # -inf only, and neither arithmetic nor a non-finite weight made it: a mask
-        if origin.op is None and origin.state is None and not self.flags()[0][seq]:
+        # -inf only, and neither arithmetic, a non-finite weight nor a NaN/+inf input made it: a mask
+        if origin.op is None and origin.state is None and not origin.outside and not self.flags()[0][seq]:
             return None
         # made before this module: by an enclosing module's own code? (not if an ignored one made it)
         if origin.outside and not any(m == IGNORED and n for m, n in zip(self.modes, self.flags()[1], strict=True)):

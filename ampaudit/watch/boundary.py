@@ -16,6 +16,11 @@ import torch
 from torch.optim import optimizer as optimizer_hooks
 
 Boundary = Callable[..., None]  # on_boundary(scaler=None)
+Here = Callable[[], bool]  # whether the calling thread is the one the watch follows (watch/threads.py)
+
+
+def _anywhere() -> bool:
+    return True
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -33,8 +38,9 @@ class OptimizerTap:
     run``) from every optimizer that steps; ``optimizers`` are those whose parameters'
     gradients the step records when no model names them."""
 
-    def __init__(self, on_boundary: Boundary, optimizer: torch.optim.Optimizer | None) -> None:
-        self.on_boundary = on_boundary
+    def __init__(self, on_boundary: Boundary, optimizer: torch.optim.Optimizer | None,
+                 here: Here = _anywhere) -> None:
+        self.on_boundary, self.here = on_boundary, here  # another thread's steps end no step of ours
         optimizer = unwrap_optimizer(optimizer)
         self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self.in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
@@ -56,8 +62,8 @@ class OptimizerTap:
         self._handles.clear()
 
     def _global_step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.in_scaler_step:
-            return  # a GradScaler drives this step: its update() is the boundary
+        if self.in_scaler_step or not self.here():
+            return  # a GradScaler drives this step (its update() is the boundary), or another thread's
         self.optimizers = [optimizer]
         self._step_pre_hook(optimizer, args, kwargs)
 
@@ -65,6 +71,8 @@ class OptimizerTap:
         """The step boundary is before optimizer.step(), which reads this step's gradients -
         unless the step takes a closure: the closure runs this step's forward and backward
         inside step(), so the boundary is after."""
+        if not self.here():
+            return
         # torch passes step()'s own args, the optimizer first: a closure is any callable after it
         if any(callable(a) for a in args if a is not optimizer) or callable(kwargs.get("closure")):
             self._closure_steps += 1
@@ -72,7 +80,7 @@ class OptimizerTap:
             self.on_boundary()
 
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._closure_steps:
+        if self._closure_steps and self.here():
             self._closure_steps -= 1
             self.on_boundary()
 
@@ -86,8 +94,8 @@ class ScalerTap:
     ``detach`` unwraps only its own - in either order (a watch detached under a later one's
     wrapper just passes through until that one comes off too)."""
 
-    def __init__(self, on_boundary: Boundary) -> None:
-        self.on_boundary = on_boundary
+    def __init__(self, on_boundary: Boundary, here: Here = _anywhere) -> None:
+        self.on_boundary, self.here = on_boundary, here
         self.active = False
         self._original: tuple[Any, tuple] | None = None  # (scaler or class, what to put back)
 
@@ -96,7 +104,7 @@ class ScalerTap:
         tap = self
 
         def update(new_scale: Any = None) -> None:
-            if tap.active:  # a tap detached under a later one's wrapper passes through
+            if tap.active and tap.here():  # a tap detached under a later one's wrapper passes through
                 tap.on_boundary(scaler=scaler)
             original(new_scale)
 
@@ -111,6 +119,8 @@ class ScalerTap:
         tap = self
 
         def step(self_scaler, optimizer, *args, **kwargs):
+            if not tap.here():  # another thread's scaler step
+                return original_step(self_scaler, optimizer, *args, **kwargs)
             optimizers.optimizers = [optimizer]
             optimizers.in_scaler_step = True
             try:
@@ -119,7 +129,8 @@ class ScalerTap:
                 optimizers.in_scaler_step = False
 
         def update(self_scaler, new_scale=None):
-            tap.on_boundary(scaler=self_scaler)
+            if tap.here():
+                tap.on_boundary(scaler=self_scaler)
             return original_update(self_scaler, new_scale)
 
         cls.update, cls.step = update, step

@@ -130,8 +130,10 @@ class Fp8Recorder:
     names), ``skip`` says when a call is not the run's data (a replay, a compiled region's
     tracing). ``history``: the delayed recipe's amax history length, in steps."""
 
-    def __init__(self, history: int, name: Any, skip: Any) -> None:
-        self.history, self._name, self._skip = history, name, skip
+    def __init__(self, history: int, name: Any, skip: Any, here: Any = lambda: True) -> None:
+        # ``here``: whether a forward is the run's (the followed thread, outside torch.func
+        # transforms); asked in forward only: gradient hooks may run on autograd's own thread
+        self.history, self._name, self._skip, self._here = history, name, skip, here
         self.logging = True  # this step's counts are recorded (amax always is: the history needs it)
         self._devices: dict[torch.device, _Rows] = {}
         self._rows: dict[tuple[str, str], tuple[torch.device, int]] = {}  # (module, operand) -> its row
@@ -157,7 +159,8 @@ class Fp8Recorder:
             self._after_forward(module, args, output)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._handles or torch.compiler.is_compiling() or not torch.is_grad_enabled() or self._skip():
+        if (not self._handles or torch.compiler.is_compiling() or not torch.is_grad_enabled() or self._skip()
+                or not self._here()):
             return
         name = self._name(module)
         if name is None:

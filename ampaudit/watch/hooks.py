@@ -31,13 +31,26 @@ from ampaudit.watch import compiled, stats
 from ampaudit.watch.arena import Handle, RowArena
 from ampaudit.watch.events import INPUT_GRAD, event
 from ampaudit.watch.provenance import Call, autocast_state
+from ampaudit.watch.threads import FollowedThread
 
 COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: none kept, no replay
+
+
+_functorch = getattr(torch._C, "_functorch", None)
+
+
+def transformed() -> bool:
+    """Inside a ``torch.func`` transform (vmap, grad, jacrev, ...): its tensors are wrappers
+    with no storage of their own, and a tensor made there (an arena row) would be one too."""
+    return _functorch is not None and _functorch.maybe_current_level() is not None
 
 
 def unmeasurable(t: torch.Tensor) -> str | None:
     """Why watch cannot measure a float tensor (its kind), or None: the row kernels read a
     dense, strided buffer with values."""
+    # not traced by dynamo (a C function it cannot trace): a compiled graph's tensors are no wrappers
+    if _functorch is not None and not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(t):
+        return "functorch"
     if t.is_nested:
         return "nested"
     if t.layout != torch.strided:
@@ -127,7 +140,8 @@ class StepRecorder:
         self._model: torch.nn.Module | None = None
         self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle
         self.eval_forwards = 0  # the model's grad-disabled calls
-        self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta)
+        self.unmeasured: Counter[str] = Counter()  # tensors skipped, by kind (sparse, nested, meta, ...)
+        self.thread = FollowedThread()  # the one thread whose steps are recorded (watch/threads.py)
         # this step's measured tensors: (tensor, row, whether the whole row or only its flags)
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle, bool]] = {}
         self._names: dict[int, str] = {}  # id(module) -> qualified name
@@ -205,6 +219,8 @@ class StepRecorder:
         """The forward pre-hook: the module's inputs, before it runs."""
         if self.paused or _compiling() or (not torch.is_grad_enabled() and not self.record_eval):
             return
+        if transformed() or not self.thread.here():  # counted in after_forward
+            return
         if self.dtype_source is None and torch.is_grad_enabled():
             self._detect_dtype(measurable_tensors(args))
         if self.record_inputs and self.logging:
@@ -221,7 +237,7 @@ class StepRecorder:
                 compiled.trace_forward(self._token, index, output, measurable_tensors(output),
                                        _positional(args) if self.provenance else [], record_eval=self.record_eval)
             return
-        if self.paused:
+        if self.paused or self._elsewhere(output):
             return
         name = self._names.get(id(module))
         phase = "forward"
@@ -251,9 +267,29 @@ class StepRecorder:
                 self.hook_grad(t, name, f"grad of {label}")
         self._call = None
 
+    def _elsewhere(self, output: Any) -> bool:
+        """Whether a module call is one this recorder leaves alone - inside a ``torch.func``
+        transform, or on a thread it does not follow (``threads``) - its float outputs counted
+        as unmeasured. Never an error in the user's thread."""
+        if transformed():
+            kind = "functorch"
+        elif self.thread.here(claim=torch.is_grad_enabled() or self.record_eval):
+            return False
+        else:
+            kind = "other-thread"
+        items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) \
+            else [output]
+        n = sum(isinstance(t, torch.Tensor) and t.is_floating_point() for t in items)
+        if n:
+            with self.thread.lock:
+                self.unmeasured[kind] += n
+        return True
+
     def _global_before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self.paused or _compiling():
             return
+        if transformed() or not self.thread.here(claim=torch.is_grad_enabled() or self.record_eval):
+            return  # counted when the call returns
         if self._depth == 0:
             if id(module) not in self._names:
                 self._name_tree(module, "" if not self._names else type(module).__name__)
@@ -267,7 +303,7 @@ class StepRecorder:
         if _compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
             self.after_forward(module, args, kwargs, output)
             return
-        if self.paused:
+        if self.paused or self._elsewhere(output):
             return
         self._depth = max(0, self._depth - 1)
         self.after_forward(module, args, kwargs, output)
@@ -277,6 +313,8 @@ class StepRecorder:
         far are released - unless that micro-batch already went non-finite (one host sync, only
         when a step has several forwards), whose calls a replay will need."""
         if self.paused or not self.calls or self.calls_frozen or not torch.is_grad_enabled() or not self.logging:
+            return
+        if transformed() or not self.thread.here():
             return
         device = self.event_rows[0][0] if self.event_rows else torch.device("cpu")
         if self.event_rows and bool(stats.harmful(stats.raw_matrix(*self.arena.matrix(self.event_rows, device)))
@@ -296,6 +334,10 @@ class StepRecorder:
         def hook(grad: torch.Tensor | None) -> None:
             # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
             if self.logging and self.active and not self.paused and grad is not None:
+                if transformed():  # a torch.func transform's backward through a watched tensor
+                    with self.thread.lock:
+                        self.unmeasured["functorch"] += 1
+                    return
                 self.record(module, phase, grad, label, call)
 
         tensor.register_hook(hook)

@@ -1,5 +1,6 @@
-"""The watch log (JSON lines: a header, then one record per logged step, then the final loss
-scale): written by a running watch (``LogSink``), read as a stream (``open_log``).
+"""The watch log (JSON lines: a header, then one record per logged step, then the end: the
+run's counts after its last logged step and the final loss scale): written by a running watch
+(``LogSink``), read as a stream (``open_log``).
 
 A log can be gigabytes: it is read one line at a time and never held whole. A run that died
 mid-write leaves a partial last line, which is skipped; a bad line anywhere else is an error
@@ -22,11 +23,13 @@ from typing import Any, TextIO
 from ampaudit.core.errors import UsageError
 from ampaudit.core.outputs import resolve_output
 from ampaudit.core.paths import display_path
-from ampaudit.watch.log_schema import step_problem
+from ampaudit.watch.log_schema import end_problem, step_problem
 from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 
-FORMAT_VERSION = 2  # the header's "ampaudit_watch" value: 2 writes Stats as rows (``stats_merge.LOG_ROW``)
-READS = (1, 2)  # the versions read: 1 wrote each Stats as its dict
+# the header's "ampaudit_watch" value: 2 writes Stats as rows (``stats_merge.LOG_ROW``), 3 ends
+# with {"end": {...}} (what happened after the last logged step: eval forwards, steps, forks)
+FORMAT_VERSION = 3
+READS = (1, 2, 3)  # the versions read: 1 wrote each Stats as its dict
 
 
 def create_log(path: Path, header: dict[str, Any]) -> TextIO:
@@ -126,11 +129,12 @@ class LogSink:
         self._handle = None
         self.path = None
 
-    def close(self, final_scale: float | None = None) -> None:
-        """The last line - the loss scale after the last ``update()``, with a GradScaler -
-        then close."""
-        if final_scale is not None:
-            self.write({"final_scale": final_scale})
+    def close(self, end: dict[str, Any] | None = None, final_scale: float | None = None) -> None:
+        """The last line - ``end``, the run's counts as the live summary has them (steps, eval
+        forwards, forks, unmeasured tensors: some come after the last logged step), and the loss
+        scale after the last ``update()``, with a GradScaler - then close."""
+        if end is not None or final_scale is not None:
+            self.write({"end": end or {}, **({"final_scale": final_scale} if final_scale is not None else {})})
         if self._handle is not None:
             with contextlib.suppress(OSError):  # the last flush of a full disk: said by write() already
                 self._handle.close()
@@ -148,7 +152,8 @@ def _is_log(path: Path) -> bool:
 
 def open_log(path: Path, *, steps_only: bool = False) -> tuple[dict[str, Any], Generator[dict[str, Any], None, None]]:
     """The log's header (``{"ampaudit_watch": 1, "dtype": ...}``) and an iterator over its
-    records, in order: one per step, and ``{"final_scale": ...}`` last (not with ``steps_only``)."""
+    records, in order: one per step, and the end last (``{"end": {...}, "final_scale": ...}``;
+    format 2: ``{"final_scale": ...}``), not with ``steps_only``."""
     lines = _lines(path)
     header = next(lines, None)
     if header is None:
@@ -222,8 +227,11 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
                 names = record.get("row") if isinstance(record.get("row"), list) else None
                 yield record
                 continue
-            if set(record) == {"final_scale"} and isinstance(record["final_scale"], (int, float)):
-                yield record  # written at stop(): the loss scale after the last update()
+            if "step" not in record and ("end" in record or "final_scale" in record):
+                problem = end_problem(record)  # written at stop(): the run's end, the final loss scale
+                if problem:
+                    raise UsageError(f"{path}:{number}: {problem}")
+                yield record
                 continue
             if "step" not in record or "layers" not in record or "params" not in record:
                 raise UsageError(f"{path}:{number}: not a step record (needs step, layers and params)")

@@ -107,3 +107,25 @@ def _fp8_problem(fp8: Any) -> str | None:
             if bad or not _number(row.get("numel")):
                 return f"fp8.{module}.{operand}.{(bad or ['numel'])[0]} must be a number"
     return None
+
+
+def end_problem(record: dict[str, Any]) -> str | None:
+    """Why ``record`` is not a log's last line (format 3: ``{"end": {...}}``, with
+    ``final_scale`` when a GradScaler ran; format 2: ``{"final_scale": N}`` alone), or None."""
+    if set(record) - {"end", "final_scale"}:
+        return "not a step record (needs step, layers and params) nor the log's end"
+    if "final_scale" in record and not _number(record["final_scale"]):
+        return "final_scale must be a number"
+    end = record.get("end", {})
+    if not isinstance(end, dict):
+        return "end must be an object"
+    for key in ("steps", "forks"):
+        if key in end and not (_whole(end[key]) and 0 <= end[key] <= MAX_STEP):
+            return f"end.{key} must be a whole number"
+    evals = end.get("eval_forwards", {"count": 0, "recorded": False})
+    if not (isinstance(evals, dict) and _whole(evals.get("count")) and isinstance(evals.get("recorded"), bool)):
+        return "end.eval_forwards must be {count: whole number, recorded: true or false}"
+    unmeasured = end.get("unmeasured", {})
+    if not (isinstance(unmeasured, dict) and all(_whole(n) for n in unmeasured.values())):
+        return "end.unmeasured must map kinds to whole numbers"
+    return None

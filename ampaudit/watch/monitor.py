@@ -34,7 +34,7 @@ from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import log_record, step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
-from ampaudit.watch.hooks import StepRecorder, unmeasurable
+from ampaudit.watch.hooks import StepRecorder, transformed, unmeasurable
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
@@ -115,10 +115,12 @@ class Monitor:
                                      record_eval=options.eval, provenance=options.provenance,
                                      inside_compile=options.inside_compile)
         self.fp8_history = options.fp8_history  # the delayed recipe's amax history, in steps
-        self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused)
+        self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused,
+                                lambda: not transformed() and self.recorder.thread.here())
                     if options.fp8 else None)  # float8 statistics: a unit of their own (watch/fp8.py)
-        self.optimizer_tap = OptimizerTap(self._boundary, optimizer)
-        self.scaler_tap = ScalerTap(self._boundary)
+        here = self.recorder.thread.here  # steps end on the thread the watch follows (watch/threads.py)
+        self.optimizer_tap = OptimizerTap(self._boundary, optimizer, here)
+        self.scaler_tap = ScalerTap(self._boundary, here)
         self.reducer = StepReducer(world)
         self._rank = rank
         self.sink = LogSink(self.log_path if rank == 0 else None)  # rank 0 writes the log
@@ -214,7 +216,11 @@ class Monitor:
         if self._last_scaler is not None and self._last_scaler._scale is not None:
             # the scale the next step would use: records carry the one each step used
             final_scale = self.builder.final_scale = float(self._last_scaler.get_scale())
-        self.sink.close(final_scale)
+        # what the live summary counts after the last logged step (eval after training, steps
+        # `every` left out) reaches the log too: `ampaudit report` says the same
+        self.sink.close({"steps": self.step_index, "forks": self.forks,
+                         "eval_forwards": {"count": self.eval_forwards, "recorded": self.record_eval},
+                         "unmeasured": dict(sorted(self.unmeasured.items()))}, final_scale)
 
     def _detach(self) -> None:
         self._started = False

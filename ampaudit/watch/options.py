@@ -52,7 +52,9 @@ class WatchOptions:
 
     log: str | Path | None = field(default=None, metadata=_about(
         "the JSON-lines log to write, one line per recorded step (rank 0 writes it); None: no log",
-        Flag(path=True, default=Path("ampaudit-watch.jsonl"), help="JSON-lines log to write")))
+        Flag(path=True, default=Path("ampaudit-watch.jsonl"),
+             help="JSON-lines log to write (default: ./ampaudit-watch.jsonl in the folder run starts in; it "
+                  "replaces an earlier watch log, never another file)")))
     every: int = field(default=1, metadata=_about(
         "record every N-th step", Flag(least=1, help="record every N-th step (default 1)")))
     dtype: LowDtype | torch.dtype | str | None = field(default=None, metadata=_about(

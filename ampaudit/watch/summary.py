@@ -32,7 +32,8 @@ class SummaryBuilder:
         self.source = source if source is not None else caller_source()
         self.verdicts = Verdicts()
         self.dtype_source: str | None = None
-        self.eval_forwards = 0  # the model's grad-disabled calls, not recorded
+        self.eval_forwards = 0  # the model's grad-disabled calls
+        self.eval_recorded = False  # whether they were recorded (phase "eval"): the log's end says
         self.forks = 0  # processes forked while watching (not watched)
         self.final_scale: float | None = None  # the loss scale after the last update()
         self.steps = 0
@@ -47,9 +48,17 @@ class SummaryBuilder:
 
     def add(self, record: dict[str, Any]) -> None:
         """One logged step: {"step", "layers", "params", "scale", "skipped", "first_nonfinite", ...}
-        - or the log's last line, ``{"final_scale": float}``."""
+        - or the log's last line, ``{"end": {...}, "final_scale": float}``: the run's counts at
+        its end (eval forwards and steps after the last logged one), the final loss scale."""
         if "step" not in record:
             self.final_scale = record.get("final_scale", self.final_scale)
+            end = record.get("end") or {}
+            self.steps = max(self.steps, end.get("steps", 0))
+            self.forks = end.get("forks", self.forks)
+            if "eval_forwards" in end:
+                self.eval_forwards = end["eval_forwards"]["count"]
+                self.eval_recorded = end["eval_forwards"]["recorded"]
+            self.unmeasured = dict(end.get("unmeasured", self.unmeasured))
             return
         self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
         if self.first_nonfinite is None and record.get("first_nonfinite"):
@@ -103,7 +112,7 @@ class SummaryBuilder:
                 "layers": self.layers, "params": self.params, "scaler": scaler,
                 "unmeasured": dict(sorted(self.unmeasured.items())),
                 "dtype_source": self.dtype_source or "given",
-                "eval_forwards": {"count": self.eval_forwards, "recorded": False},
+                "eval_forwards": {"count": self.eval_forwards, "recorded": self.eval_recorded},
                 "forks": self.forks,
                 **({"fp8": dict(sorted(self.fp8.items()))} if self.fp8 else {}),
                 "findings": [f.to_dict() for f in self.findings(device)]}

@@ -1,0 +1,58 @@
+"""The property ``ampaudit run`` promises: a training script trains under it exactly as under
+``python script.py`` - the same exit code, the same stdout, bit-identical final weights.
+
+The corpus (fixtures/trainers/transparent/) is our own code shaped like real trainers: DataLoader
+workers, fork pools and os.fork, threads training at once, torch.func, activation checkpointing
+and a resumed checkpoint, optimizers that take closures, two optimizers with one GradScaler,
+torch.compile. Each script saves its weights to ./weights.pt; processes that share stdout print
+each line in one write (under PYTHONUNBUFFERED print writes its words one by one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+CORPUS = ROOT / "fixtures" / "trainers" / "transparent"
+SCRIPTS = sorted(p.name for p in CORPUS.glob("*.py"))
+
+
+def test_the_corpus_is_there():
+    assert len(SCRIPTS) >= 5
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the corpus forks")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_trains_under_run_as_it_does_under_python(tmp_path, script):
+    import torch
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = {"plain": [sys.executable, str(CORPUS / script)],
+            "watched": [sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", str(CORPUS / script)]}
+    procs = {}
+    for name, command in runs.items():  # side by side: each starts an interpreter and imports torch
+        (tmp_path / name).mkdir()
+        procs[name] = subprocess.Popen(command, cwd=tmp_path / name, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {name: proc.communicate(timeout=180) for name, proc in procs.items()}
+    (plain_out, plain_err), (watched_out, watched_err) = out["plain"], out["watched"]
+    assert procs["watched"].returncode == procs["plain"].returncode, watched_err
+    assert watched_out == plain_out, watched_err
+    # the summary, and no traceback but the script's own (one script fails on purpose)
+    assert "ampaudit watch" in watched_err and watched_err.count("Traceback") == plain_err.count("Traceback")
+    # and the log says what the summary at exit said (evaluation after the last step included)
+    from ampaudit.watch.summary import read_log
+
+    logged = read_log(tmp_path / "watched" / "w.jsonl").summary()
+    assert f"│ steps             {logged['steps']} " in watched_err
+    evals = logged["eval_forwards"]["count"]
+    assert (f"│ eval forwards     {evals} with grad disabled" in watched_err) == (evals > 0), watched_err
+    plain = torch.load(tmp_path / "plain" / "weights.pt")
+    watched = torch.load(tmp_path / "watched" / "weights.pt")
+    assert list(watched) == list(plain)
+    assert all(torch.equal(watched[k], plain[k]) for k in plain)
+
