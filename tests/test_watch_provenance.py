@@ -159,9 +159,11 @@ def test_blame_backward_takes_the_innermost_module_with_finite_incoming_gradient
               Event("block.proj", "backward", "grad of output"),  # same tensor as head's input
               Event("l1", "backward", "grad of output"),
               Event("block.proj", "input grad", "grad of input[0]"),  # born here
-              Event("block", "input grad", "grad of input[0]")]
-    bad = [False, False, False, True, True, True]
-    assert blame_backward(events, bad) == [4, 5]  # proj first; its parent block as the fallback
+              Event("block", "backward", "grad of output"),
+              Event("block", "input grad", "grad of input[0]"),
+              Event("mask", "input grad", "grad of input[0]")]  # its output needs no gradient: no backward
+    bad = [False, False, False, True, True, False, True, True]
+    assert blame_backward(events, bad) == [4, 6]  # proj first; its parent block as the fallback
     # every bad gradient came in from outside the modules (the loss): no producer among them
     assert blame_backward(events[:2], [True, True]) == []
 

@@ -140,6 +140,9 @@ class _Trace:
             if origin is not None and origin.op is not None:
                 return {**found, **origin.to_dict()}
             fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": _no_replay(event.call)})}
+        found = self.enclosing_code(first)
+        if found is not None:
+            return found
         if fallback is not None:
             return fallback
         param = blame_parameter(self.events, self.bad(), nonfinite_params)
@@ -148,6 +151,27 @@ class _Trace:
         return {**first, "phase": "backward",
                 "note": "it came into the model already non-finite: from the loss or the code after the model "
                         "(a loss scale too high for a cast of the logits, say)"}
+
+    def enclosing_code(self, first: dict[str, Any]) -> dict[str, Any] | None:
+        """A bad gradient that arrived at a module's output from finite gradients further on was
+        made between modules: in the code of a module enclosing it (a custom Function applied in
+        the model's own forward). Those modules are replayed, innermost first; None if none
+        turns finite gradients non-finite."""
+        bad = self.bad()
+        arrived = next((e for e, b in zip(self.events, bad, strict=True)
+                        if b and e.phase == "backward" and e.tensor.startswith("grad of output")), None)
+        if arrived is None:
+            return None
+        out_bad = _incoming_bad(self.events, bad)
+        for parent in self.enclosing(arrived.call):
+            call = self.recorder.calls[parent]
+            if out_bad.get(self.recorder.module_name(call.module)) is not False:
+                continue  # bad gradients came into it too (from the loss): not made in its code
+            origin = replay_backward(call, self.incoming(parent))
+            if origin.op is not None:
+                return {"step": first["step"], "module": self.recorder.module_name(call.module), "phase": "backward",
+                        "tensor": f"grad of {arrived.module}'s output", **origin.to_dict()}
+        return None
 
     def call(self, index: int | None) -> Call | None:
         calls = self.recorder.calls
@@ -205,13 +229,16 @@ def blame_backward(events: Sequence[Event], bad: Sequence[bool]) -> list[int]:
     input k" that are bad, of modules whose incoming gradients (of their outputs) were all
     finite - innermost modules first, their parents after (a tensor hook sees the whole
     gradient of an input, which other users of that tensor add to: the replay decides).
-    Empty when every bad gradient came in from outside the modules (the loss)."""
+    A module whose output needs no gradient is never one. Empty when every bad gradient came
+    in from outside the modules (the loss, or code between modules)."""
     out_bad = _incoming_bad(events, bad)
     first_in: dict[str, int] = {}
     for i, (event, is_bad) in enumerate(zip(events, bad, strict=True)):
         if is_bad and event.phase in _BACKWARD and event.tensor.startswith("grad of input"):
             first_in.setdefault(event.module, i)
-    candidates = [m for m in first_in if not out_bad.get(m, False)]
+    # a module no gradient came into (a causal mask built from an input's shape) has no
+    # backward of its own: its input's gradient is what the input's other users made
+    candidates = [m for m in first_in if out_bad.get(m) is False]
 
     def inside(inner: str) -> int:  # how many other candidates lie inside this one
         return sum(_contains(inner, other) for other in candidates)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampaudit.core.tensors import iter_tensors
-from ampaudit.core.userframe import boundary, user_location
+from ampaudit.core.userframe import boundary, classify, user_location
 
 FINITE, MASKED, BAD = 0, 1, 2  # a tensor's state; BAD: NaN or +inf (or -inf that arithmetic made)
 # Ops that write a given value: -inf out of them is a mask the user asked for.
@@ -273,6 +274,9 @@ class _NodeScan:
         def check(grad_inputs, grad_outputs):  # a gradient's -inf is an overflow, never a mask
             if self.found is None and _worst(grad_inputs) != FINITE and _worst(grad_outputs) == FINITE:
                 op, loc = self.made_by.get(node, (None, None))
+                function = getattr(node, "_forward_cls", None)
+                if function is not None:  # a custom autograd Function: its apply's line, from the node
+                    op, loc = f"{function.__name__}.apply", _created_at(node)
                 self.found = Origin(node.name(), *(loc[:2] if loc else (None, None)),
                                     note=f"from {op}" if op else None)
         return check
@@ -293,10 +297,30 @@ class _NodeSources(torch.overrides.TorchFunctionMode):
             node = stack.pop()
             if node is None or node in made_by or (not node.next_functions and node.name() == "AccumulateGrad"):
                 continue
+            if hasattr(node, "_forward_cls"):  # a custom Function's apply, not this op, made it
+                continue
             origin = origin or (getattr(func, "__name__", str(func)), user_location(sys._getframe(1)))
             made_by[node] = origin
             stack.extend(next_node for next_node, _ in node.next_functions)
         return out
+
+
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _created_at(node) -> tuple[str, int] | None:
+    """The user's line that created ``node``, from the stack anomaly mode keeps with it: the
+    innermost user frame before the replay (ampaudit's own frames end the walk)."""
+    for entry in reversed(node.metadata.get("traceback_") or []):
+        frame = _FRAME.match(entry)
+        if frame is None:
+            continue
+        kind = classify(frame["file"])
+        if kind == "user":
+            return frame["file"], int(frame["line"])
+        if kind == "ampaudit":
+            return None
+    return None
 
 
 @boundary
@@ -308,8 +332,9 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
     leaves = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
     params = [p for p in call.module.parameters() if p.requires_grad]
     try:
+        # anomaly mode keeps each node's creation stack: a custom Function's line (replays only)
         with _Isolated(call), torch.enable_grad():
-            with _NodeSources(scan):
+            with _NodeSources(scan), torch.autograd.set_detect_anomaly(True, check_nan=False):
                 out = call.module(*args, **kwargs)
             outputs = [t for t in iter_tensors(out) if t.requires_grad]
             if not outputs:

@@ -76,8 +76,12 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         table.add_column("log2 |x|", no_wrap=True)
     for module, phases in summary["layers"].items():
         for phase, s in phases.items():
-            bad = s["nan"] or s["inf"] or s["overflow"]
-            cells = [Text(module), phase, f"{s['nan']}/{s['inf']}", _percent(s["overflow"], s["numel"]),
+            # in a forward output -inf is what a mask writes: not an overflow (as AMP605 counts)
+            masked = s.get("neginf", 0) if phase in ("forward", "eval", "input") else 0
+            inf, overflow = s["inf"] - masked, s["overflow"] - masked
+            bad = s["nan"] or inf or overflow
+            nan_inf = f"{s['nan']}/{inf}" + (f" ({masked} -inf)" if masked else "")
+            cells = [Text(module), phase, nan_inf, _percent(overflow, s["numel"]),
                      _percent(s["underflow"], s["numel"]), _percent(s["zero"], s["numel"]), f"{s['absmax']:.3g}"]
             table.add_row(*cells, *([_sparkline(s["hist"])] if wide else []), style="red" if bad else None)
     console.print(table)

@@ -159,13 +159,16 @@ class PersistentSkippedSteps(StepRule):
 class AlwaysNonfinite(LayerRule):
     """NaN or Inf in a module's forward output, or in its output's gradient when no GradScaler
     is watched (with one, a non-finite gradient is a skipped step: AMP603/AMP604), in a run of
-    ``min_steps`` consecutive logged steps. Modules non-finite over the same steps are one
-    finding, under the one that went non-finite first."""
+    ``min_steps`` consecutive logged steps. In a forward output -inf is what a mask writes
+    (``masked_fill(upper, -inf)``, ``scores + mask``): NaN and +inf count there, as for the
+    first non-finite of a module found to write masks; a -inf that arithmetic made is named by
+    the first non-finite's replay, and the NaN it leads to counts here. Modules non-finite over
+    the same steps are one finding, under the one that went non-finite first."""
 
     phases = ("forward", "backward")
 
     def condition(self, s: StatsView, step: Step) -> Condition:
-        bad = s.nan + s.inf
+        bad = s.nan + s.inf - where(s.in_phase("forward"), s.neginf, 0)
         return Condition((bad > 0) & (s.in_phase("forward") | (step.scale is None)), bad, s.numel)
 
     def report(self, rows: dict[tuple[str, str], Row], run: Run) -> Iterator[Verdict]:
