@@ -162,12 +162,14 @@ class _Trace:
                         if b and e.phase == "backward" and e.tensor.startswith("grad of output")), None)
         if arrived is None:
             return None
-        out_bad = _incoming_bad(self.events, bad)
         for parent in self.enclosing(arrived.call):
             call = self.recorder.calls[parent]
-            if out_bad.get(self.recorder.module_name(call.module)) is not False:
-                continue  # bad gradients came into it too (from the loss): not made in its code
-            origin = replay_backward(call, self.incoming(parent))
+            incoming = self.incoming(parent)
+            if not incoming or all(spec.bad for spec in incoming):
+                continue  # only bad gradients came into it (from the loss): not made in its code
+            # an output whose gradient is bad beside finite ones (logits beside the loss a
+            # transformers model computes from them) got it from inside: replayed from zero
+            origin = replay_backward(call, incoming)
             if origin.op is not None:
                 return {"step": first["step"], "module": self.recorder.module_name(call.module), "phase": "backward",
                         "tensor": f"grad of {arrived.module}'s output", **origin.to_dict()}
@@ -203,7 +205,7 @@ class _Trace:
             if event.call == call and event.phase == "backward" and event.tensor.startswith("grad of output"):
                 row = stats.to_stats(stats.compact(self.raw[i:i + 1], self.recorder.limits)[0].tolist())
                 output = int(event.tensor.rpartition("[")[2].rstrip("]")) if "[" in event.tensor else 0
-                specs.append(GradSpec(output, row["hist"], row["zero"]))
+                specs.append(GradSpec(output, row["hist"], row["zero"], bad=self.flags()[1][i]))
         return specs
 
 

@@ -245,11 +245,14 @@ class GradSpec:
     output: int
     hist: Sequence[Sequence[int]]
     zeros: int = 0
+    bad: bool = False  # it held NaN/Inf: a replay seeds it with zeros (what it held is not known)
 
 
 def synthetic_grad(like: torch.Tensor, spec: GradSpec | None, generator: torch.Generator) -> torch.Tensor:
     """A gradient for ``like`` with the recorded distribution of magnitudes (random signs):
     enough to reproduce an overflow or a 0 * inf without keeping the real gradients alive."""
+    if spec is not None and spec.bad:
+        return torch.zeros_like(like)
     n = like.numel()
     weights = torch.tensor([c for _, c in spec.hist] + [spec.zeros], dtype=torch.float64) if spec else None
     if weights is None or weights.sum() <= 0:
