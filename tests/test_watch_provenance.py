@@ -4,6 +4,7 @@ forward and backward - and masked -inf attention that is not an error."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -551,3 +552,31 @@ def test_unwritten_memory_is_never_the_op():
 
     origin = replay_forward(Call(Buffers(), (torch.full((2, 2), 5.0),), {}, autocast_state()))
     assert (origin.op, f"{origin.file}:{origin.line}") == ("aten.exp", _line_of(Buffers.forward, "torch.exp("))
+
+
+def test_a_llama_at_a_huge_init_scale_is_blamed_on_the_logits_upcast_not_the_rotary_embedding():
+    """transformers' Llama at init_scale=2**40: the loss's gradient overflows where the model's
+    own code casts the fp16 logits to float for the loss. Before: blamed on model.rotary_emb, a
+    module that only reads its input's shape (its output needs no gradient)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        scaler.scale(out.loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "tensor", "op")} == {
+        "module": "(model)", "phase": "backward", "tensor": "grad of lm_head's output", "op": "ToCopyBackward0"}
+    file, line = first["source"].rsplit(":", 1)
+    assert file.endswith("transformers/loss/loss_utils.py")
+    assert ".float()" in Path(file).read_text().splitlines()[int(line) - 1]  # the upcast
