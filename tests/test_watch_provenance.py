@@ -580,3 +580,39 @@ def test_a_llama_at_a_huge_init_scale_is_blamed_on_the_logits_upcast_not_the_rot
     file, line = first["source"].rsplit(":", 1)
     assert file.endswith("transformers/loss/loss_utils.py")
     assert ".float()" in Path(file).read_text().splitlines()[int(line) - 1]  # the upcast
+
+
+class TwiceB(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.b(self.a(x))  # 8 x 300 x 0.5: finite
+        return self.b(h)  # the second call overflows float16
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_op_inside_nn_linear_names_the_users_line_that_called_it(phase):
+    """addmm runs inside torch's nn.Linear: the line is the user's call of the module - its
+    second call here. Before: no line. Backward: 8 x 300 x 64 overflows float16 in the second
+    call's input gradient, its forward (8 x 300 x 0.5, then the first call's 1e-3) stays finite."""
+    torch.manual_seed(0)
+    model = TwiceB()
+    with torch.no_grad():
+        model.b.weight.fill_(300.0)
+        if phase == "backward":
+            model.a.weight.fill_(1e-6)
+            model.a.bias.fill_(1e-6)
+            model.b.bias.fill_(-2e-3)  # the first call's output ~1e-3, the second's ~1.4
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.ones(2, 4))
+        opt.zero_grad()
+        (out.float().sum() * (1.0 if phase == "forward" else 64.0)).backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["op"]) == (
+        ("b", "forward", "aten.addmm") if phase == "forward" else ("b", "backward", "AddmmBackward0")), first
+    assert first["source"] == _line_of(TwiceB.forward, "return self.b(h)")

@@ -227,6 +227,28 @@ def replay_forward(call: Call) -> Origin:
                                 "random numbers or inputs changed in place since")
 
 
+@boundary
+def call_site(parent: Call, child: torch.nn.Module, nth: int) -> tuple[str, int] | None:
+    """The user's line in ``parent``'s forward that makes its ``nth`` call of ``child`` (a torch
+    module such as nn.Linear, whose own ops have no user line): ``parent`` replayed without grad,
+    under its autocast, with a pre-hook on ``child``."""
+    seen: list[tuple[str, int] | None] = []
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        loc = user_location(sys._getframe(1))
+        seen.append((loc.file, loc.line) if loc else None)
+
+    handle = child.register_forward_pre_hook(hook)
+    try:
+        with _Isolated(parent), torch.no_grad():
+            parent.module(*_copy(parent.args, grad=False), **_copy(parent.kwargs, grad=False))
+    except Exception:  # the user's code: no line, nothing else lost
+        return None
+    finally:
+        handle.remove()
+    return seen[nth] if 0 <= nth < len(seen) else None
+
+
 def _nonfinite_state(module: torch.nn.Module) -> str | None:
     """The first of ``module``'s parameters and buffers that holds NaN or Inf, named ("parameter
     weight", "buffer running_var"), or None."""
