@@ -133,3 +133,22 @@ def test_a_custom_functions_backward_gets_its_own_line():
     assert {k: first[k] for k in ("module", "phase", "op", "source")} == {
         "module": "attn", "phase": "backward", "op": "InfBackwardBackward",
         "source": _line_of(Attention.forward, "InfBackward.apply")}
+
+
+class WeightBoom(nn.Linear):
+    """Only its weight's gradient overflows: every activation and input gradient stays finite."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, InfBackward.apply(self.weight), self.bias)
+
+
+def test_a_parameter_only_overflow_beside_a_mask_module_is_reported_at_its_step():
+    """Step 0 replays the mask module (and learns it is one) and finds nothing else bad among
+    the events: the weight's gradient is still step 0's. Before: reported at step 1."""
+    torch.manual_seed(0)
+    model = MaskedGPT()
+    model.head = WeightBoom(8, 16)
+    first = _run(model, steps=2)["first_nonfinite"]
+    assert {k: first[k] for k in ("step", "module", "phase", "tensor", "op")} == {
+        "step": 0, "module": "head", "phase": "backward", "tensor": "grad of weight", "op": "InfBackwardBackward"}
+    assert first["source"] == _line_of(WeightBoom.forward, "InfBackward.apply")

@@ -102,6 +102,10 @@ class _Trace:
                               for e, m in zip(self.events, self.modes, strict=True)]
                 seq = next((i for i, bad in enumerate(self.bad()) if bad and i > seq), None)
                 if seq is None:
+                    if nonfinite_params:  # only a parameter's gradient went bad: this step, not the next
+                        return trace_parameter({"step": first["step"], "module": nonfinite_params[0],
+                                                "phase": "backward", "tensor": "param grad"},
+                                               self.recorder, nonfinite_params)
                     return None
                 nxt = self.events[seq]
                 first = {"step": first["step"], "module": nxt.module, "tensor": nxt.tensor,
