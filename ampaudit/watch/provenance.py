@@ -176,6 +176,20 @@ def _copy(value: Any, *, grad: bool, depth: int = 4) -> Any:
     return copy
 
 
+def _eager(module: torch.nn.Module) -> torch.nn.Module:
+    """A torch.compile'd module's original: replayed eagerly, its ops and lines are the user's."""
+    return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+
+
+def _failed(exc: Exception, most: int = 160) -> str:
+    """Why a replay failed, in one line: the error's first line, cut at a word."""
+    message = str(exc).strip()
+    text = type(exc).__name__ + (f": {message.splitlines()[0]}" if message else "")
+    if len(text) > most:
+        text = text[:most].rsplit(" ", 1)[0] + " ..."
+    return f"replaying the module failed: {text}"
+
+
 class _Isolated:
     """Around a replay: the random state and the module's buffers (BatchNorm's running stats)
     come back as they were, and autocast is the one the call ran under."""
@@ -195,8 +209,15 @@ class _Isolated:
                           if enabled or torch.is_autocast_enabled(d)]
         for ctx in self._autocast:
             ctx.__enter__()
+        # compiled code inside the module runs eagerly: a replay never compiles (under a dispatch
+        # mode dynamo would mark the user's forward skipped, and fullgraph then fails the run)
+        self._stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
+        if self._stance is not None:
+            self._stance.__enter__()
 
     def __exit__(self, *exc: object) -> None:
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
         for ctx in reversed(self._autocast):
             ctx.__exit__(None, None, None)
         self._rng.__exit__(None, None, None)
@@ -214,9 +235,9 @@ def replay_forward(call: Call) -> Origin:
     scan = _FirstBadOp()
     try:
         with _Isolated(call), torch.no_grad(), scan:
-            call.module(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
+            _eager(call.module)(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
     except Exception as exc:  # the user's code: a failed replay only loses the op
-        return Origin(note=f"replaying the module failed: {type(exc).__name__}: {exc}"[:200])
+        return Origin(note=_failed(exc))
     found, state = scan.result(), _nonfinite_state(call.module)
     if state is not None:  # the ops read it: with NaN/+inf none made them from finite inputs
         found = found or Origin()
@@ -241,7 +262,7 @@ def call_site(parent: Call, child: torch.nn.Module, nth: int) -> tuple[str, int]
     handle = child.register_forward_pre_hook(hook)
     try:
         with _Isolated(parent), torch.no_grad():
-            parent.module(*_copy(parent.args, grad=False), **_copy(parent.kwargs, grad=False))
+            _eager(parent.module)(*_copy(parent.args, grad=False), **_copy(parent.kwargs, grad=False))
     except Exception:  # the user's code: no line, nothing else lost
         return None
     finally:
@@ -360,7 +381,7 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
         # anomaly mode keeps each node's creation stack: a custom Function's line (replays only)
         with _Isolated(call), torch.enable_grad():
             with _NodeSources(scan), torch.autograd.set_detect_anomaly(True, check_nan=False):
-                out = call.module(*args, **kwargs)
+                out = _eager(call.module)(*args, **kwargs)
             outputs = [t for t in iter_tensors(out) if t.requires_grad]
             if not outputs:
                 return Origin(note="the replayed forward has no output that needs a gradient")
@@ -374,7 +395,7 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
                 for handle in handles:
                     handle.remove()
     except Exception as exc:  # the user's code: a failed replay only loses the node
-        return Origin(note=f"replaying the module failed: {type(exc).__name__}: {exc}"[:200])
+        return Origin(note=_failed(exc))
     return scan.found or Origin(note="the replay's gradients stayed finite")
 
 
