@@ -245,3 +245,22 @@ def test_ampaudit_run_guard(tmp_path, guard):
     assert float(proc.stdout) == (0.0125 if guard else 0.00625)  # held: as if the bad batch were left out
     held = "1 skipped steps: held 1 scheduler steps and 0 EMA updates"
     assert (held in " ".join(proc.stderr.split())) == guard
+
+
+def test_a_scheduler_made_right_after_a_skipped_step_still_starts():
+    """A scheduler's __init__ calls its own step(): never held, even right after a skipped step."""
+    import ampaudit
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, guard=True) as mon:
+        x = torch.randn(6, 4)
+        x[0, 0] = float("inf")
+        scaler.scale(model(x).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert not mon.step_applied
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert sched.last_epoch == 0 and sched.get_last_lr() == [0.1]

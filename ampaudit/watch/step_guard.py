@@ -162,6 +162,10 @@ class StepGuard:
                 held = target(args)
                 if held is None or getattr(self._inside, "on", False):
                     return original(*args, **kwargs)
+                if getattr(held, "_step_count", None) == 0:  # a scheduler's first step, in its __init__
+                    own = id(getattr(held, "optimizer", None))
+                    self._last_seen[held] = self._applied.get(own, (True, self.steps))[1]
+                    return original(*args, **kwargs)
                 # a scheduler counts its own optimizer's steps (two optimizers, two schedulers)
                 own = id(getattr(held, "optimizer", None))
                 applied, steps = self._applied.get(own, (self.step_applied, self.steps))
