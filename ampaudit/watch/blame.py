@@ -122,8 +122,8 @@ class _Trace:
         if call is None:
             return {**first, "note": _no_replay(index)}
         origin = replay_forward(call)
-        # -inf only, and neither arithmetic nor a non-finite weight made it: a mask
-        if origin.op is None and origin.state is None and not self.flags()[0][seq]:
+        # -inf only, and neither arithmetic, a non-finite weight nor a bad input made it: a mask
+        if origin.op is None and origin.state is None and not origin.outside and not self.flags()[0][seq]:
             return None
         # made before this module: by an enclosing module's own code? (not if an ignored one made it)
         if origin.outside and not any(m == IGNORED and n for m, n in zip(self.modes, self.flags()[1], strict=True)):
