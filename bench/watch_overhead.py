@@ -73,13 +73,66 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class NanoAttention(nn.Module):
+    """karpathy/nanoGPT's CausalSelfAttention, shaped alike (its flash path): our own code."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(0.0), nn.Dropout(0.0)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = NanoAttention(d, heads)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(d, 4 * d), "gelu": nn.GELU(), "c_proj": nn.Linear(4 * d, d),
+                                  "dropout": nn.Dropout(0.0)})
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        m = self.mlp
+        return x + m["dropout"](m["c_proj"](m["gelu"](m["c_fc"](self.ln_2(x)))))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT in small (2 layers x 64, 4 heads, tied head, returns logits and loss)."""
+
+    def __init__(self, vocab=65, d=64, layers=2, heads=4, ctx=64) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(vocab, d), "wpe": nn.Embedding(ctx, d),
+                                          "drop": nn.Dropout(0.0),
+                                          "h": nn.ModuleList([NanoBlock(d, heads) for _ in range(layers)]),
+                                          "ln_f": nn.LayerNorm(d)})
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.transformer["wte"].weight = self.lm_head.weight
+
+    def forward(self, idx, targets):
+        t = self.transformer
+        x = t["drop"](t["wte"](idx) + t["wpe"](torch.arange(idx.shape[1], device=idx.device)))
+        for block in t["h"]:
+            x = block(x)
+        logits = self.lm_head(t["ln_f"](x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--width", type=int, default=128, help="model width d (4 heads, 4 blocks)")
-    parser.add_argument("--workload", choices=("gpt", "mlp"), default="gpt",
-                        help="gpt: TinyGPT in fp32; mlp: a small MLP, fp16 autocast and a GradScaler")
+    parser.add_argument("--workload", choices=("gpt", "mlp", "nanogpt"), default="gpt",
+                        help="gpt: TinyGPT in fp32; mlp: a small MLP, fp16 autocast and a GradScaler; nanogpt: "
+                             "nanoGPT's shape, 2 layers x 64, fp32, batch 12 x 64 (issue 28 item 13)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     args = parser.parse_args()
     device = "cpu"
@@ -98,6 +151,19 @@ def main() -> None:
             opt.step()
 
         title = f"TinyGPT (4 blocks, d={args.width}, batch 8 x 128)"
+    elif args.workload == "nanogpt":
+        model = NanoGPT().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        idx = torch.randint(0, 65, (12, 64), device=device)
+        targets = torch.roll(idx, -1, 1)
+
+        def step():
+            _, loss = model(idx, targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        title = "nanoGPT-shaped (2 layers x 64, batch 12 x 64), fp32"
     else:
         model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(256, 256), nn.ReLU())],
                               nn.Linear(256, 10)).to(device)
@@ -139,6 +205,9 @@ def main() -> None:
                 "watch, provenance=False": lambda: watched(provenance=False), "watch every=10": lambda: watched(10),
                 "watch, torch-op rows": torch_rows, "naive .item() hooks": lambda: ab.item_hooks(model),
                 "detect_anomaly": ab.anomaly}
+    if args.workload == "nanogpt":  # what `ampaudit run` does: the log, every step and every 10th
+        variants = {"plain": contextlib.nullcontext, "watch": watched, "watch + log": logged,
+                    "watch + log, every=10": lambda: logged(every=10)}
     if args.compile:
         variants = {"compiled": contextlib.nullcontext, "watch": watched, "watch + log": logged,
                     "watch every=10": lambda: watched(10), "inside_compile": lambda: watched(inside_compile=True),

@@ -129,7 +129,7 @@ def _lightning():
     return pytest.importorskip("pytorch_lightning", reason="pip install pytorch-lightning")
 
 
-def _lit_module(pl, bad_batch: int | None = None):
+def _lit_module(pl, bad_batch: int | None = None, scheduler: bool = False):
     class Net(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -150,7 +150,11 @@ def _lit_module(pl, bad_batch: int | None = None):
             return (self(x) - y).pow(2).mean()
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+            opt = torch.optim.SGD(self.parameters(), lr=0.05)
+            if not scheduler:
+                return opt
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     torch.manual_seed(0)
     return Net()
@@ -162,7 +166,7 @@ def _lit_data(n: int = 64) -> DataLoader:
 
 
 def _fit(pl, precision: str, callbacks=(), *, steps: int, accumulate: int = 1, bad_batch: int | None = None,
-         validate: bool = False, init_scale: float = 2.0**16):
+         validate: bool = False, init_scale: float = 2.0**16, scheduler: bool = False):
     """Fit the tiny module for ``steps`` optimizer steps in one epoch; "16-mixed" is fp16
     autocast with a CPU GradScaler (Lightning's own plugin, given the scaler)."""
     if precision == "16-mixed":
@@ -177,7 +181,7 @@ def _fit(pl, precision: str, callbacks=(), *, steps: int, accumulate: int = 1, b
                          enable_model_summary=False, callbacks=list(callbacks),
                          val_check_interval=2 if validate else None, num_sanity_val_steps=2 if validate else 0,
                          limit_val_batches=2 if validate else 0, **kwargs)
-    module = _lit_module(pl, bad_batch)
+    module = _lit_module(pl, bad_batch, scheduler)
     trainer.fit(module, _lit_data(), _lit_data(16) if validate else None)
     return trainer, module
 
@@ -313,10 +317,13 @@ def test_lightning_guard_guards_the_plugins_scaler(tmp_path):
     from ampaudit.integrations.lightning import AmpAuditCallback
 
     callback = AmpAuditCallback(guard=True)
-    _fit(pl, "16-mixed", [callback], steps=8, bad_batch=5, init_scale=2.0**4)
+    trainer, _ = _fit(pl, "16-mixed", [callback], steps=8, bad_batch=5, init_scale=2.0**4, scheduler=True)
     assert callback.summary()["guard"]["steps"] == 8
     assert callback.summary()["guard"]["skipped_steps"] == callback.summary()["scaler"]["skipped_steps"] == [5]
     assert callback.monitor.step_applied
+    # guard=True finds the per-step scheduler Lightning steps: held on the skipped step (issue 28 item 10)
+    assert callback.summary()["guard"]["scheduler_steps_held"] == 1
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.05 * 0.5**7
     with pytest.raises(ValueError, match="guard needs the GradScaler that skips steps, and this trainer runs without"):
         _fit(pl, "bf16-mixed", [AmpAuditCallback(guard=True)], steps=1)
 

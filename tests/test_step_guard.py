@@ -130,3 +130,137 @@ def test_a_guard_needs_the_scaler():
 
     with pytest.raises(ValueError, match="guard needs the GradScaler"):
         ampaudit.watch(nn.Linear(2, 2), guard=True)
+
+
+# -- as users use it (issue 28 item 10) ---------------------------------------------------------------
+
+def _loop(batches, *, epoch_steps: int | None = None, ema: bool = True, **watch):
+    """A watched GradScaler loop: a per-step scheduler (``epoch_steps`` None) or a per-epoch one,
+    made after the watch starts, and an AveragedModel. Returns the LR after each scheduler step."""
+    import ampaudit
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    lrs = []
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, **watch) as mon:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # made late: still found
+        average = AveragedModel(model) if ema else None
+        for i, x in enumerate(batches):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if average is not None:
+                average.update_parameters(model)
+            if epoch_steps is None or (i + 1) % epoch_steps == 0:
+                sched.step()
+                lrs.append(opt.param_groups[0]["lr"])
+    return lrs, mon.summary().get("guard"), average
+
+
+def _batches(steps: int, bad: int | None):
+    batches = [torch.randn(6, 4) for _ in range(steps)]
+    if bad is not None:
+        batches[bad][0, 0] = float("inf")
+    return batches
+
+
+def test_guard_true_finds_the_optimizers_scheduler_and_the_ema():
+    """Before: guard=True restored BatchNorm only; the scheduler and the EMA moved on the skipped step."""
+    lrs, guard, average = _loop(_batches(4, bad=1), guard=True)
+    assert guard == {"steps": 4, "skipped_steps": [1], "scheduler_steps_held": 1, "ema_updates_held": 1,
+                     "batchnorm_restores": 0}
+    assert lrs == [0.05, 0.05, 0.025, 0.0125]  # held once, as if the batch were left out
+    assert int(average.n_averaged) == 3
+    # the classes are themselves again once the watch stops
+    assert torch.optim.lr_scheduler.StepLR.step is torch.optim.lr_scheduler.LRScheduler.step
+    assert "update_parameters" in AveragedModel.__dict__ and not hasattr(AveragedModel.update_parameters,
+                                                                         "__wrapped__")
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["found", "named"])
+def test_a_per_epoch_scheduler_is_not_held_for_the_epoch(given):
+    """Three epochs of two steps, the first epoch's last step skipped: the epoch still ends.
+    Before: LR 0.1/0.05/0.025 (the whole epoch held) instead of 0.05/0.025/0.0125."""
+    import ampaudit
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    lrs = []
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, guard=True if given else [sched]) as mon:
+        for epoch in range(3):
+            for x in _batches(2, bad=1 if epoch == 0 else None):
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.05, 0.025, 0.0125]
+    assert mon.summary()["guard"]["skipped_steps"] == [1]
+    assert mon.summary()["guard"]["scheduler_steps_held"] == 0
+
+
+GUARDED_SCRIPT = '''
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+for step in range(4):
+    x = torch.randn(6, 4)
+    if step == 1:
+        x[0, 0] = float("inf")
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+print(opt.param_groups[0]["lr"])
+'''
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
+def test_ampaudit_run_guard(tmp_path, guard):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "s.py").write_text(GUARDED_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", *(["--guard"] * guard), "--log",
+                           str(tmp_path / "w.jsonl"), str(tmp_path / "s.py")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout) == (0.0125 if guard else 0.00625)  # held: as if the bad batch were left out
+    held = "1 skipped steps: held 1 scheduler steps and 0 EMA updates"
+    assert (held in " ".join(proc.stderr.split())) == guard
+
+
+def test_a_scheduler_made_right_after_a_skipped_step_still_starts():
+    """A scheduler's __init__ calls its own step(): never held, even right after a skipped step."""
+    import ampaudit
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, guard=True) as mon:
+        x = torch.randn(6, 4)
+        x[0, 0] = float("inf")
+        scaler.scale(model(x).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert not mon.step_applied
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert sched.last_epoch == 0 and sched.get_last_lr() == [0.1]

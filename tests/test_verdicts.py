@@ -115,6 +115,48 @@ def test_headroom_names_the_layer_within_2x_of_the_max():
     assert _messages(_run(_constant(_net(Gain(1e5)), 0.1, 0.05), 3, lr=0.0, dtype="bfloat16")) == []
 
 
+# -- words that mislead (issue 28 item 12): each message below was wrong before -------------------------
+
+def test_headroom_past_the_max_says_how_far_past():
+    """An fp32 run audited for float16: 1.1e6 is 17x past the max, not "within 2x"."""
+    mon = _run(_constant(_net(Gain(2.75e6)), 0.1, 0.05), 1, lr=0.0)  # 0.4 * 2.75e6 = 1.1e6
+    assert ("AMP602", "1", "`1`'s output reached 1.1e+06 at step 0: 16.8x past float16's max 65504: it overflows "
+                           "to inf in float16") in _messages(mon)
+
+
+def test_underflow_in_an_fp32_run_is_not_lost_updates():
+    """An fp32 run (no autocast, no .half()) audited for float16 by default: nothing was lost."""
+    mon = _run(_net(nn.ReLU()), 2, loss_factor=1e-7)
+    assert mon.summary()["dtype_source"] == "default"
+    messages = [m for _, _, m in _messages(mon, "AMP601")]
+    assert messages and all(m.endswith("in float16 those updates would be lost (this run computes in float32)")
+                            for m in messages)
+    # a float16 model: they are lost
+    half = [m for _, _, m in _messages(_run(_net(nn.ReLU()).half(), 2, loss_factor=1e-7), "AMP601")]
+    assert half and all(m.endswith(": those updates are lost") for m in half)
+
+
+def test_underflow_after_skipped_steps_does_not_say_raise_init_scale():
+    """A scale that overflow holds low (here: a tiny init scale that skips, with tiny gradients
+    beside an inf every other step): raising init_scale is not the fix, as AMP604 says."""
+    opt_model = _net(nn.ReLU())
+    mon = _run(opt_model, 4, loss_factor=1e-7, autocast=True, bad_step=1,
+               scaler=torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000))
+    found = [f for f in mon.summary()["findings"] if f["rule"] == "AMP601"]
+    assert found and all(f["fix"].startswith("the GradScaler skipped steps, so overflow keeps the scale low")
+                         for f in found)
+
+
+def test_amp605_is_led_by_where_the_nan_was_born_not_the_enclosing_model():
+    """The NaN of step 2 was born in the model's first layer (its forward, from the batch): the
+    group lists the model itself, which only encloses it, last."""
+    mon = _run(_net(nn.ReLU()), 5, bad_step=2)
+    [found] = mon.summary()["findings"]
+    assert found["module"] == "0" and found["message"].startswith("`0` (forward)")
+    assert found["message"].endswith("also non-finite in those steps: 1 (forward), 2 (forward), 0 (backward), "
+                                     "1 (backward) and 3 more")
+
+
 def test_an_init_scale_of_2_40_skips_steps_in_a_row():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     mon = _run(_net(nn.ReLU()), 24, autocast=True, scaler=scaler)
@@ -148,7 +190,7 @@ def test_one_bad_batch_without_a_scaler_leaves_the_model_non_finite_for_good():
     assert (found["rule"], found["severity"], found["module"]) == ("AMP605", "error", "0")
     assert found["message"] == (
         "`0` (forward) is non-finite in every logged step from 2 to 5 (4 steps); also non-finite in those steps: "
-        "(model) (forward), 1 (forward), 2 (forward), (model) (backward) and 3 more")
+        "1 (forward), 2 (forward), 0 (backward), 1 (backward) and 3 more")  # the model, which encloses them, last
     # with a GradScaler the step is skipped, the weights stay finite: one bad step, no verdict
     mon = _run(_net(nn.ReLU()), 6, bad_step=2, autocast=True, scaler=torch.amp.GradScaler("cpu"))
     assert mon.summary()["first_nonfinite"]["step"] == 2

@@ -923,9 +923,47 @@ def test_the_summary_fits_the_terminal(width):
     lines = out.getvalue().splitlines()
     assert max(len(line) for line in lines) <= width
     assert any("123456789/0" in line for line in lines)
-    row = next(line for line in lines if "1.0" in line and "forward" in line)
+    row = next(line for line in lines if line.replace("│", " ").split()[:2] == ["1.0", "forward"])
     assert "16.7" in row  # overflow as a share of elements: 12 of 3 steps x 3 x 8
     assert ("log2 |x|" in out.getvalue()) is (width >= 110)
+
+
+def test_dotted_names_at_80_columns_break_only_after_a_dot():
+    """Before: the module column folded ``transformer.h.0.attn.c_attn`` into 10-character fragments."""
+    import io
+
+    from rich.console import Console
+
+    from ampaudit.watch.render import render_summary
+
+    model = nn.Sequential()
+    model.add_module("transformer", nn.ModuleDict({"h": nn.ModuleList([nn.ModuleDict({"attn": nn.ModuleDict(
+        {"c_attn": nn.Linear(4, 4)})})])}))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner.transformer["h"][0]["attn"]["c_attn"](x)
+
+    net = GPT()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with ampaudit.watch(net, optimizer=opt) as mon:
+        _train(net, opt, 1)
+    out = io.StringIO()
+    render_summary(mon.summary(), Console(file=out, width=80, force_terminal=False))
+    table = out.getvalue().split("Per module")[1].split("Parameter gradients")[0]
+    names = []
+    for line in table.splitlines()[3:]:
+        if line.strip():
+            part = line.split()[0]
+            names[-1:] = [names[-1] + part] if names and names[-1].endswith(".") else [*names[-1:], part]
+    # broken only after a dot: every name reads whole again
+    assert names.count("inner.transformer.h.0.attn.c_attn") == 2  # forward and backward
+    assert set(names) == {"(model)", "inner.transformer.h.0.attn.c_attn"}
+    assert max(len(line) for line in out.getvalue().splitlines()) <= 80
 
 
 @pytest.mark.parametrize("order", ["lifo", "fifo"])

@@ -5,6 +5,7 @@ module inside it gets its rows too, from an op in the graph - still no graph bre
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -223,3 +224,31 @@ def test_run_inside_compile_on_a_torch_without_effect_tokens_is_one_line(tmp_pat
     assert result.err.strip().splitlines() == [
         "ampaudit: error: --inside-compile needs torch's effect tokens, which this torch does not have: update "
         "torch, or run without it"]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_compiled_model_is_replayed_eagerly_and_the_run_goes_on(fullgraph):
+    """The replay runs the compiled model's original module eagerly: it names the op and line,
+    and never compiles. Before: a replay under its dispatch mode made dynamo skip the user's
+    forward, so with fullgraph=True the next step raised Unsupported (a run plain python
+    finishes); without fullgraph the note was torch's raw error, cut mid-path."""
+    mon, breaks, _ = _run("aot_eager", watched=True, blowup_at=1, fullgraph=fullgraph)
+    first = mon.summary()["first_nonfinite"]
+    assert breaks == 0
+    assert {k: first[k] for k in ("step", "module", "phase", "op")} == {
+        "step": 1, "module": "(model)", "phase": "forward", "op": "aten.mul"}
+    _, start = inspect.getsourcelines(Scale.forward)
+    assert first["source"] == f"{__file__}:{start + 1}"
+    assert "note" not in first
+
+
+def test_a_failed_replay_says_why_in_one_line():
+    from ampaudit.watch.provenance import _failed
+
+    error = RuntimeError("torch.compile with fullgraph=True found no compiled frames. Skipped frames:\n"
+                         "  - forward (/a/very/long/path/to/the/users/model.py:45): non-infra torch dispatch mode "
+                         + "x" * 300)
+    note = _failed(error)
+    assert "\n" not in note and len(note) <= 200
+    assert note == "replaying the module failed: RuntimeError: torch.compile with fullgraph=True found no compiled " \
+                   "frames. Skipped frames:"

@@ -56,6 +56,7 @@ FLAGS = {
     "stop_after_skips": ["--stop-after-skips", "4"],
     "eval": ["--eval"], "provenance": ["--no-provenance"], "ignore": ["--ignore", "blocks.*.mask"],
     "inside_compile": ["--inside-compile"], "fp8": ["--fp8"], "fp8_history": ["--fp8-history", "4"],
+    "guard": ["--guard"],
 }
 NO_FLAG = {f.name for f in dataclasses.fields(WatchOptions) if f.metadata["flag"] is None}
 
@@ -127,10 +128,9 @@ def test_ampaudit_run_takes_every_option_that_has_a_flag():
     assert defaults == WatchOptions(log=Path("ampaudit-watch.jsonl"))  # the command's own log; the rest as the API
 
 
-def test_an_option_without_a_flag_is_not_on_the_command_line():
-    assert {"guard"} == NO_FLAG  # the script's own schedulers, EMAs and model
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["run", "--guard", "train.py"])
+def test_every_option_is_on_the_command_line():
+    # guard too (issue 28 item 10): --guard finds the script's schedulers and AveragedModels
+    assert not NO_FLAG
 
 
 def test_docs_list_every_option():
@@ -155,8 +155,8 @@ def test_ampaudit_run_stop_on_nonfinite_stops_the_script_with_the_reason(cli, tm
 
 
 def test_a_step_with_an_inf_input_and_an_all_negative_inf_forward_is_flagged():
-    # its -inf came from a +inf input, not a mask: before, the replay took it for one, and with
-    # no other candidate event the +inf weight gradient went unreported too
+    """Was a known miss (xfail): the all -inf forward was taken for a mask. A module whose input
+    held +inf does not write a mask: the batch is named (issue 28 item 8)."""
     import ampaudit
 
     torch.manual_seed(3)  # every weight of this Linear is negative: the forward is -inf, never NaN

@@ -4,6 +4,7 @@ forward and backward - and masked -inf attention that is not an error."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,9 +160,11 @@ def test_blame_backward_takes_the_innermost_module_with_finite_incoming_gradient
               Event("block.proj", "backward", "grad of output"),  # same tensor as head's input
               Event("l1", "backward", "grad of output"),
               Event("block.proj", "input grad", "grad of input[0]"),  # born here
-              Event("block", "input grad", "grad of input[0]")]
-    bad = [False, False, False, True, True, True]
-    assert blame_backward(events, bad) == [4, 5]  # proj first; its parent block as the fallback
+              Event("block", "backward", "grad of output"),
+              Event("block", "input grad", "grad of input[0]"),
+              Event("mask", "input grad", "grad of input[0]")]  # its output needs no gradient: no backward
+    bad = [False, False, False, True, True, False, True, True]
+    assert blame_backward(events, bad) == [4, 6]  # proj first; its parent block as the fallback
     # every bad gradient came in from outside the modules (the loss): no producer among them
     assert blame_backward(events[:2], [True, True]) == []
 
@@ -549,3 +552,67 @@ def test_unwritten_memory_is_never_the_op():
 
     origin = replay_forward(Call(Buffers(), (torch.full((2, 2), 5.0),), {}, autocast_state()))
     assert (origin.op, f"{origin.file}:{origin.line}") == ("aten.exp", _line_of(Buffers.forward, "torch.exp("))
+
+
+def test_a_llama_at_a_huge_init_scale_is_blamed_on_the_logits_upcast_not_the_rotary_embedding():
+    """transformers' Llama at init_scale=2**40: the loss's gradient overflows where the model's
+    own code casts the fp16 logits to float for the loss. Before: blamed on model.rotary_emb, a
+    module that only reads its input's shape (its output needs no gradient)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        scaler.scale(out.loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "tensor", "op")} == {
+        "module": "(model)", "phase": "backward", "tensor": "grad of lm_head's output", "op": "ToCopyBackward0"}
+    file, line = first["source"].rsplit(":", 1)
+    assert file.endswith("transformers/loss/loss_utils.py")
+    assert ".float()" in Path(file).read_text().splitlines()[int(line) - 1]  # the upcast
+
+
+class TwiceB(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.b(self.a(x))  # 8 x 300 x 0.5: finite
+        return self.b(h)  # the second call overflows float16
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_op_inside_nn_linear_names_the_users_line_that_called_it(phase):
+    """addmm runs inside torch's nn.Linear: the line is the user's call of the module - its
+    second call here. Before: no line. Backward: 8 x 300 x 64 overflows float16 in the second
+    call's input gradient, its forward (8 x 300 x 0.5, then the first call's 1e-3) stays finite."""
+    torch.manual_seed(0)
+    model = TwiceB()
+    with torch.no_grad():
+        model.b.weight.fill_(300.0)
+        if phase == "backward":
+            model.a.weight.fill_(1e-6)
+            model.a.bias.fill_(1e-6)
+            model.b.bias.fill_(-2e-3)  # the first call's output ~1e-3, the second's ~1.4
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.ones(2, 4))
+        opt.zero_grad()
+        (out.float().sum() * (1.0 if phase == "forward" else 64.0)).backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["op"]) == (
+        ("b", "forward", "aten.addmm") if phase == "forward" else ("b", "backward", "AddmmBackward0")), first
+    assert first["source"] == _line_of(TwiceB.forward, "return self.b(h)")

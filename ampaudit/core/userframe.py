@@ -75,7 +75,8 @@ def boundary(fn: F) -> F:
     return fn
 
 
-def _classify(filename: str) -> str:
+def classify(filename: str) -> str:
+    """Whose code ``filename`` is: "user", "internal" (torch, the standard library) or "ampaudit"."""
     verdict = _verdicts.get(filename)
     if verdict is None:
         if filename.startswith("<"):  # <frozen ...>, <string>, fx-generated code
@@ -103,7 +104,7 @@ def user_location(frame: types.FrameType | None) -> Loc | None:
         code = frame.f_code
         if code in _BOUNDARIES:
             return None
-        if _classify(code.co_filename) == "user":
+        if classify(code.co_filename) == "user":
             return Loc(code.co_filename, frame.f_lineno, _column(code, frame.f_lasti))
         frame = frame.f_back
     return None
@@ -113,7 +114,7 @@ def traceback_location(tb: types.TracebackType | None) -> Loc | None:
     """The innermost user frame of an exception's traceback (where the user's code failed)."""
     found = None
     while tb is not None:
-        if _classify(tb.tb_frame.f_code.co_filename) == "user":
+        if classify(tb.tb_frame.f_code.co_filename) == "user":
             code = tb.tb_frame.f_code
             found = Loc(code.co_filename, tb.tb_lineno, _column(code, tb.tb_lasti))
         tb = tb.tb_next

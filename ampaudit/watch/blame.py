@@ -20,7 +20,7 @@ import torch
 from ampaudit.watch import stats
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.hooks import COMPILED, StepRecorder
-from ampaudit.watch.provenance import Call, GradSpec, replay_backward, replay_forward
+from ampaudit.watch.provenance import Call, GradSpec, call_site, replay_backward, replay_forward
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 
 _BACKWARD = ("backward", INPUT_GRAD)
@@ -101,12 +101,12 @@ class _Trace:
                 self.modes = [HARMFUL if e.module == event.module and e.phase == "forward" and m == ANY else m
                               for e, m in zip(self.events, self.modes, strict=True)]
                 seq = next((i for i, bad in enumerate(self.bad()) if bad and i > seq), None)
-                if seq is None:  # only masks among the events: a parameter's gradient may still be bad
-                    if not nonfinite_params:
-                        return None
-                    first = {"step": first["step"], "module": nonfinite_params[0], "phase": "backward",
-                             "tensor": "param grad"}
-                    return trace_parameter(first, self.recorder, nonfinite_params)
+                if seq is None:
+                    if nonfinite_params:  # only a parameter's gradient went bad: this step, not the next
+                        return trace_parameter({"step": first["step"], "module": nonfinite_params[0],
+                                                "phase": "backward", "tensor": "param grad"},
+                                               self.recorder, nonfinite_params)
+                    return None
                 nxt = self.events[seq]
                 first = {"step": first["step"], "module": nxt.module, "tensor": nxt.tensor,
                          "phase": "backward" if nxt.phase == INPUT_GRAD else nxt.phase}
@@ -122,7 +122,7 @@ class _Trace:
         if call is None:
             return {**first, "note": _no_replay(index)}
         origin = replay_forward(call)
-        # -inf only, and neither arithmetic, a non-finite weight nor a NaN/+inf input made it: a mask
+        # -inf only, and neither arithmetic, a non-finite weight nor a bad input made it: a mask
         if origin.op is None and origin.state is None and not origin.outside and not self.flags()[0][seq]:
             return None
         # made before this module: by an enclosing module's own code? (not if an ignored one made it)
@@ -133,7 +133,7 @@ class _Trace:
                     name = self.recorder.module_name(self.recorder.calls[parent].module)
                     return {"step": first["step"], "module": name, "phase": "forward", "tensor": "output",
                             **found.to_dict()}
-        return {**first, **origin.to_dict()}
+        return self.located({**first, **origin.to_dict()}, index)
 
     def backward(self, first: dict[str, Any], nonfinite_params: Sequence[str]) -> dict[str, Any]:
         fallback = None
@@ -142,8 +142,11 @@ class _Trace:
             origin = replay_backward(call, self.incoming(event.call)) if call else None
             found = {"step": first["step"], "module": event.module, "phase": "backward", "tensor": event.tensor}
             if origin is not None and origin.op is not None:
-                return {**found, **origin.to_dict()}
+                return self.located({**found, **origin.to_dict()}, event.call)
             fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": _no_replay(event.call)})}
+        found = self.enclosing_code(first)
+        if found is not None:
+            return found
         if fallback is not None:
             return fallback
         param = blame_parameter(self.events, self.bad(), nonfinite_params)
@@ -152,6 +155,47 @@ class _Trace:
         return {**first, "phase": "backward",
                 "note": "it came into the model already non-finite: from the loss or the code after the model "
                         "(a loss scale too high for a cast of the logits, say)"}
+
+    def enclosing_code(self, first: dict[str, Any]) -> dict[str, Any] | None:
+        """A bad gradient that arrived at a module's output from finite gradients further on was
+        made between modules: in the code of a module enclosing it (a custom Function applied in
+        the model's own forward). Those modules are replayed, innermost first; None if none
+        turns finite gradients non-finite."""
+        bad = self.bad()
+        arrived = next((e for e, b in zip(self.events, bad, strict=True)
+                        if b and e.phase == "backward" and e.tensor.startswith("grad of output")), None)
+        if arrived is None:
+            return None
+        for parent in self.enclosing(arrived.call):
+            call = self.recorder.calls[parent]
+            incoming = self.incoming(parent)
+            if not incoming or all(spec.bad for spec in incoming):
+                continue  # only bad gradients came into it (from the loss): not made in its code
+            # an output whose gradient is bad beside finite ones (logits beside the loss a
+            # transformers model computes from them) got it from inside: replayed from zero
+            origin = replay_backward(call, incoming)
+            if origin.op is not None:
+                return {"step": first["step"], "module": self.recorder.module_name(call.module), "phase": "backward",
+                        "tensor": f"grad of {arrived.module}'s output", **origin.to_dict()}
+        return None
+
+    def located(self, found: dict[str, Any], index: int | None) -> dict[str, Any]:
+        """``found`` with the user's line that called its module, when the op's own line is not
+        the user's (an op inside nn.Linear): the enclosing module is replayed to find it."""
+        call = self.call(index)
+        if found.get("op") is None or found.get("source") or call is None:
+            return found
+        for parent in self.enclosing(index):
+            outer = self.recorder.calls[parent]
+            earlier = [i for i in range(index) if self.recorder.calls[i] is not None
+                       and self.recorder.calls[i].module is outer.module]
+            start = earlier[-1] if earlier else -1  # the parent's call before this one
+            nth = sum(1 for i in range(start + 1, index) if self.recorder.calls[i] is not None
+                      and self.recorder.calls[i].module is call.module)
+            site = call_site(outer, call.module, nth)
+            if site is not None:
+                return {**found, "source": f"{site[0]}:{site[1]}"}
+        return found
 
     def call(self, index: int | None) -> Call | None:
         calls = self.recorder.calls
@@ -183,7 +227,7 @@ class _Trace:
             if event.call == call and event.phase == "backward" and event.tensor.startswith("grad of output"):
                 row = stats.to_stats(stats.compact(self.raw[i:i + 1], self.recorder.limits)[0].tolist())
                 output = int(event.tensor.rpartition("[")[2].rstrip("]")) if "[" in event.tensor else 0
-                specs.append(GradSpec(output, row["hist"], row["zero"]))
+                specs.append(GradSpec(output, row["hist"], row["zero"], bad=self.flags()[1][i]))
         return specs
 
 
@@ -209,18 +253,21 @@ def blame_backward(events: Sequence[Event], bad: Sequence[bool]) -> list[int]:
     input k" that are bad, of modules whose incoming gradients (of their outputs) were all
     finite - innermost modules first, their parents after (a tensor hook sees the whole
     gradient of an input, which other users of that tensor add to: the replay decides).
-    Empty when every bad gradient came in from outside the modules (the loss)."""
-    out_bad = _incoming_bad(events, bad)
-    first_in: dict[str, int] = {}
+    A module whose output needs no gradient is never one. Empty when every bad gradient came
+    in from outside the modules (the loss, or code between modules)."""
+    out_bad = _incoming_bad(events, bad, per_call=True)
+    first_in: dict[tuple[str, int | None], int] = {}  # per call: a module called twice is two candidates
     for i, (event, is_bad) in enumerate(zip(events, bad, strict=True)):
         if is_bad and event.phase in _BACKWARD and event.tensor.startswith("grad of input"):
-            first_in.setdefault(event.module, i)
-    candidates = [m for m in first_in if not out_bad.get(m, False)]
+            first_in.setdefault((event.module, event.call), i)
+    # a module no gradient came into (a causal mask built from an input's shape) has no
+    # backward of its own: its input's gradient is what the input's other users made
+    candidates = [key for key in first_in if out_bad.get(key) is False]
 
-    def inside(inner: str) -> int:  # how many other candidates lie inside this one
-        return sum(_contains(inner, other) for other in candidates)
+    def inside(inner: tuple[str, int | None]) -> int:  # how many other candidates lie inside this one
+        return sum(_contains(inner[0], other[0]) for other in candidates)
 
-    return [first_in[m] for m in sorted(candidates, key=lambda m: (inside(m), first_in[m]))]
+    return [first_in[key] for key in sorted(candidates, key=lambda key: (inside(key), first_in[key]))]
 
 
 def blame_parameter(events: Sequence[Event], bad: Sequence[bool], bad_params: Sequence[str]) -> str | None:
@@ -234,12 +281,14 @@ def blame_parameter(events: Sequence[Event], bad: Sequence[bool], bad_params: Se
     return None
 
 
-def _incoming_bad(events: Sequence[Event], bad: Sequence[bool]) -> dict[str, bool]:
-    """Per module with a recorded output gradient: whether any gradient coming into it was bad."""
-    out_bad: dict[str, bool] = {}
+def _incoming_bad(events: Sequence[Event], bad: Sequence[bool], per_call: bool = False) -> dict[Any, bool]:
+    """Per module (or per call of it) with a recorded output gradient: whether any gradient
+    coming into it was bad."""
+    out_bad: dict[Any, bool] = {}
     for event, is_bad in zip(events, bad, strict=True):
         if event.phase in _BACKWARD and event.tensor.startswith("grad of output"):
-            out_bad[event.module] = out_bad.get(event.module, False) or is_bad
+            key = (event.module, event.call) if per_call else event.module
+            out_bad[key] = out_bad.get(key, False) or is_bad
     return out_bad
 
 

@@ -79,9 +79,11 @@ class WatchOptions:
         "modules (fnmatch on their names, e.g. 'blocks.*.attn.mask') never reported as where a NaN/Inf was born",
         Flag(repeat=True, metavar="PATTERN")))
     guard: bool | Sequence[Any] = field(default=False, metadata=_about(
-        "with a GradScaler: True, or the LR schedulers and EMAs to hold, so that a step the scaler skips leaves "
-        "them and BatchNorm's running statistics as they were",
-        no_flag="it holds the script's own schedulers, EMAs and model, which a command line cannot name"))
+        "with a GradScaler: True (the optimizer's LR schedulers and torch's AveragedModel EMAs, found), or the LR "
+        "schedulers and EMAs to hold, so that a step the scaler skips leaves them and BatchNorm's running "
+        "statistics as they were; only those that step once per optimizer step are held",
+        Flag(help="hold every LR scheduler and torch AveragedModel that steps once per optimizer step when a "
+             "GradScaler skips that step (BatchNorm is not restored: no model is named)")))
     inside_compile: bool = field(default=False, metadata=_about(
         "under torch.compile, record the modules inside the compiled graph too (an op in the graph: no graph "
         "break; inductor's results may differ in the last bits)"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampaudit.core.tensors import iter_tensors
-from ampaudit.core.userframe import boundary, user_location
+from ampaudit.core.userframe import boundary, classify, user_location
 
 FINITE, MASKED, BAD = 0, 1, 2  # a tensor's state; BAD: NaN or +inf (or -inf that arithmetic made)
 # Ops that write a given value: -inf out of them is a mask the user asked for.
@@ -175,6 +176,20 @@ def _copy(value: Any, *, grad: bool, depth: int = 4) -> Any:
     return copy
 
 
+def _eager(module: torch.nn.Module) -> torch.nn.Module:
+    """A torch.compile'd module's original: replayed eagerly, its ops and lines are the user's."""
+    return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+
+
+def _failed(exc: Exception, most: int = 160) -> str:
+    """Why a replay failed, in one line: the error's first line, cut at a word."""
+    message = str(exc).strip()
+    text = type(exc).__name__ + (f": {message.splitlines()[0]}" if message else "")
+    if len(text) > most:
+        text = text[:most].rsplit(" ", 1)[0] + " ..."
+    return f"replaying the module failed: {text}"
+
+
 class _Isolated:
     """Around a replay: the random state and the module's buffers (BatchNorm's running stats)
     come back as they were, and autocast is the one the call ran under."""
@@ -194,8 +209,15 @@ class _Isolated:
                           if enabled or torch.is_autocast_enabled(d)]
         for ctx in self._autocast:
             ctx.__enter__()
+        # compiled code inside the module runs eagerly: a replay never compiles (under a dispatch
+        # mode dynamo would mark the user's forward skipped, and fullgraph then fails the run)
+        self._stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
+        if self._stance is not None:
+            self._stance.__enter__()
 
     def __exit__(self, *exc: object) -> None:
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
         for ctx in reversed(self._autocast):
             ctx.__exit__(None, None, None)
         self._rng.__exit__(None, None, None)
@@ -213,9 +235,9 @@ def replay_forward(call: Call) -> Origin:
     scan = _FirstBadOp()
     try:
         with _Isolated(call), torch.no_grad(), scan:
-            call.module(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
+            _eager(call.module)(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
     except Exception as exc:  # the user's code: a failed replay only loses the op
-        return Origin(note=f"replaying the module failed: {type(exc).__name__}: {exc}"[:200])
+        return Origin(note=_failed(exc))
     found, state = scan.result(), _nonfinite_state(call.module)
     if state is not None:  # the ops read it: with NaN/+inf none made them from finite inputs
         found = found or Origin()
@@ -224,6 +246,28 @@ def replay_forward(call: Call) -> Origin:
                                     "or a write to the weights)")
     return found or Origin(note="replayed on its inputs the module stayed finite: it depends on state, "
                                 "random numbers or inputs changed in place since")
+
+
+@boundary
+def call_site(parent: Call, child: torch.nn.Module, nth: int) -> tuple[str, int] | None:
+    """The user's line in ``parent``'s forward that makes its ``nth`` call of ``child`` (a torch
+    module such as nn.Linear, whose own ops have no user line): ``parent`` replayed without grad,
+    under its autocast, with a pre-hook on ``child``."""
+    seen: list[tuple[str, int] | None] = []
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        loc = user_location(sys._getframe(1))
+        seen.append((loc.file, loc.line) if loc else None)
+
+    handle = child.register_forward_pre_hook(hook)
+    try:
+        with _Isolated(parent), torch.no_grad():
+            _eager(parent.module)(*_copy(parent.args, grad=False), **_copy(parent.kwargs, grad=False))
+    except Exception:  # the user's code: no line, nothing else lost
+        return None
+    finally:
+        handle.remove()
+    return seen[nth] if 0 <= nth < len(seen) else None
 
 
 def _nonfinite_state(module: torch.nn.Module) -> str | None:
@@ -244,11 +288,14 @@ class GradSpec:
     output: int
     hist: Sequence[Sequence[int]]
     zeros: int = 0
+    bad: bool = False  # it held NaN/Inf: a replay seeds it with zeros (what it held is not known)
 
 
 def synthetic_grad(like: torch.Tensor, spec: GradSpec | None, generator: torch.Generator) -> torch.Tensor:
     """A gradient for ``like`` with the recorded distribution of magnitudes (random signs):
     enough to reproduce an overflow or a 0 * inf without keeping the real gradients alive."""
+    if spec is not None and spec.bad:
+        return torch.zeros_like(like)
     n = like.numel()
     weights = torch.tensor([c for _, c in spec.hist] + [spec.zeros], dtype=torch.float64) if spec else None
     if weights is None or weights.sum() <= 0:
@@ -273,6 +320,9 @@ class _NodeScan:
         def check(grad_inputs, grad_outputs):  # a gradient's -inf is an overflow, never a mask
             if self.found is None and _worst(grad_inputs) != FINITE and _worst(grad_outputs) == FINITE:
                 op, loc = self.made_by.get(node, (None, None))
+                function = getattr(node, "_forward_cls", None)
+                if function is not None:  # a custom autograd Function: its apply's line, from the node
+                    op, loc = f"{function.__name__}.apply", _created_at(node)
                 self.found = Origin(node.name(), *(loc[:2] if loc else (None, None)),
                                     note=f"from {op}" if op else None)
         return check
@@ -293,10 +343,30 @@ class _NodeSources(torch.overrides.TorchFunctionMode):
             node = stack.pop()
             if node is None or node in made_by or (not node.next_functions and node.name() == "AccumulateGrad"):
                 continue
+            if hasattr(node, "_forward_cls"):  # a custom Function's apply, not this op, made it
+                continue
             origin = origin or (getattr(func, "__name__", str(func)), user_location(sys._getframe(1)))
             made_by[node] = origin
             stack.extend(next_node for next_node, _ in node.next_functions)
         return out
+
+
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _created_at(node) -> tuple[str, int] | None:
+    """The user's line that created ``node``, from the stack anomaly mode keeps with it: the
+    innermost user frame before the replay (ampaudit's own frames end the walk)."""
+    for entry in reversed(node.metadata.get("traceback_") or []):
+        frame = _FRAME.match(entry)
+        if frame is None:
+            continue
+        kind = classify(frame["file"])
+        if kind == "user":
+            return frame["file"], int(frame["line"])
+        if kind == "ampaudit":
+            return None
+    return None
 
 
 @boundary
@@ -308,9 +378,10 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
     leaves = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
     params = [p for p in call.module.parameters() if p.requires_grad]
     try:
+        # anomaly mode keeps each node's creation stack: a custom Function's line (replays only)
         with _Isolated(call), torch.enable_grad():
-            with _NodeSources(scan):
-                out = call.module(*args, **kwargs)
+            with _NodeSources(scan), torch.autograd.set_detect_anomaly(True, check_nan=False):
+                out = _eager(call.module)(*args, **kwargs)
             outputs = [t for t in iter_tensors(out) if t.requires_grad]
             if not outputs:
                 return Origin(note="the replayed forward has no output that needs a gradient")
@@ -324,7 +395,7 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
                 for handle in handles:
                     handle.remove()
     except Exception as exc:  # the user's code: a failed replay only loses the node
-        return Origin(note=f"replaying the module failed: {type(exc).__name__}: {exc}"[:200])
+        return Origin(note=_failed(exc))
     return scan.found or Origin(note="the replay's gradients stayed finite")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
@@ -67,19 +68,36 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
                                                for kind, n in summary["unmeasured"].items()))
     console.print(Panel(grid, title="ampaudit watch", title_align="left", expand=False))
     wide = console.width >= 110  # the sparkline goes first when the terminal is narrow
-    table = Table(title="Per module (summed over logged steps; % of elements)", title_justify="left")
-    table.add_column("module", overflow="fold", ratio=1)
-    table.add_column("phase", no_wrap=True)
-    for col in ("nan/inf", "overflow %", "underflow %", "zero %", "absmax"):
+    rows = []
+    for module, phases in summary["layers"].items():
+        for phase, s in phases.items():
+            # in a forward output -inf is what a mask writes: not an overflow (as AMP605 counts)
+            masked = s.get("neginf", 0) if phase in ("forward", "eval", "input") else 0
+            inf, overflow = s["inf"] - masked, s["overflow"] - masked
+            nan_inf = f"{s['nan']}/{inf}" + (f" ({masked} -inf)" if masked else "")
+            cells = [phase, nan_inf, _percent(overflow, s["numel"]), _percent(s["underflow"], s["numel"]),
+                     _percent(s["zero"], s["numel"]), f"{s['absmax']:.3g}"]
+            rows.append((module, cells, s["hist"], bool(s["nan"] or inf or overflow)))
+    headers = ("phase", "nan/inf", "overflow %", "underflow %", "zero %", "absmax") if wide else (
+        "phase", "nan/inf", "over %", "under %", "zero %", "absmax")
+    title = "Per module (summed over logged steps; % of elements)"
+    if wide:
+        table = Table(title=title, title_justify="left")
+    else:  # 80 columns: light borders, short headers, and names broken only after a dot
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
+                      pad_edge=False, show_edge=False)
+    name_width = _name_width(console.width, headers, [c for _, c, _, _ in rows], wide)
+    if wide:
+        table.add_column("module", overflow="fold", ratio=1)
+    else:
+        table.add_column("module", overflow="fold", width=min(name_width, max([6] + [len(r[0]) for r in rows])))
+    for col in headers:
         table.add_column(col, justify="right", no_wrap=True)
     if wide:
         table.add_column("log2 |x|", no_wrap=True)
-    for module, phases in summary["layers"].items():
-        for phase, s in phases.items():
-            bad = s["nan"] or s["inf"] or s["overflow"]
-            cells = [Text(module), phase, f"{s['nan']}/{s['inf']}", _percent(s["overflow"], s["numel"]),
-                     _percent(s["underflow"], s["numel"]), _percent(s["zero"], s["numel"]), f"{s['absmax']:.3g}"]
-            table.add_row(*cells, *([_sparkline(s["hist"])] if wide else []), style="red" if bad else None)
+    for module, cells, hist, bad in rows:
+        name = Text(module if wide else _break_at_dots(module, name_width))
+        table.add_row(name, *cells, *([_sparkline(hist)] if wide else []), style="red" if bad else None)
     console.print(table)
     if summary["params"]:
         scaled = any("overflow_at_scale" in s for s in summary["params"].values())
@@ -128,3 +146,24 @@ def _percent(count: int, total: int) -> str:
         return "0"
     share = 100 * count / total
     return "<0.1" if share < 0.1 else f"{share:.1f}"
+
+
+def _name_width(width: int, headers: tuple[str, ...], rows: list[list[str]], wide: bool) -> int:
+    """What the module column gets at ``width``: the rest after the other columns (light borders)."""
+    if wide:
+        return width
+    others = sum(max([len(h)] + [len(r[i]) for r in rows]) + 3 for i, h in enumerate(headers))
+    return max(12, width - others - 1)
+
+
+def _break_at_dots(name: str, width: int) -> str:
+    """A dotted module name in lines of at most ``width``, broken after a dot where it can be."""
+    parts = name.split(".")
+    lines, line = [], ""
+    for piece in [p + "." for p in parts[:-1]] + parts[-1:]:
+        if line and len(line) + len(piece) > width:
+            lines.append(line)
+            line = ""
+        line += piece
+    lines.append(line)
+    return "\n".join(lines)

@@ -168,6 +168,10 @@ class Run:
     params: dict[str, set[str]]  # module -> its parameters seen with gradients
     first_nonfinite: dict[str, Any] | None  # the summary's first non-finite value
     nonfinite: Counter = field(default_factory=Counter)  # parameters non-finite on skipped steps
+    # whether the run computes in the audited dtype: False where none was seen (an fp32 run
+    # audited for float16 by default), None where the dtype was given and the run's is unknown
+    computes_low: bool | None = None
+    skipped: int = 0  # logged steps the GradScaler skipped
 
 
 @dataclass(frozen=True)

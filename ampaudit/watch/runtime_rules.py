@@ -58,13 +58,18 @@ class GradientUnderflow(GradientRule):
         return (numel > 0) & (lost >= self.params["min_share"] * numel)
 
     def report(self, rows: dict[tuple[str, str], Row], run: Run) -> Iterator[Verdict]:
-        fix = self.hints["with_scaler" if run.scaled else "without_scaler"]
+        # a scale that overflow keeps low (skipped steps): raising init_scale only skips more
+        fix = self.hints["after_skips" if run.skipped else "with_scaler" if run.scaled else "without_scaler"]
+        dtype = run.limits.name
+        lost = {True: "those updates are lost", None: f"in {dtype} those updates are lost",
+                False: f"in {dtype} those updates would be lost (this run computes in float32)"}[run.computes_low]
         for (module, _), row in rows.items():
             if row.count >= self.params["min_steps"]:
                 yield Verdict(row.first, module, fix, dict(
                     share=percent(row.sum_value / row.sum_total), module=module,
-                    params=names(sorted(run.params.get(module, ()))), dtype=run.limits.name,
-                    at_scale="at the loss scale" if run.scaled else "with no loss scale", steps=steps_text(row)))
+                    params=names(sorted(run.params.get(module, ()))), dtype=dtype,
+                    at_scale="at the loss scale" if run.scaled else "with no loss scale", steps=steps_text(row),
+                    lost=lost))
 
 
 @runtime_rule("AMP602")
@@ -77,9 +82,14 @@ class ActivationHeadroom(LayerRule):
     def report(self, rows: dict[tuple[str, str], Row], run: Run) -> Iterator[Verdict]:
         for (module, _), row in rows.items():
             if row.count >= 1:
+                limit, dtype = run.limits.max, run.limits.name
+                if row.peak > limit:  # past the max: a run that does not compute in the dtype (fp32)
+                    headroom = f"{row.peak / limit:.3g}x past {dtype}'s max {limit:g}: it overflows to inf in {dtype}"
+                else:
+                    headroom = (f"within {self.params['factor']:g}x of {dtype}'s max {limit:g}, a step away from "
+                                "overflowing to inf")
                 yield Verdict(row.first, module, self.hints.get("fix"), dict(
-                    module=module, absmax=f"{row.peak:.5g}", steps=steps_text(row),
-                    factor=f"{self.params['factor']:g}", dtype=run.limits.name, limit=f"{run.limits.max:g}"))
+                    module=module, absmax=f"{row.peak:.5g}", steps=steps_text(row), headroom=headroom))
 
 
 @runtime_rule("AMP603")
@@ -162,13 +172,16 @@ class PersistentSkippedSteps(StepRule):
 class AlwaysNonfinite(LayerRule):
     """NaN or Inf in a module's forward output, or in its output's gradient when no GradScaler
     is watched (with one, a non-finite gradient is a skipped step: AMP603/AMP604), in a run of
-    ``min_steps`` consecutive logged steps. Modules non-finite over the same steps are one
-    finding, under the one that went non-finite first."""
+    ``min_steps`` consecutive logged steps. In a forward output -inf is what a mask writes
+    (``masked_fill(upper, -inf)``, ``scores + mask``): NaN and +inf count there, as for the
+    first non-finite of a module found to write masks; a -inf that arithmetic made is named by
+    the first non-finite's replay, and the NaN it leads to counts here. Modules non-finite over
+    the same steps are one finding, under the one that went non-finite first."""
 
     phases = ("forward", "backward")
 
     def condition(self, s: StatsView, step: Step) -> Condition:
-        bad = s.nan + s.inf
+        bad = s.nan + s.inf - where(s.in_phase("forward"), s.neginf, 0)
         return Condition((bad > 0) & (s.in_phase("forward") | (step.scale is None)), bad, s.numel)
 
     def report(self, rows: dict[tuple[str, str], Row], run: Run) -> Iterator[Verdict]:
@@ -178,12 +191,16 @@ class AlwaysNonfinite(LayerRule):
                 groups.setdefault((row.best_start, row.best_last, row.best_len), []).append((module, phase))
         first_nonfinite = run.first_nonfinite
         for (first, last, count), members in groups.items():
-            members.sort(key=lambda mp: (mp[1] != "forward", mp[0]))
+            # an enclosing module (the model, a block) only passes its child's NaN on: the
+            # innermost lead, forward before backward
+            members.sort(key=lambda mp, ms=tuple(members): (_encloses(mp[0], ms), mp[1] != "forward", mp[0]))
             lead = members[0]
             if first_nonfinite and first <= first_nonfinite["step"] <= last:
-                named = (first_nonfinite["module"], first_nonfinite["phase"])
-                if named in members:
-                    lead = named
+                # where it was born, in whichever phase this group holds it
+                named = [mp for mp in members if mp[0] == first_nonfinite["module"]]
+                named.sort(key=lambda mp: mp[1] != first_nonfinite["phase"])
+                if named:
+                    lead = named[0]
             rest = [f"{m} ({p})" for m, p in members if (m, p) != lead]
             others = f"; also non-finite in those steps: {names(rest)}" if rest else ""
             yield Verdict(first, lead[0], self.hints.get("fix"), dict(
@@ -258,3 +275,7 @@ class Fp8GradientUnderflow(Fp8Rule):
                     module=module, share=percent(s["underflow"] / s["numel"]), format=s["format"],
                     steps=f"in {s['count']} logged steps from {s['first']} to {s['last']}",
                     run=f"{s['best']} in a row from step {s['best_start']}"))
+
+
+def _encloses(module: str, members: tuple[tuple[str, str], ...]) -> bool:
+    return any(other != module and (module == "(model)" or other.startswith(module + ".")) for other, _ in members)

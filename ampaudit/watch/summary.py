@@ -99,7 +99,7 @@ class SummaryBuilder:
     def findings(self, device: dict[str, Any] | None = None) -> list[Finding]:
         """The run's AMP6xx findings; ``device``: condition rows a Monitor kept on its device."""
         return self.verdicts.findings(self.dtype, device=device, first_nonfinite=self.first_nonfinite,
-                                      source=self.source)
+                                      source=self.source, dtype_source=self.dtype_source)
 
     def summary(self, device: dict[str, Any] | None = None) -> dict[str, Any]:
         scaler = None

@@ -173,6 +173,7 @@ class Verdicts:
         self.first_scaled: int | None = None
         self.peak: tuple[float, int] | None = None  # the highest scale a step was applied with, its step
         self.nonfinite: Counter = Counter()  # parameters non-finite on skipped steps
+        self.skipped = 0  # logged steps the GradScaler skipped
 
     def add(self, record: dict[str, Any], dtype: str) -> None:
         step = record["step"]
@@ -199,6 +200,7 @@ class Verdicts:
                 self.first_scaled = step
             if skipped:
                 self.nonfinite.update(nonfinite)
+                self.skipped += 1
         seen = ScaleStep(step, scale, skipped, nonfinite, self.peak)
         for unit in self._step_units:
             unit.observe(seen)
@@ -207,8 +209,8 @@ class Verdicts:
 
     # -- findings ---------------------------------------------------------------------------------
     def findings(self, dtype: str, *, device: dict[str, Any] | None = None,
-                 first_nonfinite: dict[str, Any] | None = None, source: dict[str, Any] | None = None
-                 ) -> list[Finding]:
+                 first_nonfinite: dict[str, Any] | None = None, source: dict[str, Any] | None = None,
+                 dtype_source: str | None = None) -> list[Finding]:
         """The run's AMP6xx findings; ``device``: the condition rows a Monitor kept on its
         device (``conditions.DeviceConditions.read``), added to the ones built here."""
         rows = dict(self.rows)
@@ -218,7 +220,7 @@ class Verdicts:
             for module, names in device["params"].items():
                 params.setdefault(module, set()).update(names)
         run = Run(LowDtype.parse(dtype), self.scaled_steps > 0, self.first_scaled, params, first_nonfinite,
-                  self.nonfinite)
+                  self.nonfinite, computes_low=computes_low(dtype_source), skipped=self.skipped)
         file, line = _where(source)
         found: list[tuple[tuple, Finding]] = []
         for code, unit in self.units.items():
@@ -231,6 +233,15 @@ class Verdicts:
                 finding = Finding(code, info.severity, info.format(**v.fields), file, line, module=v.module, fix=v.fix)
                 found.append(((code, v.first, v.module or "", finding.message), finding))
         return [finding for _, finding in sorted(found, key=lambda item: item[0])]
+
+
+def computes_low(dtype_source: str | None) -> bool | None:
+    """Whether a run computes in the dtype it is audited for, from how that dtype was found
+    (``hooks.detect_dtype``): autocast's or the model's own, yes; the default (no low dtype
+    seen: an fp32 run), no; given by the user (or unknown), None."""
+    if not dtype_source or dtype_source == "given":
+        return None
+    return not dtype_source.startswith("default")
 
 
 def _where(source: dict[str, Any] | None) -> tuple[str, int]:
