@@ -1166,3 +1166,25 @@ def test_fsdp2_sharded_gradients_reduce_over_the_mesh(tmp_path):
     for name, (norm, numel) in full.items():
         assert last["params"][name]["numel"] == numel  # the two shards add up to the whole
         assert last["params"][name]["norm"] == pytest.approx(norm, rel=1e-5)  # not the local shard's
+
+
+def test_a_watched_model_can_be_deep_copied_while_watched():
+    # AveragedModel / an EMA copy made after the watch started deep-copies the model's hooks and,
+    # through them, the recorder: its followed-thread lock raised "cannot pickle '_thread.lock'"
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as monitor:
+        average, twin = AveragedModel(model), copy.deepcopy(model)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            average.update_parameters(model)
+        twin(torch.randn(3, 4)).sum().backward()  # the copy's hooks reach a recorder of its own
+    assert monitor.summary()["steps"] == 2
+    assert int(average.n_averaged) == 2

@@ -40,6 +40,11 @@ class FollowedThread:
                 return True
         return False
 
+    def __deepcopy__(self, memo: dict) -> FollowedThread:
+        # a model deep-copied while watched (AveragedModel, an EMA copy) copies its hooks and,
+        # through them, the recorder: that copy follows no thread yet (a lock cannot be copied)
+        return FollowedThread()
+
     @property
     def lock(self) -> threading.Lock:
         """For what other threads count (a Counter's += is no atomic update)."""
