@@ -127,9 +127,13 @@ def train(n):
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(); loss.backward(); opt.step()
     return round(float(loss.detach()), 6)
+def task(n):  # from the same weights and seed whichever worker takes it (one may take both)
+    model.load_state_dict(start); torch.manual_seed(1)
+    return train(n)
 train(3)
+start = {k: v.clone() for k, v in model.state_dict().items()}
 with mp.get_context("fork").Pool(2) as pool:
-    print(pool.map(train, [4, 4]))
+    print(pool.map(task, [4, 4]))
 pid = os.fork()
 # one write each: under PYTHONUNBUFFERED print writes its words one by one, and the two processes interleave
 sys.stdout.write(f"{'child' if pid == 0 else 'parent'} {train(4)}\\n"); sys.stdout.flush()
