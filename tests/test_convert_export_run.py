@@ -36,3 +36,28 @@ def test_the_summary_says_whether_the_export_was_run(cli, tmp_path):
     result = cli("convert", model("input_shape.py"), "-o", tmp_path / "b", "--input-shape", "2,8")
     assert result.code == 0
     assert "export run loaded back with ampaudit.apply and run on the example inputs" in _text(result.out)
+
+
+def test_a_child_traced_with_a_defaulted_argument_is_traced_again_so_by_apply(cli, tmp_path):
+    # lucidrains' ResnetBlock (einops: not traceable) calls self.block2(h), scale_shift left
+    # None: convert traced block2 with scale_shift fixed to None (from the recorded call), but
+    # apply, which has no example inputs, traced it with scale_shift a graph input - "plan.json
+    # was made for another model" and the export, which ran, was never written (exit 1)
+    import json
+
+    import torch
+
+    import ampaudit
+    from fixtures.models import ddpm_unet
+
+    out = tmp_path / "out"
+    result = cli("convert", f"{model('ddpm_unet.py')}:einops_model", "-o", out, "--backend", "fx",
+                 "--train-steps", "0")
+    assert result.code == 0, result.err
+    fixed = json.loads((out / "plan.json").read_text())["summary"]["fixed_args"]
+    assert fixed["downs.0.0.block2"] == {"scale_shift": None}
+    net, inputs = ddpm_unet.einops_model(), ddpm_unet.example_inputs()
+    applied = ampaudit.apply(net, out)
+    with torch.no_grad():
+        expected = net(*inputs)
+        assert float((applied(*inputs) - expected).norm() / expected.norm()) < 1e-2

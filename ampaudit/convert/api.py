@@ -56,6 +56,10 @@ class ConversionSummary:
     weights: str = "low"  # "low" (stored low, fp32 masters in the optimizer) or "fp32" (cast at each use)
     constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
     keep_low_outputs: bool = False
+    # children traced on their own with the plain non-tensor arguments they were called with
+    # (path -> {argument: value}: lucidrains' block2(h) leaves scale_shift=None), so that
+    # ampaudit.apply, which has no example inputs, traces them the same way
+    fixed_args: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -262,6 +266,7 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
         forced |= {str(r["node"]): Decision(LOW, str(r["reason"]), "measured") for r in records
                    if r.get("rule") == "measured"}
+        fixed_args = {str(k): dict(v) for k, v in (summary.get("fixed_args") or {}).items()}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
     if low_weight_dtypes(model):  # a bf16/fp16 model: its fp32 copy, as convert made it
@@ -277,7 +282,8 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
     was_training = model.training
     try:
         model_mp = _convert_once(model, build_catalog(config), low, None, promoted=forced, constants=constants,
-                                 keep_low_outputs=keep, weights=str(summary.get("weights", "low")))
+                                 keep_low_outputs=keep, weights=str(summary.get("weights", "low")),
+                                 fixed_args=fixed_args)
     finally:
         model.train(was_training)
     model_mp.train(was_training)
@@ -321,20 +327,23 @@ class _Conversion:
     notes: list[str] = field(default_factory=list)
     casts: int = 0
     measured: _Measured = field(default_factory=_Measured)
+    fixed_args: dict[str, dict[str, Any]] = field(default_factory=dict)  # see ConversionSummary.fixed_args
 
 
 def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, *, promoted: Mapping[str, str | Decision], constants: str,
-                  keep_low_outputs: bool, weights: str = "low", measured: _Measured | None = None) -> torch.nn.Module:
+                  keep_low_outputs: bool, weights: str = "low", measured: _Measured | None = None,
+                  fixed_args: Mapping[str, dict[str, Any]] | None = None) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
     measured = measured if measured is not None else _Measured()
     if measured.calls is None:  # how each child is called, for children traced on their own
         measured.calls = record_calls(work, inputs) if inputs is not None else {}
     run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, weights, calls=measured.calls,
-                      declared=declared_precision(work, low), measured=measured)
+                      declared=declared_precision(work, low), measured=measured,
+                      fixed_args={k: dict(v) for k, v in (fixed_args or {}).items()})
     converted = _with_plan(_convert_tree(work, "", inputs, run), run.records, low, promoted, casts=run.casts,
                            notes=run.notes, constants=constants, keep_low_outputs=keep_low_outputs,
-                           weights=weights)
+                           weights=weights, fixed_args=run.fixed_args)
     if not isinstance(converted, fx.GraphModule):
         converted.code = f"# {type(model).__name__}.forward is not traceable: its submodules were converted\n"
     return converted
@@ -345,7 +354,9 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
     """Convert ``module``; where torch.fx cannot trace a forward, keep that forward in fp32
     and convert the submodules it calls, recursively."""
     call = run.calls.get(prefix) if prefix else None  # the model itself is traced as the user calls it
-    fixed = concrete_args(module, call) if call is not None else None
+    fixed = concrete_args(module, call) if call is not None else run.fixed_args.get(prefix) if prefix else None
+    if prefix and fixed and all(_plain(v) for v in fixed.values()):
+        run.fixed_args[prefix] = dict(fixed)
     gm, failure = fx_trace(module, run.catalog, concrete_args=fixed, functions_as_leaves=True)
     opaque: list[str] = []
     while gm is None and failure.module and failure.module not in opaque:
@@ -457,6 +468,11 @@ def _with_plan(model_mp: torch.nn.Module, records: list[dict[str, Any]], low: Lo
         ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(model_mp),
         promoted=[{"node": k, "reason": getattr(v, "reason", v)} for k, v in promoted.items()], **fields)
     return model_mp
+
+
+def _plain(value: Any) -> bool:
+    """A value plan.json holds as it is (JSON's scalars)."""
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _param_bytes(module: torch.nn.Module) -> dict[str, int]:
