@@ -61,3 +61,22 @@ def test_a_child_traced_with_a_defaulted_argument_is_traced_again_so_by_apply(cl
     with torch.no_grad():
         expected = net(*inputs)
         assert float((applied(*inputs) - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_a_child_called_by_keyword_with_specialised_arguments_takes_them_by_name(cli, tmp_path):
+    # BertModel calls self.embeddings(input_ids=..., position_ids=None, ...): traced with those
+    # arguments specialised, the child's forward named them position_ids_1 and the parent's
+    # call raised "unexpected keyword argument 'position_ids'" (hf:bert --backend fx: exit 1)
+    import inspect
+
+    import ampaudit
+    from fixtures.models import keyword_children
+
+    out = tmp_path / "out"
+    result = cli("convert", model("keyword_children.py"), "-o", out, "--backend", "fx", "--train-steps", "2")
+    assert result.code == 0, result.err
+    net = keyword_children.get_model()
+    applied = ampaudit.apply(net, out)
+    parameters = inspect.signature(applied.embeddings.forward).parameters
+    assert list(parameters) == ["input_ids", "token_type_ids", "position_ids", "inputs_embeds",
+                                "past_key_values_length"]
