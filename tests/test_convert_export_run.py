@@ -80,3 +80,23 @@ def test_a_child_called_by_keyword_with_specialised_arguments_takes_them_by_name
     parameters = inspect.signature(applied.embeddings.forward).parameters
     assert list(parameters) == ["input_ids", "token_type_ids", "position_ids", "inputs_embeds",
                                 "past_key_values_length"]
+
+
+def test_a_parent_reads_plain_attributes_of_its_converted_children(cli, tmp_path):
+    # transformers' Whisper encoder (not traceable) computes its input length from
+    # self.conv1.stride: the converted Conv1d (a GraphModule) had no stride and the converted
+    # model failed to run (hf:whisper --backend fx: exit 2)
+    import torch
+
+    import ampaudit
+    from fixtures.models import conv_stride_encoder
+
+    out = tmp_path / "out"
+    result = cli("convert", model("conv_stride_encoder.py"), "-o", out, "--backend", "fx", "--train-steps", "2")
+    assert result.code == 0, result.err
+    net, (features,) = conv_stride_encoder.get_model(), conv_stride_encoder.example_inputs()
+    applied = ampaudit.apply(net, out)
+    assert isinstance(applied.conv2, torch.fx.GraphModule) and applied.conv2.stride == (2,)
+    with torch.no_grad():
+        expected = net(features)
+        assert float((applied(features) - expected).norm() / expected.norm()) < 1e-2

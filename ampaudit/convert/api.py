@@ -369,6 +369,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
         _convert_children(module, prefix, run)
         return module
     _keep_untraced_state(gm, module)
+    _keep_plain_attributes(gm, module)
     _follow_order(gm, module)
     if inputs is not None:
         run.measured.measure(prefix, gm, inputs, run.catalog, run.low)
@@ -418,6 +419,31 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
         else:
             owner.register_buffer(attr, tensor, persistent=attr not in source._non_persistent_buffers_set)
         held[name] = tensor
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+
+
+def _keep_plain_attributes(gm: fx.GraphModule, module: torch.nn.Module) -> None:
+    """Give ``gm`` (and each submodule it holds in a new object) the plain attributes of the
+    module it replaces, which a parent whose own forward is not traced may read: Whisper's
+    encoder computes its length from ``self.conv1.stride``, and a converted Conv1d had none
+    ("'Conv1d' object has no attribute 'stride'")."""
+    for path, source in module.named_modules():
+        try:
+            target = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            continue
+        if target is source:
+            continue
+        for name, value in vars(source).items():
+            if name.startswith("_") or name in vars(target) or name == "training":
+                continue
+            if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+                setattr(target, name, value)
+                if isinstance(target, fx.GraphModule):  # what GraphModule's deepcopy sets again
+                    target.meta.setdefault(_PRESERVED, {})[name] = value
 
 
 def _follow_order(gm: fx.GraphModule, module: torch.nn.Module) -> None:
