@@ -26,6 +26,7 @@ are cast in place, as ``Module.to`` does).
 from __future__ import annotations
 
 import copy
+import re
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -110,7 +111,14 @@ def _by_site(record: Mapping[str, Any], leaves: frozenset[str]) -> bool:
     """An override upcast at its own op (convert/fp32_ops.py), its module's other ops left as
     planned: a constant or measured overflow in a module with children, on a tensor input."""
     return record.get("rule") in ("AMP201", "AMP301") and record.get("compute") == "float32" \
-        and record.get("module") not in leaves and record.get("kind") not in _FACTORIES
+        and record.get("module") not in leaves and record.get("kind") not in _FACTORIES and not _in_place(record)
+
+
+def _in_place(record: Mapping[str, Any]) -> bool:
+    """An in-place op (``scores.masked_fill_(mask, -1e9)``: node masked_fill_ or masked_fill__1),
+    whose low tensor an upcast of its inputs cannot reach: its module runs in fp32."""
+    base = re.sub(r"_\d+$", "", str(record.get("node", "")).rpartition(":")[2])
+    return base.endswith("_") and not base.endswith("__")
 
 
 def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any]], low: LowDtype,
