@@ -80,6 +80,9 @@ def test_a_child_called_by_keyword_with_specialised_arguments_takes_them_by_name
     parameters = inspect.signature(applied.embeddings.forward).parameters
     assert list(parameters) == ["input_ids", "token_type_ids", "position_ids", "inputs_embeds",
                                 "past_key_values_length"]
+    # and its non-persistent buffer, which the traced forward reads, is still not in the
+    # state_dict (BERT's position_ids and token_type_ids became keys: 46 for 44)
+    assert list(applied.state_dict()) == list(net.state_dict())
 
 
 def test_a_parent_reads_plain_attributes_of_its_converted_children(cli, tmp_path):

@@ -402,6 +402,15 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
     model's (transformers' BERT keeps ``cls.predictions.bias``, tied to ``decoder.bias``,
     which its forward never reads: dropped, the tie would be lost and the optimizer would
     train a tensor the converted model does not hold)."""
+    for name, _ in module.named_buffers():  # a buffer the graph reads is registered persistent
+        path, _, attr = name.rpartition(".")
+        if attr in module.get_submodule(path)._non_persistent_buffers_set:
+            try:
+                owner = gm.get_submodule(path)
+            except AttributeError:
+                continue
+            if attr in owner._buffers:  # BERT's position_ids had become a state_dict key
+                owner._non_persistent_buffers_set.add(attr)
     held = dict(_state(gm))
     for name, tensor in _state(module):
         if name in held:
