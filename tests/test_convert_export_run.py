@@ -103,3 +103,24 @@ def test_a_parent_reads_plain_attributes_of_its_converted_children(cli, tmp_path
     with torch.no_grad():
         expected = net(features)
         assert float((applied(features) - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_an_export_holding_a_non_persistent_buffer_still_applies(cli, tmp_path):
+    # exports made before 31b0319 saved BERT's non-persistent position_ids through fx: apply
+    # refused them ("does not fit this model: unexpected [...position_ids]")
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import ampaudit
+    from fixtures.models import keyword_children
+
+    out = tmp_path / "out"
+    assert cli("convert", model("keyword_children.py"), "-o", out, "--backend", "fx", "--train-steps", "0").code == 0
+    weights = out / "weights.safetensors"
+    with safe_open(str(weights), "pt") as fh:
+        tensors, metadata = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
+    net = keyword_children.get_model()
+    tensors["embeddings.position_ids"] = net.embeddings.position_ids.clone()
+    save_file(tensors, str(weights), metadata=metadata)
+    applied = ampaudit.apply(net, out)
+    assert list(applied.state_dict()) == list(net.state_dict())
