@@ -15,7 +15,7 @@ from torch import fx
 
 from ampaudit.convert.checkpoints import keep_checkpoints
 from ampaudit.convert.kernel_probe import promote_missing_kernels
-from ampaudit.convert.low_weights import fp32_copy, low_weight_dtypes, low_weight_notes
+from ampaudit.convert.low_weights import fp32_copy, fp32_inputs, low_weight_dtypes, low_weight_notes
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
@@ -132,6 +132,8 @@ def convert(
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     catalog = build_catalog(config, policy)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
+    if inputs is not None and found_low:
+        inputs = fp32_inputs(inputs)
     if inputs is not None and verify:
         refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
