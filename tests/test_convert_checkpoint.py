@@ -63,12 +63,21 @@ def test_checkpointed_blocks_train_as_under_autocast(variant, backend):
         ref_optimizer.step()
 
 
+# checkpoint_sequential runs its last segment (the second block) as it is: there the plan's
+# softmax and layer norms compute in fp32, as CUDA autocast runs them, where CPU autocast, the
+# reference here, runs them in fp16 - 32 KB more (1.12x), not activations checkpointing lost
+_CPU_POLICY = pytest.mark.xfail(strict=True, reason="CPU autocast runs the uncheckpointed block's softmax in fp16")
+
+
+@pytest.mark.parametrize("backend", ["fx", "modules"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_activation_memory_is_autocasts(variant):
+def test_activation_memory_is_autocasts(variant, backend, request):
+    if backend == "modules" and variant == "sequential_model":
+        request.applymarker(_CPU_POLICY)
     net, idx = _gpt(variant)
     reference = copy.deepcopy(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    model_mp, opt_mp = ampaudit.convert(net, optimizer, example_inputs=(idx,), backend="fx", train_steps=0,
+    model_mp, opt_mp = ampaudit.convert(net, optimizer, example_inputs=(idx,), backend=backend, train_steps=0,
                                         loss_scale=None, weights="fp32")
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -78,6 +87,7 @@ def test_activation_memory_is_autocasts(variant):
     # What the forward leaves for backward (the activations): traced through, the checkpoints were
     # gone and every block's activations kept - 349 KB against autocast's 135 KB. Kept, 105 KB: the
     # parts recompute their weights' casts in backward, where autocast's cache holds them.
+    # The modules backend runs the user's own forward, checkpoint calls and all.
     assert converted["forward"] <= 1.1 * autocast["forward"], (converted, autocast)
 
 

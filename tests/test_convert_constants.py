@@ -69,4 +69,9 @@ def test_out_of_range_constants_never_crash(wrapper, constants):
         assert torch.isfinite(out).all(), variant
         assert float((out.float() - reference).norm() / reference.norm()) < 1e-2, variant
         scores = [r for r in model_mp.plan if r["kind"] == "matmul"]
+        if wrapper is _Untraceable and variant == "in-place":
+            # the modules backend cannot upcast an in-place fill at its op: attn runs whole in
+            # fp32, and the plan says so (it said float16 for this matmul, which ran in fp32)
+            assert scores and scores[0]["compute"] == "float32" and "runs whole in fp32" in scores[0]["reason"]
+            continue
         assert scores and scores[0]["compute"] == "float16", variant  # the matmul itself stays fast

@@ -125,13 +125,13 @@ def _loss(out):
 
 
 def train(net, args, kwargs, steps, *, autocast):
-    """``steps`` AdamW steps with a GradScaler, the first forward's op dtypes recorded;
-    returns (losses, OpDtypes)."""
+    """``steps`` AdamW steps with a GradScaler, the op dtypes of the first and last forward
+    recorded; returns (losses, OpDtypes)."""
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     seen, losses = OpDtypes(), []
     for step in range(steps):
-        with seen if step == 0 else contextlib.nullcontext(), \
+        with seen if step in (0, steps - 1) else contextlib.nullcontext(), \
                 torch.autocast("cpu", dtype=LOW, enabled=autocast):
             loss = _loss(net(*args, **kwargs))
         opt.zero_grad()
@@ -214,11 +214,14 @@ def test_autocast_policy_trains_with_catalog_fp32_ops_upcast(exports, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_policies_train_100_steps_as_autocast_does(exports, process_group, name):
     reference = autocast_reference(name, 100)
-    autocast_losses, *_ = _autocast_policy(exports, name, 100)
-    fsdp2_losses, _ = _fsdp2(exports, name, 100)
+    autocast_losses, autocast_seen, _ = _autocast_policy(exports, name, 100)
+    fsdp2_losses, fsdp2_seen = _fsdp2(exports, name, 100)
     reference = reference[0] if reference else autocast_losses
     _close(autocast_losses, reference)
     _close(fsdp2_losses, reference)
+    # the dtype each catalog fp32 op ran in, at the first step and the 100th
+    assert RUNS[name] <= set(fsdp2_seen.ran) and fsdp2_seen.low() <= _measured_low(exports[name]), fsdp2_seen.ran
+    assert RUNS[name] <= set(autocast_seen.ran) and autocast_seen.low() <= set(CPU_AUTOCAST_LEAVES), autocast_seen.ran
 
 
 def test_cpu_autocast_leaves_them_low():

@@ -36,3 +36,91 @@ def test_the_summary_says_whether_the_export_was_run(cli, tmp_path):
     result = cli("convert", model("input_shape.py"), "-o", tmp_path / "b", "--input-shape", "2,8")
     assert result.code == 0
     assert "export run loaded back with ampaudit.apply and run on the example inputs" in _text(result.out)
+
+
+def test_a_child_traced_with_a_defaulted_argument_is_traced_again_so_by_apply(cli, tmp_path):
+    # lucidrains' ResnetBlock (einops: not traceable) calls self.block2(h), scale_shift left
+    # None: convert traced block2 with scale_shift fixed to None (from the recorded call), but
+    # apply, which has no example inputs, traced it with scale_shift a graph input - "plan.json
+    # was made for another model" and the export, which ran, was never written (exit 1)
+    import json
+
+    import torch
+
+    import ampaudit
+    from fixtures.models import ddpm_unet
+
+    out = tmp_path / "out"
+    result = cli("convert", f"{model('ddpm_unet.py')}:einops_model", "-o", out, "--backend", "fx",
+                 "--train-steps", "0")
+    assert result.code == 0, result.err
+    fixed = json.loads((out / "plan.json").read_text())["summary"]["fixed_args"]
+    assert fixed["downs.0.0.block2"] == {"scale_shift": None}
+    net, inputs = ddpm_unet.einops_model(), ddpm_unet.example_inputs()
+    applied = ampaudit.apply(net, out)
+    with torch.no_grad():
+        expected = net(*inputs)
+        assert float((applied(*inputs) - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_a_child_called_by_keyword_with_specialised_arguments_takes_them_by_name(cli, tmp_path):
+    # BertModel calls self.embeddings(input_ids=..., position_ids=None, ...): traced with those
+    # arguments specialised, the child's forward named them position_ids_1 and the parent's
+    # call raised "unexpected keyword argument 'position_ids'" (hf:bert --backend fx: exit 1)
+    import inspect
+
+    import ampaudit
+    from fixtures.models import keyword_children
+
+    out = tmp_path / "out"
+    result = cli("convert", model("keyword_children.py"), "-o", out, "--backend", "fx", "--train-steps", "2")
+    assert result.code == 0, result.err
+    net = keyword_children.get_model()
+    applied = ampaudit.apply(net, out)
+    parameters = inspect.signature(applied.embeddings.forward).parameters
+    assert list(parameters) == ["input_ids", "token_type_ids", "position_ids", "inputs_embeds",
+                                "past_key_values_length"]
+    # and its non-persistent buffer, which the traced forward reads, is still not in the
+    # state_dict (BERT's position_ids and token_type_ids became keys: 46 for 44)
+    assert list(applied.state_dict()) == list(net.state_dict())
+
+
+def test_a_parent_reads_plain_attributes_of_its_converted_children(cli, tmp_path):
+    # transformers' Whisper encoder (not traceable) computes its input length from
+    # self.conv1.stride: the converted Conv1d (a GraphModule) had no stride and the converted
+    # model failed to run (hf:whisper --backend fx: exit 2)
+    import torch
+
+    import ampaudit
+    from fixtures.models import conv_stride_encoder
+
+    out = tmp_path / "out"
+    result = cli("convert", model("conv_stride_encoder.py"), "-o", out, "--backend", "fx", "--train-steps", "2")
+    assert result.code == 0, result.err
+    net, (features,) = conv_stride_encoder.get_model(), conv_stride_encoder.example_inputs()
+    applied = ampaudit.apply(net, out)
+    assert isinstance(applied.conv2, torch.fx.GraphModule) and applied.conv2.stride == (2,)
+    with torch.no_grad():
+        expected = net(features)
+        assert float((applied(features) - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_an_export_holding_a_non_persistent_buffer_still_applies(cli, tmp_path):
+    # exports made before 31b0319 saved BERT's non-persistent position_ids through fx: apply
+    # refused them ("does not fit this model: unexpected [...position_ids]")
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import ampaudit
+    from fixtures.models import keyword_children
+
+    out = tmp_path / "out"
+    assert cli("convert", model("keyword_children.py"), "-o", out, "--backend", "fx", "--train-steps", "0").code == 0
+    weights = out / "weights.safetensors"
+    with safe_open(str(weights), "pt") as fh:
+        tensors, metadata = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
+    net = keyword_children.get_model()
+    tensors["embeddings.position_ids"] = net.embeddings.position_ids.clone()
+    save_file(tensors, str(weights), metadata=metadata)
+    applied = ampaudit.apply(net, out)
+    assert list(applied.state_dict()) == list(net.state_dict())

@@ -76,3 +76,20 @@ def test_cli_converts_a_bf16_model(cli, tmp_path):
     applied = ampaudit.apply(net, tmp_path / "out")
     with torch.no_grad():
         assert _rel(applied(**inputs.kwargs).logits, copy.deepcopy(net).float()(**inputs.kwargs).logits) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["fx", "modules"])
+def test_low_precision_inputs_of_a_low_precision_model_convert(backend):
+    # a bf16 Whisper checkpoint is fed bf16 log-mel features: the fp32 copy convert works on
+    # raised "Input type (c10::BFloat16) and bias type (float) should be the same" (exit 2)
+    from fixtures.models import conv_stride_encoder
+
+    net = conv_stride_encoder.get_model().to(torch.bfloat16)
+    (features,) = conv_stride_encoder.example_inputs()
+    features = features.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    model_mp, _ = ampaudit.convert(net, optimizer, example_inputs=(features,), backend=backend, train_steps=3)
+    assert model_mp.summary.train["passed"]
+    with torch.no_grad():
+        expected = ampaudit.convert(net, (features.float(),), backend=backend)(features.float())
+        assert torch.allclose(model_mp(features.float()), expected)

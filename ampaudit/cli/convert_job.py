@@ -37,6 +37,7 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
 
     from ampaudit.convert.api import DEFAULT_TOLERANCE, convert
     from ampaudit.convert.export import stage
+    from ampaudit.convert.low_weights import fp32_inputs, low_weight_dtypes
     from ampaudit.convert.train_check import CLI_SECONDS, train_check
     from ampaudit.core.console import slow_status
     from ampaudit.core.dtypes import LowDtype
@@ -47,6 +48,8 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
     if isinstance(loaded, NotImported):
         raise UsageError(f"{loaded.path} was not imported: {loaded.what} at line {loaded.line} would run on "
                          "import (pass --exec to import it anyway)")
+    if loaded.inputs is not None and low_weight_dtypes(loaded.model):  # inputs as the fp32 copy takes them
+        loaded.inputs = fp32_inputs(loaded.inputs)
     # no trainable parameter, nothing to train: the conversion is still checked against fp32
     trains = args.train_steps > 0 and loaded.inputs is not None and not args.no_verify \
         and any(p.requires_grad for p in loaded.model.parameters())

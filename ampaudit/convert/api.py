@@ -15,7 +15,7 @@ from torch import fx
 
 from ampaudit.convert.checkpoints import keep_checkpoints
 from ampaudit.convert.kernel_probe import promote_missing_kernels
-from ampaudit.convert.low_weights import fp32_copy, low_weight_dtypes, low_weight_notes
+from ampaudit.convert.low_weights import fp32_copy, fp32_inputs, low_weight_dtypes, low_weight_notes
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
@@ -56,6 +56,10 @@ class ConversionSummary:
     weights: str = "low"  # "low" (stored low, fp32 masters in the optimizer) or "fp32" (cast at each use)
     constants: str = "fp32"  # how it was made, so that ampaudit.apply can make it again
     keep_low_outputs: bool = False
+    # children traced on their own with the plain non-tensor arguments they were called with
+    # (path -> {argument: value}: lucidrains' block2(h) leaves scale_shift=None), so that
+    # ampaudit.apply, which has no example inputs, traces them the same way
+    fixed_args: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -128,6 +132,8 @@ def convert(
     config = config if config is not None else load_config(Path(file) if Path(file).is_file() else None)
     catalog = build_catalog(config, policy)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs") if example_inputs is not None else None
+    if inputs is not None and found_low:
+        inputs = fp32_inputs(inputs)
     if inputs is not None and verify:
         refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
@@ -262,6 +268,7 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
                   if r.get("compute") == "float32" and r.get("rule") in ("verify", "AMP301", "kernel")}
         forced |= {str(r["node"]): Decision(LOW, str(r["reason"]), "measured") for r in records
                    if r.get("rule") == "measured"}
+        fixed_args = {str(k): dict(v) for k, v in (summary.get("fixed_args") or {}).items()}
     except (KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"not an ampaudit plan: {exc}") from None
     if low_weight_dtypes(model):  # a bf16/fp16 model: its fp32 copy, as convert made it
@@ -277,7 +284,8 @@ def convert_by_plan(model: torch.nn.Module, summary: Mapping[str, Any], records:
     was_training = model.training
     try:
         model_mp = _convert_once(model, build_catalog(config), low, None, promoted=forced, constants=constants,
-                                 keep_low_outputs=keep, weights=str(summary.get("weights", "low")))
+                                 keep_low_outputs=keep, weights=str(summary.get("weights", "low")),
+                                 fixed_args=fixed_args)
     finally:
         model.train(was_training)
     model_mp.train(was_training)
@@ -321,20 +329,23 @@ class _Conversion:
     notes: list[str] = field(default_factory=list)
     casts: int = 0
     measured: _Measured = field(default_factory=_Measured)
+    fixed_args: dict[str, dict[str, Any]] = field(default_factory=dict)  # see ConversionSummary.fixed_args
 
 
 def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, *, promoted: Mapping[str, str | Decision], constants: str,
-                  keep_low_outputs: bool, weights: str = "low", measured: _Measured | None = None) -> torch.nn.Module:
+                  keep_low_outputs: bool, weights: str = "low", measured: _Measured | None = None,
+                  fixed_args: Mapping[str, dict[str, Any]] | None = None) -> torch.nn.Module:
     work = copy.deepcopy(model).eval()  # never touch the user's model
     measured = measured if measured is not None else _Measured()
     if measured.calls is None:  # how each child is called, for children traced on their own
         measured.calls = record_calls(work, inputs) if inputs is not None else {}
     run = _Conversion(catalog, low, promoted, constants, keep_low_outputs, weights, calls=measured.calls,
-                      declared=declared_precision(work, low), measured=measured)
+                      declared=declared_precision(work, low), measured=measured,
+                      fixed_args={k: dict(v) for k, v in (fixed_args or {}).items()})
     converted = _with_plan(_convert_tree(work, "", inputs, run), run.records, low, promoted, casts=run.casts,
                            notes=run.notes, constants=constants, keep_low_outputs=keep_low_outputs,
-                           weights=weights)
+                           weights=weights, fixed_args=run.fixed_args)
     if not isinstance(converted, fx.GraphModule):
         converted.code = f"# {type(model).__name__}.forward is not traceable: its submodules were converted\n"
     return converted
@@ -345,7 +356,9 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
     """Convert ``module``; where torch.fx cannot trace a forward, keep that forward in fp32
     and convert the submodules it calls, recursively."""
     call = run.calls.get(prefix) if prefix else None  # the model itself is traced as the user calls it
-    fixed = concrete_args(module, call) if call is not None else None
+    fixed = concrete_args(module, call) if call is not None else run.fixed_args.get(prefix) if prefix else None
+    if prefix and fixed and all(_plain(v) for v in fixed.values()):
+        run.fixed_args[prefix] = dict(fixed)
     gm, failure = fx_trace(module, run.catalog, concrete_args=fixed, functions_as_leaves=True)
     opaque: list[str] = []
     while gm is None and failure.module and failure.module not in opaque:
@@ -358,6 +371,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
         _convert_children(module, prefix, run)
         return module
     _keep_untraced_state(gm, module)
+    _keep_plain_attributes(gm, module)
     _follow_order(gm, module)
     if inputs is not None:
         run.measured.measure(prefix, gm, inputs, run.catalog, run.low)
@@ -390,6 +404,15 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
     model's (transformers' BERT keeps ``cls.predictions.bias``, tied to ``decoder.bias``,
     which its forward never reads: dropped, the tie would be lost and the optimizer would
     train a tensor the converted model does not hold)."""
+    for name, _ in module.named_buffers():  # a buffer the graph reads is registered persistent
+        path, _, attr = name.rpartition(".")
+        if attr in module.get_submodule(path)._non_persistent_buffers_set:
+            try:
+                owner = gm.get_submodule(path)
+            except AttributeError:
+                continue
+            if attr in owner._buffers:  # BERT's position_ids had become a state_dict key
+                owner._non_persistent_buffers_set.add(attr)
     held = dict(_state(gm))
     for name, tensor in _state(module):
         if name in held:
@@ -407,6 +430,31 @@ def _keep_untraced_state(gm: fx.GraphModule, module: torch.nn.Module) -> None:
         else:
             owner.register_buffer(attr, tensor, persistent=attr not in source._non_persistent_buffers_set)
         held[name] = tensor
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+
+
+def _keep_plain_attributes(gm: fx.GraphModule, module: torch.nn.Module) -> None:
+    """Give ``gm`` (and each submodule it holds in a new object) the plain attributes of the
+    module it replaces, which a parent whose own forward is not traced may read: Whisper's
+    encoder computes its length from ``self.conv1.stride``, and a converted Conv1d had none
+    ("'Conv1d' object has no attribute 'stride'")."""
+    for path, source in module.named_modules():
+        try:
+            target = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            continue
+        if target is source:
+            continue
+        for name, value in vars(source).items():
+            if name.startswith("_") or name in vars(target) or name == "training":
+                continue
+            if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+                setattr(target, name, value)
+                if isinstance(target, fx.GraphModule):  # what GraphModule's deepcopy sets again
+                    target.meta.setdefault(_PRESERVED, {})[name] = value
 
 
 def _follow_order(gm: fx.GraphModule, module: torch.nn.Module) -> None:
@@ -457,6 +505,11 @@ def _with_plan(model_mp: torch.nn.Module, records: list[dict[str, Any]], low: Lo
         ops_low=sum(r["compute"] == low.name for r in calls), param_bytes=_param_bytes(model_mp),
         promoted=[{"node": k, "reason": getattr(v, "reason", v)} for k, v in promoted.items()], **fields)
     return model_mp
+
+
+def _plain(value: Any) -> bool:
+    """A value plan.json holds as it is (JSON's scalars)."""
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _param_bytes(module: torch.nn.Module) -> dict[str, int]:

@@ -43,6 +43,9 @@ def apply(model: torch.nn.Module, export: str | Path, *, config: Config | None =
         from safetensors.torch import load_model
 
         missing, unexpected = load_model(model_mp, str(weights), strict=False)
+        # an export made before fx kept non-persistent buffers out of the state_dict holds them
+        # (BERT's embeddings.position_ids): the model has them, unsaved, as it should
+        unexpected = [k for k in unexpected if k not in _non_persistent(model_mp)]
         if missing or unexpected:
             raise UsageError(f"{weights} does not fit this model: missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]}")
@@ -77,3 +80,8 @@ def _check_same(plan_file: Path, recorded: list[dict[str, Any]], rebuilt: list[d
                                  f"{now_node} in {now}")
         raise UsageError(f"{plan_file} was made for another model: {len(recorded)} ops planned, this model has "
                          f"{len(rebuilt)}")
+
+
+def _non_persistent(model: torch.nn.Module) -> set[str]:
+    return {f"{path}.{name}" if path else name for path, module in model.named_modules()
+            for name in module._non_persistent_buffers_set}

@@ -31,8 +31,9 @@ class Fp32Ops:
     """Where the plan computes a catalog fp32 op in fp32: (kind, file name, line) sites."""
 
     def __init__(self, records: Iterable[Mapping[str, Any]], catalog: Catalog) -> None:
-        sites = [r for r in records
-                 if r.get("op") in _CALLS and r.get("compute") == "float32" and r.get("rule") is None]
+        # the caller passes the records its sites come from (the modules backend: unruled ones
+        # and the overrides it upcasts at their own op)
+        sites = [r for r in records if r.get("op") in _CALLS and r.get("compute") == "float32"]
         self.sites = frozenset((r["kind"], os.path.basename(str(r["file"])), r["line"]) for r in sites)
         self._modules = frozenset(str(r["module"]) for r in sites if r.get("module") is not None)
         kinds = {kind for kind, _, _ in self.sites}

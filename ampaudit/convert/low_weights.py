@@ -14,6 +14,8 @@ import torch
 
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.rulebook import rule
+from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.tree import map_tensors
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -33,6 +35,17 @@ def fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
             if tensor.dtype in _LOW:
                 tensor.data = tensor.data.float()
     return work
+
+
+def fp32_inputs(inputs: ExampleInputs) -> ExampleInputs:
+    """The example inputs for the fp32 copy: float tensors made in the weights' low dtype
+    (Whisper's bf16 log-mel features for a bf16 checkpoint) made fp32, as the copy's weights are
+    (a bf16 input into the copy's fp32 Conv1d raised "Input type (c10::BFloat16) and bias type
+    (float) should be the same")."""
+    def up(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.dtype in _LOW else t
+
+    return ExampleInputs(map_tensors(inputs.args, up), map_tensors(inputs.kwargs, up), inputs.origin)
 
 
 def low_weight_notes(found: list[str], low: LowDtype) -> list[str]:

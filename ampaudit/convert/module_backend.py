@@ -11,9 +11,13 @@ does (convert/plan.py), and applies the decisions per module instead of rewritin
 - a module whose ops all compute in the low dtype stores its parameters there (fp32 masters
   live in the optimizer, as with the fx backend);
 - a leaf module with an op that needs fp32 (a norm, say), and any module holding one of the
-  plan's overrides (a constant the dtype cannot hold, a measured overflow, a declared fp32
-  module, a missing kernel, verification), runs with autocast off on fp32 inputs; everything
-  under such a module keeps fp32 parameters.
+  plan's overrides (a declared fp32 module, a missing kernel, verification, a constant the
+  dtype cannot hold made by a factory), runs with autocast off on fp32 inputs; everything
+  under such a module keeps fp32 parameters, and the plan says so: each op there is recorded
+  as computing in float32 (the plan is what runs);
+- a constant the dtype cannot hold, or a measured overflow, in a module with children
+  (``scores.masked_fill(mask == 0, -1e9)`` in the Annotated Transformer's attention) is
+  upcast at its own op, as the CPU's softmax is: the attention's Linears stay low.
 
 The result is the user's model object - same class, same state_dict keys, ties kept (weights
 are cast in place, as ``Module.to`` does).
@@ -22,6 +26,7 @@ are cast in place, as ``Module.to`` does).
 from __future__ import annotations
 
 import copy
+import re
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -54,6 +59,7 @@ class ModulePlanner:
                                     declared=declared_precision(model, low))
         self.constants = constants
         self.sources = error_sources(gm, self.view.name)  # each op's measured error: where the search starts
+        self.leaves = frozenset(name for name, module in model.named_modules() if _is_leaf(module))
 
     def records(self, promoted: Mapping[str, str | Decision]) -> list[dict[str, Any]]:
         view = self.view
@@ -66,8 +72,53 @@ class ModulePlanner:
                                       decision.rule)
             elif decision.clamp:  # a constant can only be clamped in a rewritten graph: fp32 here
                 plan[node] = Decision(FP32, f"{decision.reason}; the modules backend cannot rewrite a constant: "
-                                            "its module runs in fp32", "AMP201")
-        return plan_records(view, plan, {})
+                                            "it runs in fp32", "AMP201")
+        return _what_runs(plan_records(view, plan, {}), self.leaves)
+
+
+def _what_runs(records: list[dict[str, Any]], leaves: frozenset[str]) -> list[dict[str, Any]]:
+    """The records with every op of a module that runs whole in fp32 computing in float32: a
+    child Linear of an attention module kept in fp32 was planned low but ran in fp32."""
+    whole = whole_fp32_modules(records, leaves)
+    for record in records:
+        module = record.get("module")
+        if module and _under(module, whole) and record["op"].startswith("call_") \
+                and record["compute"] not in ("float32", "follows its inputs"):
+            owner = next(p for p in sorted(whole) if _under(module, {p}))
+            record.update(compute="float32", reason=f"runs in fp32: module {owner} runs whole in fp32")
+    return records
+
+
+def whole_fp32_modules(records: Iterable[Mapping[str, Any]], leaves: frozenset[str]) -> set[str]:
+    """The modules run whole in fp32 (autocast off, fp32 inputs): the outermost holding an
+    override not upcast at its own op, and the leaves with an fp32 op."""
+    ops: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        if record.get("op", "").startswith("call_") and record.get("module"):
+            ops.setdefault(record["module"], []).append(record)
+    overridden = _outermost({m for m, rs in ops.items()
+                             if any(_override(r) and not _by_site(r, leaves) for r in rs)})
+    leaves_fp32 = {m for m, rs in ops.items() if m in leaves and any(r["compute"] == "float32" for r in rs)}
+    return overridden | leaves_fp32
+
+
+# Ops that make a tensor from sizes and a value alone: upcasting their (no) tensor inputs
+# cannot keep a constant in range, so their module runs in fp32.
+_FACTORIES = frozenset({"full", "ones", "zeros", "empty", "tensor", "as_tensor", "arange", "linspace", "scalar_tensor"})
+
+
+def _by_site(record: Mapping[str, Any], leaves: frozenset[str]) -> bool:
+    """An override upcast at its own op (convert/fp32_ops.py), its module's other ops left as
+    planned: a constant or measured overflow in a module with children, on a tensor input."""
+    return record.get("rule") in ("AMP201", "AMP301") and record.get("compute") == "float32" \
+        and record.get("module") not in leaves and record.get("kind") not in _FACTORIES and not _in_place(record)
+
+
+def _in_place(record: Mapping[str, Any]) -> bool:
+    """An in-place op (``scores.masked_fill_(mask, -1e9)``: node masked_fill_ or masked_fill__1),
+    whose low tensor an upcast of its inputs cannot reach: its module runs in fp32."""
+    base = re.sub(r"_\d+$", "", str(record.get("node", "")).rpartition(":")[2])
+    return base.endswith("_") and not base.endswith("__")
 
 
 def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any]], low: LowDtype,
@@ -84,10 +135,11 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
         if record.get("op", "").startswith("call_") and record.get("module") is not None:
             ops.setdefault(record["module"], []).append(record)
     modules = dict(work.named_modules())
-    overridden = _outermost({m for m, rs in ops.items() if m and any(_override(r) for r in rs)})
-    leaves_fp32 = {m for m, rs in ops.items() if m in modules and _is_leaf(modules[m])
-                   and any(r["compute"] == "float32" for r in rs)}
-    for path in sorted(overridden | leaves_fp32):
+    leaves = frozenset(name for name, module in modules.items() if _is_leaf(module))
+    whole = {path for path in whole_fp32_modules(records, leaves) if path in modules}
+    overridden = _outermost(whole)
+    leaves_fp32 = whole - overridden
+    for path in sorted(whole):
         if path:
             run_in_fp32(modules[path])
     for path, records_here in ops.items():
@@ -100,7 +152,11 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
                     if tensor.is_floating_point():
                         tensor.data = tensor.data.to(low.torch)  # in place: ties stay ties
     work.ampaudit_low = (low.torch, keep_low_outputs)
-    fp32_ops = Fp32Ops(records, catalog if catalog is not None else builtin_catalog())
+    # sites outside the modules run whole in fp32 (a child Linear recorded fp32 there is no site:
+    # nn.Linear's line is every Linear's)
+    sites = [r for r in records if (r.get("rule") is None or _by_site(r, leaves))
+             and not (r.get("module") and _under(r["module"], whole))]
+    fp32_ops = Fp32Ops(sites, catalog if catalog is not None else builtin_catalog())
     for path in fp32_ops.modules():
         module = modules.get(path)
         if path and module is not None and not _under(path, overridden | leaves_fp32):

@@ -237,8 +237,27 @@ def fx_trace(
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         loc = traceback_location(exc.__traceback__) or forward_location(failed)
         return None, FxFailure(path, type(failed).__name__, message, loc)
+    if concrete_args:
+        _keep_argument_names(gm, concrete_args)
     fill_missing_locations(gm.graph, root)
     return gm, None
+
+
+def _keep_argument_names(gm: fx.GraphModule, concrete_args: dict[str, Any]) -> None:
+    """fx names a specialised argument's parameter ``X_1`` in the traced forward, but the parent
+    passes it by name: BertModel calls ``self.embeddings(input_ids=..., position_ids=None)``,
+    and the converted child raised "unexpected keyword argument 'position_ids'". The parameter
+    gets its name back (the node's own name, which the plan uses, stays)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.target, str)]
+    taken = {n.target for n in placeholders}
+    renamed = False
+    for node in placeholders:
+        base, sep, suffix = node.target.rpartition("_")
+        if sep and suffix.isdigit() and base in concrete_args and base not in taken:
+            node.target, renamed = base, True
+            taken.add(base)
+    if renamed:
+        gm.recompile()
 
 
 def fill_missing_locations(graph: fx.Graph, root: torch.nn.Module) -> None:
