@@ -97,49 +97,58 @@ def _scale(amax: torch.Tensor, fmt: LowDtype, pow2: bool) -> torch.Tensor:
     return scale
 
 
-def _amax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    # one pass (abs then max would be two); the same values as torch.amax(torch.abs(x))
+def amax_of(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    # the same values as torch.amax(torch.abs(x)), without abs's copy; over the whole tensor
+    # aminmax is one pass, half vector_norm's time on a CPU
     if dim is None:
-        return torch.linalg.vector_norm(x, math.inf)
+        if x.numel() == 0:
+            return torch.zeros((), dtype=x.dtype)
+        low, high = torch.aminmax(x)
+        return torch.maximum(-low, high)
     return torch.linalg.vector_norm(x, math.inf, dim=dim, keepdim=True)
 
 
-def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | None = None) -> CastResult:
+def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | None = None,
+         amax: torch.Tensor | None = None, count: bool = True) -> CastResult:
     """``x`` (2-D, fp32) cast as ``how`` says, scaled along ``dim`` (the GEMM's reduction dim).
-    ``nonzero``: ``x``'s count of nonzero elements, when the caller knows it.
+    ``nonzero``: ``x``'s count of nonzero elements, when the caller knows it. ``amax``: the
+    whole tensor's, for a per-tensor scale where ``x`` is a sample of its rows or columns.
+    ``count=False``: the value only (flushed and nonzero left 0: two passes fewer).
 
     Tensor and row scales come from the amax, so nothing saturates (x * fmax/amax <= fmax; a
     power-of-two scale is rounded down): only MX's floor-rounded block scales clamp values."""
     x = x.float()
     if nonzero is None:
-        nonzero = int(torch.count_nonzero(x))
+        nonzero = int(torch.count_nonzero(x)) if count else 0
     if how.fmt is None:
         return CastResult(x, 0, 0, nonzero)
     if how.granularity == BLOCK:
-        return _mx_cast(x, how.fmt, dim, nonzero)
+        return _mx_cast(x, how.fmt, dim, nonzero, count)
     fmax = how.fmt.max
-    scale = _scale(_amax(x, None if how.granularity == TENSOR else dim), how.fmt, pow2)
+    if how.granularity != TENSOR or amax is None:
+        amax = amax_of(x, None if how.granularity == TENSOR else dim)
+    scale = _scale(amax, how.fmt, pow2)
     q = (x * scale).clamp_(-fmax, fmax).to(how.fmt.torch).float()
-    flushed = nonzero - int(torch.count_nonzero(q))  # a nonzero q comes from a nonzero x
+    flushed = nonzero - int(torch.count_nonzero(q)) if count else 0  # a nonzero q comes from a nonzero x
     return CastResult(q.div_(scale), flushed, 0, nonzero)
 
 
-def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int) -> CastResult:
+def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int, count: bool = True) -> CastResult:
     moved = x.movedim(dim, -1)
     k = moved.shape[-1]
     pad = (-k) % MX_BLOCK
     padded = torch.nn.functional.pad(moved, (0, pad)) if pad else moved
     blocks = padded.reshape(*padded.shape[:-1], -1, MX_BLOCK)
-    amax = _amax(blocks, -1)
+    amax = amax_of(blocks, -1)
     # OCP MX: shared exponent = floor(log2(amax)) - emax of the element format (8 for e4m3)
     emax = int(torch.finfo(fmt.torch).max).bit_length() - 1
     exponent = torch.floor(torch.log2(amax)) - emax
     exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, _E8M0_MIN))
     scale = torch.exp2(exponent.clamp(_E8M0_MIN, _E8M0_MAX))
     scaled = blocks / scale
-    saturated = int(torch.count_nonzero(scaled.abs() > fmt.max))
+    saturated = int(torch.count_nonzero(scaled.abs() > fmt.max)) if count else 0
     q = scaled.clamp_(-fmt.max, fmt.max).to(fmt.torch).float()
-    flushed = nonzero - int(torch.count_nonzero(q))
+    flushed = nonzero - int(torch.count_nonzero(q)) if count else 0
     value = q.mul_(scale).reshape(padded.shape)[..., :k].movedim(-1, dim)
     return CastResult(value.contiguous(), flushed, saturated, nonzero)
 

@@ -14,7 +14,6 @@ worst one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,12 +23,19 @@ from torch import nn
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.graph.forward import ExampleInputs, describe_exception
-from ampaudit.graph.fp8_casts import RECIPES, CastResult, Recipe, cast, linear_gemms, output_gemm
+from ampaudit.graph.fp8_casts import RECIPES, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
 
 OUTLIER_RATIO = 20.0  # a token (row) or channel (column) whose amax exceeds this x the median one's
 OPERANDS = ("input", "weight", "grad_output")
 DIVISOR = 16  # torch._scaled_mm takes dims divisible by 16
+# A layer whose input, weight and output gradient hold more than LARGE elements is measured on
+# at most SAMPLE tokens, output and input features each (outliers always kept): casting every
+# operand four ways costs as much as the GEMMs on a CPU. Rowwise and MX casts are row and block
+# local, the per-tensor amax comes from the whole: each sampled element is cast exactly.
+LARGE = 1 << 18
+SAMPLE = 128
+PERCENTILE_SAMPLE = 1 << 16  # elements for a large operand's 99.9th percentile of |x|
 
 
 def _db(signal: float, noise: float) -> float:
@@ -78,6 +84,7 @@ class Fp8Layer:
     operands: dict[str, dict[str, OperandStats]] = field(default_factory=dict)  # recipe -> operand -> stats
     gemms: dict[str, float] = field(default_factory=dict)  # the chosen recipe: output/grad_input/grad_weight SQNR
     has_grad: bool = True
+    sampled: dict[str, int] = field(default_factory=dict)  # dim -> how many measured, where sampled
 
     @property
     def divisible(self) -> bool:
@@ -90,7 +97,8 @@ class Fp8Layer:
                 "outlier_tokens": self.outlier_tokens, "outlier_channels": self.outlier_channels,
                 "token_ratio": _num(self.token_ratio), "channel_ratio": _num(self.channel_ratio),
                 "operands": {r: {o: s.to_dict() for o, s in ops.items()} for r, ops in self.operands.items()},
-                "gemms": {k: _num(v) for k, v in self.gemms.items()}}
+                "gemms": {k: _num(v) for k, v in self.gemms.items()},
+                **({"sampled": dict(self.sampled)} if self.sampled else {})}
 
 
 @dataclass
@@ -108,20 +116,9 @@ def _num(value: float) -> float | str:
     return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 
-def outlier_masks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows and columns of ``x`` (M,K) whose amax exceeds OUTLIER_RATIO x the median one's."""
-    a = x.abs()
-    rows, cols = a.amax(dim=1), a.amax(dim=0)
-    return rows > OUTLIER_RATIO * rows.median(), cols > OUTLIER_RATIO * cols.median()
-
-
-def _spread(x: torch.Tensor) -> tuple[float, float]:
-    a = x.abs()
-    out = []
-    for amax in (a.amax(dim=1), a.amax(dim=0)):
-        median = float(amax.median())
-        out.append(float(amax.max()) / median if median > 0 else math.inf)
-    return out[0], out[1]
+def _max_over_median(amax: torch.Tensor) -> float:
+    median = float(amax.median())
+    return float(amax.max()) / median if median > 0 else math.inf
 
 
 def outlier_ratio(x: torch.Tensor) -> float:
@@ -262,69 +259,221 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
 
 
 class _Casts:
-    """One layer's operands, each cast at most once per way of casting it: rowwise and
-    rowwise_with_gw_hp share casts, and the chosen recipe's GEMMs reuse the statistics' ones."""
+    """One layer's operands (or the sampled rows and columns of each, by view name), each cast
+    at most once per way of casting it: rowwise and rowwise_with_gw_hp share casts, a per-tensor
+    cast is the same along either dim, and the chosen recipe's GEMMs reuse the statistics' ones."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None = None) -> None:
         self.tensors = tensors
+        self.amax = amax or {}  # view -> the whole operand's amax (a sampled view's per-tensor scale)
         self.nonzero = {op: int(torch.count_nonzero(t)) for op, t in tensors.items()}
-        self.by_storage = {t.data_ptr(): op for op, t in tensors.items()}  # the GEMMs pass w.t(): a fresh view
         self.memo: dict[tuple, CastResult] = {}
 
     def get(self, op: str, how: Any, dim: int, pow2: bool) -> CastResult:
-        key = (op, how, dim, pow2 and how.granularity != "block")
+        key = (op, how, None if how.granularity == "tensor" else dim, pow2 and how.granularity != "block")
         if key not in self.memo:
-            self.memo[key] = cast(self.tensors[op], how, dim, pow2=pow2, nonzero=self.nonzero[op])
+            self.memo[key] = cast(self.tensors[op], how, dim, pow2=pow2, nonzero=self.nonzero[op],
+                                  amax=self.amax.get(op))
         return self.memo[key]
 
-    def for_recipe(self, recipe: Recipe) -> Callable[[torch.Tensor, Any, int], CastResult]:
-        return lambda t, how, dim: self.get(self.by_storage[t.data_ptr()], how, dim, recipe.pow2_scales)
+
+def sample_index(amax: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """At most ``limit`` of ``amax``'s indices, deterministic: its outliers (amax over
+    OUTLIER_RATIO x the median) and its largest always (up to half the sample, more where the
+    others are fewer), evenly spaced among the others; sorted, with how many indices each
+    stands for (its stratum's size over its sample's)."""
+    outliers = amax > OUTLIER_RATIO * amax.median()
+    outliers[int(amax.argmax())] = True
+    strata = (outliers.nonzero().flatten(), (~outliers).nonzero().flatten())
+    take_out = min(len(strata[0]), max(limit // 2, limit - len(strata[1])))
+    picked, weights = [], []
+    for idx, take in zip(strata, (take_out, min(len(strata[1]), limit - take_out)), strict=True):
+        if take == 0:
+            continue
+        weights.append(torch.full((take,), len(idx) / take))
+        if take < len(idx):  # linspace's steps are >= 1 apart: distinct after rounding
+            idx = idx[torch.linspace(0, len(idx) - 1, take).round().long()]
+        picked.append(idx)
+    index = torch.cat(picked)
+    order = index.argsort()
+    return index[order], torch.cat(weights)[order]
+
+
+@dataclass
+class _Axis:
+    """One dim of a Linear (tokens, out_features, in_features): the indices measured (None:
+    all) and how many each stands for."""
+
+    index: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, amax: torch.Tensor, sampled: bool) -> _Axis:
+        if not sampled or amax.numel() <= SAMPLE:
+            return cls()
+        return cls(*sample_index(amax, SAMPLE))
+
+    def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t if self.index is None else t.index_select(dim, self.index)
+
+
+def _weighted(x: torch.Tensor, rows: _Axis, cols: _Axis) -> float:
+    """``x``'s sum of squares over the whole it samples: each row and column counted as many
+    times as it stands for."""
+    if rows.weight is None and cols.weight is None:
+        return _norm(x)
+    sq = x.square()
+    if rows.weight is not None:
+        sq = sq.sum(dim=1) if cols.weight is None else (sq * cols.weight).sum(dim=1)
+        return float((sq * rows.weight).sum())
+    return float((sq.sum(dim=0) * cols.weight).sum())
+
+
+def _sampled_sqnr(reference: torch.Tensor, value: torch.Tensor, rows: _Axis, cols: _Axis) -> float:
+    return _db(_weighted(reference, rows, cols), _weighted(reference - value, rows, cols))
+
+
+def _sampled_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, rows: _Axis,
+                   cols: _Axis) -> OperandStats:
+    """operand_stats on a sample of rows or columns, each weighted by what it stands for."""
+    error = x - q.value
+    whole = _db(_weighted(x, rows, cols), _weighted(error, rows, cols))
+    rest_db = whole if rest is None else _db(_weighted(x * rest, rows, cols), _weighted(error.mul_(rest), rows, cols))
+    nonzero, flushed = x != 0, q.value == 0
+    flushed &= nonzero
+    dim, axis = (1, rows) if rows.weight is not None else (0, cols)
+    total = float((nonzero.sum(dim=dim) * axis.weight).sum())
+    lost = float((flushed.sum(dim=dim) * axis.weight).sum())
+    return OperandStats(whole, rest_db, lost / max(total, 1.0), q.saturated / max(x.numel(), 1))
+
+
+def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
+    """outlier_ratio from an even sample of elements (a stride coprime with the row length:
+    every column is visited) against the whole tensor's amax."""
+    step = max(1, x.numel() // PERCENTILE_SAMPLE)
+    while math.gcd(step, x.shape[-1]) != 1:
+        step += 1
+    a = x.reshape(-1)[::step].abs()
+    k = max(1, math.ceil(0.999 * a.numel()))
+    p = float(a.kthvalue(k).values)
+    return amax / p if p > 0 else (math.inf if amax > 0 else 1.0)
 
 
 def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
+    x, g = rec.x, rec.grad
     w = rec.module.weight.detach().float()
-    layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, rec.x.shape[0], rec.file,
-                     rec.line, {}, 0, 0, has_grad=rec.grad is not None)
-    tokens, channels = outlier_masks(rec.x)
+    layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
+                     rec.line, {}, 0, 0, has_grad=g is not None)
+    row_amax = torch.linalg.vector_norm(x, math.inf, dim=1)
+    col_amax = torch.linalg.vector_norm(x, math.inf, dim=0)
+    tokens, channels = row_amax > OUTLIER_RATIO * row_amax.median(), col_amax > OUTLIER_RATIO * col_amax.median()
     layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
-    tensors = {"input": rec.x, "weight": w.t()}
-    if rec.grad is not None:
-        tensors["grad_output"] = rec.grad
-    layer.outlier_ratio = {op: outlier_ratio(t) for op, t in tensors.items()}
-    layer.token_ratio, layer.channel_ratio = _spread(rec.x)
-    energy = {op: _norm(t) for op, t in tensors.items()}
-    casts = _Casts(tensors)
-    rest = (~(tokens[:, None] | channels[None, :])).float() if tokens.any() or channels.any() else None
+    layer.token_ratio, layer.channel_ratio = (_max_over_median(a) for a in (row_amax, col_amax))
+    size = x.numel() + w.numel() + (g.numel() if g is not None else 0)
+    sampled = size > LARGE
+    # tokens sampled by the input's row amax (massive tokens always kept), the input's columns by
+    # theirs (outlier channels kept), the weight's rows (out_features) by theirs
+    tok, k_ax = _Axis.of(row_amax, sampled), _Axis.of(col_amax, sampled)
+    n_amax = torch.linalg.vector_norm(w, math.inf, dim=1)
+    n_ax = _Axis.of(n_amax, sampled)
+    full = _Axis()
+    if not sampled:
+        tensors = {"input": x, "weight": w.t()}
+        if g is not None:
+            tensors["grad_output"] = g
+        layer.outlier_ratio = {op: outlier_ratio(t) for op, t in tensors.items()}
+        casts = _Casts(tensors)
+        views = {"input_cols": "input", "weight_rows": "weight", "grad_output_cols": "grad_output"}
+    else:
+        amax = {"input": row_amax.max(), "weight": n_amax.max()}
+        if g is not None:
+            amax["grad_output"] = amax_of(g)
+        layer.outlier_ratio = {op: _sampled_outlier_ratio(t, float(amax[op]))
+                               for op, t in (("input", x), ("weight", w), ("grad_output", g)) if op in amax}
+        tensors = {"input": tok.take(x, 0), "weight": n_ax.take(w, 0).t(), "input_cols": k_ax.take(x, 1),
+                   "weight_rows": k_ax.take(w, 1).t()}
+        if g is not None:
+            tensors.update(grad_output=tok.take(g, 0), grad_output_cols=n_ax.take(g, 1))
+        op_amax = {v: amax[v.split("_cols")[0].split("_rows")[0]] for v in tensors}
+        casts = _Casts(tensors, op_amax)
+        views = {v: v for v in ("input_cols", "weight_rows", "grad_output_cols")}
+        layer.sampled = {k: int(a.index.numel()) for k, a in (("tokens", tok), ("out_features", n_ax),
+                                                               ("in_features", k_ax)) if a.index is not None}
+    rest = None  # the input's ordinary elements, where it has outlier tokens or channels
+    if tokens.any() or channels.any():
+        rest = (~(tok.take(tokens, 0)[:, None] | channels[None, :])).float()
+    axes = {"input": (tok, full), "weight": (full, n_ax), "grad_output": (tok, full)}
     for rname, r in RECIPES.items():
         hows = {"input": (r.input, -1), "weight": (r.weight, 0), "grad_output": (r.grad_output, -1)}
-        layer.operands[rname] = {
-            op: operand_stats(t, casts.get(op, *hows[op], r.pow2_scales), rest if op == "input" else None,
-                              energy[op])
-            for op, t in tensors.items()}
-    gemms = linear_gemms(rec.x, w, rec.grad, chosen, casts.for_recipe(chosen))
+        stats = {}
+        for op in ("input", "weight", "grad_output"):
+            if op not in tensors:
+                continue
+            q = casts.get(op, *hows[op], r.pow2_scales)
+            mask = rest if op == "input" else None
+            if sampled:
+                stats[op] = _sampled_stats(tensors[op], q, mask, *axes[op])
+            else:
+                stats[op] = operand_stats(tensors[op], q, mask, _norm(tensors[op]))
+        layer.operands[rname] = stats
+    # the chosen recipe's GEMMs, on the sampled rows and columns of their products: each product
+    # element reduces over a whole dim, so its value is exact; only the SQNR is over a sample
+    p2 = chosen.pow2_scales
+    xq, wq = casts.get("input", chosen.input, -1, p2), casts.get("weight", chosen.weight, 0, p2)
+    output = torch.mm(xq.value, wq.value)
     once = rec.calls == 1  # called more than once: the recorded products are the first call's, recomputed
-    reference = rec.out if once and rec.out is not None else rec.x @ w.t()
-    layer.gemms["output"] = sqnr_db(reference, gemms.output)
+    if once and rec.out is not None:
+        reference = n_ax.take(tok.take(rec.out, 0), 1)
+    else:
+        reference = tok.take(x, 0) @ n_ax.take(w, 0).t()
+    layer.gemms["output"] = _sampled_sqnr(reference, output, tok, n_ax) if sampled else sqnr_db(reference, output)
     if tokens.any():  # the ordinary tokens' output rows: what their lost input bits cost
-        ordinary = ~tokens
-        layer.gemms["output_ordinary_tokens"] = sqnr_db(reference[ordinary], gemms.output[ordinary])
-    if rec.grad is not None:
+        ordinary = ~tok.take(tokens, 0)
+        rows = _Axis(None, None if tok.weight is None else tok.weight[ordinary])
+        layer.gemms["output_ordinary_tokens"] = (
+            _sampled_sqnr(reference[ordinary], output[ordinary], rows, n_ax) if sampled
+            else sqnr_db(reference[ordinary], output[ordinary]))
+    if g is not None:
+        go = casts.get("grad_output", chosen.grad_output, -1, p2)
+        w_gi = casts.get(views["weight_rows"], chosen.weight_for_grad_input, -1, p2)
+        grad_input = torch.mm(go.value, w_gi.value.t())
         # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
-        layer.gemms["grad_input"] = sqnr_db(rec.grad @ w, gemms.grad_input)
-        grad_weight = rec.grad_weight if once and rec.grad_weight is not None else rec.grad.t() @ rec.x
-        layer.gemms["grad_weight"] = sqnr_db(grad_weight, gemms.grad_weight)
+        ref_gi = tok.take(g, 0) @ k_ax.take(w, 1)
+        layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled
+                                     else sqnr_db(ref_gi, grad_input))
+        go_gw = casts.get(views["grad_output_cols"], chosen.grad_output_for_grad_weight, 0, p2)
+        x_gw = casts.get(views["input_cols"], chosen.input_for_grad_weight, 0, p2)
+        grad_weight = torch.mm(go_gw.value.t(), x_gw.value)  # (N,K), as weight.grad
+        if once and rec.grad_weight is not None:
+            ref_gw = k_ax.take(n_ax.take(rec.grad_weight, 0), 1)
+        else:
+            ref_gw = n_ax.take(g, 1).t() @ k_ax.take(x, 1)
+        layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled
+                                      else sqnr_db(ref_gw, grad_weight))
     return layer
 
 
-def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe) -> torch.Tensor:
-    """The model's output (no grad) with the Linears named in ``names`` computing in fp8."""
+def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe,
+                weights: dict[int, CastResult] | None = None) -> torch.Tensor:
+    """The model's output (no grad) with the Linears named in ``names`` computing in fp8.
+    ``weights``: each module's weight as cast, by id, kept from one call to the next."""
     modules = {id(m): n for n, m in linears(model) if n in names}
+    weights = {} if weights is None else weights
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         if id(module) not in modules or not args or not isinstance(args[0], torch.Tensor):
             return None
         x = args[0]
-        out, _ = output_gemm(x.detach().float().reshape(-1, x.shape[-1]), module.weight.detach().float(), recipe)
+        x2 = x.detach().float().reshape(-1, x.shape[-1])
+
+        def cast_fn(t: torch.Tensor, how: Any, dim: int) -> CastResult:
+            if t is x2:  # only the value is needed: no counts
+                return cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
+            if id(module) not in weights:
+                weights[id(module)] = cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
+            return weights[id(module)]
+
+        out, _ = output_gemm(x2, module.weight.detach().float(), recipe, cast_fn)
         if module.bias is not None:
             out = out + module.bias.detach().float()
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(output.dtype)
@@ -349,11 +498,12 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
         return
     start = time.perf_counter()
     recipe = RECIPES[measurement.recipe]
-    measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe))
+    weights: dict[int, CastResult] = {}  # both forwards cast the same weights
+    measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights))
     by_name = {layer.name: layer for layer in measurement.layers}
     if len(candidates) >= max(2, min_layers):  # with fewer, no one layer is said to dominate: no second run
         worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf))
         measurement.dominant = worst
         rest = set(candidates) - {worst}
-        measurement.output_sqnr_without_db = sqnr_db(reference, fp8_forward(model, inputs, rest, recipe))
+        measurement.output_sqnr_without_db = sqnr_db(reference, fp8_forward(model, inputs, rest, recipe, weights))
     measurement.seconds["dominance"] = time.perf_counter() - start
