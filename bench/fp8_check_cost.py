@@ -6,7 +6,7 @@ as the fp8 audit (`graph/fp8_verdicts.judge`: the recording forward and backward
 Linear's operands cast under every recipe, the chosen recipe's GEMMs, the dominance
 forwards), interleaved, median of the rounds. The audit's parts are its own timings.
 
-    python bench/fp8_check_cost.py [--rounds 5] [--shapes 256x512,1024x256] [--recipe tensorwise]
+    python bench/fp8_check_cost.py [--rounds 5] [--shapes 256x512,1024x256] [--recipe tensorwise] [--threads 1]
 
 A shape is DxT: width D, T tokens (one sequence). `--massive` plants massive-activation
 tokens (x3000 on the first token) in the first block's input, as in a trained LLM.
@@ -85,7 +85,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="256x512,1024x256")
     parser.add_argument("--recipe", default="tensorwise")
     parser.add_argument("--massive", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)  # on a shared VM, 1 thread is steadier than 2 contended ones
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, recipe {opts.recipe}, "
           f"median of {opts.rounds} rounds")
     for shape in opts.shapes.split(","):

@@ -278,3 +278,67 @@ def test_a_model_that_fails_or_has_nothing_to_train_is_one_line(tmp_path, cli):
         "return self.fc(x)", "return self.fc(x).sum() * torch.ones(3, 3)[torch.tensor(5)].sum()"))
     result = cli("check", broken, "--dtype", "fp8")
     assert result.code == 2 and "IndexError" in result.err and "Traceback" not in result.err
+
+
+class _WideMassive(nn.Module):
+    """Past fp8_measure.LARGE: 1024 tokens into a 256->256 Linear, every 64th token x30000."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(256, 256)
+        self.fc2 = nn.Linear(256, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _wide_inputs():
+    x = torch.randn(4, 256, 256, generator=torch.Generator().manual_seed(0))
+    x[:, ::64] *= 30000.0
+    return (x,)
+
+
+def test_a_sample_keeps_every_outlier_and_weights_the_rest():
+    from ampaudit.graph.fp8_measure import sample_index
+
+    amax = torch.ones(1000)
+    amax[[3, 500, 999]] = 1e4
+    amax[10] = 5.0  # the largest ordinary one is no outlier: kept only if the even spacing lands on it
+    index, weight = sample_index(amax, 64)
+    assert len(index) == 64 and torch.equal(index, index.sort().values) and len(set(index.tolist())) == 64
+    assert {3, 500, 999} <= set(index.tolist())
+    assert weight[index == 500].item() == 1.0  # every outlier measured: each stands for itself
+    assert weight.sum().item() == pytest.approx(1000)  # the ordinary 61 stand for the other 997
+    index, weight = sample_index(torch.ones(10), 64)  # no outlier: the largest (argmax) is one stratum
+    assert index.tolist() == list(range(10)) and torch.all(weight == 1)
+
+
+def test_a_sampled_layer_keeps_the_massive_token_verdict_and_says_it_was_sampled(monkeypatch):
+    import ampaudit
+    from ampaudit.graph import fp8_measure
+    from ampaudit.report.fp8_table import fp8_table
+
+    torch.manual_seed(0)
+    model = _WideMassive()
+    report = ampaudit.check(model, _wide_inputs(), dtype="fp8", fp8_recipe="tensorwise")
+    fc1 = next(layer for layer in report.fp8["layers"] if layer["name"] == "fc1")
+    assert fc1["sampled"] == {"tokens": 128, "out_features": 128, "in_features": 128}
+    assert fc1["outlier_tokens"] == 16 and fc1["rules"] == ["AMP702"]
+    assert ("AMP702", "fc1") in [(f.rule, f.module) for f in report.findings]  # fc2 gets the tokens too
+    note = next(n for n in report.target.notes if "measured on a sample" in n)
+    assert "fc1 (128 of 1024 tokens, 128 of 256 out_features, 128 of 256 in_features)" in note
+    assert "fc1 (sampled)" in str(fp8_table(report.fp8).columns[0]._cells)
+    assert [f.rule for f in ampaudit.check(model, _wide_inputs(), dtype="fp8", fp8_recipe="rowwise").findings
+            if f.rule == "AMP702"] == []  # per-row scales recover them
+    # the sample's estimates against the whole layer measured
+    monkeypatch.setattr(fp8_measure, "LARGE", 1 << 30)
+    whole = ampaudit.check(model, _wide_inputs(), dtype="fp8", fp8_recipe="tensorwise")
+    full = next(layer for layer in whole.fp8["layers"] if layer["name"] == "fc1")
+    assert "sampled" not in full and full["rules"] == ["AMP702"]
+    for recipe, ops in full["operands"].items():
+        for op, stats in ops.items():
+            for key in ("sqnr_db", "sqnr_rest_db"):
+                assert fc1["operands"][recipe][op][key] == pytest.approx(stats[key], abs=0.5), (recipe, op, key)
+            assert fc1["operands"][recipe][op]["flushed"] == pytest.approx(stats["flushed"], abs=0.01)
+    for key, value in full["gemms"].items():
+        assert fc1["gemms"][key] == pytest.approx(value, abs=0.5), key

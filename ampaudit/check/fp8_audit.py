@@ -37,6 +37,9 @@ def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str 
     seconds = time.perf_counter() - start
     findings = [_finding(v.code, layer.layer, v.fields, file) for layer in judgement.layers for v in layer.verdicts]
     notes = [_cost_note(judgement, seconds)]
+    sampled = [layer.layer for layer in judgement.layers if layer.layer.sampled]
+    if sampled:
+        notes.append(_sampled_note(sampled))
     if not judgement.layers:
         notes.append("no nn.Linear ran on the example inputs: nothing for fp8 training to convert")
     report = Report(Target(file, entry, "fp8", notes), E4M3, [], findings)
@@ -58,3 +61,18 @@ def _cost_note(judgement: Fp8Judgement, seconds: float) -> str:
     return (f"fp8 ({judgement.recipe}): one fp32 forward and backward on the example inputs, every nn.Linear's "
             f"input, weight and output gradient cast as each recipe casts them (emulated, as torchao computes "
             f"them); {seconds:.2f} s{ratio}")
+
+
+def _sampled_note(layers: list[Fp8Layer]) -> str:
+    from ampaudit.graph.fp8_measure import SAMPLE
+
+    names = ", ".join(f"{layer.name or '(model)'} ({_dims(layer)})" for layer in layers[:3])
+    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+    return (f"{len(layers)} large nn.Linear measured on a sample of at most {SAMPLE} tokens, output and input "
+            f"features each, every outlier token and channel kept (each sampled element cast exactly, the "
+            f"per-tensor scales from the whole tensors): {names}{more}")
+
+
+def _dims(layer: Fp8Layer) -> str:
+    total = {"tokens": layer.rows, "out_features": layer.out_features, "in_features": layer.in_features}
+    return ", ".join(f"{n} of {total[dim]} {dim}" for dim, n in layer.sampled.items())

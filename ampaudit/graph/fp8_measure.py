@@ -339,11 +339,14 @@ def _sampled_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ro
     error = x - q.value
     whole = _db(_weighted(x, rows, cols), _weighted(error, rows, cols))
     rest_db = whole if rest is None else _db(_weighted(x * rest, rows, cols), _weighted(error.mul_(rest), rows, cols))
-    nonzero, flushed = x != 0, q.value == 0
-    flushed &= nonzero
-    dim, axis = (1, rows) if rows.weight is not None else (0, cols)
-    total = float((nonzero.sum(dim=dim) * axis.weight).sum())
-    lost = float((flushed.sum(dim=dim) * axis.weight).sum())
+    if rows.weight is None and cols.weight is None:  # this operand was not sampled
+        lost, total = float(q.flushed), float(q.nonzero)
+    else:
+        nonzero, flushed = x != 0, q.value == 0
+        flushed &= nonzero
+        dim, axis = (1, rows) if rows.weight is not None else (0, cols)
+        total = float((nonzero.sum(dim=dim) * axis.weight).sum())
+        lost = float((flushed.sum(dim=dim) * axis.weight).sum())
     return OperandStats(whole, rest_db, lost / max(total, 1.0), q.saturated / max(x.numel(), 1))
 
 

@@ -41,7 +41,10 @@ def fp8_table(fp8: dict[str, Any]) -> Table:
     table.add_column("verdict", overflow="fold", ratio=1)
     for layer in fp8["layers"]:
         shape = f"{layer['in_features']}->{layer['out_features']}"
-        cells = [escape(layer["name"] or "(model)"), shape]
+        name = layer["name"] or "(model)"
+        if layer.get("sampled"):  # measured on a sample of its tokens and features (the note says how many)
+            name += " (sampled)"
+        cells = [escape(name), shape]
         cells += [_db(worst_operand_db(layer["operands"][name])) for name, _ in RECIPE_COLUMNS]
         gemms = layer["gemms"]
         cells.append("/".join(_db(gemms.get(k)) for k in ("output", "grad_input", "grad_weight") if k in gemms))
