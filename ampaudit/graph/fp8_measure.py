@@ -406,6 +406,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
     if tokens.any() or channels.any():
         rest = (~(tok.take(tokens, 0)[:, None] | channels[None, :])).float()
     axes = {"input": (tok, full), "weight": (full, n_ax), "grad_output": (tok, full)}
+    energy = {op: _norm(t) for op, t in tensors.items() if op in axes} if not sampled else {}
+    done: dict[int, OperandStats] = {}  # by cast: rowwise and rowwise_with_gw_hp share theirs
     for rname, r in RECIPES.items():
         hows = {"input": (r.input, -1), "weight": (r.weight, 0), "grad_output": (r.grad_output, -1)}
         stats = {}
@@ -413,11 +415,11 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
             if op not in tensors:
                 continue
             q = casts.get(op, *hows[op], r.pow2_scales)
-            mask = rest if op == "input" else None
-            if sampled:
-                stats[op] = _sampled_stats(tensors[op], q, mask, *axes[op])
-            else:
-                stats[op] = operand_stats(tensors[op], q, mask, _norm(tensors[op]))
+            if id(q) not in done:
+                mask = rest if op == "input" else None
+                done[id(q)] = (_sampled_stats(tensors[op], q, mask, *axes[op]) if sampled
+                               else operand_stats(tensors[op], q, mask, energy[op]))
+            stats[op] = done[id(q)]
         layer.operands[rname] = stats
     # the chosen recipe's GEMMs, on the sampled rows and columns of their products: each product
     # element reduces over a whole dim, so its value is exact; only the SQNR is over a sample
