@@ -14,6 +14,7 @@ worst one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -462,34 +463,38 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
                 weights: dict[int, CastResult] | None = None) -> torch.Tensor:
     """The model's output (no grad) with the Linears named in ``names`` computing in fp8.
     ``weights``: each module's weight as cast, by id, kept from one call to the next."""
-    modules = {id(m): n for n, m in linears(model) if n in names}
     weights = {} if weights is None else weights
 
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        if id(module) not in modules or not args or not isinstance(args[0], torch.Tensor):
-            return None
-        x = args[0]
-        x2 = x.detach().float().reshape(-1, x.shape[-1])
+    def fp8_linear(module: nn.Linear) -> Callable[..., Any]:
+        original = module.forward
 
-        def cast_fn(t: torch.Tensor, how: Any, dim: int) -> CastResult:
-            if t is x2:  # only the value is needed: no counts
-                return cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
-            if id(module) not in weights:
-                weights[id(module)] = cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
-            return weights[id(module)]
+        # in place of the module's forward, not after it: the fp32 GEMM would be wasted work
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not args or kwargs or not isinstance(args[0], torch.Tensor):
+                return original(*args, **kwargs)
+            x = args[0]
+            x2 = x.detach().float().reshape(-1, x.shape[-1])
 
-        out, _ = output_gemm(x2, module.weight.detach().float(), recipe, cast_fn)
-        if module.bias is not None:
-            out = out + module.bias.detach().float()
-        return out.reshape(*x.shape[:-1], out.shape[-1]).to(output.dtype)
+            def cast_fn(t: torch.Tensor, how: Any, dim: int) -> CastResult:
+                if t is x2:  # only the value is needed: no counts
+                    return cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
+                if id(module) not in weights:
+                    weights[id(module)] = cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
+                return weights[id(module)]
 
-    handles = [m.register_forward_hook(hook) for _, m in linears(model) if id(m) in modules]
-    try:
-        with attributes_kept(model), torch.no_grad():
-            return _outputs(model(*inputs.args, **inputs.kwargs))
-    finally:
-        for h in handles:
-            h.remove()
+            out, _ = output_gemm(x2, module.weight.detach().float(), recipe, cast_fn)
+            if module.bias is not None:
+                out = out + module.bias.detach().float()
+            return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+        return forward
+
+    # attributes_kept takes the instance attributes ``forward`` away again
+    with attributes_kept(model), torch.no_grad():
+        for name, module in linears(model):
+            if name in names:
+                module.forward = fp8_linear(module)
+        return _outputs(model(*inputs.args, **inputs.kwargs))
 
 
 def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measurement, candidates: list[str],
