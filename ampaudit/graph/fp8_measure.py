@@ -111,6 +111,7 @@ class Fp8Measurement:
     output_sqnr_without_db: float | None = None  # the same without the dominant layer in fp8
     seconds: dict[str, float] = field(default_factory=dict)
     reference: torch.Tensor | None = None  # the fp32 model output (flat), for ``dominance``
+    weight_amax: dict[int, torch.Tensor] = field(default_factory=dict)  # by module id, for ``dominance``
 
 
 def _num(value: float) -> float | str:
@@ -253,10 +254,12 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     records, reference = record(model, inputs)
     recorded = time.perf_counter()
     # a Linear never called on the example inputs has nothing to measure
-    layers = [_measure_layer(name, rec, RECIPES[recipe]) for name, rec in records.items() if rec.x is not None]
+    weight_amax: dict[int, torch.Tensor] = {}
+    layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
+              if rec.x is not None]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
-                          reference=reference)
+                          reference=reference, weight_amax=weight_amax)
 
 
 class _Casts:
@@ -363,7 +366,8 @@ def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
     return amax / p if p > 0 else (math.inf if amax > 0 else 1.0)
 
 
-def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
+def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor]) -> Fp8Layer:
+    """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale)."""
     x, g = rec.x, rec.grad
     w = rec.module.weight.detach().float()
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
@@ -380,6 +384,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
     tok, k_ax = _Axis.of(row_amax, sampled), _Axis.of(col_amax, sampled)
     n_amax = torch.linalg.vector_norm(w, math.inf, dim=1)
     n_ax = _Axis.of(n_amax, sampled)
+    weight_amax[id(rec.module)] = n_amax.max()
     full = _Axis()
     if not sampled:
         tensors = {"input": x, "weight": w.t()}
@@ -389,7 +394,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
         casts = _Casts(tensors)
         views = {"input_cols": "input", "weight_rows": "weight", "grad_output_cols": "grad_output"}
     else:
-        amax = {"input": row_amax.max(), "weight": n_amax.max()}
+        amax = {"input": row_amax.max(), "weight": weight_amax[id(rec.module)]}
         if g is not None:
             amax["grad_output"] = amax_of(g)
         layer.outlier_ratio = {op: _sampled_outlier_ratio(t, float(amax[op]))
@@ -460,10 +465,13 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe) -> Fp8Layer:
 
 
 def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe,
-                weights: dict[int, CastResult] | None = None) -> torch.Tensor:
+                weights: dict[int, CastResult] | None = None,
+                weight_amax: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """The model's output (no grad) with the Linears named in ``names`` computing in fp8.
-    ``weights``: each module's weight as cast, by id, kept from one call to the next."""
+    ``weights``: each module's weight as cast, by id, kept from one call to the next;
+    ``weight_amax``: each one's amax, where the measurement already took it."""
     weights = {} if weights is None else weights
+    weight_amax = weight_amax or {}
 
     def fp8_linear(module: nn.Linear) -> Callable[..., Any]:
         original = module.forward
@@ -479,7 +487,8 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
                 if t is x2:  # only the value is needed: no counts
                     return cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
                 if id(module) not in weights:
-                    weights[id(module)] = cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
+                    weights[id(module)] = cast(t, how, dim, pow2=recipe.pow2_scales, count=False,
+                                               amax=weight_amax.get(id(module)))
                 return weights[id(module)]
 
             out, _ = output_gemm(x2, module.weight.detach().float(), recipe, cast_fn)
@@ -509,11 +518,13 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     start = time.perf_counter()
     recipe = RECIPES[measurement.recipe]
     weights: dict[int, CastResult] = {}  # both forwards cast the same weights
-    measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights))
+    measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights,
+                                                                     measurement.weight_amax))
     by_name = {layer.name: layer for layer in measurement.layers}
     if len(candidates) >= max(2, min_layers):  # with fewer, no one layer is said to dominate: no second run
         worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf))
         measurement.dominant = worst
         rest = set(candidates) - {worst}
-        measurement.output_sqnr_without_db = sqnr_db(reference, fp8_forward(model, inputs, rest, recipe, weights))
+        measurement.output_sqnr_without_db = sqnr_db(reference, fp8_forward(model, inputs, rest, recipe, weights,
+                                                                              measurement.weight_amax))
     measurement.seconds["dominance"] = time.perf_counter() - start
