@@ -36,7 +36,7 @@ DIVISOR = 16  # torch._scaled_mm takes dims divisible by 16
 # local, the per-tensor amax comes from the whole: each sampled element is cast exactly.
 LARGE = 1 << 18
 SAMPLE = 64
-PERCENTILE_SAMPLE = 1 << 16  # elements for a large operand's 99.9th percentile of |x|
+PERCENTILE_SAMPLE = 1 << 14  # elements for a large operand's 99.9th percentile of |x|
 
 
 def _db(signal: float, noise: float) -> float:
@@ -270,14 +270,16 @@ class _Casts:
     def __init__(self, tensors: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None = None) -> None:
         self.tensors = tensors
         self.amax = amax or {}  # view -> the whole operand's amax (a sampled view's per-tensor scale)
-        self.nonzero = {op: int(torch.count_nonzero(t)) for op, t in tensors.items()}
+        # a sample's statistics count flushes per row (_sampled_stats): its casts count only MX saturation
+        self.count = amax is None
+        self.nonzero = {op: int(torch.count_nonzero(t)) if self.count else 0 for op, t in tensors.items()}
         self.memo: dict[tuple, CastResult] = {}
 
     def get(self, op: str, how: Any, dim: int, pow2: bool) -> CastResult:
         key = (op, how, None if how.granularity == "tensor" else dim, pow2 and how.granularity != "block")
         if key not in self.memo:
             self.memo[key] = cast(self.tensors[op], how, dim, pow2=pow2, nonzero=self.nonzero[op],
-                                  amax=self.amax.get(op))
+                                  amax=self.amax.get(op), count=self.count or how.granularity == "block")
         return self.memo[key]
 
 
@@ -343,11 +345,11 @@ def _sampled_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ro
     error = x - q.value
     whole = _db(_weighted(x, rows, cols), _weighted(error, rows, cols))
     rest_db = whole if rest is None else _db(_weighted(x * rest, rows, cols), _weighted(error.mul_(rest), rows, cols))
+    nonzero, flushed = x != 0, q.value == 0
+    flushed &= nonzero
     if rows.weight is None and cols.weight is None:  # this operand was not sampled
-        lost, total = float(q.flushed), float(q.nonzero)
+        lost, total = float(torch.count_nonzero(flushed)), float(torch.count_nonzero(nonzero))
     else:
-        nonzero, flushed = x != 0, q.value == 0
-        flushed &= nonzero
         dim, axis = (1, rows) if rows.weight is not None else (0, cols)
         total = float((nonzero.sum(dim=dim) * axis.weight).sum())
         lost = float((flushed.sum(dim=dim) * axis.weight).sum())
