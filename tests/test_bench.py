@@ -80,3 +80,8 @@ def test_check_vs_lint_benchmark_runs(tmp_path):
                                        "    pass\n\n\nfor step in range(3):\n    print(step)\n")
     out = _run("bench/check_vs_lint.py", str(tmp_path), "--rounds", "1")
     assert "train.py" in out and re.search(r"^this\s+not-imported\s+1 files: check / lint-only median", out, re.M)
+
+
+def test_fp8_check_cost_benchmark_runs():
+    out = _run("bench/fp8_check_cost.py", "--rounds", "1", "--shapes", "64x32", "--threads", "1")
+    assert re.search(r"^d=64 T=32: fp32 forward\+backward [\d.]+ ms, fp8 audit [\d.]+ ms: [\d.]+x \(", out, re.M)
