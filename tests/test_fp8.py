@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -218,6 +219,37 @@ def test_convert_fp8_flags_are_checked(cli, tmp_path):
     assert result.code == 2 and "--emit torchao writes an fp8 policy: pass --dtype fp8" in result.err
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "hf", "-o", tmp_path / "b")
     assert result.code == 2 and "emits torchao's policy only" in result.err
+
+
+def test_an_fp8_export_is_an_export_again_into_its_folder_with_force_and_with_the_umasks_modes(cli, tmp_path):
+    """The fp8 export had no manifest and kept mkdtemp's 0700: a second export into its folder
+    was refused as the user's files, --force into a folder of the user's failed with exit 2
+    after moving files in, and a hard link to the model there was not refused."""
+    import stat
+
+    model = model_path("fp8_odd_dims.py")
+    out = tmp_path / "out"
+    assert cli("convert", model, "--dtype", "fp8", "--no-verify", "-o", out).code == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~_umask()
+    assert json.loads((out / "ampaudit-export.json").read_text())["files"] == ["fp8_torchao.py", "fp8_plan.json"]
+    assert cli("convert", model, "--dtype", "fp8", "--no-verify", "-o", out).code == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    result = cli("convert", model, "--dtype", "fp8", "--no-verify", "--force", "-o", mine)
+    assert result.code == 0, result.err
+    assert sorted(os.listdir(mine)) == ["ampaudit-export.json", "fp8_plan.json", "fp8_torchao.py", "notes.txt"]
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(model, linked / "fp8_torchao.py")
+    result = cli("convert", model, "--dtype", "fp8", "--no-verify", "--force", "-o", linked)
+    assert result.code == 2 and "would overwrite" in result.err and "fp8_odd_dims.py" in result.err
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_products_are_each_layers_own_when_layers_share_inputs_and_weights():
