@@ -149,6 +149,9 @@ EVERY_COMMAND = {
     "convert-onto-file": (["convert", "m.py", "-o", "t.py"], 2, "-o t.py is a file"),
     "convert-empty-output": (["convert", "m.py", "-o", ""], 2, "an empty path"),
     "every-zero": (["run", "--every", "0", "t.py"], 2, "'0' is not a whole number >= 1"),
+    # allocated 4 GB per Linear operand and hung the run
+    "fp8-history-huge": (["run", "--fp8", "--fp8-history", "1000000000", "t.py"], 2,
+                         "'1000000000' is not a whole number from 1 to 4096"),
     "log-missing-folder": (["run", "--log", "nowhere/x.jsonl", "t.py"], 2, "no folder nowhere"),
     "log-onto-folder": (["run", "--log", "folder", "t.py"], 2, "--log folder is a folder: name a file"),
     "log-onto-user-data": (["run", "--log", "data.jsonl", "t.py"], 2,

@@ -4,6 +4,7 @@ the script run with watch attached (``run_script.py``)."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import Field, fields
 
 from ampaudit.cli.common import number_type, path_type
@@ -68,7 +69,9 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
         kwargs = {"default": flag.default if flag.default is not None else option.default, "metavar": flag.metavar,
                   "choices": flag.choices}
         if flag.least is not None:
-            kwargs["type"] = number_type(int, least=flag.least, what=f"a whole number >= {flag.least}")
+            what = f"a whole number >= {flag.least}" if flag.most is None else \
+                f"a whole number from {flag.least} to {flag.most}"
+            kwargs["type"] = number_type(int, least=flag.least, most=flag.most or math.inf, what=what)
         if flag.path:
             kwargs["type"] = path_type
         if flag.repeat:
