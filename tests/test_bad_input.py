@@ -374,6 +374,15 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
                            {"step": 0, "layers": {"a": {"forward": {"numel": 4, "inf": 0, "hist": []}}}, "params": {}}),
         "end-evals-number": ({**header, "ampaudit_watch": 3}, {"end": {"steps": 1, "eval_forwards": 4}}),
         "end-extra-key": ({**header, "ampaudit_watch": 3}, {"end": {}, "final_scale": 2.0, "x": 1}),
+        # the end is the last line: a step after it (two logs joined) was read as if part of the run
+        "end-in-the-middle": ({**header, "ampaudit_watch": 3}, {"end": {"steps": 1}}),
+        # float(10**400) overflowed deep inside the summary ("unexpected OverflowError")
+        "fp8-bigint": ({**header, "ampaudit_watch": 3},
+                       {**record, "fp8": {"(model)": {"kind": "Linear (what-if)", "input": {
+                           "format": "e4m3", "numel": 32, "underflow": 10**400, "amax": 1.5}}}}),
+        # json's int() refuses more than 4300 digits with a ValueError that is no JSONDecodeError
+        "long-number": ({**header, "ampaudit_watch": 3}, '{"step": 0, "layers": {}, "params": {}, "scale": 1'
+                        + "0" * 5000 + "}"),
     }
     for name, (head, first) in bent.items():
         lines = [head, first, record]
@@ -388,6 +397,9 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         "end-evals-number": "end-evals-number.jsonl:2: end.eval_forwards must be {count: whole number, recorded: "
                             "true or false}",
         "end-extra-key": "end-extra-key.jsonl:2: not a step record (needs step, layers and params) nor the log's end",
+        "end-in-the-middle": "end-in-the-middle.jsonl:3: a record after the log's end (line 2)",
+        "fp8-bigint": "fp8-bigint.jsonl:2: fp8.(model).input.underflow must be a number",
+        "long-number": "long-number.jsonl:2: a number too long to be a log's",
     }
 
 
