@@ -246,6 +246,20 @@ def test_an_fp8_export_is_an_export_again_into_its_folder_with_force_and_with_th
     assert result.code == 2 and "would overwrite" in result.err and "fp8_odd_dims.py" in result.err
 
 
+def test_an_fp8_export_over_ulimit_f_names_the_output_not_the_staging_folder(cli, tmp_path):
+    """It said "cannot write /tmp/.out.ampaudit-PID-XXXXXXXX/fp8_torchao.py": a name that never exists."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3000, hard))  # the emitted file is about 5 kB
+    try:
+        result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--no-verify", "-o", tmp_path / "out")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert result.code == 2
+    assert result.err == f"ampaudit: error: cannot write {tmp_path / 'out' / 'fp8_torchao.py'}: File too large\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)

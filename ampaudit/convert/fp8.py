@@ -102,17 +102,22 @@ def load_emitted(path: Path) -> Any:
     return module
 
 
-def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str, Any] | None) -> list[str]:
-    """The emitted file and the plan (policy, measurements, verification) into ``folder``."""
+def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str, Any] | None,
+              shown: Path | None = None) -> list[str]:
+    """The emitted file and the plan (policy, measurements, verification) into ``folder`` (a
+    staging folder: ``shown``, the folder it becomes, is what errors name)."""
+    from ampaudit.convert.publish import MANIFEST, call_reported
     from ampaudit.core.files import write_atomic
 
-    write_atomic(folder / EMIT_FILE, text)
+    shown = shown if shown is not None else folder
+    write_atomic(folder / EMIT_FILE, text, shown=str(shown / EMIT_FILE))
     plan = {"tool": "ampaudit", "version": __version__, **policy.to_dict(), "train": verification,
             "layers": policy.table.get("layers", [])}
-    write_atomic(folder / PLAN_FILE, json.dumps(plan, indent=2, default=str) + "\n")
+    write_atomic(folder / PLAN_FILE, json.dumps(plan, indent=2, default=str) + "\n", shown=str(shown / PLAN_FILE))
     # a manifest, as every export has: without it the next export into the folder (or --force into
     # one holding the user's files) took it for the user's files
-    seal_staging(folder, [EMIT_FILE, PLAN_FILE], uuid.uuid4().hex)
+    call_reported(f"cannot write {shown / MANIFEST}",
+                  lambda: seal_staging(folder, [EMIT_FILE, PLAN_FILE], uuid.uuid4().hex))
     return [EMIT_FILE, PLAN_FILE]
 
 
