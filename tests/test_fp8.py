@@ -260,6 +260,21 @@ def test_an_fp8_export_over_ulimit_f_names_the_output_not_the_staging_folder(cli
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_empty_batch_is_one_line_not_an_index_error(cli, tmp_path):
+    """A batch of 0 reached torch's amax over no elements: 'unexpected IndexError'."""
+    import ampaudit
+    from ampaudit.core.errors import LoadError
+
+    with pytest.raises(LoadError, match=r"^the example inputs give nn.Linear '\(model\)' no rows \(a batch of 0\?\)"):
+        ampaudit.fp8_policy(nn.Linear(16, 16), (torch.randn(0, 16),))
+    model = tmp_path / "m.py"
+    model.write_text("from torch import nn\n\n\ndef get_model():\n    return nn.Sequential(nn.Linear(16, 16))\n")
+    result = cli("check", model, "--dtype", "fp8", "--input-shape", "0,16")
+    assert result.code == 2
+    assert result.err == ("ampaudit: error: the example inputs give nn.Linear '0' no rows (a batch of 0?): nothing "
+                          "to measure in fp8\n")
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)
