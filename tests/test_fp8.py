@@ -275,6 +275,21 @@ def test_an_empty_batch_is_one_line_not_an_index_error(cli, tmp_path):
                           "to measure in fp8\n")
 
 
+def test_a_file_not_imported_is_amp003_under_dtype_fp8_too(cli, tmp_path):
+    """AMP003 decided from the source (before torch) parsed --dtype as a LowDtype: 'dtype must be
+    float16 or bfloat16 (got 'fp8')', exit 2, and --fp8-recipe without fp8 passed unchecked there."""
+    script = tmp_path / "train.py"
+    script.write_text("from torch import nn\n\n\ndef get_model():\n    return nn.Linear(2, 2)\n\n\n"
+                      "open('log.txt', 'w')\n")
+    result = cli("check", script, "--dtype", "fp8", "--format", "json")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    assert report["dtype"] == "float8_e4m3fn" and [f["rule"] for f in report["findings"]] == ["AMP003"]
+    result = cli("check", script, "--fp8-recipe", "rowwise")
+    assert result.code == 2 and result.err == "ampaudit: error: --fp8-recipe goes with --dtype fp8\n"
+    assert not (tmp_path / "log.txt").exists()
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)
