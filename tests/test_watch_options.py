@@ -116,6 +116,11 @@ def test_options_are_checked_when_built():
     # 10**9 allocated 4 GB per Linear operand on its device and hung the run
     with pytest.raises(ValueError, match=r"fp8_history must be a whole number from 1 to 4096 \(got 1000000000\)"):
         WatchOptions(fp8_history=10**9)
+    # a string is truthy: fp8="false" turned the recording on
+    with pytest.raises(TypeError, match=r"^fp8 must be True or False \(got 'false'\)$"):
+        WatchOptions(fp8="false")
+    with pytest.raises(TypeError, match=r"^guard must be True, False or a list"):  # was "'int' object is not iterable"
+        WatchOptions(guard=1)
     with pytest.raises(TypeError, match="ignore must be a list of module-name patterns"):
         WatchOptions(ignore="blocks.*")
     assert WatchOptions(ignore=iter(["a", "b"])).ignore == ("a", "b")  # read once, kept

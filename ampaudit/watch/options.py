@@ -109,6 +109,10 @@ class WatchOptions:
         history = self.fp8_history
         if isinstance(history, bool) or not isinstance(history, int) or not 1 <= history <= FP8_HISTORY_MAX:
             raise ValueError(f"fp8_history must be a whole number from 1 to {FP8_HISTORY_MAX} (got {history!r})")
+        for name in ("stop_on_nonfinite", "inputs", "eval", "provenance", "inside_compile", "fp8"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # fp8="false" is truthy: it turned the recording on
+                raise TypeError(f"{name} must be True or False (got {value!r})")
         ignore = self.ignore
         try:
             patterns = tuple(ignore) if not isinstance(ignore, str) else None
@@ -118,7 +122,11 @@ class WatchOptions:
             raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
         object.__setattr__(self, "ignore", patterns)
         if not isinstance(self.guard, (bool, type(None))):  # a generator is read once, here
-            object.__setattr__(self, "guard", tuple(self.guard))
+            try:
+                object.__setattr__(self, "guard", tuple(self.guard))
+            except TypeError:
+                raise TypeError(f"guard must be True, False or a list of schedulers/averaged models (got "
+                                f"{self.guard!r})") from None
 
 
 NAMES = tuple(f.name for f in fields(WatchOptions))
