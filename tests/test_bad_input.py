@@ -403,6 +403,26 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
     }
 
 
+def test_a_log_cannot_drive_the_terminal(tmp_path, capsys):
+    """Module names in a log are anyone's text: an ESC in one was written raw by the module and
+    fp8 tables (a window title set, the screen cleared)."""
+    evil = "\x1b]0;PWNED\x07\x1b[2J"
+    header = {"ampaudit_watch": 3, "dtype": "float16", "every": 1, "world": 1,
+              "row": ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist_from"]}
+    row = {"format": "e4m3", "numel": 32, "underflow": 0, "delayed_saturated": 0, "delayed_underflow": 0,
+           "amax": 1.5, "jump": 0.0, "history_amax": 0.0, "scale": 298.7, "delayed_scale": 298.7}
+    record = {"step": 0, "layers": {evil: {"forward": [32, 0, 0, 0, 0, 0, 0, 1.5, -4, 8]}},
+              "params": {evil + "w": [16, 0, 0, 0, 0, 0, 0, 8.0, 3, 16]}, "scale": None, "skipped": False,
+              "first_nonfinite": None, "nonfinite_params": [],
+              "fp8": {evil: {"kind": "Linear (what-if)", "input": row}}}
+    log = tmp_path / "evil.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in (header, record, {"end": {"steps": 1}})))
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.count("\\x1b]0;PWNED") >= 3  # the layers table, the parameters, the fp8 table
+
+
 @pytest.mark.parametrize("flags", [[], ["--tensorboard", "tb"]])
 def test_hostile_logs_are_one_line_naming_the_line(tmp_path, monkeypatch, capsys, flags):
     monkeypatch.chdir(tmp_path)
