@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -244,6 +245,14 @@ def test_an_fp8_export_is_an_export_again_into_its_folder_with_force_and_with_th
     os.link(model, linked / "fp8_torchao.py")
     result = cli("convert", model, "--dtype", "fp8", "--no-verify", "--force", "-o", linked)
     assert result.code == 2 and "would overwrite" in result.err and "fp8_odd_dims.py" in result.err
+    # the model itself named fp8_torchao.py, converted into its own folder: it was overwritten
+    named = tmp_path / "named"
+    named.mkdir()
+    text = Path(model).read_text()
+    (named / "fp8_torchao.py").write_text(text)
+    result = cli("convert", named / "fp8_torchao.py", "--dtype", "fp8", "--no-verify", "--force", "-o", named)
+    assert result.code == 2 and "would overwrite" in result.err
+    assert (named / "fp8_torchao.py").read_text() == text and os.listdir(named) == ["fp8_torchao.py"]
 
 
 def test_an_fp8_export_over_ulimit_f_names_the_output_not_the_staging_folder(cli, tmp_path):
