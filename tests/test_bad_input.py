@@ -146,6 +146,8 @@ EVERY_COMMAND = {
     "check-output-is-input": (["check", "m.py", "-o", "m.py"], 2, "is an input of this command"),
     "tolerance-nan": (["convert", "m.py", "-o", "out", "--tolerance", "nan"], 2, "'nan' is not a finite relative"),
     "tolerance-negative": (["convert", "m.py", "-o", "out", "--tolerance", "-1"], 2, "'-1' is not a finite relative"),
+    # was accepted: "finite" said, inf taken (every fp8/fp16 conversion then passed its check)
+    "tolerance-inf": (["convert", "m.py", "-o", "out", "--tolerance", "inf"], 2, "'inf' is not a finite relative"),
     "convert-onto-file": (["convert", "m.py", "-o", "t.py"], 2, "-o t.py is a file"),
     "convert-empty-output": (["convert", "m.py", "-o", ""], 2, "an empty path"),
     "every-zero": (["run", "--every", "0", "t.py"], 2, "'0' is not a whole number >= 1"),
