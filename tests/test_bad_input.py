@@ -154,6 +154,8 @@ EVERY_COMMAND = {
     # allocated 4 GB per Linear operand and hung the run
     "fp8-history-huge": (["run", "--fp8", "--fp8-history", "1000000000", "t.py"], 2,
                          "'1000000000' is not a whole number from 1 to 4096"),
+    # was silently ignored
+    "fp8-history-without-fp8": (["run", "--fp8-history", "4", "t.py"], 2, "--fp8-history goes with --fp8"),
     "log-missing-folder": (["run", "--log", "nowhere/x.jsonl", "t.py"], 2, "no folder nowhere"),
     "log-onto-folder": (["run", "--log", "folder", "t.py"], 2, "--log folder is a folder: name a file"),
     "log-onto-user-data": (["run", "--log", "data.jsonl", "t.py"], 2,

@@ -36,6 +36,7 @@ class Flag:
 
     least: int | None = None
     most: int | None = None
+    requires: str | None = None  # a switch this option goes with: given without it, a usage error
     choices: tuple[str, ...] | None = None
     path: bool = False
     repeat: bool = False
@@ -99,7 +100,7 @@ class WatchOptions:
         "flush to zero, the amax's jump (AMP750, AMP751)"))
     fp8_history: int = field(default=16, metadata=_about(
         "with fp8: the delayed recipe's amax history, in steps (TransformerEngine's amax_history_len)",
-        Flag(least=1, most=FP8_HISTORY_MAX, metavar="N",
+        Flag(least=1, most=FP8_HISTORY_MAX, metavar="N", requires="fp8",
              help=f"with --fp8: the delayed recipe's amax history, in steps (default 16, at most {FP8_HISTORY_MAX})")))
 
     def __post_init__(self) -> None:
