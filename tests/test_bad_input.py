@@ -146,9 +146,16 @@ EVERY_COMMAND = {
     "check-output-is-input": (["check", "m.py", "-o", "m.py"], 2, "is an input of this command"),
     "tolerance-nan": (["convert", "m.py", "-o", "out", "--tolerance", "nan"], 2, "'nan' is not a finite relative"),
     "tolerance-negative": (["convert", "m.py", "-o", "out", "--tolerance", "-1"], 2, "'-1' is not a finite relative"),
+    # was accepted: "finite" said, inf taken (every fp8/fp16 conversion then passed its check)
+    "tolerance-inf": (["convert", "m.py", "-o", "out", "--tolerance", "inf"], 2, "'inf' is not a finite relative"),
     "convert-onto-file": (["convert", "m.py", "-o", "t.py"], 2, "-o t.py is a file"),
     "convert-empty-output": (["convert", "m.py", "-o", ""], 2, "an empty path"),
     "every-zero": (["run", "--every", "0", "t.py"], 2, "'0' is not a whole number >= 1"),
+    # allocated 4 GB per Linear operand and hung the run
+    "fp8-history-huge": (["run", "--fp8", "--fp8-history", "1000000000", "t.py"], 2,
+                         "'1000000000' is not a whole number from 1 to 4096"),
+    # was silently ignored
+    "fp8-history-without-fp8": (["run", "--fp8-history", "4", "t.py"], 2, "--fp8-history goes with --fp8"),
     "log-missing-folder": (["run", "--log", "nowhere/x.jsonl", "t.py"], 2, "no folder nowhere"),
     "log-onto-folder": (["run", "--log", "folder", "t.py"], 2, "--log folder is a folder: name a file"),
     "log-onto-user-data": (["run", "--log", "data.jsonl", "t.py"], 2,
@@ -371,6 +378,15 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
                            {"step": 0, "layers": {"a": {"forward": {"numel": 4, "inf": 0, "hist": []}}}, "params": {}}),
         "end-evals-number": ({**header, "ampaudit_watch": 3}, {"end": {"steps": 1, "eval_forwards": 4}}),
         "end-extra-key": ({**header, "ampaudit_watch": 3}, {"end": {}, "final_scale": 2.0, "x": 1}),
+        # the end is the last line: a step after it (two logs joined) was read as if part of the run
+        "end-in-the-middle": ({**header, "ampaudit_watch": 3}, {"end": {"steps": 1}}),
+        # float(10**400) overflowed deep inside the summary ("unexpected OverflowError")
+        "fp8-bigint": ({**header, "ampaudit_watch": 3},
+                       {**record, "fp8": {"(model)": {"kind": "Linear (what-if)", "input": {
+                           "format": "e4m3", "numel": 32, "underflow": 10**400, "amax": 1.5}}}}),
+        # json's int() refuses more than 4300 digits with a ValueError that is no JSONDecodeError
+        "long-number": ({**header, "ampaudit_watch": 3}, '{"step": 0, "layers": {}, "params": {}, "scale": 1'
+                        + "0" * 5000 + "}"),
     }
     for name, (head, first) in bent.items():
         lines = [head, first, record]
@@ -385,7 +401,30 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         "end-evals-number": "end-evals-number.jsonl:2: end.eval_forwards must be {count: whole number, recorded: "
                             "true or false}",
         "end-extra-key": "end-extra-key.jsonl:2: not a step record (needs step, layers and params) nor the log's end",
+        "end-in-the-middle": "end-in-the-middle.jsonl:3: a record after the log's end (line 2)",
+        "fp8-bigint": "fp8-bigint.jsonl:2: fp8.(model).input.underflow must be a number",
+        "long-number": "long-number.jsonl:2: a number too long to be a log's",
     }
+
+
+def test_a_log_cannot_drive_the_terminal(tmp_path, capsys):
+    """Module names in a log are anyone's text: an ESC in one was written raw by the module and
+    fp8 tables (a window title set, the screen cleared)."""
+    evil = "\x1b]0;PWNED\x07\x1b[2J"
+    header = {"ampaudit_watch": 3, "dtype": "float16", "every": 1, "world": 1,
+              "row": ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist_from"]}
+    row = {"format": "e4m3", "numel": 32, "underflow": 0, "delayed_saturated": 0, "delayed_underflow": 0,
+           "amax": 1.5, "jump": 0.0, "history_amax": 0.0, "scale": 298.7, "delayed_scale": 298.7}
+    record = {"step": 0, "layers": {evil: {"forward": [32, 0, 0, 0, 0, 0, 0, 1.5, -4, 8]}},
+              "params": {evil + "w": [16, 0, 0, 0, 0, 0, 0, 8.0, 3, 16]}, "scale": None, "skipped": False,
+              "first_nonfinite": None, "nonfinite_params": [],
+              "fp8": {evil: {"kind": "Linear (what-if)", "input": row}}}
+    log = tmp_path / "evil.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in (header, record, {"end": {"steps": 1}})))
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.count("\\x1b]0;PWNED") >= 3  # the layers table, the parameters, the fp8 table
 
 
 @pytest.mark.parametrize("flags", [[], ["--tensorboard", "tb"]])

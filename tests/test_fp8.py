@@ -8,8 +8,10 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -218,6 +220,89 @@ def test_convert_fp8_flags_are_checked(cli, tmp_path):
     assert result.code == 2 and "--emit torchao writes an fp8 policy: pass --dtype fp8" in result.err
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "hf", "-o", tmp_path / "b")
     assert result.code == 2 and "emits torchao's policy only" in result.err
+
+
+def test_an_fp8_export_is_an_export_again_into_its_folder_with_force_and_with_the_umasks_modes(cli, tmp_path):
+    """The fp8 export had no manifest and kept mkdtemp's 0700: a second export into its folder
+    was refused as the user's files, --force into a folder of the user's failed with exit 2
+    after moving files in, and a hard link to the model there was not refused."""
+    import stat
+
+    model = model_path("fp8_odd_dims.py")
+    out = tmp_path / "out"
+    assert cli("convert", model, "--dtype", "fp8", "--no-verify", "-o", out).code == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~_umask()
+    assert json.loads((out / "ampaudit-export.json").read_text())["files"] == ["fp8_torchao.py", "fp8_plan.json"]
+    assert cli("convert", model, "--dtype", "fp8", "--no-verify", "-o", out).code == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    result = cli("convert", model, "--dtype", "fp8", "--no-verify", "--force", "-o", mine)
+    assert result.code == 0, result.err
+    assert sorted(os.listdir(mine)) == ["ampaudit-export.json", "fp8_plan.json", "fp8_torchao.py", "notes.txt"]
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(model, linked / "fp8_torchao.py")
+    result = cli("convert", model, "--dtype", "fp8", "--no-verify", "--force", "-o", linked)
+    assert result.code == 2 and "would overwrite" in result.err and "fp8_odd_dims.py" in result.err
+    # the model itself named fp8_torchao.py, converted into its own folder: it was overwritten
+    named = tmp_path / "named"
+    named.mkdir()
+    text = Path(model).read_text()
+    (named / "fp8_torchao.py").write_text(text)
+    result = cli("convert", named / "fp8_torchao.py", "--dtype", "fp8", "--no-verify", "--force", "-o", named)
+    assert result.code == 2 and "would overwrite" in result.err
+    assert (named / "fp8_torchao.py").read_text() == text and os.listdir(named) == ["fp8_torchao.py"]
+
+
+def test_an_fp8_export_over_ulimit_f_names_the_output_not_the_staging_folder(cli, tmp_path):
+    """It said "cannot write /tmp/.out.ampaudit-PID-XXXXXXXX/fp8_torchao.py": a name that never exists."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3000, hard))  # the emitted file is about 5 kB
+    try:
+        result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--no-verify", "-o", tmp_path / "out")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert result.code == 2
+    assert result.err == f"ampaudit: error: cannot write {tmp_path / 'out' / 'fp8_torchao.py'}: File too large\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_batch_is_one_line_not_an_index_error(cli, tmp_path):
+    """A batch of 0 reached torch's amax over no elements: 'unexpected IndexError'."""
+    import ampaudit
+    from ampaudit.core.errors import LoadError
+
+    with pytest.raises(LoadError, match=r"^the example inputs give nn.Linear '\(model\)' no rows \(a batch of 0\?\)"):
+        ampaudit.fp8_policy(nn.Linear(16, 16), (torch.randn(0, 16),))
+    model = tmp_path / "m.py"
+    model.write_text("from torch import nn\n\n\ndef get_model():\n    return nn.Sequential(nn.Linear(16, 16))\n")
+    result = cli("check", model, "--dtype", "fp8", "--input-shape", "0,16")
+    assert result.code == 2
+    assert result.err == ("ampaudit: error: the example inputs give nn.Linear '0' no rows (a batch of 0?): nothing "
+                          "to measure in fp8\n")
+
+
+def test_a_file_not_imported_is_amp003_under_dtype_fp8_too(cli, tmp_path):
+    """AMP003 decided from the source (before torch) parsed --dtype as a LowDtype: 'dtype must be
+    float16 or bfloat16 (got 'fp8')', exit 2, and --fp8-recipe without fp8 passed unchecked there."""
+    script = tmp_path / "train.py"
+    script.write_text("from torch import nn\n\n\ndef get_model():\n    return nn.Linear(2, 2)\n\n\n"
+                      "open('log.txt', 'w')\n")
+    result = cli("check", script, "--dtype", "fp8", "--format", "json")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    assert report["dtype"] == "float8_e4m3fn" and [f["rule"] for f in report["findings"]] == ["AMP003"]
+    result = cli("check", script, "--fp8-recipe", "rowwise")
+    assert result.code == 2 and result.err == "ampaudit: error: --fp8-recipe goes with --dtype fp8\n"
+    assert not (tmp_path / "log.txt").exists()
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_products_are_each_layers_own_when_layers_share_inputs_and_weights():

@@ -111,8 +111,16 @@ def test_a_name_that_is_no_option_is_a_type_error_naming_the_api(api, name):
 def test_options_are_checked_when_built():
     with pytest.raises(ValueError, match=r"every must be a whole number >= 1 \(got 0\)"):
         WatchOptions(every=0)
-    with pytest.raises(ValueError, match=r"fp8_history must be a whole number >= 1 \(got 0\)"):
+    with pytest.raises(ValueError, match=r"fp8_history must be a whole number from 1 to 4096 \(got 0\)"):
         WatchOptions(fp8_history=0)
+    # 10**9 allocated 4 GB per Linear operand on its device and hung the run
+    with pytest.raises(ValueError, match=r"fp8_history must be a whole number from 1 to 4096 \(got 1000000000\)"):
+        WatchOptions(fp8_history=10**9)
+    # a string is truthy: fp8="false" turned the recording on
+    with pytest.raises(TypeError, match=r"^fp8 must be True or False \(got 'false'\)$"):
+        WatchOptions(fp8="false")
+    with pytest.raises(TypeError, match=r"^guard must be True, False or a list"):  # was "'int' object is not iterable"
+        WatchOptions(guard=1)
     with pytest.raises(TypeError, match="ignore must be a list of module-name patterns"):
         WatchOptions(ignore="blocks.*")
     assert WatchOptions(ignore=iter(["a", "b"])).ignore == ("a", "b")  # read once, kept

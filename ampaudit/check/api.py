@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ampaudit.check.audit import audit_model, is_fp8
-from ampaudit.check.options import CheckOptions
+from ampaudit.check.audit import audit_model
+from ampaudit.check.options import CheckOptions, is_fp8
 from ampaudit.check.run import check_targets
 from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import build_catalog

@@ -9,11 +9,10 @@ from ampaudit.check.classify import classify
 from ampaudit.check.coverage import coverage
 from ampaudit.check.graph_rules import run_graph_rules
 from ampaudit.check.not_imported import not_imported_report
-from ampaudit.check.options import CheckOptions
+from ampaudit.check.options import CheckOptions, audit_dtype, is_fp8
 from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config
-from ampaudit.core.dtypes import E4M3, LowDtype
-from ampaudit.core.errors import UsageError
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding, NodeDecision, Report, Target
 from ampaudit.graph.declared import Declared, declared_precision
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
@@ -75,11 +74,7 @@ def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
     """The graph audit of the model a target spec names (``PATH[:NAME_OR_EXPR]``,
     ``module:NAME_OR_EXPR``, ``hf:MODEL_TYPE``; not finalized)."""
     fp8 = is_fp8(options.dtype)
-    if options.fp8_recipe is not None and not fp8:
-        raise UsageError("--fp8-recipe goes with --dtype fp8")
-    if fp8 and not options.run:
-        raise UsageError("an fp8 audit measures the model on its example inputs: --no-run leaves nothing to measure")
-    dtype = E4M3 if fp8 else LowDtype.parse(options.dtype or config.dtype)
+    dtype = audit_dtype(options, config)
     catalog = build_catalog(config, policy_files=options.policy_files)  # bad policy: fail before importing
     loaded = load_target(spec, allow_exec=options.allow_exec, input_shapes=options.input_shapes,
                          input_dtypes=options.input_dtypes, model_config=options.model_config,
@@ -97,8 +92,4 @@ def graph_report(spec: str, config: Config, options: CheckOptions) -> Report:
     report.target.notes += loaded.notes
     return report
 
-
-def is_fp8(dtype: object) -> bool:
-    """``--dtype fp8`` (or float8): not a LowDtype - an fp8 audit judges a recipe."""
-    return isinstance(dtype, str) and dtype.lower() in ("fp8", "float8")
 

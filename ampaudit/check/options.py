@@ -7,7 +7,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.config import Config
+from ampaudit.core.dtypes import E4M3, LowDtype
+from ampaudit.core.errors import UsageError
 from ampaudit.load.time_limit import DEFAULT_SECONDS
 
 
@@ -30,3 +32,19 @@ class CheckOptions:
     progress: Callable[[int], Callable[[], None]] | None = None  # given a total, returns "one more done"
     notes: list[str] = field(default_factory=list)
     isolate: bool = False  # run the model's code in a child process (the command line; core/child.py)
+
+
+def is_fp8(dtype: object) -> bool:
+    """``--dtype fp8`` (or float8): not a LowDtype - an fp8 audit judges a recipe."""
+    return isinstance(dtype, str) and dtype.lower() in ("fp8", "float8")
+
+
+def audit_dtype(options: CheckOptions, config: Config) -> LowDtype:
+    """The dtype a graph audit reports against, the fp8 flags checked: the same whether the
+    model is imported or its file refused from the source (AMP003), torch-free."""
+    fp8 = is_fp8(options.dtype)
+    if options.fp8_recipe is not None and not fp8:
+        raise UsageError("--fp8-recipe goes with --dtype fp8")
+    if fp8 and not options.run:
+        raise UsageError("an fp8 audit measures the model on its example inputs: --no-run leaves nothing to measure")
+    return E4M3 if fp8 else LowDtype.parse(options.dtype or config.dtype)

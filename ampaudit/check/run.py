@@ -215,8 +215,8 @@ def _refused_import(spec: str, scan: SourceScan, config: Config, options: CheckO
     training script that will not be imported costs its lint and nothing more. None when the
     file will be imported, or when the loader must say what is wrong with the name."""
     from ampaudit.check.not_imported import not_imported_report
+    from ampaudit.check.options import audit_dtype
     from ampaudit.core.catalog import build_catalog
-    from ampaudit.core.dtypes import LowDtype
     from ampaudit.load.source_scan import not_imported
     from ampaudit.load.spec import parse_spec
 
@@ -226,7 +226,7 @@ def _refused_import(spec: str, scan: SourceScan, config: Config, options: CheckO
     skipped = not_imported(scan, target.selector, options.allow_exec)
     if skipped is None:
         return None
-    dtype = LowDtype.parse(options.dtype or config.dtype)
+    dtype = audit_dtype(options, config)  # --dtype fp8 is no LowDtype name: the import's path says the same
     if config.policy or options.policy_files:  # a bad policy fails, imported or not; the builtin one is sound
         build_catalog(config, policy_files=options.policy_files)
     return not_imported_report(skipped, dtype)

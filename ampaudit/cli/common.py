@@ -26,7 +26,7 @@ def number_type(kind: type, *, least: float, what: str, most: float = math.inf,
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value != value or not least <= value <= most or 0 < value < smallest_positive:
+        if not math.isfinite(value) or not least <= value <= most or 0 < value < smallest_positive:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 

@@ -107,14 +107,14 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         file = str(loaded.path.resolve()) if loaded.path is not None else None
         text = emit_torchao(policy, model_file=file, entry=loaded.entry, steps=steps, tolerance=tolerance,
                             input_shapes=shapes)
-        names = write_fp8(Path(staging), policy, text, None)
+        names = write_fp8(Path(staging), policy, text, None, shown=args.output)
         train = None
         if steps and not args.no_verify:
             require_torchao()
             module = load_emitted(Path(staging) / names[0])
             train = module.main(steps=steps) if file is not None else \
                 verify_with(module, loaded.model, loaded.inputs, steps)
-            write_fp8(Path(staging), policy, text, train)
+            write_fp8(Path(staging), policy, text, train, shown=args.output)
     summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train}
     return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
                      export_ran=False)

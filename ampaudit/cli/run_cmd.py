@@ -4,6 +4,7 @@ the script run with watch attached (``run_script.py``)."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import Field, fields
 
 from ampaudit.cli.common import number_type, path_type
@@ -67,8 +68,12 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
             continue
         kwargs = {"default": flag.default if flag.default is not None else option.default, "metavar": flag.metavar,
                   "choices": flag.choices}
+        if flag.requires:  # None when not given: watch_options() fills the default, cmd_run checks the pair
+            kwargs["default"] = None
         if flag.least is not None:
-            kwargs["type"] = number_type(int, least=flag.least, what=f"a whole number >= {flag.least}")
+            what = f"a whole number >= {flag.least}" if flag.most is None else \
+                f"a whole number from {flag.least} to {flag.most}"
+            kwargs["type"] = number_type(int, least=flag.least, most=flag.most or math.inf, what=what)
         if flag.path:
             kwargs["type"] = path_type
         if flag.repeat:
@@ -79,7 +84,18 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
 
 def watch_options(args: argparse.Namespace) -> WatchOptions:
     """The ``WatchOptions`` of ``ampaudit run``'s parsed flags."""
-    return WatchOptions(**{o.name: getattr(args, o.name) for o in fields(WatchOptions) if o.metadata["flag"]})
+    given = {o.name: getattr(args, o.name) for o in fields(WatchOptions) if o.metadata["flag"]}
+    return WatchOptions(**{name: value for name, value in given.items() if value is not None})
+
+
+def _check_requires(args: argparse.Namespace) -> None:
+    """``--fp8-history`` without ``--fp8`` did nothing, silently."""
+    for option in fields(WatchOptions):
+        flag = option.metadata["flag"]
+        if flag is not None and flag.requires and getattr(args, option.name) is not None \
+                and not getattr(args, flag.requires):
+            name, needed = option.name.replace("_", "-"), flag.requires.replace("_", "-")
+            raise UsageError(f"--{name} goes with --{needed}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -94,6 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--inside-compile needs torch's effect tokens, which this torch does not have: update "
                          "torch, or run without it")
 
+    _check_requires(args)
     refuse_special_file(args.script, "the script")
     if args.log is not None:  # resolved before the script runs (it may chdir)
         log = resolve_output(args.log, "--log", inputs=[args.script])

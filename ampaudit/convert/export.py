@@ -19,7 +19,6 @@ killed exports are removed by the next export; SIGTERM during an export removes 
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 import uuid
 from collections.abc import Callable, Iterable
@@ -40,10 +39,10 @@ from ampaudit.convert.publish import (
     PLAN,
     WEIGHTS,
     call_reported,
+    seal_staging,
     staged_export,
 )
 from ampaudit.convert.runtime import CheckpointedCall
-from ampaudit.core.files import umask
 
 _HEADER = '''"""{title}
 
@@ -79,13 +78,8 @@ def stage(model: torch.nn.Module, staging: Path, folder: Path, *, class_name: st
     for format in emit:
         _write_file(staging, folder, EMIT_FILES[format], emit_policy(model, format))
         names.append(EMIT_FILES[format])
-    manifest = {"tool": "ampaudit", EXPORT_ID: export_id, "files": names}
-    _write_file(staging, folder, MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    mask = umask()
-    # mkdtemp makes 0700 and safetensors 0600: the export gets the modes any new file would
-    os.chmod(staging, 0o777 & ~mask)
-    for name in [*names, MANIFEST]:
-        os.chmod(staging / name, 0o666 & ~mask)
+    # safetensors writes 0600: the export gets the modes any new file would
+    _call(f"cannot write {folder / MANIFEST}", lambda: seal_staging(staging, names, export_id))
     return names
 
 

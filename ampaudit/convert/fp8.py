@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,14 @@ from typing import Any
 import torch
 
 from ampaudit._version import __version__
+from ampaudit.convert.publish import FP8_FILES, seal_staging
 from ampaudit.core.arguments import require_module
 from ampaudit.core.errors import UsageError
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import TORCHAO_RECIPES
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts
 
-EMIT_FILE = "fp8_torchao.py"
-PLAN_FILE = "fp8_plan.json"
+EMIT_FILE, PLAN_FILE = FP8_FILES
 DEFAULT_STEPS = 20
 TOLERANCE = 5e-2  # relative gap of the curves' ends, fp8 against bf16 autocast (bf16's own against fp32)
 
@@ -101,14 +102,22 @@ def load_emitted(path: Path) -> Any:
     return module
 
 
-def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str, Any] | None) -> list[str]:
-    """The emitted file and the plan (policy, measurements, verification) into ``folder``."""
+def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str, Any] | None,
+              shown: Path | None = None) -> list[str]:
+    """The emitted file and the plan (policy, measurements, verification) into ``folder`` (a
+    staging folder: ``shown``, the folder it becomes, is what errors name)."""
+    from ampaudit.convert.publish import MANIFEST, call_reported
     from ampaudit.core.files import write_atomic
 
-    write_atomic(folder / EMIT_FILE, text)
+    shown = shown if shown is not None else folder
+    write_atomic(folder / EMIT_FILE, text, shown=str(shown / EMIT_FILE))
     plan = {"tool": "ampaudit", "version": __version__, **policy.to_dict(), "train": verification,
             "layers": policy.table.get("layers", [])}
-    write_atomic(folder / PLAN_FILE, json.dumps(plan, indent=2, default=str) + "\n")
+    write_atomic(folder / PLAN_FILE, json.dumps(plan, indent=2, default=str) + "\n", shown=str(shown / PLAN_FILE))
+    # a manifest, as every export has: without it the next export into the folder (or --force into
+    # one holding the user's files) took it for the user's files
+    call_reported(f"cannot write {shown / MANIFEST}",
+                  lambda: seal_staging(folder, [EMIT_FILE, PLAN_FILE], uuid.uuid4().hex))
     return [EMIT_FILE, PLAN_FILE]
 
 

@@ -35,11 +35,25 @@ from ampaudit.core.staging import (
 PLAN, WEIGHTS, MODULE = "plan.json", "weights.safetensors", "module.py"
 EXPORT_ID = "export_id"  # the key of the export's id in plan.json, the manifest and the weights' metadata
 EMIT_FILES = {"autocast": "autocast_policy.py", "hf": "hf_keep_in_fp32.py", "fsdp2": "fsdp2_policy.py"}
+FP8_FILES = ("fp8_torchao.py", "fp8_plan.json")  # what `convert --dtype fp8` writes (convert/fp8.py)
 
 
 MANIFEST = "ampaudit-export.json"
 # what an export may write (and earlier versions wrote, so that a new export removes them)
-_FILES = (PLAN, WEIGHTS, MODULE, *EMIT_FILES.values(), "model.pt", "modules.pt", "weights.pt")
+_FILES = (PLAN, WEIGHTS, MODULE, *EMIT_FILES.values(), *FP8_FILES, "model.pt", "modules.pt", "weights.pt")
+
+
+def seal_staging(staging: Path, names: list[str], export_id: str) -> None:
+    """The manifest that makes the staged files an export (the next one may replace them whole;
+    ``--force`` moves it last), and the modes any new file would get: mkdtemp makes 0700."""
+    from ampaudit.core.files import umask
+
+    manifest = {"tool": "ampaudit", EXPORT_ID: export_id, "files": names}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    mask = umask()
+    os.chmod(staging, 0o777 & ~mask)
+    for name in [*names, MANIFEST]:
+        os.chmod(staging / name, 0o666 & ~mask)
 
 
 def check_export_folder(folder: Path, *, force: bool = False, inputs: Iterable[Path | str] = ()) -> None:

@@ -16,10 +16,25 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 MIN_COLUMNS = 20  # a COLUMNS below this (0, garbage) is ignored: rich would print nothing
 
 
+class _PrintableConsole(Console):
+    """Every string printed, a table's cells included, shown ``printable``: module and
+    parameter names come from the user's model or from a log that may be anyone's (``report``),
+    and an ESC in one drove the terminal (a window title, a cleared screen)."""
+
+    def render_str(self, text: str, **kwargs):  # type: ignore[override]
+        return super().render_str(printable(text), **kwargs)
+
+    def _render_buffer(self, buffer):  # type: ignore[override]
+        # the last step before the text is written: Text built directly skips render_str; rich's
+        # own control segments (cursor moves) and its styles' codes are left as they are
+        return super()._render_buffer(segment if segment.control else segment._replace(text=printable(segment.text))
+                                      for segment in buffer)
+
+
 def make_console(file=None, *, width: int | None = None) -> Console:
     if width is None and not _usable_columns():
         width = 120
-    console = Console(file=file, highlight=False, soft_wrap=False, width=width)
+    console = _PrintableConsole(file=file, highlight=False, soft_wrap=False, width=width)
     if width is None and not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = 120  # logs and pipes: rich's 80 columns would wrap code lines
     return console

@@ -253,6 +253,10 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     start = time.perf_counter()
     records, reference = record(model, inputs)
     recorded = time.perf_counter()
+    empty = next((name for name, rec in records.items() if rec.x is not None and rec.x.numel() == 0), None)
+    if empty is not None:  # amax over no elements: torch raises IndexError
+        raise LoadError(f"the example inputs give nn.Linear {empty or '(model)'!r} no rows (a batch of 0?): "
+                        "nothing to measure in fp8")
     # a Linear never called on the example inputs has nothing to measure
     weight_amax: dict[int, torch.Tensor] = {}
     layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()

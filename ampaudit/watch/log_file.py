@@ -196,6 +196,7 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
     with handle:
         pending: str | None = None  # a bad line: an error unless it is the last one
         header = False
+        ended: int | None = None  # the end record's line: the last
         for number, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue
@@ -211,6 +212,10 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
                 continue
             except RecursionError:  # a line nested deeper than the parser goes: no log writes that
                 raise UsageError(f"{path}:{number}: nested too deeply to be a log record") from None
+            except ValueError:  # an integer of more digits than int() converts (4300)
+                raise UsageError(f"{path}:{number}: a number too long to be a log's") from None
+            if ended is not None:  # two logs joined, or a line written after the run's end
+                raise UsageError(f"{path}:{number}: a record after the log's end (line {ended})")
             if not isinstance(record, dict):
                 raise UsageError(f"{path}:{number}: a {type(record).__name__}, not a JSON object")
             if not header:
@@ -231,6 +236,7 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
                 problem = end_problem(record)  # written at stop(): the run's end, the final loss scale
                 if problem:
                     raise UsageError(f"{path}:{number}: {problem}")
+                ended = number
                 yield record
                 continue
             if "step" not in record or "layers" not in record or "params" not in record:

@@ -15,8 +15,13 @@ _TEXT_KEYS = ("module", "phase", "op", "note")  # of first_nonfinite: shown as t
 _INT_KEYS = ("step", "rank")
 
 
+MAX_INT = 2**64  # no counter a log writes reaches it; 10**400 overflowed float() deep in the summary
+
+
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -MAX_INT <= value <= MAX_INT
+    return isinstance(value, float)
 
 
 def _whole(value: Any) -> bool:

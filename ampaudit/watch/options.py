@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from ampaudit.core.dtypes import LOW_DTYPES, LowDtype
 
+# each Linear operand keeps this many float32 amaxes on its device; TransformerEngine's recipes use
+# 16 to 1024. 1e9 allocated 4 GB a row and hung the run.
+FP8_HISTORY_MAX = 4096
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,11 +29,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Flag:
     """How ``ampaudit run`` takes an option. A bool is a switch: ``--NAME``, or ``--no-NAME`` for
-    one on by default; any other option takes a value: ``least`` (a whole number at least this),
+    one on by default; any other option takes a value: ``least`` (a whole number at least this, and
+    at most ``most``),
     ``choices``, ``path``, or ``repeat`` (each use adds one). ``default``: the command's own,
     where it is not the API's; ``help``: where the field's doc does not read as a flag's."""
 
     least: int | None = None
+    most: int | None = None
+    requires: str | None = None  # a switch this option goes with: given without it, a usage error
     choices: tuple[str, ...] | None = None
     path: bool = False
     repeat: bool = False
@@ -93,15 +100,20 @@ class WatchOptions:
         "flush to zero, the amax's jump (AMP750, AMP751)"))
     fp8_history: int = field(default=16, metadata=_about(
         "with fp8: the delayed recipe's amax history, in steps (TransformerEngine's amax_history_len)",
-        Flag(least=1, metavar="N", help="with --fp8: the delayed recipe's amax history, in steps (default 16)")))
+        Flag(least=1, most=FP8_HISTORY_MAX, metavar="N", requires="fp8",
+             help=f"with --fp8: the delayed recipe's amax history, in steps (default 16, at most {FP8_HISTORY_MAX})")))
 
     def __post_init__(self) -> None:
         every = self.every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
         history = self.fp8_history
-        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
-            raise ValueError(f"fp8_history must be a whole number >= 1 (got {history!r})")
+        if isinstance(history, bool) or not isinstance(history, int) or not 1 <= history <= FP8_HISTORY_MAX:
+            raise ValueError(f"fp8_history must be a whole number from 1 to {FP8_HISTORY_MAX} (got {history!r})")
+        for name in ("stop_on_nonfinite", "inputs", "eval", "provenance", "inside_compile", "fp8"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # fp8="false" is truthy: it turned the recording on
+                raise TypeError(f"{name} must be True or False (got {value!r})")
         ignore = self.ignore
         try:
             patterns = tuple(ignore) if not isinstance(ignore, str) else None
@@ -111,7 +123,11 @@ class WatchOptions:
             raise TypeError(f"ignore must be a list of module-name patterns (got {ignore!r})")
         object.__setattr__(self, "ignore", patterns)
         if not isinstance(self.guard, (bool, type(None))):  # a generator is read once, here
-            object.__setattr__(self, "guard", tuple(self.guard))
+            try:
+                object.__setattr__(self, "guard", tuple(self.guard))
+            except TypeError:
+                raise TypeError(f"guard must be True, False or a list of schedulers/averaged models (got "
+                                f"{self.guard!r})") from None
 
 
 NAMES = tuple(f.name for f in fields(WatchOptions))
