@@ -88,14 +88,17 @@ class StepReducer:
                     0, index[:, None].expand(-1, len(columns)), rows.index_select(1, columns), "amax",
                     include_self=False)
                 summed.index_copy_(1, columns, peaks)
-            parts.append(stats.compact(summed, limits).reshape(-1))
+            parts.append(summed)
             bad = bad_events(events, index_tensor(modes, device) if modes is not None else None)
             first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(_F64).reshape(1)
         else:
             first = torch.full((1,), float(NO_EVENT), device=device, dtype=_F64)
         if param_rows:
             params = raw[n_events:]
-            parts.append(stats.compact(params, limits).reshape(-1))
+            parts.append(params)
+        # the layers' and the parameters' Stats rows in one pass (compact is row by row)
+        parts = [stats.compact(parts[0] if len(parts) == 1 else torch.cat(parts), limits).reshape(-1)] if parts else []
+        if param_rows:
             parts.append(params[:, LAYOUT.raw_extra["sumsq"]].sqrt())
             parts.append(params[:, LAYOUT.count["scaled"]] if scale is not None
                          else torch.full((len(param_rows),), -1.0, device=device, dtype=_F64))
