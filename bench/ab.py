@@ -49,8 +49,10 @@ def anomaly() -> contextlib.AbstractContextManager:
 
 
 def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps: int, rounds: int,
-                warmup: int) -> dict[str, tuple[float, float]]:
-    """Per variant: (median seconds per step, median ratio to the baseline). The first variant
+                warmup: int) -> dict[str, tuple[float, float, float, float]]:
+    """Per variant: (median seconds per step, median ratio to the baseline, and the lowest and
+    highest ratio of the rounds: on a shared machine the spread says how far to trust the
+    median). The first variant
     is the baseline; each round times it again right before every other variant, and a ratio
     is that pair's - so that a machine whose speed drifts within a round (a shared one) moves
     both sides of each ratio alike."""
@@ -80,7 +82,8 @@ def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps
             times[name].append(timed(variant, steps))
             ratios[name].append(times[name][-1] / before)
     ratios[base_name] = [1.0]
-    return {name: (statistics.median(times[name]), statistics.median(ratios[name])) for name in variants}
+    return {name: (statistics.median(times[name]), statistics.median(ratios[name]), min(ratios[name]),
+                   max(ratios[name])) for name in variants}
 
 
 def syncs_per_step(variant: Variant, step: Callable[[], None], steps: int = 3) -> float:
@@ -97,7 +100,9 @@ def syncs_per_step(variant: Variant, step: Callable[[], None], steps: int = 3) -
     return sum("synchronizing" in str(w.message) for w in caught) / steps
 
 
-def print_ratios(medians: dict[str, tuple[float, float]]) -> None:
-    """Each variant's median time and its median ratio to the baseline (``interleaved``)."""
-    for name, (med, ratio) in medians.items():
-        print(f"  {name:<26} {med * 1000:8.1f} ms/step  {ratio:5.2f}x")
+def print_ratios(medians: dict[str, tuple[float, float, float, float]]) -> None:
+    """Each variant's median time, its median ratio to the baseline and the rounds' range
+    of ratios (``interleaved``)."""
+    for name, (med, ratio, low, high) in medians.items():
+        spread = f"  ({low:.2f}-{high:.2f}x)" if low != high else ""
+        print(f"  {name:<26} {med * 1000:8.1f} ms/step  {ratio:5.2f}x{spread}")

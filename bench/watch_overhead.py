@@ -14,7 +14,8 @@ With --compile the model is torch.compile'd (inductor): the compiled run against
 graph untouched), watch with the log, and watch(inside_compile=True) (every module inside the
 graph recorded by an op in it), with the log too.
 
-Run: python bench/watch_overhead.py [--workload gpt|mlp] [--compile] [--steps N] [--rounds R] [--width D]
+Run: python bench/watch_overhead.py [--workload gpt|mlp|nanogpt] [--compile] [--steps N] [--rounds R]
+     [--width D] [--threads T]
 """
 
 from __future__ import annotations
@@ -134,7 +135,11 @@ def main() -> None:
                         help="gpt: TinyGPT in fp32; mlp: a small MLP, fp16 autocast and a GradScaler; nanogpt: "
                              "nanoGPT's shape, 2 layers x 64, fp32, batch 12 x 64 (issue 28 item 13)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads first (a busy shared machine: 1 "
+                        "gives steadier ratios; default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cpu"
     torch.manual_seed(0)
     scaler = None

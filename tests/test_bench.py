@@ -20,7 +20,8 @@ def _run(*args: str) -> str:
 
 
 def _ratios(out: str) -> dict[str, float]:
-    return {m[1].strip(): float(m[2]) for m in re.finditer(r"^  (\S.*?)\s+[\d.]+ ms/step\s+([\d.]+)x$", out, re.M)}
+    row = r"^  (\S.*?)\s+[\d.]+ ms/step\s+([\d.]+)x(?:  \([\d.]+-[\d.]+x\))?$"  # then the rounds' range
+    return {m[1].strip(): float(m[2]) for m in re.finditer(row, out, re.M)}
 
 
 def test_cpu_watch_benchmark_runs_every_variant():

@@ -74,30 +74,34 @@ class StepReducer:
         buf = LAYOUT.step_buffer(n_keys, len(param_rows), sharded)
         handles = event_rows + param_rows
         device = handles[0][0] if handles else torch.device("cpu")
-        raw = stats.raw_matrix(*arena.matrix(handles, device))
-        events, n_events = raw[: len(event_rows)], len(event_rows)
+        counts, extras = arena.matrix(handles, device)
+        n_events = len(event_rows)
+        # every row compacted first (int64 bins to float64 Stats rows), then the layers' rows
+        # summed per key in those narrow rows: counts add up alike before and after compacting
+        rows = stats.compact_rows(counts, extras, limits)
         parts = []
         if n_events:
             in_rows = [i for i, key in enumerate(event_keys) if key >= 0]
-            rows = events if len(in_rows) == n_events else events.index_select(0, index_tensor(in_rows, device))
+            events = rows[:n_events]
+            if len(in_rows) != n_events:
+                events = events.index_select(0, index_tensor(in_rows, device))
             index = index_tensor([event_keys[i] for i in in_rows], device)
-            summed = torch.zeros(n_keys, LAYOUT.raw, device=device, dtype=_F64).index_add_(0, index, rows)
-            if LAYOUT.raw_max:  # the extras kept as a maximum (absmax), not summed
-                columns = index_tensor(list(LAYOUT.raw_max), device)
+            summed = torch.zeros(n_keys, LAYOUT.width, device=device, dtype=_F64).index_add_(0, index, events)
+            if LAYOUT.max_fields:  # the fields kept as a maximum (absmax), not summed
+                columns = index_tensor(list(LAYOUT.max_fields), device)
                 peaks = torch.zeros(n_keys, len(columns), device=device, dtype=_F64).scatter_reduce_(
-                    0, index[:, None].expand(-1, len(columns)), rows.index_select(1, columns), "amax",
+                    0, index[:, None].expand(-1, len(columns)), events.index_select(1, columns), "amax",
                     include_self=False)
                 summed.index_copy_(1, columns, peaks)
-            parts.append(stats.compact(summed, limits).reshape(-1))
-            bad = bad_events(events, index_tensor(modes, device) if modes is not None else None)
+            parts.append(summed.reshape(-1))
+            bad = bad_events(counts[:n_events], index_tensor(modes, device) if modes is not None else None)
             first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(_F64).reshape(1)
         else:
             first = torch.full((1,), float(NO_EVENT), device=device, dtype=_F64)
         if param_rows:
-            params = raw[n_events:]
-            parts.append(stats.compact(params, limits).reshape(-1))
-            parts.append(params[:, LAYOUT.raw_extra["sumsq"]].sqrt())
-            parts.append(params[:, LAYOUT.count["scaled"]] if scale is not None
+            parts.append(rows[n_events:].reshape(-1))
+            parts.append(extras[n_events:, LAYOUT.extra["sumsq"]].to(_F64).sqrt())
+            parts.append(counts[n_events:, LAYOUT.count["scaled"]].to(_F64) if scale is not None
                          else torch.full((len(param_rows),), -1.0, device=device, dtype=_F64))
         minus_one = torch.full((1,), -1.0, device=device, dtype=_F64)
         tail = [first, scale.to(device, _F64).reshape(1) if scale is not None else minus_one,
