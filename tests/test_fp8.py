@@ -284,6 +284,23 @@ def test_an_empty_batch_is_one_line_not_an_index_error(cli, tmp_path):
                           "to measure in fp8\n")
 
 
+def test_a_model_without_linear_layers_has_no_fp8_policy(cli, tmp_path):
+    """It wrote a policy of 0 layers, an emitted file that converts nothing, and exited 0."""
+    import ampaudit
+    from ampaudit.core.errors import LoadError
+
+    with pytest.raises(LoadError, match=r"^no nn.Linear ran on the example inputs: nothing for fp8 training"):
+        ampaudit.fp8_policy(nn.Sequential(nn.Conv1d(4, 4, 3), nn.ReLU()), (torch.randn(2, 4, 8),))
+    model = tmp_path / "m.py"
+    model.write_text("from torch import nn\n\n\ndef get_model():\n    return nn.Sequential(nn.Conv1d(4, 4, 3))\n")
+    _torchao()  # convert --dtype fp8 needs torchao before it measures
+    out = tmp_path / "out"
+    result = cli("convert", model, "--dtype", "fp8", "--emit", "torchao", "--input-shape", "2,4,8", "-o", out)
+    assert result.code == 2
+    assert result.err.startswith("ampaudit: error: no nn.Linear ran on the example inputs")
+    assert result.err.count("\n") == 1 and not out.exists()
+
+
 def test_a_file_not_imported_is_amp003_under_dtype_fp8_too(cli, tmp_path):
     """AMP003 decided from the source (before torch) parsed --dtype as a LowDtype: 'dtype must be
     float16 or bfloat16 (got 'fp8')', exit 2, and --fp8-recipe without fp8 passed unchecked there."""

@@ -24,7 +24,7 @@ import torch
 from ampaudit._version import __version__
 from ampaudit.convert.publish import FP8_FILES, seal_staging
 from ampaudit.core.arguments import require_module
-from ampaudit.core.errors import UsageError
+from ampaudit.core.errors import LoadError, UsageError
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import TORCHAO_RECIPES
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts
@@ -75,7 +75,11 @@ def fp8_policy(model: torch.nn.Module, example_inputs: Any, *, recipe: str | Non
         raise UsageError(f"torchao's recipes are {', '.join(TORCHAO_RECIPES)} (got {recipe!r}); mxfp8 is audited "
                          "by `check --dtype fp8 --fp8-recipe mxfp8` but not emitted")
     recipe = recipe or choose_recipe(model, inputs)
-    return policy_from(judge(model, inputs, recipe))
+    judgement = judge(model, inputs, recipe)
+    if not judgement.layers:  # a policy of no layers converts nothing: the export would be a no-op
+        raise LoadError("no nn.Linear ran on the example inputs: nothing for fp8 training to convert "
+                        "(torchao's float8 training converts nn.Linear layers)")
+    return policy_from(judgement)
 
 
 def emit_torchao(policy: Fp8Policy, *, model_file: str | None, entry: str, steps: int = DEFAULT_STEPS,
