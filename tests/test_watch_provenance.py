@@ -521,17 +521,9 @@ def test_transformers_kv_cache_is_copied_for_the_replay():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=True))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)  # too high: the backward overflows
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = model(input_ids=ids, labels=ids)
-        opt.zero_grad()
-        scaler.scale(out.loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    first = mon.summary()["first_nonfinite"]
+    # init_scale too high: the backward overflows
+    first, out = _one_scaled_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ids, 2.0**20)
     assert {k: first[k] for k in ("module", "phase", "tensor", "op")} == {
         "module": "transformer.h.1", "phase": "backward", "tensor": "grad of input[0]", "op": "AddBackward0"}
     assert "/transformers/models/gpt2/modeling_gpt2.py:" in first["source"]
@@ -564,17 +556,8 @@ def test_a_llama_at_a_huge_init_scale_is_blamed_on_the_logits_upcast_not_the_rot
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = model(input_ids=ids, labels=ids)
-        opt.zero_grad()
-        scaler.scale(out.loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    first = mon.summary()["first_nonfinite"]
+    first, _ = _one_scaled_step(model, torch.optim.SGD(model.parameters(), lr=0.0), ids, 2.0**40)
     assert {k: first[k] for k in ("module", "phase", "tensor", "op")} == {
         "module": "(model)", "phase": "backward", "tensor": "grad of lm_head's output", "op": "ToCopyBackward0"}
     file, line = first["source"].rsplit(":", 1)
@@ -616,3 +599,16 @@ def test_an_op_inside_nn_linear_names_the_users_line_that_called_it(phase):
     assert (first["module"], first["phase"], first["op"]) == (
         ("b", "forward", "aten.addmm") if phase == "forward" else ("b", "backward", "AddmmBackward0")), first
     assert first["source"] == _line_of(TwiceB.forward, "return self.b(h)")
+
+
+def _one_scaled_step(model, opt, ids, init_scale):
+    """One watched fp16 step of a transformers LM with a GradScaler: (first_nonfinite, the output)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        scaler.scale(out.loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return mon.summary()["first_nonfinite"], out
