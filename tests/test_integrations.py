@@ -247,6 +247,42 @@ def test_lightning_finds_the_bad_batch_at_its_step(tmp_path):
     assert firsts[:5] == [None] * 5 and _where(firsts[5]) == expected
 
 
+def test_lightning_under_run_blames_the_root_modules_own_line(tmp_path):
+    # `ampaudit run` (global optimizer hooks) on Lightning's automatic optimization, which
+    # steps with a closure: the NaN made in the LightningModule's own forward is named at its
+    # line, not blamed on its first child as "came from outside" (replayed with updated weights)
+    pl = _lightning()
+    from ampaudit.watch.monitor import Monitor
+
+    class Root(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            if self.global_step == 3:
+                h = h / 0.0 * 0.0  # the root's own code
+            return self.fc2(h)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return (self(x) - y).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    trainer = pl.Trainer(max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    with Monitor(None) as monitor:
+        trainer.fit(Root(), _lit_data())
+    first = monitor.summary()["first_nonfinite"]
+    line = Root.forward.__code__.co_firstlineno + 3
+    assert (first["step"], first["module"], first["op"]) == (3, "(model)", "aten.div")
+    assert first["source"] == f"{__file__}:{line}"
+
+
 @pytest.mark.parametrize("init_scale", [2.0**4, 2.0**16], ids=["low-scale", "default-scale"])
 def test_lightning_16_mixed_records_the_steps_the_scaler_skips(tmp_path, init_scale):
     pl = _lightning()

@@ -880,6 +880,75 @@ def test_closure_steps_record_each_step_in_its_own_step(optimizer_type):
     assert summary["layers"]["0"]["forward"]["numel"] == 4 * 3 * 8  # every step's forward, none lost
 
 
+class _RootMakesNan(nn.Module):
+    """A NaN made by the root module's own code (between its children) at one step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.step = 0  # set by the loop: a replay of the step makes the NaN again
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.step == 2:
+            h = h / 0.0 * 0.0  # the root's own line
+        return self.fc2(h)
+
+
+_ROOT_NAN_LINE = _RootMakesNan.forward.__code__.co_firstlineno + 3
+
+
+@pytest.mark.parametrize("optimizer_type", ["sgd", "lbfgs"])
+@pytest.mark.parametrize("global_hooks", [False, True])
+def test_a_nan_the_root_makes_under_a_closure_step_is_blamed_on_its_line(optimizer_type, global_hooks):
+    # optimizer.step(closure) (Lightning's automatic optimization): the step ended after the
+    # update, and the root's replay saw NaN weights, so the NaN "came from outside" into fc2
+    from ampaudit.watch.monitor import Monitor
+
+    model = _RootMakesNan()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.01) if optimizer_type == "sgd"
+           else torch.optim.LBFGS(model.parameters(), lr=0.01, max_iter=1))
+    x = torch.ones(3, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with (Monitor(None) if global_hooks else ampaudit.watch(model, optimizer=opt)) as mon:
+        for model.step in range(4):
+            opt.step(closure=closure) if global_hooks else opt.step(closure)
+    first = mon.summary()["first_nonfinite"]
+    assert (first["step"], first["phase"], first["op"]) == (2, "forward", "aten.div")
+    assert first["module"] == "(model)" and first["source"] == f"{__file__}:{_ROOT_NAN_LINE}"
+
+
+def test_lbfgs_further_evaluations_within_a_step_are_counted_not_recorded():
+    # LBFGS(max_iter=3) calls the closure 3 times a step: the first ends the step; the others
+    # (at trial weights) are counted, so 4 steps stay 4 steps, none dated a step late
+    model = _net()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    x, calls = torch.randn(3, 4), []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(4):
+            opt.step(closure)
+    summary = mon.summary()
+    assert len(calls) == 12
+    assert summary["steps"] == 4
+    assert summary["layers"]["0"]["forward"]["numel"] == 4 * 3 * 8
+    assert summary["unmeasured"] == {"closure-reevaluation": 8}
+
+
 @pytest.mark.parametrize("record_eval", [False, True])
 def test_eval_forwards_stay_out_of_the_training_statistics(record_eval):
     # nanoGPT's estimate_loss(): torch.no_grad() forwards between steps stay out of the next

@@ -1,8 +1,9 @@
 """Where a watched step ends: the optimizer's step hooks, and the GradScaler tap.
 
 A step ends at ``optimizer.step()`` (before it: the step reads this step's gradients), or
-after it when the step takes a closure (LBFGS, Lightning's automatic optimization: the
-closure runs the forward and backward inside ``step()``), or - with a GradScaler - at
+when its closure first returns, before the update, when the step takes one (LBFGS,
+Lightning's automatic optimization: the closure runs the forward and backward inside
+``step()``), or - with a GradScaler - at
 ``scaler.update()``, so that a skipped step still counts. Each tap calls ``on_boundary``
 (with the scaler, when one ends the step) and knows how to come off again.
 """
@@ -10,6 +11,7 @@ closure runs the forward and backward inside ``step()``), or - with a GradScaler
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from torch.optim import optimizer as optimizer_hooks
 
 Boundary = Callable[..., None]  # on_boundary(scaler=None)
 Here = Callable[[], bool]  # whether the calling thread is the one the watch follows (watch/threads.py)
+Reevaluate = Callable[[], AbstractContextManager]  # what a closure's later calls in one step() run under
 
 
 def _anywhere() -> bool:
@@ -39,12 +42,13 @@ class OptimizerTap:
     gradients the step records when no model names them."""
 
     def __init__(self, on_boundary: Boundary, optimizer: torch.optim.Optimizer | None,
-                 here: Here = _anywhere) -> None:
+                 here: Here = _anywhere, reevaluate: Reevaluate = nullcontext) -> None:
         self.on_boundary, self.here = on_boundary, here  # another thread's steps end no step of ours
+        self.reevaluate = reevaluate  # around a closure's later calls within one step()
         optimizer = unwrap_optimizer(optimizer)
         self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self.in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
-        self._closure_steps = 0  # optimizer.step(closure) calls in progress
+        self._closure_steps: list[_ClosureStep] = []  # optimizer.step(closure) calls in progress
         self._handles: list[Any] = []
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -61,28 +65,60 @@ class OptimizerTap:
             handle.remove()
         self._handles.clear()
 
-    def _global_step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _global_step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self.in_scaler_step or not self.here():
-            return  # a GradScaler drives this step (its update() is the boundary), or another thread's
+            return None  # a GradScaler drives this step (its update() is the boundary), or another thread's
         self.optimizers = [optimizer]
-        self._step_pre_hook(optimizer, args, kwargs)
+        return self._step_pre_hook(optimizer, args, kwargs)
 
-    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """The step boundary is before optimizer.step(), which reads this step's gradients -
         unless the step takes a closure: the closure runs this step's forward and backward
-        inside step(), so the boundary is after."""
+        inside step(), so the boundary is when the closure first returns, before the update
+        (a blame replays the step's modules: with the updated weights it would replay another
+        step). Returns step()'s arguments with the closure wrapped, as torch's pre-hooks may."""
         if not self.here():
-            return
+            return None
         # torch passes step()'s own args, the optimizer first: a closure is any callable after it
-        if any(callable(a) for a in args if a is not optimizer) or callable(kwargs.get("closure")):
-            self._closure_steps += 1
-        else:
+        at = next((i for i, a in enumerate(args) if a is not optimizer and callable(a)), None)
+        if at is None and not callable(kwargs.get("closure")):
             self.on_boundary()
+            return None
+        pending = _ClosureStep()
+        self._closure_steps.append(pending)
+        if at is not None:
+            return (*args[:at], pending.wrap(args[at], self.on_boundary, self.reevaluate), *args[at + 1:]), kwargs
+        return args, {**kwargs, "closure": pending.wrap(kwargs["closure"], self.on_boundary, self.reevaluate)}
 
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._closure_steps and self.here():
-            self._closure_steps -= 1
-            self.on_boundary()
+            pending = self._closure_steps.pop()
+            if not pending.ended:  # the optimizer never called its closure: the step ends here
+                self.on_boundary()
+
+
+class _ClosureStep:
+    """One optimizer.step(closure) in progress: its closure ends the watched step the first
+    time it returns. Later calls within the same step() (LBFGS's further evaluations, at
+    trial weights) run under ``reevaluate``: the step is already recorded, and recording them
+    into the next one would date them a step late (and add a step after the last)."""
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def wrap(self, closure: Callable[..., Any], on_boundary: Boundary,
+             reevaluate: Reevaluate) -> Callable[..., Any]:
+        def closure_then_boundary(*args: Any, **kwargs: Any) -> Any:
+            if self.ended:
+                with reevaluate():
+                    return closure(*args, **kwargs)
+            result = closure(*args, **kwargs)
+            if not self.ended:
+                self.ended = True
+                on_boundary()
+            return result
+
+        return closure_then_boundary
 
 
 class ScalerTap:
