@@ -23,7 +23,7 @@ def _step(model, opt, scaler, sched, ema, x) -> None:
     ema.update_parameters(model)
 
 
-def _run(*, guard: bool, bad_batch: bool = True, steps: int = 5):
+def _run(*, guard: bool, bad_batch: bool = True, steps: int = 5, named: bool = True):
     """A CPU GradScaler loop whose batch at BAD_STEP holds an inf (the scaler skips that step);
     with ``bad_batch=False`` that batch is left out entirely: what a guarded run should equal."""
     torch.manual_seed(0)
@@ -32,7 +32,9 @@ def _run(*, guard: bool, bad_batch: bool = True, steps: int = 5):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     ema = AveragedModel(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    guarded = StepGuard(scaler, opt, model=model, schedulers=[sched], emas=[ema]) if guard else None
+    # named=False: as `ampaudit run --guard` builds it - no scaler, optimizer or model named
+    guarded = ((StepGuard(scaler, opt, model=model, schedulers=[sched], emas=[ema]) if named
+                else StepGuard(None, find=True)) if guard else None)
     if guarded:
         guarded.start()
     batches = [torch.randn(6, 4) for _ in range(steps)]
@@ -69,6 +71,16 @@ def test_a_guarded_skipped_step_equals_leaving_the_batch_out():
     assert _same(state["bn"], reference["bn"])
     assert _same(state["params"], reference["params"])
     assert _same(state["ema"], reference["ema"])
+
+
+def test_a_guard_that_names_no_model_restores_every_batchnorm_that_ran():
+    # ampaudit run --guard: the BatchNorm found by a global forward hook as it first runs in a step
+    state, guard = _run(guard=True, named=False)
+    reference, _ = _run(guard=False, bad_batch=False)
+    assert guard.summary() == {"steps": 5, "skipped_steps": [BAD_STEP], "scheduler_steps_held": 1,
+                               "ema_updates_held": 1, "batchnorm_restores": 1}
+    assert _same(state["bn"], reference["bn"])
+    assert _same(state["params"], reference["params"]) and _same(state["ema"], reference["ema"])
 
 
 def test_step_applied_per_step():

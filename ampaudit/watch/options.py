@@ -90,7 +90,7 @@ class WatchOptions:
         "schedulers and EMAs to hold, so that a step the scaler skips leaves them and BatchNorm's running "
         "statistics as they were; only those that step once per optimizer step are held",
         Flag(help="hold every LR scheduler and torch AveragedModel that steps once per optimizer step when a "
-             "GradScaler skips that step (BatchNorm is not restored: no model is named)")))
+             "GradScaler skips that step, and put back the running statistics of every BatchNorm that ran in it")))
     inside_compile: bool = field(default=False, metadata=_about(
         "under torch.compile, record the modules inside the compiled graph too (an op in the graph: no graph "
         "break; inductor's results may differ in the last bits)"))

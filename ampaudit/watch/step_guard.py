@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 _EMA_METHODS = ("update_parameters", "update")  # torch's AveragedModel, timm's ModelEmaV2 and most others
 
@@ -54,6 +55,7 @@ class StepGuard:
         self._classes: list[tuple[type, str, Any]] = []
         self._handles: list[Any] = []
         self._bn_saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._bn_seen: set[int] = set()  # without a model: the norm modules snapshot this step
         # per scheduler or EMA: the guarded optimizer steps there had been when it last stepped
         self._last_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._inside = threading.local()  # a scheduler that steps its children (SequentialLR) is held once
@@ -96,6 +98,9 @@ class StepGuard:
                              self._held("ema_updates_held", pick)(AveragedModel.update_parameters))
         if self.model is not None and any(isinstance(m, _NormBase) for m in self.model.modules()):
             self._handles.append(self.model.register_forward_pre_hook(self._snapshot_batchnorm))
+        elif self.model is None and self.optimizer is None:
+            # ampaudit run --guard names no model: every BatchNorm as it first runs in a step
+            self._handles.append(register_module_forward_pre_hook(self._snapshot_one_batchnorm))
         return self
 
     def stop(self) -> None:
@@ -188,6 +193,16 @@ class StepGuard:
         if self._bn_saved is None and torch.is_grad_enabled():  # the step's first training forward
             self._bn_saved = [(b, b.detach().clone()) for m in module.modules() if isinstance(m, _NormBase)
                               for b in m.buffers()]
+
+    def _snapshot_one_batchnorm(self, module: torch.nn.Module, args: Any) -> None:
+        """A global hook's: one norm module's buffers, before its first training forward of the step."""
+        if not isinstance(module, _NormBase) or not torch.is_grad_enabled():
+            return
+        if self._bn_saved is None:
+            self._bn_saved, self._bn_seen = [], set()
+        if id(module) not in self._bn_seen:
+            self._bn_seen.add(id(module))
+            self._bn_saved.extend((b, b.detach().clone()) for b in module.buffers(recurse=False))
 
     def _restore_batchnorm(self) -> None:
         if self._bn_saved:
