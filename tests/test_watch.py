@@ -925,10 +925,10 @@ def test_a_nan_the_root_makes_under_a_closure_step_is_blamed_on_its_line(optimiz
     assert first["module"] == "(model)" and first["source"] == f"{__file__}:{_ROOT_NAN_LINE}"
 
 
-def test_lbfgs_further_evaluations_within_a_step_are_counted_not_recorded():
-    # LBFGS(max_iter=3) calls the closure 3 times a step: the first ends the step; the others
-    # (at trial weights) are counted, so 4 steps stay 4 steps, none dated a step late
-    model = _net()
+def test_each_closure_call_within_one_lbfgs_step_is_a_step_of_its_own():
+    # LBFGS(max_iter=3) calls the closure 3 times a step, each at new weights: one watched step
+    # per call, so each record is that evaluation's and a replay sees the weights it used
+    model = _net(_Blowup(at_step=6))
     opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
     x, calls = torch.randn(3, 4), []
 
@@ -943,10 +943,9 @@ def test_lbfgs_further_evaluations_within_a_step_are_counted_not_recorded():
         for _ in range(4):
             opt.step(closure)
     summary = mon.summary()
-    assert len(calls) == 12
-    assert summary["steps"] == 4
-    assert summary["layers"]["0"]["forward"]["numel"] == 4 * 3 * 8
-    assert summary["unmeasured"] == {"closure-reevaluation": 8}
+    assert len(calls) == summary["steps"] == 12
+    assert summary["layers"]["0"]["forward"]["numel"] == 12 * 3 * 8
+    assert (summary["first_nonfinite"]["step"], summary["first_nonfinite"]["module"]) == (6, "1")
 
 
 @pytest.mark.parametrize("record_eval", [False, True])

@@ -1,9 +1,9 @@
 """Where a watched step ends: the optimizer's step hooks, and the GradScaler tap.
 
 A step ends at ``optimizer.step()`` (before it: the step reads this step's gradients), or
-when its closure first returns, before the update, when the step takes one (LBFGS,
-Lightning's automatic optimization: the closure runs the forward and backward inside
-``step()``), or - with a GradScaler - at
+when its closure returns, before the update, when the step takes one (LBFGS, Lightning's
+automatic optimization: the closure runs the forward and backward inside ``step()``; each
+call of LBFGS's is a step), or - with a GradScaler - at
 ``scaler.update()``, so that a skipped step still counts. Each tap calls ``on_boundary``
 (with the scaler, when one ends the step) and knows how to come off again.
 """
@@ -11,7 +11,6 @@ Lightning's automatic optimization: the closure runs the forward and backward in
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -19,7 +18,6 @@ from torch.optim import optimizer as optimizer_hooks
 
 Boundary = Callable[..., None]  # on_boundary(scaler=None)
 Here = Callable[[], bool]  # whether the calling thread is the one the watch follows (watch/threads.py)
-Reevaluate = Callable[[], AbstractContextManager]  # what a closure's later calls in one step() run under
 
 
 def _anywhere() -> bool:
@@ -42,9 +40,8 @@ class OptimizerTap:
     gradients the step records when no model names them."""
 
     def __init__(self, on_boundary: Boundary, optimizer: torch.optim.Optimizer | None,
-                 here: Here = _anywhere, reevaluate: Reevaluate = nullcontext) -> None:
+                 here: Here = _anywhere) -> None:
         self.on_boundary, self.here = on_boundary, here  # another thread's steps end no step of ours
-        self.reevaluate = reevaluate  # around a closure's later calls within one step()
         optimizer = unwrap_optimizer(optimizer)
         self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self.in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
@@ -74,9 +71,9 @@ class OptimizerTap:
     def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """The step boundary is before optimizer.step(), which reads this step's gradients -
         unless the step takes a closure: the closure runs this step's forward and backward
-        inside step(), so the boundary is when the closure first returns, before the update
-        (a blame replays the step's modules: with the updated weights it would replay another
-        step). Returns step()'s arguments with the closure wrapped, as torch's pre-hooks may."""
+        inside step(), so the boundary is when the closure returns, before the update (a blame
+        replays the step's modules: with the updated weights it would replay another step).
+        Returns step()'s arguments with the closure wrapped, as torch's pre-hooks may."""
         if not self.here():
             return None
         # torch passes step()'s own args, the optimizer first: a closure is any callable after it
@@ -87,8 +84,8 @@ class OptimizerTap:
         pending = _ClosureStep()
         self._closure_steps.append(pending)
         if at is not None:
-            return (*args[:at], pending.wrap(args[at], self.on_boundary, self.reevaluate), *args[at + 1:]), kwargs
-        return args, {**kwargs, "closure": pending.wrap(kwargs["closure"], self.on_boundary, self.reevaluate)}
+            return (*args[:at], pending.wrap(args[at], self.on_boundary), *args[at + 1:]), kwargs
+        return args, {**kwargs, "closure": pending.wrap(kwargs["closure"], self.on_boundary)}
 
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._closure_steps and self.here():
@@ -98,24 +95,19 @@ class OptimizerTap:
 
 
 class _ClosureStep:
-    """One optimizer.step(closure) in progress: its closure ends the watched step the first
-    time it returns. Later calls within the same step() (LBFGS's further evaluations, at
-    trial weights) run under ``reevaluate``: the step is already recorded, and recording them
-    into the next one would date them a step late (and add a step after the last)."""
+    """One optimizer.step(closure) in progress: each time its closure returns, a watched step
+    ends - before the update, so a blame replays with the weights that call used. A closure
+    called again within one step() (LBFGS's further iterations and line search: each at new
+    weights) is a watched step of its own."""
 
     def __init__(self) -> None:
         self.ended = False
 
-    def wrap(self, closure: Callable[..., Any], on_boundary: Boundary,
-             reevaluate: Reevaluate) -> Callable[..., Any]:
+    def wrap(self, closure: Callable[..., Any], on_boundary: Boundary) -> Callable[..., Any]:
         def closure_then_boundary(*args: Any, **kwargs: Any) -> Any:
-            if self.ended:
-                with reevaluate():
-                    return closure(*args, **kwargs)
             result = closure(*args, **kwargs)
-            if not self.ended:
-                self.ended = True
-                on_boundary()
+            self.ended = True
+            on_boundary()
             return result
 
         return closure_then_boundary

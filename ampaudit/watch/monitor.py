@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import fnmatch
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +119,7 @@ class Monitor:
                                 lambda: not transformed() and self.recorder.thread.here())
                     if options.fp8 else None)  # float8 statistics: a unit of their own (watch/fp8.py)
         here = self.recorder.thread.here  # steps end on the thread the watch follows (watch/threads.py)
-        self.optimizer_tap = OptimizerTap(self._boundary, optimizer, here, self._reevaluation)
+        self.optimizer_tap = OptimizerTap(self._boundary, optimizer, here)
         self.scaler_tap = ScalerTap(self._boundary, here)
         self.reducer = StepReducer(world)
         self._rank = rank
@@ -245,16 +243,6 @@ class Monitor:
         self.forks += 1
 
     # -- step boundaries --------------------------------------------------------------------------
-    @contextmanager
-    def _reevaluation(self) -> Iterator[None]:
-        """A closure called again within one optimizer.step() (LBFGS): not recorded, counted."""
-        self.recorder.unmeasured["closure-reevaluation"] += 1
-        paused, self.recorder.paused = self.recorder.paused, True
-        try:
-            yield
-        finally:
-            self.recorder.paused = paused
-
     def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
         """Mark a step boundary by hand (loops without an optimizer or scaler hook, trainers'
         callbacks). With ``scaler`` - after its ``unscale_``, before its ``step`` - the step's

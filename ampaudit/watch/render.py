@@ -64,7 +64,8 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         grid.add_row("forked", f"{n} process{'es' if n != 1 else ''} forked while watching (fork pools, DataLoader "
                                "workers): what they ran is not watched")
     if summary.get("unmeasured"):
-        grid.add_row("not measured", ", ".join(_unmeasured(kind, n) for kind, n in summary["unmeasured"].items()))
+        grid.add_row("not measured", ", ".join(f"{n} {kind} tensor{'s' if n != 1 else ''}"
+                                               for kind, n in summary["unmeasured"].items()))
     console.print(Panel(grid, title="ampaudit watch", title_align="left", expand=False))
     wide = console.width >= 110  # the sparkline goes first when the terminal is narrow
     rows = []
@@ -166,10 +167,3 @@ def _break_at_dots(name: str, width: int) -> str:
         line += piece
     lines.append(line)
     return "\n".join(lines)
-
-
-def _unmeasured(kind: str, n: int) -> str:
-    """'3 sparse tensors'; a closure's later calls within one step() are calls, not tensors."""
-    if kind == "closure-reevaluation":
-        return f"{n} closure re-evaluation{'s' if n != 1 else ''} within a step (LBFGS)"
-    return f"{n} {kind} tensor{'s' if n != 1 else ''}"
