@@ -444,3 +444,36 @@ def test_a_sampled_layer_keeps_the_massive_token_verdict_and_says_it_was_sampled
             assert fc1["operands"][recipe][op]["flushed"] == pytest.approx(stats["flushed"], abs=0.01)
     for key, value in full["gemms"].items():
         assert fc1["gemms"][key] == pytest.approx(value, abs=0.5), key
+
+
+class _MixedGemms(nn.Module):
+    """A conv stem, attention with its raw in-projection, then Linears: only the Linears are fp8's."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv1d(16, 32, 1)
+        self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.stem(x).transpose(1, 2)
+        h, _ = self.attn(h, h, h)
+        return self.fc(h)
+
+
+def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
+    # GPT-2's projections are transformers Conv1D: a table of one lm_head said nothing of them
+    import ampaudit
+
+    report = ampaudit.check(_MixedGemms(), (torch.randn(2, 16, 8),), dtype="fp8")
+    assert [layer["name"] for layer in report.fp8["layers"]] == ["fc"]  # MHA reads out_proj.weight itself
+    assert ("not audited: 1 nn.MultiheadAttention (in- and out-projection), 1 convolution - not nn.Linear, "
+            "so torchao's convert_to_float8_training leaves them in high precision (they train as they do today)"
+            in report.target.notes)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_head=2, n_layer=2, n_positions=16, vocab_size=64)
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    report = ampaudit.check(gpt2, (torch.randint(0, 64, (2, 8)),), dtype="fp8")
+    assert [layer["name"] for layer in report.fp8["layers"]] == ["lm_head"]
+    assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)

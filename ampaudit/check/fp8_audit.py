@@ -17,6 +17,7 @@ from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fp8_casts import RECIPES
 from ampaudit.graph.fp8_measure import Fp8Layer
+from ampaudit.graph.fp8_other_gemms import other_gemms, other_gemms_note
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge
 
 DEFAULT_RECIPE = "tensorwise"  # torchao's default Float8LinearConfig
@@ -42,6 +43,9 @@ def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str 
         notes.append(_sampled_note(sampled))
     if not judgement.layers:
         notes.append("no nn.Linear ran on the example inputs: nothing for fp8 training to convert")
+    other = other_gemms_note(other_gemms(model))
+    if other:
+        notes.append(other)
     report = Report(Target(file, entry, "fp8", notes), E4M3, [], findings)
     report.fp8 = judgement.to_dict(seconds)
     return report
