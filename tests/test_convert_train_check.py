@@ -10,7 +10,7 @@ import torch
 
 import ampaudit
 from ampaudit.convert.optimizer import MixedPrecisionOptimizer
-from ampaudit.convert.train_check import _first_rows, train_check
+from ampaudit.convert.train_check import _first_rows, _gap, train_check
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.load.loader import load_target
 from tests.conftest import model
@@ -117,3 +117,20 @@ def test_unet_and_bottleneck_resnet_pass_the_cli_check(cli, tmp_path, name):
     result = cli("convert", model(name), "-o", tmp_path / "out")
     assert result.code == 0, result.out
     assert "training check  20 steps" in result.out and "(within 2%)" in result.out
+
+
+def test_the_gap_of_curves_that_train_to_near_zero_is_judged_against_how_far_they_moved():
+    # ViT from ViTConfig (MSE to a random target) under fp8 vs bf16: the curves track each other
+    # step by step from 3e-3 down to 4e-4, and relative to the end's loss alone were "17.9% apart"
+    bf16 = [3.058e-3, 3.403e-2, 4.582e-3, 1.741e-3, 6.531e-3, 6.172e-3, 3.4e-3, 1.101e-3, 2.023e-4, 5.282e-4,
+            1.289e-3, 1.77e-3, 1.751e-3, 1.336e-3, 8.068e-4, 3.708e-4, 1.376e-4, 1.192e-4, 2.388e-4, 4.249e-4]
+    fp8 = [2.989e-3, 3.246e-2, 3.78e-3, 2.298e-3, 7.154e-3, 5.926e-3, 3.022e-3, 7.456e-4, 1.421e-4, 6.065e-4,
+           1.36e-3, 1.813e-3, 1.729e-3, 1.216e-3, 7.289e-4, 3.097e-4, 9.518e-5, 1.225e-4, 2.986e-4, 4.891e-4]
+    gap = sum(abs(a - b) for a, b in zip(bf16[-5:], fp8[-5:], strict=True))
+    assert gap / sum(bf16[-5:]) == pytest.approx(0.179, abs=1e-3)  # the old judgement: past 5%
+    assert _gap(bf16[-5:], fp8[-5:], bf16[0]) == pytest.approx(gap / (5 * (bf16[0] - sum(bf16[-5:]) / 5)))
+    assert _gap(bf16[-5:], fp8[-5:], bf16[0]) < 0.02
+    # a curve that stays where it started (a parameter that no longer trains) is still far off
+    assert _gap(bf16[-5:], [bf16[0]] * 5, bf16[0]) > 0.5
+    # a curve that barely moved is judged against its own loss, as before
+    assert _gap([1.0, 0.99, 0.98], [1.02, 1.01, 1.0], 1.05) == pytest.approx(0.06 / 2.97)

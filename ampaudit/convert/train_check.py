@@ -13,9 +13,9 @@ The curves are compared by applied update: a step the loss scaler skipped (an in
 gradient, as GradScaler skips one after a loss spike) did not change the weights, so the
 converted model's k-th applied update is compared with fp32's k-th step. What is judged is
 the trend - the gap between the curves over their last quarter, relative to the fp32 loss
-there - not one step: fp16 rounding moves a single loss by a few percent where a curve is
-steep or near zero, while a split tie or a parameter that no longer trains pulls the whole
-end of the curve away.
+there or, when larger, to how far training moved it - not one step: fp16 rounding moves a
+single loss by a few percent where a curve is steep or near zero, while a split tie or a
+parameter that no longer trains pulls the whole end of the curve away.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def train_check(model: torch.nn.Module, model_mp: torch.nn.Module, optimizer: to
     if len(converted) < len(fp32):  # the loss scale kept skipping: what did not train is a failure
         worst = math.inf
     else:
-        worst = _gap(fp32[-window:], converted[-window:])
+        worst = _gap(fp32[-window:], converted[-window:], fp32[0])
     largest = max((_relative(a, b) for a, b in zip(fp32, converted, strict=False)), default=0.0)
     return TrainCheck(steps, fp32, converted, worst, tolerance, runs.trial_opt.skipped_steps, window, largest,
                       reduced, clock() - start)
@@ -174,12 +174,16 @@ def _batch_statistics(model: torch.nn.Module):
     return untrained_norms_use_batch_statistics(model)
 
 
-def _gap(reference: list[float], values: list[float]) -> float:
-    """The area between two stretches of loss curve relative to the area under the first."""
+def _gap(reference: list[float], values: list[float], start: float) -> float:
+    """The area between two stretches of loss curve relative to the area under the first - or,
+    when larger, to how far training moved the loss from ``start`` (the first loss): a curve
+    that trains down to near zero (an MSE the model can fit) would turn rounding noise between
+    two curves that track each other into tens of percent of almost nothing."""
     if not all(math.isfinite(v) for v in values):
         return math.inf
     area = sum(abs(r) for r in reference)
-    return sum(abs(v - r) for r, v in zip(reference, values, strict=True)) / max(area, 1e-12)
+    moved = abs(start - sum(reference) / len(reference)) * len(reference)
+    return sum(abs(v - r) for r, v in zip(reference, values, strict=True)) / max(area, moved, 1e-12)
 
 
 def _batch_size(inputs: ExampleInputs) -> int | None:
