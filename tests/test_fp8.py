@@ -477,3 +477,19 @@ def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
     report = ampaudit.check(gpt2, (torch.randint(0, 64, (2, 8)),), dtype="fp8")
     assert [layer["name"] for layer in report.fp8["layers"]] == ["lm_head"]
     assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)
+
+
+def test_a_policy_that_keeps_every_linear_says_it_converts_nothing_and_why(cli, tmp_path):
+    # GPT-2's shape: convolutions (transformers Conv1D there) do the work, the one Linear has
+    # odd dims; the summary said "fp8: 0 nn.Linear" and nothing of the rest
+    model = tmp_path / "m.py"
+    model.write_text("from torch import nn\n\n\ndef get_model():\n"
+                     "    return nn.Sequential(nn.Conv1d(4, 16, 1), nn.Flatten(), nn.Linear(128, 10))\n")
+    _torchao()
+    result = cli("convert", model, "--dtype", "fp8", "--emit", "torchao", "--input-shape", "2,4,8",
+                 "--train-steps", "0", "-o", tmp_path / "out")
+    text = " ".join(result.out.replace("│", " ").split())
+    assert result.code == 0
+    assert "fp8 0 nn.Linear: the file converts nothing, every Linear stays in bf16" in text
+    assert ("note not audited: 1 convolution - not nn.Linear, so torchao's convert_to_float8_training leaves "
+            "them in high precision") in text

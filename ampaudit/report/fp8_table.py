@@ -70,7 +70,8 @@ def render_fp8_conversion(summary: dict[str, Any], label: str, entry: str, files
     grid.add_column()
     grid.add_row("model", escape(f"{label} ({entry})"))
     grid.add_row("recipe", summary["recipe"])
-    grid.add_row("fp8", f"{len(summary['fp8'])} nn.Linear")
+    nothing = "" if summary["fp8"] else ": the file converts nothing, every Linear stays in bf16"
+    grid.add_row("fp8", f"{len(summary['fp8'])} nn.Linear{nothing}")
     for fqn, reason in summary["keep"].items():
         grid.add_row("bf16", escape(f"{fqn}: {reason}"))
     train = summary["train"]
@@ -84,5 +85,7 @@ def render_fp8_conversion(summary: dict[str, Any], label: str, entry: str, files
             grid.add_row("fp8 losses", " ".join(f"{v:.4g}" for v in train["fp8"]))
     else:
         grid.add_row("training check", "not run (--train-steps 0 or --no-verify)")
+    for note in summary.get("notes", ()):
+        grid.add_row("note", escape(note))
     grid.add_row("written", escape(", ".join(files)))
     console.print(Panel(grid, title="ampaudit convert --dtype fp8", title_align="left", expand=False))
