@@ -512,6 +512,20 @@ def test_an_error_that_is_not_a_missing_kernel_is_raised_not_hidden_in_fp32():
         ampaudit.convert(_Buggy(), (torch.randn(2, 4),))
 
 
+def test_a_failure_in_code_fx_could_not_trace_says_so_and_names_the_modules_backend():
+    # a bare nn.TransformerEncoderLayer: fx cannot trace it, so its forward runs as written on
+    # converted children, and under no_grad its fused fast path reads their float16 weights
+    # with float32 activations - "mat1 and mat2 must have the same dtype" said nothing of why
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+    with pytest.raises(ampaudit.core.errors.LoadError,
+                       match=r"^the converted model fails to run in a module torch.fx could not trace: RuntimeError: "
+                             r"mat1 and mat2 .*--backend modules converts it\)$"):
+        ampaudit.convert(layer, (torch.randn(2, 4, 16),), backend="fx")
+    converted = ampaudit.convert(layer, (torch.randn(2, 4, 16),), backend="modules")
+    with torch.no_grad():
+        assert converted(torch.randn(2, 4, 16)).shape == (2, 4, 16)
+
+
 def test_verify_trains_and_catches_a_broken_tie(cli, tmp_path, monkeypatch):
     # The training check compares 20 AdamW steps of copies of both models. A conversion that
     # splits a tied weight (``split_the_tie`` below) matches fp32 at initialisation but not

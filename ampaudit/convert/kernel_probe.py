@@ -72,9 +72,13 @@ def promote_missing_kernels(build: Callable[[Mapping[str, Decision]], torch.nn.M
         if failure is None:
             return model, moved
         node, error = failure
-        # not in a converted graph, fails in fp32 too, or not the RuntimeError a missing kernel
-        # raises (a TypeError is a bug, ours or the model's): not a kernel
-        if not node or node in moved or not isinstance(error, RuntimeError):
+        if not node:  # in the code of a module fx could not trace, kept as written around converted children
+            raise LoadError(f"the converted model fails to run in a module torch.fx could not trace: "
+                            f"{describe_exception(error)} (its own code reads its converted children - a fused "
+                            "fast path reading their weights, say; --backend modules converts it)") from error
+        # fails in fp32 too, or not the RuntimeError a missing kernel raises (a TypeError is a
+        # bug, ours or the model's): not a kernel
+        if node in moved or not isinstance(error, RuntimeError):
             raise LoadError(f"the converted model fails to run: {describe_exception(error)}") from error
         moved[node] = Decision(FP32, f"no {dtype} kernel for this op on {_device(model)} "
                                      f"({describe_exception(error)}): kept in fp32", "kernel")
