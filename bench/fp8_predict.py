@@ -10,7 +10,8 @@ fixtures also the flagged layer under the recipe the check recommends (rowwise).
 Every model trains on a per-token (or per-image) cross-entropy, on a fresh batch every step
 (the seed picks the initialisation and the data order; every configuration of a seed sees the
 same batches): synthetic tasks whose labels depend on every token, as a language model's loss
-does. Two measures per configuration and seed, against the bf16 run of the same seed:
+does - Markov-chain text (4 successors per token) for the language models, noisy copies of 10
+prototype images for the ViTs. Two measures per configuration and seed, against the bf16 run of the same seed:
   delta  the signed difference of the mean loss over the last quarter, relative to bf16's
          (positive: fp8 trained worse)
   last   the signed difference of the last step's loss alone
@@ -87,10 +88,10 @@ def _markov(vocab: int, batch: int, seq: int, g: torch.Generator) -> torch.Tenso
 
 
 def _images(classes: int, batch: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images labelled by a fixed random linear teacher's argmax."""
-    teacher = torch.randn(classes, 3 * 16 * 16, generator=torch.Generator().manual_seed(1234))
-    x = torch.randn(batch, 3, 16, 16, generator=g)
-    return x, (x.flatten(1) @ teacher.T).argmax(-1)
+    """Noisy copies of fixed random prototype images, labelled by their prototype."""
+    prototypes = torch.randn(classes, 3, 16, 16, generator=torch.Generator().manual_seed(1234))
+    labels = torch.randint(0, classes, (batch,), generator=g)
+    return prototypes[labels] + 2.0 * torch.randn(batch, 3, 16, 16, generator=g), labels
 
 
 def sink() -> Spec:
@@ -152,14 +153,48 @@ def nanogpt() -> Spec:
     return Spec(lambda: m.TinyLM(vocab_size=65, d_model=64, n_heads=4, max_seq_len=32, n_layers=2), batch)
 
 
-def llama() -> Spec:
-    from transformers import LlamaConfig, LlamaForCausalLM
+SINK = 1e4  # --sink
+
+
+def _sink_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Position 0's MLP activations SINK x: the massive activations trained LLMs grow at their
+    first token, in an early layer's down_proj input (Sun et al., 2024: ~10^4x the median)."""
+    output = output.clone()
+    output[:, 0] = output[:, 0] * SINK
+    return output
+
+
+def nanogpt_sink() -> Spec:
+    """nanogpt() with a massive first token planted in block 0's MLP (before its second Linear)."""
+    spec = nanogpt()
 
     def build():
-        config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                             intermediate_size=128, vocab_size=65, max_position_embeddings=32)
-        config._attn_implementation = "eager"
-        return LlamaForCausalLM(config)
+        model = spec.build()
+        model.blocks[0].mlp[1].register_forward_hook(_sink_hook)
+        return model
+
+    return Spec(build, spec.batch, ("rowwise",))
+
+
+def _llama(sink: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=128, vocab_size=65, max_position_embeddings=32)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+    if sink:  # down_proj(act_fn(gate_proj(x)) * up_proj(x)): the sink enters layer 0's down_proj
+        model.model.layers[0].mlp.act_fn.register_forward_hook(_sink_hook)
+    return model
+
+
+def llama_sink() -> Spec:
+    """llama() with a massive first token planted in layer 0's down_proj input."""
+    return Spec(lambda: _llama(sink=True), llama().batch, ("rowwise",))
+
+
+def llama() -> Spec:
+    build = _llama
 
     def batch(g):
         ids = _markov(65, 8, 32, g)[:, :-1]
@@ -181,7 +216,7 @@ class _WithLoss(nn.Module):
 
 def vit() -> Spec:
     m = _load("timm_style")
-    return Spec(lambda: _WithLoss(m.get_model()), lambda g: (_images(10, 16, g), {}))
+    return Spec(lambda: _WithLoss(m.get_model()), lambda g: (_images(10, 32, g), {}))
 
 
 def hf_vit() -> Spec:
@@ -194,14 +229,15 @@ def hf_vit() -> Spec:
         return ViTForImageClassification(config)
 
     def batch(g):
-        x, y = _images(10, 16, g)
+        x, y = _images(10, 32, g)
         return (), {"pixel_values": x, "labels": y}
 
     return Spec(build, batch)
 
 
 MODELS = {"sink": sink, "channel": channel, "massive_mse": massive_mse, "channels_mse": channels_mse,
-          "nanogpt": nanogpt, "llama": llama, "vit": vit, "hf_vit": hf_vit}
+          "nanogpt": nanogpt, "llama": llama,
+          "nanogpt_sink": nanogpt_sink, "llama_sink": llama_sink, "vit": vit, "hf_vit": hf_vit}
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -342,7 +378,8 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
         configs: dict[str, tuple[set[str], str]] = {}
         if keep:
             configs["'keep' layers in fp8"] = (set(keep[:n]), opts.recipe)
-            configs[f"{n} best 'fp8' layers"] = (set(sorted(passed, key=lambda x: -table[x])[:n]), opts.recipe)
+            configs["as many 'fp8' layers (best SQNR)"] = (set(sorted(passed, key=lambda x: -table[x])[:n]),
+                                                          opts.recipe)
             configs["policy (all but 'keep')"] = (set(passed), opts.recipe)
             for other in spec.flagged_recipes + (("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()):
                 configs[f"'keep' layers, {other}"] = (set(keep[:n]), other)
@@ -399,7 +436,9 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true",
                         help="no bf16 autocast: the reference is fp32 (and rowwise_with_gw_hp trains)")
     parser.add_argument("--fixed-batch", action="store_true", help="one batch every step (the earlier bench's setup)")
+    parser.add_argument("--sink", type=float, default=SINK, help="the planted first token's factor (*_sink)")
     opts = parser.parse_args()
+    globals()["SINK"] = opts.sink
     torch.set_num_threads(1)
     for name in opts.models.split(","):
         run_model(name, opts)
