@@ -79,8 +79,37 @@ def test_batches_are_fresh_per_draw_and_every_token_counts_in_the_loss(name):
     seen = []
     model.head.register_forward_hook(lambda mod, args, out: seen.append(out))
     loss = model(ex, ey).detach()
-    per_token = torch.nn.functional.cross_entropy(seen[0].detach().reshape(-1, m.CLASSES), ey.reshape(-1), reduction="none")
+    logits = seen[0].detach().reshape(-1, m.CLASSES)
+    per_token = torch.nn.functional.cross_entropy(logits, ey.reshape(-1), reduction="none")
     # the loss is the per-token mean: the sink tokens (position 0) weigh as much as any other
     torch.testing.assert_close(loss, per_token.mean())
     share = float(per_token.reshape(ey.shape)[:, 0].sum() / per_token.sum())
     assert 0.5 / m.SEQ < share < 2 / m.SEQ
+
+
+def _sink(module, args, output):
+    output = output.clone()
+    output[:, 0] = output[:, 0] * 3e4  # the first token's MLP activations, as trained LLMs grow them
+    return output
+
+
+def test_a_massive_first_token_in_a_transformers_llama_gets_amp702_on_its_down_proj_only_under_tensorwise():
+    # a model we did not write: transformers' Llama from a tiny config, the sink planted in layer
+    # 0's MLP (bench/fp8_predict.py's llama_sink, whose training it damages)
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_verdicts import judge
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=128, vocab_size=64, max_position_embeddings=16)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.model.layers[0].mlp.act_fn.register_forward_hook(_sink)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = ExampleInputs((), {"input_ids": ids, "labels": ids}, "test")
+    kept = {v.layer.name: [x.code for x in v.verdicts] for v in judge(model, inputs, "tensorwise").keep}
+    assert kept == {"model.layers.0.mlp.down_proj": ["AMP702"]}
+    assert judge(model, inputs, "rowwise").keep == []
