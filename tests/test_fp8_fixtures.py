@@ -113,3 +113,37 @@ def test_a_massive_first_token_in_a_transformers_llama_gets_amp702_on_its_down_p
     kept = {v.layer.name: [x.code for x in v.verdicts] for v in judge(model, inputs, "tensorwise").keep}
     assert kept == {"model.layers.0.mlp.down_proj": ["AMP702"]}
     assert judge(model, inputs, "rowwise").keep == []
+
+
+class _LossLike(torch.nn.Module):
+    """AMP705_invalid.py's Mixer whose output rides on a 10^4x larger path no Linear computes
+    (as a scalar loss or a residual stream does): its fp8 error is no longer the output's."""
+
+    def __init__(self, mixer):
+        super().__init__()
+        self.mixer = mixer
+
+    def forward(self, x):
+        return 1e4 * x[:, :32] + self.mixer(x)
+
+
+def test_amp705_is_not_given_where_the_whole_output_is_already_close_to_fp32(monkeypatch):
+    from ampaudit.core.rulebook import rule
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_verdicts import judge
+
+    spec = importlib.util.spec_from_file_location("amp705", MODELS.parent / "rules" / "AMP705_invalid.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    torch.manual_seed(0)
+    mixer = m.Mixer()
+    assert [v.layer.name for v in judge(mixer, ExampleInputs(m.example_inputs(), {}, "t"), "tensorwise").keep] == \
+        ["mix"]
+    model, inputs = _LossLike(mixer), ExampleInputs(m.example_inputs(), {}, "t")
+    judgement = judge(model, inputs, "tensorwise")
+    gain = judgement.measurement.output_sqnr_without_db - judgement.measurement.output_sqnr_db
+    # keeping `mix` still gains far more than min_gain_db, on an output already 40+ dB from fp32
+    assert judgement.measurement.output_sqnr_db > rule("AMP705").params["max_output_sqnr_db"] and gain > 20
+    assert judgement.keep == []
+    monkeypatch.setitem(rule("AMP705").params, "max_output_sqnr_db", float("inf"))  # as before the guard
+    assert [v.layer.name for v in judge(model, inputs, "tensorwise").keep] == ["mixer.mix"]
