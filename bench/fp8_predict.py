@@ -101,7 +101,8 @@ def sink() -> Spec:
 
 def channel() -> Spec:
     m = _load("fp8_outlier_channel_lm")
-    return Spec(m.OutlierChannelLM, lambda g: (m.make_batch(g), {}))
+    # rowwise: not recommended (AMP703 holds under it too), trained to show it does not help
+    return Spec(m.OutlierChannelLM, lambda g: (m.make_batch(g), {}), ("rowwise",))
 
 
 class _MseTo(nn.Module):
@@ -381,7 +382,8 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
             configs["as many 'fp8' layers (best SQNR)"] = (set(sorted(passed, key=lambda x: -table[x])[:n]),
                                                           opts.recipe)
             configs["policy (all but 'keep')"] = (set(passed), opts.recipe)
-            for other in spec.flagged_recipes + (("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()):
+            gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
+            for other in spec.flagged_recipes + gw_hp:
                 configs[f"'keep' layers, {other}"] = (set(keep[:n]), other)
         configs["every layer"] = (set(keep + passed), opts.recipe)
         run = functools.partial(train, lr=opts.lr, autocast=not opts.fp32)
