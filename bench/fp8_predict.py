@@ -1,16 +1,33 @@
 """Do `check --dtype fp8`'s verdicts predict training damage? (issue 29, "Done when")
 
-For each model: judge its Linears (tensorwise), then train 50 AdamW steps (bf16 autocast, torchao
-Float8Linear emulated on the CPU) three ways - no layer in fp8 (the bf16 reference), only the
-layers the check keeps in bf16 converted to fp8, and as many of the layers it passes - and
-print each curve's gap to the reference over its last quarter (relative to the reference's
-area, as convert's training check). Where the check keeps no layer, the comparison is by the
-measured SQNR instead: the n worst layers against the n best.
+For each model and seed: judge its Linears (tensorwise, on the first batch), then train k AdamW
+steps (bf16 autocast, torchao's Float8Linear emulated on the CPU) with no layer in fp8 (the
+bf16 reference) and with chosen layers in fp8 - the layers the check keeps in bf16, the same
+number of the layers it passes (the best by its own table's SQNR: what a user would convert
+first), every layer but the kept ones (the policy convert emits), every layer; on the planted
+fixtures also the flagged layer under the recipe the check recommends (rowwise).
 
-The loss is the model's own where it computes one, else the mean squared error to a teacher
-(the same architecture, another seed), so that precision matters to what is learned.
+Every model trains on a per-token (or per-image) cross-entropy, on a fresh batch every step
+(the seed picks the initialisation and the data order; every configuration of a seed sees the
+same batches): synthetic tasks whose labels depend on every token, as a language model's loss
+does - Markov-chain text (4 successors per token) for the language models, noisy copies of 10
+prototype images for the ViTs. Two measures per configuration and seed, against the bf16 run of the same seed:
+  delta  the signed difference of the mean loss over the last quarter, relative to bf16's
+         (positive: fp8 trained worse)
+  last   the signed difference of the last step's loss alone
+  gap    convert's training-check measure: sum |fp8 - bf16| over the last quarter over
+         sum |bf16| (unsigned: a run that trains *better* has a gap too)
+printed as mean +- sample standard deviation over the seeds. The null configuration - bf16
+again, from weights each moved by a relative 2^-9 (about one bf16 rounding) - is how far two runs
+of the same precision drift apart by chaos alone. A configuration "diverges" when its delta's
+mean is positive, more than twice its spread over seeds, and more than twice the null's |delta|
+(mean + 2 sd).
 
-    python bench/fp8_predict.py [--steps 50] [--models nanogpt,llama,vit,massive]
+--per-layer trains each Linear alone in fp8 and prints, per layer, its delta beside the scores
+the check could rank layers by, and each score's Spearman correlation with the damage.
+
+    python bench/fp8_predict.py [--steps 50] [--seeds 0,1,2] [--models sink,channel,nanogpt,...]
+        [--per-layer]
 """
 
 from __future__ import annotations
@@ -18,19 +35,39 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import importlib.util
 import math
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ampaudit.graph.forward import ExampleInputs  # noqa: E402
+from ampaudit.graph.fp8_casts import RECIPES, output_gemm  # noqa: E402
+from ampaudit.graph.fp8_measure import fp8_forward, record, sqnr_db  # noqa: E402
 from ampaudit.graph.fp8_verdicts import judge  # noqa: E402
 from ampaudit.report.fp8_table import worst_operand_db  # noqa: E402
+
+Batch = tuple[tuple, dict]
+
+
+@dataclasses.dataclass
+class Spec:
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], Batch]  # a fresh batch; the model's output is its loss
+    # the recipes the check recommends for the kept layer (not rowwise_with_gw_hp: torchao 0.18's
+    # emulated Float8Linear fails under CPU autocast there - "expected m1 and m2 to have the same
+    # dtype" in its grad-weight mm)
+    flagged_recipes: tuple[str, ...] = ()
 
 
 def _load(name: str):
@@ -40,66 +77,195 @@ def _load(name: str):
     return module
 
 
-def nanogpt():
+def _markov(vocab: int, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """Token sequences from a fixed random chain: each token has 4 possible successors."""
+    successors = torch.randint(0, vocab, (vocab, 4), generator=torch.Generator().manual_seed(1234))
+    ids = torch.empty(batch, seq + 1, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for t in range(seq):
+        ids[:, t + 1] = successors[ids[:, t], torch.randint(0, 4, (batch,), generator=g)]
+    return ids
+
+
+def _images(classes: int, batch: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noisy copies of fixed random prototype images, labelled by their prototype."""
+    prototypes = torch.randn(classes, 3, 16, 16, generator=torch.Generator().manual_seed(1234))
+    labels = torch.randint(0, classes, (batch,), generator=g)
+    return prototypes[labels] + 2.0 * torch.randn(batch, 3, 16, 16, generator=g), labels
+
+
+def sink() -> Spec:
+    m = _load("fp8_sink_token_lm")
+    return Spec(m.SinkTokenLM, lambda g: (m.make_batch(g), {}), ("rowwise",))
+
+
+def channel() -> Spec:
+    m = _load("fp8_outlier_channel_lm")
+    # rowwise: not recommended (AMP703 holds under it too), trained to show it does not help
+    return Spec(m.OutlierChannelLM, lambda g: (m.make_batch(g), {}), ("rowwise",))
+
+
+class _MseTo(nn.Module):
+    """The earlier fixtures' loss: the mean squared error to a teacher's output (given)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, target):
+        return nn.functional.mse_loss(self.model(x), target)
+
+
+def _mse_spec(fixture: str, cls: str, token: bool) -> Spec:
+    m = _load(fixture)
+    torch.manual_seed(1234)
+    teacher = getattr(m, cls)().eval()
+    shape = m.example_inputs()[0].shape
+
+    def batch(g):
+        x = torch.randn(shape, generator=g)
+        if token:
+            x[:, 0] *= 30000.0
+        else:
+            x[..., 5] *= 300000.0
+        with torch.no_grad():
+            return (x, teacher(x)), {}
+
+    return Spec(lambda: _MseTo(getattr(m, cls)()), batch, ("rowwise",) if token else ())
+
+
+def massive_mse() -> Spec:
+    """fp8_massive_tokens.py with its earlier loss (MSE to a teacher), on fresh batches."""
+    return _mse_spec("fp8_massive_tokens", "MassiveTokens", True)
+
+
+def channels_mse() -> Spec:
+    return _mse_spec("fp8_outlier_channels", "OutlierChannels", False)
+
+
+def nanogpt() -> Spec:
+    """clean_transformer.py's TinyLM in nanoGPT's char-level shape: vocab 65 (shakespeare_char)."""
     m = _load("clean_transformer")
-    torch.manual_seed(0)
-    idx, targets = m.example_inputs()
-    return m.build_model, (idx, targets), {}
+
+    def batch(g):
+        ids = _markov(65, 8, 32, g)
+        return (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), {}
+
+    return Spec(lambda: m.TinyLM(vocab_size=65, d_model=64, n_heads=4, max_seq_len=32, n_layers=2), batch)
 
 
-def llama():
-    m = _load("hf_llama")
-    torch.manual_seed(0)
-    ids = torch.randint(0, 100, (4, 16))
-    return m.get_model, (), {"input_ids": ids, "labels": ids}
+SINK = 1e4  # --sink
 
 
-def vit():
+def _sink_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Position 0's MLP activations SINK x: the massive activations trained LLMs grow at their
+    first token, in an early layer's down_proj input (Sun et al., 2024: ~10^4x the median)."""
+    output = output.clone()
+    output[:, 0] = output[:, 0] * SINK
+    return output
+
+
+def nanogpt_sink() -> Spec:
+    """nanogpt() with a massive first token planted in block 0's MLP (before its second Linear)."""
+    spec = nanogpt()
+
+    def build():
+        model = spec.build()
+        model.blocks[0].mlp[1].register_forward_hook(_sink_hook)
+        return model
+
+    return Spec(build, spec.batch, ("rowwise",))
+
+
+def _llama(sink: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=128, vocab_size=65, max_position_embeddings=32)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+    if sink:  # down_proj(act_fn(gate_proj(x)) * up_proj(x)): the sink enters layer 0's down_proj
+        model.model.layers[0].mlp.act_fn.register_forward_hook(_sink_hook)
+    return model
+
+
+def llama_sink() -> Spec:
+    """llama() with a massive first token planted in layer 0's down_proj input."""
+    return Spec(lambda: _llama(sink=True), llama().batch, ("rowwise",))
+
+
+def llama() -> Spec:
+    build = _llama
+
+    def batch(g):
+        ids = _markov(65, 8, 32, g)[:, :-1]
+        return (), {"input_ids": ids, "labels": ids}
+
+    return Spec(build, batch)
+
+
+class _WithLoss(nn.Module):
+    """A classifier whose forward returns its cross-entropy (timm's models return logits)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.model(x), labels)
+
+
+def vit() -> Spec:
     m = _load("timm_style")
-    torch.manual_seed(0)
-    return m.get_model, (torch.randn(8, 3, 16, 16),), {}
+    return Spec(lambda: _WithLoss(m.get_model()), lambda g: (_images(10, 32, g), {}))
 
 
-def massive():
-    m = _load("fp8_massive_tokens")
-    return m.MassiveTokens, m.example_inputs(), {}
+def hf_vit() -> Spec:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    def build():
+        config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=128, num_labels=10)
+        config._attn_implementation = "eager"
+        return ViTForImageClassification(config)
+
+    def batch(g):
+        x, y = _images(10, 32, g)
+        return (), {"pixel_values": x, "labels": y}
+
+    return Spec(build, batch)
 
 
-def channels():
-    m = _load("fp8_outlier_channels")
-    return m.OutlierChannels, m.example_inputs(), {}
+MODELS = {"sink": sink, "channel": channel, "massive_mse": massive_mse, "channels_mse": channels_mse,
+          "nanogpt": nanogpt, "llama": llama,
+          "nanogpt_sink": nanogpt_sink, "llama_sink": llama_sink, "vit": vit, "hf_vit": hf_vit}
 
 
-MODELS = {"nanogpt": nanogpt, "llama": llama, "vit": vit, "massive": massive, "channels": channels}
+def _loss(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def _first(value):
-    if isinstance(value, torch.Tensor):
-        return value
-    loss = getattr(value, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    logits = getattr(value, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    return next(v for v in (value if isinstance(value, (tuple, list)) else value.values())
-                if isinstance(v, torch.Tensor))
-
-
-def train(model, args, kwargs, target, names, recipe, steps):
+def train(model: nn.Module, batches: list[Batch], names: set[str], recipe: str, jitter: float = 0.0,
+          lr: float = 3e-3, autocast: bool = True) -> list[float]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    model = copy.deepcopy(model).eval()
+    model = copy.deepcopy(model).train()
+    if jitter:  # the null configuration: bf16 from weights moved by about one bf16 rounding
+        g = torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + jitter * torch.randn(p.shape, generator=g))
+    for m in model.modules():  # no dropout: the runs of a seed differ only by their precision
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
     if names:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    torch.manual_seed(0)
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = _first(model(*args, **kwargs)).float()
-            loss = out if target is None else torch.nn.functional.mse_loss(out, target)
+    for args, kwargs in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(model(*args, **kwargs)).float()
         losses.append(float(loss.detach()))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -107,59 +273,177 @@ def train(model, args, kwargs, target, names, recipe, steps):
     return losses
 
 
-def gap(reference, values):
-    window = max(1, len(reference) // 4)
-    r, v = reference[-window:], values[-window:]
+def _tail(values: list[float]) -> list[float]:
+    return values[-max(1, len(values) // 4):]
+
+
+def delta(reference: list[float], values: list[float]) -> float:
+    """Signed: the last quarter's mean loss over bf16's, less 1."""
+    if not all(math.isfinite(x) for x in values):
+        return math.inf
+    return statistics.fmean(_tail(values)) / statistics.fmean(_tail(reference)) - 1
+
+
+def final(reference: list[float], values: list[float]) -> float:
+    """Signed, the last step's loss only."""
+    return values[-1] / reference[-1] - 1 if math.isfinite(values[-1]) else math.inf
+
+
+def gap(reference: list[float], values: list[float]) -> float:
+    """convert's training-check measure (unsigned)."""
+    r, v = _tail(reference), _tail(values)
     if not all(math.isfinite(x) for x in v):
         return math.inf
     return sum(abs(a - b) for a, b in zip(r, v, strict=True)) / max(sum(abs(a) for a in r), 1e-12)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--recipe", default="tensorwise")
-    opts = parser.parse_args()
-    for name in opts.models.split(","):
-        build, args, kwargs = MODELS[name]()
-        torch.manual_seed(0)
-        model = build()
-        inputs = ExampleInputs(tuple(args), dict(kwargs), "bench")
+def measures(reference: list[float], values: list[float]) -> tuple[float, float, float]:
+    return delta(reference, values), gap(reference, values), final(reference, values)
+
+
+def _ms(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:+.2%}"
+    return f"{statistics.fmean(values):+.2%} +- {statistics.stdev(values):.2%}"
+
+
+def _diverges(values: list[float], null: list[float]) -> str:
+    if len(values) < 2:
+        return ""
+    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    floor = abs(statistics.fmean(null)) + 2 * statistics.stdev(null)
+    return "  DIVERGES" if mean > 2 * sd and mean > 2 * floor else ""
+
+
+def scores(model: nn.Module, inputs: ExampleInputs, judgement, recipe: str) -> dict[str, dict[str, float]]:
+    """Per layer, what the check could rank by (higher = worse in fp8): its table's worst
+    operand SQNR and the three GEMMs' (negated), the model output's SQNR loss with only this
+    layer in fp8 (AMP705's forward, once per layer), and the first-order loss change
+    |sum(grad_output * output error)| from the recording pass's own tensors."""
+    rec, _ = record(model, inputs)
+    reference = judgement.measurement.reference
+    found = {}
+    for v in judgement.layers:
+        layer = v.layer
+        row = layer.to_dict()
+        gemms = layer.gemms
+        r = rec[layer.name]
+        out, _ = output_gemm(r.x, r.module.weight.detach().float(), RECIPES[recipe])
+        found[layer.name] = {
+            "input": -float(worst_operand_db(row["operands"][recipe])),
+            "out": -gemms.get("output", math.inf), "gi": -gemms.get("grad_input", math.inf),
+            "gw": -gemms.get("grad_weight", math.inf),
+            "alone": -sqnr_db(reference, fp8_forward(model, inputs, {layer.name}, RECIPES[recipe])),
+            "taylor": abs(float((r.grad * (out - r.out)).sum())) if r.grad is not None else 0.0,
+        }
+    return found
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return num / den if den else float("nan")
+
+
+def run_model(name: str, opts: argparse.Namespace) -> None:
+    spec = MODELS[name]()
+    seeds = [int(s) for s in opts.seeds.split(",")]
+    results: dict[str, list[tuple[float, float, float]]] = {}
+    per_layer: dict[str, list[float]] = {}
+    layer_scores: dict[str, dict[str, float]] = {}
+    finals, kept_sets = [], []
+    start = time.perf_counter()
+    for seed in seeds:
+        torch.manual_seed(seed)
+        model = spec.build()
+        g = torch.Generator().manual_seed(seed)
+        batches = [spec.batch(g) for _ in range(1 if opts.fixed_batch else opts.steps)]
+        batches = batches * (opts.steps if opts.fixed_batch else 1)
+        inputs = ExampleInputs(*batches[0], "bench")
         judgement = judge(model, inputs, opts.recipe)
         keep = [v.layer.name for v in judgement.layers if v.keep]
         passed = [v.layer.name for v in judgement.layers if not v.keep]
-        with torch.no_grad():
-            out = model(*args, **kwargs)
-        target = None
-        if _first(out).numel() != 1 and getattr(out, "loss", None) is None:
-            torch.manual_seed(1)
-            with torch.no_grad():
-                target = _first(build()(*args, **kwargs)).float()
+        kept_sets.append({v.layer.name: [x.code for x in v.verdicts] for v in judgement.layers if v.keep})
+        table = {v.layer.name: float(worst_operand_db(v.layer.to_dict()["operands"][opts.recipe]))
+                 for v in judgement.layers}
+        n = min(len(keep), len(passed))
+        configs: dict[str, tuple[set[str], str]] = {}
         if keep:
-            n = min(len(keep), len(passed))
-            # the passed layers with the best SQNR: what a user would convert first
-            score = {v.layer.name: worst_operand_db(v.layer.to_dict()["operands"][opts.recipe])
-                     for v in judgement.layers}
-            chosen_keep, chosen_fp8 = keep[:n], sorted(passed, key=lambda x: -float(score[x]))[:n]
-            mode = "verdicts"
-        else:
-            score = {v.layer.name: float(worst_operand_db(v.layer.to_dict()["operands"][opts.recipe]))
-                     for v in judgement.layers}
-            ranked = sorted(score, key=score.get)
-            n = max(1, len(ranked) // 3)
-            chosen_keep, chosen_fp8 = ranked[:n], ranked[-n:]
-            mode = "SQNR-ranked (no layer kept)"
-        reference = train(model, args, kwargs, target, set(), opts.recipe, opts.steps)
-        worse = train(model, args, kwargs, target, set(chosen_keep), opts.recipe, opts.steps)
-        better = train(model, args, kwargs, target, set(chosen_fp8), opts.recipe, opts.steps)
-        every = train(model, args, kwargs, target, set(keep + passed), opts.recipe, opts.steps)
-        print(f"{name}: {len(judgement.layers)} Linear, kept {keep} ({mode}); n={len(chosen_keep)}")
-        print(f"  bf16 loss {reference[0]:.4g} -> {reference[-1]:.4g}")
-        print(f"  'keep' layers in fp8 {chosen_keep}: loss {worse[-1]:.4g}, gap {gap(reference, worse):.3%}")
-        print(f"  'fp8' layers in fp8 {chosen_fp8}: loss {better[-1]:.4g}, gap {gap(reference, better):.3%}")
-        print(f"  every layer in fp8: loss {every[-1]:.4g}, gap {gap(reference, every):.3%}")
-        sys.stdout.flush()
+            configs["'keep' layers in fp8"] = (set(keep[:n]), opts.recipe)
+            configs["as many 'fp8' layers (best SQNR)"] = (set(sorted(passed, key=lambda x: -table[x])[:n]),
+                                                          opts.recipe)
+            configs["policy (all but 'keep')"] = (set(passed), opts.recipe)
+            gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
+            for other in spec.flagged_recipes + gw_hp:
+                configs[f"'keep' layers, {other}"] = (set(keep[:n]), other)
+        configs["every layer"] = (set(keep + passed), opts.recipe)
+        run = functools.partial(train, lr=opts.lr, autocast=not opts.fp32)
+        reference = run(model, batches, set(), opts.recipe)
+        finals.append(statistics.fmean(_tail(reference)))
+        null = run(model, batches, set(), opts.recipe, jitter=2.0 ** -9)
+        results.setdefault("null: reference, weights jittered 2^-9", []).append(measures(reference, null))
+        for label, (names, recipe) in configs.items():
+            losses = run(model, batches, names, recipe)
+            results.setdefault(label, []).append(measures(reference, losses))
+        if opts.per_layer:
+            found = scores(model, inputs, judgement, opts.recipe)
+            for layer in table:
+                per_layer.setdefault(layer, []).append(delta(reference, run(model, batches, {layer}, opts.recipe)))
+                for k, value in found[layer].items():
+                    layer_scores.setdefault(layer, {}).setdefault(k, 0.0)
+                    layer_scores[layer][k] += value / len(seeds)
+    setup = f"lr {opts.lr:g}" + (", one fixed batch" if opts.fixed_batch else ", fresh batches") + (
+        ", fp32 reference" if opts.fp32 else "")
+    seconds = time.perf_counter() - start
+    print(f"{name}: {len(table)} Linear, seeds {seeds}, {opts.steps} steps ({setup}), {seconds:.0f} s")
+    print(f"  kept by the check ({opts.recipe}), per seed: {kept_sets}")
+    sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
+    print(f"  {'fp32' if opts.fp32 else 'bf16'} reference: last-quarter loss {statistics.fmean(finals):.4f} "
+          f"+- {sd:.4f} over seeds")
+    null = [d for d, _, _ in results["null: reference, weights jittered 2^-9"]]
+    for label, triples in results.items():
+        deltas, gaps, finals_ = ([t[i] for t in triples] for i in range(3))
+        print(f"  {label:<34} delta {_ms(deltas):<18} gap {_ms(gaps):<18} last step {_ms(finals_):<18}"
+              f"{_diverges(deltas, null)}")
+    if per_layer:
+        layers = list(per_layer)
+        damage = [statistics.fmean(per_layer[x]) for x in layers]
+        keys = list(next(iter(layer_scores.values())))
+        print("  per layer alone in fp8: delta (mean +- sd) | scores (higher = worse): " + " ".join(keys))
+        for layer in layers:
+            values = " ".join(f"{layer_scores[layer][k]:.3g}" for k in keys)
+            print(f"    {layer:<40} {_ms(per_layer[layer]):<18} | {values}")
+        print("  Spearman(score, damage): " + ", ".join(
+            f"{k} {spearman([layer_scores[x][k] for x in layers], damage):+.2f}" for k in keys))
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--recipe", default="tensorwise")
+    parser.add_argument("--per-layer", action="store_true")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--fp32", action="store_true",
+                        help="no bf16 autocast: the reference is fp32 (and rowwise_with_gw_hp trains)")
+    parser.add_argument("--fixed-batch", action="store_true", help="one batch every step (the earlier bench's setup)")
+    parser.add_argument("--sink", type=float, default=SINK, help="the planted first token's factor (*_sink)")
+    opts = parser.parse_args()
+    globals()["SINK"] = opts.sink
+    torch.set_num_threads(1)
+    for name in opts.models.split(","):
+        run_model(name, opts)
 
 
 if __name__ == "__main__":

@@ -86,3 +86,12 @@ def test_check_vs_lint_benchmark_runs(tmp_path):
 def test_fp8_check_cost_benchmark_runs():
     out = _run("bench/fp8_check_cost.py", "--rounds", "1", "--shapes", "64x32", "--threads", "1")
     assert re.search(r"^d=64 T=32: fp32 forward\+backward [\d.]+ ms, fp8 audit [\d.]+ ms: [\d.]+x \(", out, re.M)
+
+
+def test_fp8_predict_benchmark_trains_every_configuration():
+    pytest.importorskip("torchao.float8")
+    out = _run("bench/fp8_predict.py", "--models", "sink", "--steps", "4", "--seeds", "0,1", "--fp32", "--per-layer")
+    assert "kept by the check (tensorwise), per seed: [{'fc1': ['AMP702']}, {'fc1': ['AMP702']}]" in out
+    for label in ("null: reference", "'keep' layers in fp8", "as many 'fp8' layers", "policy (all but 'keep')",
+                  "'keep' layers, rowwise ", "'keep' layers, rowwise_with_gw_hp", "every layer", "Spearman"):
+        assert label in out, label

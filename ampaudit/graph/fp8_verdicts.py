@@ -138,6 +138,7 @@ def judge(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Judgement:
     params = rule("AMP705").params
     if (m.dominant is not None and m.output_sqnr_db is not None and m.output_sqnr_without_db is not None
             and len(candidates) >= params["min_layers"]
+            and m.output_sqnr_db < params["max_output_sqnr_db"]
             and m.output_sqnr_without_db - m.output_sqnr_db >= params["min_gain_db"]):
         verdict = next(v for v in layers if v.layer.name == m.dominant)
         fields = {"all": _db(m.output_sqnr_db), "without": _db(m.output_sqnr_without_db),
