@@ -39,7 +39,8 @@
 #define SIMD_CLONES
 #endif
 
-#define PIECE 65536 /* elements per task: per-lane counts stay far below 2**32 */
+#define PIECE 65536 /* elements per task: a lane counts at most an eighth of a piece (and seven
+                      * more per block), below 2**16: uint16 lanes, 16 KB for eight of them */
 #define BLOCK 512   /* elements whose bins are computed (vectorised) before they are counted */
 
 int ampaudit_bins(void) {
@@ -107,13 +108,13 @@ static inline int32_t key(int32_t a) {
 }
 
 /* One piece, a block at a time: first the bins and the finite max of the block (a loop the
- * compiler vectorises), then the counting, over four lanes of counts so that runs of equal
+ * compiler vectorises), then the counting, over eight lanes of counts so that runs of equal
  * bins do not serialise on one counter. Only a block that held an Inf is read again, for
  * the sign of its infinities: -inf costs nothing where there is none. A macro rather than a
  * function pointer so that each loader is inlined. */
-#define LANES(BIN) (c[0][BIN] + c[1][BIN] + c[2][BIN] + c[3][BIN])
+#define LANES(BIN) ((uint32_t)c[0][BIN] + c[1][BIN] + c[2][BIN] + c[3][BIN] + c[4][BIN] + c[5][BIN] + c[6][BIN] + c[7][BIN])
 #define PIECE_BODY(RAW, ABS, NEGINF)                                       \
-    uint32_t c[4][NBINS];                                                  \
+    uint16_t c[8][NBINS];                                                  \
     int16_t keys[BLOCK];                                                   \
     int32_t peak = 0;                                                      \
     int64_t over = 0, neg = 0;                                             \
@@ -141,18 +142,24 @@ static inline int32_t key(int32_t a) {
         }                                                                  \
         uint32_t infs = LANES(INF_BIN);                                    \
         int j = 0;                                                         \
-        for (; j + 4 <= len; j += 4) {                                     \
+        for (; j + 8 <= len; j += 8) {                                     \
             c[0][keys[j]]++;                                               \
             c[1][keys[j + 1]]++;                                           \
             c[2][keys[j + 2]]++;                                           \
             c[3][keys[j + 3]]++;                                           \
+            c[4][keys[j + 4]]++;                                           \
+            c[5][keys[j + 5]]++;                                           \
+            c[6][keys[j + 6]]++;                                           \
+            c[7][keys[j + 7]]++;                                           \
         }                                                                  \
         for (; j < len; j++) c[0][keys[j]]++;                              \
         if (LANES(INF_BIN) != infs) /* an Inf in this block: which sign */ \
             for (j = 0; j < len; j++) neg += RAW(x, b + j) == NEGINF;      \
     }                                                                      \
-    for (int k = 0; k < NBINS; k++)                                        \
-        bins[k] += (int64_t)LANES(k);                                      \
+    for (int k = 0; k < NBINS; k++) { /* the row's unused bins untouched */ \
+        uint32_t n = LANES(k);                                             \
+        if (n) bins[k] += (int64_t)n;                                      \
+    }                                                                      \
     /* every NaN is the quiet one, in NAN_BIN: one compare, not two */     \
     *overflow += over - LANES(NAN_BIN);                                    \
     *neginf += neg;                                                        \
