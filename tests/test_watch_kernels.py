@@ -408,3 +408,23 @@ def test_the_torch_path_reads_an_expanded_gradient():
         stats.torch_fill_row(x, counts, extras, limits)
         rows.append((counts.clone(), extras.clone()))
     assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_c_compact_makes_the_torch_ops_stats_rows(dtype):
+    # the step boundary compacts CPU arena rows in C (cpu_kernel.compact): every field and
+    # exponent count equal to the torch ops', for rows with zeros, subnormals, NaN, +-inf,
+    # overflow, and a strided view of the arena
+    limits = LowDtype.parse(dtype)
+    counts = torch.zeros(12, LAYOUT.counts, dtype=torch.int64)
+    extras = torch.zeros(12, LAYOUT.extras)
+    for i in range(12):
+        stats.fill_row(_values(500 + 97 * i, torch.float32) * 10.0 ** (i - 6), counts[i], extras[i], limits)
+    counts[3, LAYOUT.count["scaled"]] = 7
+    rows = cpu_kernel.compact(counts, extras, limits.normal_exponent)
+    assert torch.equal(rows, stats._compact(counts, extras[:, LAYOUT.extra["absmax"]], limits))
+    assert rows[:, LAYOUT.field["nan"]].sum() > 0 and rows[:, LAYOUT.field["neginf"]].sum() > 0
+    part = cpu_kernel.compact(counts[2:9:3], extras[2:9:3], limits.normal_exponent)
+    assert torch.equal(part, rows[2:9:3])
+    assert cpu_kernel.compact(counts[:0], extras[:0], limits.normal_exponent).shape == (0, LAYOUT.width)

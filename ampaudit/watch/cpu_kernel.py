@@ -44,6 +44,11 @@ _ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
 class _Library:
     rows: dict[torch.dtype, ctypes._CFuncPtr]  # the whole row
     nonfinite: dict[torch.dtype, ctypes._CFuncPtr]  # the NaN and Inf bins and the -inf slot only
+    compact: ctypes._CFuncPtr  # raw rows to Stats rows
+
+
+# where ampaudit_compact writes each Stats field, in its own order (layout.FIELDS' names)
+_COMPACT_FIELDS = ("numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax")
 
 
 def status() -> str:
@@ -122,9 +127,14 @@ def _library() -> _Library | None:
     for fn in nonfinite.values():  # x, n, bins, neginf
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = None
+    compact = lib.ampaudit_compact  # counts, stride, absmax, stride, n, slots, normal exponent, out, width, ...
+    compact.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_void_p, ctypes.c_int32]
+    compact.restype = None
     lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
-    return _Library(rows, nonfinite)
+    return _Library(rows, nonfinite, compact)
 
 
 def available() -> bool:
@@ -165,3 +175,24 @@ def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor) -> None:
     x = _readable(x)
     base, size = counts.data_ptr(), counts.element_size()
     _library().nonfinite[x.dtype](x.data_ptr(), x.numel(), base, base + _NEGINF * size)
+
+
+_FIELD_AT = (ctypes.c_int32 * len(_COMPACT_FIELDS))(*(LAYOUT.field[name] for name in _COMPACT_FIELDS)) \
+    if sorted(_COMPACT_FIELDS) == sorted(LAYOUT.fields) else None  # a layout with other fields: torch ops
+
+
+def compact(counts: torch.Tensor, extras: torch.Tensor, normal_exponent: int) -> torch.Tensor | None:
+    """``stats.compact_rows`` for CPU arena rows (int64 counts, float32 extras, rows contiguous)
+    in one C loop instead of a dozen torch ops: the same N x ``LAYOUT.width`` float64 rows.
+    None where the layout's fields are not the ones the C code writes."""
+    if _FIELD_AT is None or counts.dtype != torch.int64 or extras.dtype != torch.float32:
+        return None
+    if counts.stride(1) != 1:
+        counts = counts.contiguous()
+    n = counts.shape[0]
+    out = torch.empty(n, LAYOUT.width, dtype=torch.float64)
+    if n:
+        absmax = extras.data_ptr() + _ABSMAX * extras.stride(1) * extras.element_size()
+        _library().compact(counts.data_ptr(), counts.stride(0), absmax, extras.stride(0), n, _OVERFLOW, _NEGINF,
+                           normal_exponent, out.data_ptr(), LAYOUT.width, _FIELD_AT, LAYOUT.hist)
+    return out

@@ -248,3 +248,38 @@ int ampaudit_openmp(void) {
     return 0;
 #endif
 }
+
+/* Raw rows to the summary's Stats rows, what stats._compact does with torch ops, for the n
+ * rows a step used: row r's counts (int64 bins, then the count slots) at counts + r * stride,
+ * its finite absmax at absmax[r * astride]; out row r (width float64s) gets the fields at
+ * the positions in field[] - numel, nan, inf, neginf, overflow, underflow, zero, absmax -
+ * and from position hist on one count per fp32 exponent. Integer counts below 2**53 are exact
+ * in float64, as in the torch ops: the rows are the same. */
+#define PER_EXPONENT (NBINS / 256)
+void ampaudit_compact(const int64_t *counts, int64_t stride, const float *absmax, int64_t astride, int64_t n,
+                      int32_t overflow_slot, int32_t neginf_slot, int32_t normal_exponent, double *out,
+                      int64_t width, const int32_t *field, int32_t hist) {
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t *b = counts + r * stride;
+        double *o = out + r * width;
+        int64_t numel = 0, underflow = 0;
+        for (int e = 0; e < 256; e++) {
+            int64_t h = 0;
+            for (int m = 0; m < PER_EXPONENT; m++) h += b[e * PER_EXPONENT + m];
+            numel += h;
+            if (e == 0) h -= b[0]; /* exponent 0 without the zeros: the fp32 subnormals */
+            if (e < normal_exponent) underflow += h;
+            o[hist + e] = (double)h;
+        }
+        int64_t nan = 0;
+        for (int m = 1; m < PER_EXPONENT; m++) nan += b[NBINS - PER_EXPONENT + m];
+        o[field[0]] = (double)numel;
+        o[field[1]] = (double)nan;
+        o[field[2]] = (double)b[NBINS - PER_EXPONENT];
+        o[field[3]] = (double)b[neginf_slot];
+        o[field[4]] = (double)b[overflow_slot];
+        o[field[5]] = (double)underflow;
+        o[field[6]] = (double)b[0];
+        o[field[7]] = (double)absmax[r * astride];
+    }
+}
