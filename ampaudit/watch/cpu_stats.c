@@ -10,7 +10,9 @@
  * checks ampaudit_bins() against it when it loads the library.
  *
  * torch has no fused CPU op for this; built from torch ops it takes seven passes and a serial
- * bincount. ampaudit compiles this file on first use (cpu_kernel.py) and falls back to the
+ * bincount. At a logged step's boundary two more loops (ampaudit_compact, ampaudit_step_buffer)
+ * do what a few dozen small torch ops do on a GPU, whose per-op cost dominates a small model's
+ * step on the CPU. ampaudit compiles this file on first use (cpu_kernel.py) and falls back to the
  * torch ops when no C compiler is around. OpenMP, when the compiler has it, splits tensors of
  * more than one piece across torch's own thread pool (the soname resolves to the libgomp
  * torch already loaded).
@@ -281,5 +283,52 @@ void ampaudit_compact(const int64_t *counts, int64_t stride, const float *absmax
         o[field[5]] = (double)underflow;
         o[field[6]] = (double)b[0];
         o[field[7]] = (double)absmax[r * astride];
+    }
+}
+
+/* A logged step's buffer (reducer.StepReducer.step_buffer, there with torch ops) from the
+ * Stats rows of the arena rows it used (rows, width float64s each): per (module, phase) key
+ * the sum of its events' rows - each field in max_field[] (absmax) their largest instead -
+ * then each parameter's row, its count over the loss scale (an int64 count slot; -1 without
+ * a scale), and the first event that may be where a NaN was born (NO_EVENT if none; modes as
+ * in reducer.bad_events, NULL: any non-finite). Sums of integer counts are exact in float64 in
+ * any order, so the buffer is the torch ops' to the bit. The norms (torch's sqrt, whose last
+ * bit may differ from C's) and the tail's scale and found-inf are the caller's. */
+void ampaudit_step_buffer(const double *rows, int64_t width, const int64_t *event_row, const int64_t *event_key,
+                          const int64_t *modes, int64_t n_events, int64_t n_keys, const int64_t *param_row,
+                          int64_t n_params, const int64_t *counts, int64_t counts_stride, int32_t scaled_slot,
+                          int32_t has_scale,
+                          const int32_t *max_field, int32_t n_max, int32_t nan, int32_t inf, int32_t neginf,
+                          double no_event, double *flat) {
+    double *keys = flat, *params = flat + n_keys * width;
+    double *scaled = params + n_params * width + n_params, *first = scaled + n_params; /* norms between */
+    unsigned char seen[n_keys > 0 ? n_keys : 1], summed[width];
+    memset(keys, 0, (size_t)(n_keys * width) * sizeof(double));
+    memset(seen, 0, sizeof seen);
+    memset(summed, 1, sizeof summed);
+    for (int32_t m = 0; m < n_max; m++) summed[max_field[m]] = 0;
+    *first = no_event;
+    for (int64_t i = 0; i < n_events; i++) {
+        const double *row = rows + event_row[i] * width;
+        double bad = row[nan] + row[inf];
+        int64_t mode = modes ? modes[i] : 2; /* 0 never, 1 NaN or +inf (not a -inf mask), 2 any */
+        if (*first == no_event && ((mode >= 1 && bad - row[neginf] > 0) || (mode == 2 && bad > 0)))
+            *first = (double)i;
+        int64_t k = event_key[i];
+        if (k < 0) /* a candidate first non-finite only, in no row */
+            continue;
+        double *out = keys + k * width;
+        for (int64_t c = 0; c < width; c++)
+            if (summed[c]) out[c] += row[c];
+        for (int32_t m = 0; m < n_max; m++) {
+            int32_t c = max_field[m];
+            out[c] = !seen[k] || row[c] > out[c] ? row[c] : out[c];
+        }
+        seen[k] = 1;
+    }
+    for (int64_t p = 0; p < n_params; p++) {
+        int64_t r = param_row[p];
+        memcpy(params + p * width, rows + r * width, (size_t)width * sizeof(double));
+        scaled[p] = has_scale ? (double)counts[r * counts_stride + scaled_slot] : -1.0;
     }
 }

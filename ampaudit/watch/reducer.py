@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.watch import stats
+from ampaudit.watch import cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena, index_tensor
 from ampaudit.watch.layout import LAYOUT, MAX, StepBuffer
 
@@ -84,7 +84,19 @@ class StepReducer:
         # every used row compacted once, in place in the arena (int64 bins to float64 Stats
         # rows), then the events' and parameters' rows picked and the layers' summed per key in
         # those narrow rows: counts add up alike before and after compacting
-        rows = stats.compact_rows(counts, extras, limits).index_select(0, used)
+        rows = stats.compact_rows(counts, extras, limits)
+        if device.type == "cpu" and cpu_kernel.available() and counts.dtype == torch.int64 \
+                and extras.dtype == torch.float32:  # one C loop for the few dozen small torch ops below
+            flat = cpu_kernel.step_buffer(
+                rows, used, n_events, index_tensor(event_keys, device),
+                index_tensor(modes, device) if modes is not None and n_events else None, n_keys, counts,
+                scale is not None, buf.size, float(NO_EVENT))
+            if param_rows:  # torch's sqrt, as below: C's may differ in the last bit
+                flat[buf.norms] = extras[used[n_events:], LAYOUT.extra["sumsq"]].to(_F64).sqrt()
+            flat[buf.scale] = scale.to(_F64).reshape(()) if scale is not None else -1.0
+            flat[buf.found_inf] = found_inf.to(_F64).reshape(()) if found_inf is not None else -1.0
+            return flat, buf
+        rows = rows.index_select(0, used)
         parts = []
         if n_events:
             in_rows = [i for i, key in enumerate(event_keys) if key >= 0]
