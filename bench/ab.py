@@ -49,25 +49,28 @@ def anomaly() -> contextlib.AbstractContextManager:
 
 
 def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps: int, rounds: int,
-                warmup: int) -> dict[str, tuple[float, float, float, float]]:
+                warmup: int, clock: Callable[[], float] = time.perf_counter
+                ) -> dict[str, tuple[float, float, float, float]]:
     """Per variant: (median seconds per step, median ratio to the baseline, and the lowest and
     highest ratio of the rounds: on a shared machine the spread says how far to trust the
     median). The first variant
     is the baseline; each round times it again right before every other variant, and a ratio
     is that pair's - so that a machine whose speed drifts within a round (a shared one) moves
-    both sides of each ratio alike."""
+    both sides of each ratio alike. ``clock``: wall time, or ``time.process_time`` (this
+    process's CPU time: on a machine shared with other work, steadier than the wall clock;
+    CPU only - a GPU's time is not the process's)."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     def timed(variant: Variant, n: int) -> float:
         with variant():
             if cuda:
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(n):
                 step()
             if cuda:
                 torch.cuda.synchronize()
-            return (time.perf_counter() - start) / n
+            return (clock() - start) / n
 
     warnings.filterwarnings("ignore")  # detect_anomaly warns that it is slow
     for variant in variants.values():

@@ -15,7 +15,7 @@ graph untouched), watch with the log, and watch(inside_compile=True) (every modu
 graph recorded by an op in it), with the log too.
 
 Run: python bench/watch_overhead.py [--workload gpt|mlp|nanogpt] [--compile] [--steps N] [--rounds R]
-     [--width D] [--threads T]
+     [--width D] [--threads T] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads first (a busy shared machine: 1 "
                         "gives steadier ratios; default: torch's own)")
+    parser.add_argument("--cpu-time", action="store_true", help="time each variant by this process's CPU time "
+                        "(time.process_time) instead of the wall clock: steadier on a shared machine")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,8 +226,10 @@ def main() -> None:
             variants["HF DebugUnderflowOverflow"] = lambda: ab.hf_debug(model)
         except ImportError:
             pass
-    medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=2)
-    print(f"{title}, {device}, {torch.get_num_threads()} threads, "
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=2, clock=clock)
+    timed_by = "process CPU time" if args.cpu_time else "wall time"
+    print(f"{title}, {device}, {torch.get_num_threads()} threads, {timed_by}, "
           f"median of {args.rounds} rounds x {args.steps} steps; rows: {cpu_kernel.status()}")
     ab.print_ratios(medians)
 

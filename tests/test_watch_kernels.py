@@ -408,3 +408,55 @@ def test_the_torch_path_reads_an_expanded_gradient():
         stats.torch_fill_row(x, counts, extras, limits)
         rows.append((counts.clone(), extras.clone()))
     assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_c_compact_makes_the_torch_ops_stats_rows(dtype):
+    # the step boundary compacts CPU arena rows in C (cpu_kernel.compact): every field and
+    # exponent count equal to the torch ops', for rows with zeros, subnormals, NaN, +-inf,
+    # overflow, and a strided view of the arena
+    limits = LowDtype.parse(dtype)
+    counts = torch.zeros(12, LAYOUT.counts, dtype=torch.int64)
+    extras = torch.zeros(12, LAYOUT.extras)
+    for i in range(12):
+        stats.fill_row(_values(500 + 97 * i, torch.float32) * 10.0 ** (i - 6), counts[i], extras[i], limits)
+    counts[3, LAYOUT.count["scaled"]] = 7
+    rows = cpu_kernel.compact(counts, extras, limits.normal_exponent)
+    assert torch.equal(rows, stats._compact(counts, extras[:, LAYOUT.extra["absmax"]], limits))
+    assert rows[:, LAYOUT.field["nan"]].sum() > 0 and rows[:, LAYOUT.field["neginf"]].sum() > 0
+    part = cpu_kernel.compact(counts[2:9:3], extras[2:9:3], limits.normal_exponent)
+    assert torch.equal(part, rows[2:9:3])
+    assert cpu_kernel.compact(counts[:0], extras[:0], limits.normal_exponent).shape == (0, LAYOUT.width)
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_the_c_step_buffer_is_the_torch_ops_buffer(monkeypatch, with_scale):
+    # a logged CPU step's buffer is built in C (cpu_kernel.step_buffer): the same float64
+    # buffer as the torch ops' - sums and maxima per key, an event in no key, a row two
+    # events share, -inf masks under each mode, parameters' norms and overflow at scale
+    from ampaudit.watch.arena import RowArena
+    from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
+
+    cpu = torch.device("cpu")
+    arena, handles = RowArena(chunk=4), []  # several chunks
+    xs = [_values(300 + 31 * i, torch.float32) * 10.0 ** (i % 5 - 2) for i in range(9)]
+    xs[1] = torch.randn(50)
+    xs[2] = torch.zeros(40).masked_fill(torch.arange(40) > 30, -float("inf"))  # a mask: -inf only
+    for x in xs:
+        handle, counts, extras = arena.take(cpu)
+        stats.fill_row(x, counts, extras, FP16, norm=True, scale=torch.tensor(2.0**12) if with_scale else None)
+        handles.append(handle)
+    events = [handles[i] for i in (1, 2, 3, 3, 4, 5, 0)]  # handles[3] twice: one tensor, two events
+    keys, modes = [0, 1, 1, 2, -1, 0, 2], [ANY, HARMFUL, ANY, IGNORED, ANY, ANY, HARMFUL]
+    params = handles[6:]
+    scale = torch.tensor(2.0**12) if with_scale else None
+    found_inf = torch.tensor([1.0]) if with_scale else None
+    for event_modes in (modes, None, [HARMFUL] * len(events)):
+        got, buf = StepReducer().step_buffer(arena, events, keys, 3, params, FP16, found_inf, scale, event_modes)
+        monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+        want, _ = StepReducer().step_buffer(arena, events, keys, 3, params, FP16, found_inf, scale, event_modes)
+        monkeypatch.undo()
+        assert torch.equal(got.view(torch.int64), want.view(torch.int64))  # to the bit, NaN norms too
+        assert got[buf.first] < 2**62  # some event is a candidate first non-finite

@@ -612,3 +612,34 @@ def _one_scaled_step(model, opt, ids, init_scale):
         scaler.step(opt)
         scaler.update()
     return mon.summary()["first_nonfinite"], out
+
+
+@pytest.mark.parametrize("user_hook", [False, True])
+def test_one_gradient_hook_serves_a_tensor_two_modules_share_unless_a_users_hook_sits_between(user_hook):
+    # m[0]'s output is m[1]'s input: one watch hook records both gradient events; a hook of the
+    # user's registered between them (here: one that makes the gradient NaN) runs between them
+    # as it would with a hook each - m[0]'s event sees the gradient before it, m[1]'s after
+    from ampaudit.watch import stats
+    from ampaudit.watch.events import INPUT_GRAD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shared = []
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        def keep(module, args, out):  # registered after watch's hook: runs after it
+            shared.append(out)
+            if user_hook:
+                out.register_hook(lambda g: g * float("nan"))
+
+        model[0].register_forward_hook(keep)
+        model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        assert len(shared[0]._backward_hooks) == (3 if user_hook else 1)
+        recorder = mon.recorder
+        wanted = {("0", "backward", "grad of output"): None, ("1", INPUT_GRAD, "grad of input[0]"): None}
+        for event, row in zip(recorder.events, recorder.event_rows, strict=True):
+            if event in wanted:
+                raw = stats.raw_matrix(*recorder.arena.matrix([row], torch.device("cpu")))
+                wanted[event] = bool(stats.nonfinite(raw).item())
+        opt.step()
+    assert list(wanted.values()) == [False, user_hook]

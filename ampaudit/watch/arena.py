@@ -62,9 +62,16 @@ class RowArena:
     def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows behind ``handles``, in that order, on ``device``: (counts N x LAYOUT.counts
         int64, extras N x LAYOUT.extras float32)."""
+        counts, extras, index = self.used(handles, device)
+        return counts.index_select(0, index), extras.index_select(0, index)
+
+    def used(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row used this step, each once, on ``device`` - (counts, extras), views of the
+        arena where one device has them all - and where each of ``handles`` is among them: a
+        step reduces each used row before it picks its events' rows, never copying raw rows."""
         if not handles:
             return (torch.zeros(0, LAYOUT.counts, dtype=torch.int64, device=device),
-                    torch.zeros(0, LAYOUT.extras, device=device))
+                    torch.zeros(0, LAYOUT.extras, device=device), index_tensor([], device))
         counts, extras, offsets, total = [], [], {}, 0
         for dev, used in self._used.items():  # each device's used rows, one after another
             offsets[dev], total = total, total + used
@@ -72,8 +79,8 @@ class RowArena:
             extras.append(self._used_rows(self._extras[dev], used).to(device))
         index = index_tensor([offsets[dev] + i for dev, i in handles], device)
         if len(counts) == 1:
-            return counts[0].index_select(0, index), extras[0].index_select(0, index)
-        return torch.cat(counts).index_select(0, index), torch.cat(extras).index_select(0, index)
+            return counts[0], extras[0], index
+        return torch.cat(counts), torch.cat(extras), index
 
     def _used_rows(self, chunks: list[torch.Tensor], used: int) -> torch.Tensor:
         needed = chunks[: -(-used // self.chunk)]

@@ -1,8 +1,10 @@
 """The raw statistics row on the CPU in one fused pass (``cpu_stats.c``), built on first use.
 
 torch's CPU ops need six passes and a serial bincount for a row; the C kernel reads each
-element once, on torch's thread pool. It is compiled with the system C compiler (``$CC``,
-else cc/gcc/clang) into a cache directory - a fraction of a second, once per machine - and
+element once, on torch's thread pool. At a logged step's boundary the same library turns the
+step's rows into Stats rows (``compact``) and into the step's buffer (``step_buffer``), each
+one C loop where the torch ops would be tens of small ops. It is compiled with the system C
+compiler (``$CC``, else cc/gcc/clang) into a cache directory - a fraction of a second, once per machine - and
 loaded with ctypes. Without a compiler, or with ``AMPAUDIT_CPU_KERNEL=0``, ``available()``
 is False and ``stats`` uses the torch ops; ``status()`` says why.
 
@@ -44,6 +46,12 @@ _ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
 class _Library:
     rows: dict[torch.dtype, ctypes._CFuncPtr]  # the whole row
     nonfinite: dict[torch.dtype, ctypes._CFuncPtr]  # the NaN and Inf bins and the -inf slot only
+    compact: ctypes._CFuncPtr  # raw rows to Stats rows
+    step_buffer: ctypes._CFuncPtr  # a logged step's buffer from its Stats rows
+
+
+# where ampaudit_compact writes each Stats field, in its own order (layout.FIELDS' names)
+_COMPACT_FIELDS = ("numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax")
 
 
 def status() -> str:
@@ -122,9 +130,19 @@ def _library() -> _Library | None:
     for fn in nonfinite.values():  # x, n, bins, neginf
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = None
+    compact = lib.ampaudit_compact  # counts, stride, absmax, stride, n, slots, normal exponent, out, width, ...
+    compact.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_void_p, ctypes.c_int32]
+    compact.restype = None
+    buffer = lib.ampaudit_step_buffer
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    buffer.argtypes = [p, i64, p, p, p, i64, i64, p, i64, p, i64, i32, i32, p, i32, i32, i32, i32,
+                       ctypes.c_double, p]
+    buffer.restype = None
     lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
-    return _Library(rows, nonfinite)
+    return _Library(rows, nonfinite, compact, buffer)
 
 
 def available() -> bool:
@@ -165,3 +183,50 @@ def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor) -> None:
     x = _readable(x)
     base, size = counts.data_ptr(), counts.element_size()
     _library().nonfinite[x.dtype](x.data_ptr(), x.numel(), base, base + _NEGINF * size)
+
+
+_FIELD_AT = (ctypes.c_int32 * len(_COMPACT_FIELDS))(*(LAYOUT.field[name] for name in _COMPACT_FIELDS)) \
+    if sorted(_COMPACT_FIELDS) == sorted(LAYOUT.fields) else None  # a layout with other fields: torch ops
+
+
+def compact(counts: torch.Tensor, extras: torch.Tensor, normal_exponent: int) -> torch.Tensor | None:
+    """``stats.compact_rows`` for CPU arena rows (int64 counts, float32 extras, rows contiguous)
+    in one C loop instead of a dozen torch ops: the same N x ``LAYOUT.width`` float64 rows.
+    None where the layout's fields are not the ones the C code writes."""
+    if _FIELD_AT is None or counts.dtype != torch.int64 or extras.dtype != torch.float32:
+        return None
+    if counts.stride(1) != 1:
+        counts = counts.contiguous()
+    n = counts.shape[0]
+    out = torch.empty(n, LAYOUT.width, dtype=torch.float64)
+    if n:
+        absmax = extras.data_ptr() + _ABSMAX * extras.stride(1) * extras.element_size()
+        _library().compact(counts.data_ptr(), counts.stride(0), absmax, extras.stride(0), n, _OVERFLOW, _NEGINF,
+                           normal_exponent, out.data_ptr(), LAYOUT.width, _FIELD_AT, LAYOUT.hist)
+    return out
+
+
+_MAX_FIELDS = (ctypes.c_int32 * max(1, len(LAYOUT.max_fields)))(*LAYOUT.max_fields)
+_NAN_FIELD, _INF_FIELD, _NEGINF_FIELD = (LAYOUT.field[name] for name in ("nan", "inf", "neginf"))
+
+
+def step_buffer(rows: torch.Tensor, used: torch.Tensor, n_events: int, event_keys: torch.Tensor,
+                modes: torch.Tensor | None, n_keys: int, counts: torch.Tensor, has_scale: bool, size: int,
+                no_event: float) -> torch.Tensor:
+    """``reducer.StepReducer.step_buffer`` on the CPU in one C loop: ``rows`` the Stats rows of
+    the arena rows a step used (``counts``), ``used`` where each event's and then each
+    parameter's row is among them, ``event_keys`` each event's (module, phase) key (-1: none),
+    ``modes`` per event (``reducer.bad_events``). The parameters' norms and the last two slots
+    (scale, found-inf) are left for the caller."""
+    rows, used = rows.contiguous(), used.contiguous()
+    if counts.stride(1) != 1:
+        counts = counts.contiguous()
+    flat = torch.empty(size, dtype=torch.float64)
+    i64 = used.element_size()
+    _library().step_buffer(
+        rows.data_ptr(), LAYOUT.width, used.data_ptr(), event_keys.data_ptr(),
+        modes.data_ptr() if modes is not None else None, n_events, n_keys, used.data_ptr() + n_events * i64,
+        used.numel() - n_events, counts.data_ptr(),
+        counts.stride(0), LAYOUT.count["scaled"], has_scale, _MAX_FIELDS, len(LAYOUT.max_fields),
+        _NAN_FIELD, _INF_FIELD, _NEGINF_FIELD, no_event, flat.data_ptr())
+    return flat

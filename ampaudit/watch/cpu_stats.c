@@ -10,7 +10,9 @@
  * checks ampaudit_bins() against it when it loads the library.
  *
  * torch has no fused CPU op for this; built from torch ops it takes seven passes and a serial
- * bincount. ampaudit compiles this file on first use (cpu_kernel.py) and falls back to the
+ * bincount. At a logged step's boundary two more loops (ampaudit_compact, ampaudit_step_buffer)
+ * do what a few dozen small torch ops do on a GPU, whose per-op cost dominates a small model's
+ * step on the CPU. ampaudit compiles this file on first use (cpu_kernel.py) and falls back to the
  * torch ops when no C compiler is around. OpenMP, when the compiler has it, splits tensors of
  * more than one piece across torch's own thread pool (the soname resolves to the libgomp
  * torch already loaded).
@@ -39,7 +41,8 @@
 #define SIMD_CLONES
 #endif
 
-#define PIECE 65536 /* elements per task: per-lane counts stay far below 2**32 */
+#define PIECE 65536 /* elements per task: a lane counts at most an eighth of a piece (and seven
+                      * more per block), below 2**16: uint16 lanes, 16 KB for eight of them */
 #define BLOCK 512   /* elements whose bins are computed (vectorised) before they are counted */
 
 int ampaudit_bins(void) {
@@ -107,13 +110,13 @@ static inline int32_t key(int32_t a) {
 }
 
 /* One piece, a block at a time: first the bins and the finite max of the block (a loop the
- * compiler vectorises), then the counting, over four lanes of counts so that runs of equal
+ * compiler vectorises), then the counting, over eight lanes of counts so that runs of equal
  * bins do not serialise on one counter. Only a block that held an Inf is read again, for
  * the sign of its infinities: -inf costs nothing where there is none. A macro rather than a
  * function pointer so that each loader is inlined. */
-#define LANES(BIN) (c[0][BIN] + c[1][BIN] + c[2][BIN] + c[3][BIN])
+#define LANES(BIN) ((uint32_t)c[0][BIN] + c[1][BIN] + c[2][BIN] + c[3][BIN] + c[4][BIN] + c[5][BIN] + c[6][BIN] + c[7][BIN])
 #define PIECE_BODY(RAW, ABS, NEGINF)                                       \
-    uint32_t c[4][NBINS];                                                  \
+    uint16_t c[8][NBINS];                                                  \
     int16_t keys[BLOCK];                                                   \
     int32_t peak = 0;                                                      \
     int64_t over = 0, neg = 0;                                             \
@@ -141,18 +144,24 @@ static inline int32_t key(int32_t a) {
         }                                                                  \
         uint32_t infs = LANES(INF_BIN);                                    \
         int j = 0;                                                         \
-        for (; j + 4 <= len; j += 4) {                                     \
+        for (; j + 8 <= len; j += 8) {                                     \
             c[0][keys[j]]++;                                               \
             c[1][keys[j + 1]]++;                                           \
             c[2][keys[j + 2]]++;                                           \
             c[3][keys[j + 3]]++;                                           \
+            c[4][keys[j + 4]]++;                                           \
+            c[5][keys[j + 5]]++;                                           \
+            c[6][keys[j + 6]]++;                                           \
+            c[7][keys[j + 7]]++;                                           \
         }                                                                  \
         for (; j < len; j++) c[0][keys[j]]++;                              \
         if (LANES(INF_BIN) != infs) /* an Inf in this block: which sign */ \
             for (j = 0; j < len; j++) neg += RAW(x, b + j) == NEGINF;      \
     }                                                                      \
-    for (int k = 0; k < NBINS; k++)                                        \
-        bins[k] += (int64_t)LANES(k);                                      \
+    for (int k = 0; k < NBINS; k++) { /* the row's unused bins untouched */ \
+        uint32_t n = LANES(k);                                             \
+        if (n) bins[k] += (int64_t)n;                                      \
+    }                                                                      \
     /* every NaN is the quiet one, in NAN_BIN: one compare, not two */     \
     *overflow += over - LANES(NAN_BIN);                                    \
     *neginf += neg;                                                        \
@@ -240,4 +249,86 @@ int ampaudit_openmp(void) {
 #else
     return 0;
 #endif
+}
+
+/* Raw rows to the summary's Stats rows, what stats._compact does with torch ops, for the n
+ * rows a step used: row r's counts (int64 bins, then the count slots) at counts + r * stride,
+ * its finite absmax at absmax[r * astride]; out row r (width float64s) gets the fields at
+ * the positions in field[] - numel, nan, inf, neginf, overflow, underflow, zero, absmax -
+ * and from position hist on one count per fp32 exponent. Integer counts below 2**53 are exact
+ * in float64, as in the torch ops: the rows are the same. */
+#define PER_EXPONENT (NBINS / 256)
+void ampaudit_compact(const int64_t *counts, int64_t stride, const float *absmax, int64_t astride, int64_t n,
+                      int32_t overflow_slot, int32_t neginf_slot, int32_t normal_exponent, double *out,
+                      int64_t width, const int32_t *field, int32_t hist) {
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t *b = counts + r * stride;
+        double *o = out + r * width;
+        int64_t numel = 0, underflow = 0;
+        for (int e = 0; e < 256; e++) {
+            int64_t h = 0;
+            for (int m = 0; m < PER_EXPONENT; m++) h += b[e * PER_EXPONENT + m];
+            numel += h;
+            if (e == 0) h -= b[0]; /* exponent 0 without the zeros: the fp32 subnormals */
+            if (e < normal_exponent) underflow += h;
+            o[hist + e] = (double)h;
+        }
+        int64_t nan = 0;
+        for (int m = 1; m < PER_EXPONENT; m++) nan += b[NBINS - PER_EXPONENT + m];
+        o[field[0]] = (double)numel;
+        o[field[1]] = (double)nan;
+        o[field[2]] = (double)b[NBINS - PER_EXPONENT];
+        o[field[3]] = (double)b[neginf_slot];
+        o[field[4]] = (double)b[overflow_slot];
+        o[field[5]] = (double)underflow;
+        o[field[6]] = (double)b[0];
+        o[field[7]] = (double)absmax[r * astride];
+    }
+}
+
+/* A logged step's buffer (reducer.StepReducer.step_buffer, there with torch ops) from the
+ * Stats rows of the arena rows it used (rows, width float64s each): per (module, phase) key
+ * the sum of its events' rows - each field in max_field[] (absmax) their largest instead -
+ * then each parameter's row, its count over the loss scale (an int64 count slot; -1 without
+ * a scale), and the first event that may be where a NaN was born (NO_EVENT if none; modes as
+ * in reducer.bad_events, NULL: any non-finite). Sums of integer counts are exact in float64 in
+ * any order, so the buffer is the torch ops' to the bit. The norms (torch's sqrt, whose last
+ * bit may differ from C's) and the tail's scale and found-inf are the caller's. */
+void ampaudit_step_buffer(const double *rows, int64_t width, const int64_t *event_row, const int64_t *event_key,
+                          const int64_t *modes, int64_t n_events, int64_t n_keys, const int64_t *param_row,
+                          int64_t n_params, const int64_t *counts, int64_t counts_stride, int32_t scaled_slot,
+                          int32_t has_scale,
+                          const int32_t *max_field, int32_t n_max, int32_t nan, int32_t inf, int32_t neginf,
+                          double no_event, double *flat) {
+    double *keys = flat, *params = flat + n_keys * width;
+    double *scaled = params + n_params * width + n_params, *first = scaled + n_params; /* norms between */
+    unsigned char seen[n_keys > 0 ? n_keys : 1], summed[width];
+    memset(keys, 0, (size_t)(n_keys * width) * sizeof(double));
+    memset(seen, 0, sizeof seen);
+    memset(summed, 1, sizeof summed);
+    for (int32_t m = 0; m < n_max; m++) summed[max_field[m]] = 0;
+    *first = no_event;
+    for (int64_t i = 0; i < n_events; i++) {
+        const double *row = rows + event_row[i] * width;
+        double bad = row[nan] + row[inf];
+        int64_t mode = modes ? modes[i] : 2; /* 0 never, 1 NaN or +inf (not a -inf mask), 2 any */
+        if (*first == no_event && ((mode >= 1 && bad - row[neginf] > 0) || (mode == 2 && bad > 0)))
+            *first = (double)i;
+        int64_t k = event_key[i];
+        if (k < 0) /* a candidate first non-finite only, in no row */
+            continue;
+        double *out = keys + k * width;
+        for (int64_t c = 0; c < width; c++)
+            if (summed[c]) out[c] += row[c];
+        for (int32_t m = 0; m < n_max; m++) {
+            int32_t c = max_field[m];
+            out[c] = !seen[k] || row[c] > out[c] ? row[c] : out[c];
+        }
+        seen[k] = 1;
+    }
+    for (int64_t p = 0; p < n_params; p++) {
+        int64_t r = param_row[p];
+        memcpy(params + p * width, rows + r * width, (size_t)width * sizeof(double));
+        scaled[p] = has_scale ? (double)counts[r * counts_stride + scaled_slot] : -1.0;
+    }
 }

@@ -114,6 +114,33 @@ def _positional(args: Any, skipped: Counter | None = None) -> list[tuple[int, to
             for t in measurable_tensors(arg, skipped=skipped)]
 
 
+def _last_hook(tensor: torch.Tensor) -> Any:
+    """The gradient hook registered last on ``tensor``, or None."""
+    hooks = tensor._backward_hooks
+    return next(reversed(hooks.values())) if hooks else None
+
+
+class _GradEvents:
+    """A tensor's gradient hook: the events (module, phase, label, call) that record its
+    gradient, in the order they asked."""
+
+    __slots__ = ("events", "recorder")
+
+    def __init__(self, recorder: StepRecorder, entry: tuple[str, str, str, int | None]) -> None:
+        self.recorder, self.events = recorder, [entry]
+
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        recorder = self.recorder
+        # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
+        if recorder.logging and recorder.active and not recorder.paused and grad is not None:
+            if transformed():  # a torch.func transform's backward through a watched tensor
+                with recorder.thread.lock:
+                    recorder.unmeasured["functorch"] += len(self.events)
+                return
+            for module, phase, label, call in self.events:
+                recorder.record(module, phase, grad, label, call)
+
+
 class StepRecorder:
     """Module and tensor hooks that fill this step's arena rows and events.
 
@@ -144,6 +171,7 @@ class StepRecorder:
         self.thread = FollowedThread()  # the one thread whose steps are recorded (watch/threads.py)
         # this step's measured tensors: (tensor, row, whether the whole row or only its flags)
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle, bool]] = {}
+        self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents]] = {}  # this step's, by tensor id
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
@@ -328,19 +356,19 @@ class StepRecorder:
 
     # -- tensors --------------------------------------------------------------------------------
     def hook_grad(self, tensor: torch.Tensor, module: str, label: str, phase: str = "backward") -> None:
-        """Record the gradient w.r.t. ``tensor`` when backward computes it (phase "backward")."""
-        call = self._call
-
-        def hook(grad: torch.Tensor | None) -> None:
-            # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
-            if self.logging and self.active and not self.paused and grad is not None:
-                if transformed():  # a torch.func transform's backward through a watched tensor
-                    with self.thread.lock:
-                        self.unmeasured["functorch"] += 1
-                    return
-                self.record(module, phase, grad, label, call)
-
+        """Record the gradient w.r.t. ``tensor`` when backward computes it (phase "backward").
+        One hook per tensor and step: a module's output is often the next one's input, whose
+        gradient it also wants - its event joins the hook already there when that hook is the
+        tensor's last (a hook of the user's in between may change the gradient), so the events
+        fire in the same order as with a hook each, at one Python call from autograd."""
+        entry = (module, phase, label, self._call)
+        known = self._grad_hooks.get(id(tensor))
+        if known is not None and known[0]() is tensor and _last_hook(tensor) is known[1]:
+            known[1].events.append(entry)
+            return
+        hook = _GradEvents(self, entry)
         tensor.register_hook(hook)
+        self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook)
 
     def record(self, module: str, phase: str, tensor: torch.Tensor, label: str, call: int | None = None) -> None:
         """One event. Hot path: one raw row per tensor; everything else waits for the step
@@ -389,7 +417,7 @@ class StepRecorder:
 
     def end_step(self, logging_next: bool) -> None:
         """Forget this step's rows and events; ``logging_next``: whether the next is recorded."""
-        self.event_rows, self.events, self.param_rows, self._seen = [], [], {}, {}
+        self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen = [], [], False
         self.arena.reset()
         self.logging = logging_next

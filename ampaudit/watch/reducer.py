@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.watch import stats
+from ampaudit.watch import cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena, index_tensor
 from ampaudit.watch.layout import LAYOUT, MAX, StepBuffer
 
@@ -42,13 +42,18 @@ class StepValues:
 IGNORED, HARMFUL, ANY = 0, 1, 2  # an event's mode: never first; first if NaN/+inf; if any non-finite
 
 
-def bad_events(raw: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
-    """Per event (raw rows), whether it may be where a NaN was born: NaN or +inf in mode HARMFUL
-    (inputs, a module that writes -inf masks), any non-finite in mode ANY (gradients, where a
-    -inf is an overflow; forwards of modules not yet known to write masks); never if IGNORED."""
+_NAN, _INF, _NEGINF = (LAYOUT.field[name] for name in ("nan", "inf", "neginf"))
+
+
+def bad_events(rows: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
+    """Per event (its Stats row), whether it may be where a NaN was born: NaN or +inf in mode
+    HARMFUL (inputs, a module that writes -inf masks), any non-finite in mode ANY (gradients,
+    where a -inf is an overflow; forwards of modules not yet known to write masks); never if
+    IGNORED. (``stats.nonfinite`` and ``stats.harmful`` read the same from raw rows.)"""
+    nonfinite = rows[:, _NAN] + rows[:, _INF]
     if modes is None:
-        return stats.nonfinite(raw)
-    return (stats.harmful(raw) & (modes >= HARMFUL)) | (stats.nonfinite(raw) & (modes == ANY))
+        return nonfinite > 0
+    return ((nonfinite - rows[:, _NEGINF] > 0) & (modes >= HARMFUL)) | ((nonfinite > 0) & (modes == ANY))
 
 
 class StepReducer:
@@ -74,11 +79,24 @@ class StepReducer:
         buf = LAYOUT.step_buffer(n_keys, len(param_rows), sharded)
         handles = event_rows + param_rows
         device = handles[0][0] if handles else torch.device("cpu")
-        counts, extras = arena.matrix(handles, device)
+        counts, extras, used = arena.used(handles, device)
         n_events = len(event_rows)
-        # every row compacted first (int64 bins to float64 Stats rows), then the layers' rows
-        # summed per key in those narrow rows: counts add up alike before and after compacting
+        # every used row compacted once, in place in the arena (int64 bins to float64 Stats
+        # rows), then the events' and parameters' rows picked and the layers' summed per key in
+        # those narrow rows: counts add up alike before and after compacting
         rows = stats.compact_rows(counts, extras, limits)
+        if device.type == "cpu" and cpu_kernel.available() and counts.dtype == torch.int64 \
+                and extras.dtype == torch.float32:  # one C loop for the few dozen small torch ops below
+            flat = cpu_kernel.step_buffer(
+                rows, used, n_events, index_tensor(event_keys, device),
+                index_tensor(modes, device) if modes is not None and n_events else None, n_keys, counts,
+                scale is not None, buf.size, float(NO_EVENT))
+            if param_rows:  # torch's sqrt, as below: C's may differ in the last bit
+                flat[buf.norms] = extras[used[n_events:], LAYOUT.extra["sumsq"]].to(_F64).sqrt()
+            flat[buf.scale] = scale.to(_F64).reshape(()) if scale is not None else -1.0
+            flat[buf.found_inf] = found_inf.to(_F64).reshape(()) if found_inf is not None else -1.0
+            return flat, buf
+        rows = rows.index_select(0, used)
         parts = []
         if n_events:
             in_rows = [i for i, key in enumerate(event_keys) if key >= 0]
@@ -94,14 +112,15 @@ class StepReducer:
                     include_self=False)
                 summed.index_copy_(1, columns, peaks)
             parts.append(summed.reshape(-1))
-            bad = bad_events(counts[:n_events], index_tensor(modes, device) if modes is not None else None)
+            bad = bad_events(rows[:n_events], index_tensor(modes, device) if modes is not None else None)
             first = torch.where(bad.any(), bad.to(torch.int64).argmax(), NO_EVENT).to(_F64).reshape(1)
         else:
             first = torch.full((1,), float(NO_EVENT), device=device, dtype=_F64)
         if param_rows:
             parts.append(rows[n_events:].reshape(-1))
-            parts.append(extras[n_events:, LAYOUT.extra["sumsq"]].to(_F64).sqrt())
-            parts.append(counts[n_events:, LAYOUT.count["scaled"]].to(_F64) if scale is not None
+            params = used[n_events:]
+            parts.append(extras[params, LAYOUT.extra["sumsq"]].to(_F64).sqrt())
+            parts.append(counts[params, LAYOUT.count["scaled"]].to(_F64) if scale is not None
                          else torch.full((len(param_rows),), -1.0, device=device, dtype=_F64))
         minus_one = torch.full((1,), -1.0, device=device, dtype=_F64)
         tail = [first, scale.to(device, _F64).reshape(1) if scale is not None else minus_one,

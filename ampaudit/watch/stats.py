@@ -151,7 +151,12 @@ def compact(raw: torch.Tensor, limits: LowDtype) -> torch.Tensor:
 def compact_rows(counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> torch.Tensor:
     """``compact(raw_matrix(counts, extras))`` from the arena's rows as they are: the bins
     summed into exponents in int64 (exact) before anything becomes float64 - a quarter of
-    the float64 work, and no float64 copy of every bin."""
+    the float64 work, and no float64 copy of every bin. CPU rows: one C loop
+    (``cpu_kernel.compact``), the same rows."""
+    if counts.device.type == "cpu" and cpu_kernel.available():
+        rows = cpu_kernel.compact(counts, extras, limits.normal_exponent)
+        if rows is not None:
+            return rows
     return _compact(counts, extras[:, _ABSMAX], limits)
 
 
