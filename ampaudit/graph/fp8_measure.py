@@ -564,6 +564,18 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
     calls kept from a previous forward (``_Replay``), or to keep for the next."""
     weights = {} if weights is None else weights
     weight_amax = weight_amax or {}
+    # the input as cast, by tensor: q, k and v projections read the same one (unchanged since:
+    # its version); kept while this forward runs, so the id is not reused
+    inputs_cast: dict[int, tuple[torch.Tensor, int | None, CastResult]] = {}
+
+    def cast_input(x: torch.Tensor, x2: torch.Tensor, how: Any, dim: int) -> CastResult:
+        kept = inputs_cast.get(id(x))
+        version = _version(x)
+        if kept is not None and kept[0] is x and version is not None and kept[1] == version:
+            return kept[2]
+        q = cast(x2, how, dim, pow2=recipe.pow2_scales, count=False)  # only the value is needed: no counts
+        inputs_cast[id(x)] = (x, version, q)
+        return q
 
     def fp8_linear(module: nn.Linear) -> Callable[..., Any]:
         original = module.forward
@@ -579,8 +591,8 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
             x2 = x.detach().float().reshape(-1, x.shape[-1])
 
             def cast_fn(t: torch.Tensor, how: Any, dim: int) -> CastResult:
-                if t is x2:  # only the value is needed: no counts
-                    return cast(t, how, dim, pow2=recipe.pow2_scales, count=False)
+                if t is x2:
+                    return cast_input(x, x2, how, dim)
                 if id(module) not in weights:
                     weights[id(module)] = cast(t, how, dim, pow2=recipe.pow2_scales, count=False,
                                                amax=weight_amax.get(id(module)))
@@ -601,7 +613,10 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
         for name, module in linears(model):
             if name in names:
                 module.forward = fp8_linear(module)
-        return _outputs(model(*inputs.args, **inputs.kwargs))
+        try:
+            return _outputs(model(*inputs.args, **inputs.kwargs))
+        finally:
+            inputs_cast.clear()
 
 
 def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measurement, candidates: list[str],
