@@ -504,3 +504,47 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
              for names in ({"a", "b", "c", "d"}, {"a", "b", "d"})]
     assert (m.output_sqnr_db, m.output_sqnr_without_db) == tuple(whole)
     assert 20 < m.output_sqnr_db < m.output_sqnr_without_db < 60
+
+
+def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gradient_bit_for_bit():
+    """record() runs plain Linears without their weight gradient (a third of their GEMMs): each
+    recorded output gradient is autograd's own, bit for bit, a column-major input's too; a
+    subclass with its own forward runs as written; the user's .grad are left as they were."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import record
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(24, 40), nn.Linear(40, 24, bias=False)
+            self.c = Scaled(24, 16)
+
+        def forward(self, x):
+            h = self.a(x.t())  # a column-major input
+            return self.c(torch.tanh(self.b(torch.tanh(h)))).unsqueeze(0)
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(24, 12, generator=torch.Generator().manual_seed(0))
+    grads = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            out.register_hook(lambda g: grads.setdefault(name, g.clone()))
+        return hook
+
+    handles = [getattr(net, name).register_forward_hook(keep(name)) for name in ("a", "b", "c")]
+    (net(x).square().mean()).backward()
+    for h in handles:
+        h.remove()
+    user = {n: p.grad.clone() for n, p in net.named_parameters()}
+    records, _ = record(net, ExampleInputs.coerce((x,), "x"))
+    for name in ("a", "b", "c"):
+        assert torch.equal(records[name].grad, grads[name].reshape(-1, grads[name].shape[-1])), name
+    assert records["a"].grad_weight is None and records["c"].grad_weight is not None
+    assert all(torch.equal(p.grad, user[n]) for n, p in net.named_parameters())
+    assert "forward" not in vars(net.a)

@@ -188,6 +188,32 @@ def _outputs(output: Any) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0)
 
 
+class _InputGradLinear(torch.autograd.Function):
+    """``F.linear`` whose backward gives only its input's gradient. The audit needs every
+    Linear's output gradient, which flows through the inputs' gradients, not the weights' (a
+    third of a Linear's GEMMs, forward and backward); each sampled grad-weight reference is
+    recomputed from the recorded input and output gradient. The input's gradient is computed
+    as autograd computes it for ``linear`` (``mm_mat1_backward``: ``grad @ W``, or its transpose
+    for a column-major input), bit for bit, so every gradient upstream is unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.column_major = x.dim() == 2 and x.shape[1] > 1 and x.stride(0) == 1 and x.stride(1) == x.shape[0]
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gi = weight.t().mm(g.t()).t() if ctx.column_major else g.mm(weight)
+        return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None
+
+
+def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: _InputGradLinear.apply(x, module.weight, module.bias)
+
+
 def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor]:
     """One fp32 forward and backward: each Linear's input and output gradient (first call)."""
     import sys
@@ -228,8 +254,14 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     saved = [p.grad for p in params]  # the user's gradients stay as they were
     for p in params:
         p.grad = None
+    # Linears whose forward is nn.Linear's (not a subclass's own) compute no weight gradient;
+    # attributes_kept takes the instance attributes ``forward`` away again
+    plain = {id(rec.module) for rec in records.values() if type(rec.module).forward is nn.Linear.forward}
     try:
         with attributes_kept(model), torch.enable_grad():
+            for rec in records.values():
+                if id(rec.module) in plain:
+                    rec.module.forward = _input_grad_only(rec.module)
             try:
                 output = model(*inputs.args, **inputs.kwargs)
                 loss = model_loss(output)
@@ -244,7 +276,8 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             owners[id(p)] = owners.get(id(p), 0) + 1
         for rec in records.values():
             g = rec.module.weight.grad
-            if g is not None and owners.get(id(rec.module.weight)) == 1:  # a tied weight's gradient is a sum
+            # a tied weight's gradient is a sum; a plain Linear's weight got none from its own GEMM
+            if g is not None and owners.get(id(rec.module.weight)) == 1 and id(rec.module) not in plain:
                 rec.grad_weight = g.detach().float()
     finally:
         for h in handles:
