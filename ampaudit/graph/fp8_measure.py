@@ -1,14 +1,15 @@
 """What fp8 training would do to each ``nn.Linear`` of a model, measured on its example inputs.
 
 One fp32 forward and backward records every Linear's input, weight and output gradient
-(hooks; the loss is the model's own, or the mean square of its output). Each operand is then
+(hooks; the loss is the model's own, or the mean square of its output; the Linears' weight
+gradients are not computed). Each operand is then
 cast as every recipe casts it (``graph/fp8_casts.py``) - statistics per recipe: SQNR against
 fp32 over the whole tensor and over the ordinary elements only (outside outlier tokens and
 channels: a few huge tokens hold nearly all the energy and hide what the others lost), the
 shares flushed to zero and saturated. The chosen recipe's GEMMs are also run: SQNR of the
 output, grad-input and grad-weight products. Last, two forwards without grad say whether one
 layer's fp8 error dominates the model output: every candidate layer in fp8, then all but the
-worst one.
+worst one (which takes the first forward's Linear outputs up to the worst layer's call).
 """
 
 from __future__ import annotations
