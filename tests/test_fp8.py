@@ -509,7 +509,8 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
 def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gradient_bit_for_bit():
     """record() runs plain Linears without their weight gradient (a third of their GEMMs): each
     recorded output gradient is autograd's own, bit for bit, a column-major input's too; a
-    subclass with its own forward runs as written; the user's .grad are left as they were."""
+    subclass with its own forward and a forward wrapped on the instance run as written; the
+    user's .grad are left as they were."""
     from ampaudit.graph.forward import ExampleInputs
     from ampaudit.graph.fp8_measure import record
 
@@ -530,6 +531,12 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     torch.manual_seed(0)
     net = Net()
     x = torch.randn(24, 12, generator=torch.Generator().manual_seed(0))
+    wrapped = net.b.forward
+
+    def hooked(h):  # as accelerate's hooks wrap a module's forward: left as it is
+        return wrapped(h)
+
+    net.b.forward = hooked
     grads = {}
 
     def keep(name):
@@ -545,6 +552,7 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     records, _ = record(net, ExampleInputs.coerce((x,), "x"))
     for name in ("a", "b", "c"):
         assert torch.equal(records[name].grad, grads[name].reshape(-1, grads[name].shape[-1])), name
-    assert records["a"].grad_weight is None and records["c"].grad_weight is not None
+    assert records["a"].grad_weight is None
+    assert records["b"].grad_weight is not None and records["c"].grad_weight is not None
     assert all(torch.equal(p.grad, user[n]) for n, p in net.named_parameters())
-    assert "forward" not in vars(net.a)
+    assert "forward" not in vars(net.a) and vars(net.b)["forward"] is hooked

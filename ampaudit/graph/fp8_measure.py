@@ -255,9 +255,11 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     saved = [p.grad for p in params]  # the user's gradients stay as they were
     for p in params:
         p.grad = None
-    # Linears whose forward is nn.Linear's (not a subclass's own) compute no weight gradient;
-    # attributes_kept takes the instance attributes ``forward`` away again
-    plain = {id(rec.module) for rec in records.values() if type(rec.module).forward is nn.Linear.forward}
+    # Linears whose forward is nn.Linear's (not a subclass's own, not wrapped on the instance as
+    # accelerate's hooks do) compute no weight gradient; attributes_kept takes the instance
+    # attributes ``forward`` away again
+    plain = {id(rec.module) for rec in records.values()
+             if type(rec.module).forward is nn.Linear.forward and "forward" not in vars(rec.module)}
     try:
         with attributes_kept(model), torch.enable_grad():
             for rec in records.values():
