@@ -4,7 +4,9 @@ Two GPT-shaped transformers (pre-norm blocks: qkv, attention projection, a 4x ML
 head), each timed as a plain fp32 forward + backward (mean-square loss, as the audit uses) and
 as the fp8 audit (`graph/fp8_verdicts.judge`: the recording forward and backward, every
 Linear's operands cast under every recipe, the chosen recipe's GEMMs, the dominance
-forwards), interleaved, median of the rounds. The audit's parts are its own timings.
+forwards), interleaved, median of the rounds. The audit's parts are its own timings. Each is
+timed by the wall clock and by the process's CPU time: on a VM shared with other jobs the wall
+clock counts the time the process waited for a core; its CPU time does not.
 
     python bench/fp8_check_cost.py [--rounds 5] [--shapes 256x512,1024x256] [--recipe tensorwise] [--threads 1]
 
@@ -63,20 +65,20 @@ class Transformer(nn.Module):
         return self.head(self.ln(x))
 
 
-def _fwd_bwd(model: nn.Module, x: torch.Tensor) -> float:
-    start = time.perf_counter()
+def _fwd_bwd(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
+    start, cpu = time.perf_counter(), time.process_time()
     model_loss(model(x)).backward()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     model.zero_grad(set_to_none=True)
-    return seconds
+    return seconds, cpu
 
 
-def _audit(model: nn.Module, x: torch.Tensor, recipe: str) -> tuple[float, dict, list]:
-    start = time.perf_counter()
+def _audit(model: nn.Module, x: torch.Tensor, recipe: str) -> tuple[float, float, dict, list]:
+    start, cpu = time.perf_counter(), time.process_time()
     judgement = judge(model, ExampleInputs((x,), {}, "bench"), recipe)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     verdicts = [(v.layer.name, [x.code for x in v.verdicts]) for v in judgement.layers]
-    return seconds, dict(judgement.measurement.seconds), verdicts
+    return seconds, cpu, dict(judgement.measurement.seconds), verdicts
 
 
 def main() -> None:
@@ -100,19 +102,24 @@ def main() -> None:
             x[:, 0] *= 3000.0
         _fwd_bwd(model, x)  # warm-up: the first call allocates
         _audit(model, x, opts.recipe)
-        base, audit, parts = [], [], []
+        base, audit, base_cpu, audit_cpu, parts = [], [], [], [], []
         verdicts: list = []
         for _ in range(opts.rounds):
-            base.append(_fwd_bwd(model, x))
-            seconds, part, verdicts = _audit(model, x, opts.recipe)
+            seconds, cpu = _fwd_bwd(model, x)
+            base.append(seconds)
+            base_cpu.append(cpu)
+            seconds, cpu, part, verdicts = _audit(model, x, opts.recipe)
             audit.append(seconds)
+            audit_cpu.append(cpu)
             parts.append(part)
         b, a = statistics.median(base), statistics.median(audit)
+        bc, ac = statistics.median(base_cpu), statistics.median(audit_cpu)
         keys = sorted({k for p in parts for k in p})
         split = ", ".join(f"{k} {statistics.median(p.get(k, 0.0) for p in parts) * 1e3:.0f} ms" for k in keys)
         kept = sum(1 for _, codes in verdicts if codes)
         print(f"d={d} T={t}: fp32 forward+backward {b * 1e3:.1f} ms, fp8 audit {a * 1e3:.1f} ms: "
-              f"{a / b:.2f}x ({split}); {len(verdicts)} Linear, {kept} kept in bf16")
+              f"{a / b:.2f}x ({split}); CPU time {bc * 1e3:.1f} ms, {ac * 1e3:.1f} ms: {ac / bc:.2f}x; "
+              f"{len(verdicts)} Linear, {kept} kept in bf16")
         sys.stdout.flush()
 
 

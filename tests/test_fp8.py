@@ -493,3 +493,115 @@ def test_a_policy_that_keeps_every_linear_says_it_converts_nothing_and_why(cli, 
     assert "fp8 0 nn.Linear: the file converts nothing, every Linear stays in bf16" in text
     assert ("note not audited: 1 convolution - not nn.Linear, so torchao's convert_to_float8_training leaves "
             "them in high precision") in text
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_dequantizing_every_fp8_code_equals_torchs_conversion_and_division(fmt):
+    """casts move e4m3's bits into float16's places (torch's e4m3 -> float32 is 5x slower) and
+    fold the 2^8 between the exponent biases into the scale: every finite code, subnormals
+    too, under scales whose fold is exact and scales where it would not be."""
+    from ampaudit.graph.fp8_casts import _dequantize
+
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt)
+    finite = codes[torch.isfinite(codes.float())].reshape(-1, 1)
+    for scale in (1.0, 3.7, 448.0 / 7.1e-3, 2.0**-120, 2.0**-118, 2.0**100, 2.0**125):
+        s = torch.tensor(scale, dtype=torch.float32)
+        mine = _dequantize(finite, s, torch.empty(finite.shape))
+        assert torch.equal(mine.view(torch.int32), (finite.float() / s).view(torch.int32)), scale
+        mine = _dequantize(finite, s, torch.empty(finite.shape), divide=False)
+        assert torch.equal(mine.view(torch.int32), (finite.float() * s).view(torch.int32)), scale
+
+
+class _Chain(nn.Module):
+    """Four Linears in a row, the second's output changed in place (``inplace``) or not."""
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(32, 32) for _ in range(4))
+        self.inplace = inplace
+
+    def forward(self, x):
+        y = self.b(torch.tanh(self.a(x)))
+        y = y.mul_(0.5) if self.inplace else y * 0.5
+        return self.d(torch.tanh(self.c(torch.tanh(y))))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(monkeypatch, inplace):
+    """The second dominance forward (all but the worst layer in fp8) takes the first one's
+    outputs for the calls before the worst layer's: the same output SQNRs as two whole
+    forwards, fewer casts; an output changed in place since is not reused."""
+    from ampaudit.graph import fp8_measure
+    from ampaudit.graph.forward import ExampleInputs
+
+    torch.manual_seed(0)
+    model = _Chain(inplace).eval()
+    inputs = ExampleInputs.coerce((torch.randn(8, 32, generator=torch.Generator().manual_seed(0)),), "x")
+    m = fp8_measure.measure_fp8(model, inputs, "tensorwise")
+    for layer in m.layers:  # make c the worst: the second forward re-runs c (fp32) and d only
+        layer.gemms["output"] = 10.0 if layer.name == "c" else 30.0
+    calls = []
+    real_cast = fp8_measure.cast
+    monkeypatch.setattr(fp8_measure, "cast", lambda t, *a, **k: calls.append(t.shape) or real_cast(t, *a, **k))
+    fp8_measure.dominance(model, inputs, m, ["a", "b", "c", "d"])
+    assert m.dominant == "c"
+    # first forward: 4 inputs, 4 weights; second: d's input (its weight is kept); with b's
+    # output halved in place, b's is not reused: b's input too
+    assert len(calls) == (10 if inplace else 9)
+    recipe = RECIPES["tensorwise"]
+    whole = [sqnr_db(m.reference, fp8_measure.fp8_forward(model, inputs, names, recipe))
+             for names in ({"a", "b", "c", "d"}, {"a", "b", "d"})]
+    assert (m.output_sqnr_db, m.output_sqnr_without_db) == tuple(whole)
+    assert 20 < m.output_sqnr_db < m.output_sqnr_without_db < 60
+
+
+def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gradient_bit_for_bit():
+    """record() runs plain Linears without their weight gradient (a third of their GEMMs): each
+    recorded output gradient is autograd's own, bit for bit, a column-major input's too; a
+    subclass with its own forward and a forward wrapped on the instance run as written; the
+    user's .grad are left as they were."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import record
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(24, 40), nn.Linear(40, 24, bias=False)
+            self.c = Scaled(24, 16)
+
+        def forward(self, x):
+            h = self.a(x.t())  # a column-major input
+            return self.c(torch.tanh(self.b(torch.tanh(h)))).unsqueeze(0)
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(24, 12, generator=torch.Generator().manual_seed(0))
+    wrapped = net.b.forward
+
+    def hooked(h):  # as accelerate's hooks wrap a module's forward: left as it is
+        return wrapped(h)
+
+    net.b.forward = hooked
+    grads = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            out.register_hook(lambda g: grads.setdefault(name, g.clone()))
+        return hook
+
+    handles = [getattr(net, name).register_forward_hook(keep(name)) for name in ("a", "b", "c")]
+    (net(x).square().mean()).backward()
+    for h in handles:
+        h.remove()
+    user = {n: p.grad.clone() for n, p in net.named_parameters()}
+    records, _ = record(net, ExampleInputs.coerce((x,), "x"))
+    for name in ("a", "b", "c"):
+        assert torch.equal(records[name].grad, grads[name].reshape(-1, grads[name].shape[-1])), name
+    assert records["a"].grad_weight is None
+    assert records["b"].grad_weight is not None and records["c"].grad_weight is not None
+    assert all(torch.equal(p.grad, user[n]) for n, p in net.named_parameters())
+    assert "forward" not in vars(net.a) and vars(net.b)["forward"] is hooked

@@ -61,7 +61,8 @@ def _finding(code: str, layer: Fp8Layer, fields: dict[str, Any], file: str) -> F
 def _cost_note(judgement: Fp8Judgement, seconds: float) -> str:
     m = judgement.measurement
     base = m.seconds.get("forward_backward", 0.0)
-    ratio = f" ({seconds / base:.1f}x its fp32 forward and backward)" if base > 0 else ""
+    # the recording pass computes no weight gradients: a plain training step's backward does more
+    ratio = f" ({seconds / base:.1f}x its recording forward and backward)" if base > 0 else ""
     return (f"fp8 ({judgement.recipe}): one fp32 forward and backward on the example inputs, every nn.Linear's "
             f"input, weight and output gradient cast as each recipe casts them (emulated, as torchao computes "
             f"them); {seconds:.2f} s{ratio}")
