@@ -856,21 +856,32 @@ def test_the_audited_dtype_is_the_one_the_run_uses(tmp_path, setup, dtype, sourc
     assert (read_log(log).summary()["dtype"], read_log(log).summary()["dtype_source"]) == (dtype, source)
 
 
-@pytest.mark.parametrize("optimizer_type", ["sgd", "lbfgs"])
-def test_closure_steps_record_each_step_in_its_own_step(optimizer_type):
-    # optimizer.step(closure) runs forward and backward inside step(): each record belongs to
-    # that step, not one late (no empty step 0, no extra step, a NaN at step 2 reported at 2)
-    model = _net(_Blowup(at_step=2))
-    opt = (torch.optim.SGD(model.parameters(), lr=0.01) if optimizer_type == "sgd"
-           else torch.optim.LBFGS(model.parameters(), lr=0.01, max_iter=1))
-    x = torch.ones(3, 4)
+def _optimizer(kind, model, lr=0.01, max_iter=1):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    return torch.optim.LBFGS(model.parameters(), lr=lr, max_iter=max_iter)
 
+
+def _closure(model, opt, x, calls=None):
+    """The closure optimizer.step(closure) takes: forward, squared loss, backward."""
     def closure():
+        if calls is not None:
+            calls.append(1)
         opt.zero_grad()
         loss = model(x).pow(2).mean()
         loss.backward()
         return loss
 
+    return closure
+
+
+@pytest.mark.parametrize("optimizer_type", ["sgd", "lbfgs"])
+def test_closure_steps_record_each_step_in_its_own_step(optimizer_type):
+    # optimizer.step(closure) runs forward and backward inside step(): each record belongs to
+    # that step, not one late (no empty step 0, no extra step, a NaN at step 2 reported at 2)
+    model = _net(_Blowup(at_step=2))
+    opt = _optimizer(optimizer_type, model)
+    closure = _closure(model, opt, torch.ones(3, 4))
     with ampaudit.watch(model, optimizer=opt) as mon:
         for _ in range(4):
             opt.step(closure)
@@ -907,16 +918,8 @@ def test_a_nan_the_root_makes_under_a_closure_step_is_blamed_on_its_line(optimiz
     from ampaudit.watch.monitor import Monitor
 
     model = _RootMakesNan()
-    opt = (torch.optim.SGD(model.parameters(), lr=0.01) if optimizer_type == "sgd"
-           else torch.optim.LBFGS(model.parameters(), lr=0.01, max_iter=1))
-    x = torch.ones(3, 4)
-
-    def closure():
-        opt.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        return loss
-
+    opt = _optimizer(optimizer_type, model)
+    closure = _closure(model, opt, torch.ones(3, 4))
     with (Monitor(None) if global_hooks else ampaudit.watch(model, optimizer=opt)) as mon:
         for model.step in range(4):
             opt.step(closure=closure) if global_hooks else opt.step(closure)
@@ -929,16 +932,8 @@ def test_each_closure_call_within_one_lbfgs_step_is_a_step_of_its_own():
     # LBFGS(max_iter=3) calls the closure 3 times a step, each at new weights: one watched step
     # per call, so each record is that evaluation's and a replay sees the weights it used
     model = _net(_Blowup(at_step=6))
-    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
-    x, calls = torch.randn(3, 4), []
-
-    def closure():
-        calls.append(1)
-        opt.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        return loss
-
+    opt, calls = _optimizer("lbfgs", model, lr=0.1, max_iter=3), []
+    closure = _closure(model, opt, torch.randn(3, 4), calls)
     with ampaudit.watch(model, optimizer=opt) as mon:
         for _ in range(4):
             opt.step(closure)
