@@ -129,6 +129,54 @@ def test_outlier_channels_get_tensorwise_and_rowwise_verdicts_not_mxfp8(cli):
     assert ops["mxfp8"]["input"]["sqnr_rest_db"] > 20 > ops["rowwise"]["input"]["sqnr_rest_db"]
 
 
+class _WeightedGrad(nn.Module):
+    """A Linear whose output gradient is ``weights`` (tokens x features): the loss is (y * weights).sum()."""
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.register_buffer("weights", weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * self.weights).sum()
+
+
+def _grad_underflow(weights: torch.Tensor, recipe: str = "tensorwise") -> tuple[dict, list[str]]:
+    import ampaudit
+
+    torch.manual_seed(0)
+    report = ampaudit.check(_WeightedGrad(weights), (torch.randn(16, 32),), dtype="fp8", fp8_recipe=recipe)
+    fc = report.fp8["layers"][0]
+    return fc["operands"][recipe]["grad_output"], fc["rules"]
+
+
+def test_grad_underflow_fires_where_output_features_lose_their_gradient_not_on_flushed_noise():
+    # one output weighed 1e6, 31 at 1e-5 (AMP704_invalid): the 31 columns flush whole in e5m2,
+    # a negligible share of the tensor's energy but the only gradient their weight rows get
+    starving = torch.cat([torch.tensor([1e6]), torch.full((31,), 1e-5)]).expand(16, 32).clone()
+    grad, rules = _grad_underflow(starving)
+    assert grad["flushed"] == 31 / 32 and grad.get("starved_features") == 31 / 32 and rules == ["AMP704"]
+    # rowwise's grad-weight GEMM scales each feature's column by its own amax: nothing starves
+    # (its grad-input cast, per token, still flushes the 31)
+    grad, rules = _grad_underflow(starving, "rowwise")
+    assert grad["flushed"] == 31 / 32 and grad.get("starved_features") == 0 and rules == []
+    # the first token's gradient is noise 2^40 below the others' (a causal first query's): 1/16 of
+    # the elements flush, in every column, yet every column keeps all but 1e-24 of its energy
+    noise = torch.ones(16, 32)
+    noise[0] = 1e-12
+    grad, rules = _grad_underflow(noise)
+    assert grad["flushed"] == 1 / 16 and grad.get("starved_features") == 0 and rules == []
+    # a feature starves where flushing takes at least half its energy: in e5m2 at the scale of
+    # amax 1, 1e-10 flushes and 2e-10 does not; column 0 loses 14 / (14 + 2 x 4) of its energy,
+    # column 1 4 / (4 + 12 x 4)
+    mixed = torch.ones(16, 32)
+    mixed[:, 0], mixed[:, 1] = 2e-10, 2e-10
+    mixed[:14, 0] = 1e-10
+    mixed[:4, 1] = 1e-10
+    grad, rules = _grad_underflow(mixed)
+    assert grad["flushed"] == 18 / 512 and grad.get("starved_features") == 1 / 32 and rules == ["AMP704"]
+
+
 def test_odd_dims_stay_in_bf16_under_every_recipe(cli):
     for recipe in RECIPES:
         report = _check(cli, "fp8_odd_dims.py", "--fp8-recipe", recipe)
