@@ -25,7 +25,8 @@ from torch import nn
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.graph.forward import ExampleInputs, describe_exception
-from ampaudit.graph.fp8_casts import RECIPES, CastResult, Recipe, amax_of, cast, output_gemm
+from ampaudit.graph.fp8_casts import (BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast,
+                                      output_gemm)
 from ampaudit.graph.kept_attributes import attributes_kept
 
 OUTLIER_RATIO = 20.0  # a token (row) or channel (column) whose amax exceeds this x the median one's
@@ -517,6 +518,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     g_cols = views["grad_output_cols"]
     starved: dict[int, float] = {}  # by grad-weight cast
     col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
+    col_amax: float | None = None  # its smallest column amax
     for rname, r in RECIPES.items():
         hows = {"input": (r.input, -1), "weight": (r.weight, 0), "grad_output": (r.grad_output, -1)}
         stats = {}
@@ -531,7 +533,18 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
                 done[id(q)] = (_sampled_stats(tensors[op], q, signals[op], mask, *axes[op]) if sampled
                                else operand_stats(tensors[op], q, mask, energy[op]))
             stats[op] = done[id(q)]
-        if "grad_output" in stats:
+        if "grad_output" in stats and r.grad_output_for_grad_weight.granularity in (ROW, BLOCK):
+            # scaled per column (or 32-token block of one) by its own amax, a column keeps its
+            # largest element, and the ones that flush are 2^-17 of it: under 2^-34 of its energy
+            # each, never half of it with fewer than 2^33 tokens - unless its amax is below the
+            # scale's floor (EPS), where the cast decides
+            if col_amax is None:
+                live_amax = amax_of(tensors[g_cols], 0)
+                live_amax = live_amax[live_amax > 0]  # a column without gradient is not starved
+                col_amax = float(live_amax.min()) if live_amax.numel() else math.inf
+            if col_amax >= EPS:
+                stats["grad_output"] = replace(stats["grad_output"], starved_features=0.0)
+        if "grad_output" in stats and stats["grad_output"].starved_features is None:
             q_gw = casts.get(g_cols, r.grad_output_for_grad_weight, 0, r.pow2_scales)
             if id(q_gw) not in starved:
                 if q_gw.value is tensors[g_cols] or (casts.count and q_gw.flushed == 0):
