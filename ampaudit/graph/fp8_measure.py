@@ -25,8 +25,7 @@ from torch import nn
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.graph.forward import ExampleInputs, describe_exception
-from ampaudit.graph.fp8_casts import (BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast,
-                                      output_gemm)
+from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
 
 OUTLIER_RATIO = 20.0  # a token (row) or channel (column) whose amax exceeds this x the median one's
