@@ -129,6 +129,54 @@ def test_outlier_channels_get_tensorwise_and_rowwise_verdicts_not_mxfp8(cli):
     assert ops["mxfp8"]["input"]["sqnr_rest_db"] > 20 > ops["rowwise"]["input"]["sqnr_rest_db"]
 
 
+class _WeightedGrad(nn.Module):
+    """A Linear whose output gradient is ``weights`` (tokens x features): the loss is (y * weights).sum()."""
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        super().__init__()
+        self.fc = nn.Linear(weights.shape[1], weights.shape[1])
+        self.register_buffer("weights", weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * self.weights).sum()
+
+
+def _grad_underflow(weights: torch.Tensor, recipe: str = "tensorwise") -> tuple[dict, list[str]]:
+    import ampaudit
+
+    torch.manual_seed(0)
+    report = ampaudit.check(_WeightedGrad(weights), (torch.randn(*weights.shape),), dtype="fp8", fp8_recipe=recipe)
+    fc = report.fp8["layers"][0]
+    return fc["operands"][recipe]["grad_output"], fc["rules"]
+
+
+def test_grad_underflow_fires_where_output_features_lose_their_gradient_not_on_flushed_noise():
+    # one output weighed 1e6, 31 at 1e-5 (AMP704_invalid): the 31 columns flush whole in e5m2,
+    # a negligible share of the tensor's energy but the only gradient their weight rows get
+    starving = torch.cat([torch.tensor([1e6]), torch.full((31,), 1e-5)]).expand(16, 32).clone()
+    grad, rules = _grad_underflow(starving)
+    assert grad["flushed"] == 31 / 32 and grad.get("starved_features") == 31 / 32 and rules == ["AMP704"]
+    # rowwise's grad-weight GEMM scales each feature's column by its own amax: nothing starves
+    # (its grad-input cast, per token, still flushes the 31)
+    grad, rules = _grad_underflow(starving, "rowwise")
+    assert grad["flushed"] == 31 / 32 and grad.get("starved_features") == 0 and rules == []
+    # the first token's gradient is noise 2^40 below the others' (a causal first query's): 1/16 of
+    # the elements flush, in every column, yet every column keeps all but 1e-24 of its energy
+    noise = torch.ones(16, 32)
+    noise[0] = 1e-12
+    grad, rules = _grad_underflow(noise)
+    assert grad["flushed"] == 1 / 16 and grad.get("starved_features") == 0 and rules == []
+    # a feature starves where flushing takes at least half its energy: in e5m2 at the scale of
+    # amax 1, 1e-10 flushes and 2e-10 does not; column 0 loses 14 / (14 + 2 x 4) of its energy,
+    # column 1 4 / (4 + 12 x 4)
+    mixed = torch.ones(16, 32)
+    mixed[:, 0], mixed[:, 1] = 2e-10, 2e-10
+    mixed[:14, 0] = 1e-10
+    mixed[:4, 1] = 1e-10
+    grad, rules = _grad_underflow(mixed)
+    assert grad["flushed"] == 18 / 512 and grad.get("starved_features") == 1 / 32 and rules == ["AMP704"]
+
+
 def test_odd_dims_stay_in_bf16_under_every_recipe(cli):
     for recipe in RECIPES:
         report = _check(cli, "fp8_odd_dims.py", "--fp8-recipe", recipe)
@@ -143,6 +191,12 @@ def test_fp8_json_report_matches_the_schema_and_text_has_the_table(cli):
     schema = json.loads(resources.files("ampaudit.report").joinpath("report.schema.json").read_text())
     report = _check(cli, "fp8_massive_tokens.py")
     jsonschema.validate(report, schema)
+    ops = report["fp8"]["layers"][0]["operands"]["tensorwise"]
+    assert "starved_features" in ops["grad_output"] and "starved_features" not in ops["input"]
+    bad = copy.deepcopy(report)
+    bad["fp8"]["layers"][0]["operands"]["tensorwise"]["grad_output"]["starved_features"] = 1.5
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
     assert report["dtype"] == "float8_e4m3fn" and report["fp8"]["recipe"] == "tensorwise"
     text = cli("check", model_path("fp8_massive_tokens.py"), "--dtype", "fp8")
     assert text.code == 1
@@ -442,8 +496,29 @@ def test_a_sampled_layer_keeps_the_massive_token_verdict_and_says_it_was_sampled
             for key in ("sqnr_db", "sqnr_rest_db"):
                 assert fc1["operands"][recipe][op][key] == pytest.approx(stats[key], abs=0.5), (recipe, op, key)
             assert fc1["operands"][recipe][op]["flushed"] == pytest.approx(stats["flushed"], abs=0.01)
+            assert fc1["operands"][recipe][op].get("starved_features") == stats.get("starved_features")
     for key, value in full["gemms"].items():
         assert fc1["gemms"][key] == pytest.approx(value, abs=0.5), key
+
+
+def test_a_sampled_layer_measures_starved_features_on_its_sampled_features_with_every_token(monkeypatch):
+    from ampaudit.graph import fp8_measure
+
+    # 1024 tokens into a 256 -> 256 Linear (sampled: 64 tokens, 64 features); the first 64 features'
+    # gradient is 1e-12 of the others' and flushes whole in e5m2; the first token's is noise
+    weights = torch.ones(1024, 256)
+    weights[:, :64] = 1e-12
+    weights[0] = 1e-12
+    grad, rules = _grad_underflow(weights)
+    assert grad["starved_features"] == pytest.approx(0.25, abs=0.02) and rules == ["AMP704"]
+    monkeypatch.setattr(fp8_measure, "LARGE", 1 << 30)
+    whole, rules = _grad_underflow(weights)
+    assert whole["starved_features"] == 0.25 and rules == ["AMP704"]
+    weights[:, :64] = 1.0  # only the noise token flushes: 1/1024 of the elements, no feature starves
+    for large in (1 << 30, 1 << 18):
+        monkeypatch.setattr(fp8_measure, "LARGE", large)
+        grad, rules = _grad_underflow(weights)
+        assert grad["starved_features"] == 0 and rules == []
 
 
 class _MixedGemms(nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.graph.forward import ExampleInputs, describe_exception
-from ampaudit.graph.fp8_casts import RECIPES, CastResult, Recipe, amax_of, cast, output_gemm
+from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
 
 OUTLIER_RATIO = 20.0  # a token (row) or channel (column) whose amax exceeds this x the median one's
@@ -38,6 +38,7 @@ DIVISOR = 16  # torch._scaled_mm takes dims divisible by 16
 LARGE = 1 << 18
 SAMPLE = 64
 PERCENTILE_SAMPLE = 1 << 14  # elements for a large operand's 99.9th percentile of |x|
+STARVED = 0.5  # an output feature is starved when flushing takes this share of its gradient's energy
 
 
 def _db(signal: float, noise: float) -> float:
@@ -63,9 +64,13 @@ class OperandStats:
     sqnr_rest_db: float  # outside outlier tokens and channels
     flushed: float  # share of the nonzero elements cast to 0
     saturated: float  # share clamped at the format's max
+    # grad_output only: the share of output features (columns of the gradient, rows of the weight's
+    # gradient dW = G^T X) with a nonzero gradient that lose at least STARVED of its energy to
+    # flushing in the recipe's grad-weight cast: their weight rows get no other update
+    starved_features: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _num(v) for k, v in asdict(self).items()}
+        return {k: _num(v) for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass
@@ -435,6 +440,21 @@ def _sampled_stats(x: torch.Tensor, q: CastResult, signal: _Signal, rest: torch.
     return OperandStats(whole, rest_db, lost / max(signal.total, 1.0), q.saturated / max(x.numel(), 1))
 
 
+def starved_features(x: torch.Tensor, q: CastResult, col_energy: torch.Tensor, sq: torch.Tensor,
+                     cols: _Axis) -> float:
+    """The share of ``x``'s columns (all rows present; each standing for ``cols.weight`` where
+    sampled) with a nonzero energy ``col_energy`` of which flushing to zero in ``q`` took at
+    least STARVED. ``sq``: ``x`` squared."""
+    live = col_energy > 0
+    if q.value is x or not bool(live.any()):  # high precision: nothing flushed
+        return 0.0
+    lost = torch.where(q.value == 0, sq, 0.0).sum(dim=0)
+    starved = live & (lost >= STARVED * col_energy)
+    if cols.weight is None:
+        return int(starved.sum()) / int(live.sum())
+    return float((starved * cols.weight).sum() / (live * cols.weight).sum())
+
+
 def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
     """outlier_ratio from an even sample of elements (a stride coprime with the row length:
     every column is visited) against the whole tensor's amax."""
@@ -493,6 +513,11 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     energy = {op: _norm(t) for op, t in tensors.items() if op in axes} if not sampled else {}
     done: dict[int, OperandStats] = {}  # by cast: rowwise and rowwise_with_gw_hp share theirs
     signals: dict[str, _Signal] = {}
+    # the output gradient as the grad-weight GEMM reads it: every token, the sampled features
+    g_cols = views["grad_output_cols"]
+    starved: dict[int, float] = {}  # by grad-weight cast
+    col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
+    col_amax: float | None = None  # its smallest column amax
     for rname, r in RECIPES.items():
         hows = {"input": (r.input, -1), "weight": (r.weight, 0), "grad_output": (r.grad_output, -1)}
         stats = {}
@@ -507,6 +532,28 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
                 done[id(q)] = (_sampled_stats(tensors[op], q, signals[op], mask, *axes[op]) if sampled
                                else operand_stats(tensors[op], q, mask, energy[op]))
             stats[op] = done[id(q)]
+        if "grad_output" in stats and r.grad_output_for_grad_weight.granularity in (ROW, BLOCK):
+            # scaled per column (or 32-token block of one) by its own amax, a column keeps its
+            # largest element, and the ones that flush are 2^-17 of it: under 2^-34 of its energy
+            # each, never half of it with fewer than 2^33 tokens - unless its amax is below the
+            # scale's floor (EPS), where the cast decides
+            if col_amax is None:
+                live_amax = amax_of(tensors[g_cols], 0)
+                live_amax = live_amax[live_amax > 0]  # a column without gradient is not starved
+                col_amax = float(live_amax.min()) if live_amax.numel() else math.inf
+            if col_amax >= EPS:
+                stats["grad_output"] = replace(stats["grad_output"], starved_features=0.0)
+        if "grad_output" in stats and stats["grad_output"].starved_features is None:
+            q_gw = casts.get(g_cols, r.grad_output_for_grad_weight, 0, r.pow2_scales)
+            if id(q_gw) not in starved:
+                if q_gw.value is tensors[g_cols] or (casts.count and q_gw.flushed == 0):
+                    starved[id(q_gw)] = 0.0
+                else:
+                    if col_sq is None:
+                        sq = tensors[g_cols].square()
+                        col_sq = sq, sq.sum(dim=0)
+                    starved[id(q_gw)] = starved_features(tensors[g_cols], q_gw, col_sq[1], col_sq[0], n_ax)
+            stats["grad_output"] = replace(stats["grad_output"], starved_features=starved[id(q_gw)])
         layer.operands[rname] = stats
     # the chosen recipe's GEMMs, on the sampled rows and columns of their products: each product
     # element reduces over a whole dim, so its value is exact; only the SQNR is over a sample

@@ -79,12 +79,18 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
                              f"outlier channels: the other elements keep {_db(rest)} dB in {recipe} "
                              f"(mxfp8 {_db(mx)} dB)"))
     grad = ops.get("grad_output")
-    fmt = RECIPES[recipe].grad_output.fmt
-    if grad is not None and fmt is not None and grad.flushed >= rule("AMP704").params["min_fraction"]:
-        e5m2 = layer.operands["tensorwise"]["grad_output"].flushed
-        found.append(Verdict("AMP704", {"percent": f"{grad.flushed * 100:.3g}%", "fmt": fmt.short,
-                                        "recipe": recipe, "e5m2": f"{e5m2 * 100:.3g}%"},
-                             f"{grad.flushed * 100:.3g}% of grad_output flushes to zero in {fmt.short}"))
+    fmt = RECIPES[recipe].grad_output_for_grad_weight.fmt  # None: the grad-weight GEMM runs in high precision
+    starved = grad.starved_features if grad is not None else None
+    if fmt is not None and starved is not None and starved >= rule("AMP704").params["min_features"]:
+        e5m2 = layer.operands["tensorwise"]["grad_output"].starved_features or 0.0
+        features = round(starved * layer.out_features)
+        found.append(Verdict("AMP704", {"share": f"{starved * 100:.3g}%", "features": features,
+                                        "out_features": layer.out_features, "fmt": fmt.short,
+                                        "recipe": recipe, "percent": f"{grad.flushed * 100:.3g}%",
+                                        "e5m2": "" if recipe == "tensorwise" else
+                                        f"; tensorwise's e5m2 would starve {e5m2 * 100:.3g}%"},
+                             f"{features} of {layer.out_features} output features lose their weight "
+                             f"gradient to flushing in {fmt.short}"))
     return found
 
 
