@@ -680,3 +680,26 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     assert records["b"].grad_weight is not None and records["c"].grad_weight is not None
     assert all(torch.equal(p.grad, user[n]) for n, p in net.named_parameters())
     assert "forward" not in vars(net.a) and vars(net.b)["forward"] is hooked
+
+
+class _LayerScaleInPlace(nn.Module):
+    """timm's LayerScale(inplace=True) after a Linear of a 3-D input: `x.mul_(gamma)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.gamma = nn.Parameter(torch.full((16,), 0.1))
+
+    def forward(self, x):
+        return self.head(self.fc(x).mul_(self.gamma))
+
+
+def test_an_in_place_op_on_a_linears_output_is_audited():
+    # the recording pass's input-gradient-only Linear returned linear's view of its 2-D
+    # product, and autograd forbids in-place ops on a custom Function's views: exit 2
+    import ampaudit
+
+    torch.manual_seed(0)
+    report = ampaudit.check(_LayerScaleInPlace(), (torch.randn(2, 8, 16),), dtype="fp8")
+    assert [layer["name"] for layer in report.fp8["layers"]] == ["fc", "head"]
+    assert all(layer["verdict"] == "fp8" for layer in report.fp8["layers"])

@@ -206,7 +206,12 @@ class _InputGradLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.column_major = x.dim() == 2 and x.shape[1] > 1 and x.stride(0) == 1 and x.stride(1) == x.shape[0]
-        return nn.functional.linear(x, weight, bias)
+        out = nn.functional.linear(x, weight, bias)
+        if out._is_view():  # a flattened input's 2-D product viewed back: autograd would forbid an
+            # in-place op on a custom Function's view (timm's LayerScale `x.mul_(gamma)`), so the
+            # same storage is handed out as a tensor of its own, as linear's own _unsafe_view does
+            out = torch.ops.aten._unsafe_view(out._base, out.shape)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
