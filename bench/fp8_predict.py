@@ -157,11 +157,13 @@ def nanogpt() -> Spec:
 SINK = 1e4  # --sink
 
 
-def _sink_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    """Position 0's MLP activations SINK x: the massive activations trained LLMs grow at their
-    first token, in an early layer's down_proj input (Sun et al., 2024: ~10^4x the median)."""
+def _sink_hook(module: nn.Module, args: tuple, output: torch.Tensor, token: int = 0) -> torch.Tensor:
+    """Position `token`'s MLP activations SINK x: the massive activations trained LLMs grow at
+    their first token, in an early layer's down_proj input (Sun et al., 2024: ~10^4x the median),
+    and trained ViTs at a few patch tokens (Darcet et al., 2023: "Vision Transformers Need
+    Registers"; Sun et al. find them in ViTs' middle layers too)."""
     output = output.clone()
-    output[:, 0] = output[:, 0] * SINK
+    output[:, token] = output[:, token] * SINK
     return output
 
 
@@ -217,17 +219,51 @@ class _WithLoss(nn.Module):
 
 def vit() -> Spec:
     m = _load("timm_style")
-    return Spec(lambda: _WithLoss(m.get_model()), lambda g: (_images(10, 32, g), {}))
+
+    def build():
+        model = m.get_model()
+        # the same arithmetic out of place: the check's recording pass (since 0e4b20d) fails on
+        # LayerScale's in-place mul_ of a Linear's output ("Output 0 of _InputGradLinear is a view
+        # and is being modified inplace")
+        for block in model.blocks:
+            block.ls1.inplace = False
+        return _WithLoss(model)
+
+    return Spec(build, lambda g: (_images(10, 32, g), {}))
+
+
+def vit_sink() -> Spec:
+    """vit() with a massive first patch token planted in block 0's MLP (fc2's input)."""
+    spec = vit()
+
+    def build():
+        model = spec.build()
+        model.model.blocks[0].mlp.act.register_forward_hook(_sink_hook)
+        return model
+
+    return Spec(build, spec.batch, ("rowwise",))
+
+
+def _hf_vit(sink: bool = False) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, num_labels=10)
+    config._attn_implementation = "eager"
+    model = ViTForImageClassification(config)
+    if sink:  # fc2(activation_fn(fc1(x))): the sink enters layer 0's fc2 at the first patch token
+        # (position 1; 0 is CLS, which the classifier reads)
+        model.vit.layers[0].mlp.activation_fn.register_forward_hook(functools.partial(_sink_hook, token=1))
+    return model
+
+
+def hf_vit_sink() -> Spec:
+    """hf_vit() with a massive first patch token planted in layer 0's output.dense input."""
+    return Spec(lambda: _hf_vit(sink=True), hf_vit().batch, ("rowwise",))
 
 
 def hf_vit() -> Spec:
-    from transformers import ViTConfig, ViTForImageClassification
-
-    def build():
-        config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=128, num_labels=10)
-        config._attn_implementation = "eager"
-        return ViTForImageClassification(config)
+    build = _hf_vit
 
     def batch(g):
         x, y = _images(10, 32, g)
@@ -238,7 +274,8 @@ def hf_vit() -> Spec:
 
 MODELS = {"sink": sink, "channel": channel, "massive_mse": massive_mse, "channels_mse": channels_mse,
           "nanogpt": nanogpt, "llama": llama,
-          "nanogpt_sink": nanogpt_sink, "llama_sink": llama_sink, "vit": vit, "hf_vit": hf_vit}
+          "nanogpt_sink": nanogpt_sink, "llama_sink": llama_sink, "vit": vit, "hf_vit": hf_vit,
+          "vit_sink": vit_sink, "hf_vit_sink": hf_vit_sink}
 
 
 def _loss(out: Any) -> torch.Tensor:
