@@ -422,6 +422,18 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
             gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
             for other in spec.flagged_recipes + gw_hp:
                 configs[f"'keep' layers, {other}"] = (set(keep[:n]), other)
+        if spec.flagged_recipes:
+            # the kept layers the recommended recipe passes (the outlier verdicts' alone, without
+            # the heads AMP701 keeps under every recipe, whose own damage would mix in)
+            other = spec.flagged_recipes[0]
+            kept_there = {v.layer.name for v in judge(model, inputs, other).keep}
+            rescued = [x for x in keep if x not in kept_there]
+            if rescued and len(rescued) < len(keep):
+                m = len(rescued)
+                configs[f"{other}-rescued 'keep' in fp8"] = (set(rescued), opts.recipe)
+                configs[f"as many 'fp8' layers ({m})"] = (set(sorted(passed, key=lambda x: -table[x])[:m]),
+                                                         opts.recipe)
+                configs[f"{other}-rescued 'keep', {other}"] = (set(rescued), other)
         configs["every layer"] = (set(keep + passed), opts.recipe)
         run = functools.partial(train, lr=opts.lr, autocast=not opts.fp32)
         reference = run(model, batches, set(), opts.recipe)
