@@ -5,7 +5,11 @@ steps (bf16 autocast, torchao's Float8Linear emulated on the CPU) with no layer 
 bf16 reference) and with chosen layers in fp8 - the layers the check keeps in bf16, the same
 number of the layers it passes (the best by its own table's SQNR: what a user would convert
 first), every layer but the kept ones (the policy convert emits), every layer; on the planted
-fixtures also the flagged layer under the recipe the check recommends (rowwise).
+fixtures also the flagged layer under the recipe the check recommends (rowwise). Where the check
+also keeps heads (AMP701) that the recommended recipe keeps too, the kept layers that recipe
+passes are trained alone as well: in fp8, against as many passed layers, and under that recipe.
+The *_sink models plant a massive token (--sink x) before an early block's second MLP Linear: the
+first token in the language models, the first patch token in the ViTs.
 
 Every model trains on a per-token (or per-image) cross-entropy, on a fresh batch every step
 (the seed picks the initialisation and the data order; every configuration of a seed sees the
@@ -295,6 +299,8 @@ def train(model: nn.Module, batches: list[Batch], names: set[str], recipe: str, 
     for m in model.modules():  # no dropout: the runs of a seed differ only by their precision
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+        if isinstance(getattr(m, "drop_prob", None), float):  # timm's DropPath (stochastic depth)
+            m.drop_prob = 0.0
     if names:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
