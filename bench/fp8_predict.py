@@ -420,12 +420,12 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
                  for v in judgement.layers}
         n = min(len(keep), len(passed))
         configs: dict[str, tuple[set[str], str]] = {}
+        gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
         if keep:
             configs["'keep' layers in fp8"] = (set(keep[:n]), opts.recipe)
             configs["as many 'fp8' layers (best SQNR)"] = (set(sorted(passed, key=lambda x: -table[x])[:n]),
                                                           opts.recipe)
             configs["policy (all but 'keep')"] = (set(passed), opts.recipe)
-            gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
             for other in spec.flagged_recipes + gw_hp:
                 configs[f"'keep' layers, {other}"] = (set(keep[:n]), other)
         if spec.flagged_recipes:
@@ -440,6 +440,8 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
                 configs[f"as many 'fp8' layers ({m})"] = (set(sorted(passed, key=lambda x: -table[x])[:m]),
                                                          opts.recipe)
                 configs[f"{other}-rescued 'keep', {other}"] = (set(rescued), other)
+                if gw_hp:
+                    configs["rescued 'keep', rowwise_with_gw_hp"] = (set(rescued), gw_hp[0])
         configs["every layer"] = (set(keep + passed), opts.recipe)
         run = functools.partial(train, lr=opts.lr, autocast=not opts.fp32)
         reference = run(model, batches, set(), opts.recipe)
