@@ -5,7 +5,11 @@ steps (bf16 autocast, torchao's Float8Linear emulated on the CPU) with no layer 
 bf16 reference) and with chosen layers in fp8 - the layers the check keeps in bf16, the same
 number of the layers it passes (the best by its own table's SQNR: what a user would convert
 first), every layer but the kept ones (the policy convert emits), every layer; on the planted
-fixtures also the flagged layer under the recipe the check recommends (rowwise).
+fixtures also the flagged layer under the recipe the check recommends (rowwise). Where the check
+also keeps heads (AMP701) that the recommended recipe keeps too, the kept layers that recipe
+passes are trained alone as well: in fp8, against as many passed layers, and under that recipe.
+The *_sink models plant a massive token (--sink x) before an early block's second MLP Linear: the
+first token in the language models, the first patch token in the ViTs.
 
 Every model trains on a per-token (or per-image) cross-entropy, on a fresh batch every step
 (the seed picks the initialisation and the data order; every configuration of a seed sees the
@@ -157,11 +161,13 @@ def nanogpt() -> Spec:
 SINK = 1e4  # --sink
 
 
-def _sink_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    """Position 0's MLP activations SINK x: the massive activations trained LLMs grow at their
-    first token, in an early layer's down_proj input (Sun et al., 2024: ~10^4x the median)."""
+def _sink_hook(module: nn.Module, args: tuple, output: torch.Tensor, token: int = 0) -> torch.Tensor:
+    """Position `token`'s MLP activations SINK x: the massive activations trained LLMs grow at
+    their first token, in an early layer's down_proj input (Sun et al., 2024: ~10^4x the median),
+    and trained ViTs at a few patch tokens (Darcet et al., 2023: "Vision Transformers Need
+    Registers"; Sun et al. find them in ViTs' middle layers too)."""
     output = output.clone()
-    output[:, 0] = output[:, 0] * SINK
+    output[:, token] = output[:, token] * SINK
     return output
 
 
@@ -217,17 +223,51 @@ class _WithLoss(nn.Module):
 
 def vit() -> Spec:
     m = _load("timm_style")
-    return Spec(lambda: _WithLoss(m.get_model()), lambda g: (_images(10, 32, g), {}))
+
+    def build():
+        model = m.get_model()
+        # the same arithmetic out of place: the check's recording pass (since 0e4b20d) fails on
+        # LayerScale's in-place mul_ of a Linear's output ("Output 0 of _InputGradLinear is a view
+        # and is being modified inplace")
+        for block in model.blocks:
+            block.ls1.inplace = False
+        return _WithLoss(model)
+
+    return Spec(build, lambda g: (_images(10, 32, g), {}))
+
+
+def vit_sink() -> Spec:
+    """vit() with a massive first patch token planted in block 0's MLP (fc2's input)."""
+    spec = vit()
+
+    def build():
+        model = spec.build()
+        model.model.blocks[0].mlp.act.register_forward_hook(_sink_hook)
+        return model
+
+    return Spec(build, spec.batch, ("rowwise",))
+
+
+def _hf_vit(sink: bool = False) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, num_labels=10)
+    config._attn_implementation = "eager"
+    model = ViTForImageClassification(config)
+    if sink:  # fc2(activation_fn(fc1(x))): the sink enters layer 0's fc2 at the first patch token
+        # (position 1; 0 is CLS, which the classifier reads)
+        model.vit.layers[0].mlp.activation_fn.register_forward_hook(functools.partial(_sink_hook, token=1))
+    return model
+
+
+def hf_vit_sink() -> Spec:
+    """hf_vit() with a massive first patch token planted in layer 0's output.dense input."""
+    return Spec(lambda: _hf_vit(sink=True), hf_vit().batch, ("rowwise",))
 
 
 def hf_vit() -> Spec:
-    from transformers import ViTConfig, ViTForImageClassification
-
-    def build():
-        config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=128, num_labels=10)
-        config._attn_implementation = "eager"
-        return ViTForImageClassification(config)
+    build = _hf_vit
 
     def batch(g):
         x, y = _images(10, 32, g)
@@ -238,7 +278,8 @@ def hf_vit() -> Spec:
 
 MODELS = {"sink": sink, "channel": channel, "massive_mse": massive_mse, "channels_mse": channels_mse,
           "nanogpt": nanogpt, "llama": llama,
-          "nanogpt_sink": nanogpt_sink, "llama_sink": llama_sink, "vit": vit, "hf_vit": hf_vit}
+          "nanogpt_sink": nanogpt_sink, "llama_sink": llama_sink, "vit": vit, "hf_vit": hf_vit,
+          "vit_sink": vit_sink, "hf_vit_sink": hf_vit_sink}
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -258,6 +299,8 @@ def train(model: nn.Module, batches: list[Batch], names: set[str], recipe: str, 
     for m in model.modules():  # no dropout: the runs of a seed differ only by their precision
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+        if isinstance(getattr(m, "drop_prob", None), float):  # timm's DropPath (stochastic depth)
+            m.drop_prob = 0.0
     if names:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
@@ -377,14 +420,28 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
                  for v in judgement.layers}
         n = min(len(keep), len(passed))
         configs: dict[str, tuple[set[str], str]] = {}
+        gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
         if keep:
             configs["'keep' layers in fp8"] = (set(keep[:n]), opts.recipe)
             configs["as many 'fp8' layers (best SQNR)"] = (set(sorted(passed, key=lambda x: -table[x])[:n]),
                                                           opts.recipe)
             configs["policy (all but 'keep')"] = (set(passed), opts.recipe)
-            gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
             for other in spec.flagged_recipes + gw_hp:
                 configs[f"'keep' layers, {other}"] = (set(keep[:n]), other)
+        if spec.flagged_recipes:
+            # the kept layers the recommended recipe passes (the outlier verdicts' alone, without
+            # the heads AMP701 keeps under every recipe, whose own damage would mix in)
+            other = spec.flagged_recipes[0]
+            kept_there = {v.layer.name for v in judge(model, inputs, other).keep}
+            rescued = [x for x in keep if x not in kept_there]
+            if rescued and len(rescued) < len(keep):
+                m = len(rescued)
+                configs[f"{other}-rescued 'keep' in fp8"] = (set(rescued), opts.recipe)
+                configs[f"as many 'fp8' layers ({m})"] = (set(sorted(passed, key=lambda x: -table[x])[:m]),
+                                                         opts.recipe)
+                configs[f"{other}-rescued 'keep', {other}"] = (set(rescued), other)
+                if gw_hp:
+                    configs["rescued 'keep', rowwise_with_gw_hp"] = (set(rescued), gw_hp[0])
         configs["every layer"] = (set(keep + passed), opts.recipe)
         run = functools.partial(train, lr=opts.lr, autocast=not opts.fp32)
         reference = run(model, batches, set(), opts.recipe)

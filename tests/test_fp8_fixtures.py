@@ -115,6 +115,35 @@ def test_a_massive_first_token_in_a_transformers_llama_gets_amp702_on_its_down_p
     assert judge(model, inputs, "rowwise").keep == []
 
 
+def _patch_sink(module, args, output):
+    output = output.clone()
+    output[:, 1] = output[:, 1] * 3e4  # the first patch token (0 is CLS), as trained ViTs grow them
+    return output
+
+
+def test_a_massive_patch_token_in_a_transformers_vit_gets_amp702_on_its_fc2_only_under_tensorwise():
+    # transformers' ViT from a tiny config (16 patches and CLS), the high-norm patch token trained
+    # ViTs grow (Darcet et al., 2023) planted in layer 0's MLP: bench/fp8_predict.py's hf_vit_sink
+    pytest.importorskip("transformers")
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_verdicts import judge
+
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, num_labels=16)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = ViTForImageClassification(config)
+    model.vit.layers[0].mlp.activation_fn.register_forward_hook(_patch_sink)
+    g = torch.Generator().manual_seed(0)
+    pixels, labels = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 16, (4,), generator=g)
+    inputs = ExampleInputs((), {"pixel_values": pixels, "labels": labels}, "test")
+    kept = {v.layer.name: [x.code for x in v.verdicts] for v in judge(model, inputs, "tensorwise").keep}
+    assert kept == {"vit.layers.0.mlp.fc2": ["AMP702"]}
+    assert judge(model, inputs, "rowwise").keep == []
+
+
 class _LossLike(torch.nn.Module):
     """AMP705_invalid.py's Mixer whose output rides on a 10^4x larger path no Linear computes
     (as a scalar loss or a residual stream does): its fp8 error is no longer the output's."""
@@ -147,3 +176,9 @@ def test_amp705_is_not_given_where_the_whole_output_is_already_close_to_fp32(mon
     assert judgement.keep == []
     monkeypatch.setitem(rule("AMP705").params, "max_output_sqnr_db", float("inf"))  # as before the guard
     assert [v.layer.name for v in judge(model, inputs, "tensorwise").keep] == ["mixer.mix"]
+
+
+def test_the_fp8_check_audits_a_timm_vit_whose_layerscale_multiplies_in_place(cli):
+    # timm's LayerScale(inplace=True) does x.mul_(gamma) on attn.proj's output; check --dtype fp8
+    # exited 2 between 0e4b20d and 847b0c6 (the recording pass's Linear returned a view)
+    assert [f["rule"] for f in _check(cli, "timm_style.py", "tensorwise")["findings"]] == ["AMP701"]
