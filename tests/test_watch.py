@@ -943,6 +943,51 @@ def test_each_closure_call_within_one_lbfgs_step_is_a_step_of_its_own():
     assert (summary["first_nonfinite"]["step"], summary["first_nonfinite"]["module"]) == (6, "1")
 
 
+class _PlainSGD(torch.optim.Optimizer):
+    """SGD that calls its closure only when ``call_closure`` says so."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.01})
+        self.call_closure = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None and self.call_closure:
+            with torch.enable_grad():
+                closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_closure_that_raises_or_is_never_called_leaves_every_later_step_one_step():
+    # a retried step (a closure that raised, caught by the loop: an OOM retry) once left its
+    # closure step pending, and a later plain step ended twice; a closure the optimizer never
+    # calls ends its step after step()
+    model = _net()
+    opt = _PlainSGD(model.parameters())
+    x = torch.ones(3, 4)
+
+    def failing():
+        raise RuntimeError("out of memory (simulated)")
+
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        with pytest.raises(RuntimeError, match="simulated"):
+            opt.step(failing)
+        for _ in range(3):  # plain steps
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.call_closure = False
+        opt.step(_closure(model, opt, x))  # never called: the step ends after step()
+    summary = mon.summary()
+    assert summary["steps"] == 4
+    assert summary["layers"]["0"]["forward"]["numel"] == 4 * 3 * 8
+
+
 @pytest.mark.parametrize("record_eval", [False, True])
 def test_eval_forwards_stay_out_of_the_training_statistics(record_eval):
     # nanoGPT's estimate_loss(): torch.no_grad() forwards between steps stay out of the next

@@ -45,7 +45,6 @@ class OptimizerTap:
         optimizer = unwrap_optimizer(optimizer)
         self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self.in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
-        self._closure_steps: list[_ClosureStep] = []  # optimizer.step(closure) calls in progress
         self._handles: list[Any] = []
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -82,16 +81,17 @@ class OptimizerTap:
             self.on_boundary()
             return None
         pending = _ClosureStep()
-        self._closure_steps.append(pending)
         if at is not None:
             return (*args[:at], pending.wrap(args[at], self.on_boundary), *args[at + 1:]), kwargs
         return args, {**kwargs, "closure": pending.wrap(kwargs["closure"], self.on_boundary)}
 
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._closure_steps and self.here():
-            pending = self._closure_steps.pop()
-            if not pending.ended:  # the optimizer never called its closure: the step ends here
-                self.on_boundary()
+        # torch hands post-hooks the arguments the pre-hooks returned: this step's wrapped closure,
+        # if any (a step that raised never gets here, and leaves nothing behind)
+        pending = next((getattr(a, "ampaudit_step", None) for a in (*args, kwargs.get("closure"))
+                        if isinstance(getattr(a, "ampaudit_step", None), _ClosureStep)), None)
+        if pending is not None and not pending.ended and self.here():
+            self.on_boundary()  # the optimizer never called its closure: the step ends here
 
 
 class _ClosureStep:
@@ -110,6 +110,7 @@ class _ClosureStep:
             on_boundary()
             return result
 
+        closure_then_boundary.ampaudit_step = self  # for the post-hook: which step it was
         return closure_then_boundary
 
 
