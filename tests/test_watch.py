@@ -988,6 +988,35 @@ def test_a_closure_that_raises_or_is_never_called_leaves_every_later_step_one_st
     assert summary["layers"]["0"]["forward"]["numel"] == 4 * 3 * 8
 
 
+class _SGDThatCallsSuper(torch.optim.SGD):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("global_hooks", [False, True])
+@pytest.mark.parametrize("with_closure", [False, True])
+def test_a_subclass_step_that_calls_super_ends_one_step(global_hooks, with_closure):
+    # torch wraps SGD.step with the hooks once an SGD has been made, and the subclass's step
+    # too: each step ran the hooks twice and was counted as two
+    from ampaudit.watch.monitor import Monitor
+
+    torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)  # SGD.step is hooked from now on
+    model = _net()
+    opt = _SGDThatCallsSuper(model.parameters(), lr=0.01)
+    x = torch.ones(3, 4)
+    closure = _closure(model, opt, x)
+    with (Monitor(None) if global_hooks else ampaudit.watch(model, optimizer=opt)) as mon:
+        for _ in range(3):
+            if with_closure:
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+    summary = mon.summary()
+    assert summary["steps"] == 3
+    assert summary["layers"]["0"]["forward"]["numel"] == 3 * 3 * 8
+
+
 @pytest.mark.parametrize("record_eval", [False, True])
 def test_eval_forwards_stay_out_of_the_training_statistics(record_eval):
     # nanoGPT's estimate_loss(): torch.no_grad() forwards between steps stay out of the next

@@ -10,6 +10,7 @@ call of LBFGS's is a step), or - with a GradScaler - at
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,23 @@ Here = Callable[[], bool]  # whether the calling thread is the one the watch fol
 
 def _anywhere() -> bool:
     return True
+
+
+_HOOKED_STEP = optimizer_hooks.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+
+
+def _nested_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this step() of ``optimizer`` runs inside another of its own: a subclass whose
+    step calls ``super().step()`` has both methods wrapped with the hooks by torch (once the
+    parent class has had an instance of its own), so each step would end twice."""
+    frame, outer = sys._getframe(2), 0
+    while frame is not None:
+        if frame.f_code is _HOOKED_STEP and frame.f_locals.get("self") is optimizer:
+            outer += 1
+            if outer > 1:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -73,7 +91,7 @@ class OptimizerTap:
         inside step(), so the boundary is when the closure returns, before the update (a blame
         replays the step's modules: with the updated weights it would replay another step).
         Returns step()'s arguments with the closure wrapped, as torch's pre-hooks may."""
-        if not self.here():
+        if not self.here() or _nested_step(optimizer):
             return None
         # torch passes step()'s own args, the optimizer first: a closure is any callable after it
         at = next((i for i, a in enumerate(args) if a is not optimizer and callable(a)), None)
@@ -90,7 +108,7 @@ class OptimizerTap:
         # if any (a step that raised never gets here, and leaves nothing behind)
         pending = next((getattr(a, "ampaudit_step", None) for a in (*args, kwargs.get("closure"))
                         if isinstance(getattr(a, "ampaudit_step", None), _ClosureStep)), None)
-        if pending is not None and not pending.ended and self.here():
+        if pending is not None and not pending.ended and self.here() and not _nested_step(optimizer):
             self.on_boundary()  # the optimizer never called its closure: the step ends here
 
 
