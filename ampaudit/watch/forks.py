@@ -4,7 +4,8 @@ DataLoader workers).
 Two rules keep a forking trainer running as it would without watch:
 
 - In the parent, watch's own CPU reductions at a step's end (small ``index_add_`` and
-  ``scatter_reduce_`` over the step's rows) run on one thread. torch runs some of them on its
+  ``scatter_reduce_`` over the step's rows) run on one thread (while no other Python thread
+  is alive: the thread count is the process's, and other threads' ops would change). torch runs some of them on its
   OpenMP pool whatever their size, and GNU OpenMP is not fork-safe once its pool has started:
   a forked child's next parallel op would wait forever on the parent's threads. The pool then
   starts only where the user's own ops start it - as it would without watch.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Protocol
@@ -62,9 +64,13 @@ def _after_in_parent() -> None:
 
 @contextlib.contextmanager
 def single_threaded(device: torch.device) -> Iterator[None]:
-    """Run watch's own ops on ``device`` without starting torch's CPU thread pool."""
+    """Run watch's own ops on ``device`` without starting torch's CPU thread pool - unless
+    other Python threads are alive: torch's thread count is the whole process's, and setting it
+    under a thread that is training changes how its ops split their work, and so their last
+    bits (four Hogwild threads' losses differed in the 6th digit). Those ops then start the
+    pool themselves, as they would without watch."""
     threads = torch.get_num_threads() if device.type == "cpu" else 1
-    if threads == 1:
+    if threads == 1 or threading.active_count() > 1:
         yield
         return
     torch.set_num_threads(1)
