@@ -137,6 +137,24 @@ def model(name: str) -> str:
     return str((MODELS / name).relative_to(ROOT))
 
 
+def host_syncs(fn) -> int:
+    """How many times ``fn`` (then a final synchronize) made the host wait on the GPU, as
+    torch's sync debug mode counts them."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def line_of(path: Path | str, needle: str) -> int:
     """1-based line of the only line containing ``needle`` (fails if not exactly one)."""
     text = Path(ROOT / path).read_text().splitlines()

@@ -3,8 +3,6 @@ logged step. Skipped without a GPU; run on the device with ``pytest tests/test_w
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
@@ -12,6 +10,7 @@ from torch import nn
 import ampaudit
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import stats, triton_stats
+from tests.conftest import host_syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -74,18 +73,6 @@ def _train(model, opt, scaler, steps):
         scaler.update()
 
 
-def _syncs(fn) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-            torch.cuda.synchronize()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
-
-
 @pytest.mark.parametrize("rows", ["triton", "torch ops"])
 @pytest.mark.parametrize("log", [False, True])
 def test_one_host_sync_per_logged_step(tmp_path, monkeypatch, log, rows):
@@ -96,10 +83,10 @@ def test_one_host_sync_per_logged_step(tmp_path, monkeypatch, log, rows):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cuda")
     _train(model, opt, scaler, 2)  # warm-up: lazy state, Triton compilation
-    plain = _syncs(lambda: _train(model, opt, scaler, 4))
+    plain = host_syncs(lambda: _train(model, opt, scaler, 4))
     with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=tmp_path / "run.jsonl" if log else None):
         _train(model, opt, scaler, 1)
-        watched = _syncs(lambda: _train(model, opt, scaler, 4))
+        watched = host_syncs(lambda: _train(model, opt, scaler, 4))
     assert watched - plain == 4
 
 

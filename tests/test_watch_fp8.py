@@ -13,6 +13,7 @@ from torch import nn
 
 import ampaudit
 from ampaudit.watch.summary import read_log
+from tests.conftest import host_syncs
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -233,19 +234,6 @@ def _cuda_train(model, opt, steps):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("log", [False, True])
 def test_fp8_adds_no_host_sync_on_the_gpu(tmp_path, log):
-    import warnings
-
-    def syncs(fn) -> int:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-                torch.cuda.synchronize()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchronizing" in str(w.message) for w in caught)
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -254,7 +242,7 @@ def test_fp8_adds_no_host_sync_on_the_gpu(tmp_path, log):
     for fp8 in (False, True):
         with ampaudit.watch(model, optimizer=opt, fp8=fp8, log=tmp_path / f"{fp8}.jsonl" if log else None) as mon:
             _cuda_train(model, opt, 2)  # warm-up: the rows grow, the index tensors are made
-            counts[fp8] = syncs(lambda: _cuda_train(model, opt, 4))
+            counts[fp8] = host_syncs(lambda: _cuda_train(model, opt, 4))
         if fp8:
             assert set(mon.summary()["fp8"]) == {"0", "2"}
     assert counts[True] == counts[False]
