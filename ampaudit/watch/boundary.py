@@ -106,8 +106,8 @@ class OptimizerTap:
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # torch hands post-hooks the arguments the pre-hooks returned: this step's wrapped closure,
         # if any (a step that raised never gets here, and leaves nothing behind)
-        pending = next((getattr(a, "ampaudit_step", None) for a in (*args, kwargs.get("closure"))
-                        if isinstance(getattr(a, "ampaudit_step", None), _ClosureStep)), None)
+        steps = (getattr(a, "ampaudit_step", None) for a in (*args, kwargs.get("closure")))
+        pending = next((step for step in steps if isinstance(step, _ClosureStep)), None)
         if pending is not None and not pending.ended and self.here() and not _nested_step(optimizer):
             self.on_boundary()  # the optimizer never called its closure: the step ends here
 

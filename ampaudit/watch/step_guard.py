@@ -54,8 +54,8 @@ class StepGuard:
         self._undo: list[tuple[object, str]] = []
         self._classes: list[tuple[type, str, Any]] = []
         self._handles: list[Any] = []
-        self._bn_saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._bn_seen: set[int] = set()  # without a model: the norm modules snapshot this step
+        # this step's norm buffers as they were before it, by module: None until its first training forward
+        self._bn_saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         # per scheduler or EMA: the guarded optimizer steps there had been when it last stepped
         self._last_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._inside = threading.local()  # a scheduler that steps its children (SequentialLR) is held once
@@ -191,25 +191,28 @@ class StepGuard:
 
     def _snapshot_batchnorm(self, module: torch.nn.Module, args: Any) -> None:
         if self._bn_saved is None and torch.is_grad_enabled():  # the step's first training forward
-            self._bn_saved = [(b, b.detach().clone()) for m in module.modules() if isinstance(m, _NormBase)
-                              for b in m.buffers()]
+            self._bn_saved = {id(m): _snapshot(m) for m in module.modules() if isinstance(m, _NormBase)}
 
     def _snapshot_one_batchnorm(self, module: torch.nn.Module, args: Any) -> None:
         """A global hook's: one norm module's buffers, before its first training forward of the step."""
         if not isinstance(module, _NormBase) or not torch.is_grad_enabled():
             return
         if self._bn_saved is None:
-            self._bn_saved, self._bn_seen = [], set()
-        if id(module) not in self._bn_seen:
-            self._bn_seen.add(id(module))
-            self._bn_saved.extend((b, b.detach().clone()) for b in module.buffers(recurse=False))
+            self._bn_saved = {}
+        if id(module) not in self._bn_saved:
+            self._bn_saved[id(module)] = _snapshot(module)
 
     def _restore_batchnorm(self) -> None:
         if self._bn_saved:
             with torch.no_grad():
-                for buffer, saved in self._bn_saved:
+                for buffer, saved in (pair for pairs in self._bn_saved.values() for pair in pairs):
                     buffer.copy_(saved)
             self.counts["batchnorm_restores"] += 1
+
+
+def _snapshot(norm: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A norm module's own buffers (running statistics, batch count) and a copy of each."""
+    return [(b, b.detach().clone()) for b in norm.buffers(recurse=False)]
 
 
 def _scheduler_classes() -> list[type]:
