@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 import ampaudit
+from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Severity
 from ampaudit.core.rulebook import RuleInfo, rulebook
-from ampaudit.watch import conditions, verdicts
+from ampaudit.watch import conditions, cpu_kernel, reducer, rule_api, stats, verdicts
+from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.rule_api import (
     REGISTRY,
     Condition,
@@ -245,6 +247,86 @@ def test_the_rows_on_the_device_update_as_on_the_host():
                                         torch.tensor(b, dtype=torch.float64))
         prev = step
     assert device.tolist() == host
+
+
+def test_the_c_loop_updates_the_rows_as_the_torch_ops():
+    # conditions.update_steps on the CPU is one C loop over K steps: the same float64 rows as
+    # K update_rows, NaN values (a NaN absmax) and repeated runs included
+    if not cpu_kernel.available():
+        pytest.skip(cpu_kernel.status())
+    gen = torch.Generator().manual_seed(0)
+    n, steps = 7, [0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 12, 20]
+    start = torch.tensor([verdicts.new_row() for _ in range(n)], dtype=torch.float64)
+    cond = torch.rand(len(steps), n, generator=gen) < 0.6
+    value = torch.randint(0, 50, (len(steps), n), generator=gen).double()
+    value[3, 2] = value[8, 5] = float("nan")
+    total = torch.randint(50, 99, (len(steps), n), generator=gen).double()
+    expected, prev = start, -1
+    for k, step in enumerate(steps):
+        expected = conditions.update_rows(expected, step, prev, cond[k], value[k], total[k])
+        prev = step
+    got = cpu_kernel.update_rows(start, steps, -1, cond, value, total)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert got.nan_to_num(-7.0).tolist() == expected.nan_to_num(-7.0).tolist()
+    assert start.tolist() == [verdicts.new_row() for _ in range(n)]
+
+
+@pytest.mark.parametrize("case", ["skips", "scaled-underflow", "collapse", "nonfinite"])
+def test_judging_steps_in_batches_changes_nothing(monkeypatch, case):
+    # Conditions and totals of up to BATCH logged steps are judged together (per-row loss
+    # scales, batches cut where the keys change): the summary is the one of a step at a time.
+    def run():
+        spec = dict(RUNS[case])
+        model, scaler = spec.pop("model")(), spec.pop("scaler", None)
+        summary = _run(model, scaler=scaler() if scaler else None, **spec).summary()
+        # as text: a NaN norm (a step that went non-finite) equals itself
+        return json.dumps({k: summary[k] for k in ("findings", "layers", "params", "steps", "first_nonfinite")},
+                          sort_keys=True, default=str)
+
+    batched = run()
+    monkeypatch.setattr(conditions, "BATCH", 1)
+    monkeypatch.setattr(reducer, "TOTALS_BATCH", 1)
+    assert run() == batched
+    monkeypatch.setattr(conditions, "BATCH", 5)  # partial batches, flushed at summary()
+    monkeypatch.setattr(reducer, "TOTALS_BATCH", 3)
+    assert run() == batched
+
+
+def _stats_row(counts: dict[int, int], absmax: float) -> list[float]:
+    """A Stats row (layout.FIELDS, then the exponent histogram) with ``counts`` per biased exponent."""
+    row = [0.0] * stats.WIDTH
+    row[LAYOUT.field["numel"]] = float(sum(counts.values()))
+    row[LAYOUT.field["absmax"]] = absmax
+    for exponent, n in counts.items():
+        row[LAYOUT.hist + exponent] = float(n)
+    return row
+
+
+def test_a_batch_judges_each_step_at_its_own_loss_scale():
+    # Gradients around float16's smallest normal (2^-14: biased exponent 113): at scale 1 most
+    # underflow, at 2^6 half, at 2^12 none - AMP601's condition holds on some steps only,
+    # and only each step's own scale says which. Batched (the default) or a step at a time,
+    # the same state rows; and a batch cut where the keys change.
+    limits = LowDtype.parse(torch.float16)
+    keys = [("fc", "forward"), ("fc", "backward")]
+    params = ["fc.weight", "fc.bias"]
+    grads = [_stats_row({105: 40, 110: 30, 116: 30}, 2.0**-10), _stats_row({100: 5, 108: 5}, 2.0**-18)]
+    layer = _stats_row({120: 10, 126: 5}, 1.5)
+    scales = [1.0, 2.0**6, 2.0**12, 2.0**6, 1.0, 2.0**12, 2.0**3, 1.0]
+    results = []
+    for batch in (1, 3, 16):
+        device = conditions.DeviceConditions(batch=batch)
+        for step, scale in enumerate(scales):
+            step_keys = keys if step != 5 else keys[:1]  # a step without the backward row: another layout
+            rows = [layer] * len(step_keys) + grads
+            flat = torch.tensor([x for row in rows for x in row], dtype=torch.float64)
+            device.add(step, flat, step_keys, params, torch.tensor(scale), limits)
+        results.append(device.read())
+    assert results[0] == results[1] == results[2]
+    # at scale 1, 80 of fc's 110 gradient elements are lost (>= min_share 0.5); at 2^3 50, 2^6 45,
+    # 2^12 5: the condition holds at steps 0, 4 and 7
+    row = results[0]["rows"][("AMP601", "fc", "grad")]
+    assert (row[rule_api.COUNT], row[rule_api.FIRST], row[rule_api.LAST], row[rule_api.SUM_VALUE]) == (3, 0, 7, 240)
 
 
 def _record(step, *, scale=None, skipped=False, layers=None):

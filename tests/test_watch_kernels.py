@@ -85,6 +85,28 @@ def test_c_kernel_sums_squares_in_the_same_pass(dtype, n):
         assert str(float(extras[sumsq])) == want  # as a dot product: NaN stays NaN, an infinity inf
 
 
+@needs_kernel
+@pytest.mark.parametrize("scale", [None, 3.0, 2.0**16])  # 3: products that round, as torch's do
+def test_the_parameter_rows_in_one_call_are_the_rows_one_at_a_time(scale):
+    # a step boundary's parameter gradients: one C call for all, each row as fill_row with its
+    # norm makes it, and the count over the loss scale as the torch ops count it
+    grads = [_values(n, dtype) for n, dtype in ((19, torch.float32), (4099, torch.float16), (513, torch.bfloat16),
+                                                (0, torch.float32), (3 * 65536 + 7, torch.float32))]
+    grads.append(torch.full((64,), 65504.0 / 3.0).nextafter(torch.tensor(1e9)))  # |x| * 3 just past the max
+    rows = [stats.new_row(g.device) for g in grads]
+    cpu_kernel.fill_param_rows(grads, rows, FP16.overflow_at, scale, FP16.max)
+    for g, (counts, extras) in zip(grads, rows, strict=True):
+        want_counts, want_extras = stats.new_row(g.device)
+        cpu_kernel.fill_row(g, want_counts, want_extras, FP16.overflow_at, norm=True)
+        stats.fill_param_extras(g, want_counts, want_extras, FP16, norm=False,
+                                scale=torch.tensor(scale) if scale is not None else None)
+        assert torch.equal(counts, want_counts), g.dtype
+        assert torch.equal(extras.nan_to_num(7.0), want_extras.nan_to_num(7.0))
+    scaled = [int(c[LAYOUT.count["scaled"]]) for c, _ in rows]
+    assert scaled[-1] == (64 if scale is not None else 0)
+    assert scaled[0] > 0 if scale is not None else scaled == [0] * len(grads)
+
+
 def _flags(counts: torch.Tensor) -> tuple[int, int, int]:
     """What stats.nonfinite and stats.harmful read of a row: NaN, +-Inf, -inf."""
     return int(counts[NAN_BINS].sum()), int(counts[INF_BIN]), int(counts[LAYOUT.count["neginf"]])

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ampaudit.watch.layout import LAYOUT
+from ampaudit.watch.rule_api import COLUMNS
 
 SOURCE = Path(__file__).with_name("cpu_stats.c")
 DEFINES = [f"-DAMPAUDIT_BIN_SHIFT={LAYOUT.bin_shift}"]  # the layout's constants the source needs
@@ -48,6 +49,8 @@ class _Library:
     nonfinite: dict[torch.dtype, ctypes._CFuncPtr]  # the NaN and Inf bins and the -inf slot only
     compact: ctypes._CFuncPtr  # raw rows to Stats rows
     step_buffer: ctypes._CFuncPtr  # a logged step's buffer from its Stats rows
+    update_rows: ctypes._CFuncPtr  # the verdicts' state rows, updated by logged steps
+    param_rows: ctypes._CFuncPtr  # the parameter gradients' rows, all in one call
 
 
 # where ampaudit_compact writes each Stats field, in its own order (layout.FIELDS' names)
@@ -140,9 +143,16 @@ def _library() -> _Library | None:
     buffer.argtypes = [p, i64, p, p, p, i64, i64, p, i64, p, i64, i32, i32, p, i32, i32, i32, i32,
                        ctypes.c_double, p]
     buffer.restype = None
+    update = lib.ampaudit_update_rows  # rows, n, ncols, columns, steps, k, prev, cond, value, total
+    update.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p]
+    update.restype = None
+    params = lib.ampaudit_param_rows  # count, x[], n[], dtype[], counts[], extras[], 5 slots, over, scale, max, threads
+    params.argtypes = [i64, p, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_uint32, ctypes.c_float, ctypes.c_float,
+                       ctypes.c_int]
+    params.restype = None
     lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
-    return _Library(rows, nonfinite, compact, buffer)
+    return _Library(rows, nonfinite, compact, buffer, update, params)
 
 
 def available() -> bool:
@@ -175,6 +185,28 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
     _library().rows[x.dtype](x.data_ptr(), x.numel(), base, base + _OVERFLOW * size, base + _NEGINF * size,
                              extra + _ABSMAX * width, _bits(overflow_at), extra + _SUMSQ * width if norm else None,
                              torch.get_num_threads())
+
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_SCALED = LAYOUT.count["scaled"]
+
+
+def fill_param_rows(grads: list[torch.Tensor], rows: list[tuple[torch.Tensor, torch.Tensor]], overflow_at: float,
+                    scale: float | None, limit: float) -> None:
+    """``fill_row(grad, counts, extras, overflow_at, norm=True)`` for each CPU gradient and its
+    arena row, in one C call (a step boundary's parameter rows: tens of small tensors, where
+    a call each costs more than their elements), and with ``scale`` each one's count of |x| *
+    scale > ``limit`` in float32, as ``stats.fill_param_extras`` computes it with torch ops."""
+    readable = [_readable(g) for g in grads]
+    k = len(readable)
+    if not k:
+        return
+    pointers, sizes = ctypes.c_void_p * k, ctypes.c_int64 * k
+    _library().param_rows(
+        k, pointers(*(g.data_ptr() for g in readable)), sizes(*(g.numel() for g in readable)),
+        (ctypes.c_int32 * k)(*(_DTYPE_CODE[g.dtype] for g in readable)), pointers(*(c.data_ptr() for c, _ in rows)),
+        pointers(*(e.data_ptr() for _, e in rows)), _OVERFLOW, _NEGINF, _SCALED, _ABSMAX, _SUMSQ, _bits(overflow_at),
+        scale if scale is not None else 0.0, limit, torch.get_num_threads())
 
 
 def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor) -> None:
@@ -230,3 +262,25 @@ def step_buffer(rows: torch.Tensor, used: torch.Tensor, n_events: int, event_key
         counts.stride(0), LAYOUT.count["scaled"], has_scale, _MAX_FIELDS, len(LAYOUT.max_fields),
         _NAN_FIELD, _INF_FIELD, _NEGINF_FIELD, no_event, flat.data_ptr())
     return flat
+
+
+# the state columns in ampaudit_update_rows' order (rule_api's names)
+_COLUMN_AT = (ctypes.c_int32 * 12)(*(COLUMNS.index(name) for name in (
+    "first", "last", "run_start", "best_start", "best_last", "count", "seen", "run_len", "best_len", "sum_value",
+    "sum_total", "peak")))
+
+
+def update_rows(rows: torch.Tensor, steps: list[int], prev: int, cond: torch.Tensor, value: torch.Tensor,
+                total: torch.Tensor) -> torch.Tensor:
+    """``conditions.update_steps`` in one C loop: the state rows (N x len(COLUMNS) float64)
+    updated by the K logged ``steps`` in order (``cond``, ``value``, ``total``: K x N);
+    returns new rows, ``rows`` untouched - the same numbers as the torch ops."""
+    out = rows.to(torch.float64).contiguous().clone()
+    cond = cond.to(torch.bool).contiguous()
+    value, total = (x.to(torch.float64).contiguous() for x in (value, total))
+    k, n = cond.shape
+    step_array = (ctypes.c_int64 * max(1, k))(*steps)
+    if n and k:
+        _library().update_rows(out.data_ptr(), n, out.shape[1], _COLUMN_AT, step_array, k, prev, cond.data_ptr(),
+                               value.data_ptr(), total.data_ptr())
+    return out

@@ -102,6 +102,19 @@ static inline float as_float(int32_t a) {
     return f;
 }
 
+/* Each element as a float, for its square: the sign and which NaN do not matter there. */
+static inline float f32_value(const void *x, int64_t i) {
+    return ((const float *)x)[i];
+}
+
+static inline float f16_value(const void *x, int64_t i) {
+    return as_float(f16_abs(h16_raw(x, i)));
+}
+
+static inline float bf16_value(const void *x, int64_t i) {
+    return as_float((int32_t)h16_raw(x, i) << 16);
+}
+
 /* The bin: the top 10 bits, except that subnormals too small to reach bin 1 go there rather
  * than into bin 0, which holds exact zeros only. */
 static inline int32_t key(int32_t a) {
@@ -115,7 +128,7 @@ static inline int32_t key(int32_t a) {
  * the sign of its infinities: -inf costs nothing where there is none. A macro rather than a
  * function pointer so that each loader is inlined. */
 #define LANES(BIN) ((uint32_t)c[0][BIN] + c[1][BIN] + c[2][BIN] + c[3][BIN] + c[4][BIN] + c[5][BIN] + c[6][BIN] + c[7][BIN])
-#define PIECE_BODY(RAW, ABS, NEGINF)                                       \
+#define PIECE_BODY(RAW, ABS, NEGINF, SQUARED)                                       \
     uint16_t c[8][NBINS];                                                  \
     int16_t keys[BLOCK];                                                   \
     int32_t peak = 0;                                                      \
@@ -137,7 +150,7 @@ static inline int32_t key(int32_t a) {
             double s = 0.0;                                                \
             _Pragma("omp simd reduction(+:s)")                             \
             for (int j = 0; j < len; j++) {                                \
-                double v = as_float(ABS(RAW(x, b + j)));                   \
+                double v = SQUARED(x, b + j);                              \
                 s += v * v;                                                \
             }                                                              \
             squares += s;                                                  \
@@ -169,11 +182,11 @@ static inline int32_t key(int32_t a) {
     if ((uint32_t)peak > *maxbits) *maxbits = (uint32_t)peak;
 
 /* The entry points: split into pieces, on OpenMP threads when there are several. */
-#define DEFINE_ROWS(NAME, RAW, ABS, NEGINF)                                                      \
+#define DEFINE_ROWS(NAME, RAW, ABS, NEGINF, SQUARED)                                                      \
     SIMD_CLONES static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t *bins,              \
                              int64_t *overflow, int64_t *neginf, uint32_t *maxbits,              \
                              int32_t over_bits, double *sumsq) {                                 \
-        PIECE_BODY(RAW, ABS, NEGINF)                                                             \
+        PIECE_BODY(RAW, ABS, NEGINF, SQUARED)                                                           \
     }                                                                                            \
     void NAME(const void *x, int64_t n, int64_t *bins, int64_t *overflow, int64_t *neginf,       \
               uint32_t *maxbits, uint32_t over_bits, float *sumsq, int threads) {                \
@@ -209,9 +222,9 @@ static inline int32_t key(int32_t a) {
         if (sumsq) *sumsq += (float)squares;                                                     \
     }
 
-DEFINE_ROWS(ampaudit_rows_f32, f32_raw, f32_abs, F32_NEGINF)
-DEFINE_ROWS(ampaudit_rows_f16, h16_raw, f16_abs, F16_NEGINF)
-DEFINE_ROWS(ampaudit_rows_bf16, h16_raw, bf16_abs, BF16_NEGINF)
+DEFINE_ROWS(ampaudit_rows_f32, f32_raw, f32_abs, F32_NEGINF, f32_value)
+DEFINE_ROWS(ampaudit_rows_f16, h16_raw, f16_abs, F16_NEGINF, f16_value)
+DEFINE_ROWS(ampaudit_rows_bf16, h16_raw, bf16_abs, BF16_NEGINF, bf16_value)
 
 /* Only what a row needs to say whether its tensor held NaN, +inf or -inf (the Inf bin, the
  * NaN bin, the -inf slot; every other slot untouched): for tensors that are candidates for
@@ -330,5 +343,85 @@ void ampaudit_step_buffer(const double *rows, int64_t width, const int64_t *even
         int64_t r = param_row[p];
         memcpy(params + p * width, rows + r * width, (size_t)width * sizeof(double));
         scaled[p] = has_scale ? (double)counts[r * counts_stride + scaled_slot] : -1.0;
+    }
+}
+
+/* conditions.update_steps on the CPU: the verdicts' state rows (n rows of ncols float64, the
+ * columns at col[] in rule_api.COLUMNS' order: first, last, run_start, best_start, best_last,
+ * count, seen, run_len, best_len, sum_value, sum_total, peak) updated by k logged steps in
+ * order - cond, value and total are k x n - with the same float64 arithmetic as the torch ops
+ * of conditions.update_rows, so the rows are theirs to the bit (NaN values included:
+ * torch.maximum propagates NaN, so the peak does here). */
+void ampaudit_update_rows(double *rows, int64_t n, int64_t ncols, const int32_t *col, const int64_t *steps,
+                          int64_t k, int64_t prev, const unsigned char *cond, const double *value,
+                          const double *total) {
+    int32_t FIRST = col[0], LAST = col[1], RUN_START = col[2], BEST_START = col[3], BEST_LAST = col[4],
+            COUNT = col[5], SEEN = col[6], RUN_LEN = col[7], BEST_LEN = col[8], SUM_VALUE = col[9],
+            SUM_TOTAL = col[10], PEAK = col[11];
+    for (int64_t s = 0; s < k; s++) {
+        double step = (double)steps[s];
+        for (int64_t i = 0; i < n; i++) {
+            double *r = rows + i * ncols;
+            int c = cond[s * n + i] != 0;
+            double v = value[s * n + i], t = total[s * n + i];
+            int extend = c && r[RUN_LEN] > 0 && r[LAST] == (double)prev;
+            double run_len = c ? (extend ? r[RUN_LEN] + 1 : 1.0) : r[RUN_LEN];
+            double run_start = c && !extend ? step : r[RUN_START];
+            int better = c && run_len > r[BEST_LEN];
+            if (c && r[FIRST] < 0) r[FIRST] = step;
+            if (c) r[LAST] = step;
+            r[RUN_START] = run_start;
+            if (better) {
+                r[BEST_START] = run_start;
+                r[BEST_LAST] = step;
+                r[BEST_LEN] = run_len;
+            }
+            r[COUNT] += c;
+            r[SEEN] += 1;
+            r[RUN_LEN] = run_len;
+            r[SUM_VALUE] += c ? v : 0.0;
+            r[SUM_TOTAL] += c ? t : 0.0;
+            if (c) r[PEAK] = (r[PEAK] != r[PEAK] || v != v) ? r[PEAK] + v : (v > r[PEAK] ? v : r[PEAK]);
+        }
+        prev = steps[s];
+    }
+}
+
+/* How many |x| * scale exceed max, in float32 as torch computes (x as float32, times the scale
+ * as float32, compared with max): a parameter gradient's count over the loss scale. */
+#define DEFINE_SCALED(NAME, RAW, ABS)                                                   \
+    SIMD_CLONES static int64_t NAME(const void *x, int64_t n, float scale, float max) { \
+        int64_t count = 0;                                                              \
+        for (int64_t i = 0; i < n; i++) count += as_float(ABS(RAW(x, i))) * scale > max; \
+        return count;                                                                   \
+    }
+
+DEFINE_SCALED(scaled_f32, f32_raw, f32_abs)
+DEFINE_SCALED(scaled_f16, h16_raw, f16_abs)
+DEFINE_SCALED(scaled_bf16, h16_raw, bf16_abs)
+
+/* The parameter gradients' rows at a step boundary in one call: tensor t (dtype[t]: 0 float32,
+ * 1 float16, 2 bfloat16; n[t] elements at x[t]) fills the row whose counts start at counts[t]
+ * (the bins, then the count slots: overflow_slot, neginf_slot, scaled_slot) and whose extras
+ * at extras[t] (absmax_slot, sumsq_slot) - the row ampaudit_rows_* fills with its sum of
+ * squares, and with scale > 0 its count over the loss scale. */
+void ampaudit_param_rows(int64_t count, const void *const *x, const int64_t *n, const int32_t *dtype,
+                         int64_t *const *counts, float *const *extras, int32_t overflow_slot, int32_t neginf_slot,
+                         int32_t scaled_slot, int32_t absmax_slot, int32_t sumsq_slot, uint32_t over_bits,
+                         float scale, float max, int threads) {
+    for (int64_t t = 0; t < count; t++) {
+        int64_t *c = counts[t];
+        float *e = extras[t];
+        uint32_t *peak = (uint32_t *)(e + absmax_slot);
+        if (dtype[t] == 0) {
+            ampaudit_rows_f32(x[t], n[t], c, c + overflow_slot, c + neginf_slot, peak, over_bits, e + sumsq_slot, threads);
+            if (scale > 0) c[scaled_slot] += scaled_f32(x[t], n[t], scale, max);
+        } else if (dtype[t] == 1) {
+            ampaudit_rows_f16(x[t], n[t], c, c + overflow_slot, c + neginf_slot, peak, over_bits, e + sumsq_slot, threads);
+            if (scale > 0) c[scaled_slot] += scaled_f16(x[t], n[t], scale, max);
+        } else {
+            ampaudit_rows_bf16(x[t], n[t], c, c + overflow_slot, c + neginf_slot, peak, over_bits, e + sumsq_slot, threads);
+            if (scale > 0) c[scaled_slot] += scaled_bf16(x[t], n[t], scale, max);
+        }
     }
 }

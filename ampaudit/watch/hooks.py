@@ -19,6 +19,7 @@ Everything else waits for the step boundary (``reducer``).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import Counter
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 from torch.nn.modules import module as module_hooks
 
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.watch import compiled, stats
+from ampaudit.watch import compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
 from ampaudit.watch.events import INPUT_GRAD, event
 from ampaudit.watch.provenance import Call, autocast_state
@@ -101,6 +102,12 @@ def _compiling() -> bool:
     one without watch); with ``inside_compile`` the forward hook of a watched model's module
     puts the recording op in the graph (``compiled``)."""
     return torch.compiler.is_compiling()
+
+
+def _compiled_anything() -> bool:
+    """Whether torch.compile has compiled a graph in this process (dynamo counts them)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo is not None and bool(dynamo.counters["stats"]["unique_graphs"])
 
 
 def _user_name(name: str) -> str:
@@ -181,28 +188,54 @@ class StepRecorder:
         self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
+        self._armed = False  # a hook on every module of the model (else on its root only: ``_rearm``)
 
     # -- attaching --------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module | None) -> None:
         self._model = model
         if model is not None:
             self._name_tree(model, "")
+        self._arm()
+        self.active = True
+
+    def _arm(self) -> None:
+        """A hook on every module of the model, or (``ampaudit run``) PyTorch's global module
+        hooks: what a recorded step needs."""
+        model = self._model
+        if model is None:  # every module that runs forward, whoever built it
+            self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_before_forward))
+            self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
+                                                                           with_kwargs=True))
+        else:
             if self.provenance:  # a new forward of the model: an earlier micro-batch's calls may go
                 self._handles.append(model.register_forward_pre_hook(self._root_forward))
             for module in model.modules():
                 self._handles.append(module.register_forward_hook(self.after_forward, with_kwargs=True))
                 if self.record_inputs:  # the pre-hook costs a call per module: only when it records
                     self._handles.append(module.register_forward_pre_hook(self.before_forward))
-        else:  # ampaudit run: every module that runs forward, whoever built it
-            self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_before_forward))
-            self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
-                                                                           with_kwargs=True))
-        self.active = True
+        self._armed = True
 
-    def detach(self) -> None:
+    def _disarm(self) -> None:
+        """Between recorded steps (``every`` > 1) one hook that counts the model's eval calls:
+        the root's, or a global one that does nothing else (naming new roots waits for a
+        recorded step, where they run again). A hook on every module would cost each forward
+        a Python call per module for nothing."""
+        self._remove_handles()
+        model = self._model
+        if model is None:
+            self._handles.append(module_hooks.register_module_forward_hook(self._global_idle_after_forward,
+                                                                           with_kwargs=True))
+        else:
+            self._handles.append(model.register_forward_hook(self.after_forward, with_kwargs=True))
+        self._armed = False
+
+    def _remove_handles(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def detach(self) -> None:
+        self._remove_handles()
         self.active = False
 
     # -- names ----------------------------------------------------------------------------------
@@ -336,6 +369,14 @@ class StepRecorder:
         self._depth = max(0, self._depth - 1)
         self.after_forward(module, args, kwargs, output)
 
+    def _global_idle_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """The global hook between recorded steps: the model's eval calls, counted as
+        ``after_forward`` counts them."""
+        if torch.is_grad_enabled() or self.paused or _compiling() or transformed():
+            return
+        if self._names.get(id(module)) == "(model)" and self.thread.here(claim=self.record_eval):
+            self.eval_forwards += 1
+
     def _root_forward(self, module: torch.nn.Module, args: Any) -> None:
         """A new forward of the model within the step (gradient accumulation): the calls kept so
         far are released - unless that micro-batch already went non-finite (one host sync, only
@@ -398,8 +439,11 @@ class StepRecorder:
 
     def record_params(self, params: list[tuple[str, torch.nn.Parameter]], scale: torch.Tensor | None) -> None:
         """A row per parameter gradient, at the step boundary: with its norm, and with a
-        GradScaler how many gradients overflow at its current scale."""
+        GradScaler how many gradients overflow at its current scale. Plain CPU gradients take
+        one C call for all (``cpu_kernel.fill_param_rows``)."""
         self.param_rows = {}
+        batch: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
+        in_c = cpu_kernel.available()
         for name, p in params:
             grad = p.grad
             if grad is None:
@@ -412,12 +456,34 @@ class StepRecorder:
                 self.unmeasured[kind] += 1
                 continue
             handle, counts, extras = self.arena.take(grad.device)
-            stats.fill_row(grad, counts, extras, self.limits, norm=True, scale=scale)
             self.param_rows[name] = handle
+            if in_c and type(grad) in stats.PLAIN and grad.device.type == "cpu":
+                batch.append((grad, (counts, extras)))
+            else:
+                stats.fill_row(grad, counts, extras, self.limits, norm=True, scale=scale)
+        if batch:  # on the CPU the scale is host memory: read at no cost
+            cpu_kernel.fill_param_rows([g for g, _ in batch], [row for _, row in batch], self.limits.overflow_at,
+                                       float(scale) if scale is not None else None, self.limits.max)
 
     def end_step(self, logging_next: bool) -> None:
         """Forget this step's rows and events; ``logging_next``: whether the next is recorded."""
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen = [], [], False
         self.arena.reset()
+        self._rearm(logging_next)
         self.logging = logging_next
+
+    def _rearm(self, logging_next: bool) -> None:
+        """The module hooks come off for steps not recorded (``_disarm``) and on again for the
+        next recorded one: once the dtype is known, and never once torch.compile has compiled
+        a graph in this process - a guard on the hooks would recompile it at each change -
+        where they stay on."""
+        if not self.active or self.dtype_source is None:
+            return
+        if _compiled_anything():
+            logging_next = True
+        if logging_next and not self._armed:
+            self._remove_handles()
+            self._arm()
+        elif not logging_next and self._armed:
+            self._disarm()

@@ -22,6 +22,7 @@ from ampaudit.watch.arena import Handle, RowArena, index_tensor
 from ampaudit.watch.layout import LAYOUT, MAX, StepBuffer
 
 NO_EVENT = 2**62  # "no non-finite tensor yet" on the device
+TOTALS_BATCH = 16  # logged steps whose rows are added to the totals together
 _F64 = torch.float64
 
 
@@ -65,6 +66,8 @@ class StepReducer:
         self._totals_index: dict[tuple, int] = {}  # ("layer", module, phase) or ("param", name) -> row
         self._last_norms: dict[str, float] = {}
         self._scaled_totals: dict[str, int] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps' rows not in the totals yet
+        self._last_rows: tuple[tuple, torch.Tensor] | None = None  # (keys, their rows), for the next step
 
     # -- one step -----------------------------------------------------------------------------
     def step_buffer(self, arena: RowArena, event_rows: list[Handle], event_keys: list[int], n_keys: int,
@@ -169,25 +172,14 @@ class StepReducer:
 
     def accumulate(self, flat: torch.Tensor, buf: StepBuffer, keys: list[tuple[str, str]],
                    param_keys: list[str]) -> StepValues:
-        """Add this step's Stats rows to running totals on the device; read back only the
-        parameters' finiteness, norms and overflow at scale and the step's tail (one small sync)."""
-        width = LAYOUT.width
-        all_keys = [("layer", *k) for k in keys] + [("param", k) for k in param_keys]
-        rows = flat[buf.stats].reshape(-1, width)
-        for key in all_keys:
-            if key not in self._totals_index:
-                self._totals_index[key] = len(self._totals_index)
-        grow = len(self._totals_index) - (0 if self._totals is None else self._totals.shape[0])
-        if grow:
-            pad = torch.zeros(grow, width, dtype=_F64, device=flat.device)
-            self._totals = pad if self._totals is None else torch.cat([self._totals, pad])
-        if all_keys:
-            index = index_tensor([self._totals_index[k] for k in all_keys], flat.device)
-            columns = index_tensor(list(LAYOUT.max_fields), flat.device)  # absmax: the largest, not the sum
-            peaks = self._totals.index_select(1, columns).scatter_reduce_(
-                0, index[:, None].expand(-1, len(columns)), rows.index_select(1, columns), "amax")
-            self._totals.index_add_(0, index, rows)
-            self._totals.index_copy_(1, columns, peaks)
+        """Add this step's Stats rows to running totals on the device (with the next steps',
+        up to ``TOTALS_BATCH`` of them: one index_add for all); read back only the parameters'
+        finiteness, norms and overflow at scale and the step's tail (one small sync)."""
+        rows = flat[buf.stats].reshape(-1, LAYOUT.width)
+        if keys or param_keys:
+            self._pending.append((rows, self._rows_of(keys, param_keys, flat.device)))
+            if len(self._pending) >= TOTALS_BATCH:
+                self._add_pending()
         params = rows[len(keys):]
         bad = params[:, LAYOUT.field["nan"]] + params[:, LAYOUT.field["inf"]]
         n_params = len(param_keys)
@@ -199,6 +191,35 @@ class StepReducer:
             if count >= 0:  # with a GradScaler: gradients overflowing at its current scale
                 self._scaled_totals[name] = self._scaled_totals.get(name, 0) + int(count)
         return step
+
+    def _rows_of(self, keys: list[tuple[str, str]], param_keys: list[str], device: torch.device) -> torch.Tensor:
+        """The totals' rows of a step's keys and parameters (a step's keys are the last's, mostly)."""
+        cache = (tuple(keys), tuple(param_keys), device)
+        if self._last_rows is not None and self._last_rows[0] == cache:
+            return self._last_rows[1]
+        index = []
+        for key in [("layer", *k) for k in keys] + [("param", k) for k in param_keys]:
+            index.append(self._totals_index.setdefault(key, len(self._totals_index)))
+        self._last_rows = cache, index_tensor(index, device)
+        return self._last_rows[1]
+
+    def _add_pending(self) -> None:
+        """The pending steps' rows added to the totals: counts summed, absmax the largest."""
+        if not self._pending:
+            return
+        rows = torch.cat([r for r, _ in self._pending])
+        index = torch.cat([i for _, i in self._pending])
+        self._pending = []
+        width = LAYOUT.width
+        grow = len(self._totals_index) - (0 if self._totals is None else self._totals.shape[0])
+        if grow:
+            pad = torch.zeros(grow, width, dtype=_F64, device=rows.device)
+            self._totals = pad if self._totals is None else torch.cat([self._totals, pad])
+        columns = index_tensor(list(LAYOUT.max_fields), rows.device)  # absmax: the largest, not the sum
+        peaks = self._totals.index_select(1, columns).scatter_reduce_(
+            0, index[:, None].expand(-1, len(columns)), rows.index_select(1, columns), "amax")
+        self._totals.index_add_(0, index, rows)
+        self._totals.index_copy_(1, columns, peaks)
 
     @staticmethod
     def _with_tail(values: list[float], buf: StepBuffer, base: int, **rows) -> StepValues:
@@ -213,6 +234,7 @@ class StepReducer:
     def totals(self) -> tuple[dict[str, dict], dict[str, dict]] | None:
         """The running totals kept on the device, read back (one sync): (layers, params) as
         the summary has them; None when every step was read back instead."""
+        self._add_pending()
         if self._totals is None:
             return None
         rows = self._totals.tolist()

@@ -33,7 +33,7 @@ _SCALED, _OVERFLOW, _NEGINF = (LAYOUT.count[k] for k in ("scaled", "overflow", "
 _ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the kernels read; a subclass may have no plain storage
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the kernels read; a subclass may have no plain storage
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -49,7 +49,7 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
     (a device scalar), how many |x| * scale exceed the dtype's max."""
     if is_dtensor(x):  # a shard per rank (FSDP2, tensor parallel): this rank's part
         x = x.to_local()
-    if type(x) not in _PLAIN:
+    if type(x) not in PLAIN:
         torch_fill_row(x, counts, extras, limits)
         fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
         return
@@ -71,7 +71,7 @@ def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, 
     """What ``nonfinite`` and ``harmful`` read of a row (its NaN, Inf and -inf counts), for a
     tensor that is in no statistics, only a candidate first non-finite: on the CPU a cheaper
     pass than ``fill_row`` (``cpu_kernel.fill_nonfinite``), elsewhere the whole row."""
-    if type(x) in _PLAIN and x.device.type == "cpu" and cpu_kernel.available():
+    if type(x) in PLAIN and x.device.type == "cpu" and cpu_kernel.available():
         cpu_kernel.fill_nonfinite(x, counts)
     else:
         fill_row(x, counts, extras, limits)
