@@ -17,7 +17,8 @@ def rule_markdown(rule: RuleInfo, heading: str = "#") -> str:
     text = (
         f"{heading} {rule.code} `{rule.name}` ({rule.severity.value})\n\n"
         f"Message: {rule.message}\n\n"
-        f"**What it does.** {rule.what}\n\n"
+        + "".join(f"Message ({case.replace('_', ' ')}): {text}\n\n" for case, text in rule.messages.items())
+        + f"**What it does.** {rule.what}\n\n"
         f"**Why it matters.** {rule.why}\n\n"
         f"**Example**\n\n```python\n{rule.example}\n```\n\n"
         f"**Fix.** {rule.fix}\n"
