@@ -52,6 +52,34 @@ def test_emulated_gemms_equal_torchaos_emulated_float8_linear_bit_for_bit(recipe
     assert torch.equal(mine.grad_weight, fp8[0].weight.grad)
 
 
+@pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
+def test_the_grad_weight_gemms_input_cast_is_torchaos_per_channel_across_the_tokens(recipe):
+    # AMP702's grad-weight measure casts the input as torchao's cast_config_input_for_grad_weight
+    # does: rowwise per channel (axiswise, dim 0: one scale per column, across every token), e4m3,
+    # power-of-two scales; rowwise_with_gw_hp not at all; tensorwise one scale per tensor
+    config_cls, _ = _torchao()
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    config = config_cls.from_recipe_name(recipe)
+    theirs, mine = config.cast_config_input_for_grad_weight, RECIPES[recipe].input_for_grad_weight
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    x[0] = 1e5  # a massive token: it sets every channel's scale
+    if theirs.scaling_type is ScalingType.DISABLED:
+        assert mine.fmt is None and cast(x, mine, 0, pow2=True).value is x
+        return
+    axiswise = theirs.scaling_granularity is ScalingGranularity.AXISWISE
+    assert (mine.fmt.torch, mine.granularity, RECIPES[recipe].pow2_scales) == \
+        (theirs.target_dtype, ROW if axiswise else TENSOR, config.round_scales_to_power_of_2)
+    t = hp_tensor_to_float8_dynamic(x, theirs.target_dtype, LinearMMConfig(),
+                                    scaling_granularity=theirs.scaling_granularity,
+                                    axiswise_dim=0 if axiswise else None,
+                                    round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+    assert t._scale.shape == ((1, 16) if axiswise else ())
+    assert torch.equal(cast(x, mine, 0, pow2=RECIPES[recipe].pow2_scales).value, t._data.float() / t._scale)
+
+
 def test_mx_cast_equals_torchaos_to_mx():
     pytest.importorskip("torchao.prototype.mx_formats")
     from torchao.prototype.mx_formats.mx_tensor import to_mx
