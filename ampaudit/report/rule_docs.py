@@ -57,7 +57,7 @@ def rules_markdown(rules: Iterable[RuleInfo]) -> str:
 
 def rules_json(rules: Iterable[RuleInfo]) -> str:
     data = [{"code": r.code, "name": r.name, "severity": r.severity.value, "family": r.family,
-             "message": r.message} for r in rules]
+             "message": r.message, **({"messages": dict(r.messages)} if r.messages else {})} for r in rules]
     return json.dumps(data, indent=2) + "\n"
 
 
