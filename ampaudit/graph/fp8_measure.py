@@ -6,7 +6,10 @@ gradients are not computed). Each operand is then
 cast as every recipe casts it (``graph/fp8_casts.py``) - statistics per recipe: SQNR against
 fp32 over the whole tensor and over the ordinary elements only (outside outlier tokens and
 channels: a few huge tokens hold nearly all the energy and hide what the others lost), the
-shares flushed to zero and saturated. The chosen recipe's GEMMs are also run: SQNR of the
+shares flushed to zero and saturated; where the input has outlier tokens, the SQNR of the
+ordinary tokens' part of the weight gradient with the input cast as each recipe's grad-weight
+GEMM casts it (along the tokens, where the outlier tokens set the scales again, whatever the
+forward's per-row scales did). The chosen recipe's GEMMs are also run: SQNR of the
 output, grad-input and grad-weight products. Last, two forwards without grad say whether one
 layer's fp8 error dominates the model output: every candidate layer in fp8, then all but the
 worst one (which takes the first forward's Linear outputs up to the worst layer's call).
