@@ -11,7 +11,10 @@ clock counts the time the process waited for a core; its CPU time does not.
     python bench/fp8_check_cost.py [--rounds 5] [--shapes 256x512,1024x256] [--recipe tensorwise] [--threads 1]
 
 A shape is DxT: width D, T tokens (one sequence). `--massive` plants massive-activation
-tokens (x3000 on the first token) in the first block's input, as in a trained LLM.
+tokens (x3000 on the first token) in the first block's input, as in a trained LLM (its LayerNorms
+leave no Linear an outlier token); `--sink` plants one (x30000 on the first token) in every
+block's MLP activations, the input of its second MLP Linear (as trained LLMs' down_proj sees
+them): the layers AMP702 measures the grad-weight GEMM of.
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ class Transformer(nn.Module):
         return self.head(self.ln(x))
 
 
+def _sink(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    output = output.clone()
+    output[:, 0] = output[:, 0] * 30000.0  # the first token's MLP activations, massive
+    return output
+
+
 def _fwd_bwd(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
     start, cpu = time.perf_counter(), time.process_time()
     model_loss(model(x)).backward()
@@ -87,16 +96,20 @@ def main() -> None:
     parser.add_argument("--shapes", default="256x512,1024x256")
     parser.add_argument("--recipe", default="tensorwise")
     parser.add_argument("--massive", action="store_true")
+    parser.add_argument("--sink", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)  # on a shared VM, 1 thread is steadier than 2 contended ones
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, recipe {opts.recipe}, "
-          f"median of {opts.rounds} rounds")
+          f"median of {opts.rounds} rounds{', a sink in every MLP' if opts.sink else ''}")
     for shape in opts.shapes.split(","):
         d, t = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
         model = Transformer(d).eval()
+        if opts.sink:
+            for block in model.blocks:
+                block.fc.register_forward_hook(_sink)
         x = torch.randn(1, t, d, generator=torch.Generator().manual_seed(0))
         if opts.massive:
             x[:, 0] *= 3000.0

@@ -5,9 +5,11 @@ steps (bf16 autocast, torchao's Float8Linear emulated on the CPU) with no layer 
 bf16 reference) and with chosen layers in fp8 - the layers the check keeps in bf16, the same
 number of the layers it passes (the best by its own table's SQNR: what a user would convert
 first), every layer but the kept ones (the policy convert emits), every layer; on the planted
-fixtures also the flagged layer under the recipe the check recommends (rowwise). Where the check
-also keeps heads (AMP701) that the recommended recipe keeps too, the kept layers that recipe
-passes are trained alone as well: in fp8, against as many passed layers, and under that recipe.
+fixtures also the flagged layer under rowwise (and rowwise_with_gw_hp with --fp32), with the
+check's verdicts under those recipes printed per seed. Where the check also keeps heads (AMP701)
+that the recommended recipe (rowwise_with_gw_hp with --fp32, else rowwise) keeps too, the kept
+layers that recipe passes are trained alone as well: in fp8, against as many passed layers, and
+under each of those recipes.
 The *_sink models plant a massive token (--sink x) before an early block's second MLP Linear: the
 first token in the language models, the first patch token in the ViTs.
 
@@ -404,6 +406,7 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
     per_layer: dict[str, list[float]] = {}
     layer_scores: dict[str, dict[str, float]] = {}
     finals, kept_sets = [], []
+    by_recipe: dict[str, list[dict[str, list[str]]]] = {}  # the other recipes' verdicts, per seed
     start = time.perf_counter()
     for seed in seeds:
         torch.manual_seed(seed)
@@ -428,20 +431,24 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
             configs["policy (all but 'keep')"] = (set(passed), opts.recipe)
             for other in spec.flagged_recipes + gw_hp:
                 configs[f"'keep' layers, {other}"] = (set(keep[:n]), other)
+        others = {other: judge(model, inputs, other).keep for other in spec.flagged_recipes + gw_hp}
+        for other, kept in others.items():  # what the check says of the same layers under them
+            by_recipe.setdefault(other, []).append(
+                {v.layer.name: [x.code + (f" ({x.case})" if x.case else "") for x in v.verdicts] for v in kept})
         if spec.flagged_recipes:
             # the kept layers the recommended recipe passes (the outlier verdicts' alone, without
-            # the heads AMP701 keeps under every recipe, whose own damage would mix in)
-            other = spec.flagged_recipes[0]
-            kept_there = {v.layer.name for v in judge(model, inputs, other).keep}
+            # the heads AMP701 keeps under every recipe, whose own damage would mix in): since AMP702
+            # judges the grad-weight GEMM, rowwise_with_gw_hp where it trains (--fp32), else rowwise
+            rescuer = (gw_hp or spec.flagged_recipes)[0]
+            kept_there = {v.layer.name for v in others[rescuer]}
             rescued = [x for x in keep if x not in kept_there]
             if rescued and len(rescued) < len(keep):
                 m = len(rescued)
-                configs[f"{other}-rescued 'keep' in fp8"] = (set(rescued), opts.recipe)
+                configs[f"{rescuer}-rescued 'keep' in fp8"] = (set(rescued), opts.recipe)
                 configs[f"as many 'fp8' layers ({m})"] = (set(sorted(passed, key=lambda x: -table[x])[:m]),
                                                          opts.recipe)
-                configs[f"{other}-rescued 'keep', {other}"] = (set(rescued), other)
-                if gw_hp:
-                    configs["rescued 'keep', rowwise_with_gw_hp"] = (set(rescued), gw_hp[0])
+                for other in spec.flagged_recipes + gw_hp:
+                    configs[f"rescued 'keep', {other}"] = (set(rescued), other)
         configs["every layer"] = (set(keep + passed), opts.recipe)
         run = functools.partial(train, lr=opts.lr, autocast=not opts.fp32)
         reference = run(model, batches, set(), opts.recipe)
@@ -463,6 +470,8 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     print(f"{name}: {len(table)} Linear, seeds {seeds}, {opts.steps} steps ({setup}), {seconds:.0f} s")
     print(f"  kept by the check ({opts.recipe}), per seed: {kept_sets}")
+    for other, kept in by_recipe.items():
+        print(f"  kept by the check ({other}), per seed: {kept}")
     sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
     print(f"  {'fp32' if opts.fp32 else 'bf16'} reference: last-quarter loss {statistics.fmean(finals):.4f} "
           f"+- {sd:.4f} over seeds")

@@ -52,6 +52,34 @@ def test_emulated_gemms_equal_torchaos_emulated_float8_linear_bit_for_bit(recipe
     assert torch.equal(mine.grad_weight, fp8[0].weight.grad)
 
 
+@pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
+def test_the_grad_weight_gemms_input_cast_is_torchaos_per_channel_across_the_tokens(recipe):
+    # AMP702's grad-weight measure casts the input as torchao's cast_config_input_for_grad_weight
+    # does: rowwise per channel (axiswise, dim 0: one scale per column, across every token), e4m3,
+    # power-of-two scales; rowwise_with_gw_hp not at all; tensorwise one scale per tensor
+    config_cls, _ = _torchao()
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    config = config_cls.from_recipe_name(recipe)
+    theirs, mine = config.cast_config_input_for_grad_weight, RECIPES[recipe].input_for_grad_weight
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    x[0] = 1e5  # a massive token: it sets every channel's scale
+    if theirs.scaling_type is ScalingType.DISABLED:
+        assert mine.fmt is None and cast(x, mine, 0, pow2=True).value is x
+        return
+    axiswise = theirs.scaling_granularity is ScalingGranularity.AXISWISE
+    assert (mine.fmt.torch, mine.granularity, RECIPES[recipe].pow2_scales) == \
+        (theirs.target_dtype, ROW if axiswise else TENSOR, config.round_scales_to_power_of_2)
+    t = hp_tensor_to_float8_dynamic(x, theirs.target_dtype, LinearMMConfig(),
+                                    scaling_granularity=theirs.scaling_granularity,
+                                    axiswise_dim=0 if axiswise else None,
+                                    round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+    assert t._scale.shape == ((1, 16) if axiswise else ())
+    assert torch.equal(cast(x, mine, 0, pow2=RECIPES[recipe].pow2_scales).value, t._data.float() / t._scale)
+
+
 def test_mx_cast_equals_torchaos_to_mx():
     pytest.importorskip("torchao.prototype.mx_formats")
     from torchao.prototype.mx_formats.mx_tensor import to_mx
@@ -102,7 +130,7 @@ def _layer(report, name):
     return next(layer for layer in report["fp8"]["layers"] if layer["name"] == name)
 
 
-def test_massive_tokens_get_the_tensorwise_verdict_not_the_rowwise_one(cli):
+def test_massive_tokens_get_the_tensorwise_verdict_and_the_rowwise_grad_weight_one_not_gw_hps(cli):
     tensorwise = _check(cli, "fp8_massive_tokens.py")
     assert _codes(tensorwise) == [("AMP702", "fc1")]
     fc1 = _layer(tensorwise, "fc1")
@@ -114,8 +142,70 @@ def test_massive_tokens_get_the_tensorwise_verdict_not_the_rowwise_one(cli):
     # the ordinary tokens' output rows too: 18 dB, where the whole output keeps 28.8
     assert fc1["gemms"]["output"] > 28 and fc1["gemms"]["output_ordinary_tokens"] < 20
     assert _layer(tensorwise, "fc2")["verdict"] == "fp8"
+    # the forward's per-row scales recover the ordinary tokens, the grad-weight GEMM's per-channel
+    # scales across the tokens do not (the massive ones set them): 22.7 dB of their part of dW
+    assert [ops[r]["input"]["sqnr_grad_weight_rest_db"] for r in ("rowwise", "rowwise_with_gw_hp")] == \
+        [pytest.approx(22.74, abs=0.01), "inf"]
+    assert "sqnr_grad_weight_rest_db" not in _layer(tensorwise, "fc2")["operands"]["rowwise"]["input"]  # no outliers
     rowwise = _check(cli, "fp8_massive_tokens.py", "--fp8-recipe", "rowwise")
-    assert _codes(rowwise) == [] and _layer(rowwise, "fc1")["gemms"]["output_ordinary_tokens"] > 28
+    assert _codes(rowwise) == [("AMP702", "fc1")] and _layer(rowwise, "fc1")["gemms"]["output_ordinary_tokens"] > 28
+    (finding,) = rowwise["findings"]
+    assert finding["line"] == 17 and finding["message"] == (
+        "4 of 64 tokens entering `fc1` are massive activations (amax 3.82e+04x the median token's): rowwise's "
+        "forward scales keep the other tokens (31.6 dB SQNR), but its grad-weight GEMM (dW = grad_output^T @ input, "
+        "a reduction over the tokens) scales the input along the tokens, where the massive tokens set the scales "
+        "again: the other tokens' contribution to the weight gradient keeps 22.7 dB SQNR: use rowwise_with_gw_hp "
+        "(that GEMM in high precision) or keep it in bf16")
+    assert finding["fix"] == ("train it with rowwise_with_gw_hp (its grad-weight GEMM in high precision), "
+                              "or keep it in bf16")
+    assert _layer(rowwise, "fc1")["reason"] == ("massive-activation tokens: the others' weight gradient keeps 22.7 dB "
+                                                "in rowwise's grad-weight GEMM (rowwise_with_gw_hp keeps it exact)")
+    # its grad-weight GEMM in high precision: nothing to flag
+    gw_hp = _check(cli, "fp8_massive_tokens.py", "--fp8-recipe", "rowwise_with_gw_hp")
+    assert _codes(gw_hp) == [] and [x["verdict"] for x in gw_hp["fp8"]["layers"]] == ["fp8", "fp8"]
+
+
+def test_a_block_without_outliers_gets_no_verdict_under_any_recipe_and_no_grad_weight_measure(cli):
+    from tests.conftest import RULE_FIXTURES
+
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"):
+        result = cli("check", RULE_FIXTURES / "AMP702_valid.py", "--dtype", "fp8", "--fp8-recipe", recipe,
+                     "--format", "json")
+        assert result.code == 0, result.err
+        report = json.loads(result.out)
+        assert report["findings"] == [] and [x["verdict"] for x in report["fp8"]["layers"]] == ["fp8", "fp8"]
+        # no outlier token: the ordinary tokens' part of dW is not measured apart (it is the whole)
+        assert all("sqnr_grad_weight_rest_db" not in ops["input"] for x in report["fp8"]["layers"]
+                   for ops in x["operands"].values())
+
+
+def test_the_grad_weight_verdict_follows_its_threshold_and_the_ordinary_tokens_part_of_dw_exactly(monkeypatch):
+    from ampaudit.core.rulebook import rule
+    from ampaudit.graph.fp8_measure import Fp8Layer, OperandStats
+    from ampaudit.graph.fp8_verdicts import layer_verdicts
+
+    # the ordinary tokens' part of dW, G_o^T X_o, with X cast per channel across every token
+    g = torch.Generator().manual_seed(3)
+    x, grad = torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g)
+    x[0] = 1e5  # every channel's scale 2^-8: the other tokens' entries are 2^-8 N(0, 1), 2 subnormal steps per sd
+    report = _weighted_check(x, grad, "rowwise")
+    fc = report.fp8["layers"][0]
+    q = cast(x, Cast(E4M3, ROW), 0, pow2=True).value
+    expected = sqnr_db(grad[1:].t() @ x[1:], grad[1:].t() @ q[1:])
+    assert fc["operands"]["rowwise"]["input"]["sqnr_grad_weight_rest_db"] == pytest.approx(expected, abs=1e-3)
+    assert fc["outlier_tokens"] == 1 and 15 < expected < 20 and fc["rules"] == ["AMP702"]
+    # where it is measured only the threshold decides
+    stats = lambda gw: {"input": OperandStats(40.0, 31.0, 0.0, 0.0, sqnr_grad_weight_rest_db=gw)}  # noqa: E731
+    layer = Fp8Layer("fc", 16, 16, 32, None, 1, {}, 1, 0)
+    limit = rule("AMP702").params["min_grad_weight_sqnr_db"]
+    for gw, codes in ((limit - 0.01, ["AMP702"]), (limit, []), (math.inf, []), (None, [])):
+        layer.operands = {"rowwise": stats(gw)}
+        assert [(v.code, v.case) for v in layer_verdicts(layer, "rowwise")] == [(c, "grad_weight") for c in codes]
+    layer.outlier_tokens = 0  # no massive token: the rule is not about this layer
+    layer.operands = {"rowwise": stats(limit - 10)}
+    assert layer_verdicts(layer, "rowwise") == []
+    monkeypatch.setitem(rule("AMP702").params, "min_grad_weight_sqnr_db", expected - 0.01)
+    assert _weighted_check(x, grad, "rowwise").findings == []
 
 
 def test_outlier_channels_get_tensorwise_and_rowwise_verdicts_not_mxfp8(cli):
@@ -148,6 +238,14 @@ def _grad_underflow(weights: torch.Tensor, recipe: str = "tensorwise") -> tuple[
     report = ampaudit.check(_WeightedGrad(weights), (torch.randn(*weights.shape),), dtype="fp8", fp8_recipe=recipe)
     fc = report.fp8["layers"][0]
     return fc["operands"][recipe]["grad_output"], fc["rules"]
+
+
+def _weighted_check(x: torch.Tensor, weights: torch.Tensor, recipe: str):
+    """``check --dtype fp8`` of one Linear whose input is ``x`` and output gradient ``weights``."""
+    import ampaudit
+
+    torch.manual_seed(0)
+    return ampaudit.check(_WeightedGrad(weights), (x,), dtype="fp8", fp8_recipe=recipe)
 
 
 def test_grad_underflow_fires_where_output_features_lose_their_gradient_not_on_flushed_noise():
@@ -234,9 +332,13 @@ def test_fp8_policy_names_exactly_the_layers_kept_and_why():
     assert policy.recipe == "tensorwise" and policy.fp8 == ["fc2"]
     assert list(policy.keep) == ["fc1"] and policy.keep["fc1"].startswith("AMP702: massive-activation tokens")
     assert not policy.module_filter_fn(model.fc1, "fc1") and policy.module_filter_fn(model.fc2, "fc2")
-    # no recipe: the torchao recipe that keeps the fewest layers (rowwise recovers the tokens)
+    # no recipe: the torchao recipe that keeps the fewest layers (rowwise recovers the tokens in the
+    # forward, but only rowwise_with_gw_hp in the grad-weight GEMM too)
     chosen = ampaudit.fp8_policy(model, module.example_inputs())
-    assert (chosen.recipe, chosen.keep, chosen.fp8) == ("rowwise", {}, ["fc1", "fc2"])
+    assert (chosen.recipe, chosen.keep, chosen.fp8) == ("rowwise_with_gw_hp", {}, ["fc1", "fc2"])
+    rowwise = ampaudit.fp8_policy(model, module.example_inputs(), recipe="rowwise")
+    assert rowwise.keep == {"fc1": "AMP702: massive-activation tokens: the others' weight gradient keeps 22.7 dB in "
+                                   "rowwise's grad-weight GEMM (rowwise_with_gw_hp keeps it exact)"}
     with pytest.raises(ampaudit.core.errors.UsageError, match="mxfp8 is audited"):
         ampaudit.fp8_policy(model, module.example_inputs(), recipe="mxfp8")
 
@@ -484,8 +586,11 @@ def test_a_sampled_layer_keeps_the_massive_token_verdict_and_says_it_was_sampled
     note = next(n for n in report.target.notes if "measured on a sample" in n)
     assert "fc1 (64 of 1024 tokens, 64 of 256 out_features, 64 of 256 in_features)" in note
     assert "fc1 (sampled)" in str(fp8_table(report.fp8).columns[0]._cells)
-    assert [f.rule for f in ampaudit.check(model, _wide_inputs(), dtype="fp8", fp8_recipe="rowwise").findings
-            if f.rule == "AMP702"] == []  # per-row scales recover them
+    # per-row scales recover them in the forward; the grad-weight GEMM's per-channel ones do not
+    rowwise = ampaudit.check(model, _wide_inputs(), dtype="fp8", fp8_recipe="rowwise")
+    assert [(f.rule, f.module) for f in rowwise.findings] == [("AMP702", "fc1")]
+    assert "contribution to the weight gradient keeps 21.8 dB SQNR" in rowwise.findings[0].message
+    assert ampaudit.check(model, _wide_inputs(), dtype="fp8", fp8_recipe="rowwise_with_gw_hp").findings == []
     # the sample's estimates against the whole layer measured
     monkeypatch.setattr(fp8_measure, "LARGE", 1 << 30)
     whole = ampaudit.check(model, _wide_inputs(), dtype="fp8", fp8_recipe="tensorwise")
@@ -493,8 +598,9 @@ def test_a_sampled_layer_keeps_the_massive_token_verdict_and_says_it_was_sampled
     assert "sampled" not in full and full["rules"] == ["AMP702"]
     for recipe, ops in full["operands"].items():
         for op, stats in ops.items():
-            for key in ("sqnr_db", "sqnr_rest_db"):
-                assert fc1["operands"][recipe][op][key] == pytest.approx(stats[key], abs=0.5), (recipe, op, key)
+            for key in ("sqnr_db", "sqnr_rest_db", "sqnr_grad_weight_rest_db"):
+                if key in stats or key in fc1["operands"][recipe][op]:
+                    assert fc1["operands"][recipe][op][key] == pytest.approx(stats[key], abs=0.5), (recipe, op, key)
             assert fc1["operands"][recipe][op]["flushed"] == pytest.approx(stats["flushed"], abs=0.01)
             assert fc1["operands"][recipe][op].get("starved_features") == stats.get("starved_features")
     for key, value in full["gemms"].items():

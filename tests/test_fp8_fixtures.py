@@ -16,8 +16,10 @@ from tests.conftest import model as model_path
 
 ALL = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 EXPECTED = {  # fixture -> {recipe: the (rule, layer) findings}
-    "fp8_sink_token_lm.py": {"tensorwise": [("AMP702", "fc1")], "rowwise": [], "rowwise_with_gw_hp": [],
-                             "mxfp8": []},
+    # rowwise and mxfp8: in the grad-weight GEMM, whose input is scaled along the tokens (per channel;
+    # mxfp8 in 32-token blocks, each holding two sinks here)
+    "fp8_sink_token_lm.py": {"tensorwise": [("AMP702", "fc1")], "rowwise": [("AMP702", "fc1")],
+                             "rowwise_with_gw_hp": [], "mxfp8": [("AMP702", "fc1")]},
     "fp8_outlier_channel_lm.py": {"tensorwise": [("AMP703", "proj")], "rowwise": [("AMP703", "proj")],
                                   "rowwise_with_gw_hp": [("AMP703", "proj")], "mxfp8": []},
 }
@@ -87,13 +89,18 @@ def test_batches_are_fresh_per_draw_and_every_token_counts_in_the_loss(name):
     assert 0.5 / m.SEQ < share < 2 / m.SEQ
 
 
+def _kept(judgement):
+    """Each layer kept in bf16: its verdicts' (code, case)."""
+    return {v.layer.name: [(x.code, x.case) for x in v.verdicts] for v in judgement.keep}
+
+
 def _sink(module, args, output):
     output = output.clone()
     output[:, 0] = output[:, 0] * 3e4  # the first token's MLP activations, as trained LLMs grow them
     return output
 
 
-def test_a_massive_first_token_in_a_transformers_llama_gets_amp702_on_its_down_proj_only_under_tensorwise():
+def test_a_massive_first_token_in_a_transformers_llama_gets_amp702_on_its_down_proj_not_under_gw_hp():
     # a model we did not write: transformers' Llama from a tiny config, the sink planted in layer
     # 0's MLP (bench/fp8_predict.py's llama_sink, whose training it damages)
     pytest.importorskip("transformers")
@@ -110,9 +117,10 @@ def test_a_massive_first_token_in_a_transformers_llama_gets_amp702_on_its_down_p
     model.model.layers[0].mlp.act_fn.register_forward_hook(_sink)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     inputs = ExampleInputs((), {"input_ids": ids, "labels": ids}, "test")
-    kept = {v.layer.name: [x.code for x in v.verdicts] for v in judge(model, inputs, "tensorwise").keep}
-    assert kept == {"model.layers.0.mlp.down_proj": ["AMP702"]}
-    assert judge(model, inputs, "rowwise").keep == []
+    assert _kept(judge(model, inputs, "tensorwise")) == {"model.layers.0.mlp.down_proj": [("AMP702", None)]}
+    # rowwise: the forward's row scales keep the ordinary tokens, the grad-weight GEMM's per-channel ones do not
+    assert _kept(judge(model, inputs, "rowwise")) == {"model.layers.0.mlp.down_proj": [("AMP702", "grad_weight")]}
+    assert judge(model, inputs, "rowwise_with_gw_hp").keep == []
 
 
 def _patch_sink(module, args, output):
@@ -121,7 +129,7 @@ def _patch_sink(module, args, output):
     return output
 
 
-def test_a_massive_patch_token_in_a_transformers_vit_gets_amp702_on_its_fc2_only_under_tensorwise():
+def test_a_massive_patch_token_in_a_transformers_vit_gets_amp702_on_its_fc2_not_under_gw_hp():
     # transformers' ViT from a tiny config (16 patches and CLS), the high-norm patch token trained
     # ViTs grow (Darcet et al., 2023) planted in layer 0's MLP: bench/fp8_predict.py's hf_vit_sink
     pytest.importorskip("transformers")
@@ -139,9 +147,9 @@ def test_a_massive_patch_token_in_a_transformers_vit_gets_amp702_on_its_fc2_only
     g = torch.Generator().manual_seed(0)
     pixels, labels = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 16, (4,), generator=g)
     inputs = ExampleInputs((), {"pixel_values": pixels, "labels": labels}, "test")
-    kept = {v.layer.name: [x.code for x in v.verdicts] for v in judge(model, inputs, "tensorwise").keep}
-    assert kept == {"vit.layers.0.mlp.fc2": ["AMP702"]}
-    assert judge(model, inputs, "rowwise").keep == []
+    assert _kept(judge(model, inputs, "tensorwise")) == {"vit.layers.0.mlp.fc2": [("AMP702", None)]}
+    assert _kept(judge(model, inputs, "rowwise")) == {"vit.layers.0.mlp.fc2": [("AMP702", "grad_weight")]}
+    assert judge(model, inputs, "rowwise_with_gw_hp").keep == []
 
 
 class _LossLike(torch.nn.Module):

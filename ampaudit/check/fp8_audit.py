@@ -36,7 +36,8 @@ def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str 
     start = time.perf_counter()
     judgement = judge(model, inputs, recipe)
     seconds = time.perf_counter() - start
-    findings = [_finding(v.code, layer.layer, v.fields, file) for layer in judgement.layers for v in layer.verdicts]
+    findings = [_finding(v.code, layer.layer, v.fields, file, v.case) for layer in judgement.layers
+                for v in layer.verdicts]
     notes = [_cost_note(judgement, seconds)]
     sampled = [layer.layer for layer in judgement.layers if layer.layer.sampled]
     if sampled:
@@ -51,11 +52,12 @@ def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str 
     return report
 
 
-def _finding(code: str, layer: Fp8Layer, fields: dict[str, Any], file: str) -> Finding:
+def _finding(code: str, layer: Fp8Layer, fields: dict[str, Any], file: str, case: str | None = None) -> Finding:
+    """``case``: which of the rule's ``[CODE.messages]`` and ``[CODE.hints]`` (None: its own message, ``fix``)."""
     where = display_path(layer.file) if layer.file else file
     info = rule(code)
-    return info.finding(where, layer.line or 1, module=layer.name, fix=info.hints.get("fix"), layer=layer.name,
-                        **fields)
+    fix = info.hints.get(case or "fix", info.hints.get("fix"))
+    return info.finding(where, layer.line or 1, module=layer.name, fix=fix, layer=layer.name, case=case, **fields)
 
 
 def _cost_note(judgement: Fp8Judgement, seconds: float) -> str:

@@ -42,13 +42,15 @@ class RuleInfo:
     params: dict[str, Any] = field(default_factory=dict)  # thresholds, from [CODE.params]
     supersedes: tuple[str, ...] = ()  # codes this finding makes redundant on the same node
     hints: dict[str, str] = field(default_factory=dict)  # a finding's short fix, by case, from [CODE.hints]
+    messages: dict[str, str] = field(default_factory=dict)  # other cases' messages, from [CODE.messages]
 
     @property
     def family(self) -> str:
         return FAMILIES.get(self.code[:4], "other")
 
-    def format(self, **fields: Any) -> str:
-        return self.message.format(**fields)
+    def format(self, case: str | None = None, **fields: Any) -> str:
+        """The message with ``fields``; ``case``: one of ``[CODE.messages]`` instead of ``message``."""
+        return (self.message if case is None else self.messages[case]).format(**fields)
 
     def finding(
         self,
@@ -60,9 +62,10 @@ class RuleInfo:
         node: str | None = None,
         fix: str | None = None,
         autofix: Autofix | None = None,
+        case: str | None = None,
         **fields: Any,
     ) -> Finding:
-        return Finding(self.code, self.severity, self.format(**fields), file, line, column, module, node, fix,
+        return Finding(self.code, self.severity, self.format(case, **fields), file, line, column, module, node, fix,
                        autofix)
 
 
@@ -85,6 +88,7 @@ def rulebook() -> dict[str, RuleInfo]:
             params=dict(raw.get("params", {})),
             supersedes=tuple(raw.get("supersedes", ())),
             hints=dict(raw.get("hints", {})),
+            messages=dict(raw.get("messages", {})),
         )
     return dict(sorted(rules.items()))
 

@@ -6,7 +6,10 @@ gradients are not computed). Each operand is then
 cast as every recipe casts it (``graph/fp8_casts.py``) - statistics per recipe: SQNR against
 fp32 over the whole tensor and over the ordinary elements only (outside outlier tokens and
 channels: a few huge tokens hold nearly all the energy and hide what the others lost), the
-shares flushed to zero and saturated. The chosen recipe's GEMMs are also run: SQNR of the
+shares flushed to zero and saturated; where the input has outlier tokens, the SQNR of the
+ordinary tokens' part of the weight gradient with the input cast as each recipe's grad-weight
+GEMM casts it (along the tokens, where the outlier tokens set the scales again, whatever the
+forward's per-row scales did). The chosen recipe's GEMMs are also run: SQNR of the
 output, grad-input and grad-weight products. Last, two forwards without grad say whether one
 layer's fp8 error dominates the model output: every candidate layer in fp8, then all but the
 worst one (which takes the first forward's Linear outputs up to the worst layer's call).
@@ -68,6 +71,11 @@ class OperandStats:
     # gradient dW = G^T X) with a nonzero gradient that lose at least STARVED of its energy to
     # flushing in the recipe's grad-weight cast: their weight rows get no other update
     starved_features: float | None = None
+    # input only, where it has outlier tokens and an output gradient: SQNR of the ordinary tokens'
+    # contribution to the weight gradient (G_o^T X_o) with X cast as the recipe's grad-weight GEMM
+    # casts it - scaled along the tokens, so the outlier tokens set the scales again (inf: that
+    # GEMM runs in high precision)
+    sqnr_grad_weight_rest_db: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _num(v) for k, v in asdict(self).items() if v is not None}
@@ -460,6 +468,19 @@ def starved_features(x: torch.Tensor, q: CastResult, col_energy: torch.Tensor, s
     return float((starved * cols.weight).sum() / (live * cols.weight).sum())
 
 
+def grad_weight_rest_db(g_ordinary: torch.Tensor, x_ordinary: torch.Tensor, q: CastResult, ordinary: torch.Tensor,
+                        signal: float, rows: _Axis, cols: _Axis) -> float:
+    """SQNR of the ordinary tokens' contribution to the weight gradient, ``G_o^T X_o``, with
+    ``X`` cast as ``q`` (the recipe's grad-weight cast, scaled along the tokens, every token -
+    the outlier ones too - counted in each scale) against fp32. The gradient stays exact: what
+    is measured is what the outlier tokens' scales cost the others. ``g_ordinary``,
+    ``x_ordinary``: the ordinary tokens' rows of G (every token's rows in ``ordinary``) and X;
+    ``signal``: the sum of squares of ``G_o^T X_o`` over the whole it samples (``rows``: the
+    output features, ``cols``: the input features)."""
+    error = x_ordinary - q.value[ordinary]
+    return _db(signal, _weighted(g_ordinary.t() @ error, rows, cols))
+
+
 def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
     """outlier_ratio from an even sample of elements (a stride coprime with the row length:
     every column is visited) against the whole tensor's amax."""
@@ -523,6 +544,11 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     starved: dict[int, float] = {}  # by grad-weight cast
     col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
     col_amax: float | None = None  # its smallest column amax
+    # the ordinary tokens' part of the weight gradient, where outlier tokens set the grad-weight
+    # GEMM's per-channel scales (its input is scaled along the tokens): by grad-weight cast
+    x_cols = views["input_cols"]
+    ordinary_gw: dict[int, float] = {}
+    gw_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None  # G_o, X_o, mask, signal
     for rname, r in RECIPES.items():
         hows = {"input": (r.input, -1), "weight": (r.weight, 0), "grad_output": (r.grad_output, -1)}
         stats = {}
@@ -559,6 +585,20 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
                         col_sq = sq, sq.sum(dim=0)
                     starved[id(q_gw)] = starved_features(tensors[g_cols], q_gw, col_sq[1], col_sq[0], n_ax)
             stats["grad_output"] = replace(stats["grad_output"], starved_features=starved[id(q_gw)])
+        if "grad_output" in stats and tokens.any():
+            if r.input_for_grad_weight.fmt is None:  # high precision: exact
+                ordinary_db = math.inf
+            else:
+                q_x = casts.get(x_cols, r.input_for_grad_weight, 0, r.pow2_scales)
+                if id(q_x) not in ordinary_gw:
+                    if gw_parts is None:
+                        ordinary = ~tokens
+                        g_o, x_o = tensors[g_cols][ordinary], tensors[x_cols][ordinary]
+                        gw_parts = g_o, x_o, ordinary, _weighted(g_o.t() @ x_o, n_ax, k_ax)
+                    g_o, x_o, ordinary, signal = gw_parts
+                    ordinary_gw[id(q_x)] = grad_weight_rest_db(g_o, x_o, q_x, ordinary, signal, n_ax, k_ax)
+                ordinary_db = ordinary_gw[id(q_x)]
+            stats["input"] = replace(stats["input"], sqnr_grad_weight_rest_db=ordinary_db)
         layer.operands[rname] = stats
     # the chosen recipe's GEMMs, on the sampled rows and columns of their products: each product
     # element reduces over a whole dim, so its value is exact; only the SQNR is over a sample

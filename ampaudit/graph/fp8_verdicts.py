@@ -14,7 +14,7 @@ from torch import nn
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import RECIPES
-from ampaudit.graph.fp8_measure import Fp8Layer, Fp8Measurement, dominance, measure_fp8
+from ampaudit.graph.fp8_measure import Fp8Layer, Fp8Measurement, OperandStats, dominance, measure_fp8
 
 FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705")  # the verdicts this module gives
 
@@ -24,6 +24,7 @@ class Verdict:
     code: str
     fields: dict[str, Any]
     reason: str  # a short why, for the table and the emitted filter's comment
+    case: str | None = None  # which of the rule's messages and hints ([CODE.messages], [CODE.hints]); None: its own
 
 
 @dataclass
@@ -54,6 +55,13 @@ def _ratio(value: float) -> str:
     return "inf" if value == math.inf else f"{value:.3g}"
 
 
+def _ordinary_grad_weight(ops: dict[str, OperandStats]) -> float:
+    """The ordinary tokens' weight-gradient SQNR under a recipe's grad-weight input cast (inf
+    where it was not measured: no gradient)."""
+    value = ops["input"].sqnr_grad_weight_rest_db
+    return math.inf if value is None else value
+
+
 def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
     """The AMP701-AMP704 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
     found = []
@@ -64,14 +72,23 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
                                         "dims": dims}, f"{dims} not divisible by 16"))
     ops = layer.operands[recipe]
     rest = ops["input"].sqnr_rest_db
-    if layer.outlier_tokens and rest < rule("AMP702").params["min_sqnr_db"]:
+    tokens_input = bool(layer.outlier_tokens) and rest < rule("AMP702").params["min_sqnr_db"]
+    if tokens_input:
         rowwise = layer.operands["rowwise"]["input"].sqnr_rest_db
         found.append(Verdict("AMP702", {"tokens": layer.outlier_tokens, "rows": layer.rows,
                                         "ratio": _ratio(layer.token_ratio),
                                         "recipe": recipe, "sqnr": _db(rest), "rowwise": _db(rowwise)},
                              f"massive-activation tokens: the others keep {_db(rest)} dB in {recipe} "
                              f"(rowwise {_db(rowwise)} dB)"))
-    elif rest < rule("AMP703").params["min_sqnr_db"]:
+    elif layer.outlier_tokens and (gw := _ordinary_grad_weight(ops)) < rule("AMP702").params["min_grad_weight_sqnr_db"]:
+        # the forward's scales keep the ordinary tokens; the grad-weight GEMM's, along the tokens
+        # (per channel in rowwise), are set by the outlier tokens again
+        found.append(Verdict("AMP702", {"tokens": layer.outlier_tokens, "rows": layer.rows,
+                                        "ratio": _ratio(layer.token_ratio), "recipe": recipe, "sqnr": _db(gw),
+                                        "input": _db(rest)},
+                             f"massive-activation tokens: the others' weight gradient keeps {_db(gw)} dB in "
+                             f"{recipe}'s grad-weight GEMM (rowwise_with_gw_hp keeps it exact)", case="grad_weight"))
+    if not tokens_input and rest < rule("AMP703").params["min_sqnr_db"]:
         mx = layer.operands["mxfp8"]["input"].sqnr_rest_db
         or_mx = " or use mxfp8" if mx >= rule("AMP703").params["min_sqnr_db"] else ""
         found.append(Verdict("AMP703", {"channels": layer.outlier_channels, "ratio": _ratio(layer.channel_ratio),

@@ -17,7 +17,8 @@ def rule_markdown(rule: RuleInfo, heading: str = "#") -> str:
     text = (
         f"{heading} {rule.code} `{rule.name}` ({rule.severity.value})\n\n"
         f"Message: {rule.message}\n\n"
-        f"**What it does.** {rule.what}\n\n"
+        + "".join(f"Message ({case.replace('_', ' ')}): {text}\n\n" for case, text in rule.messages.items())
+        + f"**What it does.** {rule.what}\n\n"
         f"**Why it matters.** {rule.why}\n\n"
         f"**Example**\n\n```python\n{rule.example}\n```\n\n"
         f"**Fix.** {rule.fix}\n"
@@ -56,7 +57,7 @@ def rules_markdown(rules: Iterable[RuleInfo]) -> str:
 
 def rules_json(rules: Iterable[RuleInfo]) -> str:
     data = [{"code": r.code, "name": r.name, "severity": r.severity.value, "family": r.family,
-             "message": r.message} for r in rules]
+             "message": r.message, **({"messages": dict(r.messages)} if r.messages else {})} for r in rules]
     return json.dumps(data, indent=2) + "\n"
 
 
