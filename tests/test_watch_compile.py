@@ -252,3 +252,33 @@ def test_a_failed_replay_says_why_in_one_line():
     assert "\n" not in note and len(note) <= 200
     assert note == "replaying the module failed: RuntimeError: torch.compile with fullgraph=True found no compiled " \
                    "frames. Skipped frames:"
+
+
+@pytest.mark.parametrize("model_given", [True, False])  # watch(model), and ampaudit run's global hooks
+@pytest.mark.parametrize("compile_at", [0, 4])
+def test_every_n_recompiles_a_graph_at_most_once(compile_at, model_given):
+    # every=3 takes the module hooks off between recorded steps - except once torch.compile has
+    # compiled a graph (its guards may check the hooks). Compiled from the start: one graph.
+    # Compiled while the hooks were off (step 4): at most once more when they come back at step
+    # 6 (the global hooks are guarded), then never again.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    graphs = []
+    with ampaudit.watch(model if model_given else None, optimizer=opt if model_given else None, every=3) as mon:
+        net = model
+        for step in range(12):
+            if step == compile_at:
+                net = torch.compile(model, backend="eager")
+            _, loss = net(idx, idx.roll(1, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[6 if compile_at else 0]  # none after the hooks came back on
+    assert graphs[-1] <= (1 if compile_at == 0 else 2)
+    assert mon.summary()["steps"] == 12
