@@ -17,6 +17,7 @@ A scale is ``fmax / max(amax, 1e-12)`` computed in float64 then rounded to float
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -151,8 +152,10 @@ def _count_nonzero8(q: torch.Tensor) -> int:
     return int(torch.count_nonzero(q.view(torch.uint8) & 0x7F))
 
 
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
+def _finite(amax: torch.Tensor) -> bool:
+    """Whether every element of ``amax`` (amaxes: each >= 0 or NaN) is finite: its max, which
+    propagates NaN (one reduction and one read, where isfinite(t).all() is six small ops)."""
+    return math.isfinite(float(amax if amax.numel() == 1 else amax.max()))
 
 
 def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | None = None,

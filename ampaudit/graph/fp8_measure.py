@@ -321,8 +321,11 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
                         "nothing to measure in fp8")
     # a Linear never called on the example inputs has nothing to measure
     weight_amax: dict[int, torch.Tensor] = {}
-    layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
-              if rec.x is not None]
+    # inference mode: a few hundred small ops a layer, on tensors no gradient will ever flow
+    # through, each spared autograd's dispatch (~10% of this part's time; the same numbers)
+    with torch.inference_mode():
+        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
+                  if rec.x is not None]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
                           reference=reference, weight_amax=weight_amax)
