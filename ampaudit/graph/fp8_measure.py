@@ -613,7 +613,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         if rec.module.bias is not None:  # x @ W.T as fp32 computed it: the output less the bias
             reference = reference - n_ax.take(rec.module.bias.detach().float(), 0)
     else:
-        reference = tok.take(x, 0) @ n_ax.take(w, 0).t()
+        reference = tensors["input"] @ tensors["weight"]  # the sampled rows of x and W, taken once above
     layer.gemms["output"] = _sampled_sqnr(reference, output, tok, n_ax) if sampled else sqnr_db(reference, output)
     if tokens.any():  # the ordinary tokens' output rows: what their lost input bits cost
         ordinary = ~tok.take(tokens, 0)
@@ -626,7 +626,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         w_gi = casts.get(views["weight_rows"], chosen.weight_for_grad_input, -1, p2)
         grad_input = torch.mm(go.value, w_gi.value.t())
         # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
-        ref_gi = tok.take(g, 0) @ k_ax.take(w, 1)
+        ref_gi = tensors["grad_output"] @ tensors[views["weight_rows"]].t()
         layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled
                                      else sqnr_db(ref_gi, grad_input))
         go_gw = casts.get(views["grad_output_cols"], chosen.grad_output_for_grad_weight, 0, p2)
@@ -635,7 +635,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         if once and rec.grad_weight is not None:
             ref_gw = k_ax.take(n_ax.take(rec.grad_weight, 0), 1)
         else:
-            ref_gw = n_ax.take(g, 1).t() @ k_ax.take(x, 1)
+            ref_gw = tensors[views["grad_output_cols"]].t() @ tensors[views["input_cols"]]
         layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled
                                       else sqnr_db(ref_gw, grad_weight))
     return layer
