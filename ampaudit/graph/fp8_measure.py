@@ -661,6 +661,7 @@ class _Replay:
         self.counts: dict[int, int] = {}
         self.recording = True
         self.diverged = False  # a call's input differed: the rest of the forward runs
+        self.last: int | None = None  # the module (id) after whose first call nothing is kept
 
     def start(self, recording: bool) -> None:
         self.counts, self.recording, self.diverged = {}, recording, False
@@ -683,6 +684,9 @@ class _Replay:
     def put(self, key: tuple[int, int], x: torch.Tensor, out: torch.Tensor) -> None:
         if self.recording:
             self.calls[key] = (x, _version(x), out, _version(out))
+            # the second forward runs every call from the worst layer's on anew: keeping the later
+            # ones would only hold their tensors (memory the forward then takes in fresh pages)
+            self.recording = key[0] != self.last
 
 
 def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe,
@@ -763,11 +767,13 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     weights: dict[int, CastResult] = {}  # both forwards cast the same weights
     second = len(candidates) >= max(2, min_layers)  # with fewer, no one layer is said to dominate: no second run
     replay = _Replay() if second else None  # the second forward takes the first's calls up to the worst layer
+    by_name = {layer.name: layer for layer in measurement.layers}
+    worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf))
+    if replay is not None:
+        replay.last = id(dict(linears(model))[worst])
     measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights,
                                                                      measurement.weight_amax, replay))
-    by_name = {layer.name: layer for layer in measurement.layers}
     if second:
-        worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf))
         measurement.dominant = worst
         rest = set(candidates) - {worst}
         replay.start(recording=False)
