@@ -769,7 +769,7 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     second = len(candidates) >= max(2, min_layers)  # with fewer, no one layer is said to dominate: no second run
     replay = _Replay() if second else None  # the second forward takes the first's calls up to the worst layer
     by_name = {layer.name: layer for layer in measurement.layers}
-    worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf))
+    worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf)) if second else None
     if replay is not None:
         replay.last = id(dict(linears(model))[worst])
     measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights,
