@@ -856,3 +856,27 @@ def test_sampled_flush_counts_by_bool_conversion_equal_the_comparisons():
             total, lost = (float((m.sum(dim=1) * r.weight).sum()) for m in (nonzero, flushed))
         assert signal.total == total
         assert stats.flushed == lost / total
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_per_tensor_cast_with_the_wholes_amax_needs_no_clamp(fmt, pow2):
+    """cast() with a caller's amax (a sample's whole tensor's, at least every |x|) skips torchao's
+    clamp to +-fmax: x * fp32(fmax / amax) exceeds fmax by an ulp at most, which the cast rounds to
+    fmax. The same bits as with the clamp: elements at the amax, the sample's own max below it,
+    amaxes below torchao's floor (1e-12), magnitudes over 80 octaves."""
+    from ampaudit.graph.fp8_casts import _scale
+
+    g = torch.Generator().manual_seed(5)
+    how = Cast(fmt, TENSOR)
+    for _ in range(200):
+        octave = float(torch.randint(-60, 20, (), generator=g))
+        x = torch.randn(8, 16, generator=g) * 2.0 ** octave
+        whole = x.abs().max() * float(torch.rand((), generator=g) * 3 + 1)  # at least every |x|
+        for amax in (x.abs().max(), whole, torch.tensor(1e-13)):
+            sample = x if amax >= x.abs().max() else x / x.abs().max() * 1e-13  # under the floor too
+            scale = _scale(amax, fmt, pow2)
+            q8 = (sample * scale).clamp(-fmt.max, fmt.max).to(fmt.torch)
+            expected = q8.float() / scale
+            got = cast(sample, how, 0, pow2=pow2, amax=amax, count=False).value
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (octave, float(amax))
