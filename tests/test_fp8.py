@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ampaudit.core.dtypes import E4M3, E5M2
-from ampaudit.graph.fp8_casts import BLOCK, RECIPES, ROW, TENSOR, Cast, cast, linear_gemms
+from ampaudit.graph.fp8_casts import BLOCK, RECIPES, ROW, TENSOR, Cast, CastResult, cast, linear_gemms
 from ampaudit.graph.fp8_measure import sqnr_db
 from tests.conftest import model as model_path
 
@@ -724,8 +724,13 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
     calls = []
     real_cast = fp8_measure.cast
     monkeypatch.setattr(fp8_measure, "cast", lambda t, *a, **k: calls.append(t.shape) or real_cast(t, *a, **k))
+    replays, real_replay = [], fp8_measure._Replay
+    monkeypatch.setattr(fp8_measure, "_Replay", lambda: replays.append(real_replay()) or replays[-1])
     fp8_measure.dominance(model, inputs, m, ["a", "b", "c", "d"])
     assert m.dominant == "c"
+    # the first forward kept the calls up to c's, not d's: the second runs d anew
+    assert sorted(name for name, mod in model.named_children()
+                  if any(key[0] == id(mod) for key in replays[0].calls)) == ["a", "b", "c"]
     # first forward: 4 inputs, 4 weights; second: d's input (its weight is kept); with b's
     # output halved in place, b's is not reused: b's input too
     assert len(calls) == (10 if inplace else 9)
@@ -809,3 +814,69 @@ def test_an_in_place_op_on_a_linears_output_is_audited():
     report = ampaudit.check(_LayerScaleInPlace(), (torch.randn(2, 8, 16),), dtype="fp8")
     assert [layer["name"] for layer in report.fp8["layers"]] == ["fc", "head"]
     assert all(layer["verdict"] == "fp8" for layer in report.fp8["layers"])
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("amax", [[0.0], [3.0, 0.0, 448.0], [1.0, NAN], [INF], [2.0, INF, 1.0], [NAN, INF], [3.4e38]])
+def test_finite_reads_the_amaxs_max_as_isfinite_all_did(amax):
+    """fp8_casts._finite (which dequantization path a cast takes) reads the max of the amaxes
+    (each >= 0 or NaN; max propagates NaN) where it ran isfinite(t).all(): the same answer."""
+    from ampaudit.graph.fp8_casts import _finite
+
+    for t in (torch.tensor(amax), torch.tensor(amax).reshape(-1, 1), torch.tensor(amax[0])):
+        assert _finite(t) == bool(torch.isfinite(t).all()), t
+
+
+def test_sampled_flush_counts_by_bool_conversion_equal_the_comparisons():
+    """_signal and _sampled_stats count nonzero and flushed elements from ``x.bool()`` and
+    ``nonzero > q.bool()`` (4-6x faster here than ``x != 0`` and ``(q == 0) & nonzero``), per
+    row in int32: the same shares with zeros, negative zeros and NaN in x and in the cast, rows
+    weighted and not."""
+    from ampaudit.graph.fp8_measure import _Axis, _sampled_stats, _signal
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 40, generator=g)
+    x[x.abs() < 0.3] = 0.0
+    x[0, :5] = -0.0
+    x[1, 3] = float("nan")
+    value = x.clone()
+    value[value.abs() < 0.6] = 0.0
+    value[2, :4] = -0.0
+    q = CastResult(value, 0, 0, 0)
+    rows = _Axis(None, torch.rand(16, generator=g) * 3)
+    for r, c in ((rows, _Axis()), (_Axis(), _Axis())):
+        signal = _signal(x, None, r, c)
+        stats = _sampled_stats(x, q, signal, None, r, c)
+        nonzero, flushed = (x != 0), (value == 0) & (x != 0)
+        if r.weight is None:
+            total, lost = float(nonzero.sum()), float(flushed.sum())
+        else:
+            total, lost = (float((m.sum(dim=1) * r.weight).sum()) for m in (nonzero, flushed))
+        assert signal.total == total
+        assert stats.flushed == lost / total
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_per_tensor_cast_with_the_wholes_amax_needs_no_clamp(fmt, pow2):
+    """cast() with a caller's amax (a sample's whole tensor's, at least every |x|) skips torchao's
+    clamp to +-fmax: x * fp32(fmax / amax) exceeds fmax by an ulp at most, which the cast rounds to
+    fmax. The same bits as with the clamp: elements at the amax, the sample's own max below it,
+    amaxes below torchao's floor (1e-12), magnitudes over 80 octaves."""
+    from ampaudit.graph.fp8_casts import _scale
+
+    g = torch.Generator().manual_seed(5)
+    how = Cast(fmt, TENSOR)
+    for _ in range(200):
+        octave = float(torch.randint(-60, 20, (), generator=g))
+        x = torch.randn(8, 16, generator=g) * 2.0 ** octave
+        whole = x.abs().max() * float(torch.rand((), generator=g) * 3 + 1)  # at least every |x|
+        for amax in (x.abs().max(), whole, torch.tensor(1e-13)):
+            sample = x if amax >= x.abs().max() else x / x.abs().max() * 1e-13  # under the floor too
+            scale = _scale(amax, fmt, pow2)
+            q8 = (sample * scale).clamp(-fmt.max, fmt.max).to(fmt.torch)
+            expected = q8.float() / scale
+            got = cast(sample, how, 0, pow2=pow2, amax=amax, count=False).value
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (octave, float(amax))

@@ -321,8 +321,11 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
                         "nothing to measure in fp8")
     # a Linear never called on the example inputs has nothing to measure
     weight_amax: dict[int, torch.Tensor] = {}
-    layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
-              if rec.x is not None]
+    # inference mode: a few hundred small ops a layer, on tensors no gradient will ever flow
+    # through, each spared autograd's dispatch (~10% of this part's time; the same numbers)
+    with torch.inference_mode():
+        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
+                  if rec.x is not None]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
                           reference=reference, weight_amax=weight_amax)
@@ -423,12 +426,12 @@ class _Signal:
 def _signal(x: torch.Tensor, rest: torch.Tensor | None, rows: _Axis, cols: _Axis) -> _Signal:
     energy = _weighted(x, rows, cols)
     rest_energy = energy if rest is None else _weighted(x * rest, rows, cols)
-    nonzero = x != 0
+    nonzero = x.bool()  # x != 0 (NaN counts), in a sixth of the comparison's time on a CPU
     if rows.weight is None and cols.weight is None:  # this operand was not sampled
         total = float(torch.count_nonzero(nonzero))
     else:
         dim, axis = (1, rows) if rows.weight is not None else (0, cols)
-        total = float((nonzero.sum(dim=dim) * axis.weight).sum())
+        total = float((nonzero.sum(dim=dim, dtype=torch.int32) * axis.weight).sum())
     return _Signal(energy, rest_energy, nonzero, total)
 
 
@@ -443,13 +446,13 @@ def _sampled_stats(x: torch.Tensor, q: CastResult, signal: _Signal, rest: torch.
         sq = error.square_()
         whole = _db(signal.energy, _squares(sq, rows, cols))
         rest_db = whole if rest is None else _db(signal.rest_energy, _squares(sq.mul_(rest), rows, cols))
-    flushed = q.value == 0
-    flushed &= signal.nonzero
+    flushed = torch.gt(signal.nonzero, q.value.bool())  # nonzero, cast to 0: (q == 0) & nonzero, 4x faster
     if rows.weight is None and cols.weight is None:
         lost = float(torch.count_nonzero(flushed))
     else:
+        # counted in int32 (a third faster than int64 here; exact, as the float32 product after)
         dim, axis = (1, rows) if rows.weight is not None else (0, cols)
-        lost = float((flushed.sum(dim=dim) * axis.weight).sum())
+        lost = float((flushed.sum(dim=dim, dtype=torch.int32) * axis.weight).sum())
     return OperandStats(whole, rest_db, lost / max(signal.total, 1.0), q.saturated / max(x.numel(), 1))
 
 
@@ -461,7 +464,7 @@ def starved_features(x: torch.Tensor, q: CastResult, col_energy: torch.Tensor, s
     live = col_energy > 0
     if q.value is x or not bool(live.any()):  # high precision: nothing flushed
         return 0.0
-    lost = torch.where(q.value == 0, sq, 0.0).sum(dim=0)
+    lost = torch.where(q.value.bool(), 0.0, sq).sum(dim=0)
     starved = live & (lost >= STARVED * col_energy)
     if cols.weight is None:
         return int(starved.sum()) / int(live.sum())
@@ -611,7 +614,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         if rec.module.bias is not None:  # x @ W.T as fp32 computed it: the output less the bias
             reference = reference - n_ax.take(rec.module.bias.detach().float(), 0)
     else:
-        reference = tok.take(x, 0) @ n_ax.take(w, 0).t()
+        reference = tensors["input"] @ tensors["weight"]  # the sampled rows of x and W, taken once above
     layer.gemms["output"] = _sampled_sqnr(reference, output, tok, n_ax) if sampled else sqnr_db(reference, output)
     if tokens.any():  # the ordinary tokens' output rows: what their lost input bits cost
         ordinary = ~tok.take(tokens, 0)
@@ -624,7 +627,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         w_gi = casts.get(views["weight_rows"], chosen.weight_for_grad_input, -1, p2)
         grad_input = torch.mm(go.value, w_gi.value.t())
         # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
-        ref_gi = tok.take(g, 0) @ k_ax.take(w, 1)
+        ref_gi = tensors["grad_output"] @ tensors[views["weight_rows"]].t()
         layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled
                                      else sqnr_db(ref_gi, grad_input))
         go_gw = casts.get(views["grad_output_cols"], chosen.grad_output_for_grad_weight, 0, p2)
@@ -633,7 +636,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         if once and rec.grad_weight is not None:
             ref_gw = k_ax.take(n_ax.take(rec.grad_weight, 0), 1)
         else:
-            ref_gw = n_ax.take(g, 1).t() @ k_ax.take(x, 1)
+            ref_gw = tensors[views["grad_output_cols"]].t() @ tensors[views["input_cols"]]
         layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled
                                       else sqnr_db(ref_gw, grad_weight))
     return layer
@@ -659,6 +662,7 @@ class _Replay:
         self.counts: dict[int, int] = {}
         self.recording = True
         self.diverged = False  # a call's input differed: the rest of the forward runs
+        self.last: int | None = None  # the module (id) after whose first call nothing is kept
 
     def start(self, recording: bool) -> None:
         self.counts, self.recording, self.diverged = {}, recording, False
@@ -681,6 +685,9 @@ class _Replay:
     def put(self, key: tuple[int, int], x: torch.Tensor, out: torch.Tensor) -> None:
         if self.recording:
             self.calls[key] = (x, _version(x), out, _version(out))
+            # the second forward runs every call from the worst layer's on anew: keeping the later
+            # ones would only hold their tensors (memory the forward then takes in fresh pages)
+            self.recording = key[0] != self.last
 
 
 def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe,
@@ -761,11 +768,13 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     weights: dict[int, CastResult] = {}  # both forwards cast the same weights
     second = len(candidates) >= max(2, min_layers)  # with fewer, no one layer is said to dominate: no second run
     replay = _Replay() if second else None  # the second forward takes the first's calls up to the worst layer
+    by_name = {layer.name: layer for layer in measurement.layers}
+    worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf)) if second else None
+    if replay is not None:
+        replay.last = id(dict(linears(model))[worst])
     measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights,
                                                                      measurement.weight_amax, replay))
-    by_name = {layer.name: layer for layer in measurement.layers}
     if second:
-        worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf))
         measurement.dominant = worst
         rest = set(candidates) - {worst}
         replay.start(recording=False)
