@@ -49,7 +49,7 @@ def anomaly() -> contextlib.AbstractContextManager:
 
 
 def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps: int, rounds: int,
-                warmup: int, clock: Callable[[], float] = time.perf_counter
+                warmup: int, clock: Callable[[], float] = time.perf_counter, settle: int = 0
                 ) -> dict[str, tuple[float, float, float, float]]:
     """Per variant: (median seconds per step, median ratio to the baseline, and the lowest and
     highest ratio of the rounds: on a shared machine the spread says how far to trust the
@@ -58,11 +58,15 @@ def interleaved(variants: dict[str, Variant], step: Callable[[], None], *, steps
     is that pair's - so that a machine whose speed drifts within a round (a shared one) moves
     both sides of each ratio alike. ``clock``: wall time, or ``time.process_time`` (this
     process's CPU time: on a machine shared with other work, steadier than the wall clock;
-    CPU only - a GPU's time is not the process's)."""
+    CPU only - a GPU's time is not the process's). ``settle``: steps each variant runs inside
+    its context before the clock starts, so that what a variant does once (a watch's first
+    step: its buffers, names, layouts) stays out of its per-step time."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     def timed(variant: Variant, n: int) -> float:
         with variant():
+            for _ in range(settle):
+                step()
             if cuda:
                 torch.cuda.synchronize()
             start = clock()

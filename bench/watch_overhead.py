@@ -15,7 +15,7 @@ graph untouched), watch with the log, and watch(inside_compile=True) (every modu
 graph recorded by an op in it), with the log too.
 
 Run: python bench/watch_overhead.py [--workload gpt|mlp|nanogpt] [--compile] [--steps N] [--rounds R]
-     [--width D] [--threads T] [--cpu-time]
+     [--width D] [--threads T] [--cpu-time] [--settle S]
 """
 
 from __future__ import annotations
@@ -138,6 +138,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads first (a busy shared machine: 1 "
                         "gives steadier ratios; default: torch's own)")
+    parser.add_argument("--settle", type=int, default=0, help="steps each variant runs before its clock starts "
+                        "(a multiple of 10 keeps every=10's recorded steps in place): the per-step cost of a "
+                        "long run, without what a watch does once, at its start")
     parser.add_argument("--cpu-time", action="store_true", help="time each variant by this process's CPU time "
                         "(time.process_time) instead of the wall clock: steadier on a shared machine")
     args = parser.parse_args()
@@ -227,10 +230,12 @@ def main() -> None:
         except ImportError:
             pass
     clock = time.process_time if args.cpu_time else time.perf_counter
-    medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=2, clock=clock)
+    medians = ab.interleaved(variants, step, steps=args.steps, rounds=args.rounds, warmup=2, clock=clock,
+                             settle=args.settle)
     timed_by = "process CPU time" if args.cpu_time else "wall time"
     print(f"{title}, {device}, {torch.get_num_threads()} threads, {timed_by}, "
-          f"median of {args.rounds} rounds x {args.steps} steps; rows: {cpu_kernel.status()}")
+          f"median of {args.rounds} rounds x {args.steps} steps"
+          f"{f' after {args.settle} untimed' if args.settle else ''}; rows: {cpu_kernel.status()}")
     ab.print_ratios(medians)
 
 if __name__ == "__main__":
