@@ -1086,6 +1086,50 @@ def test_between_recorded_steps_only_one_hook_runs_and_eval_calls_still_count(mo
     assert _hooks(model) == hooks_before and _global_hooks() == globals_before
 
 
+class _InnerLoop(nn.Module):
+    """A model whose forward steps an optimizer of its own (a meta-learning inner loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.inner_opt = torch.optim.SGD(self.inner.parameters(), lr=0.01)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            loss = self.inner(x).pow(2).mean()
+            self.inner_opt.zero_grad()
+            loss.backward()
+            self.inner_opt.step()  # under ampaudit run: a step boundary inside the outer forward
+        return self.head(self.inner(x).detach())
+
+
+def test_run_keeps_its_hooks_while_a_forward_is_in_flight(monkeypatch):
+    # ampaudit run's global hooks count the depth of module calls (depth 0: a root, named and
+    # replayed as the model); a boundary inside a forward must not swap them for the idle one,
+    # whose calls count nothing: the outer call would never come back to depth 0
+    from ampaudit.watch import hooks as watch_hooks
+
+    monkeypatch.setattr(watch_hooks, "_compiled_anything", lambda: False)
+    model = _InnerLoop()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    depths = []
+    with ampaudit.watch(None, every=2) as mon:
+        for _ in range(6):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            depths.append(mon.recorder._depth)
+            with torch.no_grad():
+                model(x)
+    assert depths == [0] * 6
+    summary = mon.summary()
+    assert summary["steps"] == 18  # each forward's inner step (the eval ones too) and each outer step end one
+    assert summary["eval_forwards"]["count"] == 6
+
+
 def test_once_torch_compile_has_run_the_hooks_stay_on(monkeypatch):
     # a compiled graph guards on its modules' hooks: taking them off and on would recompile it
     from ampaudit.watch import hooks as watch_hooks

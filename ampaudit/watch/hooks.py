@@ -477,8 +477,10 @@ class StepRecorder:
         """The module hooks come off for steps not recorded (``_disarm``) and on again for the
         next recorded one: once the dtype is known, and never once torch.compile has compiled
         a graph in this process - a guard on the hooks would recompile it at each change -
-        where they stay on."""
-        if not self.active or self.dtype_source is None:
+        where they stay on. Under ``ampaudit run`` not while a module call is in flight (an
+        inner loop's optimizer stepping inside a forward): the global hooks count the depth of
+        calls, and the idle one does not."""
+        if not self.active or self.dtype_source is None or self._depth:
             return
         if _compiled_anything():
             logging_next = True
