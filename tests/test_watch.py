@@ -399,6 +399,7 @@ with ampaudit.watch(model.module, optimizer=opt, log=sys.argv[3] if dist.get_ran
         opt.zero_grad()
         out.sum().backward()
         opt.step()
+dist.barrier()  # both ranks done with every collective: gloo's teardown once aborted a rank at exit
 dist.destroy_process_group()
 '''
 
@@ -1392,6 +1393,7 @@ with ampaudit.watch(model, optimizer=opt, log=sys.argv[3]) as mon:
         opt.step()
 if dist.get_rank() == 0:
     print(json.dumps({n: [g.norm().item(), g.numel()] for n, g in full.items()}))
+dist.barrier()  # both ranks done with every collective: gloo's teardown once aborted a rank at exit
 dist.destroy_process_group()
 '''
 
