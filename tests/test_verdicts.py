@@ -271,10 +271,13 @@ def test_the_c_loop_updates_the_rows_as_the_torch_ops():
     assert start.tolist() == [verdicts.new_row() for _ in range(n)]
 
 
+@pytest.mark.parametrize("kernel", [True, False])  # the C loops, or the torch ops where no compiler is
 @pytest.mark.parametrize("case", ["skips", "scaled-underflow", "collapse", "nonfinite"])
-def test_judging_steps_in_batches_changes_nothing(monkeypatch, case):
+def test_judging_steps_in_batches_changes_nothing(monkeypatch, case, kernel):
     # Conditions and totals of up to BATCH logged steps are judged together (per-row loss
     # scales, batches cut where the keys change): the summary is the one of a step at a time.
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "available", lambda: False)
     def run():
         spec = dict(RUNS[case])
         model, scaler = spec.pop("model")(), spec.pop("scaler", None)
