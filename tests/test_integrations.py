@@ -186,6 +186,21 @@ def _fit(pl, precision: str, callbacks=(), *, steps: int, accumulate: int = 1, b
     return trainer, module
 
 
+def test_lightning_every_2_records_steps_0_and_2_and_still_counts_every_validation_call():
+    # between recorded steps the module hooks are off (the root's stays): validation forwards
+    # in any step are still counted, and the recorded steps' statistics are complete
+    pl = _lightning()
+    from ampaudit.integrations.lightning import AmpAuditCallback
+
+    callback = AmpAuditCallback(every=2)
+    trainer, module = _fit(pl, "bf16-mixed", [callback], steps=3, accumulate=2, validate=True)
+    summary = callback.summary()
+    assert summary["steps"] == trainer.global_step == 3
+    assert summary["eval_forwards"] == {"count": 3 * 2, "recorded": False}
+    assert summary["layers"]["net.0"]["forward"]["numel"] == 2 * 2 * BATCH * 8  # steps 0 and 2, both micro-batches
+    assert not any(m._forward_hooks for m in module.modules())  # all off after the fit
+
+
 def _weights_callback(pl):
     """An independent record of each step: the loss scale it used, and whether it moved the weights."""
 
@@ -472,6 +487,20 @@ def test_transformers_counts_optimizer_steps_detects_bf16_and_leaves_out_evaluat
     assert read_log(log).summary()["params"] == summary["params"]
     # the evaluation after the last step too: the log's end carries it (it said 4 of 6)
     assert read_log(log).summary()["eval_forwards"] == summary["eval_forwards"]
+    assert _no_hooks(model)
+
+
+def test_transformers_every_2_still_counts_every_evaluation_call(tmp_path):
+    # steps 0 and 2 recorded; the evaluation after each step counted whether or not its step was
+    _transformers()
+    from ampaudit.integrations.transformers import AmpAuditCallback
+
+    callback = AmpAuditCallback(every=2)
+    trainer, model = _train_hf(tmp_path, "bf16", [callback], steps=3, accumulate=2, evaluate=True)
+    summary = callback.summary()
+    assert summary["steps"] == trainer.state.global_step == 3
+    assert summary["eval_forwards"] == {"count": 3 * 2, "recorded": False}
+    assert summary["layers"]["transformer.wte"]["forward"]["numel"] == 2 * 2 * 2 * SEQ * EMBD
     assert _no_hooks(model)
 
 
