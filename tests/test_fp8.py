@@ -725,7 +725,7 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
     real_cast = fp8_measure.cast
     monkeypatch.setattr(fp8_measure, "cast", lambda t, *a, **k: calls.append(t.shape) or real_cast(t, *a, **k))
     replays, real_replay = [], fp8_measure._Replay
-    monkeypatch.setattr(fp8_measure, "_Replay", lambda: replays.append(real_replay()) or replays[-1])
+    monkeypatch.setattr(fp8_measure, "_Replay", lambda *a: replays.append(real_replay(*a)) or replays[-1])
     fp8_measure.dominance(model, inputs, m, ["a", "b", "c", "d"])
     assert m.dominant == "c"
     # the first forward kept the calls up to c's, not d's: the second runs d anew

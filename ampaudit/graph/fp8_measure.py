@@ -484,6 +484,72 @@ def grad_weight_rest_db(g_ordinary: torch.Tensor, x_ordinary: torch.Tensor, q: C
     return _db(signal, _weighted(g_ordinary.t() @ error, rows, cols))
 
 
+class _StarvedFeatures:
+    """AMP704's measure of one layer, by its recipe's grad-weight cast of the output gradient
+    (``g_cols``: every token, the sampled features): the share of output features starved
+    (``starved_features``). Each cast is measured once; the squares, once for all of them."""
+
+    def __init__(self, casts: _Casts, g_cols: str, cols: _Axis) -> None:
+        self.casts, self.g_cols, self.cols = casts, g_cols, cols
+        self._by_cast: dict[int, float] = {}
+        self._col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
+        self._col_amax: float | None = None  # its smallest nonzero column amax
+
+    def __call__(self, r: Recipe) -> float:
+        g = self.casts.tensors[self.g_cols]
+        # scaled per column (or 32-token block of one) by its own amax, a column keeps its largest
+        # element, and the ones that flush are 2^-17 of it: under 2^-34 of its energy each, never
+        # half of it with fewer than 2^33 tokens - unless its amax is below the scale's floor
+        # (EPS), where the cast decides
+        if r.grad_output_for_grad_weight.granularity in (ROW, BLOCK) and self._smallest_column_amax(g) >= EPS:
+            return 0.0
+        q = self.casts.get(self.g_cols, r.grad_output_for_grad_weight, 0, r.pow2_scales)
+        if id(q) not in self._by_cast:
+            if q.value is g or (self.casts.count and q.flushed == 0):
+                self._by_cast[id(q)] = 0.0
+            else:
+                if self._col_sq is None:
+                    sq = g.square()
+                    self._col_sq = sq, sq.sum(dim=0)
+                self._by_cast[id(q)] = starved_features(g, q, self._col_sq[1], self._col_sq[0], self.cols)
+        return self._by_cast[id(q)]
+
+    def _smallest_column_amax(self, g: torch.Tensor) -> float:
+        if self._col_amax is None:
+            live = amax_of(g, 0)
+            live = live[live > 0]  # a column without gradient is not starved
+            self._col_amax = float(live.min()) if live.numel() else math.inf
+        return self._col_amax
+
+
+class _OrdinaryGradWeight:
+    """AMP702's grad-weight measure of one layer with outlier tokens, by its recipe's grad-weight
+    cast of the input (``x_cols``; ``g_cols`` the output gradient, both every token and the
+    sampled features): the SQNR of the ordinary tokens' part of the weight gradient
+    (``grad_weight_rest_db``) - the GEMM's input is scaled along the tokens, where the outlier
+    tokens set the scales again. Each cast is measured once; the ordinary rows, once for all."""
+
+    def __init__(self, casts: _Casts, x_cols: str, g_cols: str, tokens: torch.Tensor, rows: _Axis,
+                 cols: _Axis) -> None:
+        self.casts, self.x_cols, self.g_cols, self.rows, self.cols = casts, x_cols, g_cols, rows, cols
+        self.ordinary = ~tokens
+        self._by_cast: dict[int, float] = {}
+        self._parts: tuple[torch.Tensor, torch.Tensor, float] | None = None  # G_o, X_o, the signal
+
+    def __call__(self, r: Recipe) -> float:
+        if r.input_for_grad_weight.fmt is None:  # high precision: exact
+            return math.inf
+        q = self.casts.get(self.x_cols, r.input_for_grad_weight, 0, r.pow2_scales)
+        if id(q) not in self._by_cast:
+            if self._parts is None:
+                tensors = self.casts.tensors
+                g_o, x_o = tensors[self.g_cols][self.ordinary], tensors[self.x_cols][self.ordinary]
+                self._parts = g_o, x_o, _weighted(g_o.t() @ x_o, self.rows, self.cols)
+            g_o, x_o, signal = self._parts
+            self._by_cast[id(q)] = grad_weight_rest_db(g_o, x_o, q, self.ordinary, signal, self.rows, self.cols)
+        return self._by_cast[id(q)]
+
+
 def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
     """outlier_ratio from an even sample of elements (a stride coprime with the row length:
     every column is visited) against the whole tensor's amax."""
@@ -542,16 +608,10 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     energy = {op: _norm(t) for op, t in tensors.items() if op in axes} if not sampled else {}
     done: dict[int, OperandStats] = {}  # by cast: rowwise and rowwise_with_gw_hp share theirs
     signals: dict[str, _Signal] = {}
-    # the output gradient as the grad-weight GEMM reads it: every token, the sampled features
-    g_cols = views["grad_output_cols"]
-    starved: dict[int, float] = {}  # by grad-weight cast
-    col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
-    col_amax: float | None = None  # its smallest column amax
-    # the ordinary tokens' part of the weight gradient, where outlier tokens set the grad-weight
-    # GEMM's per-channel scales (its input is scaled along the tokens): by grad-weight cast
-    x_cols = views["input_cols"]
-    ordinary_gw: dict[int, float] = {}
-    gw_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None  # G_o, X_o, mask, signal
+    # the grad-weight GEMM's operands read every token and the sampled features
+    starved = _StarvedFeatures(casts, views["grad_output_cols"], n_ax) if g is not None else None
+    ordinary_gw = (_OrdinaryGradWeight(casts, views["input_cols"], views["grad_output_cols"], tokens, n_ax, k_ax)
+                   if g is not None and layer.outlier_tokens else None)
     for rname, r in RECIPES.items():
         hows = {"input": (r.input, -1), "weight": (r.weight, 0), "grad_output": (r.grad_output, -1)}
         stats = {}
@@ -566,42 +626,10 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
                 done[id(q)] = (_sampled_stats(tensors[op], q, signals[op], mask, *axes[op]) if sampled
                                else operand_stats(tensors[op], q, mask, energy[op]))
             stats[op] = done[id(q)]
-        if "grad_output" in stats and r.grad_output_for_grad_weight.granularity in (ROW, BLOCK):
-            # scaled per column (or 32-token block of one) by its own amax, a column keeps its
-            # largest element, and the ones that flush are 2^-17 of it: under 2^-34 of its energy
-            # each, never half of it with fewer than 2^33 tokens - unless its amax is below the
-            # scale's floor (EPS), where the cast decides
-            if col_amax is None:
-                live_amax = amax_of(tensors[g_cols], 0)
-                live_amax = live_amax[live_amax > 0]  # a column without gradient is not starved
-                col_amax = float(live_amax.min()) if live_amax.numel() else math.inf
-            if col_amax >= EPS:
-                stats["grad_output"] = replace(stats["grad_output"], starved_features=0.0)
-        if "grad_output" in stats and stats["grad_output"].starved_features is None:
-            q_gw = casts.get(g_cols, r.grad_output_for_grad_weight, 0, r.pow2_scales)
-            if id(q_gw) not in starved:
-                if q_gw.value is tensors[g_cols] or (casts.count and q_gw.flushed == 0):
-                    starved[id(q_gw)] = 0.0
-                else:
-                    if col_sq is None:
-                        sq = tensors[g_cols].square()
-                        col_sq = sq, sq.sum(dim=0)
-                    starved[id(q_gw)] = starved_features(tensors[g_cols], q_gw, col_sq[1], col_sq[0], n_ax)
-            stats["grad_output"] = replace(stats["grad_output"], starved_features=starved[id(q_gw)])
-        if "grad_output" in stats and tokens.any():
-            if r.input_for_grad_weight.fmt is None:  # high precision: exact
-                ordinary_db = math.inf
-            else:
-                q_x = casts.get(x_cols, r.input_for_grad_weight, 0, r.pow2_scales)
-                if id(q_x) not in ordinary_gw:
-                    if gw_parts is None:
-                        ordinary = ~tokens
-                        g_o, x_o = tensors[g_cols][ordinary], tensors[x_cols][ordinary]
-                        gw_parts = g_o, x_o, ordinary, _weighted(g_o.t() @ x_o, n_ax, k_ax)
-                    g_o, x_o, ordinary, signal = gw_parts
-                    ordinary_gw[id(q_x)] = grad_weight_rest_db(g_o, x_o, q_x, ordinary, signal, n_ax, k_ax)
-                ordinary_db = ordinary_gw[id(q_x)]
-            stats["input"] = replace(stats["input"], sqnr_grad_weight_rest_db=ordinary_db)
+        if starved is not None:
+            stats["grad_output"] = replace(stats["grad_output"], starved_features=starved(r))
+        if ordinary_gw is not None:
+            stats["input"] = replace(stats["input"], sqnr_grad_weight_rest_db=ordinary_gw(r))
         layer.operands[rname] = stats
     # the chosen recipe's GEMMs, on the sampled rows and columns of their products: each product
     # element reduces over a whole dim, so its value is exact; only the SQNR is over a sample
@@ -657,12 +685,12 @@ class _Replay:
     (its prefix casts and GEMMs are not done twice). An input is reused only where it is equal
     to the one kept, element for element, and neither tensor was changed in place since."""
 
-    def __init__(self) -> None:
+    def __init__(self, last: int) -> None:
         self.calls: dict[tuple[int, int], tuple[torch.Tensor, int, torch.Tensor, int]] = {}
         self.counts: dict[int, int] = {}
         self.recording = True
         self.diverged = False  # a call's input differed: the rest of the forward runs
-        self.last: int | None = None  # the module (id) after whose first call nothing is kept
+        self.last = last  # the module (id) after whose first call nothing is kept
 
     def start(self, recording: bool) -> None:
         self.counts, self.recording, self.diverged = {}, recording, False
@@ -767,11 +795,10 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     recipe = RECIPES[measurement.recipe]
     weights: dict[int, CastResult] = {}  # both forwards cast the same weights
     second = len(candidates) >= max(2, min_layers)  # with fewer, no one layer is said to dominate: no second run
-    replay = _Replay() if second else None  # the second forward takes the first's calls up to the worst layer
     by_name = {layer.name: layer for layer in measurement.layers}
     worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf)) if second else None
-    if replay is not None:
-        replay.last = id(dict(linears(model))[worst])
+    # the second forward takes the first's calls up to the worst layer
+    replay = _Replay(id(dict(linears(model))[worst])) if second else None
     measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights,
                                                                      measurement.weight_amax, replay))
     if second:

@@ -73,19 +73,16 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
     ops = layer.operands[recipe]
     rest = ops["input"].sqnr_rest_db
     tokens_input = bool(layer.outlier_tokens) and rest < rule("AMP702").params["min_sqnr_db"]
+    tokens = {"tokens": layer.outlier_tokens, "rows": layer.rows, "ratio": _ratio(layer.token_ratio), "recipe": recipe}
     if tokens_input:
         rowwise = layer.operands["rowwise"]["input"].sqnr_rest_db
-        found.append(Verdict("AMP702", {"tokens": layer.outlier_tokens, "rows": layer.rows,
-                                        "ratio": _ratio(layer.token_ratio),
-                                        "recipe": recipe, "sqnr": _db(rest), "rowwise": _db(rowwise)},
+        found.append(Verdict("AMP702", {**tokens, "sqnr": _db(rest), "rowwise": _db(rowwise)},
                              f"massive-activation tokens: the others keep {_db(rest)} dB in {recipe} "
                              f"(rowwise {_db(rowwise)} dB)"))
     elif layer.outlier_tokens and (gw := _ordinary_grad_weight(ops)) < rule("AMP702").params["min_grad_weight_sqnr_db"]:
         # the forward's scales keep the ordinary tokens; the grad-weight GEMM's, along the tokens
         # (per channel in rowwise), are set by the outlier tokens again
-        found.append(Verdict("AMP702", {"tokens": layer.outlier_tokens, "rows": layer.rows,
-                                        "ratio": _ratio(layer.token_ratio), "recipe": recipe, "sqnr": _db(gw),
-                                        "input": _db(rest)},
+        found.append(Verdict("AMP702", {**tokens, "sqnr": _db(gw), "input": _db(rest)},
                              f"massive-activation tokens: the others' weight gradient keeps {_db(gw)} dB in "
                              f"{recipe}'s grad-weight GEMM (rowwise_with_gw_hp keeps it exact)", case="grad_weight"))
     if not tokens_input and rest < rule("AMP703").params["min_sqnr_db"]:
