@@ -276,22 +276,25 @@ class DeviceConditions:
         self._grow(device)
         bounds = self._bin_tops(device)
         f64 = torch.float64
+
+        def at(rows: int) -> Step:  # each step's loss scale for each of its ``rows`` rows
+            return Step(pending.limits, scales.repeat_interleave(rows) if scales is not None else None)
+
         holds, values, totals = [], [], []
         for unit, part in zip(self.units, layout.parts, strict=True):
             if not part.n:
                 continue
             if isinstance(unit, LayerRule):
-                at = Step(pending.limits, scales.repeat_interleave(part.n) if scales is not None else None)
-                cond, value, total = unit.condition(DeviceView(stat, part.rows(k, 0, per_step), part, bounds, k), at)
+                cond, value, total = unit.condition(DeviceView(stat, part.rows(k, 0, per_step), part, bounds, k),
+                                                    at(part.n))
             else:  # a GradientRule: each parameter measured, the sums judged per module
-                at = Step(pending.limits, scales.repeat_interleave(n_params) if scales is not None else None)
-                value, total = unit.measure(DeviceView(stat, part.rows(k, n_layers, per_step), part, bounds, k), at)
+                value, total = unit.measure(DeviceView(stat, part.rows(k, n_layers, per_step), part, bounds, k),
+                                            at(n_params))
                 group = part.group(k)
                 sums = [torch.zeros(k * part.n, dtype=f64, device=device).index_add_(
                     0, group, _column(x, k * n_params, f64, device)) for x in (value, total)]
                 value, total = sums
-                at = Step(pending.limits, scales.repeat_interleave(part.n) if scales is not None else None)
-                cond = unit.condition(value, total, at)
+                cond = unit.condition(value, total, at(part.n))
             holds.append(_column(cond, k * part.n, torch.bool, device).reshape(k, part.n))
             values.append(_column(value, k * part.n, f64, device).reshape(k, part.n))
             totals.append(_column(total, k * part.n, f64, device).reshape(k, part.n))

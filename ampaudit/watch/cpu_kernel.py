@@ -259,7 +259,7 @@ def step_buffer(rows: torch.Tensor, used: torch.Tensor, n_events: int, event_key
         rows.data_ptr(), LAYOUT.width, used.data_ptr(), event_keys.data_ptr(),
         modes.data_ptr() if modes is not None else None, n_events, n_keys, used.data_ptr() + n_events * i64,
         used.numel() - n_events, counts.data_ptr(),
-        counts.stride(0), LAYOUT.count["scaled"], has_scale, _MAX_FIELDS, len(LAYOUT.max_fields),
+        counts.stride(0), _SCALED, has_scale, _MAX_FIELDS, len(LAYOUT.max_fields),
         _NAN_FIELD, _INF_FIELD, _NEGINF_FIELD, no_event, flat.data_ptr())
     return flat
 
