@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ampaudit.core.dtypes import E4M3, E5M2, LowDtype
+from ampaudit.graph import fp8_native
 
 EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)
 MX_BLOCK = 32
@@ -169,25 +170,35 @@ def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | Non
     Tensor and row scales come from the amax, so nothing saturates (x * fmax/amax <= fmax; a
     power-of-two scale is rounded down): only MX's floor-rounded block scales clamp values."""
     x = x.float()
-    if nonzero is None:
-        nonzero = int(torch.count_nonzero(x)) if count else 0
     if how.fmt is None:
+        if nonzero is None:
+            nonzero = int(torch.count_nonzero(x)) if count else 0
         return CastResult(x, 0, 0, nonzero)
     if how.granularity == BLOCK:
         return _mx_cast(x, how.fmt, dim, nonzero, count)
     if how.granularity != TENSOR or amax is None:
         amax = amax_of(x, None if how.granularity == TENSOR else dim)
     scale = _scale(amax, how.fmt, pow2)
+    finite = _finite(amax)
+    done = fp8_native.cast(x, scale, how.fmt) if finite else None
+    if done is not None:  # one C pass: the same bits as the torch ops below
+        value, nonzero_x, nonzero_q, _ = done
+        if not count:
+            return CastResult(value, 0, 0, 0)
+        nonzero = nonzero_x if nonzero is None else nonzero
+        return CastResult(value, nonzero - nonzero_q, 0, nonzero)
+    if nonzero is None:
+        nonzero = int(torch.count_nonzero(x)) if count else 0
     # no clamp (torchao's): with an amax at least every |x|, x * fp32(fmax / amax) <= fmax (1 + 2^-23),
     # which the cast rounds to fmax all the same (a power-of-two scale is rounded down: less still)
     scaled = x * scale
     q8 = scaled.to(how.fmt.torch)
     flushed = nonzero - _count_nonzero8(q8) if count else 0  # a nonzero q comes from a nonzero x
-    q = _dequantize(q8, scale, scaled) if _finite(amax) else q8.float().div_(scale)
+    q = _dequantize(q8, scale, scaled) if finite else q8.float().div_(scale)
     return CastResult(q, flushed, 0, nonzero)
 
 
-def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int, count: bool = True) -> CastResult:
+def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int | None, count: bool = True) -> CastResult:
     moved = x.movedim(dim, -1)
     k = moved.shape[-1]
     pad = (-k) % MX_BLOCK
@@ -199,11 +210,22 @@ def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int, count: bool
     exponent = torch.floor(torch.log2(amax)) - emax
     exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, _E8M0_MIN))
     scale = torch.exp2(exponent.clamp(_E8M0_MIN, _E8M0_MAX))
+    finite = _finite(amax)
+    done = fp8_native.cast(blocks.reshape(-1, MX_BLOCK), scale.reshape(-1, 1), fmt, block=True) if finite else None
+    if done is not None:  # one C pass: the same bits as the torch ops below
+        q, nonzero_x, nonzero_q, saturated = done
+        value = q.reshape(padded.shape)[..., :k].movedim(-1, dim).contiguous()
+        if not count:
+            return CastResult(value, 0, 0, 0)
+        nonzero = nonzero_x if nonzero is None else nonzero
+        return CastResult(value, nonzero - nonzero_q, saturated, nonzero)
+    if nonzero is None:
+        nonzero = int(torch.count_nonzero(x)) if count else 0
     scaled = blocks / scale
     saturated = int(torch.count_nonzero(scaled.abs() > fmt.max)) if count else 0
     q8 = scaled.clamp_(-fmt.max, fmt.max).to(fmt.torch)
     flushed = nonzero - _count_nonzero8(q8) if count else 0
-    q = _dequantize(q8, scale, scaled, divide=False) if _finite(amax) else q8.float().mul_(scale)
+    q = _dequantize(q8, scale, scaled, divide=False) if finite else q8.float().mul_(scale)
     value = q.reshape(padded.shape)[..., :k].movedim(-1, dim)
     return CastResult(value.contiguous(), flushed, saturated, nonzero)
 

@@ -3,9 +3,8 @@
 torch's CPU ops need six passes and a serial bincount for a row; the C kernel reads each
 element once, on torch's thread pool. At a logged step's boundary the same library turns the
 step's rows into Stats rows (``compact``) and into the step's buffer (``step_buffer``), each
-one C loop where the torch ops would be tens of small ops. It is compiled with the system C
-compiler (``$CC``, else cc/gcc/clang) into a cache directory - a fraction of a second, once per machine - and
-loaded with ctypes. Without a compiler, or with ``AMPAUDIT_CPU_KERNEL=0``, ``available()``
+one C loop where the torch ops would be tens of small ops. ``core.native`` compiles it on first
+use, once per machine. Without a compiler, or with ``AMPAUDIT_CPU_KERNEL=0``, ``available()``
 is False and ``stats`` uses the torch ops; ``status()`` says why.
 
 The row's layout is ``layout.LAYOUT``'s: the C source is compiled with its bin shift
@@ -16,20 +15,14 @@ and each call passes a pointer to each slot of the row.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
 import struct
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
 
+from ampaudit.core import native
 from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.rule_api import COLUMNS
 
@@ -63,61 +56,22 @@ def status() -> str:
     return _status
 
 
-def cache_dir() -> Path:
-    """$AMPAUDIT_CACHE_DIR, else $XDG_CACHE_HOME/ampaudit, else ~/.cache/ampaudit."""
-    if os.environ.get("AMPAUDIT_CACHE_DIR"):
-        return Path(os.environ["AMPAUDIT_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ampaudit"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
+cache_dir = native.cache_dir
 
 
 def _cached() -> Path:
     """Where a build of this source for this machine lives (found without a compiler)."""
-    suffix = ".dll" if sys.platform == "win32" else ".so"
-    stamp = f"|{' '.join(DEFINES)}|{platform.machine()}|{sys.platform}"
-    key = hashlib.sha256(SOURCE.read_bytes() + stamp.encode()).hexdigest()[:16]
-    return cache_dir() / f"cpu_stats-{key}{suffix}"
-
-
-def _build(compiler: str | None) -> Path:
-    """Compile the kernel (with OpenMP if the compiler has it) into the cache; reuse a build
-    of the same source for the same machine. Written to a temporary name and renamed, so
-    processes starting together (DDP ranks) never load a half-written library."""
-    target = _cached()
-    if target.exists():
-        return target
-    if compiler is None:
-        raise OSError("no C compiler found; set CC")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    # OpenMP and per-CPU clones (cpu_stats.c) if the toolchain has them, else without
-    for flags in (["-fopenmp"], ["-fopenmp", "-DAMPAUDIT_NO_CLONES"], ["-DAMPAUDIT_NO_CLONES"]):
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
-        os.close(fd)
-        cmd = [*compiler.split(), "-O3", "-shared", "-fPIC", *DEFINES, *flags, "-o", tmp, str(SOURCE)]
-        try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            run, error = None, str(exc)
-        if run is not None and run.returncode == 0:
-            os.replace(tmp, target)
-            return target
-        os.unlink(tmp)
-        errors.append(error if run is None else (run.stderr.strip().splitlines() or ["failed"])[-1])
-    raise OSError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+    return native.cached(SOURCE, DEFINES)
 
 
 @cache
 def _library() -> _Library | None:
     global _status
-    if os.environ.get("AMPAUDIT_CPU_KERNEL", "1") == "0":
-        _status = "torch ops (AMPAUDIT_CPU_KERNEL=0)"
+    if native.disabled():
+        _status = f"torch ops ({native.DISABLE}=0)"
         return None
     try:
-        lib = ctypes.CDLL(str(_build(_compiler())))
+        lib = ctypes.CDLL(str(native.build(SOURCE, DEFINES)))
     except OSError as exc:
         _status = f"torch ops ({exc})"
         return None
