@@ -5,11 +5,11 @@ steps (bf16 autocast, torchao's Float8Linear emulated on the CPU) with no layer 
 bf16 reference) and with chosen layers in fp8 - the layers the check keeps in bf16, the same
 number of the layers it passes (the best by its own table's SQNR: what a user would convert
 first), every layer but the kept ones (the policy convert emits), every layer; on the planted
-fixtures also the flagged layer under rowwise (and rowwise_with_gw_hp with --fp32), with the
-check's verdicts under those recipes printed per seed. Where the check also keeps heads (AMP701)
-that the recommended recipe (rowwise_with_gw_hp with --fp32, else rowwise) keeps too, the kept
-layers that recipe passes are trained alone as well: in fp8, against as many passed layers, and
-under each of those recipes.
+fixtures also the flagged layer under rowwise, rowwise_with_gw_hp (and mxfp8 on the outlier
+channel), with the check's verdicts under those recipes printed per seed. Where the check also
+keeps heads (AMP701) that rowwise_with_gw_hp keeps too, the kept layers that recipe passes are
+trained alone as well: in fp8, against as many passed layers, and under each of those recipes.
+Every fp8 model is converted by the file `convert --dtype fp8 --emit torchao` writes.
 The *_sink models plant a massive token (--sink x) before an early block's second MLP Linear: the
 first token in the language models, the first patch token in the ViTs.
 
@@ -46,6 +46,7 @@ import importlib.util
 import math
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ampaudit.convert.fp8 import Fp8Policy, emit_torchao, load_emitted  # noqa: E402
 from ampaudit.graph.forward import ExampleInputs  # noqa: E402
 from ampaudit.graph.fp8_casts import RECIPES, output_gemm  # noqa: E402
 from ampaudit.graph.fp8_measure import fp8_forward, record, sqnr_db  # noqa: E402
@@ -70,9 +72,7 @@ Batch = tuple[tuple, dict]
 class Spec:
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator], Batch]  # a fresh batch; the model's output is its loss
-    # the recipes the check recommends for the kept layer (not rowwise_with_gw_hp: torchao 0.18's
-    # emulated Float8Linear fails under CPU autocast there - "expected m1 and m2 to have the same
-    # dtype" in its grad-weight mm)
+    # the other recipes the flagged layers train under (the check's verdicts on them printed too)
     flagged_recipes: tuple[str, ...] = ()
 
 
@@ -107,8 +107,9 @@ def sink() -> Spec:
 
 def channel() -> Spec:
     m = _load("fp8_outlier_channel_lm")
-    # rowwise: not recommended (AMP703 holds under it too), trained to show it does not help
-    return Spec(m.OutlierChannelLM, lambda g: (m.make_batch(g), {}), ("rowwise",))
+    # rowwise: not recommended (AMP703 holds under it too), trained to show it does not help;
+    # mxfp8: recommended (its blocks of 32 confine the channel)
+    return Spec(m.OutlierChannelLM, lambda g: (m.make_batch(g), {}), ("rowwise", "mxfp8"))
 
 
 class _MseTo(nn.Module):
@@ -288,10 +289,19 @@ def _loss(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
+@functools.cache
+def _emitted(recipe: str, fp8: frozenset[str], linears: tuple[str, ...]) -> Any:
+    """What `convert --dtype fp8 --emit torchao` writes for ``recipe`` with exactly ``fp8`` in
+    fp8, loaded: the bench converts as a user's emitted file does (MXFP8 too, and the input
+    casts emulated training under CPU autocast needs)."""
+    policy = Fp8Policy(recipe, {name: "bench" for name in linears if name not in fp8}, sorted(fp8))
+    path = Path(tempfile.mkdtemp()) / "fp8_torchao.py"
+    path.write_text(emit_torchao(policy, model_file=None, entry="bench"))
+    return load_emitted(path)
+
+
 def train(model: nn.Module, batches: list[Batch], names: set[str], recipe: str, jitter: float = 0.0,
           lr: float = 3e-3, autocast: bool = True) -> list[float]:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     model = copy.deepcopy(model).train()
     if jitter:  # the null configuration: bf16 from weights moved by about one bf16 rounding
         g = torch.Generator().manual_seed(99)
@@ -304,8 +314,8 @@ def train(model: nn.Module, batches: list[Batch], names: set[str], recipe: str, 
         if isinstance(getattr(m, "drop_prob", None), float):  # timm's DropPath (stochastic depth)
             m.drop_prob = 0.0
     if names:
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
+        linears = tuple(name for name, m in model.named_modules() if isinstance(m, nn.Linear))
+        _emitted(recipe, frozenset(names), linears).convert(model, emulate=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for args, kwargs in batches:
@@ -423,7 +433,7 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
                  for v in judgement.layers}
         n = min(len(keep), len(passed))
         configs: dict[str, tuple[set[str], str]] = {}
-        gw_hp = ("rowwise_with_gw_hp",) if opts.fp32 and spec.flagged_recipes else ()
+        gw_hp = ("rowwise_with_gw_hp",) if spec.flagged_recipes else ()
         if keep:
             configs["'keep' layers in fp8"] = (set(keep[:n]), opts.recipe)
             configs["as many 'fp8' layers (best SQNR)"] = (set(sorted(passed, key=lambda x: -table[x])[:n]),
@@ -438,7 +448,7 @@ def run_model(name: str, opts: argparse.Namespace) -> None:
         if spec.flagged_recipes:
             # the kept layers the recommended recipe passes (the outlier verdicts' alone, without
             # the heads AMP701 keeps under every recipe, whose own damage would mix in): since AMP702
-            # judges the grad-weight GEMM, rowwise_with_gw_hp where it trains (--fp32), else rowwise
+            # judges the grad-weight GEMM, rowwise_with_gw_hp
             rescuer = (gw_hp or spec.flagged_recipes)[0]
             kept_there = {v.layer.name for v in others[rescuer]}
             rescued = [x for x in keep if x not in kept_there]
@@ -502,7 +512,7 @@ def main() -> None:
     parser.add_argument("--per-layer", action="store_true")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--fp32", action="store_true",
-                        help="no bf16 autocast: the reference is fp32 (and rowwise_with_gw_hp trains)")
+                        help="no bf16 autocast: the reference is fp32")
     parser.add_argument("--fixed-batch", action="store_true", help="one batch every step (the earlier bench's setup)")
     parser.add_argument("--sink", type=float, default=SINK, help="the planted first token's factor (*_sink)")
     opts = parser.parse_args()

@@ -212,7 +212,7 @@ def test_outlier_channels_get_tensorwise_and_rowwise_verdicts_not_mxfp8(cli):
     for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         assert _codes(_check(cli, "fp8_outlier_channels.py", "--fp8-recipe", recipe)) == [("AMP703", "proj")]
     report = _check(cli, "fp8_outlier_channels.py", "--fp8-recipe", "mxfp8")
-    assert _codes(report) == []
+    assert _codes(report) == [("AMP701", "out")]  # Linear(32, 16): MXFP8 takes dims in blocks of 32
     proj = _layer(report, "proj")
     assert proj["outlier_channels"] == 1 and proj["outlier_tokens"] == 0
     ops = proj["operands"]
@@ -278,9 +278,19 @@ def test_grad_underflow_fires_where_output_features_lose_their_gradient_not_on_f
 def test_odd_dims_stay_in_bf16_under_every_recipe(cli):
     for recipe in RECIPES:
         report = _check(cli, "fp8_odd_dims.py", "--fp8-recipe", recipe)
-        assert [f["rule"] for f in report["findings"]] == ["AMP701"]
         assert [(layer["name"], layer["divisible_by_16"]) for layer in report["fp8"]["layers"]] == [
             ("body", True), ("head", False)]
+        messages = [(f["rule"], f["module"], f["message"]) for f in report["findings"]]
+        if recipe != "mxfp8":
+            assert messages == [("AMP701", "head", "`head` is Linear(64, 10): out_features 10 not divisible by 16, "
+                                 "which fp8 GEMMs (torch._scaled_mm) cannot take: keep it in bf16")]
+            continue
+        # MXFP8's blocks of 32 along each GEMM's reduction dim: 48 does not take them either
+        assert messages == [
+            ("AMP701", "body", "`body` is Linear(48, 64): in_features 48 not divisible by 32, "
+             "MXFP8's block, which its casts along every GEMM's reduction dim need: keep it in bf16"),
+            ("AMP701", "head", "`head` is Linear(64, 10): out_features 10 not divisible by 32, "
+             "MXFP8's block, which its casts along every GEMM's reduction dim need: keep it in bf16")]
 
 
 def test_fp8_json_report_matches_the_schema_and_text_has_the_table(cli):
@@ -339,8 +349,10 @@ def test_fp8_policy_names_exactly_the_layers_kept_and_why():
     rowwise = ampaudit.fp8_policy(model, module.example_inputs(), recipe="rowwise")
     assert rowwise.keep == {"fc1": "AMP702: massive-activation tokens: the others' weight gradient keeps 22.7 dB in "
                                    "rowwise's grad-weight GEMM (rowwise_with_gw_hp keeps it exact)"}
-    with pytest.raises(ampaudit.core.errors.UsageError, match="mxfp8 is audited"):
-        ampaudit.fp8_policy(model, module.example_inputs(), recipe="mxfp8")
+    mx = ampaudit.fp8_policy(model, module.example_inputs(), recipe="mxfp8")
+    assert (mx.recipe, mx.keep, mx.fp8) == ("mxfp8", {}, ["fc1", "fc2"])
+    with pytest.raises(ampaudit.core.errors.UsageError, match="the fp8 recipes are tensorwise, rowwise, "):
+        ampaudit.fp8_policy(model, module.example_inputs(), recipe="delayed")
 
 
 def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verification(cli, tmp_path):
@@ -361,6 +373,75 @@ def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verif
     assert run.stdout.strip().endswith(
         f"{train['steps']} steps, loss {train['bf16'][-1]:.6g} (bf16) vs {train['fp8'][-1]:.6g} (fp8): "
         f"gap {train['worst']:.4g} (tolerance 0.05)")
+
+
+def _mx_training():
+    _torchao()
+    pytest.importorskip("torchao.prototype.moe_training.config")
+
+
+def _runs_as_written(out, plan, cwd):
+    run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True,
+                         cwd=cwd, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    train = plan["train"]
+    assert run.stdout.strip().endswith(
+        f"{train['steps']} steps, loss {train['bf16'][-1]:.6g} (bf16) vs {train['fp8'][-1]:.6g} (fp8): "
+        f"gap {train['worst']:.4g} (tolerance 0.05)")
+
+
+def test_convert_emits_mxfp8_with_torchaos_mx_training_and_its_file_repeats_the_verification(cli, tmp_path):
+    _mx_training()
+    out = tmp_path / "out"
+    result = cli("convert", model_path("fp8_outlier_channel_lm.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", "mxfp8", "--train-steps", "6", "-o", out)
+    assert result.code == 0, result.err
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    # the outlier channel: MXFP8's blocks keep it (no AMP703); the 16-class head is no multiple of 32
+    assert plan["recipe"] == "mxfp8" and plan["fp8"] == ["proj", "fc2"]
+    assert plan["keep"] == {"head": "AMP701: out_features 16 not divisible by 32"}
+    text = (out / "fp8_torchao.py").read_text()
+    assert "MXFP8TrainingOpConfig(kernel_preference=kernels, scale_calculation_mode=ScaleCalculationMode.FLOOR)" in text
+    train = plan["train"]
+    assert train["passed"] and train["fp8"] != train["bf16"]  # trained in MXFP8: not bf16's curve
+    _runs_as_written(out, plan, tmp_path)
+
+
+def test_mxfp8_training_needs_tokens_in_blocks_of_32_said_in_one_line(cli, tmp_path):
+    _mx_training()
+    result = cli("convert", model_path("fp8_outlier_channels.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", "mxfp8", "-o", tmp_path / "out")
+    assert result.code == 2 and result.err.count("\n") == 1, result.err
+    assert "mxfp8 training needs each batch's tokens to be a multiple of 32" in result.err
+    assert "the example inputs give `proj` 16" in result.err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "mxfp8"])
+def test_emulated_training_under_cpu_autocast_takes_bf16_inputs_from_autocast_ops(cli, tmp_path, recipe):
+    # fc2's input is gelu's output under CPU autocast (bf16); torchao's emulated high-precision
+    # grad-weight GEMM (and its emulated MX GEMM) met a bf16 and an fp32 operand: convert failed
+    # with "unexpected RuntimeError: expected m1 and m2 to have the same dtype"
+    _mx_training()
+    out = tmp_path / "out"
+    result = cli("convert", model_path("fp8_sink_token_lm.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", recipe, "--train-steps", "4", "-o", out)
+    assert result.code == 0, result.err
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    assert "fc2" in plan["fp8"] and plan["train"]["passed"]
+    _runs_as_written(out, plan, tmp_path)
+
+
+def test_a_policy_written_untrained_is_verified_with_the_default_steps_when_run(cli, tmp_path):
+    _torchao()
+    out = tmp_path / "out"
+    result = cli("convert", model_path("fp8_massive_tokens.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--train-steps", "0", "-o", out)
+    assert result.code == 0, result.err
+    text = (out / "fp8_torchao.py").read_text()
+    assert "STEPS = 20\n" in text and "Run this file to verify it (ampaudit wrote it untrained" in text
+    run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0 and "; 20 steps, loss " in run.stdout, run.stderr[-2000:]  # was an IndexError
 
 
 def test_convert_fp8_fails_past_the_tolerance(cli, tmp_path):

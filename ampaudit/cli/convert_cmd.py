@@ -11,7 +11,6 @@ from ampaudit.core.dtypes import FP8_RECIPES, LOW_DTYPES
 from ampaudit.core.errors import UsageError
 from ampaudit.load.time_limit import DEFAULT_SECONDS
 
-TORCHAO_RECIPES = tuple(r for r in FP8_RECIPES if r != "mxfp8")  # Float8LinearConfig.from_recipe_name
 _TOLERANCE = number_type(float, least=0, what="a finite relative error >= 0")
 _STEPS = number_type(int, least=0, what="a whole number >= 0")
 
@@ -26,8 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--dtype", choices=(*LOW_DTYPES, "fp8"), default="float16",
                       help="fp8: which nn.Linear layers to train in float8 with torchao, measured as `check --dtype "
                            "fp8` does; writes fp8_torchao.py (--emit torchao) and fp8_plan.json")
-    conv.add_argument("--fp8-recipe", choices=TORCHAO_RECIPES,
-                      help="with --dtype fp8: torchao's recipe (default: the one that keeps the fewest layers in bf16)")
+    conv.add_argument("--fp8-recipe", choices=FP8_RECIPES,
+                      help="with --dtype fp8: the recipe (default: of torchao's float8 recipes, the one that keeps the "
+                           "fewest layers in bf16; mxfp8 - for GPUs with MX tensor cores - only when asked)")
     conv.add_argument("--no-verify", action="store_true", help="do not compare with fp32 or promote ops")
     conv.add_argument("--tolerance", type=_TOLERANCE,
                       help="relative output error allowed (default 1e-2 fp16, 5e-2 bf16)")

@@ -85,6 +85,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         fp8_policy,
         load_emitted,
         require_torchao,
+        require_trainable,
         verify_with,
         write_fp8,
     )
@@ -112,6 +113,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         train = None
         if steps and not args.no_verify:
             require_torchao()
+            require_trainable(policy)
             module = load_emitted(Path(staging) / names[0])
             train = module.main(steps=steps) if file is not None else \
                 verify_with(module, loaded.model, loaded.inputs, steps)

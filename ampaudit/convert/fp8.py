@@ -26,7 +26,7 @@ from ampaudit.convert.publish import FP8_FILES, seal_staging
 from ampaudit.core.arguments import require_module
 from ampaudit.core.errors import LoadError, UsageError
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.fp8_casts import TORCHAO_RECIPES
+from ampaudit.graph.fp8_casts import EMITTED_RECIPES, MX_BLOCK, TORCHAO_RECIPES
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts
 
 EMIT_FILE, PLAN_FILE = FP8_FILES
@@ -71,9 +71,8 @@ def fp8_policy(model: torch.nn.Module, example_inputs: Any, *, recipe: str | Non
     (tensorwise, rowwise, rowwise_with_gw_hp); None picks the one that keeps the fewest."""
     require_module(model, "ampaudit.fp8_policy", eager=True)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs")
-    if recipe is not None and recipe not in TORCHAO_RECIPES:
-        raise UsageError(f"torchao's recipes are {', '.join(TORCHAO_RECIPES)} (got {recipe!r}); mxfp8 is audited "
-                         "by `check --dtype fp8 --fp8-recipe mxfp8` but not emitted")
+    if recipe is not None and recipe not in EMITTED_RECIPES:
+        raise UsageError(f"the fp8 recipes are {', '.join(EMITTED_RECIPES)} (got {recipe!r})")
     recipe = recipe or choose_recipe(model, inputs)
     judgement = judge(model, inputs, recipe)
     if not judgement.layers:  # a policy of no layers converts nothing: the export would be a no-op
@@ -88,8 +87,11 @@ def emit_torchao(policy: Fp8Policy, *, model_file: str | None, entry: str, steps
     that rebuilds the model from its file and verifies."""
     keep_lines = "".join(f"    {fqn!r},  # {_comment(reason)}\n" for fqn, reason in policy.keep.items())
     keep_block = f"KEEP_IN_BF16 = {{\n{keep_lines}}}\n" if policy.keep else "KEEP_IN_BF16: set[str] = set()\n"
-    return _TEMPLATE.format(version=__version__, recipe=policy.recipe, keep_block=keep_block,
-                            fp8_count=len(policy.fp8), keep_count=len(policy.keep), steps=steps,
+    return _TEMPLATE.format(**(_MXFP8 if policy.recipe == "mxfp8" else _FLOAT8), version=__version__,
+                            recipe=policy.recipe, keep_block=keep_block,
+                            fp8_count=len(policy.fp8), keep_count=len(policy.keep), steps=steps or DEFAULT_STEPS,
+                            run="repeat ampaudit's verification" if steps else
+                            "verify it (ampaudit wrote it untrained, --train-steps 0)",
                             tolerance=repr(tolerance), model_file=repr(model_file), entry=repr(entry),
                             input_shapes=repr(input_shapes))
 
@@ -134,9 +136,79 @@ def require_torchao() -> None:
                          "(or pass --train-steps 0)") from None
 
 
+def require_trainable(policy: Fp8Policy) -> None:
+    """MXFP8 training casts the grad-weight GEMM's operands in blocks of 32 along the tokens:
+    torchao asserts that every fp8 Linear's tokens per batch are a multiple of 32. One line
+    before training, where the example batch has others."""
+    if policy.recipe != "mxfp8":
+        return
+    odd = [(layer["name"], layer["rows"]) for layer in policy.table.get("layers", [])
+           if layer["name"] in policy.fp8 and layer["rows"] % MX_BLOCK]
+    if odd:
+        name, rows = odd[0]
+        raise UsageError(f"mxfp8 training needs each batch's tokens to be a multiple of {MX_BLOCK} (its grad-weight "
+                         f"GEMM casts along them); the example inputs give `{name}` {rows}: give example inputs of "
+                         "such a shape, or --train-steps 0 to write the policy without training it")
+
+
 def verify_with(module: Any, model: torch.nn.Module, inputs: ExampleInputs, steps: int) -> dict[str, Any]:
     """The emitted file's ``verify`` on ``model`` (copies are trained; it is untouched)."""
     return module.verify(model, inputs.args, inputs.kwargs, steps=steps)
+
+
+# how the emitted file configures and converts: torchao's float8 recipes, or its MXFP8 training
+_FLOAT8 = {"dataclasses": "import dataclasses\n", "imports": """\
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+""", "config": '''
+def config(emulate=None):
+    """The recipe's Float8LinearConfig; emulated where no GPU runs the fp8 GEMMs."""
+    emulate = not torch.cuda.is_available() if emulate is None else emulate
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPE), emulate=emulate)
+
+
+def convert(model, emulate=None):
+    """``model`` with its Linear layers in fp8, but those in KEEP_IN_BF16 (in place)."""
+    emulate = not torch.cuda.is_available() if emulate is None else emulate
+    model = convert_to_float8_training(model, config=config(emulate), module_filter_fn=module_filter_fn)
+    # Float8Linear casts its input to CUDA autocast's dtype, as F.linear would, but follows no
+    # CPU autocast: there the emulated high-precision GEMMs would meet bf16 and fp32 operands
+    return _hook_inputs(model, _input_cast(_cpu_autocast_dtype)) if emulate else model
+
+
+def _cpu_autocast_dtype(module):
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+'''}
+_MXFP8 = {"dataclasses": "", "imports": """from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.quantization import quantize_
+from torchao.quantization.quantize_.common import KernelPreference
+""", "config": '''
+def _emulated(emulate):
+    """Emulated where no GPU has MX tensor cores (compute capability 10.0)."""
+    if emulate is not None:
+        return emulate
+    return not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0))
+
+
+def config(emulate=None):
+    """MXFP8 training: e4m3 in blocks of 32 along each GEMM's reduction dim, E8M0 scales
+    rounded down (FLOOR, the OCP MX rule ampaudit measured; torchao's own recipes default to
+    RCEIL)."""
+    kernels = KernelPreference.EMULATED if _emulated(emulate) else KernelPreference.AUTO
+    return MXFP8TrainingOpConfig(kernel_preference=kernels, scale_calculation_mode=ScaleCalculationMode.FLOOR)
+
+
+def convert(model, emulate=None):
+    """``model`` with its Linear layers in MXFP8, but those in KEEP_IN_BF16 (in place). Each
+    batch's tokens must be a multiple of 32: the grad-weight GEMM casts along them."""
+    emulate = _emulated(emulate)
+    quantize_(model, config(emulate), filter_fn=_converts)
+    # the emulated MX GEMM dequantizes each operand to its own dtype: under autocast a bf16 input
+    # meets the fp32 weight and it fails. bf16 -> fp32 is exact: the same MX blocks
+    return _hook_inputs(model, _input_cast(lambda module: module.weight.dtype)) if emulate else model
+
+'''}
 
 
 _TEMPLATE = '''"""fp8 training for this model with torchao, as `ampaudit convert --dtype fp8 --emit torchao`
@@ -144,18 +216,16 @@ _TEMPLATE = '''"""fp8 training for this model with torchao, as `ampaudit convert
 in fp8, {keep_count} kept in bf16 - each named below with the reason.
 
 Use: `convert(model)` before building the optimizer (then train as usual, e.g. under bf16
-autocast; torch.compile the model for speed on a GPU). Run this file to repeat ampaudit's
-verification: {steps} AdamW steps of the fp8 model beside bf16 autocast, exit 1 past the tolerance.
+autocast; torch.compile the model for speed on a GPU). Run this file to {run}:
+{steps} AdamW steps of the fp8 model beside bf16 autocast, exit 1 past the tolerance.
 """
 
 import copy
-import dataclasses
-import math
+{dataclasses}import math
 import sys
 
 import torch
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
+{imports}
 RECIPE = {recipe!r}
 # Linear layers kept in bf16 (fully qualified names), each with ampaudit's reason:
 {keep_block}
@@ -165,17 +235,27 @@ def module_filter_fn(module, fqn):
     return fqn not in KEEP_IN_BF16
 
 
-def config(emulate=None):
-    """The recipe's Float8LinearConfig; emulated where no GPU runs the fp8 GEMMs."""
-    emulate = not torch.cuda.is_available() if emulate is None else emulate
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPE), emulate=emulate)
+def _converts(module, fqn):
+    return isinstance(module, torch.nn.Linear) and module_filter_fn(module, fqn)
 
 
-def convert(model, emulate=None):
-    """``model`` with its Linear layers in fp8, but those in KEEP_IN_BF16 (in place)."""
-    return convert_to_float8_training(model, config=config(emulate), module_filter_fn=module_filter_fn)
+def _input_cast(dtype_of):
+    """A forward pre-hook casting a converted Linear's input to ``dtype_of(module)`` (None: as it is)."""
+    def hook(module, args):
+        dtype = dtype_of(module)
+        if dtype is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype != dtype:
+            return (args[0].to(dtype), *args[1:])
+        return None
+    return hook
 
 
+def _hook_inputs(model, hook):
+    for fqn, module in model.named_modules():
+        if _converts(module, fqn):
+            module.register_forward_pre_hook(hook)
+    return model
+
+{config}
 STEPS = {steps}
 TOLERANCE = {tolerance}
 
@@ -239,7 +319,8 @@ def verify(model, args, kwargs=None, steps=STEPS):
         # relative to the bf16 loss there, or to how far training moved it when that is larger:
         # near zero (an MSE the model fits) rounding noise alone is tens of percent of the loss
         moved = abs(bf16[0] - sum(tail_ref) / window) * window
-        gap = sum(abs(v - r) for r, v in zip(tail_ref, tail)) / max(sum(abs(r) for r in tail_ref), moved, 1e-12)
+        gaps = sum(abs(v - r) for r, v in zip(tail_ref, tail, strict=True))
+        gap = gaps / max(sum(abs(r) for r in tail_ref), moved, 1e-12)
     else:
         gap = math.inf
     return {{"steps": steps, "bf16": bf16, "fp8": fp8, "worst": gap, "window": window, "tolerance": TOLERANCE,

@@ -62,6 +62,8 @@ class Recipe:
     weight_for_grad_input: Cast
     grad_output_for_grad_weight: Cast
     pow2_scales: bool
+    # the GEMM dims (in_features, out_features) its kernels take: torch._scaled_mm's 16, MX's block
+    dim_multiple: int = 16
 
     @property
     def grad_output_format(self) -> LowDtype | None:
@@ -76,9 +78,10 @@ RECIPES: dict[str, Recipe] = {
     "rowwise_with_gw_hp": Recipe("rowwise_with_gw_hp", Cast(E4M3, ROW), Cast(E4M3, ROW), Cast(E4M3, ROW),
                                  HP, Cast(E4M3, TENSOR), HP, pow2_scales=True),
     "mxfp8": Recipe("mxfp8", Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), Cast(E4M3, BLOCK),
-                    Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), pow2_scales=True),
+                    Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), Cast(E4M3, BLOCK), pow2_scales=True, dim_multiple=MX_BLOCK),
 }
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8LinearConfig.from_recipe_name
+EMITTED_RECIPES = (*TORCHAO_RECIPES, "mxfp8")  # and torchao's MXFP8TrainingOpConfig
 
 
 @dataclass

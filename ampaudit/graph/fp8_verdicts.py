@@ -13,7 +13,7 @@ from torch import nn
 
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.fp8_casts import RECIPES
+from ampaudit.graph.fp8_casts import BLOCK, RECIPES
 from ampaudit.graph.fp8_measure import Fp8Layer, Fp8Measurement, OperandStats, dominance, measure_fp8
 
 FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705")  # the verdicts this module gives
@@ -65,11 +65,13 @@ def _ordinary_grad_weight(ops: dict[str, OperandStats]) -> float:
 def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
     """The AMP701-AMP704 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
     found = []
-    if not layer.divisible:
-        dims = " and ".join(f"{n} {v}" for n, v in (("in_features", layer.in_features),
-                                                     ("out_features", layer.out_features)) if v % 16)
+    multiple = RECIPES[recipe].dim_multiple
+    dims = " and ".join(f"{n} {v}" for n, v in (("in_features", layer.in_features),
+                                                 ("out_features", layer.out_features)) if v % multiple)
+    if dims:
         found.append(Verdict("AMP701", {"in_features": layer.in_features, "out_features": layer.out_features,
-                                        "dims": dims}, f"{dims} not divisible by 16"))
+                                        "dims": dims, "multiple": multiple}, f"{dims} not divisible by {multiple}",
+                             case="mx" if RECIPES[recipe].input.granularity == BLOCK else None))
     ops = layer.operands[recipe]
     rest = ops["input"].sqnr_rest_db
     tokens_input = bool(layer.outlier_tokens) and rest < rule("AMP702").params["min_sqnr_db"]
