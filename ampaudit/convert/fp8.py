@@ -25,6 +25,7 @@ from ampaudit._version import __version__
 from ampaudit.convert.publish import FP8_FILES, seal_staging
 from ampaudit.core.arguments import require_module
 from ampaudit.core.errors import LoadError, UsageError
+from ampaudit.core.import_noise import quiet_imports
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import EMITTED_RECIPES, MX_BLOCK, TORCHAO_RECIPES
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts
@@ -104,7 +105,8 @@ def load_emitted(path: Path) -> Any:
     """The emitted file as a module (ampaudit's verification runs its ``verify``)."""
     spec = importlib.util.spec_from_file_location(f"_ampaudit_fp8_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with quiet_imports():
+        spec.loader.exec_module(module)
     return module
 
 
@@ -130,7 +132,8 @@ def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str
 def require_torchao() -> None:
     """Verifying trains with torchao (the emitted file imports it): one line when it is missing."""
     try:
-        import torchao.float8  # noqa: F401
+        with quiet_imports():
+            import torchao.float8  # noqa: F401
     except ImportError:
         raise UsageError('verifying an fp8 policy trains with torchao: pip install "ampaudit[fp8]" '
                          "(or pass --train-steps 0)") from None
@@ -350,15 +353,16 @@ def _model_and_inputs():
         inputs = tuple(torch.randn(shape, generator=generator) for shape in INPUT_SHAPES)
     else:
         inputs = module.example_inputs()
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    return model, inputs
+    if isinstance(inputs, dict):  # keyword arguments (input_ids=..., labels=...)
+        return model, (), inputs
+    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {{}}
 
 
 def main(steps=STEPS):
     """The model rebuilt from its file (seed 0) and verified: what ampaudit ran."""
     torch.manual_seed(0)
-    model, inputs = _model_and_inputs()
-    return verify(model, inputs, steps=steps)
+    model, args, kwargs = _model_and_inputs()
+    return verify(model, args, kwargs, steps=steps)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 
 from ampaudit.core.child_main import user_code
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError, ModelNotBuilt, NoModelFound, UsageError
+from ampaudit.core.import_noise import quiet_imports
 from ampaudit.core.paths import display_path
 from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs, describe_exception
@@ -59,6 +60,12 @@ def load_target(
 ) -> LoadedModel | NotImported:
     """Load the model a target spec names. ``import_timeout``: seconds the user's code
     (import, model build, ``example_inputs()``) may run; None or 0: no limit."""
+    with quiet_imports():  # torchao's import-time log lines, which transformers' import brings
+        return _load_target(spec, allow_exec, input_shapes, input_dtypes, model_config, import_timeout)
+
+
+def _load_target(spec: str | ModelSpec, allow_exec: bool, input_shapes: Sequence[str], input_dtypes: Sequence[str],
+                 model_config: Sequence[str], import_timeout: float | None) -> LoadedModel | NotImported:
     target = spec if isinstance(spec, ModelSpec) else parse_spec(spec)
     if model_config and target.kind != "hf":
         raise UsageError("--config KEY=VALUE sets fields of an hf:MODEL_TYPE model's config; "
