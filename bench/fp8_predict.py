@@ -296,7 +296,7 @@ def _emitted(recipe: str, fp8: frozenset[str], linears: tuple[str, ...]) -> Any:
     casts emulated training under CPU autocast needs)."""
     policy = Fp8Policy(recipe, {name: "bench" for name in linears if name not in fp8}, sorted(fp8))
     path = Path(tempfile.mkdtemp()) / "fp8_torchao.py"
-    path.write_text(emit_torchao(policy, model_file=None, entry="bench"))
+    path.write_text(emit_torchao(policy))
     return load_emitted(path)
 
 

@@ -472,14 +472,16 @@ def test_an_fp8_export_is_an_export_again_into_its_folder_with_force_and_with_th
     out = tmp_path / "out"
     assert cli("convert", model, "--dtype", "fp8", "--no-verify", "-o", out).code == 0
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~_umask()
-    assert json.loads((out / "ampaudit-export.json").read_text())["files"] == ["fp8_torchao.py", "fp8_plan.json"]
+    assert json.loads((out / "ampaudit-export.json").read_text())["files"] == ["fp8_torchao.py", "fp8_plan.json",
+                                                                              "fp8_inputs.pt"]
     assert cli("convert", model, "--dtype", "fp8", "--no-verify", "-o", out).code == 0
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine\n")
     result = cli("convert", model, "--dtype", "fp8", "--no-verify", "--force", "-o", mine)
     assert result.code == 0, result.err
-    assert sorted(os.listdir(mine)) == ["ampaudit-export.json", "fp8_plan.json", "fp8_torchao.py", "notes.txt"]
+    assert sorted(os.listdir(mine)) == ["ampaudit-export.json", "fp8_inputs.pt", "fp8_plan.json", "fp8_torchao.py",
+                                        "notes.txt"]
     linked = tmp_path / "linked"
     linked.mkdir()
     os.link(model, linked / "fp8_torchao.py")
@@ -974,3 +976,38 @@ def test_torchaos_import_time_log_lines_stay_out_of_a_check_of_an_hf_model():
     result = subprocess.run([sys.executable, "-m", "ampaudit", "check", "hf:llama", "--format", "json"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode in (0, 1) and result.stderr == "", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("target, extra", [
+    ("hf:llama", ()),  # rebuilt from its transformers config, the token ids loaded from fp8_inputs.pt
+    ("torch.nn:Sequential(Linear(64, 32), GELU(), Linear(32, 16))", ("--input-shape", "4,64")),
+])
+def test_a_model_without_a_file_is_rebuilt_by_the_emitted_file_which_repeats_the_verification(
+        cli, tmp_path, target, extra):
+    # it said "this policy was made for a model without a file: call verify(model, inputs) yourself"
+    _torchao()
+    if target.startswith("hf:"):
+        pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    result = cli("convert", target, "--dtype", "fp8", "--emit", "torchao", "--train-steps", "4", "-o", out, *extra)
+    assert result.code == 0, result.err
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    _runs_as_written(out, plan, tmp_path)
+
+
+def test_inputs_the_emitted_file_cannot_load_back_are_not_saved_and_running_it_says_so(cli, tmp_path):
+    _torchao()
+    model_file = tmp_path / "flagged.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Flags:\n    scale = 2.0\n\n\n"
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(32, 32)\n\n"
+        "    def forward(self, x, flags):\n        return self.fc(x) * flags.scale\n\n\n"
+        "def example_inputs():\n    return (torch.randn(32, 32), Flags())\n")
+    out = tmp_path / "out"
+    result = cli("convert", model_file, "--dtype", "fp8", "--emit", "torchao", "--train-steps", "2", "-o", out)
+    assert result.code == 0, result.err
+    assert not (out / "fp8_inputs.pt").exists() and json.loads((out / "fp8_plan.json").read_text())["train"]["passed"]
+    run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert run.returncode == 1 and "fp8_inputs.pt is not beside this file" in run.stderr

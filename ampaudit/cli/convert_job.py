@@ -81,11 +81,13 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
     require_torch("ampaudit convert", ("torch",))
     from ampaudit.convert.fp8 import (
         TOLERANCE,
+        ModelSource,
         emit_torchao,
         fp8_policy,
         load_emitted,
         require_torchao,
         require_trainable,
+        saved_inputs,
         verify_with,
         write_fp8,
     )
@@ -105,24 +107,37 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE
     with slow_status("measuring every nn.Linear in fp8" + (f", {steps} training steps" if steps else "")):
         policy = fp8_policy(loaded.model, loaded.inputs, recipe=args.fp8_recipe)
-        shapes = [[int(n) for n in shape.split(",")] for shape in args.input_shape] or None
-        file = str(loaded.path.resolve()) if loaded.path is not None else None
-        text = emit_torchao(policy, model_file=file, entry=loaded.entry, steps=steps, tolerance=tolerance,
-                            input_shapes=shapes)
-        names = write_fp8(Path(staging), policy, text, None, shown=args.output)
+        source = _source(args.target, loaded)
+        text = emit_torchao(policy, source, steps=steps, tolerance=tolerance)
+        inputs = saved_inputs(loaded.inputs)
+        names = write_fp8(Path(staging), policy, text, None, shown=args.output, inputs=inputs)
         train = None
         if steps and not args.no_verify:
             require_torchao()
             require_trainable(policy)
             module = load_emitted(Path(staging) / names[0])
-            train = module.main(steps=steps) if file is not None else \
-                verify_with(module, loaded.model, loaded.inputs, steps)
-            write_fp8(Path(staging), policy, text, train, shown=args.output)
+            # what running the file does, where it can: rebuild the model, load the saved inputs
+            rebuilt = inputs is not None and source != ModelSource()
+            train = module.main(steps=steps) if rebuilt else verify_with(module, loaded.model, loaded.inputs, steps)
+            write_fp8(Path(staging), policy, text, train, shown=args.output, inputs=inputs)
     other = other_gemms_note(other_gemms(loaded.model))  # GPT-2's Conv1D projections: why "0 nn.Linear"
     summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train,
                "notes": [other] if other else []}
     return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
                      export_ran=False)
+
+
+def _source(target: str, loaded: Any) -> Any:
+    """How the emitted fp8 file rebuilds the model: its file, its module or its transformers config."""
+    from ampaudit.convert.fp8 import ModelSource
+    from ampaudit.load.spec import parse_spec
+
+    if loaded.path is not None:
+        return ModelSource(path=str(loaded.path.resolve()), entry=loaded.entry)
+    spec = parse_spec(target)
+    if spec.kind == "hf":
+        return ModelSource.of_hf(loaded.model)
+    return ModelSource(module=spec.module, entry=loaded.entry)
 
 
 def run_export(model: Any, staging: Path, inputs: Any, output: Path) -> None:

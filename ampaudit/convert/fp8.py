@@ -13,7 +13,9 @@ their last quarter, as the fp16/bf16 training check does (convert/train_check.py
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
+import pprint
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +32,7 @@ from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import EMITTED_RECIPES, MX_BLOCK, TORCHAO_RECIPES
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts
 
-EMIT_FILE, PLAN_FILE = FP8_FILES
+EMIT_FILE, PLAN_FILE, INPUTS_FILE = FP8_FILES
 DEFAULT_STEPS = 20
 TOLERANCE = 5e-2  # relative gap of the curves' ends, fp8 against bf16 autocast (bf16's own against fp32)
 
@@ -82,10 +84,28 @@ def fp8_policy(model: torch.nn.Module, example_inputs: Any, *, recipe: str | Non
     return policy_from(judgement)
 
 
-def emit_torchao(policy: Fp8Policy, *, model_file: str | None, entry: str, steps: int = DEFAULT_STEPS,
-                 tolerance: float = TOLERANCE, input_shapes: list[list[int]] | None = None) -> str:
+@dataclass(frozen=True)
+class ModelSource:
+    """How the emitted file rebuilds the model ampaudit measured: from its file (``path``), an
+    importable module (``module``) or a transformers config (``hf``: the model class's name and
+    its config as a dict), then ``entry`` evaluated there; all None: it cannot."""
+
+    path: str | None = None
+    module: str | None = None
+    entry: str | None = None
+    hf: tuple[str, dict[str, Any]] | None = None
+
+    @classmethod
+    def of_hf(cls, model: torch.nn.Module) -> ModelSource:
+        fields = {k: v for k, v in model.config.to_diff_dict().items() if k != "transformers_version"}
+        return cls(hf=(type(model).__name__, fields))
+
+
+def emit_torchao(policy: Fp8Policy, source: ModelSource = ModelSource(), *, steps: int = DEFAULT_STEPS,
+                 tolerance: float = TOLERANCE) -> str:
     """The standalone file: config, filter, ``convert(model)``, ``verify()`` and a ``__main__``
-    that rebuilds the model from its file and verifies."""
+    that rebuilds the model as ampaudit built it, loads the inputs saved beside it
+    (``write_fp8``) and verifies."""
     keep_lines = "".join(f"    {fqn!r},  # {_comment(reason)}\n" for fqn, reason in policy.keep.items())
     keep_block = f"KEEP_IN_BF16 = {{\n{keep_lines}}}\n" if policy.keep else "KEEP_IN_BF16: set[str] = set()\n"
     return _TEMPLATE.format(**(_MXFP8 if policy.recipe == "mxfp8" else _FLOAT8), version=__version__,
@@ -93,8 +113,9 @@ def emit_torchao(policy: Fp8Policy, *, model_file: str | None, entry: str, steps
                             fp8_count=len(policy.fp8), keep_count=len(policy.keep), steps=steps or DEFAULT_STEPS,
                             run="repeat ampaudit's verification" if steps else
                             "verify it (ampaudit wrote it untrained, --train-steps 0)",
-                            tolerance=repr(tolerance), model_file=repr(model_file), entry=repr(entry),
-                            input_shapes=repr(input_shapes))
+                            tolerance=repr(tolerance), model_file=repr(source.path), module=repr(source.module),
+                            entry=repr(source.entry), hf_model=pprint.pformat(source.hf, width=100, sort_dicts=True),
+                            inputs=repr(INPUTS_FILE))
 
 
 def _comment(reason: str) -> str:
@@ -110,23 +131,45 @@ def load_emitted(path: Path) -> Any:
     return module
 
 
+def saved_inputs(inputs: ExampleInputs) -> bytes | None:
+    """``inputs`` as the file the emitted module loads (``torch.load(..., weights_only=True)``),
+    or None where they hold what that cannot load (an object of the user's own class)."""
+    detached = {"args": [_detached(v) for v in inputs.args],
+                "kwargs": {k: _detached(v) for k, v in inputs.kwargs.items()}}
+    buffer = io.BytesIO()
+    torch.save(detached, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception:  # whatever the restricted unpickler refuses
+        return None
+    return buffer.getvalue()
+
+
+def _detached(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
 def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str, Any] | None,
-              shown: Path | None = None) -> list[str]:
-    """The emitted file and the plan (policy, measurements, verification) into ``folder`` (a
-    staging folder: ``shown``, the folder it becomes, is what errors name)."""
+              shown: Path | None = None, inputs: bytes | None = None) -> list[str]:
+    """The emitted file, the plan (policy, measurements, verification) and the example inputs
+    (``saved_inputs``) into ``folder`` (a staging folder: ``shown``, the folder it becomes, is
+    what errors name)."""
     from ampaudit.convert.publish import MANIFEST, call_reported
     from ampaudit.core.files import write_atomic
 
     shown = shown if shown is not None else folder
+    names = [EMIT_FILE, PLAN_FILE]
     write_atomic(folder / EMIT_FILE, text, shown=str(shown / EMIT_FILE))
+    if inputs is not None:
+        write_atomic(folder / INPUTS_FILE, inputs, shown=str(shown / INPUTS_FILE))
+        names.append(INPUTS_FILE)
     plan = {"tool": "ampaudit", "version": __version__, **policy.to_dict(), "train": verification,
             "layers": policy.table.get("layers", [])}
     write_atomic(folder / PLAN_FILE, json.dumps(plan, indent=2, default=str) + "\n", shown=str(shown / PLAN_FILE))
     # a manifest, as every export has: without it the next export into the folder (or --force into
     # one holding the user's files) took it for the user's files
-    call_reported(f"cannot write {shown / MANIFEST}",
-                  lambda: seal_staging(folder, [EMIT_FILE, PLAN_FILE], uuid.uuid4().hex))
-    return [EMIT_FILE, PLAN_FILE]
+    call_reported(f"cannot write {shown / MANIFEST}", lambda: seal_staging(folder, names, uuid.uuid4().hex))
+    return names
 
 
 def require_torchao() -> None:
@@ -226,6 +269,7 @@ autocast; torch.compile the model for speed on a GPU). Run this file to {run}:
 import copy
 {dataclasses}import math
 import sys
+from pathlib import Path
 
 import torch
 {imports}
@@ -331,43 +375,60 @@ def verify(model, args, kwargs=None, steps=STEPS):
 
 
 MODEL_FILE = {model_file}
+MODULE = {module}
 ENTRY = {entry}
-INPUT_SHAPES = {input_shapes}
+HF_MODEL = {hf_model}
+INPUTS = {inputs}  # the example inputs ampaudit trained on, saved beside this file
 
 
-def _model_and_inputs():
+def _model():
+    """The model as ampaudit built it: from its file, its module or its transformers config."""
+    import importlib
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_model", MODEL_FILE)
-    module = importlib.util.module_from_spec(spec)
-    folder = str(__import__("pathlib").Path(MODEL_FILE).parent)
-    sys.path.insert(0, folder)  # the model file's sibling imports, while it imports
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
-    model = eval(ENTRY, vars(module))
-    model = model() if isinstance(model, type) else model
-    if INPUT_SHAPES:
-        generator = torch.Generator().manual_seed(0)
-        inputs = tuple(torch.randn(shape, generator=generator) for shape in INPUT_SHAPES)
+    if HF_MODEL is not None:
+        import transformers
+
+        cls = getattr(transformers, HF_MODEL[0])
+        config = cls.config_class.from_dict(HF_MODEL[1])
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        return cls(config)
+    if MODULE is not None:
+        namespace = vars(importlib.import_module(MODULE))
     else:
-        inputs = module.example_inputs()
-    if isinstance(inputs, dict):  # keyword arguments (input_ids=..., labels=...)
-        return model, (), inputs
-    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {{}}
+        spec = importlib.util.spec_from_file_location("_model", MODEL_FILE)
+        module = importlib.util.module_from_spec(spec)
+        folder = str(Path(MODEL_FILE).parent)
+        sys.path.insert(0, folder)  # the model file's sibling imports, while it imports
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(folder)
+        namespace = vars(module)
+    torch.manual_seed(0)
+    model = eval(ENTRY, namespace)
+    return model() if isinstance(model, type) else model
+
+
+def _inputs():
+    saved = torch.load(Path(__file__).with_name(INPUTS), weights_only=True)
+    return tuple(saved["args"]), saved["kwargs"]
 
 
 def main(steps=STEPS):
-    """The model rebuilt from its file (seed 0) and verified: what ampaudit ran."""
-    torch.manual_seed(0)
-    model, args, kwargs = _model_and_inputs()
+    """The model rebuilt (seed 0) and verified on the saved inputs: what ampaudit ran."""
+    model = _model()
+    args, kwargs = _inputs()
     return verify(model, args, kwargs, steps=steps)
 
 
 if __name__ == "__main__":
-    if MODEL_FILE is None:
-        sys.exit("this policy was made for a model without a file: call verify(model, inputs) yourself")
+    if MODEL_FILE is None and MODULE is None and HF_MODEL is None:
+        sys.exit("this policy was made for a model ampaudit cannot rebuild: call verify(model, args, kwargs) yourself")
+    if not Path(__file__).with_name(INPUTS).is_file():
+        sys.exit(f"{{INPUTS}} is not beside this file (its example inputs could not be saved): "
+                 "call verify(model, args, kwargs) yourself")
     result = main()
     print(f"{{RECIPE}}: {{len(KEEP_IN_BF16)}} layer(s) kept in bf16; {{result['steps']}} steps, loss "
           f"{{result['bf16'][-1]:.6g}} (bf16) vs {{result['fp8'][-1]:.6g}} (fp8): gap {{result['worst']:.4g}} "

@@ -35,7 +35,8 @@ from ampaudit.core.staging import (
 PLAN, WEIGHTS, MODULE = "plan.json", "weights.safetensors", "module.py"
 EXPORT_ID = "export_id"  # the key of the export's id in plan.json, the manifest and the weights' metadata
 EMIT_FILES = {"autocast": "autocast_policy.py", "hf": "hf_keep_in_fp32.py", "fsdp2": "fsdp2_policy.py"}
-FP8_FILES = ("fp8_torchao.py", "fp8_plan.json")  # what `convert --dtype fp8` writes (convert/fp8.py)
+# what `convert --dtype fp8` writes (convert/fp8.py): the inputs where torch.load(weights_only=True) reads them
+FP8_FILES = ("fp8_torchao.py", "fp8_plan.json", "fp8_inputs.pt")
 
 
 MANIFEST = "ampaudit-export.json"
