@@ -5,6 +5,7 @@ and a custom autograd Function's backward is named with its own line (item 9).""
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -152,3 +153,50 @@ def test_a_parameter_only_overflow_beside_a_mask_module_is_reported_at_its_step(
     assert {k: first[k] for k in ("step", "module", "phase", "tensor", "op")} == {
         "step": 0, "module": "head", "phase": "backward", "tensor": "grad of weight", "op": "InfBackwardBackward"}
     assert first["source"] == _line_of(WeightBoom.forward, "InfBackward.apply")
+
+
+def test_a_step_boundary_worked_out_once_logs_as_if_worked_out_every_step(tmp_path, monkeypatch):
+    # The boundary keeps a step's keys, modes and rows while its events repeat
+    # (Monitor._step_shape): a run whose events change (a module only from step 2 on, eval
+    # forwards recorded) and where a replay finds the mask modules at step 0 - which changes the
+    # modes of step 1, whose events are the same, and where a NaN after the mask must be the
+    # first - writes the same log, byte for byte, as with all of it worked out at every step.
+    from ampaudit.watch.monitor import Monitor
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt, self.extra, self.branch, self.scale = MaskedGPT(), nn.Linear(16, 16), False, 1.0
+
+        def forward(self, idx):
+            out = self.gpt(idx) * self.scale
+            return self.extra(out) if self.branch else out
+
+    def run(log):
+        torch.manual_seed(0)
+        model = Branchy()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        idx = torch.randint(0, 16, (2, 5))
+        with ampaudit.watch(model, optimizer=opt, log=log, eval=True) as mon:
+            for step in range(5):
+                model.branch = step >= 2
+                with torch.no_grad():
+                    model(idx)
+                model.scale = float("nan") if step == 1 else 1.0  # after the mask, in the same step
+                model(idx).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return log.read_bytes(), mon.masks
+
+    kept, masks = run(tmp_path / "kept.jsonl")
+    worked_out = Monitor._step_shape
+
+    def afresh(self):
+        self._shape = None
+        return worked_out(self)
+
+    monkeypatch.setattr(Monitor, "_step_shape", afresh)
+    assert run(tmp_path / "afresh.jsonl") == (kept, masks) and masks == {"gpt.cmask", "gpt.attn.add_mask"}
+    records = [json.loads(line) for line in kept.splitlines()[1:-1]]
+    assert [(r["step"], (r["first_nonfinite"] or {}).get("module")) for r in records][:3] == [
+        (0, None), (1, "(model)"), (2, "gpt.emb")]

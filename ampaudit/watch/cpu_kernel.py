@@ -34,6 +34,8 @@ _NONFINITE_ENTRY = {torch.float32: "ampaudit_nonfinite_f32", torch.float16: "amp
 _status = "not built yet"
 _OVERFLOW, _NEGINF = LAYOUT.count["overflow"], LAYOUT.count["neginf"]
 _ABSMAX, _SUMSQ = LAYOUT.extra["absmax"], LAYOUT.extra["sumsq"]
+# the slots' byte offsets in a row: the kernels read int64 counts and float32 extras
+_OVERFLOW_AT, _NEGINF_AT, _ABSMAX_AT, _SUMSQ_AT = _OVERFLOW * 8, _NEGINF * 8, _ABSMAX * 4, _SUMSQ * 4
 
 
 @dataclass(frozen=True)
@@ -133,12 +135,13 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
     overflow_at to its overflow slot and how many x are -inf to its neginf slot (int64), and
     raise its absmax extra (float32, >= 0) to the finite absmax; with ``norm``, add the sum of
     its squares to the sumsq extra (summed in fp64)."""
-    x = _readable(x)
-    base, size = counts.data_ptr(), counts.element_size()
-    extra, width = extras.data_ptr(), extras.element_size()
-    _library().rows[x.dtype](x.data_ptr(), x.numel(), base, base + _OVERFLOW * size, base + _NEGINF * size,
-                             extra + _ABSMAX * width, _bits(overflow_at), extra + _SUMSQ * width if norm else None,
-                             torch.get_num_threads())
+    entry = _library().rows.get(x.dtype)  # a hook's hot path: no copy and no lookup it can skip
+    if entry is None or not x.is_contiguous():
+        x = _readable(x)
+        entry = _library().rows[x.dtype]
+    base, extra = counts.data_ptr(), extras.data_ptr()
+    entry(x.data_ptr(), x.numel(), base, base + _OVERFLOW_AT, base + _NEGINF_AT, extra + _ABSMAX_AT,
+          _bits(overflow_at), extra + _SUMSQ_AT if norm else None, torch.get_num_threads())
 
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -442,8 +442,9 @@ class StepRecorder:
         GradScaler how many gradients overflow at its current scale. Plain CPU gradients take
         one C call for all (``cpu_kernel.fill_param_rows``)."""
         self.param_rows = {}
-        batch: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
         in_c = cpu_kernel.available()
+        grads: list[torch.Tensor] = []
+        rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, p in params:
             grad = p.grad
             if grad is None:
@@ -457,12 +458,13 @@ class StepRecorder:
                 continue
             handle, counts, extras = self.arena.take(grad.device)
             self.param_rows[name] = handle
-            if in_c and type(grad) in stats.PLAIN and grad.device.type == "cpu":
-                batch.append((grad, (counts, extras)))
+            if in_c and type(grad) in stats.PLAIN and grad.is_cpu:
+                grads.append(grad)
+                rows.append((counts, extras))
             else:
                 stats.fill_row(grad, counts, extras, self.limits, norm=True, scale=scale)
-        if batch:  # on the CPU the scale is host memory: read at no cost
-            cpu_kernel.fill_param_rows([g for g, _ in batch], [row for _, row in batch], self.limits.overflow_at,
+        if grads:  # on the CPU the scale is host memory: read at no cost
+            cpu_kernel.fill_param_rows(grads, rows, self.limits.overflow_at,
                                        float(scale) if scale is not None else None, self.limits.max)
 
     def end_step(self, logging_next: bool) -> None:

@@ -101,6 +101,7 @@ class Monitor:
         self.guard = guard_for(options.guard, scaler, optimizer, model)
         self.ignore = options.ignore
         self._modes: dict[tuple[str, str], int] = {}  # (module, phase) -> reducer mode (IGNORED...)
+        self._shape: tuple | None = None  # the last step's events, parameters and ``_step_shape``
         self.masks: set[str] = set()  # modules found (by a replay) to write -inf masks on purpose
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.stop_on_nonfinite = options.every, options.stop_on_nonfinite
@@ -275,14 +276,12 @@ class Monitor:
             with forks.single_threaded(_CPU):
                 fp8 = self.fp8.end_step((step + 1) % self.every == 0)
         if recorder.logging:
-            keys = sorted(set((module, phase) for module, phase, _ in recorder.events if phase != INPUT_GRAD))
-            param_keys = sorted(recorder.param_rows)
-            modes = self._event_modes()
+            keys, param_keys, modes, event_keys = self._step_shape()
             context = {"unmeasured": dict(recorder.unmeasured),  # so far: the builder keeps the latest
                        "dtype": self.dtype_name, "dtype_source": self.dtype_source,
                        "eval_forwards": recorder.eval_forwards, "forks": self.forks}
             with forks.single_threaded(_CPU):  # a forked child must never wait on threads watch started
-                flat, buf = self._reduce(found_inf, scale, keys, param_keys, modes)
+                flat, buf = self._reduce(found_inf, scale, len(keys), param_keys, modes, event_keys)
                 if self.reducer.world <= 1:
                     # Totals and the verdicts' conditions stay on the device; the step reads back
                     # only what it must decide (first non-finite, skipped, scale).
@@ -305,15 +304,30 @@ class Monitor:
         if record is not None:
             self._check_stop(record)
 
-    def _reduce(self, found_inf: torch.Tensor | None, scale: torch.Tensor | None, keys: list[tuple[str, str]],
-                param_keys: list[str], modes: list[int]) -> tuple[torch.Tensor, Any]:
+    def _reduce(self, found_inf: torch.Tensor | None, scale: torch.Tensor | None, n_keys: int, param_keys: list[str],
+                modes: list[int], event_keys: list[int]) -> tuple[torch.Tensor, Any]:
         """The step's rows reduced into one buffer (``StepReducer.step_buffer``)."""
         recorder = self.recorder
-        slot = {key: i for i, key in enumerate(keys)}
+        sharded = tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params) \
+            if recorder.sharded_params else ()
         return self.reducer.step_buffer(
-            recorder.arena, recorder.event_rows, [slot.get((m, p), -1) for m, p, _ in recorder.events],
-            len(keys), [recorder.param_rows[k] for k in param_keys], recorder.limits, found_inf, scale,
-            modes=modes, sharded=tuple(i for i, k in enumerate(param_keys) if k in recorder.sharded_params))
+            recorder.arena, recorder.event_rows, event_keys, n_keys, [recorder.param_rows[k] for k in param_keys],
+            recorder.limits, found_inf, scale, modes=modes, sharded=sharded)
+
+    def _step_shape(self) -> tuple[list[tuple[str, str]], list[str], list[int], list[int]]:
+        """The step's (module, phase) keys and its parameters, sorted; per event, its mode
+        (``_event_modes``) and its key's row (-1: an input gradient, in no row). A training
+        loop records the same events step after step: worked out again only when they change
+        (or a module turns out to write masks, which changes modes)."""
+        recorder = self.recorder
+        events, params = tuple(recorder.events), tuple(recorder.param_rows)
+        if self._shape is not None and self._shape[0] == events and self._shape[1] == params:
+            return self._shape[2]
+        keys = sorted(set((module, phase) for module, phase, _ in events if phase != INPUT_GRAD))
+        slot = {key: i for i, key in enumerate(keys)}
+        shape = keys, sorted(params), self._event_modes(), [slot.get((m, p), -1) for m, p, _ in events]
+        self._shape = events, params, shape
+        return shape
 
     def _event_modes(self) -> list[int]:
         """Per event, which values make it a candidate first non-finite (``reducer.bad_events``)."""
@@ -347,6 +361,7 @@ class Monitor:
             record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params, modes, self.masks)
             if len(self.masks) != masks:
                 self._modes.clear()  # a module found to write masks: its -inf no longer counts
+                self._shape = None
 
     def _check_stop(self, record: dict[str, Any]) -> None:
         """With ``stop_on_nonfinite``: raise once this step is recorded, if it calls for it."""

@@ -58,8 +58,10 @@ class Call:
 
 
 def autocast_state() -> tuple:
-    """The autocast state in force now, to replay a call under it."""
-    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES)
+    """The autocast state in force now, to replay a call under it (per device type in
+    _DEVICE_TYPES; written out: it runs at every module call of a recorded step)."""
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    return (enabled("cpu"), dtype("cpu")), (enabled("cuda"), dtype("cuda"))
 
 
 @dataclass

@@ -44,6 +44,8 @@ IGNORED, HARMFUL, ANY = 0, 1, 2  # an event's mode: never first; first if NaN/+i
 
 
 _NAN, _INF, _NEGINF = (LAYOUT.field[name] for name in ("nan", "inf", "neginf"))
+assert _INF == _NAN + 1  # read as one slice (``StepReducer.accumulate``)
+assert _INF == _NAN + 1  # read together (``StepReducer.accumulate``)
 
 
 def bad_events(rows: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
@@ -95,9 +97,13 @@ class StepReducer:
                 index_tensor(modes, device) if modes is not None and n_events else None, n_keys, counts,
                 scale is not None, buf.size, float(NO_EVENT))
             if param_rows:  # torch's sqrt, as below: C's may differ in the last bit
-                flat[buf.norms] = extras[used[n_events:], LAYOUT.extra["sumsq"]].to(_F64).sqrt()
-            flat[buf.scale] = scale.to(_F64).reshape(()) if scale is not None else -1.0
-            flat[buf.found_inf] = found_inf.to(_F64).reshape(()) if found_inf is not None else -1.0
+                sumsq = extras.select(1, LAYOUT.extra["sumsq"]).index_select(0, used[n_events:])
+                torch.sqrt(sumsq.to(_F64), out=flat[buf.norms])
+            if scale is None and found_inf is None:  # one fill for both (each op costs more than its work)
+                flat[buf.scale:].fill_(-1.0)
+            else:
+                flat[buf.scale] = scale.to(_F64).reshape(()) if scale is not None else -1.0
+                flat[buf.found_inf] = found_inf.to(_F64).reshape(()) if found_inf is not None else -1.0
             return flat, buf
         rows = rows.index_select(0, used)
         parts = []
@@ -180,12 +186,11 @@ class StepReducer:
             self._pending.append((rows, self._rows_of(keys, param_keys, flat.device)))
             if len(self._pending) >= TOTALS_BATCH:
                 self._add_pending()
-        params = rows[len(keys):]
-        bad = params[:, LAYOUT.field["nan"]] + params[:, LAYOUT.field["inf"]]
-        n_params = len(param_keys)
-        values = torch.cat([bad, flat[buf.tail]]).tolist()  # the one host sync of this step
-        step = self._with_tail(values, buf, buf.tail.start - n_params, layers=[], params=None,
-                               param_nonfinite=[bool(v) for v in values[:n_params]])
+        n_flags = 2 * len(param_keys)  # each parameter's NaN and Inf counts
+        values = torch.cat([rows[len(keys):, _NAN:_INF + 1].reshape(-1), flat[buf.tail]]).tolist()  # the one sync
+        step = self._with_tail(values, buf, buf.tail.start - n_flags, layers=[], params=None,
+                               param_nonfinite=[bool(nan or inf) for nan, inf in zip(values[:n_flags:2],
+                                                                                    values[1:n_flags:2], strict=True)])
         self._last_norms = dict(zip(param_keys, step.norms, strict=True))
         for name, count in zip(param_keys, step.scaled, strict=True):
             if count >= 0:  # with a GradScaler: gradients overflowing at its current scale

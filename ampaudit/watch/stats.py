@@ -47,6 +47,10 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
     no host sync: the bin counts, how many |x| round to Inf in the audited dtype, how many
     values are -inf, and the finite absmax; with ``norm``, the sum of squares; with ``scale``
     (a device scalar), how many |x| * scale exceed the dtype's max."""
+    if type(x) in PLAIN and x.is_cpu and cpu_kernel.available():  # a hook's hot path first
+        cpu_kernel.fill_row(x, counts, extras, limits.overflow_at, norm=norm)  # the norm in the same pass
+        fill_param_extras(x, counts, extras, limits, norm=False, scale=scale)
+        return
     if is_dtensor(x):  # a shard per rank (FSDP2, tensor parallel): this rank's part
         x = x.to_local()
     if type(x) not in PLAIN:
@@ -71,7 +75,7 @@ def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, 
     """What ``nonfinite`` and ``harmful`` read of a row (its NaN, Inf and -inf counts), for a
     tensor that is in no statistics, only a candidate first non-finite: on the CPU a cheaper
     pass than ``fill_row`` (``cpu_kernel.fill_nonfinite``), elsewhere the whole row."""
-    if type(x) in PLAIN and x.device.type == "cpu" and cpu_kernel.available():
+    if type(x) in PLAIN and x.is_cpu and cpu_kernel.available():
         cpu_kernel.fill_nonfinite(x, counts)
     else:
         fill_row(x, counts, extras, limits)
