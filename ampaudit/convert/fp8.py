@@ -320,10 +320,24 @@ def _first(value):
     return None
 
 
+def _own_loss(output):
+    """The loss the model computed: ``.loss``, a one-element output, or the one one-element
+    tensor of a tuple (``(logits, loss)``); None where it computes none."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() and output.numel() == 1 else None
+    if isinstance(output, (tuple, list)):
+        scalars = [t for t in output if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == 1]
+        if len(scalars) == 1:
+            return scalars[0]
+    return None
+
+
 def _loss(output, target):
-    own = getattr(output, "loss", None)
     if target is None:
-        return (own if isinstance(own, torch.Tensor) else _first(output)).float()
+        return _own_loss(output).float()
     return torch.nn.functional.mse_loss(_first(output).float(), target)
 
 
@@ -349,10 +363,9 @@ def verify(model, args, kwargs=None, steps=STEPS):
     reference = copy.deepcopy(model).eval()  # eval: no dropout on either side
     with torch.no_grad():
         output = reference(*args, **kwargs)
-    own = getattr(output, "loss", None)
     first = _first(output)
     target = None
-    if not (isinstance(own, torch.Tensor) or (first is not None and first.numel() == 1)):
+    if _own_loss(output) is None:  # no loss of its own: its first output trained to a fixed random target
         generator = torch.Generator().manual_seed(0)
         target = torch.randn(first.shape, generator=generator) * float(first.float().std().clamp_min(1e-3))
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ from ampaudit.convert.low_weights import fp32_copy
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.core.paths import display_path
-from ampaudit.core.tensors import iter_tensors
+from ampaudit.core.tensors import iter_tensors, own_loss
 from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs
 
@@ -234,19 +234,11 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return next((t for t in iter_tensors(value) if t.is_floating_point()), None)
 
 
-def _own_loss(output: Any) -> torch.Tensor | None:
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    first = _first_tensor(output)
-    return first if first is not None and first.numel() == 1 else None
-
-
 def _target(model: torch.nn.Module, inputs: ExampleInputs) -> torch.Tensor | None:
     """None when the model computes its own loss; else a fixed random target like its output."""
     with torch.no_grad():
         output = model(*inputs.args, **inputs.kwargs)
-    if _own_loss(output) is not None:
+    if own_loss(output) is not None:
         return None
     first = _first_tensor(output)
     if first is None:
@@ -258,7 +250,7 @@ def _target(model: torch.nn.Module, inputs: ExampleInputs) -> torch.Tensor | Non
 
 def _loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
     if target is None:
-        return _own_loss(output).float()
+        return own_loss(output).float()
     return torch.nn.functional.mse_loss(_first_tensor(output).float(), target)
 
 

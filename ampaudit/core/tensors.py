@@ -18,6 +18,26 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     return _walk(value, Tensor)
 
 
+def own_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself, or None: its ``.loss`` (a transformers output), the
+    output when it is one float element, else the one single-element float tensor of a tuple or
+    list - karpathy's GPT returns ``(logits, loss)``, transformers without return_dict
+    ``(loss, logits, ...)``. A training check or an fp8 audit that took the first tensor trained
+    the logits to a made-up target instead, with gradients that model never sees."""
+    from torch import Tensor
+
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, Tensor) and loss.numel() == 1:
+        return loss
+    if isinstance(output, Tensor):
+        return output if output.is_floating_point() and output.numel() == 1 else None
+    if isinstance(output, (tuple, list)):
+        scalars = [t for t in output if isinstance(t, Tensor) and t.is_floating_point() and t.numel() == 1]
+        if len(scalars) == 1:
+            return scalars[0]
+    return None
+
+
 def has_tensor(value: Any) -> bool:
     """Whether a (nested) output holds a tensor; dict subclasses such as HF's ModelOutput count."""
     return next(iter_tensors(value), None) is not None

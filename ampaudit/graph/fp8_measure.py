@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
-from ampaudit.core.tensors import iter_tensors
+from ampaudit.core.tensors import iter_tensors, own_loss
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
@@ -185,12 +185,10 @@ def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def model_loss(output: Any) -> torch.Tensor:
-    """The model's own loss (a scalar, or ``.loss``), else the mean square of its outputs."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+    """The model's own loss (``core.tensors.own_loss``), else the mean square of its outputs."""
+    loss = own_loss(output)
+    if loss is not None and loss.requires_grad:
         return loss.float()
-    if isinstance(output, torch.Tensor) and output.numel() == 1 and output.requires_grad:
-        return output.float()
     parts = [t.float().square().mean() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
     if not parts:
         raise LoadError("the model's output has no tensor that depends on its weights: nothing to train in fp8")
