@@ -221,6 +221,29 @@ def test_torchao_float8_linear_modules_are_measured_as_they_run(recipe):
     assert fp8["0"]["input"]["steps"] == 3 and fp8["0"]["input"]["numel"] == 3 * 16 * 32
 
 
+def test_torchao_mxfp8_linears_are_named_as_such_not_as_a_what_if():
+    # they were "Linear (what-if)" with e5m2 gradients: what tensorwise would do, not what runs
+    pytest.importorskip("torchao.prototype.moe_training.config")
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization import quantize_
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    quantize_(model, MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn == "0")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt, fp8=True) as mon:
+        for _ in range(2):
+            model(torch.randn(32, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    fp8 = mon.summary()["fp8"]
+    assert fp8["0"]["kind"] == "MXFP8 (per-tensor statistics)" and fp8["2"]["kind"] == "Linear (what-if)"
+    assert [fp8["0"][op]["format"] for op in ("input", "weight", "grad_output")] == ["e4m3"] * 3
+    assert fp8["0"]["input"]["steps"] == 2 and fp8["0"]["weight"]["amax"] > 0
+
+
 def _cuda_train(model, opt, steps):
     x = torch.randn(16, 64, device="cuda")
     for _ in range(steps):

@@ -31,6 +31,7 @@ from ampaudit.core.dtypes import E4M3, E5M2, FP8_FORMATS, LowDtype
 from ampaudit.watch.layout import FP8_FIELDS, FP8_OPERANDS, FP8_SUMS
 
 DEFAULT_FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}  # torchao's tensorwise recipe
+MX_WEIGHT = "MXFP8TrainingWeightWrapperTensor"  # torchao's MXFP8 training wraps a Linear's weight in it
 EPS = 1e-12  # torchao's floor under an amax (float8_utils.EPS): an all-zero tensor's scale stays finite
 _SUMS = len(FP8_SUMS)
 _NAMES = tuple(f.name for f in FP8_FIELDS)
@@ -42,6 +43,9 @@ def module_formats(module: torch.nn.Module) -> tuple[str, dict[str, LowDtype]]:
     own config (its scaling granularity named; the statistics are per tensor), else the
     tensorwise recipe's, as a what-if."""
     config = getattr(module, "config", None)
+    if type(getattr(module, "weight", None)).__name__ == MX_WEIGHT:
+        # torchao's MXFP8 training: e4m3 everywhere, one scale per 32 elements; the rows are per tensor
+        return "MXFP8 (per-tensor statistics)", dict.fromkeys(FP8_OPERANDS, E4M3)
     if type(module).__name__ != "Float8Linear" or config is None:
         return "Linear (what-if)", dict(DEFAULT_FORMATS)
     formats, granularity = {}, "tensorwise"
