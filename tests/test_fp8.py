@@ -366,13 +366,7 @@ def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verif
     assert plan["recipe"] == "tensorwise" and list(plan["keep"]) == ["fc1"] and plan["fp8"] == ["fc2"]
     text = (out / "fp8_torchao.py").read_text()
     assert "KEEP_IN_BF16 = {\n    'fc1',  # AMP702: massive-activation tokens" in text
-    run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    train = plan["train"]
-    assert run.stdout.strip().endswith(
-        f"{train['steps']} steps, loss {train['bf16'][-1]:.6g} (bf16) vs {train['fp8'][-1]:.6g} (fp8): "
-        f"gap {train['worst']:.4g} (tolerance 0.05)")
+    _runs_as_written(out, plan, tmp_path)
 
 
 def _mx_training():

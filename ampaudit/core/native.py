@@ -36,11 +36,14 @@ def compiler() -> str | None:
     return os.environ.get("CC") or next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
 
 
+HEADER = Path(__file__).with_name("native_simd.h")  # what every source includes (-I this folder)
+
+
 def cached(source: Path, defines: list[str]) -> Path:
     """Where a build of ``source`` with ``defines`` for this machine lives (found without a compiler)."""
     suffix = ".dll" if sys.platform == "win32" else ".so"
     stamp = f"|{' '.join(defines)}|{platform.machine()}|{sys.platform}"
-    key = hashlib.sha256(source.read_bytes() + stamp.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + stamp.encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}{suffix}"
 
 
@@ -60,7 +63,7 @@ def build(source: Path, defines: list[str]) -> Path:
     for flags in (["-fopenmp"], ["-fopenmp", "-DAMPAUDIT_NO_CLONES"], ["-DAMPAUDIT_NO_CLONES"]):
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
         os.close(fd)
-        cmd = [*cc.split(), "-O3", "-shared", "-fPIC", *defines, *flags, "-o", tmp, str(source)]
+        cmd = [*cc.split(), "-O3", "-shared", "-fPIC", f"-I{HEADER.parent}", *defines, *flags, "-o", tmp, str(source)]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:

@@ -19,14 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__has_attribute) && !defined(AMPAUDIT_NO_CLONES)
-#if __has_attribute(target_clones)
-#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef SIMD_CLONES
-#define SIMD_CLONES
-#endif
+#include "native_simd.h" /* SIMD_CLONES */
 
 typedef struct {
     uint32_t shift;      /* 23 - the format's mantissa bits */

@@ -28,18 +28,7 @@
 #define NAN_BIN (QUIET_NAN >> AMPAUDIT_BIN_SHIFT) /* where every NaN lands, once made quiet */
 #define INF_BIN (0x7f800000 >> AMPAUDIT_BIN_SHIFT)  /* +-Inf, and nothing else */
 
-/* Each piece loop is compiled three times - for AVX-512 (x86-64-v4), AVX2 (x86-64-v3) and
- * the baseline - and the loader picks the best the CPU has (GCC/clang function multiversioning):
- * the wider vectors halve the time of float32 and bfloat16 rows, and a build stays portable.
- * cpu_kernel.py builds with -DAMPAUDIT_NO_CLONES where the toolchain cannot. */
-#if defined(__x86_64__) && defined(__has_attribute) && !defined(AMPAUDIT_NO_CLONES)
-#if __has_attribute(target_clones)
-#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef SIMD_CLONES
-#define SIMD_CLONES
-#endif
+#include "native_simd.h" /* SIMD_CLONES */
 
 #define PIECE 65536 /* elements per task: a lane counts at most an eighth of a piece (and seven
                       * more per block), below 2**16: uint16 lanes, 16 KB for eight of them */
