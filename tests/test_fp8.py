@@ -598,7 +598,17 @@ def test_the_check_api_audits_fp8_too():
 def test_convert_fp8_without_torchao_is_one_line(cli, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` fails, as where it is not installed
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "-o", tmp_path / "a")
-    assert result.code == 2 and 'pip install "ampaudit[fp8]"' in result.err
+    assert result.code == 2 and 'pip install -U "ampaudit[fp8]"' in result.err and "(torchao.float8," in result.err
+    assert not (tmp_path / "a").exists()
+
+
+def test_mxfp8_with_a_torchao_too_old_for_its_training_is_one_line(cli, tmp_path, monkeypatch):
+    _torchao()
+    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training.config", None)  # before torchao 0.18
+    result = cli("convert", model_path("fp8_massive_tokens.py"), "--dtype", "fp8", "--fp8-recipe", "mxfp8",
+                 "--emit", "torchao", "-o", tmp_path / "a")
+    assert result.code == 2 and result.err.count("\n") == 1, result.err
+    assert "(torchao.prototype.moe_training.config, which does not import here)" in result.err
     assert not (tmp_path / "a").exists()
 
 

@@ -113,7 +113,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         names = write_fp8(Path(staging), policy, text, None, shown=args.output, inputs=inputs)
         train = None
         if steps and not args.no_verify:
-            require_torchao()
+            require_torchao(policy.recipe)
             require_trainable(policy)
             module = load_emitted(Path(staging) / names[0])
             # what running the file does, where it can: rebuild the model, load the saved inputs

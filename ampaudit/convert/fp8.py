@@ -172,14 +172,20 @@ def write_fp8(folder: Path, policy: Fp8Policy, text: str, verification: dict[str
     return names
 
 
-def require_torchao() -> None:
-    """Verifying trains with torchao (the emitted file imports it): one line when it is missing."""
+# what the emitted file imports, by recipe: torchao's float8 training, or its MXFP8 training (torchao 0.18 on)
+_TORCHAO_MODULE = {"mxfp8": "torchao.prototype.moe_training.config"}
+
+
+def require_torchao(recipe: str | None = None) -> None:
+    """Verifying trains with torchao (the emitted file imports it): one line when it is
+    missing, or too old for ``recipe``'s training."""
+    name = _TORCHAO_MODULE.get(recipe or "", "torchao.float8")
     try:
         with quiet_imports():
-            import torchao.float8  # noqa: F401
+            importlib.import_module(name)
     except ImportError:
-        raise UsageError('verifying an fp8 policy trains with torchao: pip install "ampaudit[fp8]" '
-                         "(or pass --train-steps 0)") from None
+        raise UsageError(f"verifying an fp8 policy trains with torchao ({name}, which does not import here): "
+                         'pip install -U "ampaudit[fp8]" (or pass --train-steps 0)') from None
 
 
 def require_trainable(policy: Fp8Policy) -> None:
