@@ -342,6 +342,7 @@ def test_fp8_policy_names_exactly_the_layers_kept_and_why():
     assert policy.recipe == "tensorwise" and policy.fp8 == ["fc2"]
     assert list(policy.keep) == ["fc1"] and policy.keep["fc1"].startswith("AMP702: massive-activation tokens")
     assert not policy.module_filter_fn(model.fc1, "fc1") and policy.module_filter_fn(model.fc2, "fc2")
+    assert not policy.module_filter_fn(nn.Embedding(4, 4), "emb")  # quantize_ asks of every module
     # no recipe: the torchao recipe that keeps the fewest layers (rowwise recovers the tokens in the
     # forward, but only rowwise_with_gw_hp in the grad-weight GEMM too)
     chosen = ampaudit.fp8_policy(model, module.example_inputs())

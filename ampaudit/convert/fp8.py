@@ -47,8 +47,10 @@ class Fp8Policy:
     table: dict[str, Any] = field(default_factory=dict)  # the measurements (check's Report.fp8)
 
     def module_filter_fn(self, module: torch.nn.Module, fqn: str) -> bool:
-        """torchao's filter: True converts the module to fp8."""
-        return fqn not in self.keep
+        """torchao's filter: True converts the module to fp8 - ``convert_to_float8_training``'s
+        ``module_filter_fn``, or ``quantize_``'s ``filter_fn`` for MXFP8, which asks of every
+        module (an Embedding's weight must stay as it is)."""
+        return isinstance(module, torch.nn.Linear) and fqn not in self.keep
 
     def to_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "keep": dict(self.keep), "fp8": list(self.fp8)}
