@@ -412,6 +412,11 @@ def test_mxfp8_training_needs_tokens_in_blocks_of_32_said_in_one_line(cli, tmp_p
     assert result.code == 2 and result.err.count("\n") == 1, result.err
     assert "mxfp8 training needs each batch's tokens to be a multiple of 32" in result.err
     assert "the example inputs give `proj` 16" in result.err and not (tmp_path / "out").exists()
+    notes = _check(cli, "fp8_outlier_channels.py", "--fp8-recipe", "mxfp8")["target"]["notes"]
+    assert [n for n in notes if "multiple of 32" in n] == [
+        "mxfp8 training needs each batch's tokens to be a multiple of 32 (its grad-weight GEMM casts along them); "
+        "the example inputs give `proj` 16: torchao asserts it at the first step"]
+    assert not [n for n in _check(cli, "fp8_outlier_channels.py")["target"]["notes"] if "multiple of 32" in n]
 
 
 @pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "mxfp8"])

@@ -29,8 +29,8 @@ from ampaudit.core.arguments import require_module
 from ampaudit.core.errors import LoadError, UsageError
 from ampaudit.core.import_noise import quiet_imports
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.fp8_casts import EMITTED_RECIPES, MX_BLOCK, TORCHAO_RECIPES
-from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts
+from ampaudit.graph.fp8_casts import EMITTED_RECIPES, TORCHAO_RECIPES
+from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts, mx_tokens_problem
 
 EMIT_FILE, PLAN_FILE, INPUTS_FILE = FP8_FILES
 DEFAULT_STEPS = 20
@@ -196,13 +196,11 @@ def require_trainable(policy: Fp8Policy) -> None:
     before training, where the example batch has others."""
     if policy.recipe != "mxfp8":
         return
-    odd = [(layer["name"], layer["rows"]) for layer in policy.table.get("layers", [])
-           if layer["name"] in policy.fp8 and layer["rows"] % MX_BLOCK]
-    if odd:
-        name, rows = odd[0]
-        raise UsageError(f"mxfp8 training needs each batch's tokens to be a multiple of {MX_BLOCK} (its grad-weight "
-                         f"GEMM casts along them); the example inputs give `{name}` {rows}: give example inputs of "
-                         "such a shape, or --train-steps 0 to write the policy without training it")
+    problem = mx_tokens_problem({layer["name"]: layer["rows"] for layer in policy.table.get("layers", [])
+                                 if layer["name"] in policy.fp8})
+    if problem:
+        raise UsageError(f"{problem}: give example inputs of such a shape, or --train-steps 0 to write the policy "
+                         "without training it")
 
 
 def verify_with(module: Any, model: torch.nn.Module, inputs: ExampleInputs, steps: int) -> dict[str, Any]:

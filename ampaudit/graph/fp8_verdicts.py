@@ -13,7 +13,7 @@ from torch import nn
 
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.fp8_casts import BLOCK, RECIPES
+from ampaudit.graph.fp8_casts import BLOCK, MX_BLOCK, RECIPES
 from ampaudit.graph.fp8_measure import Fp8Layer, Fp8Measurement, OperandStats, dominance, measure_fp8
 
 FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705")  # the verdicts this module gives
@@ -169,3 +169,14 @@ def judge(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Judgement:
                                         f"dominates the output's fp8 error ({_db(m.output_sqnr_db)} -> "
                                         f"{_db(m.output_sqnr_without_db)} dB kept in bf16)"))
     return Fp8Judgement(measurement, layers)
+
+
+def mx_tokens_problem(rows: dict[str, int]) -> str | None:
+    """Why torchao's MXFP8 training cannot take these batches, or None: it casts the
+    grad-weight GEMM's operands in blocks of 32 along the tokens and asserts every fp8 Linear's
+    tokens per batch (``rows``: layer -> tokens) are a multiple of 32."""
+    odd = next(((name, n) for name, n in rows.items() if n % MX_BLOCK), None)
+    if odd is None:
+        return None
+    return (f"mxfp8 training needs each batch's tokens to be a multiple of {MX_BLOCK} (its grad-weight GEMM casts "
+            f"along them); the example inputs give `{odd[0]}` {odd[1]}")
