@@ -184,7 +184,7 @@ def require_torchao(recipe: str | None = None) -> None:
     name = _TORCHAO_MODULE.get(recipe or "", "torchao.float8")
     try:
         with quiet_imports():
-            importlib.import_module(name)
+            __import__(name)  # as the emitted file's import statement does: the package first
     except ImportError:
         raise UsageError(f"verifying an fp8 policy trains with torchao ({name}, which does not import here): "
                          'pip install -U "ampaudit[fp8]" (or pass --train-steps 0)') from None
