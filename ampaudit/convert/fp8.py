@@ -1,13 +1,16 @@
 """``convert --dtype fp8 --emit torchao`` and ``ampaudit.fp8_policy``: which Linears to train in
 fp8 with which torchao recipe, measured on the model (``graph/fp8_verdicts.py``), written as a
-standalone Python file - the ``Float8LinearConfig`` and a ``module_filter_fn`` naming exactly
-the layers kept in bf16, each with its reason - and verified by training.
+standalone Python file - the ``Float8LinearConfig`` (or, for mxfp8, ``MXFP8TrainingOpConfig``)
+and a ``module_filter_fn`` naming exactly the layers kept in bf16, each with its reason - and
+verified by training.
 
-The verification is the emitted file's own ``verify()``: ampaudit loads the file it wrote and
-runs it, so running the file as written gives the same numbers. It trains k steps of a copy
-converted with torchao (``emulate=True`` without a GPU) beside k steps of a copy under bf16
-autocast, AdamW on the example inputs, and compares the loss curves by applied update over
-their last quarter, as the fp16/bf16 training check does (convert/train_check.py).
+The verification is the emitted file's own ``main()``: ampaudit loads the file it wrote and runs
+it - the model rebuilt as the file rebuilds it (``ModelSource``), the example inputs loaded from
+``fp8_inputs.pt`` beside it - so running the file as written gives the same numbers. It trains k
+steps of a copy converted with torchao (emulated without a GPU that has the kernels) beside k
+steps of a copy under bf16 autocast, AdamW on the example inputs, and compares the loss curves
+by applied update over their last quarter, as the fp16/bf16 training check does
+(convert/train_check.py).
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ def choose_recipe(model: torch.nn.Module, inputs: ExampleInputs) -> str:
 
 def fp8_policy(model: torch.nn.Module, example_inputs: Any, *, recipe: str | None = None) -> Fp8Policy:
     """Which of ``model``'s Linears train in fp8 and which stay in bf16, and why, measured on
-    ``example_inputs`` (one fp32 forward and backward). ``recipe``: one of torchao's
-    (tensorwise, rowwise, rowwise_with_gw_hp); None picks the one that keeps the fewest."""
+    ``example_inputs`` (one fp32 forward and backward). ``recipe``: tensorwise, rowwise,
+    rowwise_with_gw_hp (torchao's float8 recipes) or mxfp8 (its MXFP8 training); None picks the
+    float8 recipe that keeps the fewest."""
     require_module(model, "ampaudit.fp8_policy", eager=True)
     inputs = ExampleInputs.coerce(example_inputs, "example_inputs")
     if recipe is not None and recipe not in EMITTED_RECIPES:
