@@ -28,6 +28,7 @@ SMALL = {
     "intermediate_size": 64, "d_ff": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
     "vocab_size": 100, "max_position_embeddings": 64, "relative_attention_num_buckets": 8,
     "image_size": 32, "patch_size": 8, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 16,
+    "rotary_dim": 8,  # GPT-J, CodeGen: rotary dims within a 16-dim head (their default 64 is not)
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id")
@@ -78,12 +79,19 @@ def _head(config) -> type[torch.nn.Module]:
     raise LoadError(f"hf:{config.model_type}: transformers has no model class for {type(config).__name__}")
 
 
+def _settable(config: Any, name: str) -> bool:
+    """Whether ``config`` has a field ``name`` a constructor may set: Falcon's ``head_dim`` is
+    a property computed from the others, and setting it raised."""
+    attribute = getattr(type(config), name, None)
+    return hasattr(config, name) and not (isinstance(attribute, property) and attribute.fset is None)
+
+
 def build_hf(model_type: str, overrides: Sequence[str] = ()) -> tuple[torch.nn.Module, str]:
     """The model and how it was built (``GPT2LMHeadModel(GPT2Config(n_embd=32, ...))``)."""
     config_class = _config_class(model_type)
     default = config_class()
     aliases = getattr(default, "attribute_map", {}) or {}
-    fields = {aliases.get(k, k): v for k, v in SMALL.items() if hasattr(default, aliases.get(k, k))}
+    fields = {aliases.get(k, k): v for k, v in SMALL.items() if _settable(default, aliases.get(k, k))}
     for key, value in parse_overrides(overrides).items():
         real = aliases.get(key, key)
         if not hasattr(default, real):
