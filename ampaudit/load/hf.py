@@ -75,7 +75,10 @@ def _head(config) -> type[torch.nn.Module]:
         kinds = [k for k in kinds if k is not auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING]
     for mapping in kinds:
         if type(config) in mapping:
-            return mapping[type(config)]
+            found = mapping[type(config)]
+            # a tuple where transformers maps one config to several heads (DeiT: the classifier,
+            # then the one with a distillation teacher): the first is the plain one
+            return found[0] if isinstance(found, tuple) else found
     raise LoadError(f"hf:{config.model_type}: transformers has no model class for {type(config).__name__}")
 
 
@@ -86,12 +89,23 @@ def _settable(config: Any, name: str) -> bool:
     return hasattr(config, name) and not (isinstance(attribute, property) and attribute.fset is None)
 
 
+def _small_fields(default: Any, aliases: dict[str, str]) -> dict[str, Any]:
+    """``SMALL``'s values for the fields ``default`` (a config) has and may take them: of the
+    same kind as its own - Swin's ``num_heads`` is a list per stage, which a number fails."""
+    fields = {}
+    for key, value in SMALL.items():
+        name = aliases.get(key, key)
+        if _settable(default, name) and isinstance(getattr(default, name), type(value)):
+            fields[name] = value
+    return fields
+
+
 def build_hf(model_type: str, overrides: Sequence[str] = ()) -> tuple[torch.nn.Module, str]:
     """The model and how it was built (``GPT2LMHeadModel(GPT2Config(n_embd=32, ...))``)."""
     config_class = _config_class(model_type)
     default = config_class()
     aliases = getattr(default, "attribute_map", {}) or {}
-    fields = {aliases.get(k, k): v for k, v in SMALL.items() if _settable(default, aliases.get(k, k))}
+    fields = _small_fields(default, aliases)
     for key, value in parse_overrides(overrides).items():
         real = aliases.get(key, key)
         if not hasattr(default, real):
