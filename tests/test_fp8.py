@@ -1021,3 +1021,21 @@ def test_inputs_the_emitted_file_cannot_load_back_are_not_saved_and_running_it_s
     run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True, cwd=tmp_path,
                          timeout=120)
     assert run.returncode == 1 and "fp8_inputs.pt is not beside this file" in run.stderr
+
+
+def test_a_model_torchao_cannot_train_as_written_fails_the_check_in_one_line_naming_its_line(cli, tmp_path):
+    # transformers' Falcon adds into its MLP's output in place; torchao's Float8Linear returns a view
+    # from a custom Function, which autograd forbids modifying: it was "unexpected RuntimeError", exit 2
+    _torchao()
+    model_file = tmp_path / "inplace.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc = nn.Linear(32, 32, bias=False)\n\n    def forward(self, x):\n"
+        "        out = self.fc(x)\n        out += x\n        return out\n\n\n"
+        "def example_inputs():\n    return (torch.randn(2, 16, 32),)\n")  # 3-D: the output is a reshaped view
+    out = tmp_path / "out"
+    result = cli("convert", model_file, "--dtype", "fp8", "--emit", "torchao", "--train-steps", "2", "-o", out)
+    assert result.code == 1 and result.err.count("\n") == 1, result.err
+    assert "training the model in fp8 with torchao failed: RuntimeError: Output 0 of " in result.err
+    assert f"({model_file.name}:12)" in result.err or "inplace.py:12)" in result.err
+    assert not out.exists()

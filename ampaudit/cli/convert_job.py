@@ -6,6 +6,7 @@ staged files after, and renders the summary this returns."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import types
 from collections.abc import Iterator
@@ -118,13 +119,40 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
             module = load_emitted(Path(staging) / names[0])
             # what running the file does, where it can: rebuild the model, load the saved inputs
             rebuilt = inputs is not None and source != ModelSource()
-            train = module.main(steps=steps) if rebuilt else verify_with(module, loaded.model, loaded.inputs, steps)
+            with _fp8_training_failure(args.output):
+                train = module.main(steps=steps) if rebuilt else \
+                    verify_with(module, loaded.model, loaded.inputs, steps)
             write_fp8(Path(staging), policy, text, train, shown=args.output, inputs=inputs)
     other = other_gemms_note(other_gemms(loaded.model))  # GPT-2's Conv1D projections: why "0 nn.Linear"
     summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train,
                "notes": [other] if other else []}
     return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
                      export_ran=False)
+
+
+@contextlib.contextmanager
+def _fp8_training_failure(output: Path) -> Iterator[None]:
+    """Training the converted model raised (Falcon writes into a Linear's output in place, which
+    torchao's Float8Linear returns as a view autograd refuses to modify): the policy does not
+    train this model as written - exit 1, one line naming the error and where, nothing written."""
+    from ampaudit.core.errors import AmpauditError, VerificationFailed
+
+    try:
+        yield
+    except (AmpauditError, *USER_CODE_ERRORS) as exc:
+        raise VerificationFailed(f"training the model in fp8 with torchao failed: {_raised_at(exc)}; nothing was "
+                                 f"written to {output} (--train-steps 0 writes the policy untrained)") from exc
+
+
+def _raised_at(exc: BaseException) -> str:
+    """``Type: first line (file:line)``, the line in the user's code where it can be found."""
+    from ampaudit.core.paths import display_path
+    from ampaudit.core.userframe import traceback_location
+
+    where = traceback_location(exc.__traceback__)
+    at = f" ({display_path(where.file)}:{where.line})" if where is not None else ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}{at}"
 
 
 def _source(target: str, loaded: Any) -> Any:
@@ -148,19 +176,14 @@ def run_export(model: Any, staging: Path, inputs: Any, output: Path) -> None:
 
     from ampaudit.convert.apply import apply
     from ampaudit.core.errors import AmpauditError, VerificationFailed
-    from ampaudit.core.paths import display_path
-    from ampaudit.core.userframe import traceback_location
 
     try:
         applied = apply(model, staging)
         with torch.no_grad():
             applied(*inputs.args, **inputs.kwargs)
     except (AmpauditError, *USER_CODE_ERRORS) as exc:
-        where = traceback_location(exc.__traceback__)
-        at = f" ({display_path(where.file)}:{where.line})" if where is not None else ""
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise VerificationFailed(f"the export fails on its example inputs, loaded back with ampaudit.apply: "
-                                 f"{type(exc).__name__}: {text}{at}; nothing was written to {output}") from exc
+                                 f"{_raised_at(exc)}; nothing was written to {output}") from exc
 
 
 def _model_files(model_file: str | None) -> Iterator[str]:
