@@ -281,3 +281,21 @@ def test_library_lines_show_the_file_name_in_the_terminal_table():
     assert _where(path, 254, report) == "modeling_gpt2.py:254"
     assert _where("fixtures/models/layers.py", 3, report) == "fixtures/models/layers.py:3"
     assert _where("hf:gpt2", 3, report) == "3"
+
+
+@needs_transformers
+@pytest.mark.parametrize(("model_type", "head"), [("clip", "CLIPModel"), ("siglip", "SiglipModel")])
+def test_hf_text_image_models_build_small_towers_with_both_inputs_and_their_loss(model_type, head):
+    # the small config reached neither tower (a 151M-parameter CLIP) and the default inputs were
+    # token ids alone, which SigLIP's forward cannot run
+    import torch
+
+    loaded = load_target(f"hf:{model_type}")
+    assert type(loaded.model).__name__ == head and not loaded.notes
+    assert sum(p.numel() for p in loaded.model.parameters()) < 100_000
+    kwargs = loaded.inputs.kwargs
+    assert (tuple(kwargs["input_ids"].shape), tuple(kwargs["pixel_values"].shape), kwargs["return_loss"]) == \
+        ((2, 8), (2, 3, 32, 32), True)
+    with torch.no_grad():
+        out = loaded.model(**kwargs)
+    assert out.loss.numel() == 1 and torch.isfinite(out.loss)

@@ -100,6 +100,17 @@ def _small_fields(default: Any, aliases: dict[str, str]) -> dict[str, Any]:
     return fields
 
 
+def _token_ids_within(default: Any, aliases: dict[str, str], fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with the special tokens of the full vocabulary, which would index past the
+    small one, set to 0."""
+    vocab = fields.get(aliases.get("vocab_size", "vocab_size"))
+    for name in _TOKEN_IDS:
+        value = getattr(default, name, None)
+        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab and name not in fields:
+            fields[name] = 0
+    return fields
+
+
 def build_hf(model_type: str, overrides: Sequence[str] = ()) -> tuple[torch.nn.Module, str]:
     """The model and how it was built (``GPT2LMHeadModel(GPT2Config(n_embd=32, ...))``)."""
     config_class = _config_class(model_type)
@@ -117,12 +128,13 @@ def build_hf(model_type: str, overrides: Sequence[str] = ()) -> tuple[torch.nn.M
     if hasattr(default, "attention_types") and isinstance(layers, int) and layers % 2 == 0 \
             and "attention_types" not in fields:  # GPT-Neo: one (global, local) pattern per two layers
         fields["attention_types"] = [[["global", "local"], layers // 2]]
+    for name in getattr(default, "sub_configs", None) or {}:  # CLIP, SigLIP: a text and a vision tower
+        sub = getattr(default, name, None)
+        if hasattr(sub, "to_dict") and name not in fields:
+            sub_aliases = getattr(sub, "attribute_map", {}) or {}
+            fields[name] = _token_ids_within(sub, sub_aliases, _small_fields(sub, sub_aliases))
     label = f"{config_class.__name__}({', '.join(f'{k}={v!r}' for k, v in sorted(fields.items()))})"
-    vocab = fields.get(aliases.get("vocab_size", "vocab_size"))
-    for name in _TOKEN_IDS:  # special tokens of the full vocabulary would index past the small one
-        value = getattr(default, name, None)
-        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab and name not in fields:
-            fields[name] = 0
+    _token_ids_within(default, aliases, fields)
     try:
         config = config_class(**fields)
         config._attn_implementation = "eager"

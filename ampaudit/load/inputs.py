@@ -72,6 +72,14 @@ def default_inputs(model: torch.nn.Module) -> ExampleInputs | None:
     generator = torch.Generator().manual_seed(0)
     config = getattr(model, "config", None)
     main = getattr(model, "main_input_name", None)
+    text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
+    if text is not None and vision is not None and getattr(text, "vocab_size", None):  # CLIP, SigLIP
+        size = getattr(vision, "image_size", 224)
+        shape = (SEQUENCE[0], getattr(vision, "num_channels", 3), size, size)
+        kwargs = {"input_ids": torch.randint(0, text.vocab_size, SEQUENCE, generator=generator),
+                  "pixel_values": torch.randn(shape, generator=generator), "return_loss": True}
+        return ExampleInputs((), kwargs, f"token ids {SEQUENCE[0]}x{SEQUENCE[1]} and images {'x'.join(map(str, shape))}"
+                                         ", the default for a text-image model (its contrastive loss)")
     if config is not None and main == "input_ids":
         vocab = getattr(config, "vocab_size", None) or 2
         kwargs = {"input_ids": torch.randint(0, vocab, SEQUENCE, generator=generator)}
