@@ -123,33 +123,45 @@ def _first(value):
     return None
 
 
-def _own_loss(output):
-    """The loss the model computed: ``.loss``, a one-element output, or the one one-element
-    tensor of a tuple (``(logits, loss)``); None where it computes none."""
+def _labelled(model, args, kwargs):
+    """Whether the call passes the forward its training targets (``forward(idx, targets)``)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return any(name in ("targets", "target", "labels", "label") and value is not None
+               for name, value in bound.arguments.items())
+
+
+def _own_loss(output, labelled):
+    """The loss the model computed: ``.loss``, a one-element output, or - given targets - the
+    one one-element tensor of a tuple (``(logits, loss)``); None where it computes none."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
     if isinstance(output, torch.Tensor):
         return output if output.is_floating_point() and output.numel() == 1 else None
-    if isinstance(output, (tuple, list)):
+    if labelled and isinstance(output, (tuple, list)):
         scalars = [t for t in output if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == 1]
         if len(scalars) == 1:
             return scalars[0]
     return None
 
 
-def _loss(output, target):
+def _loss(output, target, labelled):
     if target is None:
-        return _own_loss(output).float()
+        return _own_loss(output, labelled).float()
     return torch.nn.functional.mse_loss(_first(output).float(), target)
 
 
-def _train(model, args, kwargs, target, steps, device):
+def _train(model, args, kwargs, target, labelled, steps, device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for _ in range(steps):
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = _loss(model(*args, **kwargs), target)
+            loss = _loss(model(*args, **kwargs), target, labelled)
         losses.append(float(loss.detach()))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -167,15 +179,15 @@ def verify(model, args, kwargs=None, steps=STEPS):
     with torch.no_grad():
         output = reference(*args, **kwargs)
     first = _first(output)
-    target = None
-    if _own_loss(output) is None:  # no loss of its own: its first output trained to a fixed random target
+    target, labelled = None, _labelled(model, args, kwargs)
+    if _own_loss(output, labelled) is None:  # no loss of its own: its first output trained to a fixed random target
         generator = torch.Generator().manual_seed(0)
         target = torch.randn(first.shape, generator=generator) * float(first.float().std().clamp_min(1e-3))
     torch.manual_seed(0)
-    bf16 = _train(reference, args, kwargs, target, steps, device)
+    bf16 = _train(reference, args, kwargs, target, labelled, steps, device)
     fp8_model = convert(copy.deepcopy(model).eval())
     torch.manual_seed(0)
-    fp8 = _train(fp8_model, args, kwargs, target, steps, device)
+    fp8 = _train(fp8_model, args, kwargs, target, labelled, steps, device)
     window = max(1, steps // 4)
     tail_ref, tail = bf16[-window:], fp8[-window:]
     if all(math.isfinite(v) for v in tail):

@@ -33,7 +33,7 @@ from ampaudit.convert.low_weights import fp32_copy
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.core.paths import display_path
-from ampaudit.core.tensors import iter_tensors, own_loss
+from ampaudit.core.tensors import given_labels, iter_tensors, own_loss
 from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs
 
@@ -120,8 +120,9 @@ class _Runs:
         self.reference_opt = same_optimizer(optimizer, model, self.reference)
         self.trial_opt = MixedPrecisionOptimizer.from_optimizer(same_optimizer(optimizer, model, source), source,
                                                                 self.trial, dtype=dtype.torch, loss_scale=loss_scale)
+        self.labelled = given_labels(model.forward, inputs.args, inputs.kwargs)
         with _batch_statistics(self.reference):
-            self.target = _target(self.reference, inputs)
+            self.target = _target(self.reference, inputs, self.labelled)
         self.fp32: list[float] = []
         self.converted: list[float] = []  # one loss per applied update
         self.attempts = 0
@@ -152,7 +153,7 @@ class _Runs:
 
     def _fp32_step(self) -> None:
         with _batch_statistics(self.reference):
-            loss = _loss(self.reference(*self.inputs.args, **self.inputs.kwargs), self.target)
+            loss = _loss(self.reference(*self.inputs.args, **self.inputs.kwargs), self.target, self.labelled)
         self.reference_opt.zero_grad()
         _backward(torch.Tensor.backward, "the model's own backward (in fp32)", loss)
         self.reference_opt.step()
@@ -161,7 +162,7 @@ class _Runs:
     def _converted_step(self) -> None:
         self.attempts += 1
         with _batch_statistics(self.trial):
-            loss = _loss(self.trial(*self.inputs.args, **self.inputs.kwargs), self.target)
+            loss = _loss(self.trial(*self.inputs.args, **self.inputs.kwargs), self.target, self.labelled)
         self.trial_opt.zero_grad()
         _backward(self.trial_opt.backward, "the converted model's backward", loss)
         if self.trial_opt.step():  # applied: the loss was that of the weights after len(converted) updates
@@ -234,11 +235,11 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return next((t for t in iter_tensors(value) if t.is_floating_point()), None)
 
 
-def _target(model: torch.nn.Module, inputs: ExampleInputs) -> torch.Tensor | None:
+def _target(model: torch.nn.Module, inputs: ExampleInputs, labelled: bool) -> torch.Tensor | None:
     """None when the model computes its own loss; else a fixed random target like its output."""
     with torch.no_grad():
         output = model(*inputs.args, **inputs.kwargs)
-    if own_loss(output) is not None:
+    if own_loss(output, labelled) is not None:
         return None
     first = _first_tensor(output)
     if first is None:
@@ -248,9 +249,9 @@ def _target(model: torch.nn.Module, inputs: ExampleInputs) -> torch.Tensor | Non
     return noise * float(first.float().std().clamp_min(1e-3))
 
 
-def _loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
+def _loss(output: Any, target: torch.Tensor | None, labelled: bool) -> torch.Tensor:
     if target is None:
-        return own_loss(output).float()
+        return own_loss(output, labelled).float()
     return torch.nn.functional.mse_loss(_first_tensor(output).float(), target)
 
 

@@ -18,12 +18,29 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     return _walk(value, Tensor)
 
 
-def own_loss(output: Any) -> torch.Tensor | None:
+LABEL_NAMES = ("targets", "target", "labels", "label")  # a forward's arguments that are training targets
+
+
+def given_labels(forward: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``forward`` passes something it names as training targets (karpathy's
+    GPT: ``forward(idx, targets=None)``); False where the signature cannot say (``*args``)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return any(name in LABEL_NAMES and value is not None for name, value in bound.arguments.items())
+
+
+def own_loss(output: Any, labelled: bool = False) -> torch.Tensor | None:
     """The loss a model computed itself, or None: its ``.loss`` (a transformers output), the
-    output when it is one float element, else the one single-element float tensor of a tuple or
-    list - karpathy's GPT returns ``(logits, loss)``, transformers without return_dict
-    ``(loss, logits, ...)``. A training check or an fp8 audit that took the first tensor trained
-    the logits to a made-up target instead, with gradients that model never sees."""
+    output when it is one float element, or - where the call passed targets (``labelled``:
+    ``given_labels``) - the one single-element float tensor of a tuple or list: karpathy's GPT
+    returns ``(logits, loss)``, transformers without return_dict ``(loss, logits, ...)``. Without
+    targets a lone scalar in a tuple may be an auxiliary loss (a router's), not the loss. A
+    training check or an fp8 audit that took the first tensor trained the logits to a made-up
+    target instead, with gradients that model never sees."""
     from torch import Tensor
 
     loss = getattr(output, "loss", None)
@@ -31,7 +48,7 @@ def own_loss(output: Any) -> torch.Tensor | None:
         return loss
     if isinstance(output, Tensor):
         return output if output.is_floating_point() and output.numel() == 1 else None
-    if isinstance(output, (tuple, list)):
+    if labelled and isinstance(output, (tuple, list)):
         scalars = [t for t in output if isinstance(t, Tensor) and t.is_floating_point() and t.numel() == 1]
         if len(scalars) == 1:
             return scalars[0]

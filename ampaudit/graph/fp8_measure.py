@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
-from ampaudit.core.tensors import iter_tensors, own_loss
+from ampaudit.core.tensors import given_labels, iter_tensors, own_loss
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
@@ -184,9 +184,10 @@ def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return found
 
 
-def model_loss(output: Any) -> torch.Tensor:
-    """The model's own loss (``core.tensors.own_loss``), else the mean square of its outputs."""
-    loss = own_loss(output)
+def model_loss(output: Any, labelled: bool = False) -> torch.Tensor:
+    """The model's own loss (``core.tensors.own_loss``; ``labelled``: the call passed targets),
+    else the mean square of its outputs."""
+    loss = own_loss(output, labelled)
     if loss is not None and loss.requires_grad:
         return loss.float()
     parts = [t.float().square().mean() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
@@ -283,7 +284,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
                     rec.module.forward = _input_grad_only(rec.module)
             try:
                 output = model(*inputs.args, **inputs.kwargs)
-                loss = model_loss(output)
+                loss = model_loss(output, given_labels(model.forward, inputs.args, inputs.kwargs))
                 loss.backward()
             except LoadError:
                 raise
