@@ -194,7 +194,9 @@ def test_hf_types_build_small_with_inputs_that_run(model_type, head):
     # transformers maps DeiT to two heads (a tuple, which was called: "'tuple' object is not callable")
     ("deit", "DeiTForImageClassification", {"pixel_values": (2, 3, 32, 32)}),
     # Segformer's num_attention_heads is a list per stage: the small config's 2 failed its validation
-    ("segformer", "SegformerForImageClassification", {"pixel_values": (2, 3, 224, 224)})])
+    ("segformer", "SegformerForImageClassification", {"pixel_values": (2, 3, 224, 224)}),
+    # a model in stages got the small config's numbers only where they fit: a full-size ResNet-50
+    ("resnet", "ResNetForImageClassification", {"pixel_values": (2, 3, 224, 224)})])
 def test_hf_types_build_the_model_people_train(model_type, head, inputs):
     # hf:whisper built WhisperForCausalLM (the text decoder alone) and hf:vit the bare ViTModel:
     # now the speech seq2seq model and the image classifier, with inputs that run them
@@ -202,6 +204,7 @@ def test_hf_types_build_the_model_people_train(model_type, head, inputs):
 
     loaded = load_target(f"hf:{model_type}")
     assert type(loaded.model).__name__ == head and loaded.entry.startswith(head + "(")
+    assert sum(p.numel() for p in loaded.model.parameters()) < 100_000  # ResNet-50's own size: 23.5M
     assert {k: tuple(v.shape) for k, v in loaded.inputs.kwargs.items()} == inputs
     with torch.no_grad():
         out = loaded.model(**loaded.inputs.kwargs)

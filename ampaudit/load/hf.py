@@ -89,14 +89,26 @@ def _settable(config: Any, name: str) -> bool:
     return hasattr(config, name) and not (isinstance(attribute, property) and attribute.fset is None)
 
 
-def _small_fields(default: Any, aliases: dict[str, str]) -> dict[str, Any]:
+def _small_fields(default: Any, aliases: dict[str, str], stages: bool = False) -> dict[str, Any]:
     """``SMALL``'s values for the fields ``default`` (a config) has and may take them: of the
-    same kind as its own - Swin's ``num_heads`` is a list per stage, which a number fails."""
+    same kind as its own - Swin's ``num_heads`` is a list per stage, which a number fails.
+    ``stages``: a model built in stages (ConvNeXt, ResNet, RegNet) gets one block a stage and
+    channels a 16th as wide - else a full-size ResNet-50, 23.5M parameters."""
     fields = {}
     for key, value in SMALL.items():
         name = aliases.get(key, key)
         if _settable(default, name) and isinstance(getattr(default, name), type(value)):
             fields[name] = value
+    depths = getattr(default, "depths", None)
+    if stages and isinstance(depths, (list, tuple)) and depths:
+        count = aliases.get("num_hidden_layers", "num_hidden_layers")
+        if fields.get(count) is not None and getattr(default, count) == len(depths):
+            del fields[count]  # the stage count goes with the per-stage lists: set alone, they disagree
+        fields["depths"] = [1] * len(depths)
+        sizes = getattr(default, "hidden_sizes", None)
+        if isinstance(sizes, (list, tuple)) and all(isinstance(h, int) for h in sizes):
+            fields["hidden_sizes"] = [max(8, h // 16) for h in sizes]
+            fields.pop("hidden_size", None)
     return fields
 
 
@@ -112,37 +124,51 @@ def _token_ids_within(default: Any, aliases: dict[str, str], fields: dict[str, A
 
 
 def build_hf(model_type: str, overrides: Sequence[str] = ()) -> tuple[torch.nn.Module, str]:
-    """The model and how it was built (``GPT2LMHeadModel(GPT2Config(n_embd=32, ...))``)."""
+    """The model and how it was built (``GPT2LMHeadModel(GPT2Config(n_embd=32, ...))``): small
+    stages first where the config has them, as the small config alone where those do not build
+    (BiT's group norms want wider channels)."""
     config_class = _config_class(model_type)
     default = config_class()
     aliases = getattr(default, "attribute_map", {}) or {}
-    fields = _small_fields(default, aliases)
-    for key, value in parse_overrides(overrides).items():
+    given = parse_overrides(overrides)
+    for key in given:
         real = aliases.get(key, key)
         if not hasattr(default, real):
             close = difflib.get_close_matches(real, [k for k in vars(default) if not k.startswith("_")], n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise UsageError(f"--config {key}: {config_class.__name__} has no field {key!r}{hint}")
-        fields[real] = value
+    tries = (True, False) if isinstance(getattr(default, "depths", None), (list, tuple)) else (False,)
+    for stages in tries:
+        fields = _small_fields(default, aliases, stages)
+        fields.update({aliases.get(k, k): v for k, v in given.items()})
+        label = _complete(default, aliases, fields, config_class.__name__)
+        try:
+            config = config_class(**fields)
+            config._attn_implementation = "eager"
+            head = _head(config)
+            return head(config), f"{head.__name__}({label})"
+        except (LoadError, UsageError):
+            raise
+        except Exception as exc:
+            if stages:
+                continue
+            raise LoadError(f"hf:{model_type}: building {label} raised {describe_exception(exc)} "
+                            "(set fields with --config KEY=VALUE)") from exc
+    raise AssertionError("unreachable: the last try raises")
+
+
+def _complete(default: Any, aliases: dict[str, str], fields: dict[str, Any], name: str) -> str:
+    """``fields`` completed in place - GPT-Neo's attention pattern, each sub-config's small
+    fields, the special tokens within the small vocabulary - and the label the user reads."""
     layers = fields.get(aliases.get("num_hidden_layers", "num_hidden_layers"))
     if hasattr(default, "attention_types") and isinstance(layers, int) and layers % 2 == 0 \
             and "attention_types" not in fields:  # GPT-Neo: one (global, local) pattern per two layers
         fields["attention_types"] = [[["global", "local"], layers // 2]]
-    for name in getattr(default, "sub_configs", None) or {}:  # CLIP, SigLIP: a text and a vision tower
-        sub = getattr(default, name, None)
-        if hasattr(sub, "to_dict") and name not in fields:
+    for sub_name in getattr(default, "sub_configs", None) or {}:  # CLIP, SigLIP: a text and a vision tower
+        sub = getattr(default, sub_name, None)
+        if hasattr(sub, "to_dict") and sub_name not in fields:
             sub_aliases = getattr(sub, "attribute_map", {}) or {}
-            fields[name] = _token_ids_within(sub, sub_aliases, _small_fields(sub, sub_aliases))
-    label = f"{config_class.__name__}({', '.join(f'{k}={v!r}' for k, v in sorted(fields.items()))})"
+            fields[sub_name] = _token_ids_within(sub, sub_aliases, _small_fields(sub, sub_aliases))
+    label = f"{name}({', '.join(f'{k}={v!r}' for k, v in sorted(fields.items()))})"
     _token_ids_within(default, aliases, fields)
-    try:
-        config = config_class(**fields)
-        config._attn_implementation = "eager"
-        head = _head(config)
-        model = head(config)
-    except (LoadError, UsageError):
-        raise
-    except Exception as exc:
-        raise LoadError(f"hf:{model_type}: building {label} raised {describe_exception(exc)} "
-                        "(set fields with --config KEY=VALUE)") from exc
-    return model, f"{head.__name__}({label})"
+    return label
