@@ -196,7 +196,9 @@ def test_hf_types_build_small_with_inputs_that_run(model_type, head):
     # Segformer's num_attention_heads is a list per stage: the small config's 2 failed its validation
     ("segformer", "SegformerForImageClassification", {"pixel_values": (2, 3, 224, 224)}),
     # a model in stages got the small config's numbers only where they fit: a full-size ResNet-50
-    ("resnet", "ResNetForImageClassification", {"pixel_values": (2, 3, 224, 224)})])
+    ("resnet", "ResNetForImageClassification", {"pixel_values": (2, 3, 224, 224)}),
+    # ConvNeXt's stages halve a 32-pixel image after an 8x stem to nothing: its own 4x stem kept
+    ("convnext", "ConvNextForImageClassification", {"pixel_values": (2, 3, 32, 32)})])
 def test_hf_types_build_the_model_people_train(model_type, head, inputs):
     # hf:whisper built WhisperForCausalLM (the text decoder alone) and hf:vit the bare ViTModel:
     # now the speech seq2seq model and the image classifier, with inputs that run them

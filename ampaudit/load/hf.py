@@ -105,6 +105,7 @@ def _small_fields(default: Any, aliases: dict[str, str], stages: bool = False) -
         if fields.get(count) is not None and getattr(default, count) == len(depths):
             del fields[count]  # the stage count goes with the per-stage lists: set alone, they disagree
         fields["depths"] = [1] * len(depths)
+        fields.pop("patch_size", None)  # its stem's own: each stage halves, a 32-pixel image after an 8x stem ran out
         sizes = getattr(default, "hidden_sizes", None)
         if isinstance(sizes, (list, tuple)) and all(isinstance(h, int) for h in sizes):
             fields["hidden_sizes"] = [max(8, h // 16) for h in sizes]
