@@ -13,12 +13,21 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 DISABLE = "AMPAUDIT_CPU_KERNEL"  # "0": torch ops only
+
+
+@lru_cache(maxsize=16)
+def float_bits(value: float) -> int:
+    """The fp32 bits of ``value``, as a kernel takes a threshold: for values >= 0 the bits'
+    order is the floats' order."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def disabled() -> bool:

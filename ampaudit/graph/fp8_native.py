@@ -8,7 +8,6 @@ torch's float32 -> float8 conversion is a per-element function on a CPU. Built b
 from __future__ import annotations
 
 import ctypes
-import struct
 from functools import cache
 from pathlib import Path
 
@@ -18,10 +17,6 @@ from ampaudit.core import native
 from ampaudit.core.dtypes import LowDtype
 
 SOURCE = Path(__file__).with_name("fp8_cast.c")
-
-
-def _bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 @cache
@@ -49,7 +44,8 @@ def _format(fmt: LowDtype) -> tuple[int, int, float, int, int, float]:
     """The kernel's constants for ``fmt``: mantissa shift, smallest normal's bits, the
     subnormal rounding's magic number, the max's bits, what beyond it becomes, the max."""
     over = fmt.max if fmt.finite_only else float("inf")  # e4m3fn saturates, e5m2 overflows
-    return (23 - fmt.mantissa, _bits(fmt.normal), fmt.tiniest * 2.0 ** 23, _bits(fmt.max), _bits(over), fmt.max)
+    bits = native.float_bits
+    return (23 - fmt.mantissa, bits(fmt.normal), fmt.tiniest * 2.0 ** 23, bits(fmt.max), bits(over), fmt.max)
 
 
 def _walk(x: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:

@@ -15,9 +15,8 @@ and each call passes a pointer to each slot of the row.
 from __future__ import annotations
 
 import ctypes
-import struct
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -115,13 +114,6 @@ def available() -> bool:
     return _library() is not None
 
 
-@lru_cache(maxsize=16)
-def _bits(value: float) -> int:
-    """The fp32 bits of ``value``: the kernel compares bits, whose order for values >= 0 is
-    the floats' order."""
-    return struct.unpack("<I", struct.pack("<f", value))[0]
-
-
 def _readable(x: torch.Tensor) -> torch.Tensor:
     """``x`` as contiguous memory of a dtype the kernel reads (a copy only where it must be)."""
     if x.dtype not in _ENTRY:
@@ -141,7 +133,7 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
         entry = _library().rows[x.dtype]
     base, extra = counts.data_ptr(), extras.data_ptr()
     entry(x.data_ptr(), x.numel(), base, base + _OVERFLOW_AT, base + _NEGINF_AT, extra + _ABSMAX_AT,
-          _bits(overflow_at), extra + _SUMSQ_AT if norm else None, torch.get_num_threads())
+          native.float_bits(overflow_at), extra + _SUMSQ_AT if norm else None, torch.get_num_threads())
 
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -162,8 +154,8 @@ def fill_param_rows(grads: list[torch.Tensor], rows: list[tuple[torch.Tensor, to
     _library().param_rows(
         k, pointers(*(g.data_ptr() for g in readable)), sizes(*(g.numel() for g in readable)),
         (ctypes.c_int32 * k)(*(_DTYPE_CODE[g.dtype] for g in readable)), pointers(*(c.data_ptr() for c, _ in rows)),
-        pointers(*(e.data_ptr() for _, e in rows)), _OVERFLOW, _NEGINF, _SCALED, _ABSMAX, _SUMSQ, _bits(overflow_at),
-        scale if scale is not None else 0.0, limit, torch.get_num_threads())
+        pointers(*(e.data_ptr() for _, e in rows)), _OVERFLOW, _NEGINF, _SCALED, _ABSMAX, _SUMSQ,
+        native.float_bits(overflow_at), scale if scale is not None else 0.0, limit, torch.get_num_threads())
 
 
 def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor) -> None:
