@@ -185,11 +185,7 @@ def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | Non
     finite = _finite(amax)
     done = fp8_native.cast(x, scale, how.fmt) if finite else None
     if done is not None:  # one C pass: the same bits as the torch ops below
-        value, nonzero_x, nonzero_q, _ = done
-        if not count:
-            return CastResult(value, 0, 0, 0)
-        nonzero = nonzero_x if nonzero is None else nonzero
-        return CastResult(value, nonzero - nonzero_q, 0, nonzero)
+        return _kernel_result(done[0], done, nonzero, count)
     if nonzero is None:
         nonzero = int(torch.count_nonzero(x)) if count else 0
     # no clamp (torchao's): with an amax at least every |x|, x * fp32(fmax / amax) <= fmax (1 + 2^-23),
@@ -199,6 +195,17 @@ def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | Non
     flushed = nonzero - _count_nonzero8(q8) if count else 0  # a nonzero q comes from a nonzero x
     q = _dequantize(q8, scale, scaled) if finite else q8.float().div_(scale)
     return CastResult(q, flushed, 0, nonzero)
+
+
+def _kernel_result(value: torch.Tensor, done: tuple[torch.Tensor, int, int, int], nonzero: int | None,
+                   count: bool) -> CastResult:
+    """``fp8_native.cast``'s counts as a CastResult: the caller's ``nonzero`` where it gave one;
+    ``count=False``: the value only, as the torch path leaves it."""
+    if not count:
+        return CastResult(value, 0, 0, 0)
+    _, nonzero_x, nonzero_q, saturated = done
+    nonzero = nonzero_x if nonzero is None else nonzero
+    return CastResult(value, nonzero - nonzero_q, saturated, nonzero)
 
 
 def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int | None, count: bool = True) -> CastResult:
@@ -216,12 +223,8 @@ def _mx_cast(x: torch.Tensor, fmt: LowDtype, dim: int, nonzero: int | None, coun
     finite = _finite(amax)
     done = fp8_native.cast(blocks.reshape(-1, MX_BLOCK), scale.reshape(-1, 1), fmt, block=True) if finite else None
     if done is not None:  # one C pass: the same bits as the torch ops below
-        q, nonzero_x, nonzero_q, saturated = done
-        value = q.reshape(padded.shape)[..., :k].movedim(-1, dim).contiguous()
-        if not count:
-            return CastResult(value, 0, 0, 0)
-        nonzero = nonzero_x if nonzero is None else nonzero
-        return CastResult(value, nonzero - nonzero_q, saturated, nonzero)
+        return _kernel_result(done[0].reshape(padded.shape)[..., :k].movedim(-1, dim).contiguous(), done, nonzero,
+                              count)
     if nonzero is None:
         nonzero = int(torch.count_nonzero(x)) if count else 0
     scaled = blocks / scale
