@@ -9,15 +9,19 @@ autocast needs, ``verify()`` and a ``__main__`` that rebuilds the model - is sha
 FLOAT8 = {"dataclasses": "import dataclasses\n", "imports": """\
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 """, "config": '''
+def _emulated(emulate):
+    """Emulated where no GPU runs the fp8 GEMMs."""
+    return not torch.cuda.is_available() if emulate is None else emulate
+
+
 def config(emulate=None):
-    """The recipe's Float8LinearConfig; emulated where no GPU runs the fp8 GEMMs."""
-    emulate = not torch.cuda.is_available() if emulate is None else emulate
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPE), emulate=emulate)
+    """The recipe's Float8LinearConfig."""
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPE), emulate=_emulated(emulate))
 
 
 def convert(model, emulate=None):
     """``model`` with its Linear layers in fp8, but those in KEEP_IN_BF16 (in place)."""
-    emulate = not torch.cuda.is_available() if emulate is None else emulate
+    emulate = _emulated(emulate)
     model = convert_to_float8_training(model, config=config(emulate), module_filter_fn=module_filter_fn)
     # Float8Linear casts its input to CUDA autocast's dtype, as F.linear would, but follows no
     # CPU autocast: there the emulated high-precision GEMMs would meet bf16 and fp32 operands
