@@ -30,7 +30,7 @@ from tests.conftest import ROOT
 SAMPLES: dict[str, Any] = {
     "log": Path("watch-run.jsonl"), "every": 3, "dtype": "bfloat16", "stop_on_nonfinite": True, "inputs": True,
     "stop_after_skips": 4, "eval": True, "provenance": False, "ignore": ("blocks.*.mask",), "guard": True,
-    "inside_compile": True, "fp8": True, "fp8_history": 4,
+    "inside_compile": True, "exact_histograms": True, "fp8": True, "fp8_history": 4,
 }
 # Per option, what a Monitor made of it.
 EFFECTS = {
@@ -45,6 +45,7 @@ EFFECTS = {
     "ignore": lambda m: m.ignore,
     "guard": lambda m: m.guard is not None,
     "inside_compile": lambda m: m.recorder.inside_compile,
+    "exact_histograms": lambda m: m.recorder.exact_histograms,
     "fp8": lambda m: m.fp8 is not None,
     "fp8_history": lambda m: m.fp8_history,
 }
@@ -55,7 +56,8 @@ FLAGS = {
     "stop_on_nonfinite": ["--stop-on-nonfinite"], "inputs": ["--inputs"],
     "stop_after_skips": ["--stop-after-skips", "4"],
     "eval": ["--eval"], "provenance": ["--no-provenance"], "ignore": ["--ignore", "blocks.*.mask"],
-    "inside_compile": ["--inside-compile"], "fp8": ["--fp8"], "fp8_history": ["--fp8-history", "4"],
+    "inside_compile": ["--inside-compile"], "exact_histograms": ["--exact-histograms"], "fp8": ["--fp8"],
+    "fp8_history": ["--fp8-history", "4"],
     "guard": ["--guard"],
 }
 NO_FLAG = {f.name for f in dataclasses.fields(WatchOptions) if f.metadata["flag"] is None}

@@ -28,6 +28,7 @@ from ampaudit.watch.rule_api import COLUMNS
 SOURCE = Path(__file__).with_name("cpu_stats.c")
 DEFINES = [f"-DAMPAUDIT_BIN_SHIFT={LAYOUT.bin_shift}"]  # the layout's constants the source needs
 _ENTRY = {torch.float32: "ampaudit_rows_f32", torch.float16: "ampaudit_rows_f16", torch.bfloat16: "ampaudit_rows_bf16"}
+_SAMPLED_ENTRY = {dtype: name.replace("_rows_", "_sampled_") for dtype, name in _ENTRY.items()}
 _NONFINITE_ENTRY = {torch.float32: "ampaudit_nonfinite_f32", torch.float16: "ampaudit_nonfinite_f16",
                     torch.bfloat16: "ampaudit_nonfinite_bf16"}
 _status = "not built yet"
@@ -40,6 +41,7 @@ _OVERFLOW_AT, _NEGINF_AT, _ABSMAX_AT, _SUMSQ_AT = _OVERFLOW * 8, _NEGINF * 8, _A
 @dataclass(frozen=True)
 class _Library:
     rows: dict[torch.dtype, ctypes._CFuncPtr]  # the whole row
+    sampled: dict[torch.dtype, ctypes._CFuncPtr]  # the whole row, its histogram estimated from a sample
     nonfinite: dict[torch.dtype, ctypes._CFuncPtr]  # the NaN and Inf bins and the -inf slot only
     compact: ctypes._CFuncPtr  # raw rows to Stats rows
     step_buffer: ctypes._CFuncPtr  # a logged step's buffer from its Stats rows
@@ -84,6 +86,11 @@ def _library() -> _Library | None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int]
         fn.restype = None
+    sampled = {dtype: getattr(lib, name) for dtype, name in _SAMPLED_ENTRY.items()}
+    for fn in sampled.values():  # x, n, bins, overflow, neginf, absmax bits, threshold bits, low bits, stride, threads
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int]
+        fn.restype = None
     nonfinite = {dtype: getattr(lib, name) for dtype, name in _NONFINITE_ENTRY.items()}
     for fn in nonfinite.values():  # x, n, bins, neginf
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -107,7 +114,7 @@ def _library() -> _Library | None:
     params.restype = None
     lib.ampaudit_init()
     _status = "C kernel (OpenMP)" if lib.ampaudit_openmp() else "C kernel (one thread)"
-    return _Library(rows, nonfinite, compact, buffer, update, params)
+    return _Library(rows, sampled, nonfinite, compact, buffer, update, params)
 
 
 def available() -> bool:
@@ -134,6 +141,29 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
     base, extra = counts.data_ptr(), extras.data_ptr()
     entry(x.data_ptr(), x.numel(), base, base + _OVERFLOW_AT, base + _NEGINF_AT, extra + _ABSMAX_AT,
           native.float_bits(overflow_at), extra + _SUMSQ_AT if norm else None, torch.get_num_threads())
+
+
+def sample_stride(n: int) -> int:
+    """One element in how many a sampled row bins: 1 (all) up to twice ``LAYOUT.hist_sample``
+    elements, above that about ``LAYOUT.hist_sample`` of them."""
+    return n // LAYOUT.hist_sample if n >= 2 * LAYOUT.hist_sample else 1
+
+
+def fill_sampled_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float,
+                     normal_exponent: int) -> None:
+    """``fill_row`` with the magnitude histogram estimated from about ``LAYOUT.hist_sample``
+    elements (``sample_stride``), at a fraction of the cost, and every count exact: the zeros,
+    the values below fp32 exponent ``normal_exponent`` (underflow), Inf, NaN, -inf, overflow,
+    the finite absmax, and so each histogram class's total. A small tensor is binned whole."""
+    n = x.numel()
+    stride = sample_stride(n)
+    entry = _library().sampled.get(x.dtype)
+    if stride == 1 or entry is None or not x.is_contiguous():
+        fill_row(x, counts, extras, overflow_at)
+        return
+    base = counts.data_ptr()
+    entry(x.data_ptr(), n, base, base + _OVERFLOW_AT, base + _NEGINF_AT, extras.data_ptr() + _ABSMAX_AT,
+          native.float_bits(overflow_at), normal_exponent << 23, stride, torch.get_num_threads())
 
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

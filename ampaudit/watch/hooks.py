@@ -157,10 +157,13 @@ class StepRecorder:
     audited dtype (detected at the first forward unless ``dtype_source`` is given)."""
 
     def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool,
-                 provenance: bool = True, inside_compile: bool = False) -> None:
+                 provenance: bool = True, inside_compile: bool = False, exact_histograms: bool = False) -> None:
         self.limits, self.dtype_source = limits, dtype_source
         self.record_inputs, self.record_eval, self.provenance = record_inputs, record_eval, provenance
         self.inside_compile = inside_compile  # modules inside a torch.compile'd region recorded (``compiled``)
+        # a module's tensors: every element binned, or (CPU) big ones' histograms from a sample
+        self.exact_histograms = exact_histograms
+        self._fill = stats.fill_row if exact_histograms else stats.fill_sampled_row
         self.logging = True  # this step is recorded
         self.active = False  # hooks attached (a gradient hook outlives detach: it checks)
         self.paused = False  # a replay runs modules: not the run's data
@@ -421,7 +424,7 @@ class StepRecorder:
         # a weak reference: never keeps activations alive; a flags-only row serves only flags
         if row is None or row[0]() is not tensor or (whole and not row[2]):
             handle, counts, extras = self.arena.take(tensor.device)
-            (stats.fill_row if whole else stats.fill_nonfinite)(tensor, counts, extras, self.limits)
+            (self._fill if whole else stats.fill_nonfinite)(tensor, counts, extras, self.limits)
             row = self._seen[key] = (weakref.ref(tensor), handle, whole)
         self.event_rows.append(row[1])
         self.events.append((module, phase, label))

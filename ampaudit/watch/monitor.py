@@ -35,6 +35,7 @@ from ampaudit.watch.decode import log_record, step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
 from ampaudit.watch.hooks import StepRecorder, transformed, unmeasurable
+from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
@@ -114,7 +115,8 @@ class Monitor:
         self.recorder = StepRecorder(LowDtype.parse(dtype if dtype is not None else FLOAT16),
                                      "given" if dtype is not None else None, record_inputs=options.inputs,
                                      record_eval=options.eval, provenance=options.provenance,
-                                     inside_compile=options.inside_compile)
+                                     inside_compile=options.inside_compile,
+                                     exact_histograms=options.exact_histograms)
         self.fp8_history = options.fp8_history  # the delayed recipe's amax history, in steps
         self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused,
                                 lambda: not transformed() and self.recorder.thread.here())
@@ -186,7 +188,8 @@ class Monitor:
             return self
         # first: a log refused leaves no hook behind; closed in stop
         self.sink.open({"dtype": self.dtype_name, "every": self.every, "world": self.reducer.world,
-                        "source": self.builder.source})
+                        "source": self.builder.source,
+                        "hist_sample": 0 if self.recorder.exact_histograms else LAYOUT.hist_sample})
         self._started = True
         forks.track(self)
         self.recorder.attach(self.model)

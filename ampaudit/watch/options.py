@@ -94,6 +94,12 @@ class WatchOptions:
     inside_compile: bool = field(default=False, metadata=_about(
         "under torch.compile, record the modules inside the compiled graph too (an op in the graph: no graph "
         "break; inductor's results may differ in the last bits)"))
+    exact_histograms: bool = field(default=False, metadata=_about(
+        "bin every element of every tensor; by default a CPU tensor over 8192 elements has its magnitude "
+        "histogram estimated from about 4096 of them (every count - NaN, Inf, overflow, underflow, zero, absmax - "
+        "stays exact), which halves watch's cost on a small model",
+        Flag(help="bin every element of every tensor (default on the CPU: a tensor over 8192 elements has its "
+             "magnitude histogram estimated from about 4096 of them; every count stays exact)")))
     fp8: bool = field(default=False, metadata=_about(
         "float8 statistics of every Linear (torchao's Float8Linear as it runs, nn.Linear as a what-if): per "
         "operand and step its amax, the tensorwise and delayed recipes' scales, the elements they saturate or "
@@ -110,7 +116,7 @@ class WatchOptions:
         history = self.fp8_history
         if isinstance(history, bool) or not isinstance(history, int) or not 1 <= history <= FP8_HISTORY_MAX:
             raise ValueError(f"fp8_history must be a whole number from 1 to {FP8_HISTORY_MAX} (got {history!r})")
-        for name in ("stop_on_nonfinite", "inputs", "eval", "provenance", "inside_compile", "fp8"):
+        for name in ("stop_on_nonfinite", "inputs", "eval", "provenance", "inside_compile", "exact_histograms", "fp8"):
             value = getattr(self, name)
             if not isinstance(value, bool):  # fp8="false" is truthy: it turned the recording on
                 raise TypeError(f"{name} must be True or False (got {value!r})")

@@ -71,6 +71,17 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
     fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
 
 
+def fill_sampled_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
+    """``fill_row`` for a module's output or gradient: on the CPU kernel a tensor over twice
+    ``LAYOUT.hist_sample`` elements has its magnitude histogram estimated from about that many
+    (``cpu_kernel.fill_sampled_row``), every count exact - zeros, underflow, overflow, NaN, Inf,
+    -inf, the finite absmax; elsewhere the whole row."""
+    if type(x) in PLAIN and x.is_cpu and cpu_kernel.available():
+        cpu_kernel.fill_sampled_row(x, counts, extras, limits.overflow_at, limits.normal_exponent)
+    else:
+        fill_row(x, counts, extras, limits)
+
+
 def fill_nonfinite(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
     """What ``nonfinite`` and ``harmful`` read of a row (its NaN, Inf and -inf counts), for a
     tensor that is in no statistics, only a candidate first non-finite: on the CPU a cheaper

@@ -1,0 +1,129 @@
+"""The sampled row (watch's default for a module's tensors on the CPU): every count exact, the
+magnitude histogram estimated from about ``LAYOUT.hist_sample`` elements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampaudit
+from ampaudit.core.dtypes import LowDtype
+from ampaudit.watch import cpu_kernel, stats
+from ampaudit.watch.layout import LAYOUT
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"no C kernel: {cpu_kernel.status()}")
+
+FP16, BF16 = LowDtype.parse(torch.float16), LowDtype.parse(torch.bfloat16)
+SAMPLED_FROM = 2 * LAYOUT.hist_sample  # smaller tensors are binned whole
+
+
+def _stats(x: torch.Tensor, limits: LowDtype, *, sampled: bool) -> dict:
+    counts, extras = stats.new_row(x.device)
+    if sampled:
+        cpu_kernel.fill_sampled_row(x, counts, extras, limits.overflow_at, limits.normal_exponent)
+    else:
+        cpu_kernel.fill_row(x, counts, extras, limits.overflow_at)
+    return stats.to_stats(stats.compact_rows(counts[None], extras[None], limits)[0].tolist())
+
+
+def _planted(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """n values over 16 decades, with zeros, fp16 underflow, overflow, NaN and both infinities
+    planted in several places (in more than one 65536-element piece where n allows)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.logspace(-10, 6, n)
+    for at in (0, n // 3, n - 5):
+        x[at: at + 5] = torch.tensor([0.0, float("nan"), float("inf"), -float("inf"), 7e4])
+    x[n // 2: n // 2 + 100] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [SAMPLED_FROM, 50_000, 3 * 65536 + 7])  # 3 * 65536 + 7: several pieces
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_count_is_the_exact_rows(dtype, n, threads):
+    x = _planted(n, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for limits in (FP16, BF16):
+            exact, sampled = _stats(x, limits, sampled=False), _stats(x, limits, sampled=True)
+            assert {k: v for k, v in sampled.items() if k != "hist"} == {k: v for k, v in exact.items() if k != "hist"}
+            assert exact["nan"] == 3 and exact["inf"] >= 6 and exact["neginf"] >= 3  # float16: more, converted
+            assert exact["zero"] > 100 and exact["overflow"] and (exact["underflow"] or limits is BF16)
+            # the histogram's classes keep their exact totals; every bin it fills holds values
+            low = limits.normal_exponent - 127
+            for below in (True, False):
+                assert sum(c for e, c in sampled["hist"] if (e < low) == below) == \
+                    sum(c for e, c in exact["hist"] if (e < low) == below)
+            assert {e for e, _ in sampled["hist"]} <= {e for e, _ in exact["hist"]}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_small_tensor_is_binned_whole():
+    x = _planted(SAMPLED_FROM - 1, torch.float32)
+    assert _stats(x, FP16, sampled=True) == _stats(x, FP16, sampled=False)
+
+
+def test_the_histogram_follows_the_values():
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(1))
+    exact, sampled = (dict(map(tuple, _stats(x, FP16, sampled=s)["hist"])) for s in (False, True))
+    for e, count in exact.items():
+        if count > 0.05 * x.numel():  # the bulk: within 15% of the exact counts
+            assert abs(sampled.get(e, 0) - count) < 0.15 * count, e
+
+
+def test_a_column_the_stride_would_divide_is_sampled_at_its_share():
+    # 65 columns (nanoGPT's vocabulary): a fixed stride of 13 would see 5 of them; column 0 huge
+    x = torch.full((1200, 65), 0.5)
+    x[:, 0] = 1000.0
+    hist = dict(map(tuple, _stats(x, FP16, sampled=True)["hist"]))
+    share = hist[9] / x.numel()  # 1000 = 1.95 * 2**9
+    assert 0.5 / 65 < share < 2 / 65
+
+
+def test_values_the_sample_misses_land_in_the_bin_of_their_largest():
+    x = torch.ones(100_000)
+    x[[10, 50_000, 99_999]] = torch.tensor([1e-6, 3e-6, 2e-6])  # fp16 underflow, three values
+    x[[20, 60_000]] = torch.tensor([3.0e4, 6.0e4])
+    s = _stats(x, FP16, sampled=True)
+    assert s["underflow"] == 3 and s["absmax"] == 6.0e4
+    hist = dict(map(tuple, s["hist"]))
+    assert hist[-19] == 3  # 3e-6 = 1.57 * 2**-19: all three there
+    assert sum(hist.values()) == x.numel() and hist[0] >= 99_990
+
+
+def test_the_same_tensor_gives_the_same_row():
+    x = _planted(100_000, torch.float32)
+    assert _stats(x, FP16, sampled=True) == _stats(x, FP16, sampled=True)
+
+
+def _run(exact_histograms: bool, log) -> list[dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 64)
+    with ampaudit.watch(model, optimizer=opt, log=log, exact_histograms=exact_histograms):
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    import json
+
+    header, *records = map(json.loads, log.read_text().splitlines())
+    assert header["hist_sample"] == (0 if exact_histograms else LAYOUT.hist_sample)  # the log says which
+    return [r for r in records if "step" in r]
+
+
+def test_watch_samples_big_tensors_by_default_and_bins_all_with_exact_histograms(tmp_path):
+    sampled, exact = _run(False, tmp_path / "s.jsonl"), _run(True, tmp_path / "e.jsonl")
+    assert len(sampled) == 2
+    n_fields = len(LAYOUT.fields)
+    differs = 0
+    for a, b in zip(sampled, exact, strict=True):
+        assert a.keys() == b.keys() and a["params"] == b["params"]  # parameter rows: always exact
+        for module, phases in b["layers"].items():
+            for phase, row in phases.items():
+                assert a["layers"][module][phase][:n_fields] == row[:n_fields], (module, phase)
+                differs += a["layers"][module][phase] != row
+    assert differs  # the 64 x 256 tensors (16384 elements) are sampled, and their histograms differ
