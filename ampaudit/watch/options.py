@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ampaudit.core.dtypes import LOW_DTYPES, LowDtype
+from ampaudit.watch.layout import LAYOUT
 
 # each Linear operand keeps this many float32 amaxes on its device; TransformerEngine's recipes use
 # 16 to 1024. 1e9 allocated 4 GB a row and hung the run.
 FP8_HISTORY_MAX = 4096
+_SAMPLE = LAYOUT.hist_sample
 
 if TYPE_CHECKING:
     import torch
@@ -95,11 +97,11 @@ class WatchOptions:
         "under torch.compile, record the modules inside the compiled graph too (an op in the graph: no graph "
         "break; inductor's results may differ in the last bits)"))
     exact_histograms: bool = field(default=False, metadata=_about(
-        "bin every element of every tensor; by default a CPU tensor over 8192 elements has its magnitude "
-        "histogram estimated from about 4096 of them (every count - NaN, Inf, overflow, underflow, zero, absmax - "
-        "stays exact), which halves watch's cost on a small model",
-        Flag(help="bin every element of every tensor (default on the CPU: a tensor over 8192 elements has its "
-             "magnitude histogram estimated from about 4096 of them; every count stays exact)")))
+        f"bin every element of every tensor; by default a CPU tensor over {2 * _SAMPLE} elements has its "
+        f"magnitude histogram estimated from about {_SAMPLE} of them (every count - NaN, Inf, overflow, underflow, "
+        "zero, absmax - stays exact): binning each element cost about as much as reading it",
+        Flag(help=f"bin every element of every tensor (default on the CPU: a tensor over {2 * _SAMPLE} elements has "
+             f"its magnitude histogram estimated from about {_SAMPLE} of them; every count stays exact)")))
     fp8: bool = field(default=False, metadata=_about(
         "float8 statistics of every Linear (torchao's Float8Linear as it runs, nn.Linear as a what-if): per "
         "operand and step its amax, the tensorwise and delayed recipes' scales, the elements they saturate or "
