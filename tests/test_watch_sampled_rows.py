@@ -60,6 +60,15 @@ def test_every_count_is_the_exact_rows(dtype, n, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_pattern_is_counted_as_the_exact_row_counts_it(dtype):
+    x = torch.arange(-(2**15), 2**15).to(torch.int16).view(dtype)  # every NaN payload, both zeros, both infs
+    for limits in (FP16, BF16):
+        exact, sampled = _stats(x, limits, sampled=False), _stats(x, limits, sampled=True)
+        assert {k: v for k, v in sampled.items() if k != "hist"} == {k: v for k, v in exact.items() if k != "hist"}
+        assert sum(c for _, c in sampled["hist"]) == sum(c for _, c in exact["hist"])
+
+
 def test_a_small_tensor_is_binned_whole():
     x = _planted(SAMPLED_FROM - 1, torch.float32)
     assert _stats(x, FP16, sampled=True) == _stats(x, FP16, sampled=False)
