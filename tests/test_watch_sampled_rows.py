@@ -136,3 +136,17 @@ def test_watch_samples_big_tensors_by_default_and_bins_all_with_exact_histograms
                 assert a["layers"][module][phase][:n_fields] == row[:n_fields], (module, phase)
                 differs += a["layers"][module][phase] != row
     assert differs  # the 64 x 256 tensors (16384 elements) are sampled, and their histograms differ
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
+def test_a_dense_tensor_in_another_order_is_read_where_it_lies(monkeypatch, layout):
+    x = _planted(8 * 16 * 12 * 12, torch.float32).view(8, 16, 12, 12)
+    view = {"channels_last": x.to(memory_format=torch.channels_last), "transposed": x.transpose(0, 3),
+            "sliced": x[:, :, :, :6]}[layout]
+    rows = [(_stats(view.contiguous(), FP16, sampled=s), s) for s in (False, True)]
+    if layout != "sliced":  # dense: read in place, never copied
+        monkeypatch.setattr(torch.Tensor, "contiguous", lambda *a, **k: pytest.fail("copied"))
+    for want, sampled in rows:
+        got = _stats(view, FP16, sampled=sampled)
+        assert got == want if not sampled else {k: v for k, v in got.items() if k != "hist"} == \
+            {k: v for k, v in want.items() if k != "hist"}

@@ -121,11 +121,27 @@ def available() -> bool:
     return _library() is not None
 
 
-def _readable(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as contiguous memory of a dtype the kernel reads (a copy only where it must be)."""
+def dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill one block of memory, each once, in some order (contiguous,
+    channels_last, a transpose): a row's counts do not depend on the order, so the kernels read
+    such a tensor where it lies, without a copy."""
+    if x.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda pair: pair[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
+def _readable(x: torch.Tensor, *, any_order: bool = True) -> torch.Tensor:
+    """``x`` as memory of a dtype the kernel reads (a copy only where it must be): dense, or with
+    ``any_order=False`` (a sum of squares, whose last bits depend on the order) contiguous."""
     if x.dtype not in _ENTRY:
         x = x.detach().float()
-    return x if x.is_contiguous() else x.contiguous()
+    return x if (dense(x) if any_order else x.is_contiguous()) else x.contiguous()
 
 
 def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float, *,
@@ -135,8 +151,8 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
     raise its absmax extra (float32, >= 0) to the finite absmax; with ``norm``, add the sum of
     its squares to the sumsq extra (summed in fp64)."""
     entry = _library().rows.get(x.dtype)  # a hook's hot path: no copy and no lookup it can skip
-    if entry is None or not x.is_contiguous():
-        x = _readable(x)
+    if entry is None or not (x.is_contiguous() or (not norm and dense(x))):
+        x = _readable(x, any_order=not norm)
         entry = _library().rows[x.dtype]
     base, extra = counts.data_ptr(), extras.data_ptr()
     entry(x.data_ptr(), x.numel(), base, base + _OVERFLOW_AT, base + _NEGINF_AT, extra + _ABSMAX_AT,
@@ -158,7 +174,7 @@ def fill_sampled_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor
     n = x.numel()
     stride = sample_stride(n)
     entry = _library().sampled.get(x.dtype)
-    if stride == 1 or entry is None or not x.is_contiguous():
+    if stride == 1 or entry is None or not dense(x):
         fill_row(x, counts, extras, overflow_at)
         return
     base = counts.data_ptr()
@@ -176,7 +192,7 @@ def fill_param_rows(grads: list[torch.Tensor], rows: list[tuple[torch.Tensor, to
     arena row, in one C call (a step boundary's parameter rows: tens of small tensors, where
     a call each costs more than their elements), and with ``scale`` each one's count of |x| *
     scale > ``limit`` in float32, as ``stats.fill_param_extras`` computes it with torch ops."""
-    readable = [_readable(g) for g in grads]
+    readable = [_readable(g, any_order=False) for g in grads]
     k = len(readable)
     if not k:
         return
