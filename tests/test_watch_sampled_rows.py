@@ -14,7 +14,7 @@ from ampaudit.watch.layout import LAYOUT
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"no C kernel: {cpu_kernel.status()}")
 
 FP16, BF16 = LowDtype.parse(torch.float16), LowDtype.parse(torch.bfloat16)
-SAMPLED_FROM = 2 * LAYOUT.hist_sample  # smaller tensors are binned whole
+SAMPLED_FROM = 2 * LAYOUT.hist_sample + 1  # smaller tensors are binned whole
 
 
 def _stats(x: torch.Tensor, limits: LowDtype, *, sampled: bool) -> dict:
