@@ -14,7 +14,7 @@ from ampaudit.watch.layout import LAYOUT
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"no C kernel: {cpu_kernel.status()}")
 
 FP16, BF16 = LowDtype.parse(torch.float16), LowDtype.parse(torch.bfloat16)
-SAMPLED_FROM = 2 * LAYOUT.hist_sample + 1  # smaller tensors are binned whole
+SAMPLED_FROM = LAYOUT.hist_sample_above + 1  # smaller tensors are binned whole
 
 
 def _stats(x: torch.Tensor, limits: LowDtype, *, sampled: bool) -> dict:
@@ -111,7 +111,7 @@ def _run(exact_histograms: bool, log) -> list[dict]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(64, 64)
+    x = torch.randn(128, 64)
     with ampaudit.watch(model, optimizer=opt, log=log, exact_histograms=exact_histograms):
         for _ in range(2):
             model(x).square().mean().backward()
@@ -135,7 +135,7 @@ def test_watch_samples_big_tensors_by_default_and_bins_all_with_exact_histograms
             for phase, row in phases.items():
                 assert a["layers"][module][phase][:n_fields] == row[:n_fields], (module, phase)
                 differs += a["layers"][module][phase] != row
-    assert differs  # the 64 x 256 tensors (16384 elements) are sampled, and their histograms differ
+    assert differs  # the 128 x 256 tensors (32768 elements) are sampled, and their histograms differ
 
 
 @pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])

@@ -160,9 +160,10 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
 
 
 def sample_stride(n: int) -> int:
-    """One element in how many a sampled row bins: 1 (all) up to twice ``LAYOUT.hist_sample``
-    elements, above that about ``LAYOUT.hist_sample`` of them."""
-    return n // LAYOUT.hist_sample if n > 2 * LAYOUT.hist_sample else 1
+    """One element in how many a sampled row bins: 1 (all) up to ``LAYOUT.hist_sample_above``
+    elements - below that binning a sample costs more than binning them all -, above it about
+    ``LAYOUT.hist_sample`` of them."""
+    return n // LAYOUT.hist_sample if n > LAYOUT.hist_sample_above else 1
 
 
 def fill_sampled_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overflow_at: float,

@@ -22,7 +22,7 @@ from ampaudit.watch.layout import LAYOUT
 # each Linear operand keeps this many float32 amaxes on its device; TransformerEngine's recipes use
 # 16 to 1024. 1e9 allocated 4 GB a row and hung the run.
 FP8_HISTORY_MAX = 4096
-_SAMPLE = LAYOUT.hist_sample
+_SAMPLE, _ABOVE = LAYOUT.hist_sample, LAYOUT.hist_sample_above
 
 if TYPE_CHECKING:
     import torch
@@ -97,10 +97,10 @@ class WatchOptions:
         "under torch.compile, record the modules inside the compiled graph too (an op in the graph: no graph "
         "break; inductor's results may differ in the last bits)"))
     exact_histograms: bool = field(default=False, metadata=_about(
-        f"bin every element of every tensor; by default a CPU tensor over {2 * _SAMPLE} elements has its "
+        f"bin every element of every tensor; by default a CPU tensor over {_ABOVE} elements has its "
         f"magnitude histogram estimated from about {_SAMPLE} of them (every count - NaN, Inf, overflow, underflow, "
         "zero, absmax - stays exact): binning each element cost about as much as reading it",
-        Flag(help=f"bin every element of every tensor (default on the CPU: a tensor over {2 * _SAMPLE} elements has "
+        Flag(help=f"bin every element of every tensor (default on the CPU: a tensor over {_ABOVE} elements has "
              f"its magnitude histogram estimated from about {_SAMPLE} of them; every count stays exact)")))
     fp8: bool = field(default=False, metadata=_about(
         "float8 statistics of every Linear (torchao's Float8Linear as it runs, nn.Linear as a what-if): per "
