@@ -247,7 +247,7 @@ DEFINE_NONFINITE(ampaudit_nonfinite_bf16, h16_raw, 0x7fff, 0x7f80, BF16_NEGINF)
 
 /* A row whose counts are exact but whose magnitude histogram is estimated (watch's default for
  * activations and their gradients on the CPU, where the exact histogram's one scattered add
- * per element costs more than everything else a step records). One vectorised pass counts
+ * per element cost as much as reading the element: watch.md says why). One vectorised pass counts
  * what the verdicts read - zeros, the values below low_at (the audited dtype's smallest
  * normal, an exponent boundary), those >= over_at, the non-finite ones, the max - and one
  * element in about every `stride`, at a jittered stride (a fixed one would keep meeting the
@@ -372,7 +372,7 @@ static void spread(const int32_t *sample, int from, int to, int64_t total, int f
         bins[0] += totals[ZERO];                                                                         \
         bins[INF_BIN] += inf;                                                                            \
         bins[NAN_BIN] += nan;                                                                            \
-        if (totals[LOW])                                                                                 \
+        if (totals[LOW]) /* a sample with low values spreads them; else the largest's bin, found */     \
             spread(sample, 1, low_end, totals[LOW], low_seen ? 1 : key(NAME##_low_peak(x, n, low_at)), bins); \
         spread(sample, low_end, INF_BIN, normal, key(peak), bins);                                       \
         *overflow += totals[OVER] - nan;                                                                 \
