@@ -53,6 +53,18 @@ def test_bad_input_is_one_line_and_exit_2(cli, case):
     assert expected in lines[0]
 
 
+@pytest.mark.parametrize("entry", ["", ":Model"])  # linted, and loaded to be built
+def test_a_syntax_error_names_the_grammar_that_refused_it(cli, tmp_path, entry):
+    # valid from Python 3.12 on (PEP 701: an f-string reuses its quotes); elsewhere a plain error
+    script = tmp_path / "newer.py"
+    script.write_text('import torch\npath = "x"\nprint(f"{str(path + "checkpoints")}")\n' if sys.version_info < (3, 12)
+                      else "import torch\ndef f(:\n    pass\n")
+    result = cli("check", f"{script}{entry}")
+    version = f"Python {sys.version_info.major}.{sys.version_info.minor}'s grammar"
+    assert result.code == 2 and result.err.count("\n") == 1
+    assert result.err.startswith("ampaudit: error: syntax error in ") and result.err.rstrip().endswith(f"({version})")
+
+
 def test_debug_shows_the_traceback(cli):
     result = cli("check", model("factory_raises.py") + ":get_model", "--debug")
     assert result.code == 2

@@ -15,7 +15,7 @@ from ampaudit.core.errors import LoadError
 from ampaudit.core.files import digest
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
-from ampaudit.core.python_source import read_python, run_deep
+from ampaudit.core.python_source import read_python, run_deep, syntax_reason
 from ampaudit.core.rulebook import rule
 
 
@@ -48,7 +48,7 @@ def lint_file(path: Path, *, syntax_errors_as_findings: bool = False) -> list[Fi
     try:
         return run_deep(lint_source, str(path), source)
     except SyntaxError as exc:  # Python's own parser: its line, column and reason
-        line, column, reason = exc.lineno or 1, exc.offset or 1, exc.msg
+        line, column, reason = exc.lineno or 1, exc.offset or 1, syntax_reason(exc)
         if not syntax_errors_as_findings:
             raise LoadError(f"syntax error in {display_path(str(path))}:{line}:{column}: {reason}") from exc
         return [rule("AMP004").finding(display_path(str(path)), line, column=column, reason=f"syntax error: {reason}")]

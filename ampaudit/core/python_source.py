@@ -57,6 +57,12 @@ def read_python(path: Path) -> tuple[str, str]:
     return text, encoding
 
 
+def syntax_reason(exc: SyntaxError) -> str:
+    """A SyntaxError's reason, naming the grammar that refused it: code written for a newer
+    Python (3.12's nested f-string quotes) is valid there, and the reader should know why not here."""
+    return f"{exc.msg} (Python {sys.version_info.major}.{sys.version_info.minor}'s grammar)"
+
+
 def run_deep(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in a thread with a large stack and a high recursion limit."""
     result: list[T] = []

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampaudit.core.errors import LoadError
-from ampaudit.core.python_source import run_deep
+from ampaudit.core.python_source import run_deep, syntax_reason
 
 FACTORY_NAMES = ("get_model", "build_model", "create_model", "make_model")
 MODEL_ATTRIBUTE = "model"
@@ -416,7 +416,7 @@ def _scan_source(path: Path, source: str) -> SourceScan:
     try:
         tree = ast.parse(source, filename=str(path))
     except SyntaxError as exc:
-        raise LoadError(f"syntax error in {path}:{exc.lineno}:{exc.offset or 0}: {exc.msg}") from exc
+        raise LoadError(f"syntax error in {path}:{exc.lineno}:{exc.offset or 0}: {syntax_reason(exc)}") from exc
     except ValueError as exc:  # null bytes
         raise LoadError(f"cannot parse {path}: {exc}") from exc
     scan = SourceScan(path)
