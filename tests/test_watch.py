@@ -322,6 +322,49 @@ def test_a_log_row_holds_exactly_the_stats():
     assert log_rows(rows[[3, 1]]) == [written[3], written[1]]
 
 
+@pytest.mark.parametrize("in_c", [True, False])
+def test_the_log_line_is_the_record_as_json(monkeypatch, in_c):
+    # LogLines writes a step's line as text, its rows by a C loop: the very bytes json.dumps
+    # writes for log_record's dicts - names JSON must escape, a (module, phase) given twice, a
+    # non-finite absmax and norm, empty runs, with and without a GradScaler's counts; the same
+    # without the C loop (json.dumps itself)
+    from ampaudit.watch import log_text
+    from ampaudit.watch.decode import log_record
+
+    if not in_c:
+        monkeypatch.setattr(log_text, "_function", lambda: None)
+    elif not log_text.available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(log_text, "_ROOM", 16)  # the text's buffer grows while the rows do not fit
+    gen = torch.Generator().manual_seed(1)
+    keys = [("a", "forward"), ("a", "backward"), ('b"\\%d', "forward"), ("é", "eval"), ("a", "forward")]
+    params = ["a.weight", "b%s.bias", "c\n"]
+    buf = LAYOUT.step_buffer(len(keys), len(params))
+    flat = torch.zeros(buf.size, dtype=torch.float64)
+    rows = flat[buf.stats].view(-1, LAYOUT.width)
+    rows[:, :LAYOUT.hist] = torch.randint(0, 10**6, (len(rows), LAYOUT.hist), generator=gen).double()
+    rows[:, LAYOUT.hist:-1] = torch.randint(0, 3, (len(rows), LAYOUT.exponents - 1), generator=gen).double() ** 9
+    rows[:, -1] = 5.0  # exponent 255 (Inf and NaN): no magnitude, never written
+    rows[1, LAYOUT.hist:-1] = 0.0  # an empty run
+    rows[2, LAYOUT.hist + 254] = 2.0**50  # the largest finite exponent, a count past float32's integers
+    absmax = LAYOUT.field["absmax"]
+    rows[:, absmax] = torch.tensor([0.0, 1e-45, float("inf"), 3.4e38, 1 / 3, float("nan"), 65504.0, 1e16])
+    flat[buf.norms] = torch.tensor([float("inf"), 0.1, float("nan")])
+    record = {"step": 3, "steps_seen": 4, "layers": {}, "params": {}, "scale": None, "first_nonfinite": None,
+              "unmeasured": {"sparse": 1}, "dtype": "float16", "fp8": {"l": {"kind": "Linear"}}}
+    lines = log_text.LogLines()
+    for scaled in (-1.0, 7.0):
+        flat[buf.scaled] = scaled
+        expected = json.dumps(log_record(record, flat, buf, keys, params))
+        assert lines.line(record, flat, buf, keys, params) == expected
+        assert json.loads(expected)["layers"]["a"]["forward"][:LAYOUT.hist] == rows[4, :LAYOUT.hist].tolist()
+    for no_rows in ([], keys), (params, []):  # no parameters, no modules
+        buf = LAYOUT.step_buffer(len(no_rows[1]), len(no_rows[0]))
+        flat = torch.zeros(buf.size, dtype=torch.float64)
+        expected = json.dumps(log_record(record, flat, buf, no_rows[1], no_rows[0]))
+        assert lines.line(record, flat, buf, no_rows[1], no_rows[0]) == expected
+
+
 def test_the_report_counts_what_came_after_the_last_logged_step(tmp_path):
     # evaluation after the last optimizer step, and steps `every` left out at the end: the live
     # summary counted them and the log's records could not (HF Trainer said 8 eval forwards
