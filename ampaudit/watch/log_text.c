@@ -5,8 +5,9 @@
  *
  * Row order[i] (float64, `width` apart) is written after text i (texts[text_at[i]] up to
  * texts[text_at[i + 1]]); text n follows the last. A row is "[" its `hist` fields - counts as
- * integers, a magnitude field (magnitude[f] != 0) as the next of the float texts Python wrote
- * (float_at: where each starts, and where the last ends), which is how JSON writes a float -,
+ * integers, a magnitude field (magnitude[f] != 0) as the next of `floats`, a JSON array of
+ * `size` bytes that Python's json wrote ("[1.5, Infinity, ...]": no number's text holds a
+ * comma) -,
  * its first nonzero exponent - 127 of the `exponents` after the fields (-127: none), and its
  * counts from there to its last nonzero one, ", " between them, "]". A count is a float64
  * holding an integer: written as torch's .to(int64) reads it.
@@ -35,28 +36,27 @@ static char *put_int(char *o, int64_t v) {
 /* The bytes written, or -1 where `cap` would not hold them. */
 int64_t ampaudit_log_rows(const double *rows, int64_t width, int64_t n, const int64_t *order, int32_t hist,
                           int32_t exponents, const unsigned char *magnitude, const char *texts,
-                          const int64_t *text_at, const char *floats, const int64_t *float_at, char *out,
+                          const int64_t *text_at, const char *floats, int64_t size, char *out,
                           int64_t cap) {
     /* the most a row can take: a sign and 19 digits, and ", ", per number */
     const int64_t row_max = 2 + (int64_t)(hist + 1 + exponents) * 22;
     char *o = out, *end = out + cap;
-    int64_t f = 0;
+    const char *f = floats + 1, *floats_end = floats + size - 1; /* the next float's text; the "]" */
     for (int64_t i = 0; i <= n; i++) {
         int64_t text = text_at[i + 1] - text_at[i];
         if (end - o < text) return -1;
         o = put_text(o, texts + text_at[i], text);
         if (i == n) break;
         const double *row = rows + order[i] * width;
-        int64_t floats_here = 0;
-        for (int32_t k = 0; k < hist; k++)
-            if (magnitude[k]) floats_here += float_at[f + floats_here + 1] - float_at[f + floats_here];
-        if (end - o < row_max + floats_here) return -1;
+        if (end - o < row_max + (floats_end - f)) return -1;
         *o++ = '[';
         for (int32_t k = 0; k < hist; k++) {
             if (k) o = put_text(o, ", ", 2);
             if (magnitude[k]) {
-                o = put_text(o, floats + float_at[f], float_at[f + 1] - float_at[f]);
-                f++;
+                const char *stop = f;
+                while (stop < floats_end && *stop != ',') stop++;
+                o = put_text(o, f, stop - f);
+                f = stop < floats_end ? stop + 2 : stop; /* past ", " */
             } else {
                 o = put_int(o, (int64_t)row[k]);
             }

@@ -3,7 +3,7 @@ as ``json.dumps(decode.log_record(...))``, the line's definition, at a fraction 
 paid at every logged step. Its Stats rows - thousands of counts on a small transformer - are
 written by one C loop (``log_text.c``, built by ``core.native`` on first use) between texts
 made once per set of keys and parameters (a training loop's steps share one); the few floats
-are written by Python, as JSON writes them. Without a compiler, or with
+are written by Python's json. Without a compiler, or with
 ``AMPAUDIT_CPU_KERNEL=0``, the line is ``json.dumps(log_record(...))`` itself.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 from functools import cache
 from itertools import accumulate
 from pathlib import Path
@@ -38,22 +37,15 @@ def _function() -> ctypes._CFuncPtr | None:
         lib = ctypes.CDLL(str(native.build(SOURCE, [])))
     except OSError:
         return None
-    fn = lib.ampaudit_log_rows  # rows, width, n, order, hist, exponents, magnitude, texts, at, floats, at, out, cap
+    fn = lib.ampaudit_log_rows  # rows, width, n, order, hist, exponents, magnitude, texts, at, floats, size, out, cap
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    fn.argtypes = [p, i64, i64, p, i32, i32, p, p, p, p, p, p, i64]
+    fn.argtypes = [p, i64, i64, p, i32, i32, p, p, p, p, i64, p, i64]
     fn.restype = i64
     return fn
 
 
 def available() -> bool:
     return _function() is not None
-
-
-def _json_floats(values: list[float]) -> list[str]:
-    """Floats as JSON writes them: a finite one as its repr, the others spelled out."""
-    if all(map(math.isfinite, values)):
-        return list(map(float.__repr__, values))
-    return [float.__repr__(v) if math.isfinite(v) else json.dumps(v) for v in values]
 
 
 def _offsets(texts: list) -> ctypes.Array:
@@ -127,11 +119,10 @@ class LogLines:
         shape = self._shape(keys, param_keys, buf.n_rows)
         rows = flat[buf.stats].reshape(-1, LAYOUT.width).contiguous()
         magnitudes = rows[:, _MAGNITUDE].tolist()
-        floats = _json_floats([v for i in shape.order for v in magnitudes[i]])
-        blob, blob_at = "".join(floats).encode("ascii"), _offsets(floats)
+        floats = json.dumps([v for i in shape.order for v in magnitudes[i]]).encode("ascii")
         while True:
             written = fn(rows.data_ptr(), LAYOUT.width, len(shape.order), shape.order_array, LAYOUT.hist,
-                         _EXPONENTS, _IS_MAGNITUDE, shape.texts, shape.text_at, blob, blob_at, shape.out,
+                         _EXPONENTS, _IS_MAGNITUDE, shape.texts, shape.text_at, floats, len(floats), shape.out,
                          len(shape.out))
             if written >= 0:
                 return ctypes.string_at(shape.out, written).decode("ascii")
