@@ -707,6 +707,43 @@ def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag,
     assert result.err.strip() == f"ampaudit: error: {message.format(out=out)}"
 
 
+def test_device_totals_sum_each_step_as_it_comes(monkeypatch):
+    # StepReducer.accumulate: runs of steps with the same keys summed in place, into the totals
+    # when the keys change, every TOTALS_BATCH steps and when read: counts summed, absmax the
+    # largest, as adding up every step's rows on the host gives; each step reads back its
+    # parameters' finiteness and its tail, in one copy (a GPU's) or not
+    from ampaudit.watch.reducer import StepReducer, _read
+
+    monkeypatch.setattr(reducer, "TOTALS_BATCH", 3)
+    gen = torch.Generator().manual_seed(0)
+    absmax, nan = LAYOUT.field["absmax"], LAYOUT.field["nan"]
+    shapes = {"ab": ([("a", "forward"), ("b", "forward")], ["w"]), "ba": ([("b", "forward")], ["w", "v"])}
+    totals: dict[tuple, list[float]] = {}
+    acc = StepReducer()
+    for name in ["ab", "ab", "ba", "ab", "ab", "ab", "ab", "ba", "ba"]:
+        keys, params = shapes[name]
+        buf = LAYOUT.step_buffer(len(keys), len(params))
+        flat = torch.randint(0, 1000, (buf.size,), generator=gen).double()
+        rows = flat[buf.stats].view(-1, LAYOUT.width)
+        rows[:, absmax] = torch.rand(len(rows), generator=gen, dtype=torch.float64) * 10
+        rows[len(keys):, nan:nan + 2] = torch.tensor([[0.0, 0.0], [3.0, 0.0]][:len(params)])
+        values = acc.accumulate(flat, buf, keys, params)
+        assert values.param_nonfinite == [False, True][:len(params)]
+        assert (values.norms, values.first, values.found_inf) == (flat[buf.norms].tolist(), flat[buf.first].item(),
+                                                                 flat[buf.found_inf].item())
+        flags = rows[len(keys):, nan:nan + 2]
+        assert _read(flags, flat[buf.tail], True) == _read(flags, flat[buf.tail], False)
+        for key, row in zip([("layer", *k) for k in keys] + [("param", p) for p in params], rows.tolist(),
+                            strict=True):
+            total = totals.setdefault(key, [0.0] * LAYOUT.width)
+            totals[key] = [max(t, r) if i == absmax else t + r for i, (t, r) in enumerate(zip(total, row,
+                                                                                                strict=True))]
+    layers, params = acc.totals()
+    for key, row in totals.items():
+        got = layers[key[1]][key[2]] if key[0] == "layer" else params[key[1]]
+        assert {k: v for k, v in got.items() if k in stats.to_stats(row)} == stats.to_stats(row), key
+
+
 def test_ddp_reduce_sums_counts_keeps_maxima_and_the_earliest_rank(monkeypatch):
     from ampaudit.watch.reducer import StepReducer
 

@@ -45,7 +45,6 @@ IGNORED, HARMFUL, ANY = 0, 1, 2  # an event's mode: never first; first if NaN/+i
 
 _NAN, _INF, _NEGINF = (LAYOUT.field[name] for name in ("nan", "inf", "neginf"))
 assert _INF == _NAN + 1  # read as one slice (``StepReducer.accumulate``)
-assert _INF == _NAN + 1  # read together (``StepReducer.accumulate``)
 
 
 def bad_events(rows: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
@@ -57,6 +56,16 @@ def bad_events(rows: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
     if modes is None:
         return nonfinite > 0
     return ((nonfinite - rows[:, _NEGINF] > 0) & (modes >= HARMFUL)) | ((nonfinite > 0) & (modes == ANY))
+
+
+def _read(flags: torch.Tensor, tail: torch.Tensor, one_copy: bool) -> tuple[list[list[float]], list[float]]:
+    """N x 2 counts and a 1-D tail, read back: ``one_copy`` (a GPU's) in one copy, one sync;
+    else (the CPU's: no sync to save, and the copy into one tensor would cost more) each as it is."""
+    if not one_copy:
+        return flags.tolist(), tail.tolist()
+    values = torch.cat([flags.reshape(-1), tail]).tolist()
+    n = flags.numel()
+    return [values[i:i + 2] for i in range(0, n, 2)], values[n:]
 
 
 class StepReducer:
@@ -187,11 +196,9 @@ class StepReducer:
         rows = flat[buf.stats].reshape(-1, LAYOUT.width)
         if keys or param_keys:
             self._add_to_run(rows, self._rows_of(keys, param_keys, flat.device))
-        n_flags = 2 * len(param_keys)  # each parameter's NaN and Inf counts
-        values = torch.cat([rows[len(keys):, _NAN:_INF + 1].reshape(-1), flat[buf.tail]]).tolist()  # the one sync
-        step = self._with_tail(values, buf, buf.tail.start - n_flags, layers=[], params=None,
-                               param_nonfinite=[bool(nan or inf) for nan, inf in zip(values[:n_flags:2],
-                                                                                    values[1:n_flags:2], strict=True)])
+        flags, tail = _read(rows[len(keys):, _NAN:_INF + 1], flat[buf.tail], flat.device.type != "cpu")
+        step = self._with_tail(tail, buf, buf.tail.start, layers=[], params=None,
+                               param_nonfinite=[bool(nan or inf) for nan, inf in flags])
         self._last_norms = dict(zip(param_keys, step.norms, strict=True))
         for name, count in zip(param_keys, step.scaled, strict=True):
             if count >= 0:  # with a GradScaler: gradients overflowing at its current scale
