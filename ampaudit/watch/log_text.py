@@ -79,7 +79,6 @@ class _Shape:
             pending = ""
         texts.append(pending + "}")
         self.order = order
-        self.identity = order == list(range(len(order)))
         self.order_array = (ctypes.c_int64 * max(1, len(order)))(*order)
         self.texts = "".join(texts).encode("ascii")  # json.dumps writes ASCII
         self.text_at = _offsets(texts)
