@@ -62,7 +62,7 @@ class _Shape:
 
     def __init__(self, keys: list[tuple[str, str]], param_keys: list[str], n_rows: int) -> None:
         layers: dict[str, dict[str, int]] = {}
-        for i, (module, phase) in enumerate(keys[:n_rows]):  # log_record zips keys with the rows
+        for i, (module, phase) in enumerate(keys[:n_rows + len(param_keys)]):  # log_record zips keys with the rows
             layers.setdefault(module, {})[phase] = i
         params = {name: n_rows + i for i, name in enumerate(param_keys)}
         texts, order, pending = [], [], '"layers": {'
