@@ -322,6 +322,49 @@ def test_a_log_row_holds_exactly_the_stats():
     assert log_rows(rows[[3, 1]]) == [written[3], written[1]]
 
 
+@pytest.mark.parametrize("in_c", [True, False])
+def test_the_log_line_is_the_record_as_json(monkeypatch, in_c):
+    # LogLines writes a step's line as text, its rows by a C loop: the very bytes json.dumps
+    # writes for log_record's dicts - names JSON must escape, a (module, phase) given twice, a
+    # non-finite absmax and norm, empty runs, with and without a GradScaler's counts; the same
+    # without the C loop (json.dumps itself)
+    from ampaudit.watch import log_text
+    from ampaudit.watch.decode import log_record
+
+    if not in_c:
+        monkeypatch.setattr(log_text, "_function", lambda: None)
+    elif not log_text.available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(log_text, "_ROOM", 16)  # the text's buffer grows while the rows do not fit
+    gen = torch.Generator().manual_seed(1)
+    keys = [("a", "forward"), ("a", "backward"), ('b"\\%d', "forward"), ("é", "eval"), ("a", "forward")]
+    params = ["a.weight", "b%s.bias", "c\n"]
+    buf = LAYOUT.step_buffer(len(keys), len(params))
+    flat = torch.zeros(buf.size, dtype=torch.float64)
+    rows = flat[buf.stats].view(-1, LAYOUT.width)
+    rows[:, :LAYOUT.hist] = torch.randint(0, 10**6, (len(rows), LAYOUT.hist), generator=gen).double()
+    rows[:, LAYOUT.hist:-1] = torch.randint(0, 3, (len(rows), LAYOUT.exponents - 1), generator=gen).double() ** 9
+    rows[:, -1] = 5.0  # exponent 255 (Inf and NaN): no magnitude, never written
+    rows[1, LAYOUT.hist:-1] = 0.0  # an empty run
+    rows[2, LAYOUT.hist + 254] = 2.0**50  # the largest finite exponent, a count past float32's integers
+    absmax = LAYOUT.field["absmax"]
+    rows[:, absmax] = torch.tensor([0.0, 1e-45, float("inf"), 3.4e38, 1 / 3, float("nan"), 65504.0, 1e16])
+    flat[buf.norms] = torch.tensor([float("inf"), 0.1, float("nan")])
+    record = {"step": 3, "steps_seen": 4, "layers": {}, "params": {}, "scale": None, "first_nonfinite": None,
+              "unmeasured": {"sparse": 1}, "dtype": "float16", "fp8": {"l": {"kind": "Linear"}}}
+    lines = log_text.LogLines()
+    for scaled in (-1.0, 7.0):
+        flat[buf.scaled] = scaled
+        expected = json.dumps(log_record(record, flat, buf, keys, params))
+        assert lines.line(record, flat, buf, keys, params) == expected
+        assert json.loads(expected)["layers"]["a"]["forward"][:LAYOUT.hist] == rows[4, :LAYOUT.hist].tolist()
+    for no_rows in ([], keys), (params, []):  # no parameters, no modules
+        buf = LAYOUT.step_buffer(len(no_rows[1]), len(no_rows[0]))
+        flat = torch.zeros(buf.size, dtype=torch.float64)
+        expected = json.dumps(log_record(record, flat, buf, no_rows[1], no_rows[0]))
+        assert lines.line(record, flat, buf, no_rows[1], no_rows[0]) == expected
+
+
 def test_the_report_counts_what_came_after_the_last_logged_step(tmp_path):
     # evaluation after the last optimizer step, and steps `every` left out at the end: the live
     # summary counted them and the log's records could not (HF Trainer said 8 eval forwards
@@ -662,6 +705,43 @@ def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path, cli, flag,
     result = cli("report", log, flag, out)
     assert result.code == 2
     assert result.err.strip() == f"ampaudit: error: {message.format(out=out)}"
+
+
+def test_device_totals_sum_each_step_as_it_comes(monkeypatch):
+    # StepReducer.accumulate: runs of steps with the same keys summed in place, into the totals
+    # when the keys change, every TOTALS_BATCH steps and when read: counts summed, absmax the
+    # largest, as adding up every step's rows on the host gives; each step reads back its
+    # parameters' finiteness and its tail, in one copy (a GPU's) or not
+    from ampaudit.watch.reducer import StepReducer, _read
+
+    monkeypatch.setattr(reducer, "TOTALS_BATCH", 3)
+    gen = torch.Generator().manual_seed(0)
+    absmax, nan = LAYOUT.field["absmax"], LAYOUT.field["nan"]
+    shapes = {"ab": ([("a", "forward"), ("b", "forward")], ["w"]), "ba": ([("b", "forward")], ["w", "v"])}
+    totals: dict[tuple, list[float]] = {}
+    acc = StepReducer()
+    for name in ["ab", "ab", "ba", "ab", "ab", "ab", "ab", "ba", "ba"]:
+        keys, params = shapes[name]
+        buf = LAYOUT.step_buffer(len(keys), len(params))
+        flat = torch.randint(0, 1000, (buf.size,), generator=gen).double()
+        rows = flat[buf.stats].view(-1, LAYOUT.width)
+        rows[:, absmax] = torch.rand(len(rows), generator=gen, dtype=torch.float64) * 10
+        rows[len(keys):, nan:nan + 2] = torch.tensor([[0.0, 0.0], [3.0, 0.0]][:len(params)])
+        values = acc.accumulate(flat, buf, keys, params)
+        assert values.param_nonfinite == [False, True][:len(params)]
+        assert (values.norms, values.first, values.found_inf) == (flat[buf.norms].tolist(), flat[buf.first].item(),
+                                                                 flat[buf.found_inf].item())
+        flags = rows[len(keys):, nan:nan + 2]
+        assert _read(flags, flat[buf.tail], True) == _read(flags, flat[buf.tail], False)
+        for key, row in zip([("layer", *k) for k in keys] + [("param", p) for p in params], rows.tolist(),
+                            strict=True):
+            total = totals.setdefault(key, [0.0] * LAYOUT.width)
+            totals[key] = [max(t, r) if i == absmax else t + r for i, (t, r) in enumerate(zip(total, row,
+                                                                                                strict=True))]
+    layers, params = acc.totals()
+    for key, row in totals.items():
+        got = layers[key[1]][key[2]] if key[0] == "layer" else params[key[1]]
+        assert {k: v for k, v in got.items() if k in stats.to_stats(row)} == stats.to_stats(row), key
 
 
 def test_ddp_reduce_sums_counts_keeps_maxima_and_the_earliest_rank(monkeypatch):

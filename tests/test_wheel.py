@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow  # builds the wheel and installs it
 def test_wheel_contains_the_catalog_and_schema(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"ampaudit/_rules/ops.toml", "ampaudit/_rules/rules.toml", "ampaudit/report/report.schema.json",
-            "ampaudit/watch/cpu_stats.c", "ampaudit/graph/fp8_cast.c", "ampaudit/core/native_simd.h"} <= names
+            "ampaudit/watch/cpu_stats.c", "ampaudit/watch/log_text.c", "ampaudit/graph/fp8_cast.c",
+            "ampaudit/core/native_simd.h"} <= names
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "ampaudit = ampaudit.cli.main:main" in entry_points

@@ -1,10 +1,11 @@
 """ampaudit's C sources, compiled on first use with the system C compiler and loaded with ctypes.
 
-One C file per job (``watch/cpu_stats.c``: watch's statistics rows; ``graph/fp8_cast.c``:
-fp8 casts emulated in one pass). Each is compiled with ``$CC`` (else cc/gcc/clang), with
-OpenMP where the compiler has it, into a cache directory keyed by the source, its defines and
-the machine - a fraction of a second, once per machine - and every caller falls back to torch
-ops where no compiler is around or ``AMPAUDIT_CPU_KERNEL=0`` is set.
+One C file per job (``watch/cpu_stats.c``: watch's statistics rows; ``watch/log_text.c``: a
+logged step's rows as its log line's text; ``graph/fp8_cast.c``: fp8 casts emulated in one
+pass). Each is compiled with ``$CC`` (else cc/gcc/clang), with OpenMP where the compiler has
+it, into a cache directory keyed by the source, its defines and the machine - a fraction of a
+second, once per machine - and every caller falls back to torch ops (or, for the log line, to
+``json``) where no compiler is around or ``AMPAUDIT_CPU_KERNEL=0`` is set.
 """
 
 from __future__ import annotations

@@ -109,12 +109,18 @@ class LogSink:
             self._handle = create_log(self.path, header)
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._handle is not None:
+            self.write_line(json.dumps(record), record.get("step"))
+
+    def write_line(self, line: str, step: int | None = None) -> None:
+        """One record, already JSON (``log_text.LogLines``); ``step``: the step it records, if any."""
         if self._handle is None:
             return
         try:
-            self._handle.write(json.dumps(record) + "\n")
+            self._handle.write(line + "\n")
             self._handle.flush()
-            self.last_step = record.get("step", self.last_step)
+            if step is not None:
+                self.last_step = step
         except OSError as exc:  # a full disk or `ulimit -f` must not stop the training: stop logging
             with contextlib.suppress(OSError):
                 self._handle.close()

@@ -31,12 +31,13 @@ from ampaudit.watch import compiled, forks
 from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
-from ampaudit.watch.decode import log_record, step_record
+from ampaudit.watch.decode import step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
 from ampaudit.watch.hooks import StepRecorder, transformed, unmeasurable
 from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.log_file import LogSink
+from ampaudit.watch.log_text import LogLines
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
 from ampaudit.watch.step_guard import guard_for
@@ -127,6 +128,7 @@ class Monitor:
         self.reducer = StepReducer(world)
         self._rank = rank
         self.sink = LogSink(self.log_path if rank == 0 else None)  # rank 0 writes the log
+        self._lines = LogLines()  # its step records, as text
         self._conditions = DeviceConditions()  # the verdicts' per-step conditions, with the totals
         self.builder = SummaryBuilder(self.dtype_name)
         self.step_index = 0
@@ -301,7 +303,8 @@ class Monitor:
                         [k for k, bad in zip(param_keys, values.param_nonfinite, strict=True) if bad])
             self.builder.add(record)
             if self.sink.is_open:  # the per-step rows, read back: the log's one extra read
-                self.sink.write(log_record({**record, "layers": {}, "params": {}}, flat.cpu(), buf, keys, param_keys))
+                line = self._lines.line({**record, "layers": {}, "params": {}}, flat.cpu(), buf, keys, param_keys)
+                self.sink.write_line(line, step)
         self.step_index += 1
         recorder.end_step(logging_next=self.step_index % self.every == 0)
         if record is not None:

@@ -22,7 +22,7 @@ from ampaudit.watch.arena import Handle, RowArena, index_tensor
 from ampaudit.watch.layout import LAYOUT, MAX, StepBuffer
 
 NO_EVENT = 2**62  # "no non-finite tensor yet" on the device
-TOTALS_BATCH = 16  # logged steps whose rows are added to the totals together
+TOTALS_BATCH = 16  # logged steps summed on the device (``StepReducer._add_to_run``) before the totals
 _F64 = torch.float64
 
 
@@ -45,7 +45,6 @@ IGNORED, HARMFUL, ANY = 0, 1, 2  # an event's mode: never first; first if NaN/+i
 
 _NAN, _INF, _NEGINF = (LAYOUT.field[name] for name in ("nan", "inf", "neginf"))
 assert _INF == _NAN + 1  # read as one slice (``StepReducer.accumulate``)
-assert _INF == _NAN + 1  # read together (``StepReducer.accumulate``)
 
 
 def bad_events(rows: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
@@ -59,6 +58,16 @@ def bad_events(rows: torch.Tensor, modes: torch.Tensor | None) -> torch.Tensor:
     return ((nonfinite - rows[:, _NEGINF] > 0) & (modes >= HARMFUL)) | ((nonfinite > 0) & (modes == ANY))
 
 
+def _read(flags: torch.Tensor, tail: torch.Tensor, one_copy: bool) -> tuple[list[list[float]], list[float]]:
+    """N x 2 counts and a 1-D tail, read back: ``one_copy`` (a GPU's) in one copy, one sync;
+    else (the CPU's: no sync to save, and the copy into one tensor would cost more) each as it is."""
+    if not one_copy:
+        return flags.tolist(), tail.tolist()
+    values = torch.cat([flags.reshape(-1), tail]).tolist()
+    n = flags.numel()
+    return [values[i:i + 2] for i in range(0, n, 2)], values[n:]
+
+
 class StepReducer:
     """Reduces each logged step on the device; ``world`` processes (torch.distributed)."""
 
@@ -68,7 +77,10 @@ class StepReducer:
         self._totals_index: dict[tuple, int] = {}  # ("layer", module, phase) or ("param", name) -> row
         self._last_norms: dict[str, float] = {}
         self._scaled_totals: dict[str, int] = {}
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps' rows not in the totals yet
+        # steps not in the totals yet, all with the same rows (index): their rows summed, their
+        # maxima kept (``_add_to_run``), and how many
+        self._run: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._run_steps = 0
         self._last_rows: tuple[tuple, torch.Tensor] | None = None  # (keys, their rows), for the next step
 
     # -- one step -----------------------------------------------------------------------------
@@ -178,19 +190,15 @@ class StepReducer:
 
     def accumulate(self, flat: torch.Tensor, buf: StepBuffer, keys: list[tuple[str, str]],
                    param_keys: list[str]) -> StepValues:
-        """Add this step's Stats rows to running totals on the device (with the next steps',
-        up to ``TOTALS_BATCH`` of them: one index_add for all); read back only the parameters'
-        finiteness, norms and overflow at scale and the step's tail (one small sync)."""
+        """Add this step's Stats rows to running totals on the device (``_add_to_run``); read
+        back only the parameters' finiteness, norms and overflow at scale and the step's tail
+        (one small sync)."""
         rows = flat[buf.stats].reshape(-1, LAYOUT.width)
         if keys or param_keys:
-            self._pending.append((rows, self._rows_of(keys, param_keys, flat.device)))
-            if len(self._pending) >= TOTALS_BATCH:
-                self._add_pending()
-        n_flags = 2 * len(param_keys)  # each parameter's NaN and Inf counts
-        values = torch.cat([rows[len(keys):, _NAN:_INF + 1].reshape(-1), flat[buf.tail]]).tolist()  # the one sync
-        step = self._with_tail(values, buf, buf.tail.start - n_flags, layers=[], params=None,
-                               param_nonfinite=[bool(nan or inf) for nan, inf in zip(values[:n_flags:2],
-                                                                                    values[1:n_flags:2], strict=True)])
+            self._add_to_run(rows, self._rows_of(keys, param_keys, flat.device))
+        flags, tail = _read(rows[len(keys):, _NAN:_INF + 1], flat[buf.tail], flat.device.type != "cpu")
+        step = self._with_tail(tail, buf, buf.tail.start, layers=[], params=None,
+                               param_nonfinite=[bool(nan or inf) for nan, inf in flags])
         self._last_norms = dict(zip(param_keys, step.norms, strict=True))
         for name, count in zip(param_keys, step.scaled, strict=True):
             if count >= 0:  # with a GradScaler: gradients overflowing at its current scale
@@ -208,13 +216,30 @@ class StepReducer:
         self._last_rows = cache, index_tensor(index, device)
         return self._last_rows[1]
 
+    def _add_to_run(self, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """A step's rows added to the run of steps before it with the same rows (``index``: the
+        totals' rows of its keys; a training loop's steps have the same): summed, and the
+        maxima kept, in place - two ops a step, and no step's rows kept. The run goes into the
+        totals when the rows change, after ``TOTALS_BATCH`` steps, and when they are read.
+        Counts are whole numbers below 2**53 in float64: any order of adding gives the same sums."""
+        columns = index_tensor(list(LAYOUT.max_fields), rows.device)
+        run = self._run
+        if run is not None and run[0] is index:
+            run[1].add_(rows)  # the maxima's columns too: replaced by the maxima when the run ends
+            torch.maximum(run[2], rows.index_select(1, columns), out=run[2])
+            self._run_steps += 1
+        else:
+            self._add_pending()
+            self._run, self._run_steps = (index, rows.clone(), rows.index_select(1, columns)), 1
+        if self._run_steps >= TOTALS_BATCH:
+            self._add_pending()
+
     def _add_pending(self) -> None:
-        """The pending steps' rows added to the totals: counts summed, absmax the largest."""
-        if not self._pending:
+        """The run's rows added to the totals: counts summed, absmax the largest."""
+        if self._run is None:
             return
-        rows = torch.cat([r for r, _ in self._pending])
-        index = torch.cat([i for _, i in self._pending])
-        self._pending = []
+        index, rows, run_peaks = self._run
+        self._run = None
         width = LAYOUT.width
         grow = len(self._totals_index) - (0 if self._totals is None else self._totals.shape[0])
         if grow:
@@ -222,7 +247,7 @@ class StepReducer:
             self._totals = pad if self._totals is None else torch.cat([self._totals, pad])
         columns = index_tensor(list(LAYOUT.max_fields), rows.device)  # absmax: the largest, not the sum
         peaks = self._totals.index_select(1, columns).scatter_reduce_(
-            0, index[:, None].expand(-1, len(columns)), rows.index_select(1, columns), "amax")
+            0, index[:, None].expand(-1, len(columns)), run_peaks, "amax")
         self._totals.index_add_(0, index, rows)
         self._totals.index_copy_(1, columns, peaks)
 
