@@ -10,6 +10,7 @@ second, once per machine - and every caller falls back to torch ops (or, for the
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -84,3 +85,14 @@ def build(source: Path, defines: list[str]) -> Path:
         os.unlink(tmp)
         errors.append(error if run is None else (run.stderr.strip().splitlines() or ["failed"])[-1])
     raise OSError(f"{cc} could not build {source.name}: {errors[-1]}")
+
+
+def load(source: Path) -> ctypes.CDLL | None:
+    """``source``'s library, built on first use; None where native code is off (``disabled``)
+    or cannot be built here - its callers then take the torch ops or Python's path."""
+    if disabled():
+        return None
+    try:
+        return ctypes.CDLL(str(build(source, [])))
+    except OSError:
+        return None

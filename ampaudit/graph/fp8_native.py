@@ -21,11 +21,8 @@ SOURCE = Path(__file__).with_name("fp8_cast.c")
 
 @cache
 def _function() -> ctypes._CFuncPtr | None:
-    if native.disabled():
-        return None
-    try:
-        lib = ctypes.CDLL(str(native.build(SOURCE, [])))
-    except OSError:
+    lib = native.load(SOURCE)
+    if lib is None:
         return None
     fn = lib.ampaudit_fp8_cast
     p, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32

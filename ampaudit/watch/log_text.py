@@ -32,11 +32,8 @@ _ROOM = 1 << 16  # bytes for the rows at first; doubled while a step's do not fi
 
 @cache
 def _function() -> ctypes._CFuncPtr | None:
-    if native.disabled():
-        return None
-    try:
-        lib = ctypes.CDLL(str(native.build(SOURCE, [])))
-    except OSError:
+    lib = native.load(SOURCE)
+    if lib is None:
         return None
     fn = lib.ampaudit_log_rows  # rows, width, n, order, hist, exponents, magnitude, texts, at, floats, size, out, cap
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
