@@ -446,8 +446,8 @@ def test_summary_schema_is_pinned():
         scaler.step(opt)
         scaler.update()
     summary = mon.summary()
-    assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured",
-                             "dtype_source", "eval_forwards", "forks", "findings"]
+    assert list(summary) == ["steps", "logged_steps", "dtype", "first_nonfinite", "layers", "params", "scaler",
+                             "unmeasured", "dtype_source", "eval_forwards", "forks", "findings"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist"]
@@ -1432,3 +1432,28 @@ def test_a_watched_model_can_be_deep_copied_while_watched():
         twin(torch.randn(3, 4)).sum().backward()  # the copy's hooks reach a recorder of its own
     assert monitor.summary()["steps"] == 2
     assert int(average.n_averaged) == 2
+
+
+def test_with_every_the_summary_says_its_verdicts_are_of_the_logged_steps_only():
+    """every=3 logs steps 0 and 3: a NaN loss at step 1 (the scaler skips it) is in neither,
+    so "first non-finite: none" and "skipped steps: none" would say the run was clean."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, every=3) as mon:
+        for step in range(4):
+            loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert scaler.get_scale() == 2.0**7  # step 1 was skipped
+    summary = mon.summary()
+    assert (summary["steps"], summary["logged_steps"], summary["scaler"]["skipped_steps"]) == (4, 2, [])
+    out = io.StringIO()
+    mon.print(out)
+    text = " ".join(out.getvalue().split())
+    assert "steps 4 (2 logged)" in text
+    assert "first non-finite none in the logged steps" in text
+    assert "skipped steps: none logged" in text

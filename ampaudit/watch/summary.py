@@ -37,6 +37,7 @@ class SummaryBuilder:
         self.forks = 0  # processes forked while watching (not watched)
         self.final_scale: float | None = None  # the loss scale after the last update()
         self.steps = 0
+        self.logged_steps = 0  # fewer than steps with every=N: the verdicts are of these
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
         self.params: dict[str, dict] = {}
@@ -61,6 +62,7 @@ class SummaryBuilder:
             self.unmeasured = dict(end.get("unmeasured", self.unmeasured))
             return
         self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
+        self.logged_steps += 1
         if self.first_nonfinite is None and record.get("first_nonfinite"):
             self.first_nonfinite = record["first_nonfinite"]
         for module, phases in record["layers"].items():
@@ -108,7 +110,8 @@ class SummaryBuilder:
             scaler = {"scale": scale, "used_last": self.scales[-1][1], "skipped_steps": list(self.skipped),
                       "history": self.scales,
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
-        return {"steps": self.steps, "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
+        return {"steps": self.steps, "logged_steps": self.logged_steps, "dtype": self.dtype,
+                "first_nonfinite": self.first_nonfinite,
                 "layers": self.layers, "params": self.params, "scaler": scaler,
                 "unmeasured": dict(sorted(self.unmeasured.items())),
                 "dtype_source": self.dtype_source or "given",
