@@ -173,3 +173,24 @@ def test_a_forking_trainer_trains_under_run_as_it_does_plainly(tmp_path):
     assert [r["step"] for r in records if "step" in r] == list(range(7))  # the children wrote nothing
     assert [r["forks"] for r in records if "step" in r] == [0, 0, 0, 3, 3, 3, 3]
     assert watched_s < 1.5 * plain_s + 10  # the interpreter and ampaudit's imports on top
+
+
+@pytest.mark.parametrize("entry", [["-m", "ampaudit"], ["-c", "import sys; from ampaudit.cli.main import main; "
+                                                             "sys.exit(main())"]])
+def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
+    """Python ends on an uncaught KeyboardInterrupt (Ctrl-C) killed by SIGINT, after the
+    script's atexit handlers: a shell loop around it stops. An exit code 130 made the shell go
+    on to the next command, as if the script had handled Ctrl-C itself."""
+    (tmp_path / "s.py").write_text("import atexit, torch\n"
+                                   "atexit.register(print, 'atexit ran')\n"
+                                   "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
+                                   "print('trained', flush=True)\n"
+                                   "raise KeyboardInterrupt\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    watched = subprocess.run([sys.executable, *entry, "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert (plain.returncode, plain.stdout) == (-2, "trained\natexit ran\n")
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
+    assert watched.stderr.endswith("ampaudit run: log written to w.jsonl\n")
+    assert "Traceback" not in watched.stderr

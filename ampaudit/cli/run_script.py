@@ -26,7 +26,7 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
     monitor = Monitor(None, options=options)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
     with _kept_stderr() as stderr:
-        code = _run_watched(script, argv, monitor, stderr)
+        code, interrupted = _run_watched(script, argv, monitor, stderr)
         if monitor.forked_child:  # a fork that ran to the script's end: the parent reports
             return code
         from ampaudit.core.console import make_console
@@ -42,14 +42,32 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
             elif options.log is not None:
                 err.write(f"ampaudit run: log written to {display_path(str(options.log))}\n")
             err.flush()
+    if interrupted:  # as python ends then: killed by SIGINT after the atexit handlers (a shell loop stops)
+        raise _uncaught_interrupt()
     return code
 
 
-def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable[[], TextIO]) -> int:
+def _uncaught_interrupt() -> KeyboardInterrupt:
+    """A KeyboardInterrupt for python's top level to end the process with (``cli.main`` lets it
+    through), printed by no one: the script's interruption was said already."""
+    exc = KeyboardInterrupt()
+    exc.from_script = True
+    hook = sys.excepthook
+
+    def quiet(kind, value, tb) -> None:
+        if value is not exc:
+            hook(kind, value, tb)
+
+    sys.excepthook = quiet
+    return exc
+
+
+def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable[[], TextIO]) -> tuple[int, bool]:
+    """The script's exit code, and whether an uncaught KeyboardInterrupt ended it."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(script.resolve().parent))
-    code = 0
+    code, interrupted = 0, False
     monitor.start()
     try:
         runpy.run_path(str(script), run_name="__main__")
@@ -58,7 +76,7 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
         if exc.code is not None and not isinstance(exc.code, int):
             _stderr(kept).write(f"{exc.code}\n")
     except KeyboardInterrupt:
-        code = 130
+        code, interrupted = 130, True
         _stderr(kept).write("ampaudit run: interrupted\n")
     except NonFiniteError as exc:  # --stop-on-nonfinite: the reason, not the script's stack
         code = exc.exit_code
@@ -69,7 +87,7 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
     finally:
         monitor.stop()
         sys.argv, sys.path[:] = saved_argv, saved_path
-    return code
+    return code, interrupted
 
 
 def _stderr(kept: Callable[[], TextIO]) -> TextIO:
