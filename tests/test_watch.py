@@ -446,8 +446,8 @@ def test_summary_schema_is_pinned():
         scaler.step(opt)
         scaler.update()
     summary = mon.summary()
-    assert list(summary) == ["steps", "logged_steps", "dtype", "first_nonfinite", "layers", "params", "scaler",
-                             "unmeasured", "dtype_source", "eval_forwards", "forks", "findings"]
+    assert list(summary) == ["steps", "logged_steps", "cut_short", "dtype", "first_nonfinite", "layers", "params",
+                             "scaler", "unmeasured", "dtype_source", "eval_forwards", "forks", "findings"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist"]
@@ -1457,3 +1457,19 @@ def test_with_every_the_summary_says_its_verdicts_are_of_the_logged_steps_only()
     assert "steps 4 (2 logged)" in text
     assert "first non-finite none in the logged steps" in text
     assert "skipped steps: none logged" in text
+
+
+def test_a_report_of_a_log_cut_short_says_so(tmp_path, cli):
+    """A log without its end line (the run killed, the disk full: `run` said "the log stops
+    after step 0") read by `ampaudit report` later: its "none"s are of the steps it holds."""
+    log = _logged_run(tmp_path, steps=3)
+    lines = log.read_text().splitlines(keepends=True)
+    assert "end" in json.loads(lines[-1])
+    assert read_log(log).summary()["cut_short"] is False
+    log.write_text("".join(lines[:2]) + lines[2][:40])  # the header, step 0, half of step 1
+    summary = read_log(log).summary()
+    assert (summary["steps"], summary["logged_steps"], summary["cut_short"]) == (1, 1, True)
+    result = cli("report", str(log))
+    text = " ".join(result.out.split())
+    assert "log cut short: no end line (the run was stopped, or its disk full): later steps are not in it" in text
+    assert "first non-finite none in the logged steps" in text

@@ -40,9 +40,15 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     grid.add_column(style="bold")
     grid.add_column()
     # with every=N the verdicts below are of the logged steps only: say so where they say "none"
-    partly = summary.get("logged_steps", summary["steps"]) < summary["steps"]
+    # a log cut short (the run killed, a full disk) says nothing of the steps after it either
+    cut = summary.get("cut_short", False)
+    partly = cut or summary.get("logged_steps", summary["steps"]) < summary["steps"]
     none = "none in the logged steps" if partly else "none"
-    grid.add_row("steps", f"{summary['steps']}" + (f" ({summary['logged_steps']} logged)" if partly else ""))
+    logged = f" ({summary['logged_steps']} logged)" if partly and not cut else ""
+    grid.add_row("steps", f"{summary['steps']}{logged}")
+    if cut:
+        grid.add_row("log", Text("cut short: no end line (the run was stopped, or its disk full): later steps are not "
+                                 "in it", style="bold yellow"))
     source = summary.get("dtype_source")
     grid.add_row("audited for", summary["dtype"] + (f" ({source})" if source and source != "given" else ""))
     first = summary["first_nonfinite"]

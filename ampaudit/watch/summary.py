@@ -38,6 +38,7 @@ class SummaryBuilder:
         self.final_scale: float | None = None  # the loss scale after the last update()
         self.steps = 0
         self.logged_steps = 0  # fewer than steps with every=N: the verdicts are of these
+        self.cut_short = False  # a log read without its end line: the run may have gone on past it
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
         self.params: dict[str, dict] = {}
@@ -110,8 +111,8 @@ class SummaryBuilder:
             scaler = {"scale": scale, "used_last": self.scales[-1][1], "skipped_steps": list(self.skipped),
                       "history": self.scales,
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
-        return {"steps": self.steps, "logged_steps": self.logged_steps, "dtype": self.dtype,
-                "first_nonfinite": self.first_nonfinite,
+        return {"steps": self.steps, "logged_steps": self.logged_steps, "cut_short": self.cut_short,
+                "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
                 "layers": self.layers, "params": self.params, "scaler": scaler,
                 "unmeasured": dict(sorted(self.unmeasured.items())),
                 "dtype_source": self.dtype_source or "given",
@@ -129,6 +130,9 @@ def read_log(path: Path) -> SummaryBuilder:
             and isinstance(source.get("line"), int)):
         source = {"file": str(path), "line": 0}  # a log that does not say: the findings point at it
     builder = SummaryBuilder(header["dtype"], source=source)
+    builder.cut_short = True
     for record in records:
         builder.add(record)
+        if "step" not in record:  # the end line, written last at stop()
+            builder.cut_short = False
     return builder
