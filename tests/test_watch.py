@@ -1473,3 +1473,26 @@ def test_a_report_of_a_log_cut_short_says_so(tmp_path, cli):
     text = " ".join(result.out.split())
     assert "log cut short: no end line (the run was stopped, or its disk full): later steps are not in it" in text
     assert "first non-finite none in the logged steps" in text
+
+
+def test_a_script_that_sets_the_default_dtype_to_float64_is_measured_alike():
+    """torch.set_default_dtype(torch.float64) (a scientific model in double): watch's float32
+    rows were made in the default dtype, and the C kernel wrote float32 bits into float64 -
+    every absmax 5e-315, every gradient norm 0."""
+    def run(dtype):
+        model = _net().to(dtype)  # the same weights, in the default dtype as its inputs are
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            with ampaudit.watch(model, optimizer=opt) as mon:
+                _train(model, opt, 2)
+        finally:
+            torch.set_default_dtype(previous)
+        return mon.summary()
+
+    want, got = run(torch.float32), run(torch.float64)
+    assert got["layers"]["0"]["forward"]["absmax"] == pytest.approx(want["layers"]["0"]["forward"]["absmax"], rel=1e-6)
+    assert want["layers"]["0"]["forward"]["absmax"] > 0.1
+    assert got["params"]["0.weight"]["norm"] == pytest.approx(want["params"]["0.weight"]["norm"], rel=1e-6)
+    assert got["params"]["0.weight"]["norm"] > 0

@@ -110,7 +110,7 @@ def fill_param_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tenso
 def new_row(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A zeroed row outside any arena: (counts, extras)."""
     return (torch.zeros(LAYOUT.counts, dtype=torch.int64, device=device),
-            torch.zeros(LAYOUT.extras, device=device))
+            torch.zeros(LAYOUT.extras, dtype=torch.float32, device=device))  # whatever the default dtype
 
 
 def tensor_stats(x: torch.Tensor, limits: LowDtype, fill=fill_row) -> dict:
