@@ -194,3 +194,21 @@ def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
     assert watched.stderr.endswith("ampaudit run: log written to w.jsonl\n")
     assert "Traceback" not in watched.stderr
+
+
+def test_the_default_log_that_cannot_be_written_leaves_the_script_to_train(cli, tmp_path, monkeypatch):
+    """`ampaudit run s.py` with no --log in a folder holding another ampaudit-watch.jsonl (or
+    one not writable, or an earlier run still writing it) exited 2 before the script ran, where
+    `python s.py` trains: a log not asked for is watched without; one asked for is refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("import torch\ntorch.nn.Linear(2, 2)(torch.ones(1, 2))\nprint('trained')\n")
+    (tmp_path / "ampaudit-watch.jsonl").write_text("my notes\n")
+    result = cli("run", "s.py")
+    assert (result.code, result.out) == (0, "trained\n")
+    assert ("ampaudit run: the log ampaudit-watch.jsonl exists and is not an ampaudit watch log: refusing to "
+            "overwrite it: watching without a log (--log FILE names one)\n") in result.err
+    assert "log written" not in result.err
+    assert (tmp_path / "ampaudit-watch.jsonl").read_text() == "my notes\n"
+    asked = cli("run", "--log", "ampaudit-watch.jsonl", "s.py")
+    assert (asked.code, asked.out) == (2, "")
+    assert "is not an ampaudit watch log: refusing to overwrite it" in asked.err

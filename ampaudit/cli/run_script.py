@@ -10,6 +10,7 @@ import runpy
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -19,12 +20,22 @@ from ampaudit.watch.monitor import Monitor, NonFiniteError
 from ampaudit.watch.options import WatchOptions
 
 
-def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
-    """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code."""
+def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional_log: bool = False) -> int:
+    """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code.
+    ``optional_log``: the log is run's default, not asked for - one that cannot be opened (an
+    earlier run still writing it, another file of that name) leaves the script to train without."""
     if not script.is_file():
         raise UsageError(f"no such script: {script}")
     monitor = Monitor(None, options=options)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
+    if optional_log and options.log is not None:
+        try:
+            monitor.start()  # opens the log first: a refused one leaves no hook behind
+        except UsageError as exc:
+            sys.stderr.write(f"ampaudit run: {exc}: watching without a log (--log FILE names one)\n")
+            options = replace(options, log=None)
+            monitor = Monitor(None, options=options)
+            monitor.builder.source = {"file": str(script), "line": 0}
     with _kept_stderr() as stderr:
         code, interrupted = _run_watched(script, argv, monitor, stderr)
         if monitor.forked_child:  # a fork that ran to the script's end: the parent reports
