@@ -212,3 +212,17 @@ def test_the_default_log_that_cannot_be_written_leaves_the_script_to_train(cli, 
     asked = cli("run", "--log", "ampaudit-watch.jsonl", "s.py")
     assert (asked.code, asked.out) == (2, "")
     assert "is not an ampaudit watch log: refusing to overwrite it" in asked.err
+
+
+def test_a_folder_with_a_main_runs_as_python_runs_it(cli, tmp_path, monkeypatch):
+    """`python app/` runs app/__main__.py (a zipapp's layout, unzipped); `ampaudit run app/`
+    said "no such script" and exited 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "helper.py").write_text("WHAT = 'trained'\n")
+    (tmp_path / "app" / "__main__.py").write_text(
+        "import torch\nfrom helper import WHAT\ntorch.nn.Linear(2, 2)(torch.ones(1, 2))\nprint(WHAT)\n")
+    plain = subprocess.run([sys.executable, "app"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (plain.returncode, plain.stdout) == (0, "trained\n"), plain.stderr
+    result = cli("run", "--log", "w.jsonl", "app")
+    assert (result.code, result.out) == (0, "trained\n"), result.err

@@ -24,7 +24,7 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
     """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code.
     ``optional_log``: the log is run's default, not asked for - one that cannot be opened (an
     earlier run still writing it, another file of that name) leaves the script to train without."""
-    if not script.is_file():
+    if not (script.is_file() or (script / "__main__.py").is_file()):  # python runs a folder's __main__.py too
         raise UsageError(f"no such script: {script}")
     monitor = Monitor(None, options=options)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
@@ -77,7 +77,8 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
     """The script's exit code, and whether an uncaught KeyboardInterrupt ended it."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
-    sys.path.insert(0, str(script.resolve().parent))
+    if not script.is_dir():  # a folder: run_path puts the folder itself first, as python does
+        sys.path.insert(0, str(script.resolve().parent))
     code, interrupted = 0, False
     monitor.start()
     try:
