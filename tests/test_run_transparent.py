@@ -226,3 +226,22 @@ def test_a_folder_with_a_main_runs_as_python_runs_it(cli, tmp_path, monkeypatch)
     assert (plain.returncode, plain.stdout) == (0, "trained\n"), plain.stderr
     result = cli("run", "--log", "w.jsonl", "app")
     assert (result.code, result.out) == (0, "trained\n"), result.err
+
+
+def test_a_forked_child_interrupted_ends_as_under_python(tmp_path):
+    """os.fork() in the script, the child ended by an uncaught KeyboardInterrupt: the parent's
+    waitpid() sees it killed by SIGINT, under run as under python."""
+    (tmp_path / "s.py").write_text(
+        "import os, torch\n"
+        "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    raise KeyboardInterrupt\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.WIFSIGNALED(status), os.WEXITSTATUS(status) if os.WIFEXITED(status) else None)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert (plain.returncode, plain.stdout) == (0, "child True None\n")
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr

@@ -39,6 +39,8 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
     with _kept_stderr() as stderr:
         code, interrupted = _run_watched(script, argv, monitor, stderr)
         if monitor.forked_child:  # a fork that ran to the script's end: the parent reports
+            if interrupted:
+                raise _uncaught_interrupt()
             return code
         from ampaudit.core.console import make_console
         from ampaudit.watch.render import render_summary
