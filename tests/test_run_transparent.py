@@ -173,3 +173,75 @@ def test_a_forking_trainer_trains_under_run_as_it_does_plainly(tmp_path):
     assert [r["step"] for r in records if "step" in r] == list(range(7))  # the children wrote nothing
     assert [r["forks"] for r in records if "step" in r] == [0, 0, 0, 3, 3, 3, 3]
     assert watched_s < 1.5 * plain_s + 10  # the interpreter and ampaudit's imports on top
+
+
+@pytest.mark.parametrize("entry", [["-m", "ampaudit"], ["-c", "import sys; from ampaudit.cli.main import main; "
+                                                             "sys.exit(main())"]])
+def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
+    """Python ends on an uncaught KeyboardInterrupt (Ctrl-C) killed by SIGINT, after the
+    script's atexit handlers: a shell loop around it stops. An exit code 130 made the shell go
+    on to the next command, as if the script had handled Ctrl-C itself."""
+    (tmp_path / "s.py").write_text("import atexit, torch\n"
+                                   "atexit.register(print, 'atexit ran')\n"
+                                   "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
+                                   "print('trained', flush=True)\n"
+                                   "raise KeyboardInterrupt\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    watched = subprocess.run([sys.executable, *entry, "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert (plain.returncode, plain.stdout) == (-2, "trained\natexit ran\n")
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
+    assert watched.stderr.endswith("ampaudit run: log written to w.jsonl\n")
+    assert "Traceback" not in watched.stderr
+
+
+def test_the_default_log_that_cannot_be_written_leaves_the_script_to_train(cli, tmp_path, monkeypatch):
+    """`ampaudit run s.py` with no --log in a folder holding another ampaudit-watch.jsonl (or
+    one not writable, or an earlier run still writing it) exited 2 before the script ran, where
+    `python s.py` trains: a log not asked for is watched without; one asked for is refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("import torch\ntorch.nn.Linear(2, 2)(torch.ones(1, 2))\nprint('trained')\n")
+    (tmp_path / "ampaudit-watch.jsonl").write_text("my notes\n")
+    result = cli("run", "s.py")
+    assert (result.code, result.out) == (0, "trained\n")
+    assert ("ampaudit run: the log ampaudit-watch.jsonl exists and is not an ampaudit watch log: refusing to "
+            "overwrite it: watching without a log (--log FILE names one)\n") in result.err
+    assert "log written" not in result.err
+    assert (tmp_path / "ampaudit-watch.jsonl").read_text() == "my notes\n"
+    asked = cli("run", "--log", "ampaudit-watch.jsonl", "s.py")
+    assert (asked.code, asked.out) == (2, "")
+    assert "is not an ampaudit watch log: refusing to overwrite it" in asked.err
+
+
+def test_a_folder_with_a_main_runs_as_python_runs_it(cli, tmp_path, monkeypatch):
+    """`python app/` runs app/__main__.py (a zipapp's layout, unzipped); `ampaudit run app/`
+    said "no such script" and exited 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "helper.py").write_text("WHAT = 'trained'\n")
+    (tmp_path / "app" / "__main__.py").write_text(
+        "import torch\nfrom helper import WHAT\ntorch.nn.Linear(2, 2)(torch.ones(1, 2))\nprint(WHAT)\n")
+    plain = subprocess.run([sys.executable, "app"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (plain.returncode, plain.stdout) == (0, "trained\n"), plain.stderr
+    result = cli("run", "--log", "w.jsonl", "app")
+    assert (result.code, result.out) == (0, "trained\n"), result.err
+
+
+def test_a_forked_child_interrupted_ends_as_under_python(tmp_path):
+    """os.fork() in the script, the child ended by an uncaught KeyboardInterrupt: the parent's
+    waitpid() sees it killed by SIGINT, under run as under python."""
+    (tmp_path / "s.py").write_text(
+        "import os, torch\n"
+        "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    raise KeyboardInterrupt\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.WIFSIGNALED(status), os.WEXITSTATUS(status) if os.WIFEXITED(status) else None)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert (plain.returncode, plain.stdout) == (0, "child True None\n")
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr

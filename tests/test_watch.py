@@ -489,8 +489,8 @@ def test_summary_schema_is_pinned():
         scaler.step(opt)
         scaler.update()
     summary = mon.summary()
-    assert list(summary) == ["steps", "dtype", "first_nonfinite", "layers", "params", "scaler", "unmeasured",
-                             "dtype_source", "eval_forwards", "forks", "findings"]
+    assert list(summary) == ["steps", "logged_steps", "cut_short", "dtype", "first_nonfinite", "layers", "params",
+                             "scaler", "unmeasured", "dtype_source", "eval_forwards", "forks", "findings"]
     assert summary["unmeasured"] == {}
     assert summary["dtype"] == "float16"
     stats_keys = ["numel", "nan", "inf", "neginf", "overflow", "underflow", "zero", "absmax", "hist"]
@@ -1512,3 +1512,67 @@ def test_a_watched_model_can_be_deep_copied_while_watched():
         twin(torch.randn(3, 4)).sum().backward()  # the copy's hooks reach a recorder of its own
     assert monitor.summary()["steps"] == 2
     assert int(average.n_averaged) == 2
+
+
+def test_with_every_the_summary_says_its_verdicts_are_of_the_logged_steps_only():
+    """every=3 logs steps 0 and 3: a NaN loss at step 1 (the scaler skips it) is in neither,
+    so "first non-finite: none" and "skipped steps: none" would say the run was clean."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, every=3) as mon:
+        for step in range(4):
+            loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert scaler.get_scale() == 2.0**7  # step 1 was skipped
+    summary = mon.summary()
+    assert (summary["steps"], summary["logged_steps"], summary["scaler"]["skipped_steps"]) == (4, 2, [])
+    out = io.StringIO()
+    mon.print(out)
+    text = " ".join(out.getvalue().split())
+    assert "steps 4 (2 logged)" in text
+    assert "first non-finite none in the logged steps" in text
+    assert "skipped steps: none logged" in text
+
+
+def test_a_report_of_a_log_cut_short_says_so(tmp_path, cli):
+    """A log without its end line (the run killed, the disk full: `run` said "the log stops
+    after step 0") read by `ampaudit report` later: its "none"s are of the steps it holds."""
+    log = _logged_run(tmp_path, steps=3)
+    lines = log.read_text().splitlines(keepends=True)
+    assert "end" in json.loads(lines[-1])
+    assert read_log(log).summary()["cut_short"] is False
+    log.write_text("".join(lines[:2]) + lines[2][:40])  # the header, step 0, half of step 1
+    summary = read_log(log).summary()
+    assert (summary["steps"], summary["logged_steps"], summary["cut_short"]) == (1, 1, True)
+    result = cli("report", str(log))
+    text = " ".join(result.out.split())
+    assert "log cut short: no end line (the run was stopped, or its disk full): later steps are not in it" in text
+    assert "first non-finite none in the logged steps" in text
+
+
+def test_a_script_that_sets_the_default_dtype_to_float64_is_measured_alike():
+    """torch.set_default_dtype(torch.float64) (a scientific model in double): watch's float32
+    rows were made in the default dtype, and the C kernel wrote float32 bits into float64 -
+    every absmax 5e-315, every gradient norm 0."""
+    def run(dtype):
+        model = _net().to(dtype)  # the same weights, in the default dtype as its inputs are
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            with ampaudit.watch(model, optimizer=opt) as mon:
+                _train(model, opt, 2)
+        finally:
+            torch.set_default_dtype(previous)
+        return mon.summary()
+
+    want, got = run(torch.float32), run(torch.float64)
+    assert got["layers"]["0"]["forward"]["absmax"] == pytest.approx(want["layers"]["0"]["forward"]["absmax"], rel=1e-6)
+    assert want["layers"]["0"]["forward"]["absmax"] > 0.1
+    assert got["params"]["0.weight"]["norm"] == pytest.approx(want["params"]["0.weight"]["norm"], rel=1e-6)
+    assert got["params"]["0.weight"]["norm"] > 0

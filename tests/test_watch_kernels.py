@@ -482,3 +482,19 @@ def test_the_c_step_buffer_is_the_torch_ops_buffer(monkeypatch, with_scale):
         monkeypatch.undo()
         assert torch.equal(got.view(torch.int64), want.view(torch.int64))  # to the bit, NaN norms too
         assert got[buf.first] < 2**62  # some event is a candidate first non-finite
+
+
+@pytest.mark.parametrize("fill", ["torch", "c", "c sampled"])
+def test_a_float64_tensor_keeps_its_finite_and_nonzero_values(fill):
+    """A float64 module output (exp() of a double, a likelihood) is read as float32: a finite
+    value past fp32's range is not an Inf (that made AMP605 and a first non-finite of a finite
+    run), a nonzero one below it not a zero; the real Inf, -inf and NaN stay what they are."""
+    if fill != "torch" and not cpu_kernel.available():
+        pytest.skip(f"no C kernel: {cpu_kernel.status()}")
+    values = [1e300, -1e40, 1e-300, -1e-50, 0.0, 1.0, float("inf"), -float("inf"), float("nan")]
+    x = torch.tensor(values * 1000, dtype=torch.float64)  # 9000 elements: over the sampled rows' 8192
+    filler = {"torch": stats.torch_fill_row, "c": c_fill, "c sampled": stats.fill_sampled_row}[fill]
+    row = stats.tensor_stats(x, FP16, fill=filler)
+    assert (row["nan"], row["inf"], row["neginf"]) == (1000, 2000, 1000)
+    assert (row["zero"], row["underflow"], row["overflow"]) == (1000, 2000, 4000)  # overflow: the infinities too
+    assert row["absmax"] == float(torch.finfo(torch.float32).max)  # the finite max, as far as fp32 says

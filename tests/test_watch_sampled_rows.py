@@ -150,3 +150,15 @@ def test_a_dense_tensor_in_another_order_is_read_where_it_lies(monkeypatch, layo
         got = _stats(view, FP16, sampled=sampled)
         assert got == want if not sampled else {k: v for k, v in got.items() if k != "hist"} == \
             {k: v for k, v in want.items() if k != "hist"}
+
+
+def test_without_the_c_kernel_the_log_says_every_element_was_binned(tmp_path, monkeypatch):
+    """AMPAUDIT_CPU_KERNEL=0 or no compiler: the torch ops bin every element, and the header's
+    hist_sample said 4096 (a histogram estimated) all the same."""
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    log = tmp_path / "t.jsonl"
+    with ampaudit.watch(torch.nn.Linear(4, 4), log=log):
+        torch.nn.Linear(4, 4)(torch.ones(1, 4))
+    import json
+
+    assert json.loads(log.read_text().splitlines()[0])["hist_sample"] == 0

@@ -137,7 +137,9 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
             sys.stderr.write(remote) if remote else traceback.print_exception(exc.__cause__ or exc)
         sys.stderr.write(f"ampaudit: error: {exc}\n")
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if getattr(exc, "from_script", False):  # `run`: the script's Ctrl-C ends the process as python's would
+            raise
         sys.stderr.write("ampaudit: interrupted\n")
         return 130
     except OSError as exc:  # a file the command could not use (a name too long, a folder gone, a full disk)

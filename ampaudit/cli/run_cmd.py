@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import Field, fields
 
 from ampaudit.cli.common import number_type, path_type
@@ -112,8 +113,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_requires(args)
     refuse_special_file(args.script, "the script")
+    # the default log, not asked for: where it cannot be written the script trains without one
+    optional = args.log is next(f for f in fields(WatchOptions) if f.name == "log").metadata["flag"].default
     if args.log is not None:  # resolved before the script runs (it may chdir)
-        log = resolve_output(args.log, "--log", inputs=[args.script])
-        log.close()  # the watch opens the log itself, resolving it again
-        args.log = log.target
-    return run_script(args.script, args.args, watch_options(args))
+        try:
+            log = resolve_output(args.log, "--log", inputs=[args.script])
+        except UsageError as exc:
+            if not optional:
+                raise
+            sys.stderr.write(f"ampaudit run: {exc}: watching without a log (--log FILE names one)\n")
+            args.log = None
+        else:
+            log.close()  # the watch opens the log itself, resolving it again
+            args.log = log.target
+    return run_script(args.script, args.args, watch_options(args), optional_log=optional)

@@ -10,6 +10,7 @@ import runpy
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -19,15 +20,27 @@ from ampaudit.watch.monitor import Monitor, NonFiniteError
 from ampaudit.watch.options import WatchOptions
 
 
-def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
-    """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code."""
-    if not script.is_file():
+def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional_log: bool = False) -> int:
+    """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code.
+    ``optional_log``: the log is run's default, not asked for - one that cannot be opened (an
+    earlier run still writing it, another file of that name) leaves the script to train without."""
+    if not (script.is_file() or (script / "__main__.py").is_file()):  # python runs a folder's __main__.py too
         raise UsageError(f"no such script: {script}")
     monitor = Monitor(None, options=options)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
+    if optional_log and options.log is not None:
+        try:
+            monitor.start()  # opens the log first: a refused one leaves no hook behind
+        except UsageError as exc:
+            sys.stderr.write(f"ampaudit run: {exc}: watching without a log (--log FILE names one)\n")
+            options = replace(options, log=None)
+            monitor = Monitor(None, options=options)
+            monitor.builder.source = {"file": str(script), "line": 0}
     with _kept_stderr() as stderr:
-        code = _run_watched(script, argv, monitor, stderr)
+        code, interrupted = _run_watched(script, argv, monitor, stderr)
         if monitor.forked_child:  # a fork that ran to the script's end: the parent reports
+            if interrupted:
+                raise _uncaught_interrupt()
             return code
         from ampaudit.core.console import make_console
         from ampaudit.watch.render import render_summary
@@ -42,14 +55,33 @@ def run_script(script: Path, argv: list[str], options: WatchOptions) -> int:
             elif options.log is not None:
                 err.write(f"ampaudit run: log written to {display_path(str(options.log))}\n")
             err.flush()
+    if interrupted:  # as python ends then: killed by SIGINT after the atexit handlers (a shell loop stops)
+        raise _uncaught_interrupt()
     return code
 
 
-def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable[[], TextIO]) -> int:
+def _uncaught_interrupt() -> KeyboardInterrupt:
+    """A KeyboardInterrupt for python's top level to end the process with (``cli.main`` lets it
+    through), printed by no one: the script's interruption was said already."""
+    exc = KeyboardInterrupt()
+    exc.from_script = True
+    hook = sys.excepthook
+
+    def quiet(kind, value, tb) -> None:
+        if value is not exc:
+            hook(kind, value, tb)
+
+    sys.excepthook = quiet
+    return exc
+
+
+def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable[[], TextIO]) -> tuple[int, bool]:
+    """The script's exit code, and whether an uncaught KeyboardInterrupt ended it."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(script), *argv]
-    sys.path.insert(0, str(script.resolve().parent))
-    code = 0
+    if not script.is_dir():  # a folder: run_path puts the folder itself first, as python does
+        sys.path.insert(0, str(script.resolve().parent))
+    code, interrupted = 0, False
     monitor.start()
     try:
         runpy.run_path(str(script), run_name="__main__")
@@ -58,7 +90,7 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
         if exc.code is not None and not isinstance(exc.code, int):
             _stderr(kept).write(f"{exc.code}\n")
     except KeyboardInterrupt:
-        code = 130
+        code, interrupted = 130, True
         _stderr(kept).write("ampaudit run: interrupted\n")
     except NonFiniteError as exc:  # --stop-on-nonfinite: the reason, not the script's stack
         code = exc.exit_code
@@ -69,7 +101,7 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
     finally:
         monitor.stop()
         sys.argv, sys.path[:] = saved_argv, saved_path
-    return code
+    return code, interrupted
 
 
 def _stderr(kept: Callable[[], TextIO]) -> TextIO:

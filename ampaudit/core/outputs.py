@@ -66,8 +66,10 @@ class Output:
             self.folder_fd = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 - not contextlib.suppress: at interpreter exit the module's globals may be None already
             self.close()
+        except Exception:
+            pass
 
 
 def _check_link(link: Path, flag: str, shown: str, absolute: Path) -> None:

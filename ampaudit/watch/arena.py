@@ -52,7 +52,7 @@ class RowArena:
         rows = self._rows.setdefault(device, [])
         if used == len(rows):
             counts = torch.zeros(self.chunk, LAYOUT.counts, dtype=torch.int64, device=device)
-            extras = torch.zeros(self.chunk, LAYOUT.extras, device=device)
+            extras = torch.zeros(self.chunk, LAYOUT.extras, dtype=torch.float32, device=device)  # whatever the default
             self._counts.setdefault(device, []).append(counts)
             self._extras.setdefault(device, []).append(extras)
             rows.extend(zip(counts.unbind(0), extras.unbind(0), strict=True))
@@ -71,7 +71,7 @@ class RowArena:
         step reduces each used row before it picks its events' rows, never copying raw rows."""
         if not handles:
             return (torch.zeros(0, LAYOUT.counts, dtype=torch.int64, device=device),
-                    torch.zeros(0, LAYOUT.extras, device=device), index_tensor([], device))
+                    torch.zeros(0, LAYOUT.extras, dtype=torch.float32, device=device), index_tensor([], device))
         counts, extras, offsets, total = [], [], {}, 0
         for dev, used in self._used.items():  # each device's used rows, one after another
             offsets[dev], total = total, total + used

@@ -136,11 +136,23 @@ def dense(x: torch.Tensor) -> bool:
     return True
 
 
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float64, an integer dtype) as float32 with every value in its class: a finite
+    float64 past fp32's range becomes fp32's max, not Inf (a finite run would have a first
+    non-finite value and AMP605), a nonzero one below it the smallest subnormal, not zero."""
+    x = x.detach()
+    if x.dtype == torch.float64:
+        a = x.abs()
+        fp32 = torch.finfo(torch.float32)
+        x = torch.where((a > 0) & a.isfinite(), a.clamp(fp32.smallest_normal * 2.0**-23, fp32.max).copysign(x), x)
+    return x.float()
+
+
 def _readable(x: torch.Tensor, *, any_order: bool = True) -> torch.Tensor:
     """``x`` as memory of a dtype the kernel reads (a copy only where it must be): dense, or with
     ``any_order=False`` (a sum of squares, whose last bits depend on the order) contiguous."""
     if x.dtype not in _ENTRY:
-        x = x.detach().float()
+        x = as_float32(x)
     return x if (dense(x) if any_order else x.is_contiguous()) else x.contiguous()
 
 

@@ -31,6 +31,7 @@ from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
 from ampaudit.watch.events import INPUT_GRAD, event
+from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.provenance import Call, autocast_state
 from ampaudit.watch.threads import FollowedThread
 
@@ -194,6 +195,12 @@ class StepRecorder:
         self._armed = False  # a hook on every module of the model (else on its root only: ``_rearm``)
 
     # -- attaching --------------------------------------------------------------------------------
+    @property
+    def hist_sample(self) -> int:
+        """The log header's ``hist_sample``: how many elements a big CPU module tensor's histogram
+        is estimated from; 0 when every element is binned (exact_histograms, or no C kernel)."""
+        return 0 if self.exact_histograms or not cpu_kernel.available() else LAYOUT.hist_sample
+
     def attach(self, model: torch.nn.Module | None) -> None:
         self._model = model
         if model is not None:

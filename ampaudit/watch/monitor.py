@@ -35,7 +35,6 @@ from ampaudit.watch.decode import step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
 from ampaudit.watch.hooks import StepRecorder, transformed, unmeasurable
-from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
 from ampaudit.watch.options import WatchOptions, resolve
@@ -191,7 +190,7 @@ class Monitor:
         # first: a log refused leaves no hook behind; closed in stop
         self.sink.open({"dtype": self.dtype_name, "every": self.every, "world": self.reducer.world,
                         "source": self.builder.source,
-                        "hist_sample": 0 if self.recorder.exact_histograms else LAYOUT.hist_sample})
+                        "hist_sample": self.recorder.hist_sample})
         self._started = True
         forks.track(self)
         self.recorder.attach(self.model)

@@ -39,17 +39,27 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    grid.add_row("steps", str(summary["steps"]))
+    # with every=N the verdicts below are of the logged steps only: say so where they say "none"
+    # a log cut short (the run killed, a full disk) says nothing of the steps after it either
+    cut = summary.get("cut_short", False)
+    partly = cut or summary.get("logged_steps", summary["steps"]) < summary["steps"]
+    none = "none in the logged steps" if partly else "none"
+    logged = f" ({summary['logged_steps']} logged)" if partly and not cut else ""
+    grid.add_row("steps", f"{summary['steps']}{logged}")
+    if cut:
+        grid.add_row("log", Text("cut short: no end line (the run was stopped, or its disk full): later steps are not "
+                                 "in it", style="bold yellow"))
     source = summary.get("dtype_source")
     grid.add_row("audited for", summary["dtype"] + (f" ({source})" if source and source != "given" else ""))
     first = summary["first_nonfinite"]
     grid.add_row("first non-finite", Text(
-        describe_first(first).removeprefix("first in "), style="bold red") if first else Text("none", style="green"))
+        describe_first(first).removeprefix("first in "), style="bold red") if first else Text(none, style="green"))
     if first and first.get("note"):
         grid.add_row("", Text(first["note"]))
     scaler = summary.get("scaler")
     if scaler:
-        grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: {scaler['skipped_steps'] or 'none'}")
+        grid.add_row("loss scale", f"{scaler['scale']:g}; skipped steps: "
+                     f"{scaler['skipped_steps'] or ('none logged' if partly else 'none')}")
     guard = summary.get("guard")
     if guard:
         grid.add_row("step guard", f"{len(guard['skipped_steps'])} skipped steps: held {guard['scheduler_steps_held']} "

@@ -61,6 +61,8 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
         from ampaudit.watch import triton_stats
 
         if triton_stats.available():
+            if x.dtype == torch.float64:  # the kernel loads it as float32: Inf where fp32 ends
+                x = cpu_kernel.as_float32(x)
             triton_stats.fill_row(x, counts, extras, limits.overflow_at, norm=norm, scale=scale, limit=limits.max)
             return
     if x.device.type == "cpu" and cpu_kernel.available():
@@ -108,7 +110,7 @@ def fill_param_extras(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tenso
 def new_row(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A zeroed row outside any arena: (counts, extras)."""
     return (torch.zeros(LAYOUT.counts, dtype=torch.int64, device=device),
-            torch.zeros(LAYOUT.extras, device=device))
+            torch.zeros(LAYOUT.extras, dtype=torch.float32, device=device))  # whatever the default dtype
 
 
 def tensor_stats(x: torch.Tensor, limits: LowDtype, fill=fill_row) -> dict:
@@ -133,7 +135,7 @@ def _signed_bins(x: torch.Tensor) -> torch.Tensor:
 def torch_fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
     """``fill_row`` with torch ops: the path without a kernel."""
     # contiguous: an expanded gradient (sum()'s, stride 0) cannot be viewed as half-words
-    x = x.detach().reshape(-1).float().contiguous()
+    x = cpu_kernel.as_float32(x.reshape(-1)).contiguous()
     keys = _signed_bins(x)  # signed: -inf is the negative half's Inf bin, at no extra pass
     if x.device.type == "cpu":
         signed = torch.bincount(keys, minlength=2 * BINS)

@@ -37,6 +37,8 @@ class SummaryBuilder:
         self.forks = 0  # processes forked while watching (not watched)
         self.final_scale: float | None = None  # the loss scale after the last update()
         self.steps = 0
+        self.logged_steps = 0  # fewer than steps with every=N: the verdicts are of these
+        self.cut_short = False  # a log read without its end line: the run may have gone on past it
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
         self.params: dict[str, dict] = {}
@@ -61,6 +63,7 @@ class SummaryBuilder:
             self.unmeasured = dict(end.get("unmeasured", self.unmeasured))
             return
         self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
+        self.logged_steps += 1
         if self.first_nonfinite is None and record.get("first_nonfinite"):
             self.first_nonfinite = record["first_nonfinite"]
         for module, phases in record["layers"].items():
@@ -108,7 +111,8 @@ class SummaryBuilder:
             scaler = {"scale": scale, "used_last": self.scales[-1][1], "skipped_steps": list(self.skipped),
                       "history": self.scales,
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
-        return {"steps": self.steps, "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
+        return {"steps": self.steps, "logged_steps": self.logged_steps, "cut_short": self.cut_short,
+                "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
                 "layers": self.layers, "params": self.params, "scaler": scaler,
                 "unmeasured": dict(sorted(self.unmeasured.items())),
                 "dtype_source": self.dtype_source or "given",
@@ -126,6 +130,9 @@ def read_log(path: Path) -> SummaryBuilder:
             and isinstance(source.get("line"), int)):
         source = {"file": str(path), "line": 0}  # a log that does not say: the findings point at it
     builder = SummaryBuilder(header["dtype"], source=source)
+    builder.cut_short = True
     for record in records:
         builder.add(record)
+        if "step" not in record:  # the end line, written last at stop()
+            builder.cut_short = False
     return builder
