@@ -175,6 +175,15 @@ def test_a_forking_trainer_trains_under_run_as_it_does_plainly(tmp_path):
     assert watched_s < 1.5 * plain_s + 10  # the interpreter and ampaudit's imports on top
 
 
+def _plain_and_run(tmp_path, entry=("-m", "ampaudit")) -> tuple[subprocess.CompletedProcess, ...]:
+    """``s.py`` in ``tmp_path`` run by python, then by ``ampaudit run --log w.jsonl``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    watched = subprocess.run([sys.executable, *entry, "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    return plain, watched
+
+
 @pytest.mark.parametrize("entry", [["-m", "ampaudit"], ["-c", "import sys; from ampaudit.cli.main import main; "
                                                              "sys.exit(main())"]])
 def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
@@ -186,10 +195,7 @@ def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
                                    "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
                                    "print('trained', flush=True)\n"
                                    "raise KeyboardInterrupt\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    watched = subprocess.run([sys.executable, *entry, "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120, env=env)
+    plain, watched = _plain_and_run(tmp_path, entry)
     assert (plain.returncode, plain.stdout) == (-2, "trained\natexit ran\n")
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
     assert watched.stderr.endswith("ampaudit run: log written to w.jsonl\n")
@@ -239,9 +245,6 @@ def test_a_forked_child_interrupted_ends_as_under_python(tmp_path):
         "    raise KeyboardInterrupt\n"
         "_, status = os.waitpid(pid, 0)\n"
         "print('child', os.WIFSIGNALED(status), os.WEXITSTATUS(status) if os.WIFEXITED(status) else None)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120, env=env)
+    plain, watched = _plain_and_run(tmp_path)
     assert (plain.returncode, plain.stdout) == (0, "child True None\n")
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
