@@ -68,6 +68,18 @@ def test_rich_markup_in_module_names_is_printed_as_text(cli, tmp_path, monkeypat
     assert "heads.[/bold]" in report.out + report.err and "MarkupError" not in report.out + report.err
 
 
+def test_a_newline_in_a_module_name_keeps_its_table_row(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text(MARKUP_MODEL.replace('"[red]x"', '"a\\nb\\tc"'))
+    result = cli("run", "--log", "w.jsonl", "s.py")
+    assert result.code == 0 and result.out == "trained\n"
+    report = cli("report", "w.jsonl").out
+    rows = [line for line in report.splitlines() if "heads.a" in line]
+    # one row per phase, the name escaped on each (no optimizer: no parameter table)
+    assert len(rows) == 2 and all("heads.a\\nb\\tc" in row for row in rows), report
+    assert not any(line.lstrip("│ ").startswith("b") for line in report.splitlines())
+
+
 @pytest.mark.parametrize("what", ["sys.stderr.close()", "sys.stderr = io.StringIO()", "sys.stderr = None"])
 def test_a_script_that_closes_or_replaces_stderr_keeps_its_exit_code_and_gets_the_summary(tmp_path, what):
     (tmp_path / "s.py").write_text(f"import io, sys\nimport torch\n"

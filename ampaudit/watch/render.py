@@ -87,7 +87,7 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
             nan_inf = f"{s['nan']}/{inf}" + (f" ({masked} -inf)" if masked else "")
             cells = [phase, nan_inf, _percent(overflow, s["numel"]), _percent(s["underflow"], s["numel"]),
                      _percent(s["zero"], s["numel"]), f"{s['absmax']:.3g}"]
-            rows.append((module, cells, s["hist"], bool(s["nan"] or inf or overflow)))
+            rows.append((_one_line(module), cells, s["hist"], bool(s["nan"] or inf or overflow)))
     headers = ("phase", "nan/inf", "overflow %", "underflow %", "zero %", "absmax") if wide else (
         "phase", "nan/inf", "over %", "under %", "zero %", "absmax")
     title = "Per module (summed over logged steps; % of elements)"
@@ -116,13 +116,19 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         for col in ["last norm", "nan/inf", "underflow %", "absmax"] + (["over at scale"] if scaled else []):
             params.add_column(col, justify="right", no_wrap=True)
         for name, s in summary["params"].items():
-            cells = [Text(name), f"{s['norm']:.3g}" if s["norm"] is not None else "", f"{s['nan']}/{s['inf']}",
-                     _percent(s["underflow"], s["numel"]), f"{s['absmax']:.3g}"]
+            cells = [Text(_one_line(name)), f"{s['norm']:.3g}" if s["norm"] is not None else "",
+                     f"{s['nan']}/{s['inf']}", _percent(s["underflow"], s["numel"]), f"{s['absmax']:.3g}"]
             params.add_row(*cells, *([str(s.get("overflow_at_scale", ""))] if scaled else []))
         console.print(params)
     if summary.get("fp8"):
         console.print(_fp8_table(summary["fp8"]))
     render_findings([Finding.from_dict(f) for f in summary.get("findings", [])], console)
+
+
+def _one_line(name: str) -> str:
+    """A module or parameter name on one table row: an ``nn.ModuleDict`` key may hold a newline
+    or a tab (the console shows other control characters as escapes already)."""
+    return name.replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _fp8_table(fp8: dict[str, Any]) -> Table:
@@ -141,7 +147,7 @@ def _fp8_table(fp8: dict[str, Any]) -> Table:
                 continue
             n = r.get("numel", 0)
             bad = r.get("delayed_saturated") or r.get("underflow")
-            name = Text(module) + Text(f"\n{entry.get('kind') or ''}", style="dim") if first else Text("")
+            name = Text(_one_line(module)) + Text(f"\n{entry.get('kind') or ''}", style="dim") if first else Text("")
             first = False
             table.add_row(name, operand, str(r.get("format", "")), f"{r.get('amax', 0):.3g}",
                           f"{r.get('jump', 0):.3g}", f"{r.get('scale', 0):.3g}", _percent(r.get("underflow", 0), n),
