@@ -39,6 +39,7 @@ from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
+from ampaudit.watch.schedule import EverySchedule
 from ampaudit.watch.step_guard import guard_for
 from ampaudit.watch.summary import SummaryBuilder, describe_first
 
@@ -106,6 +107,7 @@ class Monitor:
         self.masks: set[str] = set()  # modules found (by a replay) to write -inf masks on purpose
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.every, self.stop_on_nonfinite = options.every, options.stop_on_nonfinite
+        self.schedule = EverySchedule(options.every)  # which steps are recorded
         self.stop_after_skips = options.stop_after_skips
         self.log_path = Path(options.log) if options.log is not None else None
         distributed = dist.is_available() and dist.is_initialized()
@@ -259,9 +261,13 @@ class Monitor:
         if scaler is not None and scaler.is_enabled():
             self._last_scaler = scaler  # its scale after the last update() is read at stop()
             scale, found_inf = ScalerTap.read(scaler)
-        if self.recorder.logging:
+        # who ended the step: the GradScaler, else the optimizer that stepped (``schedule``)
+        stepped = self.optimizer_tap.optimizers
+        ender = id(scaler) if scaler is not None else id(stepped[0]) if stepped else None
+        logged = self.recorder.logging and self.schedule.due(ender)
+        if logged:
             self.recorder.record_params(self._params(), scale)
-        self._flush_step(found_inf=found_inf, scale=scale)
+        self._flush_step(found_inf=found_inf, scale=scale, logged=logged, ender=ender)
 
     def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters whose gradients a step records: the model's, else the stepped optimizers'."""
@@ -271,15 +277,20 @@ class Monitor:
         return [(self.recorder.param_name(p, f"param{i}"), p) for i, p in enumerate(seen)]
 
     def _flush_step(self, *, skipped: bool | None = None, found_inf: torch.Tensor | None = None,
-                    scale: torch.Tensor | None = None) -> None:
+                    scale: torch.Tensor | None = None, logged: bool | None = None, ender: Any = None) -> None:
+        """End the step; ``logged``: whether it is recorded (default: whether it was armed), ``ender``:
+        who ended it (``schedule``)."""
         step, recorder = self.step_index, self.recorder
+        logged = recorder.logging if logged is None else logged
+        self.schedule.ended(ender)
+        logging_next = self.schedule.arm_next()
         record = None
         # the fp8 rows leave the device before the step's own read, which then waits for them too
         fp8 = None
         if self.fp8 is not None:
             with forks.single_threaded(_CPU):
-                fp8 = self.fp8.end_step((step + 1) % self.every == 0)
-        if recorder.logging:
+                fp8 = self.fp8.end_step(logging_next)
+        if logged:
             keys, param_keys, modes, event_keys = self._step_shape()
             context = {"unmeasured": dict(recorder.unmeasured),  # so far: the builder keeps the latest
                        "dtype": self.dtype_name, "dtype_source": self.dtype_source,
@@ -305,7 +316,7 @@ class Monitor:
                 line = self._lines.line({**record, "layers": {}, "params": {}}, flat.cpu(), buf, keys, param_keys)
                 self.sink.write_line(line, step)
         self.step_index += 1
-        recorder.end_step(logging_next=self.step_index % self.every == 0)
+        recorder.end_step(logging_next=logging_next)
         if record is not None:
             self._check_stop(record)
 

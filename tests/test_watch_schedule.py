@@ -1,0 +1,67 @@
+"""``every`` > 1 counts each optimizer's steps (watch/schedule.py): under ``ampaudit run`` a GAN's
+two optimizers each end a watched step, and both get recorded."""
+
+from __future__ import annotations
+
+import json
+
+from ampaudit.watch.schedule import EverySchedule
+
+GAN = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+D, G = nn.Linear(4, 1), nn.Linear(2, 4)
+opt_d, opt_g = torch.optim.SGD(D.parameters(), lr=0.01), torch.optim.SGD(G.parameters(), lr=0.01)
+for it in range(8):
+    fake = G(torch.randn(8, 2))
+    opt_d.zero_grad()
+    (D(torch.randn(8, 4)).mean() - D(fake.detach()).mean()).backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    D(fake).mean().backward()
+    opt_g.step()
+print("trained")
+"""
+
+
+def _walk(schedule: EverySchedule, enders: list[str]) -> tuple[list[int], int]:
+    """The steps recorded for a run whose steps were ended by ``enders``, and how many were
+    armed (recorded) but dropped."""
+    armed, logged, dropped = True, [], 0
+    for step, ender in enumerate(enders):
+        if armed and schedule.due(ender):
+            logged.append(step)
+        elif armed:
+            dropped += 1
+        schedule.ended(ender)
+        armed = schedule.arm_next()
+    return logged, dropped
+
+
+def test_one_optimizer_records_every_nth_step():
+    assert _walk(EverySchedule(3), ["opt"] * 10) == ([0, 3, 6, 9], 0)
+    assert _walk(EverySchedule(1), ["opt"] * 4) == ([0, 1, 2, 3], 0)
+
+
+def test_two_optimizers_taking_turns_are_both_recorded():
+    logged, dropped = _walk(EverySchedule(2), ["d", "g"] * 8)
+    assert logged == [0, 4, 5, 8, 9, 12, 13]  # the generator's steps (odd) from its second turn on
+    assert dropped == 4  # armed for a discriminator's turn (3, 7, 11, 15), the generator stepped: dropped
+    # WGAN's five critic steps a generator step: each optimizer's every 10th step
+    enders = (["d"] * 5 + ["g"]) * 20
+    logged, _ = _walk(EverySchedule(10), enders)
+    assert {enders[s] for s in logged} == {"d", "g"}
+    # its 10th step (step 65); its first (step 5) came before anything knew of it
+    assert [s for s in logged if enders[s] == "g"] == [65]
+
+
+def test_ampaudit_run_every_2_records_both_optimizers_of_a_gan(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gan.py").write_text(GAN)
+    result = cli("run", "--every", "2", "--log", "w.jsonl", "gan.py")
+    assert result.code == 0 and result.out == "trained\n"
+    records = [r for r in map(json.loads, (tmp_path / "w.jsonl").read_text().splitlines()) if "step" in r]
+    assert [r["step"] for r in records] == [0, 4, 5, 8, 9, 12, 13]
+    params = {r["step"]: sorted(r["params"]) for r in records}  # each step: its optimizer's parameters
+    assert params[0] == params[4] == params[8] == params[12] != params[5] == params[9] == params[13]
