@@ -244,6 +244,10 @@ def test_a_folder_with_a_main_runs_as_python_runs_it(cli, tmp_path, monkeypatch)
     assert (plain.returncode, plain.stdout) == (0, "trained\n"), plain.stderr
     result = cli("run", "--log", "w.jsonl", "app")
     assert (result.code, result.out) == (0, "trained\n"), result.err
+    (tmp_path / "app" / "__main__.py").unlink()  # a folder python cannot run either: said in one line
+    result = cli("run", "--log", "w.jsonl", "app")
+    assert (result.code, result.out) == (2, "")
+    assert result.err == "ampaudit: error: app is a folder without a __main__.py: name the script to run\n"
 
 
 def test_a_forked_child_interrupted_ends_as_under_python(tmp_path):

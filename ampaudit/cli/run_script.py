@@ -24,7 +24,9 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
     """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code.
     ``optional_log``: the log is run's default, not asked for - one that cannot be opened (an
     earlier run still writing it, another file of that name) leaves the script to train without."""
-    if not (script.is_file() or (script / "__main__.py").is_file()):  # python runs a folder's __main__.py too
+    if script.is_dir() and not (script / "__main__.py").is_file():  # python runs a folder's __main__.py
+        raise UsageError(f"{script} is a folder without a __main__.py: name the script to run")
+    if not (script.is_file() or script.is_dir()):
         raise UsageError(f"no such script: {script}")
     monitor = Monitor(None, options=options)
     monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
