@@ -211,7 +211,8 @@ def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
     assert (plain.returncode, plain.stdout) == (-2, "trained\natexit ran\n")
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
     assert watched.stderr.endswith("ampaudit run: log written to w.jsonl\n")
-    assert "Traceback" not in watched.stderr
+    # python's traceback of the interrupt, once: the process's own end by SIGINT prints none
+    assert watched.stderr.startswith(plain.stderr) and watched.stderr.count("Traceback") == 1
 
 
 def test_the_default_log_that_cannot_be_written_leaves_the_script_to_train(cli, tmp_path, monkeypatch):
@@ -248,6 +249,17 @@ def test_a_folder_with_a_main_runs_as_python_runs_it(cli, tmp_path, monkeypatch)
     result = cli("run", "--log", "w.jsonl", "app")
     assert (result.code, result.out) == (2, "")
     assert result.err == "ampaudit: error: app is a folder without a __main__.py: name the script to run\n"
+
+
+@pytest.mark.parametrize("last", ["raise ValueError('boom')", "raise KeyboardInterrupt"])
+def test_a_script_s_uncaught_exception_is_printed_as_python_prints_it(tmp_path, last):
+    """Its traceback from the script's own frames on, with python's file names (absolute):
+    runpy's frames and run's own were printed above them, and an interrupt was one line of ours."""
+    (tmp_path / "s.py").write_text(f"import torch\ndef f():\n    {last}\nprint('x', __file__)\nf()\n")
+    plain, watched = _plain_and_run(tmp_path)
+    assert plain.stderr.startswith("Traceback (most recent call last):\n") and "s.py" in plain.stdout
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout)
+    assert watched.stderr.startswith(plain.stderr), watched.stderr
 
 
 def test_a_forked_child_interrupted_ends_as_under_python(tmp_path):

@@ -86,24 +86,35 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
     code, interrupted = 0, False
     monitor.start()
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        # absolute, as python makes a script's path: its __file__ and its tracebacks' file names
+        runpy.run_path(os.path.abspath(script), run_name="__main__")
     except SystemExit as exc:  # the script's own exit code is ours, and its message, as python shows them
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             _stderr(kept).write(f"{exc.code}\n")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         code, interrupted = 130, True
-        _stderr(kept).write("ampaudit run: interrupted\n")
+        _script_traceback(exc, _stderr(kept))
     except NonFiniteError as exc:  # --stop-on-nonfinite: the reason, not the script's stack
         code = exc.exit_code
         _stderr(kept).write(f"ampaudit run: stopped: {exc}\n")
-    except BaseException:
-        traceback.print_exc(file=_stderr(kept))  # the script's error, shown as python would show it
+    except BaseException as exc:
+        _script_traceback(exc, _stderr(kept))
         code = 1
     finally:
         monitor.stop()
         sys.argv, sys.path[:] = saved_argv, saved_path
     return code, interrupted
+
+
+def _script_traceback(exc: BaseException, out: TextIO) -> None:
+    """The script's uncaught exception as python prints it: its traceback from the script's own
+    module frame on, without runpy's frames and ours before it."""
+    tb = exc.__traceback__
+    while tb is not None and not (tb.tb_frame.f_code.co_name == "<module>"
+                                  and tb.tb_frame.f_globals.get("__name__") == "__main__"):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__, file=out)
 
 
 def _stderr(kept: Callable[[], TextIO]) -> TextIO:
