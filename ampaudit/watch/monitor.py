@@ -77,7 +77,8 @@ class Monitor:
     """Hooks on ``model`` (or, with ``model=None``, on every module that runs forward and every
     optimizer that steps: ``ampaudit run``). Steps end at ``optimizer.step()``, at
     ``scaler.update()`` when a GradScaler is given, or at ``step()``; every ``every``-th one
-    is recorded, audited against ``dtype``, and written to ``log`` (JSON lines) if given.
+    (of each optimizer that ends steps: ``schedule``) is recorded, audited against ``dtype``,
+    and written to ``log`` (JSON lines) if given.
     With ``provenance`` (default), each module call of a recorded step is kept until its end,
     so that on a step where a value goes non-finite the module that made it is replayed to
     name the op; modules matching an ``ignore`` pattern (fnmatch) are never the first.
