@@ -47,12 +47,12 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
     no host sync: the bin counts, how many |x| round to Inf in the audited dtype, how many
     values are -inf, and the finite absmax; with ``norm``, the sum of squares; with ``scale``
     (a device scalar), how many |x| * scale exceed the dtype's max."""
+    if is_dtensor(x):  # a shard per rank (FSDP2, tensor parallel): this rank's part
+        x = x.to_local()
     if type(x) in PLAIN and x.is_cpu and cpu_kernel.available():  # a hook's hot path first
         cpu_kernel.fill_row(x, counts, extras, limits.overflow_at, norm=norm)  # the norm in the same pass
         fill_param_extras(x, counts, extras, limits, norm=False, scale=scale)
         return
-    if is_dtensor(x):  # a shard per rank (FSDP2, tensor parallel): this rank's part
-        x = x.to_local()
     if type(x) not in PLAIN:
         torch_fill_row(x, counts, extras, limits)
         fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
@@ -65,19 +65,15 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits
                 x = cpu_kernel.as_float32(x)
             triton_stats.fill_row(x, counts, extras, limits.overflow_at, norm=norm, scale=scale, limit=limits.max)
             return
-    if x.device.type == "cpu" and cpu_kernel.available():
-        cpu_kernel.fill_row(x, counts, extras, limits.overflow_at, norm=norm)  # the norm in the same pass
-        norm = False
-    else:
-        torch_fill_row(x, counts, extras, limits)
+    torch_fill_row(x, counts, extras, limits)
     fill_param_extras(x, counts, extras, limits, norm=norm, scale=scale)
 
 
 def fill_sampled_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, limits: LowDtype) -> None:
-    """``fill_row`` for a module's output or gradient: on the CPU kernel a tensor over twice
-    ``LAYOUT.hist_sample`` elements has its magnitude histogram estimated from about that many
-    (``cpu_kernel.fill_sampled_row``), every count exact - zeros, underflow, overflow, NaN, Inf,
-    -inf, the finite absmax; elsewhere the whole row."""
+    """``fill_row`` for a module's output or gradient: on the CPU kernel a tensor over
+    ``LAYOUT.hist_sample_above`` elements has its magnitude histogram estimated from about
+    ``LAYOUT.hist_sample`` (``cpu_kernel.fill_sampled_row``), every count exact - zeros,
+    underflow, overflow, NaN, Inf, -inf, the finite absmax; elsewhere the whole row."""
     if type(x) in PLAIN and x.is_cpu and cpu_kernel.available():
         cpu_kernel.fill_sampled_row(x, counts, extras, limits.overflow_at, limits.normal_exponent)
     else:
