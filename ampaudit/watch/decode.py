@@ -50,34 +50,34 @@ def step_record(step: int, values: StepValues, keys: list[tuple[str, str]], para
             "first_nonfinite": first, "nonfinite_params": nonfinite_params if was_skipped else [], **context}
 
 
-_INTEGER = [i for i, name in enumerate(LAYOUT.fields) if LAYOUT.integer[name]]
-_MAGNITUDE = [i for i, name in enumerate(LAYOUT.fields) if not LAYOUT.integer[name]]
-_MAGNITUDE_COLUMNS = torch.tensor(_MAGNITUDE, dtype=torch.int64)
-_EXPONENTS = LAYOUT.exponents - 1  # exponent 255 (Inf/NaN) is not a magnitude
-# per exponent e: e + 1, and _EXPONENTS - e. Times "the row counts e", each row's largest of
-# the two is its last exponent + 1 and _EXPONENTS - its first (0: an empty row). int16: the
+# a log row's fields that are floats (the rest are counts), and the exponents its histogram may hold
+MAGNITUDE = [i for i, name in enumerate(LAYOUT.fields) if not LAYOUT.integer[name]]
+MAGNITUDE_COLUMNS = torch.tensor(MAGNITUDE, dtype=torch.int64)
+EXPONENTS = LAYOUT.exponents - 1  # exponent 255 (Inf/NaN) is not a magnitude
+# per exponent e: e + 1, and EXPONENTS - e. Times "the row counts e", each row's largest of
+# the two is its last exponent + 1 and EXPONENTS - its first (0: an empty row). int16: the
 # 2 x N x 255 product stays small (the step boundary's ops each cost more than their elements)
-_RAMPS = torch.stack([torch.arange(1, _EXPONENTS + 1), torch.arange(_EXPONENTS, 0, -1)]).to(torch.int16)[:, None, :]
+_RAMPS = torch.stack([torch.arange(1, EXPONENTS + 1), torch.arange(EXPONENTS, 0, -1)]).to(torch.int16)[:, None, :]
 
 
 def log_rows(rows: torch.Tensor) -> list[list]:
     """Stats rows (N x WIDTH, on the host) as log rows (``stats_merge.LOG_ROW``): the fields -
     counts as ints - then the first nonzero exponent and the counts from there to the last
     nonzero one. Cut with four torch ops over all rows, so that each row is list slicing."""
-    hist = rows[:, LAYOUT.hist:LAYOUT.hist + _EXPONENTS]
+    hist = rows[:, LAYOUT.hist:LAYOUT.hist + EXPONENTS]
     stops, firsts_back = (hist.bool()[None] * _RAMPS).amax(2).tolist() if len(rows) else ([], [])
     # only the exponents some row uses are read back: a step's tensors span tens of the 255
     hi_all = max(stops, default=0)
-    lo_all = _EXPONENTS - max(firsts_back) if hi_all else 0
+    lo_all = EXPONENTS - max(firsts_back) if hi_all else 0
     counts = torch.cat([rows[:, :LAYOUT.hist], hist[:, lo_all:hi_all]], 1).to(torch.int64).tolist()
-    magnitudes = rows.index_select(1, _MAGNITUDE_COLUMNS).tolist()
+    magnitudes = rows.index_select(1, MAGNITUDE_COLUMNS).tolist()
     out = []
     for row, floats, stop, first_back in zip(counts, magnitudes, stops, firsts_back, strict=True):
         line = row[:LAYOUT.hist]
-        for i, value in zip(_MAGNITUDE, floats, strict=True):
+        for i, value in zip(MAGNITUDE, floats, strict=True):
             line[i] = value
         if stop:
-            lo = _EXPONENTS - first_back
+            lo = EXPONENTS - first_back
             line.append(lo - 127)
             line += row[LAYOUT.hist + lo - lo_all:LAYOUT.hist + stop - lo_all]
         else:

@@ -19,14 +19,11 @@ from typing import Any
 import torch
 
 from ampaudit.core import native
-from ampaudit.watch.decode import log_record
+from ampaudit.watch.decode import EXPONENTS, MAGNITUDE, MAGNITUDE_COLUMNS, log_record
 from ampaudit.watch.layout import LAYOUT, StepBuffer
 
 SOURCE = Path(__file__).with_name("log_text.c")
-_MAGNITUDE = [i for i, name in enumerate(LAYOUT.fields) if not LAYOUT.integer[name]]
-_MAGNITUDE_COLUMNS = torch.tensor(_MAGNITUDE, dtype=torch.int64)
-_IS_MAGNITUDE = (ctypes.c_ubyte * LAYOUT.hist)(*(i in _MAGNITUDE for i in range(LAYOUT.hist)))
-_EXPONENTS = LAYOUT.exponents - 1  # exponent 255 (Inf/NaN) is not a magnitude: never written
+_IS_MAGNITUDE = (ctypes.c_ubyte * LAYOUT.hist)(*(i in MAGNITUDE for i in range(LAYOUT.hist)))
 _ROOM = 1 << 16  # bytes for the rows at first; doubled while a step's do not fit
 
 
@@ -115,11 +112,11 @@ class LogLines:
             raise ValueError(f"{len(param_keys)} parameter names for {buf.n_params} rows")
         shape = self._shape(keys, param_keys, buf.n_rows)
         rows = flat[buf.stats].reshape(-1, LAYOUT.width).contiguous()
-        magnitudes = rows.index_select(1, _MAGNITUDE_COLUMNS).tolist()
+        magnitudes = rows.index_select(1, MAGNITUDE_COLUMNS).tolist()
         floats = json.dumps([v for i in shape.order for v in magnitudes[i]]).encode("ascii")
         while True:
             written = fn(rows.data_ptr(), LAYOUT.width, len(shape.order), shape.order_array, LAYOUT.hist,
-                         _EXPONENTS, _IS_MAGNITUDE, shape.texts, shape.text_at, floats, len(floats), shape.out,
+                         EXPONENTS, _IS_MAGNITUDE, shape.texts, shape.text_at, floats, len(floats), shape.out,
                          len(shape.out))
             if written >= 0:
                 return ctypes.string_at(shape.out, written).decode("ascii")
