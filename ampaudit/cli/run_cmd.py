@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from dataclasses import Field, fields
 
 from ampaudit.cli.common import number_type, path_type
@@ -104,7 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ampaudit.core.torch_extra import require_torch
 
     require_torch("ampaudit run")
-    from ampaudit.cli.run_script import run_script
+    from ampaudit.cli.run_script import run_script, say_without_log
     from ampaudit.watch import compiled
 
     if args.inside_compile and not compiled.SUPPORTED:
@@ -121,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except UsageError as exc:
             if not optional:
                 raise
-            sys.stderr.write(f"ampaudit run: {exc}: watching without a log (--log FILE names one)\n")
+            say_without_log(exc)
             args.log = None
         else:
             log.close()  # the watch opens the log itself, resolving it again

@@ -28,16 +28,14 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
         raise UsageError(f"{script} is a folder without a __main__.py: name the script to run")
     if not (script.is_file() or script.is_dir()):
         raise UsageError(f"no such script: {script}")
-    monitor = Monitor(None, options=options)
-    monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
+    monitor = _monitor(script, options)
     if optional_log and options.log is not None:
         try:
             monitor.start()  # opens the log first: a refused one leaves no hook behind
         except UsageError as exc:
-            sys.stderr.write(f"ampaudit run: {exc}: watching without a log (--log FILE names one)\n")
+            say_without_log(exc)
             options = replace(options, log=None)
-            monitor = Monitor(None, options=options)
-            monitor.builder.source = {"file": str(script), "line": 0}
+            monitor = _monitor(script, options)
     with _kept_stderr() as stderr:
         code, interrupted = _run_watched(script, argv, monitor, stderr)
         if monitor.forked_child:  # a fork that ran to the script's end: the parent reports
@@ -60,6 +58,17 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
     if interrupted:  # as python ends then: killed by SIGINT after the atexit handlers (a shell loop stops)
         raise _uncaught_interrupt()
     return code
+
+
+def _monitor(script: Path, options: WatchOptions) -> Monitor:
+    monitor = Monitor(None, options=options)
+    monitor.builder.source = {"file": str(script), "line": 0}  # the findings point at the script
+    return monitor
+
+
+def say_without_log(exc: Exception) -> None:
+    """Why run's default log (not asked for) is left out: the script trains without it."""
+    sys.stderr.write(f"ampaudit run: {exc}: watching without a log (--log FILE names one)\n")
 
 
 def _uncaught_interrupt() -> KeyboardInterrupt:
