@@ -60,6 +60,23 @@ def test_every_count_is_the_exact_rows(dtype, n, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("limits", [FP16, BF16])
+@pytest.mark.parametrize("special", ["edge", "nan"])
+def test_overflow_is_counted_exactly_at_its_edge(limits, special):
+    """The overflow and non-finite counts are taken only where a piece's max reaches the edge:
+    a value just at it counts, the float just below does not, whatever else is there."""
+    edge = torch.tensor(limits.overflow_at)
+    below = torch.nextafter(edge, torch.tensor(0.0))
+    x = torch.randn(3 * 65536 + 7, generator=torch.Generator().manual_seed(1)) * 1e-2
+    x[5], x[70_000], x[-3] = edge, below, -edge  # one piece with an overflow, one without, the last signed
+    if special == "nan":
+        x[140_000] = float("nan")
+    exact, sampled = _stats(x, limits, sampled=False), _stats(x, limits, sampled=True)
+    assert sampled["overflow"] == exact["overflow"] == 2
+    assert sampled["nan"] == exact["nan"] == (special == "nan")
+    assert sampled["absmax"] == exact["absmax"] == limits.overflow_at
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_16_bit_pattern_is_counted_as_the_exact_row_counts_it(dtype):
     x = torch.arange(-(2**15), 2**15).to(torch.int16).view(dtype)  # every NaN payload, both zeros, both infs

@@ -249,10 +249,12 @@ DEFINE_NONFINITE(ampaudit_nonfinite_bf16, h16_raw, 0x7fff, 0x7f80, BF16_NEGINF)
  * activations and their gradients on the CPU, where the exact histogram's one scattered add
  * per element cost as much as reading the element: watch.md says why). One vectorised pass counts
  * what the verdicts read - zeros, the values below low_at (the audited dtype's smallest
- * normal, an exponent boundary), those >= over_at, the non-finite ones, the max - and one
+ * normal, an exponent boundary), the max and the largest value below low_at - and one
  * element in about every `stride`, at a jittered stride (a fixed one would keep meeting the
- * same columns of a tensor whose row length it divides), is binned. A piece with a non-finite
- * value is read again for NaN apart from Inf, -inf and its finite max. The sample's bins are
+ * same columns of a tensor whose row length it divides), is binned. Only a piece whose max
+ * reaches over_at (rare in a healthy run) is read again, to count the values >= over_at, NaN,
+ * Inf and -inf and find its finite max: the pass every tensor takes stays four reductions,
+ * at the speed of reading memory. The sample's bins are
  * then scaled to the exact counts of their class (below low_at, and finite at or above it),
  * the rounding left over put in the class's fullest bin; a class the sample missed goes whole
  * into the bin of its largest value. So zero, underflow, Inf, NaN and every sum the summary
@@ -271,31 +273,35 @@ static inline int32_t bf16_mag(int32_t r) {
 
 #define SAMPLED_PIECE(RAW, MAG, ABS, NEGINF)                                                   \
     int64_t t[TOTALS] = {0};                                                                   \
-    int32_t zero = 0, low = 0, over = 0, bad = 0, top = 0; /* a piece's counts fit int32 */    \
+    int32_t zero = 0, low = 0, top = 0, small_top = 0; /* a piece's counts fit int32 */        \
     for (int64_t i = lo; i < hi; i++) { /* one loop, vectorised */                            \
-        int32_t a = MAG(RAW(x, i));                                                            \
+        int32_t a = MAG(RAW(x, i)), small = a < low_at ? a : 0;                                \
         zero += a == 0;                                                                        \
         low += a < low_at;                                                                     \
-        over += a >= over_at;                                                                  \
-        bad += a >= 0x7f800000;                                                                \
+        small_top = small > small_top ? small : small_top;                                     \
         top = a > top ? a : top;                                                               \
     }                                                                                          \
-    if (bad) { /* rare: which are NaN, which -inf, and the largest finite value */             \
+    if (top >= over_at) { /* rare: overflow or non-finite values, counted; the finite max */   \
+        int32_t over = 0, bad = 0;                                                             \
         top = 0;                                                                               \
         for (int64_t i = lo; i < hi; i++) {                                                    \
             int32_t r = RAW(x, i), a = MAG(r), finite = a < 0x7f800000 ? a : 0;                \
+            over += a >= over_at;                                                              \
+            bad += a >= 0x7f800000;                                                            \
             t[NAN_COUNT] += a > 0x7f800000;                                                    \
             t[NEG] += r == NEGINF;                                                             \
             top = finite > top ? finite : top;                                                 \
         }                                                                                      \
+        t[OVER] = over, t[NONFINITE] = bad;                                                    \
     }                                                                                          \
-    t[ZERO] = zero, t[LOW] = low - zero, t[OVER] = over, t[NONFINITE] = bad;                   \
+    t[ZERO] = zero, t[LOW] = low - zero;                                                       \
     int64_t k = lo / stride + 1; /* the jitter: a hash of the sample's number, no chain */    \
     for (int64_t i = lo + stride / 2; i < hi; k++) {                                           \
         sample[key(ABS(RAW(x, i)))]++;                                                         \
         i += stride / 2 + 1 + (int64_t)(((uint64_t)((uint32_t)k * 2654435769u) * (uint64_t)stride) >> 32); \
     }                                                                                          \
     for (int c = 0; c < TOTALS; c++) totals[c] += t[c];                                        \
+    if (small_top > *low_peak) *low_peak = small_top;                                          \
     if (top > *peak) *peak = top;
 
 /* The sample's bins [from, to) scaled to `total` values (see above). */
@@ -325,43 +331,36 @@ static void spread(const int32_t *sample, int from, int to, int64_t total, int f
     if (threads < 2 || pieces < 2) {                                                                     \
         for (int64_t p = 0; p < pieces; p++)                                                             \
             PIECE_FN(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, stride, low_at, over_at, sample, \
-                     totals, &peak);                                                                     \
+                     totals, &peak, &low_peak);                                                          \
     } else {                                                                                             \
         _Pragma("omp parallel num_threads(threads)")                                                     \
         {                                                                                                \
-            int32_t my_sample[NBINS] = {0}, my_peak = 0;                                                 \
+            int32_t my_sample[NBINS] = {0}, my_peak = 0, my_low_peak = 0;                                \
             int64_t my_totals[TOTALS] = {0};                                                             \
             _Pragma("omp for schedule(static)")                                                          \
             for (int64_t p = 0; p < pieces; p++)                                                         \
                 PIECE_FN(x, p * PIECE, p < pieces - 1 ? (p + 1) * PIECE : n, stride, low_at, over_at,     \
-                         my_sample, my_totals, &my_peak);                                                \
+                         my_sample, my_totals, &my_peak, &my_low_peak);                                  \
             _Pragma("omp critical")                                                                      \
             {                                                                                            \
                 for (int k = 0; k < NBINS; k++) sample[k] += my_sample[k];                               \
                 for (int k = 0; k < TOTALS; k++) totals[k] += my_totals[k];                              \
                 if (my_peak > peak) peak = my_peak;                                                      \
+                if (my_low_peak > low_peak) low_peak = my_low_peak;                                      \
             }                                                                                            \
         }                                                                                                \
     }
 
 #define DEFINE_SAMPLED(NAME, RAW, MAG, ABS, NEGINF)                                                      \
     SIMD_CLONES static void NAME##_piece(const void *x, int64_t lo, int64_t hi, int64_t stride, int32_t low_at, \
-                                         int32_t over_at, int32_t *sample, int64_t *totals, int32_t *peak) { \
+                                         int32_t over_at, int32_t *sample, int64_t *totals, int32_t *peak, \
+                                         int32_t *low_peak) {                                            \
         SAMPLED_PIECE(RAW, MAG, ABS, NEGINF)                                                             \
-    }                                                                                                    \
-    /* the largest |x| below low_at: only for a tensor whose few such values the sample missed */       \
-    SIMD_CLONES static int32_t NAME##_low_peak(const void *x, int64_t n, int32_t low_at) {               \
-        int32_t top = 0;                                                                                 \
-        for (int64_t i = 0; i < n; i++) {                                                                \
-            int32_t a = MAG(RAW(x, i)), small = a < low_at ? a : 0;                                      \
-            top = small > top ? small : top;                                                             \
-        }                                                                                                \
-        return top;                                                                                      \
     }                                                                                                    \
     void NAME(const void *x, int64_t n, int64_t *bins, int64_t *overflow, int64_t *neginf, uint32_t *maxbits, \
               uint32_t over_bits, uint32_t low_bits, int64_t stride, int threads) {                      \
         int64_t pieces = (n + PIECE - 1) / PIECE, totals[TOTALS] = {0};                                  \
-        int32_t sample[NBINS] = {0}, peak = 0; /* at most n / stride + pieces each */                    \
+        int32_t sample[NBINS] = {0}, peak = 0, low_peak = 0; /* at most n / stride + pieces each */      \
         int32_t over_at = over_bits > 0x7f800000u ? 0x7f800000 : (int32_t)over_bits;                   \
         int32_t low_at = (int32_t)(low_bits & 0x7f800000u);                                              \
         SAMPLED_PIECES(NAME##_piece)                                                                     \
@@ -373,7 +372,7 @@ static void spread(const int32_t *sample, int from, int to, int64_t total, int f
         bins[INF_BIN] += inf;                                                                            \
         bins[NAN_BIN] += nan;                                                                            \
         if (totals[LOW]) /* a sample with low values spreads them; else the largest's bin, found */     \
-            spread(sample, 1, low_end, totals[LOW], low_seen ? 1 : key(NAME##_low_peak(x, n, low_at)), bins); \
+            spread(sample, 1, low_end, totals[LOW], low_seen ? 1 : key(low_peak), bins);              \
         spread(sample, low_end, INF_BIN, normal, key(peak), bins);                                       \
         *overflow += totals[OVER] - nan;                                                                 \
         *neginf += totals[NEG];                                                                          \
