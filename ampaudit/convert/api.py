@@ -3,7 +3,6 @@ optimizer, one that keeps fp32 master weights and scales the loss)."""
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ampaudit.graph.dtype_flow import non_float_in_code
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
+from ampaudit.graph.model_copy import copy_model
 from ampaudit.graph.module_calls import concrete_args, record_calls
 from ampaudit.graph.range_probe import DTYPE, MEASURED, SHAPE
 from ampaudit.graph.trace import SubGraph
@@ -336,7 +336,7 @@ def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                   inputs: ExampleInputs | None, *, promoted: Mapping[str, str | Decision], constants: str,
                   keep_low_outputs: bool, weights: str = "low", measured: _Measured | None = None,
                   fixed_args: Mapping[str, dict[str, Any]] | None = None) -> torch.nn.Module:
-    work = copy.deepcopy(model).eval()  # never touch the user's model
+    work = copy_model(model).eval()  # never touch the user's model
     measured = measured if measured is not None else _Measured()
     if measured.calls is None:  # how each child is called, for children traced on their own
         measured.calls = record_calls(work, inputs) if inputs is not None else {}

@@ -109,6 +109,20 @@ def _hook_inputs(model, hook):
             module.register_forward_pre_hook(hook)
     return model
 
+
+def _copy(model):
+    # copy.deepcopy refuses a tensor attribute with autograd history (torch.nn.utils.weight_norm
+    # keeps weight so): the copy gets it detached; weight_norm computes it again at each forward
+    held = [(module, name, value) for module in model.modules() for name, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+    try:
+        for module, name, value in held:
+            module.__dict__[name] = value.detach()
+        return copy.deepcopy(model)
+    finally:
+        for module, name, value in held:
+            module.__dict__[name] = value
+
 {config}
 STEPS = {steps}
 TOLERANCE = {tolerance}
@@ -179,7 +193,7 @@ def verify(model, args, kwargs=None, steps=STEPS):
     far training moved the loss when that is larger)."""
     kwargs = kwargs or {{}}
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    reference = copy.deepcopy(model).eval()  # eval: no dropout on either side
+    reference = _copy(model).eval()  # eval: no dropout on either side
     with torch.no_grad():
         output = reference(*args, **kwargs)
     first = _first(output)
@@ -189,7 +203,7 @@ def verify(model, args, kwargs=None, steps=STEPS):
         target = torch.randn(first.shape, generator=generator) * float(first.float().std().clamp_min(1e-3))
     torch.manual_seed(0)
     bf16 = _train(reference, args, kwargs, target, labelled, steps, device)
-    fp8_model = convert(copy.deepcopy(model).eval())
+    fp8_model = convert(_copy(model).eval())
     torch.manual_seed(0)
     fp8 = _train(fp8_model, args, kwargs, target, labelled, steps, device)
     window = max(1, steps // 4)

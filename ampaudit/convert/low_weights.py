@@ -8,13 +8,12 @@ of them are - and the user's model is not touched."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.model_copy import copy_model
 from ampaudit.graph.tree import map_tensors
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -29,7 +28,7 @@ def low_weight_dtypes(model: torch.nn.Module) -> list[str]:
 def fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model`` with every fp16/bf16 parameter and buffer made fp32 in place
     (as ``Module.to`` does: tied tensors stay one tensor; fp64 and integer ones stay as they are)."""
-    work = copy.deepcopy(model)
+    work = copy_model(model)
     with torch.no_grad():
         for tensor in {id(t): t for t in (*work.parameters(), *work.buffers())}.values():
             if tensor.dtype in _LOW:

@@ -25,7 +25,6 @@ are cast in place, as ``Module.to`` does).
 
 from __future__ import annotations
 
-import copy
 import re
 import types
 from collections.abc import Iterable, Mapping
@@ -43,6 +42,7 @@ from ampaudit.graph import dtype_flow as flow
 from ampaudit.graph.declared import declared_precision
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.measure import measure_ranges
+from ampaudit.graph.model_copy import copy_model
 from ampaudit.graph.recorder import record_trace
 from ampaudit.graph.trace import SubGraph
 from ampaudit.graph.view import GraphView
@@ -129,7 +129,7 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
     masters needed, so training holds exactly what autocast + GradScaler holds. ``catalog``:
     the conversion's, to tell which of the plan's fp32 ops autocast upcasts itself."""
     records = list(records)
-    work = copy.deepcopy(model).eval()
+    work = copy_model(model).eval()
     ops: dict[str, list[Mapping[str, Any]]] = {}
     for record in records:
         if record.get("op", "").startswith("call_") and record.get("module") is not None:

@@ -20,7 +20,6 @@ parameter that no longer trains pulls the whole end of the curve away.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from ampaudit.core.paths import display_path
 from ampaudit.core.tensors import given_labels, iter_tensors, own_loss
 from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.model_copy import copy_model
 
 DEFAULT_STEPS = 20
 TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}  # relative gap of the curves' ends allowed
@@ -116,7 +116,7 @@ class _Runs:
         self.inputs = inputs
         # fp32 copies: a model whose weights are bf16 trains in fp32 from the same values
         self.reference = fp32_copy(model).eval()
-        source, self.trial = fp32_copy(model).eval(), copy.deepcopy(model_mp).eval()
+        source, self.trial = fp32_copy(model).eval(), copy_model(model_mp).eval()
         self.reference_opt = same_optimizer(optimizer, model, self.reference)
         self.trial_opt = MixedPrecisionOptimizer.from_optimizer(same_optimizer(optimizer, model, source), source,
                                                                 self.trial, dtype=dtype.torch, loss_scale=loss_scale)

@@ -240,9 +240,9 @@ class RangeProbe(fx.Interpreter):
         """
         if n.op == "call_module":
             module = self.module.get_submodule(n.target)
-            if not isinstance(module, torch.nn.Linear):
+            state = self._state(n.target, module) if isinstance(module, torch.nn.Linear) else {}
+            if "weight" not in state:  # weight_norm's weight is an attribute its hook computes: run the module
                 return self._generic_error(n, result)
-            state = self._state(n.target, module)
             weight, bias = state["weight"], state.get("bias")
             x = self.env[n.args[0]] if isinstance(n.args[0], fx.Node) else n.args[0]
         else:

@@ -1,0 +1,104 @@
+"""Models under the old ``torch.nn.utils.weight_norm`` (HiFi-GAN, VITS, BigVGAN), whose weight is
+an attribute its hook computes: graph.model_copy copies them where ``copy.deepcopy`` refuses (and
+spectral_norm's after a training forward), convert converts them, check measures their Linear."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ampaudit
+from ampaudit.graph.model_copy import copy_model
+from ampaudit.load.loader import load_target
+from tests.conftest import model
+
+warnings.filterwarnings("ignore", message=".*weight_norm.*is deprecated", category=FutureWarning)
+
+
+def _vocoder():
+    loaded = load_target(model("weight_norm_vocoder.py"))
+    return loaded.model, loaded.inputs.args
+
+
+def _computed(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each module's tensor attributes with autograd history, by module and attribute name."""
+    return {f"{name}.{attr}": value for name, m in module.named_modules() for attr, value in vars(m).items()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None}
+
+
+def test_a_weight_normed_model_is_copied_where_deepcopy_refuses():
+    vocoder, args = _vocoder()
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(vocoder)
+    before = _computed(vocoder)
+    assert len(before) == 6  # proj, pre, up, two res convs, post
+    twin = copy_model(vocoder)
+    assert all(_computed(vocoder)[k] is v for k, v in before.items())  # the user's model keeps its own
+    assert not set(map(id, twin.parameters())) & set(map(id, vocoder.parameters()))
+    with torch.no_grad():
+        assert torch.equal(twin(*args), vocoder(*args))
+    twin.pre.weight_v.data.mul_(2.0)  # weight_norm: g sets the norm, v only the direction
+    twin.pre.weight_g.data.mul_(3.0)
+    with torch.no_grad():
+        assert not torch.equal(twin(*args), vocoder(*args))
+
+
+def test_spectral_norm_after_a_training_forward_is_copied():
+    net = nn.Sequential(nn.utils.spectral_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    net(x).sum().backward()  # training mode: the power iteration leaves weight with history
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(net)
+    twin = copy_model(net).eval()
+    with torch.no_grad():
+        assert torch.equal(twin(x), net.eval()(x))
+
+
+@pytest.mark.parametrize("backend", ["fx", "modules"])
+def test_convert_takes_a_weight_normed_vocoder(backend):
+    vocoder, args = _vocoder()
+    state = {k: v.clone() for k, v in vocoder.state_dict().items()}
+    mp = ampaudit.convert(vocoder, args, backend=backend)
+    with torch.no_grad():
+        ref, out = vocoder(*args), mp(*args)
+    assert out.dtype == torch.float32
+    assert float((out - ref).norm() / ref.norm()) < 1e-2
+    assert all(torch.equal(v, vocoder.state_dict()[k]) for k, v in state.items())  # never touch the user's model
+
+
+def test_cli_convert_exports_a_weight_normed_vocoder(cli, tmp_path):
+    out = tmp_path / "converted"
+    result = cli("convert", model("weight_norm_vocoder.py"), "--train-steps", "4", "-o", out)
+    assert result.code == 0, result.err
+    assert "loaded back with ampaudit.apply" in result.out
+    assert sorted(p.name for p in out.iterdir()) == ["ampaudit-export.json", "module.py", "plan.json",
+                                                      "weights.safetensors"]
+
+
+def test_check_measures_a_weight_normed_linear(cli):
+    result = cli("check", model("weight_norm_vocoder.py"), "--format", "json")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    assert report["findings"] == [] and report["summary"]["fp16"] == 6  # the Linear and the five convs
+    proj = next(n for n in report["nodes"] if n["name"] == "proj")
+    assert (proj["kind"], proj["precision"], proj["line"]) == ("linear", "fp16", 39)
+    assert 0 < proj["measured"]["rel_error"] < 1e-3  # float16's rounding of the weight its hook computes
+
+
+def test_the_emitted_torchao_file_copies_a_weight_normed_model(cli, tmp_path):
+    pytest.importorskip("torchao.float8")
+    out = tmp_path / "out"
+    result = cli("convert", f"{model('weight_norm_vocoder.py')}:fp8_model", "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", "tensorwise", "--train-steps", "4", "-o", out)
+    assert result.code == 0, result.err
+    run = subprocess.run([sys.executable, str(out / "fp8_torchao.py")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]  # its verify() deep-copies the model twice
+    assert run.stdout.strip().startswith("tensorwise: 0 layer(s) kept in bf16; 4 steps")
