@@ -25,15 +25,18 @@ are cast in place, as ``Module.to`` does).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ampaudit.convert.emit import OVERRIDES, device_type, run_in_fp32
 from ampaudit.convert.fp32_ops import Fp32Ops
+from ampaudit.convert.function_backward import backward_as_forward
 from ampaudit.convert.plan import FOLLOW, FP32, Decision, decide, plan_records
 from ampaudit.convert.verify import error_sources
 from ampaudit.core.catalog import Catalog, builtin_catalog
@@ -172,10 +175,18 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
 def _autocast_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     dtype, keep_low_outputs = self.ampaudit_low
     device = device_type(args, kwargs)
-    # the plan's fp32 ops that autocast leaves low on this device, upcast
-    with torch.autocast(device, dtype=dtype), self.ampaudit_fp32_ops.entered(device):
+    entered = functools.partial(_under_autocast, self, device, dtype)
+    # a custom Function's backward (a recomputing checkpoint) runs again under what forward ran in
+    with entered(), backward_as_forward(entered):
         out = type(self).forward(self, *args, **kwargs)
     return out if keep_low_outputs else _to_fp32(out)
+
+
+@contextlib.contextmanager
+def _under_autocast(self: torch.nn.Module, device: str, dtype: torch.dtype) -> Iterator[None]:
+    """Autocast in the low dtype, and the plan's fp32 ops it leaves low on ``device`` upcast."""
+    with torch.autocast(device, dtype=dtype), self.ampaudit_fp32_ops.entered(device):
+        yield
 
 
 def _fp32_ops_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
