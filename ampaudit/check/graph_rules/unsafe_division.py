@@ -6,8 +6,22 @@ from collections.abc import Iterator
 
 from ampaudit.check.graph_rules import graph_rule
 from ampaudit.core.findings import Finding
-from ampaudit.graph.patterns import arg, bounded_exponent, source
+from ampaudit.graph.patterns import arg, bounded_exponent, number, source
 from ampaudit.graph.view import GraphView
+
+
+def _root_of_kept_positive(view: GraphView, root) -> bool:
+    """``sqrt(v + eps)`` or ``sqrt(v.clamp_min(eps))`` with an eps the low dtype keeps nonzero:
+    the root cannot reach 0 (SAM's LayerNorm2d: ``(x - u) / torch.sqrt(s + self.eps)``)."""
+    inner = source(view, arg(root, 0, "input"))
+    kind = view.kind(inner) if inner is not None else None
+    if kind == "add":
+        terms = [number(view, arg(inner, 0)), number(view, arg(inner, 1, "other"))]
+    elif kind in ("clamp", "clamp_min"):
+        terms = [number(view, arg(inner, 1, "min"))]
+    else:
+        return False
+    return any(t is not None and t >= view.dtype.tiniest for t in terms)
 
 
 def _sum_of_shifted_exp(view: GraphView, total) -> bool:
@@ -25,6 +39,8 @@ def unsafe_division(view: GraphView) -> Iterator[Finding]:
         kind = view.kind(divisor)
         if kind == "sum" and _sum_of_shifted_exp(view, divisor):
             continue  # a softmax denominator: one term is exp(0) = 1
+        if kind == "sqrt" and _root_of_kept_positive(view, divisor):
+            continue  # the eps is inside the root
         if kind in can_vanish:
             yield view.finding("AMP211", node, divisor=kind, dtype=view.dtype,
                                fix="add an eps (x / (n + eps)) or clamp the divisor: n.clamp_min(eps)")
