@@ -134,3 +134,20 @@ def test_the_gap_of_curves_that_train_to_near_zero_is_judged_against_how_far_the
     assert _gap(bf16[-5:], [bf16[0]] * 5, bf16[0]) > 0.5
     # a curve that barely moved is judged against its own loss, as before
     assert _gap([1.0, 0.99, 0.98], [1.02, 1.01, 1.0], 1.05) == pytest.approx(0.06 / 2.97)
+
+
+def test_a_scale_that_skips_every_step_fails_in_one_line(cli, tmp_path, monkeypatch):
+    # every gradient inf at every scale (a fresh spectral-norm discriminator's 1e11 outputs did
+    # this): no update to compare, where the summary indexed the empty curve and crashed
+    real = MixedPrecisionOptimizer.unscale_
+
+    def unscale_(self):
+        real(self)
+        self._unscaled = True
+        return True
+
+    monkeypatch.setattr(MixedPrecisionOptimizer, "unscale_", unscale_)
+    result = cli("convert", model("torchvision_style.py"), "--train-steps", "4", "-o", tmp_path / "out")
+    assert result.code == 1, result.err
+    assert "training check FAILED: no update applied - the loss scale skipped all 14 steps tried (inf/NaN " \
+           "gradients at every scale); fp32's loss started at" in _text(result.out)

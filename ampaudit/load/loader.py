@@ -32,6 +32,7 @@ from ampaudit.load.inputs import INPUT_FUNCTIONS, default_inputs, from_shapes
 from ampaudit.load.isolation import shadows, user_folders
 from ampaudit.load.source_scan import FACTORY_NAMES, MODEL_ATTRIBUTE, NotImported, SourceScan, not_imported, scan_source
 from ampaudit.load.spec import NAME_RE, ModelSpec, parse_spec, read_source
+from ampaudit.load.spectral_norm import ITERATIONS, converge_spectral_norms
 from ampaudit.load.time_limit import DEFAULT_SECONDS, TimeLimitExceeded, time_limit
 
 
@@ -143,7 +144,15 @@ def _finish(model: torch.nn.Module, entry: str, path: Path | None, label: str | 
                              f"({describe_exception(exc)}): no inputs; pass --input-shape")
                 inputs = None
     model.eval()  # the audit must not depend on dropout draws
+    if iterated := converge_spectral_norms(model):
+        notes.append(f"spectral_norm on {_listed(iterated)}: u and v never iterated (a freshly built model, whose "
+                     f"eval forward divides by a random estimate of the norm): {ITERATIONS} power iterations "
+                     "first, as training gives them")
     return LoadedModel(model, entry, inputs, path, label or "", notes)
+
+
+def _listed(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _import_module(name: str) -> ModuleType:

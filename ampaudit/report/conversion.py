@@ -55,6 +55,11 @@ def _training_rows(grid: Table, train: dict[str, Any]) -> None:
     verdict = "within" if train["passed"] else "OUTSIDE"
     steps = train.get("reduced") or f"{train['steps']} steps"
     skipped = train["skipped"]
+    if not train["converted"]:  # the scale never let one through: nothing to compare
+        grid.add_row("training check", f"FAILED: no update applied - the loss scale skipped all {skipped} steps "
+                                       "tried (inf/NaN gradients at every scale); fp32's loss started at "
+                                       f"{train['fp32'][0]:.4g}" if train["fp32"] else "FAILED: no update applied")
+        return
     grid.add_row("training check", f"{steps}: loss {train['converted'][-1]:.4g} vs {train['fp32'][-1]:.4g} in fp32, "
                                    f"{train['worst']:.1%} apart over the last {train.get('window', 1)} "
                                    f"({verdict} {train['tolerance']:.0%})"
