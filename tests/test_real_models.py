@@ -147,7 +147,7 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma", "qwen2", "gpt_neo", "bart", "mt5", "whisper", "vit",
-                                  "convnext", "swin", "resnet", "clip"])
+                                  "convnext", "swin", "resnet", "clip", "mamba", "deberta_v2"])
 def test_more_architectures_report_only_their_real_hazards(name):
     import torch
 

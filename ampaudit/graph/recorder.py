@@ -89,6 +89,8 @@ class _GraphBuilder:
             return type(value)(*lifted) if is_namedtuple(value) else type(value)(lifted)
         if isinstance(value, dict):
             return {k: self.lift(v, loc) for k, v in value.items()}
+        if isinstance(value, type) and value in _PYTHON_DTYPES:
+            return _PYTHON_DTYPES[value]
         return value
 
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, loc: Loc | None) -> fx.Node:
@@ -120,6 +122,11 @@ class _GraphBuilder:
 
     def output(self, value: Any) -> None:
         self._node("output", "output", (self.lift(_plain(value), None),), {}, None)
+
+
+# A Python type where torch takes a dtype (transformers' Mamba: ``torch.tensor(0, dtype=int)``) is
+# the dtype torch reads it as; fx would write it into the graph's code as "<class 'int'>".
+_PYTHON_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 
 def _plain(value: Any) -> Any:

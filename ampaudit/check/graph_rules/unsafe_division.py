@@ -24,6 +24,23 @@ def _root_of_kept_positive(view: GraphView, root) -> bool:
     return any(t is not None and t >= view.dtype.tiniest for t in terms)
 
 
+def _positive_constant(view: GraphView, value, depth: int = 0) -> bool:
+    """A value made of positive constants alone - DeBERTa's ``torch.sqrt(torch.tensor(d) * 3)``,
+    a head size's root -, each one the low dtype keeps above 0: no input makes it vanish."""
+    c = number(view, value)
+    if c is not None:
+        return c >= view.dtype.tiniest
+    if value in view.python:  # arithmetic on sizes (fx): a size is never below 1 where one divides
+        return True
+    node = source(view, value)
+    if node is not None and view.kind(node) in ("tensor", "scalar_tensor") and node.args:
+        return _positive_constant(view, node.args[0], depth + 1)  # torch.tensor(q.size(-1))
+    if node is None or depth > 8 or view.kind(node) not in ("mul", "add", "sqrt", "rsqrt", "pow"):
+        return False
+    operands = [a for a in node.args if a is not None]
+    return bool(operands) and all(_positive_constant(view, a, depth + 1) for a in operands)
+
+
 def _sum_of_shifted_exp(view: GraphView, total) -> bool:
     terms = source(view, arg(total, 0, "input"))
     return view.kind(terms) == "exp" and bounded_exponent(view, source(view, arg(terms, 0, "input")))
@@ -41,6 +58,8 @@ def unsafe_division(view: GraphView) -> Iterator[Finding]:
             continue  # a softmax denominator: one term is exp(0) = 1
         if kind == "sqrt" and _root_of_kept_positive(view, divisor):
             continue  # the eps is inside the root
+        if _positive_constant(view, divisor):
+            continue  # a scale, not data
         if kind in can_vanish:
             yield view.finding("AMP211", node, divisor=kind, dtype=view.dtype,
                                fix="add an eps (x / (n + eps)) or clamp the divisor: n.clamp_min(eps)")
