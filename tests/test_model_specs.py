@@ -304,3 +304,15 @@ def test_hf_text_image_models_build_small_towers_with_both_inputs_and_their_loss
     with torch.no_grad():
         out = loaded.model(**kwargs)
     assert out.loss.numel() == 1 and torch.isfinite(out.loss)
+
+
+@needs_transformers
+def test_a_speech_model_gets_raw_audio(cli):
+    # wav2vec2's main input is input_values: without a default the graph audit had no inputs,
+    # measured nothing and convert ran no training check
+    result = _check(cli, "hf:wav2vec2")
+    assert result.code == 0, result.err
+    report = result.json()
+    assert any("raw audio 2x1600, the default for a speech model" in note for note in report["target"]["notes"])
+    assert sum(1 for n in report["nodes"] if n["measured"]) > 20
+    assert not [f for f in report["findings"] if f["rule"] in ("AMP002", "AMP102")]  # broadcast_to is catalogued

@@ -94,6 +94,12 @@ def default_inputs(model: torch.nn.Module) -> ExampleInputs | None:
             kwargs["decoder_input_ids"] = torch.randint(0, vocab, SEQUENCE, generator=generator)
         return ExampleInputs((), kwargs, f"log-mel features {'x'.join(map(str, shape))} and decoder token ids "
                                          f"{SEQUENCE[0]}x{SEQUENCE[1]}, the default for a speech model")
+    if config is not None and main == "input_values":  # raw audio: wav2vec2, HuBERT, WavLM
+        strides = getattr(config, "conv_stride", None) or (320,)
+        samples = 5 * math.prod(strides)  # a few frames past the feature encoder's downsampling
+        values = torch.randn((SEQUENCE[0], samples), generator=generator)
+        return ExampleInputs((), {"input_values": values}, f"raw audio {SEQUENCE[0]}x{samples}, the default for a "
+                                                            "speech model")
     if config is not None and main == "pixel_values":
         size = getattr(config, "image_size", 224)
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
