@@ -22,6 +22,9 @@ _DECORATORS = {
 }
 # what autocast does to an op (rules/ops.toml's `autocast`) that makes forward and backward disagree
 _CASTS = frozenset({"fp16", "fp32", "banned"})
+# what a Function's ctx offers: calling one of these runs no kernel
+_CTX_API = frozenset({"save_for_backward", "save_for_forward", "mark_dirty", "mark_non_differentiable",
+                      "set_materialize_grads"})
 # standard modules a forward computes Python numbers with (math.sqrt(d)): no kernel
 _PLAIN_MODULES = frozenset({"math", "operator", "functools", "itertools", "numbers", "warnings", "typing"})
 
@@ -33,6 +36,8 @@ def autograd_function_without_custom_fwd(facts: ScriptFacts) -> Iterator[Finding
     for cls in facts.classes:
         if not cls.bases & _FUNCTION_BASES:
             continue
+        if _enters_autocast(facts, cls, "backward"):
+            continue  # what custom_bwd is for, done by hand
         missing = [m for m, wanted in _DECORATORS.items()
                    if m in cls.decorated_methods and not cls.decorated_methods[m] & wanted]
         if missing and _dtype_sensitive(facts, cls):
@@ -58,12 +63,25 @@ def _dtype_sensitive(facts: ScriptFacts, cls: ClassDef) -> bool:
     return False
 
 
+def _enters_autocast(facts: ScriptFacts, cls: ClassDef, method: str) -> bool:
+    """Whether ``method`` enters autocast itself, as custom_bwd would (Stable Diffusion's
+    CheckpointFunction: ``with torch.autocast(**ctx.autocast_kwargs)`` in backward)."""
+    node = next((m for m in cls.node.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)
+                 and m.name == method), None)
+    return node is not None and any(node.lineno <= a.line <= (node.end_lineno or node.lineno) and a.enabled
+                                    for a in facts.autocasts)
+
+
 def _sensitive_call(facts: ScriptFacts, call: ast.Call, ctx: str | None) -> bool:
     func = call.func
     name = dotted(func)
     root = name.partition(".")[0] if name is not None else None
+    if isinstance(func, ast.Attribute) and root == ctx and ctx is not None and name == f"{ctx}.{func.attr}":
+        # ctx's own API saves and marks; anything else called on ctx is a function forward stored
+        # there - improved-diffusion's checkpoint runs its block again in backward: a kernel, for all we know
+        return func.attr not in _CTX_API
     if isinstance(func, ast.Attribute) and (root is None or root not in facts.imports_map.bound):
-        # a method of a local value: a tensor (x.matmul(w)), a list, ctx.save_for_backward
+        # a method of a local value: a tensor (x.matmul(w)), a list
         return root != ctx and _autocast_casts(func.attr)
     if name is None:
         return True  # kernel[grid](...): a Triton kernel
