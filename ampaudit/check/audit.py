@@ -7,6 +7,7 @@ import torch
 
 from ampaudit.check.classify import classify
 from ampaudit.check.coverage import coverage
+from ampaudit.check.function_audit import applied_function_findings
 from ampaudit.check.graph_rules import run_graph_rules
 from ampaudit.check.not_imported import not_imported_report
 from ampaudit.check.options import CheckOptions, audit_dtype, is_fp8
@@ -16,6 +17,7 @@ from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding, NodeDecision, Report, Target
 from ampaudit.graph.declared import Declared, declared_precision
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
+from ampaudit.graph.function_apply import functions_applied
 from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.trace import TraceResult, trace_model
 from ampaudit.graph.view import GraphView
@@ -39,10 +41,12 @@ def audit_model(
     measure = inputs is not None and run
     if measure:
         refuse_meta(model, inputs, "pass --no-run (run=False) to audit the graph without running it")
-    trace = trace_model(model, catalog, inputs if run else None, validate=not measure)
-    if measure:
-        measure_ranges(trace.graphs[0].gm, inputs, catalog, dtype)
+    with functions_applied() as functions:  # the custom autograd Functions the model runs, for AMP415
+        trace = trace_model(model, catalog, inputs if run else None, validate=not measure)
+        if measure:
+            measure_ranges(trace.graphs[0].gm, inputs, catalog, dtype)
     report = analyse(trace, catalog, dtype, file=file, entry=entry, declared=declared_precision(model, dtype))
+    report.findings += applied_function_findings(functions)
     if measure:
         report.target.notes.append(
             f"measured value ranges on the example inputs ({inputs.origin}): one fp32 run, each op re-run "

@@ -16,51 +16,39 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 
+from ampaudit.graph.function_apply import on_apply, user_function
+
 Reenter = Callable[[], contextlib.AbstractContextManager[Any]]
 
 _FUNCTION = torch.autograd.Function
-_APPLY = _FUNCTION.__dict__["apply"]  # the classmethod every Function inherits
 _REENTER: ContextVar[Reenter | None] = ContextVar("ampaudit_function_backward", default=None)
-_lock = threading.Lock()
-_installed = 0
 
 
 @contextlib.contextmanager
 def backward_as_forward(reenter: Reenter) -> Iterator[None]:
-    """While the block runs, custom Functions applied in this context run their backward inside
+    """While the block runs, custom Functions applied in this thread run their backward inside
     ``reenter()`` - the contexts the forward entered."""
-    global _installed
     token = _REENTER.set(reenter)
-    with _lock:
-        if not _installed:
-            _FUNCTION.apply = classmethod(_apply)
-        _installed += 1
     try:
-        yield
+        with on_apply(_swap):
+            yield
     finally:
-        with _lock:
-            _installed -= 1
-            if not _installed:
-                _FUNCTION.apply = _APPLY
         _REENTER.reset(token)
 
 
-def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    if _REENTER.get() is not None and _needs_it(cls):
-        cls = _restoring(cls)
-    return _APPLY.__func__(cls, *args, **kwargs)
+def _swap(cls: type) -> type:
+    return _restoring(cls) if _needs_it(cls) else cls
 
 
 def _needs_it(function: type) -> bool:
     """A user's Function whose backward does not restore autocast itself (custom_bwd)."""
-    if function.__module__.split(".")[0] == "torch" or getattr(function, "_ampaudit_restoring", False):
+    if not user_function(function) or getattr(function, "_ampaudit_restoring", False):
         return False
     return "custom_bwd" not in getattr(_user_backward(function)[1], "__qualname__", "")
 

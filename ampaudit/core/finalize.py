@@ -54,11 +54,25 @@ def drop_superseded(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if (f.file, f.line, f.rule) not in covered]
 
 
+def drop_repeated(findings: list[Finding]) -> list[Finding]:
+    """One finding where two passes made the same one: the lint and the model audit both judge
+    a Function class in the model file (AMP415)."""
+    seen: set[tuple] = set()
+    kept = []
+    for f in findings:
+        key = (f.rule, f.file, f.line, f.column, f.module, f.node, f.message)
+        if key not in seen:
+            seen.add(key)
+            kept.append(f)
+    return kept
+
+
 def finalize(report: Report, config: Config) -> Report:
-    """Drop deselected, superseded and inline-suppressed findings, sort, attach codes to nodes."""
+    """Drop deselected, superseded, repeated and inline-suppressed findings, sort, attach codes
+    to nodes."""
     lines = _Lines()
     kept = [f for f in report.findings if config.enabled(f.rule) and not is_suppressed(f, lines)]
-    report.findings = drop_superseded(kept)
+    report.findings = drop_superseded(drop_repeated(kept))
     report.sort()
     worst: dict[str, Finding] = {}
     for finding in report.findings:

@@ -34,16 +34,23 @@ def autograd_function_without_custom_fwd(facts: ScriptFacts) -> Iterator[Finding
     if not facts.autocasts:
         return
     for cls in facts.classes:
-        if not cls.bases & _FUNCTION_BASES:
-            continue
-        if _enters_autocast(facts, cls, "backward"):
-            continue  # what custom_bwd is for, done by hand
-        missing = [m for m, wanted in _DECORATORS.items()
-                   if m in cls.decorated_methods and not cls.decorated_methods[m] & wanted]
-        if missing and _dtype_sensitive(facts, cls):
-            yield finding(facts, "AMP415", cls, name=cls.node.name, methods=" and ".join(missing),
-                          fix='decorate forward with @torch.amp.custom_fwd(device_type="cuda") and backward with '
-                              '@torch.amp.custom_bwd(device_type="cuda")')
+        found = function_finding(facts, cls)
+        if found is not None:
+            yield found
+
+
+def function_finding(facts: ScriptFacts, cls: ClassDef) -> Finding | None:
+    """AMP415 for one class, whether or not its file uses autocast (the model audit asks of
+    every Function a model applies, wherever it is defined)."""
+    if not cls.bases & _FUNCTION_BASES or _enters_autocast(facts, cls, "backward"):
+        return None  # a backward that enters autocast does what custom_bwd is for, by hand
+    missing = [m for m, wanted in _DECORATORS.items()
+               if m in cls.decorated_methods and not cls.decorated_methods[m] & wanted]
+    if not missing or not _dtype_sensitive(facts, cls):
+        return None
+    return finding(facts, "AMP415", cls, name=cls.node.name, methods=" and ".join(missing),
+                   fix='decorate forward with @torch.amp.custom_fwd(device_type="cuda") and backward with '
+                       '@torch.amp.custom_bwd(device_type="cuda")')
 
 
 def _dtype_sensitive(facts: ScriptFacts, cls: ClassDef) -> bool:
