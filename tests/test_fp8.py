@@ -601,6 +601,33 @@ def test_the_check_api_audits_fp8_too():
     assert report.fp8["recipe"] == "rowwise" and [layer["verdict"] for layer in report.fp8["layers"]] == ["fp8", "bf16"]
 
 
+def test_a_linear_called_with_its_input_by_keyword_is_measured_as_called_positionally():
+    # fc(input=x) is nn.Linear's own parameter name: the recording's forward took no keyword
+    # ("unexpected keyword argument"), and the dominance forward ran such a call in fp32
+    import ampaudit
+
+    class ByKeyword(nn.Module):
+        def __init__(self, keyword):
+            super().__init__()
+            self.keyword = keyword
+            self.fc, self.mid, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            call = (lambda m, t: m(input=t)) if self.keyword else (lambda m, t: m(t))
+            return call(self.head, torch.relu(call(self.mid, torch.relu(call(self.fc, x)))))
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    reports = []
+    for keyword in (False, True):
+        torch.manual_seed(0)
+        reports.append(ampaudit.check(ByKeyword(keyword), (x,), dtype="fp8").fp8)
+    for report in reports:
+        report.pop("seconds")
+    assert reports[1] == reports[0]
+    assert [layer["name"] for layer in reports[1]["layers"]] == ["fc", "mid", "head"]
+    assert 20 < reports[1]["output_sqnr_db"] < 40  # every layer in fp8, not run in fp32
+
+
 def test_convert_fp8_without_torchao_is_one_line(cli, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` fails, as where it is not installed
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "-o", tmp_path / "a")

@@ -138,6 +138,33 @@ def test_gradients_within_e5m2s_range_and_steady_inputs_give_no_fp8_verdict():
     assert {op for entry in summary["fp8"].values() for op in entry} == {"kind", "input", "weight", "grad_output"}
 
 
+class _ByKeyword(nn.Module):
+    """Calls its Linears as ``fc(input=x)`` (nn.Linear.forward's parameter name) or ``fc(x)``."""
+
+    def __init__(self, keyword: bool):
+        super().__init__()
+        self.keyword = keyword
+        self.fc, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        call = (lambda m, t: m(input=t)) if self.keyword else (lambda m, t: m(t))
+        return call(self.head, torch.relu(call(self.fc, x)))
+
+
+def test_a_linear_called_with_its_input_by_keyword_has_its_input_row(tmp_path):
+    # fc(input=x): a forward hook sees the input in kwargs; the input row was missing
+    rows = {}
+    for keyword in (False, True):
+        torch.manual_seed(0)
+        log = tmp_path / f"{keyword}.jsonl"
+        _train(_ByKeyword(keyword), [torch.randn(6, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)],
+               lr=0.01, log=log)
+        rows[keyword] = [r["fp8"] for r in _records(log)]
+    assert rows[True] == rows[False]
+    operands = {"kind", "input", "weight", "grad_output"}
+    assert all(set(step[m]) == operands for step in rows[True] for m in ("fc", "head"))
+
+
 def test_without_fp8_no_fp8_rows_are_recorded():
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
-from ampaudit.core.tensors import given_labels, iter_tensors, own_loss
+from ampaudit.core.tensors import given_labels, iter_tensors, linear_input, own_loss
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
@@ -229,7 +229,10 @@ class _InputGradLinear(torch.autograd.Function):
 
 
 def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: _InputGradLinear.apply(x, module.weight, module.bias)
+    def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature: fc(input=x) too
+        return _InputGradLinear.apply(input, module.weight, module.bias)
+
+    return forward
 
 
 def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor]:
@@ -242,11 +245,10 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     by_id = {id(r.module): r for r in records.values()}
     handles = []
 
-    def pre(module: nn.Module, args: tuple) -> None:
+    def pre(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         rec = by_id[id(module)]
         rec.calls += 1
-        if rec.x is None and args and isinstance(args[0], torch.Tensor):
-            x = args[0]
+        if rec.x is None and (x := linear_input(args, kwargs)) is not None:
             rec.x = x.detach().float().reshape(-1, x.shape[-1])
             loc = user_location(sys._getframe(1))
             if loc is not None:
@@ -266,7 +268,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             output.register_hook(keep)
 
     for rec in records.values():
-        handles.append(rec.module.register_forward_pre_hook(pre))
+        handles.append(rec.module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(rec.module.register_forward_hook(post))
     params = list(model.parameters())
     saved = [p.grad for p in params]  # the user's gradients stay as they were
@@ -744,9 +746,9 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
 
         # in place of the module's forward, not after it: the fp32 GEMM would be wasted work
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if not args or kwargs or not isinstance(args[0], torch.Tensor):
+            x = linear_input(args, kwargs)
+            if x is None:
                 return original(*args, **kwargs)
-            x = args[0]
             key = replay.key(module) if replay is not None else None
             if replay is not None and (kept := replay.get(key, x)) is not None:
                 return kept
