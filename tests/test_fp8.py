@@ -628,6 +628,60 @@ def test_a_linear_called_with_its_input_by_keyword_is_measured_as_called_positio
     assert 20 < reports[1]["output_sqnr_db"] < 40  # every layer in fp8, not run in fp32
 
 
+class _Offset(nn.Linear):
+    """Computes more than F.linear: torchao's Float8Linear.from_float keeps only its weight and bias."""
+
+    def forward(self, x):
+        return super().forward(x) * 4.0 + 1.0
+
+
+class _WithOffset(nn.Module):
+    def __init__(self, first):
+        super().__init__()
+        self.fc, self.mid, self.head = first(32, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.mid(torch.relu(self.fc(x)))))
+
+
+def test_a_linear_subclass_with_a_forward_of_its_own_is_kept_and_its_gemms_measured_against_f_linear():
+    # its GEMMs were measured against its own output (x 4 + 1): 2.1 dB out, 2.5 dB grad-weight, and
+    # only AMP705 kept it, as the layer that "dominates the fp8 error" - what torchao would drop
+    import ampaudit
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _WithOffset(_Offset)
+    report = ampaudit.check(model, (x,), dtype="fp8")
+    assert [(f.rule, f.module) for f in report.findings] == [("AMP706", "fc")]
+    assert "`fc` is a _Offset, an nn.Linear subclass with a forward of its own: its output differs" in \
+        report.findings[0].message
+    fc = report.fp8["layers"][0]
+    assert fc["rules"] == ["AMP706"] and fc["own_forward"]["class"] == "_Offset"
+    assert fc["own_forward"]["difference"] > 0.5 and all(20 < fc["gemms"][k] < 40 for k in ("output", "grad_weight"))
+    policy = ampaudit.fp8_policy(model, (x,), recipe="tensorwise")
+    assert list(policy.keep) == ["fc"] and policy.fp8 == ["mid", "head"]
+    # torchao's swap loses the offset: what the verdict says
+    config_cls, convert = _torchao()
+    swapped = copy.deepcopy(model)
+    convert(swapped, config=dataclasses.replace(config_cls.from_recipe_name("tensorwise"), emulate=True))
+    assert type(swapped.fc).__name__ == "Float8Linear" and not torch.allclose(swapped(x), model(x), rtol=0.5)
+
+
+def test_a_linear_subclass_that_computes_f_linear_is_not_kept():
+    import ampaudit
+
+    class Casted(nn.Linear):  # modded-nanogpt's CastedLinear: the weight cast to the input's dtype
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight.type_as(x), self.bias.type_as(x))
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    report = ampaudit.check(_WithOffset(Casted), (x,), dtype="fp8")
+    fc = report.fp8["layers"][0]
+    assert report.findings == [] and fc["verdict"] == "fp8" and fc["own_forward"]["difference"] < 1e-6
+
+
 def test_convert_fp8_without_torchao_is_one_line(cli, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` fails, as where it is not installed
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "-o", tmp_path / "a")

@@ -100,6 +100,9 @@ class Fp8Layer:
     gemms: dict[str, float] = field(default_factory=dict)  # the chosen recipe: output/grad_input/grad_weight SQNR
     has_grad: bool = True
     sampled: dict[str, int] = field(default_factory=dict)  # dim -> how many measured, where sampled
+    # a subclass's own forward (or one wrapped on the instance): what it is, and how far its output
+    # is from F.linear of its input (relative to its norm); None for nn.Linear's own forward
+    own_forward: dict[str, Any] | None = None
 
     @property
     def divisible(self) -> bool:
@@ -113,6 +116,8 @@ class Fp8Layer:
                 "token_ratio": _num(self.token_ratio), "channel_ratio": _num(self.channel_ratio),
                 "operands": {r: {o: s.to_dict() for o, s in ops.items()} for r, ops in self.operands.items()},
                 "gemms": {k: _num(v) for k, v in self.gemms.items()},
+                "own_forward": None if self.own_forward is None else
+                {**self.own_forward, "difference": _num(self.own_forward["difference"])},
                 **({"sampled": dict(self.sampled)} if self.sampled else {})}
 
 
@@ -169,6 +174,8 @@ class _Record:
     out: torch.Tensor | None = None  # the output as fp32 computed it (the bias still in: taken off the sample)
     out_version: int | None = None  # its in-place version then: changed since, it is no longer the output
     grad_weight: torch.Tensor | None = None  # the weight's gradient from this run, when no other module shares it
+    # not nn.Linear's forward: |output - F.linear(input)| / |output| on the first call (inf: not even its shape)
+    own_difference: float | None = None
     calls: int = 0
     file: str | None = None
     line: int = 0
@@ -228,6 +235,19 @@ class _InputGradLinear(torch.autograd.Function):
         return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None
 
 
+def _own_difference(module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> float:
+    """How far a Linear's output is from F.linear of its input, relative to the output's norm:
+    torchao's Float8Linear computes F.linear and nothing else (inf: not even the same shape)."""
+    if out.shape != (x.shape[0], module.out_features):
+        return math.inf
+    with torch.no_grad():
+        bias = None if module.bias is None else module.bias.detach().float()
+        lin = nn.functional.linear(x, module.weight.detach().float(), bias)
+        norm = float(torch.linalg.vector_norm(out))
+        diff = float(torch.linalg.vector_norm(out - lin))
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
 def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature: fc(input=x) too
         return _InputGradLinear.apply(input, module.weight, module.bias)
@@ -261,6 +281,8 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         # not copied (a pass over every output): kept with its version, it is known unchanged or not
         rec.out = output.detach().float().reshape(-1, output.shape[-1])
         rec.out_version = _version(rec.out)
+        if id(module) not in plain and rec.x is not None:
+            rec.own_difference = _own_difference(module, rec.x, rec.out)
         if output.requires_grad:
             def keep(g: torch.Tensor, rec: _Record = rec) -> None:
                 if rec.grad is None:
@@ -567,6 +589,10 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     w = rec.module.weight.detach().float()
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
                      rec.line, {}, 0, 0, has_grad=g is not None)
+    if rec.own_difference is not None:
+        instance = "forward" in vars(rec.module)
+        layer.own_forward = {"class": type(rec.module).__name__, "instance": instance,
+                             "difference": rec.own_difference}
     row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
     tokens, channels = row_amax > OUTLIER_RATIO * row_amax.median(), col_amax > OUTLIER_RATIO * col_amax.median()
     layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
@@ -637,7 +663,9 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     p2 = chosen.pow2_scales
     xq, wq = casts.get("input", chosen.input, -1, p2), casts.get("weight", chosen.weight, 0, p2)
     output = torch.mm(xq.value, wq.value)
-    once = rec.calls == 1  # called more than once: the recorded products are the first call's, recomputed
+    # called more than once: the recorded products are the first call's; a forward of its own: the
+    # recorded output and weight gradient are not F.linear's - recomputed from the input and weight
+    once = rec.calls == 1 and rec.own_difference is None
     if once and rec.out is not None and rec.out_version is not None and _version(rec.out) == rec.out_version:
         reference = n_ax.take(tok.take(rec.out, 0), 1)
         if rec.module.bias is not None:  # x @ W.T as fp32 computed it: the output less the bias
