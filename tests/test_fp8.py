@@ -837,6 +837,52 @@ def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
     assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)
 
 
+class _TopKRouter(nn.Module):  # shaped like transformers 5's MixtralTopKRouter: a weight read with F.linear
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, dim) * 0.1)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight).softmax(-1)
+
+
+class _Experts(nn.Module):  # and like its MixtralExperts: every expert's weight stacked in one 3-D parameter
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
+
+    def forward(self, x, weights):
+        out = 0
+        for e in range(self.up.shape[0]):
+            h = nn.functional.linear(torch.relu(nn.functional.linear(x, self.up[e])), self.down[e])
+            out = out + h * weights[..., e:e + 1]
+        return out
+
+
+class _Moe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(1, 8, 16))  # a (1, N, D) position table: no GEMM
+        self.router, self.experts, self.head = _TopKRouter(4, 16), _Experts(4, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = x + self.pos
+        return self.head(self.experts(x, self.router(x)))
+
+
+def test_moe_experts_and_routers_are_named_in_the_note_of_gemms_not_audited():
+    # a Mixtral from transformers 5: "9 nn.Linear: 9 fp8" and no word of its experts, most of its GEMMs
+    import ampaudit
+
+    torch.manual_seed(0)
+    report = ampaudit.check(_Moe(), (torch.randn(2, 8, 16),), dtype="fp8")
+    assert [layer["name"] for layer in report.fp8["layers"]] == ["head"]
+    assert ("not audited: 1 MoE experts module (3-D expert weights), 1 MoE router - not nn.Linear, so torchao's "
+            "convert_to_float8_training leaves them in high precision (they train as they do today)"
+            in report.target.notes)
+
+
 def test_a_policy_that_keeps_every_linear_says_it_converts_nothing_and_why(cli, tmp_path):
     # GPT-2's shape: convolutions (transformers Conv1D there) do the work, the one Linear has
     # odd dims; the summary said "fp8: 0 nn.Linear" and nothing of the rest
