@@ -837,6 +837,24 @@ def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
     assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)
 
 
+def test_a_model_converted_with_torchao_already_is_measured_as_the_fp32_model_it_was():
+    # its Float8Linears ran in the "fp32" reference: the model output read inf dB (the emulation
+    # equals what it is compared with) and each GEMM was compared with an fp8 product
+    import ampaudit
+
+    config_cls, convert = _torchao()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    converted = copy.deepcopy(plain)
+    convert(converted, config=dataclasses.replace(config_cls.from_recipe_name("tensorwise"), emulate=True))
+    assert type(converted[0]).__name__ == "Float8Linear"
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
+    reports = [ampaudit.check(m, (x,), dtype="fp8").fp8 for m in (plain, converted)]
+    for report in reports:
+        report.pop("seconds")
+    assert reports[1] == reports[0] and 20 < reports[1]["output_sqnr_db"] < 40
+
+
 class _TopKRouter(nn.Module):  # shaped like transformers 5's MixtralTopKRouter: a weight read with F.linear
     def __init__(self, experts, dim):
         super().__init__()

@@ -235,6 +235,11 @@ class _InputGradLinear(torch.autograd.Function):
         return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None
 
 
+def _is_float8_linear(module: nn.Module) -> bool:
+    """torchao's Float8Linear (a model converted already): F.linear with its operands cast to fp8."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.split(".")[0] == "torchao"
+
+
 def _own_difference(module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> float:
     """How far a Linear's output is from F.linear of its input, relative to the output's norm:
     torchao's Float8Linear computes F.linear and nothing else (inf: not even the same shape)."""
@@ -298,9 +303,11 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         p.grad = None
     # Linears whose forward is nn.Linear's (not a subclass's own, not wrapped on the instance as
     # accelerate's hooks do) compute no weight gradient; attributes_kept takes the instance
-    # attributes ``forward`` away again
+    # attributes ``forward`` away again. A model converted already (torchao's Float8Linear) is
+    # recorded as the fp32 model it was: its forward is F.linear in fp8, the reference is fp32's
     plain = {id(rec.module) for rec in records.values()
-             if type(rec.module).forward is nn.Linear.forward and "forward" not in vars(rec.module)}
+             if (type(rec.module).forward is nn.Linear.forward or _is_float8_linear(rec.module))
+             and "forward" not in vars(rec.module)}
     try:
         with attributes_kept(model), torch.enable_grad():
             for rec in records.values():
@@ -805,6 +812,8 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
         for name, module in linears(model):
             if name in names:
                 module.forward = fp8_linear(module)
+            elif _is_float8_linear(module):  # converted already: the layers not in fp8 run in fp32
+                module.forward = nn.Linear.forward.__get__(module)
         try:
             return _outputs(model(*inputs.args, **inputs.kwargs))
         finally:
