@@ -855,6 +855,24 @@ def test_a_model_converted_with_torchao_already_is_measured_as_the_fp32_model_it
     assert reports[1] == reports[0] and 20 < reports[1]["output_sqnr_db"] < 40
 
 
+def test_convert_refuses_a_model_converted_already_in_one_line(cli, tmp_path):
+    # its "bf16 autocast" copy trained in fp8 too, so the training check compared fp8 with fp8 and
+    # passed, and the emitted file converted the model a second time
+    _torchao()
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import dataclasses\nimport torch\nfrom torch import nn\n"
+        "from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n\n\n"
+        "def get_model():\n    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))\n"
+        "    config = dataclasses.replace(Float8LinearConfig.from_recipe_name('tensorwise'), emulate=True)\n"
+        "    return convert_to_float8_training(m, config=config)\n")
+    out = tmp_path / "out"
+    result = cli("convert", model, "--dtype", "fp8", "--emit", "torchao", "--input-shape", "4,16", "-o", out)
+    assert result.code == 2 and not out.exists()
+    assert result.err == ("ampaudit: error: the model is converted to float8 already (torchao's Float8Linear: `0`, "
+                          "`2`): give convert the model before convert_to_float8_training\n")
+
+
 class _TopKRouter(nn.Module):  # shaped like transformers 5's MixtralTopKRouter: a weight read with F.linear
     def __init__(self, experts, dim):
         super().__init__()

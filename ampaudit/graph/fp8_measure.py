@@ -240,6 +240,11 @@ def _is_float8_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear" and type(module).__module__.split(".")[0] == "torchao"
 
 
+def float8_linears(model: nn.Module) -> list[str]:
+    """The Linears of ``model`` that torchao's convert_to_float8_training converted already."""
+    return [name for name, module in linears(model) if _is_float8_linear(module)]
+
+
 def _own_difference(module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> float:
     """How far a Linear's output is from F.linear of its input, relative to the output's norm:
     torchao's Float8Linear computes F.linear and nothing else (inf: not even the same shape)."""
