@@ -837,6 +837,51 @@ def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
     assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)
 
 
+@pytest.mark.parametrize("first_call", ["reentrant_checkpoint", "no_grad"])
+def test_a_linear_whose_first_call_computes_no_gradient_is_measured_on_the_one_that_does(first_call):
+    # under reentrant activation checkpointing (HF's gradient_checkpointing, older forks) every
+    # block's Linears first run without grad; a target computed under no_grad through the same
+    # layer likewise: their output gradients, grad-input and grad-weight GEMMs were never measured
+    import ampaudit
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.proj(torch.relu(self.fc(x)))
+
+    class Net(nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.how, self.block, self.head = how, Block(), nn.Linear(32, 16)
+
+        def forward(self, x):
+            if self.how == "reentrant_checkpoint":
+                h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+            else:
+                if self.how == "no_grad":
+                    with torch.no_grad():
+                        self.block(x * 2)
+                h = self.block(x)
+            return self.head(h)
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)).requires_grad_(
+        first_call == "reentrant_checkpoint")  # reentrant checkpointing needs an input that requires grad
+    reports = []
+    for how in ("plain", first_call):
+        torch.manual_seed(0)
+        report = ampaudit.check(Net(how), (x,), dtype="fp8").fp8
+        report.pop("seconds")
+        reports.append(report)
+    gemms = [[layer.pop("gemms") for layer in report["layers"]] for report in reports]
+    assert reports[1]["layers"] == reports[0]["layers"]
+    # a layer called twice has its products recomputed from its input: the same to fp32's rounding
+    assert all(set(g) == {"output", "grad_input", "grad_weight"} for g in gemms[1])
+    assert gemms[1] == [pytest.approx(g, abs=1e-4) for g in gemms[0]]
+
+
 def test_a_model_converted_with_torchao_already_is_measured_as_the_fp32_model_it_was():
     # its Float8Linears ran in the "fp32" reference: the model output read inf dB (the emulation
     # equals what it is compared with) and each GEMM was compared with an fp8 product

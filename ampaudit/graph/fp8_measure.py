@@ -179,6 +179,8 @@ class _Record:
     calls: int = 0
     file: str | None = None
     line: int = 0
+    pending: tuple[torch.Tensor, Any] | None = None  # this call's input and line, until its output is seen
+    with_grad: bool = False  # the call measured computes a gradient: later calls are not measured
 
 
 def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -266,7 +268,10 @@ def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor
 
 
 def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor]:
-    """One fp32 forward and backward: each Linear's input and output gradient (first call)."""
+    """One fp32 forward and backward: each Linear's input and output gradient, on its first call
+    that computes a gradient (its first call, where none does): under reentrant activation
+    checkpointing a Linear's first call runs without grad and its recomputation in the backward
+    with it."""
     import sys
 
     from ampaudit.core.userframe import user_location
@@ -278,22 +283,27 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     def pre(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         rec = by_id[id(module)]
         rec.calls += 1
-        if rec.x is None and (x := linear_input(args, kwargs)) is not None:
-            rec.x = x.detach().float().reshape(-1, x.shape[-1])
-            loc = user_location(sys._getframe(1))
-            if loc is not None:
-                rec.file, rec.line = loc.file, loc.line
+        if not rec.with_grad and (x := linear_input(args, kwargs)) is not None:
+            rec.pending = (x, user_location(sys._getframe(1)))
 
     def post(module: nn.Module, args: tuple, output: Any) -> None:
         rec = by_id[id(module)]
-        if rec.calls != 1 or not isinstance(output, torch.Tensor):
+        pending, rec.pending = rec.pending, None
+        if pending is None or not isinstance(output, torch.Tensor):
             return
+        if rec.x is not None and not output.requires_grad:  # measured without a gradient already
+            return
+        x, loc = pending
+        rec.x = x.detach().float().reshape(-1, x.shape[-1])
+        rec.file, rec.line = (loc.file, loc.line) if loc is not None else (None, 0)
         # not copied (a pass over every output): kept with its version, it is known unchanged or not
         rec.out = output.detach().float().reshape(-1, output.shape[-1])
         rec.out_version = _version(rec.out)
         if id(module) not in plain and rec.x is not None:
             rec.own_difference = _own_difference(module, rec.x, rec.out)
         if output.requires_grad:
+            rec.with_grad = True
+
             def keep(g: torch.Tensor, rec: _Record = rec) -> None:
                 if rec.grad is None:
                     rec.grad = g.detach().float().reshape(-1, g.shape[-1])
