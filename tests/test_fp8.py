@@ -882,6 +882,33 @@ def test_a_linear_whose_first_call_computes_no_gradient_is_measured_on_the_one_t
     assert gemms[1] == [pytest.approx(g, abs=1e-4) for g in gemms[0]]
 
 
+def test_the_model_output_sqnr_is_over_the_outputs_that_depend_on_the_weights():
+    # an output the weights do not change (the input passed through, a count) is exact in fp8: it
+    # entered the model output's SQNR (37.3 dB where the logits alone keep 29.4) and could lift
+    # the output past AMP705's max_output_sqnr_db
+    import ampaudit
+
+    class Net(nn.Module):
+        def __init__(self, passthrough):
+            super().__init__()
+            self.passthrough = passthrough
+            self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            out = {"logits": self.c(torch.relu(self.b(torch.relu(self.a(x)))))}
+            if self.passthrough:
+                out.update(embeddings=x * 10, tokens=torch.tensor(float(x.shape[1])))
+            return out
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    found = []
+    for passthrough in (False, True):
+        torch.manual_seed(0)
+        report = ampaudit.check(Net(passthrough), (x,), dtype="fp8").fp8
+        found.append((report["output_sqnr_db"], report["output_sqnr_without_db"]))
+    assert found[1] == found[0] and 20 < found[1][0] < 40
+
+
 def test_a_model_converted_with_torchao_already_is_measured_as_the_fp32_model_it_was():
     # its Float8Linears ran in the "fp32" reference: the model output read inf dB (the emulation
     # equals what it is compared with) and each GEMM was compared with an fp8 product
@@ -1088,7 +1115,7 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     for h in handles:
         h.remove()
     user = {n: p.grad.clone() for n, p in net.named_parameters()}
-    records, _ = record(net, ExampleInputs.coerce((x,), "x"))
+    records, _, _ = record(net, ExampleInputs.coerce((x,), "x"))
     for name in ("a", "b", "c"):
         assert torch.equal(records[name].grad, grads[name].reshape(-1, grads[name].shape[-1])), name
     assert records["a"].grad_weight is None

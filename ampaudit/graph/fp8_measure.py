@@ -130,6 +130,8 @@ class Fp8Measurement:
     output_sqnr_without_db: float | None = None  # the same without the dominant layer in fp8
     seconds: dict[str, float] = field(default_factory=dict)
     reference: torch.Tensor | None = None  # the fp32 model output (flat), for ``dominance``
+    # which of the output's float tensors the reference holds: those that depend on the weights
+    outputs_kept: tuple[bool, ...] | None = None
     weight_amax: dict[int, torch.Tensor] = field(default_factory=dict)  # by module id, for ``dominance``
 
 
@@ -205,9 +207,20 @@ def model_loss(output: Any, labelled: bool = False) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def _outputs(output: Any) -> torch.Tensor:
-    parts = [t.detach().float().flatten() for t in iter_tensors(output) if t.is_floating_point()]
+def _outputs(output: Any, kept: tuple[bool, ...] | None = None) -> torch.Tensor:
+    """The output's float tensors, flat, one after the other; ``kept``: only those marked True
+    (by position), as ``_weight_dependent`` marked them in the recording forward."""
+    parts = [t for t in iter_tensors(output) if t.is_floating_point()]
+    if kept is not None and len(kept) == len(parts):
+        parts = [t for t, k in zip(parts, kept, strict=True) if k]
+    parts = [t.detach().float().flatten() for t in parts]
     return torch.cat(parts) if parts else torch.empty(0)
+
+
+def _weight_dependent(output: Any) -> tuple[bool, ...]:
+    """Which of the output's float tensors depend on the weights (an input passed through, a
+    count or a constant does not: its fp8 error is nil and would dilute the model output's)."""
+    return tuple(t.requires_grad for t in iter_tensors(output) if t.is_floating_point())
 
 
 class _InputGradLinear(torch.autograd.Function):
@@ -267,7 +280,7 @@ def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor
     return forward
 
 
-def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor]:
+def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor, tuple[bool, ...]]:
     """One fp32 forward and backward: each Linear's input and output gradient, on its first call
     that computes a gradient (its first call, where none does): under reentrant activation
     checkpointing a Linear's first call runs without grad and its recomputation in the backward
@@ -350,7 +363,8 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             h.remove()
         for p, g in zip(params, saved, strict=True):
             p.grad = g
-    return records, _outputs(output)
+    kept = _weight_dependent(output)  # the reference: the outputs that depend on the weights
+    return records, _outputs(output, kept), kept
 
 
 def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Measurement:
@@ -358,7 +372,7 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     import time
 
     start = time.perf_counter()
-    records, reference = record(model, inputs)
+    records, reference, kept = record(model, inputs)
     recorded = time.perf_counter()
     empty = next((name for name, rec in records.items() if rec.x is not None and rec.x.numel() == 0), None)
     if empty is not None:  # amax over no elements: torch raises IndexError
@@ -373,7 +387,7 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
                   if rec.x is not None]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
-                          reference=reference, weight_amax=weight_amax)
+                          reference=reference, outputs_kept=kept, weight_amax=weight_amax)
 
 
 class _Casts:
@@ -771,7 +785,8 @@ class _Replay:
 
 def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe,
                 weights: dict[int, CastResult] | None = None,
-                weight_amax: dict[int, torch.Tensor] | None = None, replay: _Replay | None = None) -> torch.Tensor:
+                weight_amax: dict[int, torch.Tensor] | None = None, replay: _Replay | None = None,
+                kept: tuple[bool, ...] | None = None) -> torch.Tensor:
     """The model's output (no grad) with the Linears named in ``names`` computing in fp8.
     ``weights``: each module's weight as cast, by id, kept from one call to the next;
     ``weight_amax``: each one's amax, where the measurement already took it; ``replay``: the
@@ -830,7 +845,7 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
             elif _is_float8_linear(module):  # converted already: the layers not in fp8 run in fp32
                 module.forward = nn.Linear.forward.__get__(module)
         try:
-            return _outputs(model(*inputs.args, **inputs.kwargs))
+            return _outputs(model(*inputs.args, **inputs.kwargs), kept)
         finally:
             inputs_cast.clear()
 
@@ -853,11 +868,13 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     # the second forward takes the first's calls up to the worst layer
     replay = _Replay(id(dict(linears(model))[worst])) if second else None
     measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights,
-                                                                     measurement.weight_amax, replay))
+                                                                     measurement.weight_amax, replay,
+                                                                     measurement.outputs_kept))
     if second:
         measurement.dominant = worst
         rest = set(candidates) - {worst}
         replay.start(recording=False)
         measurement.output_sqnr_without_db = sqnr_db(reference, fp8_forward(model, inputs, rest, recipe, weights,
-                                                                              measurement.weight_amax, replay))
+                                                                              measurement.weight_amax, replay,
+                                                                              measurement.outputs_kept))
     measurement.seconds["dominance"] = time.perf_counter() - start
