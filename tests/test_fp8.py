@@ -405,6 +405,33 @@ def test_convert_emits_mxfp8_with_torchaos_mx_training_and_its_file_repeats_the_
     _runs_as_written(out, plan, tmp_path)
 
 
+def test_a_tied_head_is_kept_in_bf16_under_mxfp8_whose_training_unties_it():
+    # quantize_(MXFP8TrainingOpConfig) gives the head's weight a Parameter of its own over the
+    # embedding's storage: AdamW updated it twice a step (0.02 at lr 0.01); float8 keeps the tie
+    import ampaudit
+
+    _mx_training()
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    spec = importlib.util.spec_from_file_location("amp707", Path(__file__).parent.parent / "fixtures" / "rules" /
+                                                  "AMP707_invalid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model, inputs = module.TiedLM(), module.example_inputs()
+    mx = ampaudit.fp8_policy(model, inputs, recipe="mxfp8")
+    assert mx.keep == {"lm_head": "AMP707: its weight is tied to `wte.weight`: MXFP8 training unties it"}
+    assert mx.fp8 == ["mlp"] and mx.table["layers"][1]["tied_to"] == ["wte.weight"]
+    assert ampaudit.fp8_policy(model, inputs, recipe="tensorwise").keep == {}
+    untied = copy.deepcopy(model)
+    quantize_(untied, MXFP8TrainingOpConfig(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    assert untied.lm_head.weight is not untied.wte.weight
+    kept = copy.deepcopy(model)
+    quantize_(kept, MXFP8TrainingOpConfig(), filter_fn=mx.module_filter_fn)
+    assert kept.lm_head.weight is kept.wte.weight
+
+
 def test_mxfp8_training_needs_tokens_in_blocks_of_32_said_in_one_line(cli, tmp_path):
     _mx_training()
     result = cli("convert", model_path("fp8_outlier_channels.py"), "--dtype", "fp8", "--emit", "torchao",

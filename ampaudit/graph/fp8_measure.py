@@ -103,6 +103,7 @@ class Fp8Layer:
     # a subclass's own forward (or one wrapped on the instance): what it is, and how far its output
     # is from F.linear of its input (relative to its norm); None for nn.Linear's own forward
     own_forward: dict[str, Any] | None = None
+    tied_to: list[str] = field(default_factory=list)  # other modules' parameters that are this weight
 
     @property
     def divisible(self) -> bool:
@@ -118,6 +119,7 @@ class Fp8Layer:
                 "gemms": {k: _num(v) for k, v in self.gemms.items()},
                 "own_forward": None if self.own_forward is None else
                 {**self.own_forward, "difference": _num(self.own_forward["difference"])},
+                "tied_to": list(self.tied_to),
                 **({"sampled": dict(self.sampled)} if self.sampled else {})}
 
 
@@ -367,6 +369,17 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     return records, _outputs(output, kept), kept
 
 
+def _tied(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Each parameter (by id) held by several modules: the modules and their names for it."""
+    held: dict[int, list[tuple[nn.Module, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            entry = (module, f"{prefix}.{name}" if prefix else name)
+            if all(m is not module for m, _ in held.get(id(p), [])):
+                held.setdefault(id(p), []).append(entry)
+    return {k: v for k, v in held.items() if len(v) > 1}
+
+
 def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Measurement:
     """Every Linear of ``model`` under every recipe; the GEMMs under ``recipe``."""
     import time
@@ -385,6 +398,10 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     with torch.inference_mode():
         layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
                   if rec.x is not None]
+    tied = _tied(model)
+    for layer in layers:
+        layer.tied_to = [n for module, n in tied.get(id(records[layer.name].module.weight), [])
+                         if module is not records[layer.name].module]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
                           reference=reference, outputs_kept=kept, weight_amax=weight_amax)
