@@ -936,6 +936,34 @@ def test_the_model_output_sqnr_is_over_the_outputs_that_depend_on_the_weights():
     assert found[1] == found[0] and 20 < found[1][0] < 40
 
 
+def test_operand_sqnr_past_float32s_squares_is_the_same_as_at_any_power_of_two_scale():
+    # a finite input of ~1e25 has squares past float32's max: its SQNR read -inf under every
+    # recipe and the layer passed as fp8; every cast is scale-free for a power of two
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import measure_fp8
+
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    found = []
+    for scale in (1.0, 2.0 ** 80):
+        torch.manual_seed(0)
+        m = measure_fp8(nn.Sequential(nn.Linear(32, 32, bias=False)), ExampleInputs.coerce((x * scale,), "x"),
+                        "tensorwise")
+        found.append({r: ops["input"].sqnr_db for r, ops in m.layers[0].operands.items()})
+    # the same casts; the sums of squares in float64 past float32's range, to its rounding
+    assert found[1] == pytest.approx(found[0], abs=1e-5) and all(20 < v < 40 for v in found[0].values())
+
+
+def test_a_non_finite_fp32_operand_is_one_line_not_a_minus_inf_sqnr(cli, tmp_path):
+    model = tmp_path / "m.py"
+    model.write_text("import torch\nfrom torch import nn\n\n\ndef get_model():\n    return nn.Sequential("
+                     "nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))\n\n\ndef example_inputs():\n"
+                     "    x = torch.randn(4, 16)\n    x[0, 0] = float('inf')\n    return (x,)\n")
+    result = cli("check", model, "--dtype", "fp8")
+    assert result.code == 2
+    assert result.err == ("ampaudit: error: the fp32 forward and backward on the example inputs give nn.Linear '0' "
+                          "a non-finite input (inf or NaN): fp8 cannot be measured against it\n")
+
+
 def test_a_model_converted_with_torchao_already_is_measured_as_the_fp32_model_it_was():
     # its Float8Linears ran in the "fp32" reference: the model output read inf dB (the emulation
     # equals what it is compared with) and each GEMM was compared with an fp8 product

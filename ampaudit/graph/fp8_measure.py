@@ -53,7 +53,12 @@ def _db(signal: float, noise: float) -> float:
 
 
 def _norm(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x)) ** 2
+    """The sum of squares; in float64 where float32's overflows or underflows (elements past
+    about 1e19 or all below about 1e-23): the SQNR read -inf for a finite input of 1e30."""
+    n = float(torch.linalg.vector_norm(x))
+    if (n == 0 or n == math.inf) and x.numel() and bool(x.any()):
+        n = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    return n ** 2
 
 
 def sqnr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
@@ -481,7 +486,10 @@ def _weighted(x: torch.Tensor, rows: _Axis, cols: _Axis) -> float:
     """``x``'s sum of squares over the whole it samples."""
     if rows.weight is None and cols.weight is None:
         return _norm(x)
-    return _squares(x.square(), rows, cols)
+    found = _squares(x.square(), rows, cols)
+    if found == 0 or found == math.inf:  # past float32's range (as _norm)
+        found = _squares(x.double().square(), rows, cols)
+    return found
 
 
 def _sampled_sqnr(reference: torch.Tensor, value: torch.Tensor, rows: _Axis, cols: _Axis) -> float:
@@ -636,6 +644,14 @@ def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
     return amax / p if p > 0 else (math.inf if amax > 0 else 1.0)
 
 
+def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
+    """An inf or NaN in fp32 already: no fp8 cast can be measured against it (its SQNR read -inf
+    and the layer passed as fp8). One line, as bad example inputs are."""
+    if not math.isfinite(float(amax)):
+        raise LoadError(f"the fp32 forward and backward on the example inputs give nn.Linear {name or '(model)'!r} "
+                        f"a non-finite {operand} (inf or NaN): fp8 cannot be measured against it")
+
+
 def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor]) -> Fp8Layer:
     """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale)."""
     x, g = rec.x, rec.grad
@@ -647,6 +663,9 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         layer.own_forward = {"class": type(rec.module).__name__, "instance": instance,
                              "difference": rec.own_difference}
     row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
+    _require_finite(name, "input", row_amax.max())
+    if g is not None:
+        _require_finite(name, "output gradient", amax_of(g))
     tokens, channels = row_amax > OUTLIER_RATIO * row_amax.median(), col_amax > OUTLIER_RATIO * col_amax.median()
     layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
     layer.token_ratio, layer.channel_ratio = (_max_over_median(a) for a in (row_amax, col_amax))
@@ -656,6 +675,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     # theirs (outlier channels kept), the weight's rows (out_features) by theirs
     tok, k_ax = _Axis.of(row_amax, sampled), _Axis.of(col_amax, sampled)
     n_amax = amax_of(w, 1).flatten()
+    _require_finite(name, "weight", n_amax.max())
     n_ax = _Axis.of(n_amax, sampled)
     weight_amax[id(rec.module)] = n_amax.max()
     full = _Axis()
