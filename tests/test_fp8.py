@@ -432,6 +432,28 @@ def test_a_tied_head_is_kept_in_bf16_under_mxfp8_whose_training_unties_it():
     assert kept.lm_head.weight is kept.wte.weight
 
 
+def test_the_emitted_mxfp8_file_keeps_each_linears_bias_which_torchaos_mx_training_drops(tmp_path):
+    # torchao 0.18's MXFP8TrainingWeightWrapperTensor computes F.linear(x, w, b) as x @ w.T: a
+    # Linear(32, 64) after a LayerNorm came out 18% off, and its bias got no gradient
+    _mx_training()
+    from ampaudit.convert.fp8 import Fp8Policy, emit_torchao, load_emitted
+
+    path = tmp_path / "fp8_torchao.py"
+    path.write_text(emit_torchao(Fp8Policy("mxfp8", {}, ["0"])))
+    emitted = load_emitted(path)
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 64)
+    model = emitted.convert(nn.Sequential(copy.deepcopy(linear)), emulate=True)
+    assert type(model[0].weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    out = model(x)
+    gemm = linear_gemms(x, linear.weight.detach(), torch.ones(32, 64), RECIPES["mxfp8"]).output
+    assert torch.equal(out.detach(), gemm + linear.bias.detach())
+    out.sum().backward()
+    assert torch.equal(model[0].bias.grad, torch.full((64,), 32.0))
+    assert emitted._drops_bias()  # what this torchao does; the file adds the bias back only then
+
+
 def test_mxfp8_training_needs_tokens_in_blocks_of_32_said_in_one_line(cli, tmp_path):
     _mx_training()
     result = cli("convert", model_path("fp8_outlier_channels.py"), "--dtype", "fp8", "--emit", "torchao",

@@ -57,9 +57,31 @@ def convert(model, emulate=None):
     batch's tokens must be a multiple of 32: the grad-weight GEMM casts along them."""
     emulate = _emulated(emulate)
     quantize_(model, config(emulate), filter_fn=_converts)
+    if _drops_bias():
+        for fqn, module in model.named_modules():
+            if _converts(module, fqn) and module.bias is not None:
+                module.register_forward_hook(_add_bias)
     # the emulated MX GEMM dequantizes each operand to its own dtype: under autocast a bf16 input
     # meets the fp32 weight and it fails. bf16 -> fp32 is exact: the same MX blocks
     return _hook_inputs(model, _input_cast(lambda module: module.weight.dtype)) if emulate else model
+
+
+def _drops_bias():
+    """Whether torchao's MXFP8 training computes F.linear(x, weight, bias) as x @ weight.T, without
+    the bias (torchao 0.18 does: the bias leaves the forward and gets no gradient). Probed on a
+    Linear of zero weight and bias 1, emulated."""
+    probe = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with torch.no_grad():
+        probe[0].weight.zero_()
+        probe[0].bias.fill_(1.0)
+    quantize_(probe, config(emulate=True), filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    with torch.no_grad():
+        return bool((probe(torch.ones(32, 32)) == 0).all())
+
+
+def _add_bias(module, args, output):
+    """The bias torchao's MXFP8 GEMM left out, added in high precision as F.linear adds it."""
+    return output + module.bias.to(output.dtype)
 
 '''}
 
