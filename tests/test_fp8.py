@@ -986,6 +986,30 @@ def test_a_non_finite_fp32_operand_is_one_line_not_a_minus_inf_sqnr(cli, tmp_pat
                           "a non-finite input (inf or NaN): fp8 cannot be measured against it\n")
 
 
+def _encoder(frozen):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    encoder.requires_grad_(not frozen)
+    return nn.Sequential(encoder, nn.Linear(32, 32)) if frozen else encoder
+
+
+def test_a_transformer_encoders_linears_run_in_fp8_in_its_eval_forward_and_are_recorded_when_frozen():
+    # nn.TransformerEncoderLayer's fast path (eval, no grad) computes linear1/linear2 in one fused
+    # kernel without calling them: the fp8 forward ran them in fp32 (the output read 135 dB with
+    # all four 'in fp8'); the recording of a frozen encoder (no parameter needing grad) runs them too
+    import ampaudit
+
+    x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
+    report = ampaudit.check(_encoder(frozen=False), (x,), dtype="fp8", fp8_recipe="mxfp8").fp8
+    assert [layer["verdict"] for layer in report["layers"]] == ["fp8"] * 4
+    assert 20 < report["output_sqnr_db"] < 40
+    frozen = ampaudit.check(_encoder(frozen=True), (x,), dtype="fp8").fp8
+    assert [layer["name"] for layer in frozen["layers"]] == [
+        "0.layers.0.linear1", "0.layers.0.linear2", "0.layers.1.linear1", "0.layers.1.linear2", "1"]
+    assert torch.backends.mha.get_fastpath_enabled()  # as it was
+
+
 def test_a_model_converted_with_torchao_already_is_measured_as_the_fp32_model_it_was():
     # its Float8Linears ran in the "fp32" reference: the model output read inf dB (the emulation
     # equals what it is compared with) and each GEMM was compared with an fp8 product

@@ -17,8 +17,9 @@ worst one (which takes the first forward's Linear outputs up to the worst layer'
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -344,7 +345,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
              if (type(rec.module).forward is nn.Linear.forward or _is_float8_linear(rec.module))
              and "forward" not in vars(rec.module)}
     try:
-        with attributes_kept(model), torch.enable_grad():
+        with attributes_kept(model), torch.enable_grad(), _modules_called():
             for rec in records.values():
                 if id(rec.module) in plain:
                     rec.module.forward = _input_grad_only(rec.module)
@@ -820,6 +821,23 @@ class _Replay:
             self.recording = key[0] != self.last
 
 
+@contextlib.contextmanager
+def _modules_called() -> Iterator[None]:
+    """nn.TransformerEncoderLayer's fast path (eval mode, no grad) computes its Linears in one
+    fused kernel without calling them: the fp8 forward ran every one of them in fp32 (a
+    TransformerEncoder's output read 135 dB SQNR with all its Linears 'in fp8'). Off meanwhile."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "get_fastpath_enabled"):
+        yield
+        return
+    was = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(was)
+
+
 def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe,
                 weights: dict[int, CastResult] | None = None,
                 weight_amax: dict[int, torch.Tensor] | None = None, replay: _Replay | None = None,
@@ -875,7 +893,7 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
         return forward
 
     # attributes_kept takes the instance attributes ``forward`` away again
-    with attributes_kept(model), torch.no_grad():
+    with attributes_kept(model), torch.no_grad(), _modules_called():
         for name, module in linears(model):
             if name in names:
                 module.forward = fp8_linear(module)
