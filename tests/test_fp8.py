@@ -483,6 +483,25 @@ def test_emulated_training_under_cpu_autocast_takes_bf16_inputs_from_autocast_op
     _runs_as_written(out, plan, tmp_path)
 
 
+def test_emulated_training_under_cpu_autocast_casts_an_input_passed_by_keyword_too(cli, tmp_path):
+    # head(input=gelu(...)): the emitted file's input cast read args[0] only, so under CPU autocast
+    # the emulated high-precision grad-weight GEMM met bf16 and fp32 again ("expected m1 and m2 to
+    # have the same dtype"): convert exited 1 under rowwise_with_gw_hp
+    _torchao()
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc, self.head = nn.Linear(32, 64), nn.Linear(64, 32)\n\n"
+        "    def forward(self, x):\n        return self.head(input=nn.functional.gelu(self.fc(input=x)))\n\n\n"
+        "def example_inputs():\n    return (torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)),)\n")
+    out = tmp_path / "out"
+    result = cli("convert", f"{model}:Net", "--dtype", "fp8", "--emit", "torchao", "--fp8-recipe",
+                 "rowwise_with_gw_hp", "--train-steps", "2", "-o", out)
+    assert result.code == 0, result.err
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    assert plan["fp8"] == ["fc", "head"] and plan["train"]["passed"]
+
+
 def test_a_policy_written_untrained_is_verified_with_the_default_steps_when_run(cli, tmp_path):
     _torchao()
     out = tmp_path / "out"

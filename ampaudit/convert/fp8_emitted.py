@@ -116,11 +116,17 @@ def _converts(module, fqn):
 
 
 def _input_cast(dtype_of):
-    """A forward pre-hook casting a converted Linear's input to ``dtype_of(module)`` (None: as it is)."""
-    def hook(module, args):
+    """A forward pre-hook casting a converted Linear's input - ``fc(x)`` or ``fc(input=x)`` - to
+    ``dtype_of(module)`` (None: as it is)."""
+    def hook(module, args, kwargs):
         dtype = dtype_of(module)
-        if dtype is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype != dtype:
-            return (args[0].to(dtype), *args[1:])
+        if dtype is None:
+            return None
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype != dtype:
+            return (args[0].to(dtype), *args[1:]), kwargs
+        x = kwargs.get("input")
+        if not args and isinstance(x, torch.Tensor) and x.dtype != dtype:
+            return args, {{**kwargs, "input": x.to(dtype)}}
         return None
     return hook
 
@@ -128,7 +134,7 @@ def _input_cast(dtype_of):
 def _hook_inputs(model, hook):
     for fqn, module in model.named_modules():
         if _converts(module, fqn):
-            module.register_forward_pre_hook(hook)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
     return model
 
 {config}
