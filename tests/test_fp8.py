@@ -736,6 +736,32 @@ def test_a_linear_subclass_with_a_forward_of_its_own_is_kept_and_its_gemms_measu
     assert type(swapped.fc).__name__ == "Float8Linear" and not torch.allclose(swapped(x), model(x), rtol=0.5)
 
 
+class _LoRA(nn.Linear):
+    """Shaped like loralib's lora.Linear: lora_B starts at zero, so the output is F.linear's."""
+
+    def __init__(self, i, o, r=4):
+        super().__init__(i, o)
+        self.lora_A = nn.Parameter(torch.randn(r, i) * 0.1)
+        self.lora_B = nn.Parameter(torch.zeros(o, r))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias) + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+def test_a_linear_subclass_holding_parameters_of_its_own_is_kept_though_its_output_is_f_linears():
+    # torchao's swap keeps only weight and bias: the LoRA parameters leave the model (2368 -> 2112
+    # parameters on a 32-wide pair); measured by its output alone - zero lora_B - it passed as fp8
+    import ampaudit
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    report = ampaudit.check(_WithOffset(_LoRA), (x,), dtype="fp8")
+    assert [(f.rule, f.module) for f in report.findings] == [("AMP706", "fc")]
+    assert ("`fc` is a _LoRA, an nn.Linear subclass with a forward of its own, and holds lora_A, lora_B beside its "
+            "weight and bias" in report.findings[0].message)
+    assert report.fp8["layers"][0]["own_forward"]["difference"] == 0.0
+
+
 def test_a_linear_subclass_that_computes_f_linear_is_not_kept():
     import ampaudit
 

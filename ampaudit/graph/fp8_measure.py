@@ -661,8 +661,11 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
                      rec.line, {}, 0, 0, has_grad=g is not None)
     if rec.own_difference is not None:
         instance = "forward" in vars(rec.module)
+        # what Float8Linear.from_float does not keep: parameters beside weight and bias, submodules
+        extra = [n for n, _ in rec.module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+        extra += [n for n, _ in rec.module.named_children()]
         layer.own_forward = {"class": type(rec.module).__name__, "instance": instance,
-                             "difference": rec.own_difference}
+                             "difference": rec.own_difference, "extra": extra}
     row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
     _require_finite(name, "input", row_amax.max())
     if g is not None:

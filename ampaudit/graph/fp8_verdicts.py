@@ -66,13 +66,19 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
     """The AMP701-AMP704, AMP706 and AMP707 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
     found = []
     own = layer.own_forward
-    if own is not None and own["difference"] > rule("AMP706").params["max_relative_difference"]:
+    if own is not None:
         what = ("an nn.Linear whose forward is wrapped on the instance" if own["instance"] else
                 f"a {own['class']}, an nn.Linear subclass with a forward of its own")
-        difference = "its shape" if own["difference"] == math.inf else f"{own['difference'] * 100:.3g}% of its norm"
-        found.append(Verdict("AMP706", {"what": what, "difference": difference},
-                             f"{own['class']}.forward computes more than F.linear: torchao's Float8Linear "
-                             "would replace it"))
+        if own["extra"]:  # loralib's lora.Linear: its output equals F.linear's until lora_B trains
+            extra = ", ".join(own["extra"])
+            found.append(Verdict("AMP706", {"what": what, "extra": extra},
+                                 f"{own['class']} holds {extra}: torchao's Float8Linear would replace it", "extra"))
+        elif own["difference"] > rule("AMP706").params["max_relative_difference"]:
+            difference = ("its shape" if own["difference"] == math.inf
+                          else f"{own['difference'] * 100:.3g}% of its norm")
+            found.append(Verdict("AMP706", {"what": what, "difference": difference},
+                                 f"{own['class']}.forward computes more than F.linear: torchao's Float8Linear "
+                                 "would replace it"))
     multiple = RECIPES[recipe].dim_multiple
     dims = " and ".join(f"{n} {v}" for n, v in (("in_features", layer.in_features),
                                                  ("out_features", layer.out_features)) if v % multiple)
