@@ -375,7 +375,7 @@ def scores(model: nn.Module, inputs: ExampleInputs, judgement, recipe: str) -> d
     operand SQNR and the three GEMMs' (negated), the model output's SQNR loss with only this
     layer in fp8 (AMP705's forward, once per layer), and the first-order loss change
     |sum(grad_output * output error)| from the recording pass's own tensors."""
-    rec, _ = record(model, inputs)
+    rec, _, _ = record(model, inputs)
     reference = judgement.measurement.reference
     found = {}
     for v in judgement.layers:
@@ -388,7 +388,8 @@ def scores(model: nn.Module, inputs: ExampleInputs, judgement, recipe: str) -> d
             "input": -float(worst_operand_db(row["operands"][recipe])),
             "out": -gemms.get("output", math.inf), "gi": -gemms.get("grad_input", math.inf),
             "gw": -gemms.get("grad_weight", math.inf),
-            "alone": -sqnr_db(reference, fp8_forward(model, inputs, {layer.name}, RECIPES[recipe])),
+            "alone": -sqnr_db(reference, fp8_forward(model, inputs, {layer.name}, RECIPES[recipe],
+                                                     kept=judgement.measurement.outputs_kept)),
             "taylor": abs(float((r.grad * (out - r.out)).sum())) if r.grad is not None else 0.0,
         }
     return found

@@ -47,6 +47,9 @@ def without_torch():
         sys.modules["torch"] = saved
 
 
+FP8_FIXTURE_RECIPES = {"AMP707": "mxfp8"}  # fp8 verdicts that only one recipe gives: its fixtures are checked under it
+
+
 def compute_findings(code: str, kind: str) -> tuple[Finding, ...]:
     """What `ampaudit check --select CODE` reports on the fixture - for AMP6xx, the log's
     findings of that code (`ampaudit report`). Run from the repository root: paths are relative."""
@@ -57,6 +60,8 @@ def compute_findings(code: str, kind: str) -> tuple[Finding, ...]:
     target = str(path.relative_to(ROOT))
     if code == "AMP004":  # syntax errors are findings when a folder is checked
         report = check_targets([target, "fixtures/models/clean_cnn.py"], config, CheckOptions())
+    elif code in FP8_FIXTURE_RECIPES:  # a verdict of one recipe: `--fp8-recipe RECIPE`
+        report = check_targets([target], config, CheckOptions(dtype="fp8", fp8_recipe=FP8_FIXTURE_RECIPES[code]))
     elif code.startswith("AMP7"):  # the fp8 audit: `ampaudit check --dtype fp8` (tensorwise)
         report = check_path(target, config=config, dtype="fp8")
     elif code == "AMP006":  # a model file checked without torch

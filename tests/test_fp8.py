@@ -405,6 +405,55 @@ def test_convert_emits_mxfp8_with_torchaos_mx_training_and_its_file_repeats_the_
     _runs_as_written(out, plan, tmp_path)
 
 
+def test_a_tied_head_is_kept_in_bf16_under_mxfp8_whose_training_unties_it():
+    # quantize_(MXFP8TrainingOpConfig) gives the head's weight a Parameter of its own over the
+    # embedding's storage: AdamW updated it twice a step (0.02 at lr 0.01); float8 keeps the tie
+    import ampaudit
+
+    _mx_training()
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    spec = importlib.util.spec_from_file_location("amp707", Path(__file__).parent.parent / "fixtures" / "rules" /
+                                                  "AMP707_invalid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model, inputs = module.TiedLM(), module.example_inputs()
+    mx = ampaudit.fp8_policy(model, inputs, recipe="mxfp8")
+    assert mx.keep == {"lm_head": "AMP707: its weight is tied to `wte.weight`: MXFP8 training unties it"}
+    assert mx.fp8 == ["mlp"] and mx.table["layers"][1]["tied_to"] == ["wte.weight"]
+    assert ampaudit.fp8_policy(model, inputs, recipe="tensorwise").keep == {}
+    untied = copy.deepcopy(model)
+    quantize_(untied, MXFP8TrainingOpConfig(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    assert untied.lm_head.weight is not untied.wte.weight
+    kept = copy.deepcopy(model)
+    quantize_(kept, MXFP8TrainingOpConfig(), filter_fn=mx.module_filter_fn)
+    assert kept.lm_head.weight is kept.wte.weight
+
+
+def test_the_emitted_mxfp8_file_keeps_each_linears_bias_which_torchaos_mx_training_drops(tmp_path):
+    # torchao 0.18's MXFP8TrainingWeightWrapperTensor computes F.linear(x, w, b) as x @ w.T: a
+    # Linear(32, 64) after a LayerNorm came out 18% off, and its bias got no gradient
+    _mx_training()
+    from ampaudit.convert.fp8 import Fp8Policy, emit_torchao, load_emitted
+
+    path = tmp_path / "fp8_torchao.py"
+    path.write_text(emit_torchao(Fp8Policy("mxfp8", {}, ["0"])))
+    emitted = load_emitted(path)
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 64)
+    model = emitted.convert(nn.Sequential(copy.deepcopy(linear)), emulate=True)
+    assert type(model[0].weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    out = model(x)
+    gemm = linear_gemms(x, linear.weight.detach(), torch.ones(32, 64), RECIPES["mxfp8"]).output
+    assert torch.equal(out.detach(), gemm + linear.bias.detach())
+    out.sum().backward()
+    assert torch.equal(model[0].bias.grad, torch.full((64,), 32.0))
+    assert emitted._drops_bias()  # what this torchao does; the file adds the bias back only then
+
+
 def test_mxfp8_training_needs_tokens_in_blocks_of_32_said_in_one_line(cli, tmp_path):
     _mx_training()
     result = cli("convert", model_path("fp8_outlier_channels.py"), "--dtype", "fp8", "--emit", "torchao",
@@ -432,6 +481,25 @@ def test_emulated_training_under_cpu_autocast_takes_bf16_inputs_from_autocast_op
     plan = json.loads((out / "fp8_plan.json").read_text())
     assert "fc2" in plan["fp8"] and plan["train"]["passed"]
     _runs_as_written(out, plan, tmp_path)
+
+
+def test_emulated_training_under_cpu_autocast_casts_an_input_passed_by_keyword_too(cli, tmp_path):
+    # head(input=gelu(...)): the emitted file's input cast read args[0] only, so under CPU autocast
+    # the emulated high-precision grad-weight GEMM met bf16 and fp32 again ("expected m1 and m2 to
+    # have the same dtype"): convert exited 1 under rowwise_with_gw_hp
+    _torchao()
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc, self.head = nn.Linear(32, 64), nn.Linear(64, 32)\n\n"
+        "    def forward(self, x):\n        return self.head(input=nn.functional.gelu(self.fc(input=x)))\n\n\n"
+        "def example_inputs():\n    return (torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)),)\n")
+    out = tmp_path / "out"
+    result = cli("convert", f"{model}:Net", "--dtype", "fp8", "--emit", "torchao", "--fp8-recipe",
+                 "rowwise_with_gw_hp", "--train-steps", "2", "-o", out)
+    assert result.code == 0, result.err
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    assert plan["fp8"] == ["fc", "head"] and plan["train"]["passed"]
 
 
 def test_a_policy_written_untrained_is_verified_with_the_default_steps_when_run(cli, tmp_path):
@@ -601,6 +669,113 @@ def test_the_check_api_audits_fp8_too():
     assert report.fp8["recipe"] == "rowwise" and [layer["verdict"] for layer in report.fp8["layers"]] == ["fp8", "bf16"]
 
 
+def test_a_linear_called_with_its_input_by_keyword_is_measured_as_called_positionally():
+    # fc(input=x) is nn.Linear's own parameter name: the recording's forward took no keyword
+    # ("unexpected keyword argument"), and the dominance forward ran such a call in fp32
+    import ampaudit
+
+    class ByKeyword(nn.Module):
+        def __init__(self, keyword):
+            super().__init__()
+            self.keyword = keyword
+            self.fc, self.mid, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            call = (lambda m, t: m(input=t)) if self.keyword else (lambda m, t: m(t))
+            return call(self.head, torch.relu(call(self.mid, torch.relu(call(self.fc, x)))))
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    reports = []
+    for keyword in (False, True):
+        torch.manual_seed(0)
+        reports.append(ampaudit.check(ByKeyword(keyword), (x,), dtype="fp8").fp8)
+    for report in reports:
+        report.pop("seconds")
+    assert reports[1] == reports[0]
+    assert [layer["name"] for layer in reports[1]["layers"]] == ["fc", "mid", "head"]
+    assert 20 < reports[1]["output_sqnr_db"] < 40  # every layer in fp8, not run in fp32
+
+
+class _Offset(nn.Linear):
+    """Computes more than F.linear: torchao's Float8Linear.from_float keeps only its weight and bias."""
+
+    def forward(self, x):
+        return super().forward(x) * 4.0 + 1.0
+
+
+class _WithOffset(nn.Module):
+    def __init__(self, first):
+        super().__init__()
+        self.fc, self.mid, self.head = first(32, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.mid(torch.relu(self.fc(x)))))
+
+
+def test_a_linear_subclass_with_a_forward_of_its_own_is_kept_and_its_gemms_measured_against_f_linear():
+    # its GEMMs were measured against its own output (x 4 + 1): 2.1 dB out, 2.5 dB grad-weight, and
+    # only AMP705 kept it, as the layer that "dominates the fp8 error" - what torchao would drop
+    import ampaudit
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _WithOffset(_Offset)
+    report = ampaudit.check(model, (x,), dtype="fp8")
+    assert [(f.rule, f.module) for f in report.findings] == [("AMP706", "fc")]
+    assert "`fc` is a _Offset, an nn.Linear subclass with a forward of its own: its output differs" in \
+        report.findings[0].message
+    fc = report.fp8["layers"][0]
+    assert fc["rules"] == ["AMP706"] and fc["own_forward"]["class"] == "_Offset"
+    assert fc["own_forward"]["difference"] > 0.5 and all(20 < fc["gemms"][k] < 40 for k in ("output", "grad_weight"))
+    policy = ampaudit.fp8_policy(model, (x,), recipe="tensorwise")
+    assert list(policy.keep) == ["fc"] and policy.fp8 == ["mid", "head"]
+    # torchao's swap loses the offset: what the verdict says
+    config_cls, convert = _torchao()
+    swapped = copy.deepcopy(model)
+    convert(swapped, config=dataclasses.replace(config_cls.from_recipe_name("tensorwise"), emulate=True))
+    assert type(swapped.fc).__name__ == "Float8Linear" and not torch.allclose(swapped(x), model(x), rtol=0.5)
+
+
+class _LoRA(nn.Linear):
+    """Shaped like loralib's lora.Linear: lora_B starts at zero, so the output is F.linear's."""
+
+    def __init__(self, i, o, r=4):
+        super().__init__(i, o)
+        self.lora_A = nn.Parameter(torch.randn(r, i) * 0.1)
+        self.lora_B = nn.Parameter(torch.zeros(o, r))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias) + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+def test_a_linear_subclass_holding_parameters_of_its_own_is_kept_though_its_output_is_f_linears():
+    # torchao's swap keeps only weight and bias: the LoRA parameters leave the model (2368 -> 2112
+    # parameters on a 32-wide pair); measured by its output alone - zero lora_B - it passed as fp8
+    import ampaudit
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    report = ampaudit.check(_WithOffset(_LoRA), (x,), dtype="fp8")
+    assert [(f.rule, f.module) for f in report.findings] == [("AMP706", "fc")]
+    assert ("`fc` is a _LoRA, an nn.Linear subclass with a forward of its own, and holds lora_A, lora_B beside its "
+            "weight and bias" in report.findings[0].message)
+    assert report.fp8["layers"][0]["own_forward"]["difference"] == 0.0
+
+
+def test_a_linear_subclass_that_computes_f_linear_is_not_kept():
+    import ampaudit
+
+    class Casted(nn.Linear):  # modded-nanogpt's CastedLinear: the weight cast to the input's dtype
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight.type_as(x), self.bias.type_as(x))
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    report = ampaudit.check(_WithOffset(Casted), (x,), dtype="fp8")
+    fc = report.fp8["layers"][0]
+    assert report.findings == [] and fc["verdict"] == "fp8" and fc["own_forward"]["difference"] < 1e-6
+
+
 def test_convert_fp8_without_torchao_is_one_line(cli, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` fails, as where it is not installed
     result = cli("convert", model_path("fp8_odd_dims.py"), "--dtype", "fp8", "--emit", "torchao", "-o", tmp_path / "a")
@@ -756,6 +931,212 @@ def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
     assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)
 
 
+@pytest.mark.parametrize("first_call", ["reentrant_checkpoint", "no_grad"])
+def test_a_linear_whose_first_call_computes_no_gradient_is_measured_on_the_one_that_does(first_call):
+    # under reentrant activation checkpointing (HF's gradient_checkpointing, older forks) every
+    # block's Linears first run without grad; a target computed under no_grad through the same
+    # layer likewise: their output gradients, grad-input and grad-weight GEMMs were never measured
+    import ampaudit
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.proj(torch.relu(self.fc(x)))
+
+    class Net(nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.how, self.block, self.head = how, Block(), nn.Linear(32, 16)
+
+        def forward(self, x):
+            if self.how == "reentrant_checkpoint":
+                h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+            else:
+                if self.how == "no_grad":
+                    with torch.no_grad():
+                        self.block(x * 2)
+                h = self.block(x)
+            return self.head(h)
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)).requires_grad_(
+        first_call == "reentrant_checkpoint")  # reentrant checkpointing needs an input that requires grad
+    reports = []
+    for how in ("plain", first_call):
+        torch.manual_seed(0)
+        report = ampaudit.check(Net(how), (x,), dtype="fp8").fp8
+        report.pop("seconds")
+        reports.append(report)
+    gemms = [[layer.pop("gemms") for layer in report["layers"]] for report in reports]
+    assert reports[1]["layers"] == reports[0]["layers"]
+    # a layer called twice has its products recomputed from its input: the same to fp32's rounding
+    assert all(set(g) == {"output", "grad_input", "grad_weight"} for g in gemms[1])
+    assert gemms[1] == [pytest.approx(g, abs=1e-4) for g in gemms[0]]
+
+
+def test_the_model_output_sqnr_is_over_the_outputs_that_depend_on_the_weights():
+    # an output the weights do not change (the input passed through, a count) is exact in fp8: it
+    # entered the model output's SQNR (37.3 dB where the logits alone keep 29.4) and could lift
+    # the output past AMP705's max_output_sqnr_db
+    import ampaudit
+
+    class Net(nn.Module):
+        def __init__(self, passthrough):
+            super().__init__()
+            self.passthrough = passthrough
+            self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            out = {"logits": self.c(torch.relu(self.b(torch.relu(self.a(x)))))}
+            if self.passthrough:
+                out.update(embeddings=x * 10, tokens=torch.tensor(float(x.shape[1])))
+            return out
+
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    found = []
+    for passthrough in (False, True):
+        torch.manual_seed(0)
+        report = ampaudit.check(Net(passthrough), (x,), dtype="fp8").fp8
+        found.append((report["output_sqnr_db"], report["output_sqnr_without_db"]))
+    assert found[1] == found[0] and 20 < found[1][0] < 40
+
+
+def test_operand_sqnr_past_float32s_squares_is_the_same_as_at_any_power_of_two_scale():
+    # a finite input of ~1e25 has squares past float32's max: its SQNR read -inf under every
+    # recipe and the layer passed as fp8; every cast is scale-free for a power of two
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import measure_fp8
+
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    found = []
+    for scale in (1.0, 2.0 ** 80):
+        torch.manual_seed(0)
+        m = measure_fp8(nn.Sequential(nn.Linear(32, 32, bias=False)), ExampleInputs.coerce((x * scale,), "x"),
+                        "tensorwise")
+        found.append({r: ops["input"].sqnr_db for r, ops in m.layers[0].operands.items()})
+    # the same casts; the sums of squares in float64 past float32's range, to its rounding
+    assert found[1] == pytest.approx(found[0], abs=1e-5) and all(20 < v < 40 for v in found[0].values())
+
+
+def test_a_non_finite_fp32_operand_is_one_line_not_a_minus_inf_sqnr(cli, tmp_path):
+    model = tmp_path / "m.py"
+    model.write_text("import torch\nfrom torch import nn\n\n\ndef get_model():\n    return nn.Sequential("
+                     "nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))\n\n\ndef example_inputs():\n"
+                     "    x = torch.randn(4, 16)\n    x[0, 0] = float('inf')\n    return (x,)\n")
+    result = cli("check", model, "--dtype", "fp8")
+    assert result.code == 2
+    assert result.err == ("ampaudit: error: the fp32 forward and backward on the example inputs give nn.Linear '0' "
+                          "a non-finite input (inf or NaN): fp8 cannot be measured against it\n")
+
+
+def _encoder(frozen):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    encoder.requires_grad_(not frozen)
+    return nn.Sequential(encoder, nn.Linear(32, 32)) if frozen else encoder
+
+
+def test_a_transformer_encoders_linears_run_in_fp8_in_its_eval_forward_and_are_recorded_when_frozen():
+    # nn.TransformerEncoderLayer's fast path (eval, no grad) computes linear1/linear2 in one fused
+    # kernel without calling them: the fp8 forward ran them in fp32 (the output read 135 dB with
+    # all four 'in fp8'); the recording of a frozen encoder (no parameter needing grad) runs them too
+    import ampaudit
+
+    x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
+    report = ampaudit.check(_encoder(frozen=False), (x,), dtype="fp8", fp8_recipe="mxfp8").fp8
+    assert [layer["verdict"] for layer in report["layers"]] == ["fp8"] * 4
+    assert 20 < report["output_sqnr_db"] < 40
+    frozen = ampaudit.check(_encoder(frozen=True), (x,), dtype="fp8").fp8
+    assert [layer["name"] for layer in frozen["layers"]] == [
+        "0.layers.0.linear1", "0.layers.0.linear2", "0.layers.1.linear1", "0.layers.1.linear2", "1"]
+    assert torch.backends.mha.get_fastpath_enabled()  # as it was
+
+
+def test_a_model_converted_with_torchao_already_is_measured_as_the_fp32_model_it_was():
+    # its Float8Linears ran in the "fp32" reference: the model output read inf dB (the emulation
+    # equals what it is compared with) and each GEMM was compared with an fp8 product
+    import ampaudit
+
+    config_cls, convert = _torchao()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    converted = copy.deepcopy(plain)
+    convert(converted, config=dataclasses.replace(config_cls.from_recipe_name("tensorwise"), emulate=True))
+    assert type(converted[0]).__name__ == "Float8Linear"
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
+    reports = [ampaudit.check(m, (x,), dtype="fp8").fp8 for m in (plain, converted)]
+    for report in reports:
+        report.pop("seconds")
+    assert reports[1] == reports[0] and 20 < reports[1]["output_sqnr_db"] < 40
+
+
+def test_convert_refuses_a_model_converted_already_in_one_line(cli, tmp_path):
+    # its "bf16 autocast" copy trained in fp8 too, so the training check compared fp8 with fp8 and
+    # passed, and the emitted file converted the model a second time
+    _torchao()
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import dataclasses\nimport torch\nfrom torch import nn\n"
+        "from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n\n\n"
+        "def get_model():\n    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))\n"
+        "    config = dataclasses.replace(Float8LinearConfig.from_recipe_name('tensorwise'), emulate=True)\n"
+        "    return convert_to_float8_training(m, config=config)\n")
+    out = tmp_path / "out"
+    result = cli("convert", model, "--dtype", "fp8", "--emit", "torchao", "--input-shape", "4,16", "-o", out)
+    assert result.code == 2 and not out.exists()
+    assert result.err == ("ampaudit: error: the model is converted to float8 already (torchao's Float8Linear: `0`, "
+                          "`2`): give convert the model before convert_to_float8_training\n")
+
+
+class _TopKRouter(nn.Module):  # shaped like transformers 5's MixtralTopKRouter: a weight read with F.linear
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, dim) * 0.1)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight).softmax(-1)
+
+
+class _Experts(nn.Module):  # and like its MixtralExperts: every expert's weight stacked in one 3-D parameter
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
+
+    def forward(self, x, weights):
+        out = 0
+        for e in range(self.up.shape[0]):
+            h = nn.functional.linear(torch.relu(nn.functional.linear(x, self.up[e])), self.down[e])
+            out = out + h * weights[..., e:e + 1]
+        return out
+
+
+class _Moe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(1, 8, 16))  # a (1, N, D) position table: no GEMM
+        self.router, self.experts, self.head = _TopKRouter(4, 16), _Experts(4, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = x + self.pos
+        return self.head(self.experts(x, self.router(x)))
+
+
+def test_moe_experts_and_routers_are_named_in_the_note_of_gemms_not_audited():
+    # a Mixtral from transformers 5: "9 nn.Linear: 9 fp8" and no word of its experts, most of its GEMMs
+    import ampaudit
+
+    torch.manual_seed(0)
+    report = ampaudit.check(_Moe(), (torch.randn(2, 8, 16),), dtype="fp8")
+    assert [layer["name"] for layer in report.fp8["layers"]] == ["head"]
+    assert ("not audited: 1 MoE experts module (3-D expert weights), 1 MoE router - not nn.Linear, so torchao's "
+            "convert_to_float8_training leaves them in high precision (they train as they do today)"
+            in report.target.notes)
+
+
 def test_a_policy_that_keeps_every_linear_says_it_converts_nothing_and_why(cli, tmp_path):
     # GPT-2's shape: convolutions (transformers Conv1D there) do the work, the one Linear has
     # odd dims; the summary said "fp8: 0 nn.Linear" and nothing of the rest
@@ -880,7 +1261,7 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     for h in handles:
         h.remove()
     user = {n: p.grad.clone() for n, p in net.named_parameters()}
-    records, _ = record(net, ExampleInputs.coerce((x,), "x"))
+    records, _, _ = record(net, ExampleInputs.coerce((x,), "x"))
     for name in ("a", "b", "c"):
         assert torch.equal(records[name].grad, grads[name].reshape(-1, grads[name].shape[-1])), name
     assert records["a"].grad_weight is None

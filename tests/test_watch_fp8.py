@@ -138,6 +138,49 @@ def test_gradients_within_e5m2s_range_and_steady_inputs_give_no_fp8_verdict():
     assert {op for entry in summary["fp8"].values() for op in entry} == {"kind", "input", "weight", "grad_output"}
 
 
+class _ByKeyword(nn.Module):
+    """Calls its Linears as ``fc(input=x)`` (nn.Linear.forward's parameter name) or ``fc(x)``."""
+
+    def __init__(self, keyword: bool):
+        super().__init__()
+        self.keyword = keyword
+        self.fc, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        call = (lambda m, t: m(input=t)) if self.keyword else (lambda m, t: m(t))
+        return call(self.head, torch.relu(call(self.fc, x)))
+
+
+def test_a_linear_called_with_its_input_by_keyword_has_its_input_row(tmp_path):
+    # fc(input=x): a forward hook sees the input in kwargs; the input row was missing
+    rows = {}
+    for keyword in (False, True):
+        torch.manual_seed(0)
+        log = tmp_path / f"{keyword}.jsonl"
+        _train(_ByKeyword(keyword), [torch.randn(6, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)],
+               lr=0.01, log=log)
+        rows[keyword] = [r["fp8"] for r in _records(log)]
+    assert rows[True] == rows[False]
+    operands = {"kind", "input", "weight", "grad_output"}
+    assert all(set(step[m]) == operands for step in rows[True] for m in ("fc", "head"))
+
+
+def test_non_finite_steps_are_not_fp8_underflow_or_amax_spikes(tmp_path):
+    # an inf input, then NaN: the tensorwise scale of an inf amax is 0 (NaN of a NaN one), so every
+    # element counted as flushed: AMP751 said the gradient "loses 100% of its elements" in e5m2 and
+    # AMP750 that the amax "jumped infx" - the run's problem is non-finite values (AMP605)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    batches[2][0, 0] = float("inf")
+    batches[3][1, 1] = float("nan")
+    log = tmp_path / "run.jsonl"
+    mon, _ = _train(model, batches, lr=1e-3, log=log)
+    rules = sorted({f["rule"] for f in mon.summary()["findings"]})
+    assert "AMP605" in rules and not [r for r in rules if r.startswith("AMP75")], rules
+    assert sorted({f["rule"] for f in read_log(log).summary()["findings"]}) == rules
+
+
 def test_without_fp8_no_fp8_rows_are_recorded():
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

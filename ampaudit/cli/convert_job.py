@@ -88,6 +88,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         load_emitted,
         require_torchao,
         require_trainable,
+        require_unconverted,
         saved_inputs,
         verify_with,
         write_fp8,
@@ -104,6 +105,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
     if loaded.inputs is None:
         raise UsageError("an fp8 policy is measured on the model's example inputs: define example_inputs() or "
                          "give --input-shape")
+    require_unconverted(loaded.model)
     steps = args.train_steps
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE
     with slow_status("measuring every nn.Linear in fp8" + (f", {steps} training steps" if steps else "")):

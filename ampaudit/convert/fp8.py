@@ -34,6 +34,7 @@ from ampaudit.core.errors import LoadError, UsageError
 from ampaudit.core.import_noise import quiet_imports
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import EMITTED_RECIPES, TORCHAO_RECIPES
+from ampaudit.graph.fp8_measure import float8_linears
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, layer_verdicts, mx_tokens_problem
 
 EMIT_FILE, PLAN_FILE, INPUTS_FILE = FP8_FILES
@@ -193,6 +194,16 @@ def require_torchao(recipe: str | None = None) -> None:
     except ImportError:
         raise UsageError(f"verifying an fp8 policy trains with torchao ({name}, which does not import here): "
                          'pip install -U "ampaudit[fp8]" (or pass --train-steps 0)') from None
+
+
+def require_unconverted(model: torch.nn.Module) -> None:
+    """A model converted to float8 already cannot be verified against bf16 (its 'bf16' copy
+    trains in fp8 too) and the emitted file would convert it again: one line, nothing written."""
+    done = float8_linears(model)
+    if done:
+        names = ", ".join(f"`{n}`" for n in done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else "")
+        raise UsageError(f"the model is converted to float8 already (torchao's Float8Linear: {names}): give "
+                         "convert the model before convert_to_float8_training")
 
 
 def require_trainable(policy: Fp8Policy) -> None:

@@ -57,9 +57,31 @@ def convert(model, emulate=None):
     batch's tokens must be a multiple of 32: the grad-weight GEMM casts along them."""
     emulate = _emulated(emulate)
     quantize_(model, config(emulate), filter_fn=_converts)
+    if _drops_bias():
+        for fqn, module in model.named_modules():
+            if _converts(module, fqn) and module.bias is not None:
+                module.register_forward_hook(_add_bias)
     # the emulated MX GEMM dequantizes each operand to its own dtype: under autocast a bf16 input
     # meets the fp32 weight and it fails. bf16 -> fp32 is exact: the same MX blocks
     return _hook_inputs(model, _input_cast(lambda module: module.weight.dtype)) if emulate else model
+
+
+def _drops_bias():
+    """Whether torchao's MXFP8 training computes F.linear(x, weight, bias) as x @ weight.T, without
+    the bias (torchao 0.18 does: the bias leaves the forward and gets no gradient). Probed on a
+    Linear of zero weight and bias 1, emulated."""
+    probe = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with torch.no_grad():
+        probe[0].weight.zero_()
+        probe[0].bias.fill_(1.0)
+    quantize_(probe, config(emulate=True), filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    with torch.no_grad():
+        return bool((probe(torch.ones(32, 32)) == 0).all())
+
+
+def _add_bias(module, args, output):
+    """The bias torchao's MXFP8 GEMM left out, added in high precision as F.linear adds it."""
+    return output + module.bias.to(output.dtype)
 
 '''}
 
@@ -94,11 +116,17 @@ def _converts(module, fqn):
 
 
 def _input_cast(dtype_of):
-    """A forward pre-hook casting a converted Linear's input to ``dtype_of(module)`` (None: as it is)."""
-    def hook(module, args):
+    """A forward pre-hook casting a converted Linear's input - ``fc(x)`` or ``fc(input=x)`` - to
+    ``dtype_of(module)`` (None: as it is)."""
+    def hook(module, args, kwargs):
         dtype = dtype_of(module)
-        if dtype is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype != dtype:
-            return (args[0].to(dtype), *args[1:])
+        if dtype is None:
+            return None
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype != dtype:
+            return (args[0].to(dtype), *args[1:]), kwargs
+        x = kwargs.get("input")
+        if not args and isinstance(x, torch.Tensor) and x.dtype != dtype:
+            return args, {{**kwargs, "input": x.to(dtype)}}
         return None
     return hook
 
@@ -106,7 +134,7 @@ def _input_cast(dtype_of):
 def _hook_inputs(model, hook):
     for fqn, module in model.named_modules():
         if _converts(module, fqn):
-            module.register_forward_pre_hook(hook)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
     return model
 
 

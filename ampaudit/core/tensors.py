@@ -55,6 +55,15 @@ def own_loss(output: Any, labelled: bool = False) -> torch.Tensor | None:
     return None
 
 
+def linear_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """An ``nn.Linear`` call's input tensor: ``fc(x)``, or ``fc(input=x)`` - nn.Linear.forward's
+    parameter name, which a forward hook sees in kwargs, not args; None for any other call."""
+    from torch import Tensor
+
+    x = args[0] if args else kwargs.get("input")
+    return x if isinstance(x, Tensor) and len(args) + len(kwargs) == 1 else None
+
+
 def has_tensor(value: Any) -> bool:
     """Whether a (nested) output holds a tensor; dict subclasses such as HF's ModelOutput count."""
     return next(iter_tensors(value), None) is not None

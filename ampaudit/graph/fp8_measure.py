@@ -17,8 +17,9 @@ worst one (which takes the first forward's Linear outputs up to the worst layer'
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
-from ampaudit.core.tensors import given_labels, iter_tensors, own_loss
+from ampaudit.core.tensors import given_labels, iter_tensors, linear_input, own_loss
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
@@ -53,7 +54,12 @@ def _db(signal: float, noise: float) -> float:
 
 
 def _norm(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x)) ** 2
+    """The sum of squares; in float64 where float32's overflows or underflows (elements past
+    about 1e19 or all below about 1e-23): the SQNR read -inf for a finite input of 1e30."""
+    n = float(torch.linalg.vector_norm(x))
+    if (n == 0 or n == math.inf) and x.numel() and bool(x.any()):
+        n = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    return n ** 2
 
 
 def sqnr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
@@ -100,6 +106,10 @@ class Fp8Layer:
     gemms: dict[str, float] = field(default_factory=dict)  # the chosen recipe: output/grad_input/grad_weight SQNR
     has_grad: bool = True
     sampled: dict[str, int] = field(default_factory=dict)  # dim -> how many measured, where sampled
+    # a subclass's own forward (or one wrapped on the instance): what it is, and how far its output
+    # is from F.linear of its input (relative to its norm); None for nn.Linear's own forward
+    own_forward: dict[str, Any] | None = None
+    tied_to: list[str] = field(default_factory=list)  # other modules' parameters that are this weight
 
     @property
     def divisible(self) -> bool:
@@ -113,6 +123,9 @@ class Fp8Layer:
                 "token_ratio": _num(self.token_ratio), "channel_ratio": _num(self.channel_ratio),
                 "operands": {r: {o: s.to_dict() for o, s in ops.items()} for r, ops in self.operands.items()},
                 "gemms": {k: _num(v) for k, v in self.gemms.items()},
+                "own_forward": None if self.own_forward is None else
+                {**self.own_forward, "difference": _num(self.own_forward["difference"])},
+                "tied_to": list(self.tied_to),
                 **({"sampled": dict(self.sampled)} if self.sampled else {})}
 
 
@@ -125,6 +138,8 @@ class Fp8Measurement:
     output_sqnr_without_db: float | None = None  # the same without the dominant layer in fp8
     seconds: dict[str, float] = field(default_factory=dict)
     reference: torch.Tensor | None = None  # the fp32 model output (flat), for ``dominance``
+    # which of the output's float tensors the reference holds: those that depend on the weights
+    outputs_kept: tuple[bool, ...] | None = None
     weight_amax: dict[int, torch.Tensor] = field(default_factory=dict)  # by module id, for ``dominance``
 
 
@@ -169,9 +184,13 @@ class _Record:
     out: torch.Tensor | None = None  # the output as fp32 computed it (the bias still in: taken off the sample)
     out_version: int | None = None  # its in-place version then: changed since, it is no longer the output
     grad_weight: torch.Tensor | None = None  # the weight's gradient from this run, when no other module shares it
+    # not nn.Linear's forward: |output - F.linear(input)| / |output| on the first call (inf: not even its shape)
+    own_difference: float | None = None
     calls: int = 0
     file: str | None = None
     line: int = 0
+    pending: tuple[torch.Tensor, Any] | None = None  # this call's input and line, until its output is seen
+    with_grad: bool = False  # the call measured computes a gradient: later calls are not measured
 
 
 def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -196,9 +215,20 @@ def model_loss(output: Any, labelled: bool = False) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def _outputs(output: Any) -> torch.Tensor:
-    parts = [t.detach().float().flatten() for t in iter_tensors(output) if t.is_floating_point()]
+def _outputs(output: Any, kept: tuple[bool, ...] | None = None) -> torch.Tensor:
+    """The output's float tensors, flat, one after the other; ``kept``: only those marked True
+    (by position), as ``_weight_dependent`` marked them in the recording forward."""
+    parts = [t for t in iter_tensors(output) if t.is_floating_point()]
+    if kept is not None and len(kept) == len(parts):
+        parts = [t for t, k in zip(parts, kept, strict=True) if k]
+    parts = [t.detach().float().flatten() for t in parts]
     return torch.cat(parts) if parts else torch.empty(0)
+
+
+def _weight_dependent(output: Any) -> tuple[bool, ...]:
+    """Which of the output's float tensors depend on the weights (an input passed through, a
+    count or a constant does not: its fp8 error is nil and would dilute the model output's)."""
+    return tuple(t.requires_grad for t in iter_tensors(output) if t.is_floating_point())
 
 
 class _InputGradLinear(torch.autograd.Function):
@@ -228,12 +258,41 @@ class _InputGradLinear(torch.autograd.Function):
         return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None
 
 
+def _is_float8_linear(module: nn.Module) -> bool:
+    """torchao's Float8Linear (a model converted already): F.linear with its operands cast to fp8."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.split(".")[0] == "torchao"
+
+
+def float8_linears(model: nn.Module) -> list[str]:
+    """The Linears of ``model`` that torchao's convert_to_float8_training converted already."""
+    return [name for name, module in linears(model) if _is_float8_linear(module)]
+
+
+def _own_difference(module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> float:
+    """How far a Linear's output is from F.linear of its input, relative to the output's norm:
+    torchao's Float8Linear computes F.linear and nothing else (inf: not even the same shape)."""
+    if out.shape != (x.shape[0], module.out_features):
+        return math.inf
+    with torch.no_grad():
+        bias = None if module.bias is None else module.bias.detach().float()
+        lin = nn.functional.linear(x, module.weight.detach().float(), bias)
+        norm = float(torch.linalg.vector_norm(out))
+        diff = float(torch.linalg.vector_norm(out - lin))
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
 def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: _InputGradLinear.apply(x, module.weight, module.bias)
+    def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature: fc(input=x) too
+        return _InputGradLinear.apply(input, module.weight, module.bias)
+
+    return forward
 
 
-def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor]:
-    """One fp32 forward and backward: each Linear's input and output gradient (first call)."""
+def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor, tuple[bool, ...]]:
+    """One fp32 forward and backward: each Linear's input and output gradient, on its first call
+    that computes a gradient (its first call, where none does): under reentrant activation
+    checkpointing a Linear's first call runs without grad and its recomputation in the backward
+    with it."""
     import sys
 
     from ampaudit.core.userframe import user_location
@@ -242,31 +301,37 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     by_id = {id(r.module): r for r in records.values()}
     handles = []
 
-    def pre(module: nn.Module, args: tuple) -> None:
+    def pre(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         rec = by_id[id(module)]
         rec.calls += 1
-        if rec.x is None and args and isinstance(args[0], torch.Tensor):
-            x = args[0]
-            rec.x = x.detach().float().reshape(-1, x.shape[-1])
-            loc = user_location(sys._getframe(1))
-            if loc is not None:
-                rec.file, rec.line = loc.file, loc.line
+        if not rec.with_grad and (x := linear_input(args, kwargs)) is not None:
+            rec.pending = (x, user_location(sys._getframe(1)))
 
     def post(module: nn.Module, args: tuple, output: Any) -> None:
         rec = by_id[id(module)]
-        if rec.calls != 1 or not isinstance(output, torch.Tensor):
+        pending, rec.pending = rec.pending, None
+        if pending is None or not isinstance(output, torch.Tensor):
             return
+        if rec.x is not None and not output.requires_grad:  # measured without a gradient already
+            return
+        x, loc = pending
+        rec.x = x.detach().float().reshape(-1, x.shape[-1])
+        rec.file, rec.line = (loc.file, loc.line) if loc is not None else (None, 0)
         # not copied (a pass over every output): kept with its version, it is known unchanged or not
         rec.out = output.detach().float().reshape(-1, output.shape[-1])
         rec.out_version = _version(rec.out)
+        if id(module) not in plain and rec.x is not None:
+            rec.own_difference = _own_difference(module, rec.x, rec.out)
         if output.requires_grad:
+            rec.with_grad = True
+
             def keep(g: torch.Tensor, rec: _Record = rec) -> None:
                 if rec.grad is None:
                     rec.grad = g.detach().float().reshape(-1, g.shape[-1])
             output.register_hook(keep)
 
     for rec in records.values():
-        handles.append(rec.module.register_forward_pre_hook(pre))
+        handles.append(rec.module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(rec.module.register_forward_hook(post))
     params = list(model.parameters())
     saved = [p.grad for p in params]  # the user's gradients stay as they were
@@ -274,11 +339,13 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         p.grad = None
     # Linears whose forward is nn.Linear's (not a subclass's own, not wrapped on the instance as
     # accelerate's hooks do) compute no weight gradient; attributes_kept takes the instance
-    # attributes ``forward`` away again
+    # attributes ``forward`` away again. A model converted already (torchao's Float8Linear) is
+    # recorded as the fp32 model it was: its forward is F.linear in fp8, the reference is fp32's
     plain = {id(rec.module) for rec in records.values()
-             if type(rec.module).forward is nn.Linear.forward and "forward" not in vars(rec.module)}
+             if (type(rec.module).forward is nn.Linear.forward or _is_float8_linear(rec.module))
+             and "forward" not in vars(rec.module)}
     try:
-        with attributes_kept(model), torch.enable_grad():
+        with attributes_kept(model), torch.enable_grad(), _modules_called():
             for rec in records.values():
                 if id(rec.module) in plain:
                     rec.module.forward = _input_grad_only(rec.module)
@@ -304,7 +371,19 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             h.remove()
         for p, g in zip(params, saved, strict=True):
             p.grad = g
-    return records, _outputs(output)
+    kept = _weight_dependent(output)  # the reference: the outputs that depend on the weights
+    return records, _outputs(output, kept), kept
+
+
+def _tied(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Each parameter (by id) held by several modules: the modules and their names for it."""
+    held: dict[int, list[tuple[nn.Module, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            entry = (module, f"{prefix}.{name}" if prefix else name)
+            if all(m is not module for m, _ in held.get(id(p), [])):
+                held.setdefault(id(p), []).append(entry)
+    return {k: v for k, v in held.items() if len(v) > 1}
 
 
 def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Measurement:
@@ -312,7 +391,7 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     import time
 
     start = time.perf_counter()
-    records, reference = record(model, inputs)
+    records, reference, kept = record(model, inputs)
     recorded = time.perf_counter()
     empty = next((name for name, rec in records.items() if rec.x is not None and rec.x.numel() == 0), None)
     if empty is not None:  # amax over no elements: torch raises IndexError
@@ -325,9 +404,13 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     with torch.inference_mode():
         layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
                   if rec.x is not None]
+    tied = _tied(model)
+    for layer in layers:
+        layer.tied_to = [n for module, n in tied.get(id(records[layer.name].module.weight), [])
+                         if module is not records[layer.name].module]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
-                          reference=reference, weight_amax=weight_amax)
+                          reference=reference, outputs_kept=kept, weight_amax=weight_amax)
 
 
 class _Casts:
@@ -404,7 +487,10 @@ def _weighted(x: torch.Tensor, rows: _Axis, cols: _Axis) -> float:
     """``x``'s sum of squares over the whole it samples."""
     if rows.weight is None and cols.weight is None:
         return _norm(x)
-    return _squares(x.square(), rows, cols)
+    found = _squares(x.square(), rows, cols)
+    if found == 0 or found == math.inf:  # past float32's range (as _norm)
+        found = _squares(x.double().square(), rows, cols)
+    return found
 
 
 def _sampled_sqnr(reference: torch.Tensor, value: torch.Tensor, rows: _Axis, cols: _Axis) -> float:
@@ -559,13 +645,31 @@ def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
     return amax / p if p > 0 else (math.inf if amax > 0 else 1.0)
 
 
+def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
+    """An inf or NaN in fp32 already: no fp8 cast can be measured against it (its SQNR read -inf
+    and the layer passed as fp8). One line, as bad example inputs are."""
+    if not math.isfinite(float(amax)):
+        raise LoadError(f"the fp32 forward and backward on the example inputs give nn.Linear {name or '(model)'!r} "
+                        f"a non-finite {operand} (inf or NaN): fp8 cannot be measured against it")
+
+
 def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor]) -> Fp8Layer:
     """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale)."""
     x, g = rec.x, rec.grad
     w = rec.module.weight.detach().float()
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
                      rec.line, {}, 0, 0, has_grad=g is not None)
+    if rec.own_difference is not None:
+        instance = "forward" in vars(rec.module)
+        # what Float8Linear.from_float does not keep: parameters beside weight and bias, submodules
+        extra = [n for n, _ in rec.module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+        extra += [n for n, _ in rec.module.named_children()]
+        layer.own_forward = {"class": type(rec.module).__name__, "instance": instance,
+                             "difference": rec.own_difference, "extra": extra}
     row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
+    _require_finite(name, "input", row_amax.max())
+    if g is not None:
+        _require_finite(name, "output gradient", amax_of(g))
     tokens, channels = row_amax > OUTLIER_RATIO * row_amax.median(), col_amax > OUTLIER_RATIO * col_amax.median()
     layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
     layer.token_ratio, layer.channel_ratio = (_max_over_median(a) for a in (row_amax, col_amax))
@@ -575,6 +679,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     # theirs (outlier channels kept), the weight's rows (out_features) by theirs
     tok, k_ax = _Axis.of(row_amax, sampled), _Axis.of(col_amax, sampled)
     n_amax = amax_of(w, 1).flatten()
+    _require_finite(name, "weight", n_amax.max())
     n_ax = _Axis.of(n_amax, sampled)
     weight_amax[id(rec.module)] = n_amax.max()
     full = _Axis()
@@ -635,7 +740,9 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     p2 = chosen.pow2_scales
     xq, wq = casts.get("input", chosen.input, -1, p2), casts.get("weight", chosen.weight, 0, p2)
     output = torch.mm(xq.value, wq.value)
-    once = rec.calls == 1  # called more than once: the recorded products are the first call's, recomputed
+    # called more than once: the recorded products are the first call's; a forward of its own: the
+    # recorded output and weight gradient are not F.linear's - recomputed from the input and weight
+    once = rec.calls == 1 and rec.own_difference is None
     if once and rec.out is not None and rec.out_version is not None and _version(rec.out) == rec.out_version:
         reference = n_ax.take(tok.take(rec.out, 0), 1)
         if rec.module.bias is not None:  # x @ W.T as fp32 computed it: the output less the bias
@@ -717,9 +824,27 @@ class _Replay:
             self.recording = key[0] != self.last
 
 
+@contextlib.contextmanager
+def _modules_called() -> Iterator[None]:
+    """nn.TransformerEncoderLayer's fast path (eval mode, no grad) computes its Linears in one
+    fused kernel without calling them: the fp8 forward ran every one of them in fp32 (a
+    TransformerEncoder's output read 135 dB SQNR with all its Linears 'in fp8'). Off meanwhile."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "get_fastpath_enabled"):
+        yield
+        return
+    was = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(was)
+
+
 def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe: Recipe,
                 weights: dict[int, CastResult] | None = None,
-                weight_amax: dict[int, torch.Tensor] | None = None, replay: _Replay | None = None) -> torch.Tensor:
+                weight_amax: dict[int, torch.Tensor] | None = None, replay: _Replay | None = None,
+                kept: tuple[bool, ...] | None = None) -> torch.Tensor:
     """The model's output (no grad) with the Linears named in ``names`` computing in fp8.
     ``weights``: each module's weight as cast, by id, kept from one call to the next;
     ``weight_amax``: each one's amax, where the measurement already took it; ``replay``: the
@@ -744,9 +869,9 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
 
         # in place of the module's forward, not after it: the fp32 GEMM would be wasted work
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if not args or kwargs or not isinstance(args[0], torch.Tensor):
+            x = linear_input(args, kwargs)
+            if x is None:
                 return original(*args, **kwargs)
-            x = args[0]
             key = replay.key(module) if replay is not None else None
             if replay is not None and (kept := replay.get(key, x)) is not None:
                 return kept
@@ -771,12 +896,14 @@ def fp8_forward(model: nn.Module, inputs: ExampleInputs, names: set[str], recipe
         return forward
 
     # attributes_kept takes the instance attributes ``forward`` away again
-    with attributes_kept(model), torch.no_grad():
+    with attributes_kept(model), torch.no_grad(), _modules_called():
         for name, module in linears(model):
             if name in names:
                 module.forward = fp8_linear(module)
+            elif _is_float8_linear(module):  # converted already: the layers not in fp8 run in fp32
+                module.forward = nn.Linear.forward.__get__(module)
         try:
-            return _outputs(model(*inputs.args, **inputs.kwargs))
+            return _outputs(model(*inputs.args, **inputs.kwargs), kept)
         finally:
             inputs_cast.clear()
 
@@ -799,11 +926,13 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     # the second forward takes the first's calls up to the worst layer
     replay = _Replay(id(dict(linears(model))[worst])) if second else None
     measurement.output_sqnr_db = sqnr_db(reference, fp8_forward(model, inputs, set(candidates), recipe, weights,
-                                                                     measurement.weight_amax, replay))
+                                                                     measurement.weight_amax, replay,
+                                                                     measurement.outputs_kept))
     if second:
         measurement.dominant = worst
         rest = set(candidates) - {worst}
         replay.start(recording=False)
         measurement.output_sqnr_without_db = sqnr_db(reference, fp8_forward(model, inputs, rest, recipe, weights,
-                                                                              measurement.weight_amax, replay))
+                                                                              measurement.weight_amax, replay,
+                                                                              measurement.outputs_kept))
     measurement.seconds["dominance"] = time.perf_counter() - start

@@ -1,7 +1,9 @@
 """The GEMMs of a model that fp8 training leaves alone: torchao's ``convert_to_float8_training``
 (and so ``check --dtype fp8``) converts ``nn.Linear`` only. GPT-2-style models compute their
 projections in transformers' ``Conv1D``; ``nn.MultiheadAttention`` reads its in-projection
-parameter and its out-projection's weight itself (never calling ``out_proj``); CNNs convolve.
+parameter and its out-projection's weight itself (never calling ``out_proj``); CNNs convolve;
+a mixture of experts keeps its experts' weights stacked in 3-D parameters and routes with a
+weight of its own.
 A user reading a table of one Linear should know why the rest is missing."""
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ _KINDS = (  # (one, several, does this module compute such a GEMM)
      lambda m: isinstance(m, nn.MultiheadAttention)),
     ("nn.Bilinear", "nn.Bilinear layers", lambda m: isinstance(m, nn.Bilinear)),
     ("convolution", "convolutions", lambda m: isinstance(m, nn.modules.conv._ConvNd)),
+    # a mixture of experts' stacked expert weights (transformers 5's MixtralExperts: gate_up_proj
+    # (experts, 2*ffn, hidden), each expert's GEMM an F.linear on a slice) - most of such a model's GEMMs
+    ("MoE experts module (3-D expert weights)", "MoE experts modules (3-D expert weights)",
+     lambda m: not isinstance(m, nn.modules.conv._ConvNd) and any(
+         p.dim() == 3 and min(p.shape) > 1 for p in m.parameters(recurse=False))),  # not a (1, N, D) position table
+    # its router's weight read with F.linear (MixtralTopKRouter), not an nn.Linear
+    ("MoE router", "MoE routers", lambda m: type(m).__name__.endswith("Router") and not isinstance(m, nn.Linear)
+     and getattr(m, "weight", None) is not None and m.weight.dim() == 2),
 )
 
 

@@ -16,7 +16,7 @@ from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import BLOCK, MX_BLOCK, RECIPES
 from ampaudit.graph.fp8_measure import Fp8Layer, Fp8Measurement, OperandStats, dominance, measure_fp8
 
-FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705")  # the verdicts this module gives
+FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705", "AMP706", "AMP707")  # the verdicts this module gives
 
 
 @dataclass
@@ -63,8 +63,22 @@ def _ordinary_grad_weight(ops: dict[str, OperandStats]) -> float:
 
 
 def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
-    """The AMP701-AMP704 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
+    """The AMP701-AMP704, AMP706 and AMP707 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
     found = []
+    own = layer.own_forward
+    if own is not None:
+        what = ("an nn.Linear whose forward is wrapped on the instance" if own["instance"] else
+                f"a {own['class']}, an nn.Linear subclass with a forward of its own")
+        if own["extra"]:  # loralib's lora.Linear: its output equals F.linear's until lora_B trains
+            extra = ", ".join(own["extra"])
+            found.append(Verdict("AMP706", {"what": what, "extra": extra},
+                                 f"{own['class']} holds {extra}: torchao's Float8Linear would replace it", "extra"))
+        elif own["difference"] > rule("AMP706").params["max_relative_difference"]:
+            difference = ("its shape" if own["difference"] == math.inf
+                          else f"{own['difference'] * 100:.3g}% of its norm")
+            found.append(Verdict("AMP706", {"what": what, "difference": difference},
+                                 f"{own['class']}.forward computes more than F.linear: torchao's Float8Linear "
+                                 "would replace it"))
     multiple = RECIPES[recipe].dim_multiple
     dims = " and ".join(f"{n} {v}" for n, v in (("in_features", layer.in_features),
                                                  ("out_features", layer.out_features)) if v % multiple)
@@ -72,6 +86,9 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
         found.append(Verdict("AMP701", {"in_features": layer.in_features, "out_features": layer.out_features,
                                         "dims": dims, "multiple": multiple}, f"{dims} not divisible by {multiple}",
                              case="mx" if RECIPES[recipe].input.granularity == BLOCK else None))
+    if recipe == "mxfp8" and layer.tied_to:  # quantize_ gives the weight a Parameter of its own
+        tied = ", ".join(f"`{n}`" for n in layer.tied_to)
+        found.append(Verdict("AMP707", {"tied": tied}, f"its weight is tied to {tied}: MXFP8 training unties it"))
     ops = layer.operands[recipe]
     rest = ops["input"].sqnr_rest_db
     tokens_input = bool(layer.outlier_tokens) and rest < rule("AMP702").params["min_sqnr_db"]

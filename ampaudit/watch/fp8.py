@@ -28,6 +28,7 @@ import torch
 from torch.nn.modules import module as module_hooks
 
 from ampaudit.core.dtypes import E4M3, E5M2, FP8_FORMATS, LowDtype
+from ampaudit.core.tensors import linear_input
 from ampaudit.watch.layout import FP8_FIELDS, FP8_OPERANDS, FP8_SUMS
 
 DEFAULT_FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}  # torchao's tensorwise recipe
@@ -149,20 +150,22 @@ class Fp8Recorder:
         if model is not None:
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear):
-                    self._handles.append(module.register_forward_hook(self._after_forward))
+                    # with kwargs: ``fc(input=x)`` passes its input by keyword
+                    self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True))
         else:
-            self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward))
+            self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
+                                                                           with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _global_after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if isinstance(module, torch.nn.Linear):
-            self._after_forward(module, args, output)
+            self._after_forward(module, args, kwargs, output)
 
-    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if (not self._handles or torch.compiler.is_compiling() or not torch.is_grad_enabled() or self._skip()
                 or not self._here()):
             return
@@ -171,7 +174,7 @@ class Fp8Recorder:
             return
         if name not in self.kinds:
             self.kinds[name], self.formats[name] = module_formats(module)
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        x = linear_input(args, kwargs)
         if x is not None and x.is_floating_point():
             self.measure(name, "input", x)
         weight = getattr(module, "weight", None)

@@ -233,7 +233,9 @@ class Fp8AmaxSpike(Fp8Rule):
     def observe(self, rows: Fp8Rows) -> None:
         for module, operand, row in rows.operands():
             history = row.get("history_amax", 0)
-            spike = history > 0 and row["amax"] >= self.params["min_ratio"] * history
+            # a non-finite amax (an inf or NaN element) is AMP60x's: no scale would hold it
+            spike = (history > 0 and math.isfinite(row["amax"]) and math.isfinite(history)
+                     and row["amax"] >= self.params["min_ratio"] * history)
             if spike and row.get("delayed_saturated", 0) > 0:
                 state = self.spikes.setdefault((module, operand), {"peak": 0.0})
                 _run_step(state, rows)
@@ -262,8 +264,8 @@ class Fp8GradientUnderflow(Fp8Rule):
 
     def observe(self, rows: Fp8Rows) -> None:
         for module, operand, row in rows.operands():
-            if operand != "grad_output" or not row.get("numel"):
-                continue
+            if operand != "grad_output" or not row.get("numel") or not math.isfinite(row["amax"]):
+                continue  # a non-finite gradient (AMP60x's): its scale is 0 or NaN, so every element "flushes"
             if row["underflow"] >= self.params["min_share"] * row["numel"]:
                 state = self.lost.setdefault(module, {"format": row.get("format", "?")})
                 _run_step(state, rows, underflow=row["underflow"], numel=row["numel"])
