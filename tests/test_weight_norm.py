@@ -102,3 +102,23 @@ def test_the_emitted_torchao_file_copies_a_weight_normed_model(cli, tmp_path):
                          cwd=tmp_path, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]  # its verify() deep-copies the model twice
     assert run.stdout.strip().startswith("tensorwise: 0 layer(s) kept in bf16; 4 steps")
+
+
+def test_fp8_keeps_a_linear_whose_weight_is_computed_in_bf16(cli):
+    # torchao's Float8Linear.from_float takes the weight as a Parameter: on this model
+    # convert_to_float8_training raised "cannot assign 'torch.FloatTensor' as parameter 'weight'",
+    # and the audit said fp8 (and read weight.grad of a non-leaf, with torch's warning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        result = cli("check", model("weight_norm_vocoder.py"), "--dtype", "fp8", "--format", "json")
+    assert result.code == 1, result.err  # a warning
+    (found,) = [f for f in json.loads(result.out)["findings"] if f["rule"] == "AMP706"]
+    assert found["module"] == "proj" and "computed by torch.nn.utils.weight_norm" in found["message"]
+
+
+def test_fp8_names_a_parametrization_that_computes_the_weight():
+    net = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 16))
+    policy = ampaudit.fp8_policy(net, (torch.randn(4, 16),), recipe="tensorwise")
+    assert policy.fp8 == ["2"]
+    assert policy.keep == {"0": "AMP706: its weight is computed by a parametrization (WeightNorm): torchao's "
+                                "Float8Linear takes a Parameter"}

@@ -110,6 +110,8 @@ class Fp8Layer:
     # is from F.linear of its input (relative to its norm); None for nn.Linear's own forward
     own_forward: dict[str, Any] | None = None
     tied_to: list[str] = field(default_factory=list)  # other modules' parameters that are this weight
+    # what computes the weight where it is no Parameter of its own (weight_norm, a parametrization)
+    computed_weight: str | None = None
 
     @property
     def divisible(self) -> bool:
@@ -125,7 +127,7 @@ class Fp8Layer:
                 "gemms": {k: _num(v) for k, v in self.gemms.items()},
                 "own_forward": None if self.own_forward is None else
                 {**self.own_forward, "difference": _num(self.own_forward["difference"])},
-                "tied_to": list(self.tied_to),
+                "tied_to": list(self.tied_to), "computed_weight": self.computed_weight,
                 **({"sampled": dict(self.sampled)} if self.sampled else {})}
 
 
@@ -362,7 +364,8 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         for _, p in model.named_parameters(remove_duplicate=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
         for rec in records.values():
-            g = rec.module.weight.grad
+            weight = rec.module.weight
+            g = weight.grad if weight.is_leaf else None  # weight_norm's: computed, its grad is g's and v's
             # a tied weight's gradient is a sum; a plain Linear's weight got none from its own GEMM
             if g is not None and owners.get(id(rec.module.weight)) == 1 and id(rec.module) not in plain:
                 rec.grad_weight = g.detach().float()
@@ -645,6 +648,24 @@ def _sampled_outlier_ratio(x: torch.Tensor, amax: float) -> float:
     return amax / p if p > 0 else (math.inf if amax > 0 else 1.0)
 
 
+def computed_weight(linear: nn.Module) -> str | None:
+    """What computes a Linear's weight where it is no Parameter of its own - the old
+    ``torch.nn.utils.weight_norm`` or ``spectral_norm`` (a forward pre-hook), a parametrization
+    (``torch.nn.utils.parametrizations.weight_norm``, ``orthogonal``) - or None."""
+    if isinstance(linear._parameters.get("weight"), nn.Parameter):
+        return None
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(linear, "weight"):
+        names = [type(p).__name__.lstrip("_") for p in linear.parametrizations.weight]
+        return f"a parametrization ({', '.join(names)})"
+    hooks = [type(h).__name__ for h in linear._forward_pre_hooks.values()]
+    for hook, what in (("WeightNorm", "torch.nn.utils.weight_norm"), ("SpectralNorm", "torch.nn.utils.spectral_norm")):
+        if hook in hooks:
+            return what
+    return "its forward's own code"
+
+
 def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
     """An inf or NaN in fp32 already: no fp8 cast can be measured against it (its SQNR read -inf
     and the layer passed as fp8). One line, as bad example inputs are."""
@@ -666,6 +687,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         extra += [n for n, _ in rec.module.named_children()]
         layer.own_forward = {"class": type(rec.module).__name__, "instance": instance,
                              "difference": rec.own_difference, "extra": extra}
+    layer.computed_weight = computed_weight(rec.module)
     row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
     _require_finite(name, "input", row_amax.max())
     if g is not None:

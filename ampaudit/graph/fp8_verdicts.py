@@ -79,6 +79,10 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
             found.append(Verdict("AMP706", {"what": what, "difference": difference},
                                  f"{own['class']}.forward computes more than F.linear: torchao's Float8Linear "
                                  "would replace it"))
+    if layer.computed_weight is not None:
+        found.append(Verdict("AMP706", {"how": layer.computed_weight},
+                             f"its weight is computed by {layer.computed_weight}: torchao's Float8Linear "
+                             "takes a Parameter", "computed"))
     multiple = RECIPES[recipe].dim_multiple
     dims = " and ".join(f"{n} {v}" for n, v in (("in_features", layer.in_features),
                                                  ("out_features", layer.out_features)) if v % multiple)
