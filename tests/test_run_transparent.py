@@ -276,3 +276,26 @@ def test_a_forked_child_interrupted_ends_as_under_python(tmp_path):
     plain, watched = _plain_and_run(tmp_path)
     assert (plain.returncode, plain.stdout) == (0, "child True None\n")
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
+
+
+NAMES_SCRIPT = """
+import sys, __main__
+def f() -> int: ...
+print(sys.argv[0], __file__, __name__, __main__.__file__ == __file__, f.__annotations__["return"] is int)
+"""
+
+
+@pytest.mark.parametrize("typed", ["s.py", "./s.py", "app"])
+def test_the_script_sees_its_names_as_under_python(tmp_path, typed):
+    """sys.argv[0] as typed (a script prints or logs its command line), __file__ absolute, and
+    none of run's own `from __future__` flags: under run sys.argv[0] was the absolute path
+    (runpy.run_path sets it to the path it runs)."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "s.py").write_text(NAMES_SCRIPT)
+    (tmp_path / "app" / "__main__.py").write_text(NAMES_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, typed], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", typed], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert plain.returncode == 0 and plain.stdout.startswith(f"{typed} {tmp_path}"), plain.stderr
+    assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import Field, fields
+from pathlib import Path
 
 from ampaudit.cli.common import number_type, path_type
 from ampaudit.core.errors import UsageError
@@ -17,8 +18,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
                                      "of every module that runs forward and every optimizer that steps.")
     _add_watch_options(run)
-    run.add_argument("script", type=path_type)
+    run.add_argument("script", type=_typed)  # as typed: the script's sys.argv[0]
     run.add_argument("args", nargs=argparse.REMAINDER)  # what split_script_args leaves is used instead
+
+
+def _typed(text: str) -> str:
+    """The script's path exactly as typed (``./s.py``, which pathlib would make ``s.py``),
+    checked as any path argument is."""
+    path_type(text)
+    return text
 
 
 def split_script_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
@@ -111,12 +119,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "torch, or run without it")
 
     _check_requires(args)
-    refuse_special_file(args.script, "the script")
+    script = Path(args.script)
+    refuse_special_file(script, "the script")
     # the default log, not asked for: where it cannot be written the script trains without one
     optional = args.log is next(f for f in fields(WatchOptions) if f.name == "log").metadata["flag"].default
     if args.log is not None:  # resolved before the script runs (it may chdir)
         try:
-            log = resolve_output(args.log, "--log", inputs=[args.script])
+            log = resolve_output(args.log, "--log", inputs=[script])
         except UsageError as exc:
             if not optional:
                 raise
@@ -125,4 +134,4 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             log.close()  # the watch opens the log itself, resolving it again
             args.log = log.target
-    return run_script(args.script, args.args, watch_options(args), optional_log=optional)
+    return run_script(script, [args.script, *args.args], watch_options(args), optional_log=optional)
