@@ -41,10 +41,10 @@ def _run(model, steps, *, log=None, every=1, loss_factor=1.0, scaler=None, autoc
          lr=0.01, dtype=None):
     """A real training run on the CPU, watched; returns the Monitor."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    half = next(model.parameters()).dtype == torch.float16
+    own = next(model.parameters()).dtype
     with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log, every=every, dtype=dtype) as mon:
         for step in range(steps):
-            x = torch.ones(3, 4, dtype=torch.float16 if half else torch.float32)
+            x = torch.ones(3, 4, dtype=own if own in (torch.float16, torch.float64) else torch.float32)
             if step == bad_step:
                 x[0, 0] = float("inf")
             with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
@@ -131,8 +131,11 @@ def test_underflow_in_an_fp32_run_is_not_lost_updates():
     mon = _run(_net(nn.ReLU()), 2, loss_factor=1e-7)
     assert mon.summary()["dtype_source"] == "default"
     messages = [m for _, _, m in _messages(mon, "AMP601")]
-    assert messages and all(m.endswith("in float16 those updates would be lost (this run computes in float32)")
-                            for m in messages)
+    wider = "in float16 those updates would be lost (this run computes in a wider dtype)"
+    assert messages and all(m.endswith(wider) for m in messages)
+    # nor in a float64 one (pytorch/examples' time_sequence_prediction): it said "computes in float32"
+    double = [m for _, _, m in _messages(_run(_net(nn.ReLU()).double(), 2, loss_factor=1e-7), "AMP601")]
+    assert double and all(m.endswith(wider) for m in double)
     # a float16 model: they are lost
     half = [m for _, _, m in _messages(_run(_net(nn.ReLU()).half(), 2, loss_factor=1e-7), "AMP601")]
     assert half and all(m.endswith(": those updates are lost") for m in half)

@@ -62,7 +62,7 @@ class GradientUnderflow(GradientRule):
         fix = self.hints["after_skips" if run.skipped else "with_scaler" if run.scaled else "without_scaler"]
         dtype = run.limits.name
         lost = {True: "those updates are lost", None: f"in {dtype} those updates are lost",
-                False: f"in {dtype} those updates would be lost (this run computes in float32)"}[run.computes_low]
+                False: f"in {dtype} those updates would be lost (this run computes in a wider dtype)"}[run.computes_low]
         for (module, _), row in rows.items():
             if row.count >= self.params["min_steps"]:
                 yield Verdict(row.first, module, fix, dict(
