@@ -939,6 +939,48 @@ def test_the_audited_dtype_is_the_one_the_run_uses(tmp_path, setup, dtype, sourc
     assert (read_log(log).summary()["dtype"], read_log(log).summary()["dtype_source"]) == (dtype, source)
 
 
+class _CastLinear(torch.nn.Linear):
+    """nanochat's Linear: fp32 master weights cast to the activations' dtype in forward."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype))
+
+
+class _LowInside(torch.nn.Module):
+    """An fp32 embedding, then the compute dtype set inside the forward: nanochat's explicit
+    casts (NANOCHAT_DTYPE), or autocast entered by the model itself."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.wte = torch.nn.Embedding(8, 4)
+        self.fc = _CastLinear(4, 4)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        if self.how == "cast":
+            return self.fc(x.to(torch.bfloat16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc(x)
+
+
+@pytest.mark.parametrize(("how", "source"), [("cast", "the model's own dtype"), ("autocast", "autocast (cpu)")])
+def test_a_low_dtype_that_begins_inside_the_model_is_the_audited_one(tmp_path, how, source):
+    """The first forward output seen (an fp32 embedding's) decided 'float16 (default)', and
+    AMP601 said the run 'computes in float32', when the model goes on in bfloat16."""
+    model = _LowInside(how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log) as mon:
+        for _ in range(2):
+            model(torch.arange(8).view(2, 4)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert (summary["dtype"], summary["dtype_source"]) == ("bfloat16", source)
+    assert (read_log(log).summary()["dtype"], read_log(log).summary()["dtype_source"]) == ("bfloat16", source)
+
+
 def _optimizer(kind, model, lr=0.01, max_iter=1):
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr)

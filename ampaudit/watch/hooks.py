@@ -160,6 +160,7 @@ class StepRecorder:
     def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool,
                  provenance: bool = True, inside_compile: bool = False, exact_histograms: bool = False) -> None:
         self.limits, self.dtype_source = limits, dtype_source
+        self._dtype_open = dtype_source is None  # still looking for the run's dtype (``_detect_dtype``)
         self.record_inputs, self.record_eval, self.provenance = record_inputs, record_eval, provenance
         self.inside_compile = inside_compile  # modules inside a torch.compile'd region recorded (``compiled``)
         # a module's tensors: every element binned, or (CPU) big ones' histograms from a sample
@@ -292,7 +293,7 @@ class StepRecorder:
             return
         if transformed() or not self.thread.here():  # counted in after_forward
             return
-        if self.dtype_source is None and torch.is_grad_enabled():
+        if self._dtype_open and torch.is_grad_enabled():
             self._detect_dtype(measurable_tensors(args))
         if self.record_inputs and self.logging:
             name = self._names.get(id(module))
@@ -317,7 +318,7 @@ class StepRecorder:
             if not self.record_eval:
                 return
             phase = "eval"
-        elif self.dtype_source is None:
+        elif self._dtype_open:
             self._detect_dtype(measurable_tensors(output))
         if not self.logging or name is None:
             return
@@ -403,7 +404,14 @@ class StepRecorder:
             self.calls = [None] * len(self.calls)
 
     def _detect_dtype(self, outputs: list[torch.Tensor]) -> None:
-        self.limits, self.dtype_source = detect_dtype(outputs)
+        """A default (neither autocast nor a low dtype seen yet) is kept looking past until the
+        first step ends: the low precision may begin inside the model - an fp32 embedding, then
+        ``x.to(bfloat16)`` (nanochat) or autocast entered in a forward. Rows filled before then
+        were classified for float16."""
+        limits, source = detect_dtype(outputs)
+        if self.dtype_source is None or not source.startswith("default"):
+            self.limits, self.dtype_source = limits, source
+        self._dtype_open = source.startswith("default")
 
     # -- tensors --------------------------------------------------------------------------------
     def hook_grad(self, tensor: torch.Tensor, module: str, label: str, phase: str = "backward") -> None:
@@ -443,7 +451,7 @@ class StepRecorder:
         if not (self.active and self.logging) or self.paused:
             return
         phase, label = event(kind, index)
-        if self.dtype_source is None and phase == "forward":
+        if self._dtype_open and phase == "forward":
             self._detect_dtype([tensor])
         self.record(self._modules[module], phase, tensor, label, COMPILED)
 
@@ -482,6 +490,7 @@ class StepRecorder:
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen = [], [], False
         self.arena.reset()
+        self._dtype_open = self.dtype_source is None
         self._rearm(logging_next)
         self.logging = logging_next
 
