@@ -1618,3 +1618,25 @@ def test_a_script_that_sets_the_default_dtype_to_float64_is_measured_alike():
     assert want["layers"]["0"]["forward"]["absmax"] > 0.1
     assert got["params"]["0.weight"]["norm"] == pytest.approx(want["params"]["0.weight"]["norm"], rel=1e-6)
     assert got["params"]["0.weight"]["norm"] > 0
+
+
+def test_run_names_two_roots_of_one_class_apart():
+    """Under ampaudit run a module called on its own is a root named by its class: a GAN's
+    discriminator and an encoder, both nn.Sequential, were both `Sequential` - their rows and
+    their parameters (`Sequential.0.weight`, 1x4 and 3x4) added together. A loss module made
+    anew each step keeps one name."""
+    torch.manual_seed(0)
+    G, D, E = nn.Sequential(nn.Linear(2, 4)), nn.Sequential(nn.Linear(4, 1)), nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.SGD([*G.parameters(), *D.parameters(), *E.parameters()], lr=0.1)
+    with ampaudit.watch(None) as mon:
+        for _ in range(3):
+            h = G(torch.randn(5, 2))
+            loss = D(h).sum() + nn.MSELoss()(E(h), torch.zeros(5, 3))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert sorted(summary["layers"]) == ["(model)", "0", "MSELoss", "Sequential", "Sequential#2", "Sequential#2.0",
+                                         "Sequential.0"]
+    params = summary["params"]
+    assert (params["Sequential.0.weight"]["numel"], params["Sequential#2.0.weight"]["numel"]) == (3 * 4, 3 * 12)

@@ -185,6 +185,7 @@ class StepRecorder:
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle, bool]] = {}
         self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents]] = {}  # this step's, by tensor id
         self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._roots: dict[str, weakref.ref] = {}  # a further root's name -> that root (``_root_name``)
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
         self._token = compiled.register(self.record_traced)  # how the op in a compiled graph finds this recorder
@@ -250,6 +251,16 @@ class StepRecorder:
         self.active = False
 
     # -- names ----------------------------------------------------------------------------------
+    def _root_name(self, module: torch.nn.Module) -> str:
+        """A further root's name: its class's, numbered (``Sequential#2``) while another root
+        of that name is alive - a GAN's two ``nn.Sequential`` were one module. A loss module
+        made anew each step takes its dead predecessor's name."""
+        base = name = type(module).__name__
+        while (known := self._roots.get(name)) is not None and known() not in (None, module):
+            name = f"{base}#{int(name.rpartition('#')[2]) + 1 if name != base else 2}"
+        self._roots[name] = weakref.ref(module)
+        return name
+
     def _name_tree(self, root: torch.nn.Module, prefix: str) -> None:
         """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
         "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
@@ -364,7 +375,7 @@ class StepRecorder:
             return  # counted when the call returns
         if self._depth == 0:
             if id(module) not in self._names:
-                self._name_tree(module, "" if not self._names else type(module).__name__)
+                self._name_tree(module, "" if not self._names else self._root_name(module))
             if self.provenance:
                 self._root_forward(module, args)
         self._depth += 1
