@@ -686,3 +686,29 @@ def test_a_gradient_made_between_modules_that_a_replay_does_not_make_again_is_no
         "module": "a", "phase": "backward", "tensor": "grad of output"}
     assert "from the loss" not in first["note"]
     assert first["note"].startswith("it was made between modules, in the code of `(model)`")
+
+
+class _GraphConv(nn.Module):
+    """pytorch/examples' gcn: sparse node features times a weight, then the sparse adjacency."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = nn.Parameter(torch.full((4, 3), 0.5))
+
+    def forward(self, x, adj):
+        return torch.spmm(adj, torch.mm(x, self.kernel))
+
+
+def test_a_sparse_input_holding_inf_is_an_input_not_the_op_that_read_it():
+    """A sparse batch holding inf: the op that read it was named as having made it ("aten.mm"),
+    its sparse inputs taken for finite."""
+    model = _GraphConv()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.eye(5, 4)
+    x[2, 1] = float("inf")
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        model(x.to_sparse(), torch.eye(5).to_sparse()).sum().backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first.get("op")) == ("(model)", "forward", None)
+    assert first["note"].startswith("its inputs already held NaN or +inf")
