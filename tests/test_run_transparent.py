@@ -299,3 +299,13 @@ def test_the_script_sees_its_names_as_under_python(tmp_path, typed):
                              capture_output=True, text=True, timeout=120, env=env)
     assert plain.returncode == 0 and plain.stdout.startswith(f"{typed} {tmp_path}"), plain.stderr
     assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr
+
+
+def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_path):
+    """A SyntaxError is the script's, printed as python prints it (the file, line and caret,
+    no traceback): run printed its own frames above it, compile() in run_script."""
+    (tmp_path / "s.py").write_text("import torch\nx = (1,\nprint('x')\n")
+    plain, watched = _plain_and_run(tmp_path)
+    assert plain.returncode == 1 and "SyntaxError" in plain.stderr and "Traceback" not in plain.stderr
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout)
+    assert watched.stderr.startswith(plain.stderr), watched.stderr

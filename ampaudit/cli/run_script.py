@@ -145,12 +145,13 @@ def _run_main(script: Path) -> None:
 
 def _script_traceback(exc: BaseException, out: TextIO) -> None:
     """The script's uncaught exception as python prints it: its traceback from the script's own
-    module frame on, without runpy's frames and ours before it."""
+    module frame on, without runpy's frames and ours before it; none where the script never ran
+    (a SyntaxError: its file, line and caret only, as python prints it)."""
     tb = exc.__traceback__
     while tb is not None and not (tb.tb_frame.f_code.co_name == "<module>"
                                   and tb.tb_frame.f_globals.get("__name__") == "__main__"):
         tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb or exc.__traceback__, file=out)
+    traceback.print_exception(type(exc), exc, tb, file=out)
 
 
 def _stderr(kept: Callable[[], TextIO]) -> TextIO:
