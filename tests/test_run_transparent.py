@@ -309,3 +309,47 @@ def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_pat
     assert plain.returncode == 1 and "SyntaxError" in plain.stderr and "Traceback" not in plain.stderr
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout)
     assert watched.stderr.startswith(plain.stderr), watched.stderr
+
+
+DDP_SCRIPT = """
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(3, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("rank", dist.get_rank(), "trained")
+dist.destroy_process_group()
+"""
+
+
+def test_each_rank_of_a_distributed_launch_trains_and_the_log_is_rank_0_s(tmp_path):
+    """A launcher (srun, mpirun, a torchrun wrapper) runs `ampaudit run --log w.jsonl s.py` in
+    every rank: rank 1 found the log held by rank 0 and exited 2 before training ('refusing a
+    second writer'), and rank 0 waited for it forever. A rank other than 0 (torch's RANK)
+    writes no log and says so; the log is rank 0's, as docs/watch.md says."""
+    import socket
+
+    (tmp_path / "s.py").write_text(DDP_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        out = [proc.communicate(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], out[1][1]
+    assert [o for o, _ in out] == ["rank 0 trained\n", "rank 1 trained\n"]
+    assert "ampaudit run: log written to w.jsonl" in out[0][1]
+    assert "ampaudit run: rank 1 of 2: the log is rank 0's: watching without one\n" in out[1][1]
+    assert "log written" not in out[1][1]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from dataclasses import Field, fields
 from pathlib import Path
 
@@ -106,6 +108,17 @@ def _check_requires(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name} goes with --{needed}")
 
 
+def _launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) of a rank other than 0 in a distributed launch - torch's RANK and
+    WORLD_SIZE, which torchrun, accelerate, Lightning and env:// set - else None. The process
+    group is not up when run opens the log, so watch cannot ask it."""
+    try:
+        rank, world = int(os.environ.get("RANK", "")), int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    return (rank, world) if 0 < rank < world else None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ampaudit.core.outputs import refuse_special_file, resolve_output
     from ampaudit.core.torch_extra import require_torch
@@ -123,6 +136,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     refuse_special_file(script, "the script")
     # the default log, not asked for: where it cannot be written the script trains without one
     optional = args.log is next(f for f in fields(WatchOptions) if f.name == "log").metadata["flag"].default
+    launched = _launched_rank()
+    if launched is not None and args.log is not None:  # a rank refused the log would never join the others
+        sys.stderr.write(f"ampaudit run: rank {launched[0]} of {launched[1]}: the log is rank 0's: watching "
+                         "without one\n")
+        args.log = None
     if args.log is not None:  # resolved before the script runs (it may chdir)
         try:
             log = resolve_output(args.log, "--log", inputs=[script])
