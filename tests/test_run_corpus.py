@@ -4,8 +4,10 @@
 The corpus (fixtures/trainers/transparent/) is our own code shaped like real trainers: DataLoader
 workers, fork pools and os.fork, threads training at once, torch.func, activation checkpointing
 and a resumed checkpoint, optimizers that take closures, two optimizers with one GradScaler,
-torch.compile. Each script saves its weights to ./weights.pt; processes that share stdout print
-each line in one write (under PYTHONUNBUFFERED print writes its words one by one)."""
+Muon and AdamW stepping after one backward, torch.compile. Each script saves its weights to
+./weights.pt; processes that share stdout print each line in one write (under PYTHONUNBUFFERED
+print writes its words one by one). The summary at exit says what the log says: its steps,
+eval forwards and each parameter's last norm."""
 
 from __future__ import annotations
 
@@ -51,6 +53,11 @@ def test_a_script_trains_under_run_as_it_does_under_python(tmp_path, script):
     assert f"│ steps             {logged['steps']} " in watched_err
     evals = logged["eval_forwards"]["count"]
     assert (f"│ eval forwards     {evals} with grad disabled" in watched_err) == (evals > 0), watched_err
+    # each parameter's last gradient norm as the log has it (two optimizers: each step holds one's)
+    table = watched_err[watched_err.index("Parameter gradients"):].splitlines()
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in table if line.startswith("│ ")}
+    assert {name: rows.get(name) for name in logged["params"]} == \
+           {name: "" if s["norm"] is None else f"{s['norm']:.3g}" for name, s in logged["params"].items()}
     plain = torch.load(tmp_path / "plain" / "weights.pt")
     watched = torch.load(tmp_path / "watched" / "weights.pt")
     assert list(watched) == list(plain)

@@ -276,3 +276,80 @@ def test_a_forked_child_interrupted_ends_as_under_python(tmp_path):
     plain, watched = _plain_and_run(tmp_path)
     assert (plain.returncode, plain.stdout) == (0, "child True None\n")
     assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout), watched.stderr
+
+
+NAMES_SCRIPT = """
+import sys, __main__
+def f() -> int: ...
+print(sys.argv[0], __file__, __name__, __main__.__file__ == __file__, f.__annotations__["return"] is int)
+"""
+
+
+@pytest.mark.parametrize("typed", ["s.py", "./s.py", "app"])
+def test_the_script_sees_its_names_as_under_python(tmp_path, typed):
+    """sys.argv[0] as typed (a script prints or logs its command line), __file__ absolute, and
+    none of run's own `from __future__` flags: under run sys.argv[0] was the absolute path
+    (runpy.run_path sets it to the path it runs)."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "s.py").write_text(NAMES_SCRIPT)
+    (tmp_path / "app" / "__main__.py").write_text(NAMES_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, typed], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", typed], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert plain.returncode == 0 and plain.stdout.startswith(f"{typed} {tmp_path}"), plain.stderr
+    assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr
+
+
+def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_path):
+    """A SyntaxError is the script's, printed as python prints it (the file, line and caret,
+    no traceback): run printed its own frames above it, compile() in run_script."""
+    (tmp_path / "s.py").write_text("import torch\nx = (1,\nprint('x')\n")
+    plain, watched = _plain_and_run(tmp_path)
+    assert plain.returncode == 1 and "SyntaxError" in plain.stderr and "Traceback" not in plain.stderr
+    assert (watched.returncode, watched.stdout) == (plain.returncode, plain.stdout)
+    assert watched.stderr.startswith(plain.stderr), watched.stderr
+
+
+DDP_SCRIPT = """
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(3, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("rank", dist.get_rank(), "trained")
+dist.destroy_process_group()
+"""
+
+
+def test_each_rank_of_a_distributed_launch_trains_and_the_log_is_rank_0_s(tmp_path):
+    """A launcher (srun, mpirun, a torchrun wrapper) runs `ampaudit run --log w.jsonl s.py` in
+    every rank: rank 1 found the log held by rank 0 and exited 2 before training ('refusing a
+    second writer'), and rank 0 waited for it forever. A rank other than 0 (torch's RANK)
+    writes no log and says so; the log is rank 0's, as docs/watch.md says."""
+    import socket
+
+    (tmp_path / "s.py").write_text(DDP_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        out = [proc.communicate(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], out[1][1]
+    assert [o for o, _ in out] == ["rank 0 trained\n", "rank 1 trained\n"]
+    assert "ampaudit run: log written to w.jsonl" in out[0][1]
+    assert "ampaudit run: rank 1 of 2: the log is rank 0's: watching without one\n" in out[1][1]
+    assert "log written" not in out[1][1]

@@ -41,10 +41,10 @@ def _run(model, steps, *, log=None, every=1, loss_factor=1.0, scaler=None, autoc
          lr=0.01, dtype=None):
     """A real training run on the CPU, watched; returns the Monitor."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    half = next(model.parameters()).dtype == torch.float16
+    own = next(model.parameters()).dtype
     with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log, every=every, dtype=dtype) as mon:
         for step in range(steps):
-            x = torch.ones(3, 4, dtype=torch.float16 if half else torch.float32)
+            x = torch.ones(3, 4, dtype=own)
             if step == bad_step:
                 x[0, 0] = float("inf")
             with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
@@ -119,6 +119,22 @@ def test_headroom_names_the_layer_within_2x_of_the_max():
 
 # -- words that mislead (issue 28 item 12): each message below was wrong before -------------------------
 
+def test_a_bfloat16_run_s_exact_zero_gradients_are_not_underflow():
+    """A zero-initialised output projection (nanochat, modded-nanogpt) makes the gradients of
+    the layers before it exactly zero on the first step. In a bfloat16 run (fp32's range) no
+    gradient is flushed to zero: AMP601 said "100% ... are zero or below bfloat16's smallest
+    normal ...: those updates are lost"."""
+    model = _net(nn.ReLU())
+    nn.init.zeros_(model[2].weight)
+    mon = _run(model.bfloat16(), 1)
+    assert mon.summary()["params"]["0.weight"]["zero"] == 32  # all zero, none underflowed
+    assert _messages(mon, "AMP601") == []
+    # in float16 a whole tensor of exact zeros is still what a flushed gradient looks like
+    half = _net(nn.ReLU())
+    nn.init.zeros_(half[2].weight)
+    assert [m for _, m, _ in _messages(_run(half.half(), 1), "AMP601")] == ["0"]
+
+
 def test_headroom_past_the_max_says_how_far_past():
     """An fp32 run audited for float16: 1.1e6 is 17x past the max, not "within 2x"."""
     mon = _run(_constant(_net(Gain(2.75e6)), 0.1, 0.05), 1, lr=0.0)  # 0.4 * 2.75e6 = 1.1e6
@@ -131,8 +147,11 @@ def test_underflow_in_an_fp32_run_is_not_lost_updates():
     mon = _run(_net(nn.ReLU()), 2, loss_factor=1e-7)
     assert mon.summary()["dtype_source"] == "default"
     messages = [m for _, _, m in _messages(mon, "AMP601")]
-    assert messages and all(m.endswith("in float16 those updates would be lost (this run computes in float32)")
-                            for m in messages)
+    wider = "in float16 those updates would be lost (this run computes in a wider dtype)"
+    assert messages and all(m.endswith(wider) for m in messages)
+    # nor in a float64 one (pytorch/examples' time_sequence_prediction): it said "computes in float32"
+    double = [m for _, _, m in _messages(_run(_net(nn.ReLU()).double(), 2, loss_factor=1e-7), "AMP601")]
+    assert double and all(m.endswith(wider) for m in double)
     # a float16 model: they are lost
     half = [m for _, _, m in _messages(_run(_net(nn.ReLU()).half(), 2, loss_factor=1e-7), "AMP601")]
     assert half and all(m.endswith(": those updates are lost") for m in half)

@@ -939,6 +939,48 @@ def test_the_audited_dtype_is_the_one_the_run_uses(tmp_path, setup, dtype, sourc
     assert (read_log(log).summary()["dtype"], read_log(log).summary()["dtype_source"]) == (dtype, source)
 
 
+class _CastLinear(torch.nn.Linear):
+    """nanochat's Linear: fp32 master weights cast to the activations' dtype in forward."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype))
+
+
+class _LowInside(torch.nn.Module):
+    """An fp32 embedding, then the compute dtype set inside the forward: nanochat's explicit
+    casts (NANOCHAT_DTYPE), or autocast entered by the model itself."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.wte = torch.nn.Embedding(8, 4)
+        self.fc = _CastLinear(4, 4)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        if self.how == "cast":
+            return self.fc(x.to(torch.bfloat16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc(x)
+
+
+@pytest.mark.parametrize(("how", "source"), [("cast", "the model's own dtype"), ("autocast", "autocast (cpu)")])
+def test_a_low_dtype_that_begins_inside_the_model_is_the_audited_one(tmp_path, how, source):
+    """The first forward output seen (an fp32 embedding's) decided 'float16 (default)', and
+    AMP601 said the run 'computes in float32', when the model goes on in bfloat16."""
+    model = _LowInside(how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log) as mon:
+        for _ in range(2):
+            model(torch.arange(8).view(2, 4)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert (summary["dtype"], summary["dtype_source"]) == ("bfloat16", source)
+    assert (read_log(log).summary()["dtype"], read_log(log).summary()["dtype_source"]) == ("bfloat16", source)
+
+
 def _optimizer(kind, model, lr=0.01, max_iter=1):
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr)
@@ -1576,3 +1618,25 @@ def test_a_script_that_sets_the_default_dtype_to_float64_is_measured_alike():
     assert want["layers"]["0"]["forward"]["absmax"] > 0.1
     assert got["params"]["0.weight"]["norm"] == pytest.approx(want["params"]["0.weight"]["norm"], rel=1e-6)
     assert got["params"]["0.weight"]["norm"] > 0
+
+
+def test_run_names_two_roots_of_one_class_apart():
+    """Under ampaudit run a module called on its own is a root named by its class: a GAN's
+    discriminator and an encoder, both nn.Sequential, were both `Sequential` - their rows and
+    their parameters (`Sequential.0.weight`, 1x4 and 3x4) added together. A loss module made
+    anew each step keeps one name."""
+    torch.manual_seed(0)
+    G, D, E = nn.Sequential(nn.Linear(2, 4)), nn.Sequential(nn.Linear(4, 1)), nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.SGD([*G.parameters(), *D.parameters(), *E.parameters()], lr=0.1)
+    with ampaudit.watch(None) as mon:
+        for _ in range(3):
+            h = G(torch.randn(5, 2))
+            loss = D(h).sum() + nn.MSELoss()(E(h), torch.zeros(5, 3))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert sorted(summary["layers"]) == ["(model)", "0", "MSELoss", "Sequential", "Sequential#2", "Sequential#2.0",
+                                         "Sequential.0"]
+    params = summary["params"]
+    assert (params["Sequential.0.weight"]["numel"], params["Sequential#2.0.weight"]["numel"]) == (3 * 4, 3 * 12)

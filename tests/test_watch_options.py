@@ -133,7 +133,7 @@ def test_ampaudit_run_takes_every_option_that_has_a_flag():
     argv = [a for name in FLAGS if name in samples() for a in FLAGS[name]]
     args = build_parser().parse_args(["run", *argv, "train.py", "--lr", "1"])
     assert watch_options(args) == WatchOptions(**samples(without=tuple(NO_FLAG)))
-    assert (args.script, args.args) == (Path("train.py"), ["--lr", "1"])
+    assert (args.script, args.args) == ("train.py", ["--lr", "1"])  # as typed: the script's sys.argv[0]
     defaults = watch_options(build_parser().parse_args(["run", "train.py"]))
     assert defaults == WatchOptions(log=Path("ampaudit-watch.jsonl"))  # the command's own log; the rest as the API
 

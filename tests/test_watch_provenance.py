@@ -643,3 +643,72 @@ def test_one_gradient_hook_serves_a_tensor_two_modules_share_unless_a_users_hook
                 wanted[event] = bool(stats.nonfinite(raw).item())
         opt.step()
     assert list(wanted.values()) == [False, user_hook]
+
+
+class _OnceInf(torch.autograd.Function):
+    """Its backward makes inf on its first call only: what depends on state (or on exact
+    gradient values a replay's synthetic ones do not have) is not made again by a replay."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _OnceInf.calls += 1
+        return grad * float("inf") if _OnceInf.calls == 1 else grad
+
+
+class _BetweenModules(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(_OnceInf.apply(self.a(x)))
+
+
+def test_a_gradient_made_between_modules_that_a_replay_does_not_make_again_is_not_blamed_on_the_loss():
+    """A gradient that went bad in the model's own code, between `b` and `a`, with a finite
+    gradient coming into the model: when the replay of that code stayed finite (fp16 overflow
+    of `h * exp(h.amax())` with real gradients, not with synthetic ones; a state-dependent
+    backward), the blame said "it came into the model already non-finite: from the loss"."""
+    _OnceInf.calls = 0
+    model = _BetweenModules()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        model(torch.ones(3, 4)).pow(2).mean().backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first[k] for k in ("module", "phase", "tensor")} == {
+        "module": "a", "phase": "backward", "tensor": "grad of output"}
+    assert "from the loss" not in first["note"]
+    assert first["note"].startswith("it was made between modules, in the code of `(model)`")
+
+
+class _GraphConv(nn.Module):
+    """pytorch/examples' gcn: sparse node features times a weight, then the sparse adjacency."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = nn.Parameter(torch.full((4, 3), 0.5))
+
+    def forward(self, x, adj):
+        return torch.spmm(adj, torch.mm(x, self.kernel))
+
+
+def test_a_sparse_input_holding_inf_is_an_input_not_the_op_that_read_it():
+    """A sparse batch holding inf: the op that read it was named as having made it ("aten.mm"),
+    its sparse inputs taken for finite."""
+    model = _GraphConv()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.eye(5, 4)
+    x[2, 1] = float("inf")
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        model(x.to_sparse(), torch.eye(5).to_sparse()).sum().backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first.get("op")) == ("(model)", "forward", None)
+    assert first["note"].startswith("its inputs already held NaN or +inf")

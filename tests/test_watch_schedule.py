@@ -65,3 +65,39 @@ def test_ampaudit_run_every_2_records_both_optimizers_of_a_gan(cli, tmp_path, mo
     assert [r["step"] for r in records] == [0, 4, 5, 8, 9, 12, 13]
     params = {r["step"]: sorted(r["params"]) for r in records}  # each step: its optimizer's parameters
     assert params[0] == params[4] == params[8] == params[12] != params[5] == params[9] == params[13]
+
+
+TWO_OPTIMIZERS_ONE_BACKWARD = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+matrices = torch.optim.SGD([model[0].weight, model[2].weight], lr=0.01, momentum=0.9)  # Muon's share
+others = torch.optim.AdamW([model[0].bias, model[2].bias], lr=0.01)
+for it in range(3):
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    for opt in (others, matrices):
+        opt.step()
+    model.zero_grad(set_to_none=True)
+print("trained")
+"""
+
+
+def _table(text: str, title: str) -> str:
+    return text[text.index(title):].split("\n\n")[0]
+
+
+def test_the_summary_keeps_each_parameter_s_last_norm_when_two_optimizers_step(cli, tmp_path, monkeypatch):
+    """Muon for the matrices and AdamW for the rest, both stepping after one backward
+    (cifar10-airbench, modded-nanogpt, nanochat): each step holds only its optimizer's
+    parameters, and the summary at exit left the 'last norm' of the other optimizer's blank
+    where `ampaudit report` of the same log showed it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "two.py").write_text(TWO_OPTIMIZERS_ONE_BACKWARD)
+    live = cli("run", "--log", "w.jsonl", "two.py")
+    assert live.code == 0 and live.out == "trained\n"
+    table = _table(live.err, "Parameter gradients")
+    rows = [line for line in table.splitlines() if line.startswith("│ ")]
+    assert [row.split()[1] for row in rows] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert all(row.split("│")[2].strip() for row in rows), table  # a norm in each row
+    assert table == _table(cli("report", "w.jsonl").out, "Parameter gradients")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from dataclasses import Field, fields
+from pathlib import Path
 
 from ampaudit.cli.common import number_type, path_type
 from ampaudit.core.errors import UsageError
@@ -17,8 +20,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          description="Run SCRIPT as __main__ with its arguments, recording per-module statistics "
                                      "of every module that runs forward and every optimizer that steps.")
     _add_watch_options(run)
-    run.add_argument("script", type=path_type)
+    run.add_argument("script", type=_typed)  # as typed: the script's sys.argv[0]
     run.add_argument("args", nargs=argparse.REMAINDER)  # what split_script_args leaves is used instead
+
+
+def _typed(text: str) -> str:
+    """The script's path exactly as typed (``./s.py``, which pathlib would make ``s.py``),
+    checked as any path argument is."""
+    path_type(text)
+    return text
 
 
 def split_script_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
@@ -98,6 +108,17 @@ def _check_requires(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name} goes with --{needed}")
 
 
+def _launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) of a rank other than 0 in a distributed launch - torch's RANK and
+    WORLD_SIZE, which torchrun, accelerate, Lightning and env:// set - else None. The process
+    group is not up when run opens the log, so watch cannot ask it."""
+    try:
+        rank, world = int(os.environ.get("RANK", "")), int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    return (rank, world) if 0 < rank < world else None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ampaudit.core.outputs import refuse_special_file, resolve_output
     from ampaudit.core.torch_extra import require_torch
@@ -111,12 +132,18 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "torch, or run without it")
 
     _check_requires(args)
-    refuse_special_file(args.script, "the script")
+    script = Path(args.script)
+    refuse_special_file(script, "the script")
     # the default log, not asked for: where it cannot be written the script trains without one
     optional = args.log is next(f for f in fields(WatchOptions) if f.name == "log").metadata["flag"].default
+    launched = _launched_rank()
+    if launched is not None and args.log is not None:  # a rank refused the log would never join the others
+        sys.stderr.write(f"ampaudit run: rank {launched[0]} of {launched[1]}: the log is rank 0's: watching "
+                         "without one\n")
+        args.log = None
     if args.log is not None:  # resolved before the script runs (it may chdir)
         try:
-            log = resolve_output(args.log, "--log", inputs=[args.script])
+            log = resolve_output(args.log, "--log", inputs=[script])
         except UsageError as exc:
             if not optional:
                 raise
@@ -125,4 +152,4 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             log.close()  # the watch opens the log itself, resolving it again
             args.log = log.target
-    return run_script(args.script, args.args, watch_options(args), optional_log=optional)
+    return run_script(script, [args.script, *args.args], watch_options(args), optional_log=optional)

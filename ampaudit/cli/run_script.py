@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pkgutil
 import runpy
 import sys
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +23,8 @@ from ampaudit.watch.options import WatchOptions
 
 
 def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional_log: bool = False) -> int:
-    """Run ``script`` as __main__ with ``argv``, watched with ``options``; its exit code.
+    """Run ``script`` as __main__ with ``argv`` its ``sys.argv`` (the first word the script as
+    typed), watched with ``options``; its exit code.
     ``optional_log``: the log is run's default, not asked for - one that cannot be opened (an
     earlier run still writing it, another file of that name) leaves the script to train without."""
     if script.is_dir() and not (script / "__main__.py").is_file():  # python runs a folder's __main__.py
@@ -89,14 +92,13 @@ def _uncaught_interrupt() -> KeyboardInterrupt:
 def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable[[], TextIO]) -> tuple[int, bool]:
     """The script's exit code, and whether an uncaught KeyboardInterrupt ended it."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [str(script), *argv]
+    sys.argv = list(argv)
     if not script.is_dir():  # a folder: run_path puts the folder itself first, as python does
         sys.path.insert(0, str(script.resolve().parent))
     code, interrupted = 0, False
     monitor.start()
     try:
-        # absolute, as python makes a script's path: its __file__ and its tracebacks' file names
-        runpy.run_path(os.path.abspath(script), run_name="__main__")
+        _run_main(script)
     except SystemExit as exc:  # the script's own exit code is ours, and its message, as python shows them
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -116,14 +118,40 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
     return code, interrupted
 
 
+def _run_main(script: Path) -> None:
+    """``script`` run as ``python script`` runs it: as ``__main__``, its ``__file__`` and its
+    tracebacks' file names absolute, ``sys.argv[0]`` as typed. ``runpy.run_path`` sets
+    ``sys.argv[0]`` to the path it is given, so a file runs here (compiled without this
+    module's ``from __future__`` flags); a folder's ``__main__.py`` through run_path, given the
+    folder as typed (its importer makes ``__file__`` absolute)."""
+    if script.is_dir():
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
+    path = os.path.join(os.getcwd(), sys.argv[0])  # python's own absolute path: ./s.py gives /cwd/./s.py
+    with io.open_code(path) as f:
+        code = pkgutil.read_code(f)  # python runs a compiled .pyc too
+    if code is None:
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main  # pickle and multiprocessing's spawn look the script up there
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+
+
 def _script_traceback(exc: BaseException, out: TextIO) -> None:
     """The script's uncaught exception as python prints it: its traceback from the script's own
-    module frame on, without runpy's frames and ours before it."""
+    module frame on, without runpy's frames and ours before it; none where the script never ran
+    (a SyntaxError: its file, line and caret only, as python prints it)."""
     tb = exc.__traceback__
     while tb is not None and not (tb.tb_frame.f_code.co_name == "<module>"
                                   and tb.tb_frame.f_globals.get("__name__") == "__main__"):
         tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb or exc.__traceback__, file=out)
+    traceback.print_exception(type(exc), exc, tb, file=out)
 
 
 def _stderr(kept: Callable[[], TextIO]) -> TextIO:

@@ -166,6 +166,7 @@ class _Trace:
                         if b and e.phase == "backward" and e.tensor.startswith("grad of output")), None)
         if arrived is None:
             return None
+        unfound = None  # the innermost module whose code made it, its replay finite
         for parent in self.enclosing(arrived.call):
             call = self.recorder.calls[parent]
             incoming = self.incoming(parent)
@@ -177,6 +178,12 @@ class _Trace:
             if origin.op is not None:
                 return {"step": first["step"], "module": self.recorder.module_name(call.module), "phase": "backward",
                         "tensor": f"grad of {arrived.module}'s output", **origin.to_dict()}
+            unfound = unfound or self.recorder.module_name(call.module)
+        if unfound is not None:  # not from the loss: finite gradients came into that module
+            return {**first, "note": f"it was made between modules, in the code of `{unfound}`'s forward (the "
+                                     "gradients that came into it were finite); replayed with gradients shaped like "
+                                     "the recorded ones that code stayed finite, so the op is not known (it depends on "
+                                     "their exact values, or on state)"}
         return None
 
     def located(self, found: dict[str, Any], index: int | None) -> dict[str, Any]:

@@ -160,6 +160,7 @@ class StepRecorder:
     def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool,
                  provenance: bool = True, inside_compile: bool = False, exact_histograms: bool = False) -> None:
         self.limits, self.dtype_source = limits, dtype_source
+        self._dtype_open = dtype_source is None  # still looking for the run's dtype (``_detect_dtype``)
         self.record_inputs, self.record_eval, self.provenance = record_inputs, record_eval, provenance
         self.inside_compile = inside_compile  # modules inside a torch.compile'd region recorded (``compiled``)
         # a module's tensors: every element binned, or (CPU) big ones' histograms from a sample
@@ -184,6 +185,7 @@ class StepRecorder:
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle, bool]] = {}
         self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents]] = {}  # this step's, by tensor id
         self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._roots: dict[str, weakref.ref] = {}  # a further root's name -> that root (``_root_name``)
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
         self._token = compiled.register(self.record_traced)  # how the op in a compiled graph finds this recorder
@@ -249,6 +251,16 @@ class StepRecorder:
         self.active = False
 
     # -- names ----------------------------------------------------------------------------------
+    def _root_name(self, module: torch.nn.Module) -> str:
+        """A further root's name: its class's, numbered (``Sequential#2``) while another root
+        of that name is alive - a GAN's two ``nn.Sequential`` were one module. A loss module
+        made anew each step takes its dead predecessor's name."""
+        base = name = type(module).__name__
+        while (known := self._roots.get(name)) is not None and known() not in (None, module):
+            name = f"{base}#{int(name.rpartition('#')[2]) + 1 if name != base else 2}"
+        self._roots[name] = weakref.ref(module)
+        return name
+
     def _name_tree(self, root: torch.nn.Module, prefix: str) -> None:
         """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
         "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
@@ -292,7 +304,7 @@ class StepRecorder:
             return
         if transformed() or not self.thread.here():  # counted in after_forward
             return
-        if self.dtype_source is None and torch.is_grad_enabled():
+        if self._dtype_open and torch.is_grad_enabled():
             self._detect_dtype(measurable_tensors(args))
         if self.record_inputs and self.logging:
             name = self._names.get(id(module))
@@ -317,7 +329,7 @@ class StepRecorder:
             if not self.record_eval:
                 return
             phase = "eval"
-        elif self.dtype_source is None:
+        elif self._dtype_open:
             self._detect_dtype(measurable_tensors(output))
         if not self.logging or name is None:
             return
@@ -363,7 +375,7 @@ class StepRecorder:
             return  # counted when the call returns
         if self._depth == 0:
             if id(module) not in self._names:
-                self._name_tree(module, "" if not self._names else type(module).__name__)
+                self._name_tree(module, "" if not self._names else self._root_name(module))
             if self.provenance:
                 self._root_forward(module, args)
         self._depth += 1
@@ -403,7 +415,14 @@ class StepRecorder:
             self.calls = [None] * len(self.calls)
 
     def _detect_dtype(self, outputs: list[torch.Tensor]) -> None:
-        self.limits, self.dtype_source = detect_dtype(outputs)
+        """A default (neither autocast nor a low dtype seen yet) is kept looking past until the
+        first step ends: the low precision may begin inside the model - an fp32 embedding, then
+        ``x.to(bfloat16)`` (nanochat) or autocast entered in a forward. Rows filled before then
+        were classified for float16."""
+        limits, source = detect_dtype(outputs)
+        if self.dtype_source is None or not source.startswith("default"):
+            self.limits, self.dtype_source = limits, source
+        self._dtype_open = source.startswith("default")
 
     # -- tensors --------------------------------------------------------------------------------
     def hook_grad(self, tensor: torch.Tensor, module: str, label: str, phase: str = "backward") -> None:
@@ -443,7 +462,7 @@ class StepRecorder:
         if not (self.active and self.logging) or self.paused:
             return
         phase, label = event(kind, index)
-        if self.dtype_source is None and phase == "forward":
+        if self._dtype_open and phase == "forward":
             self._detect_dtype([tensor])
         self.record(self._modules[module], phase, tensor, label, COMPILED)
 
@@ -482,6 +501,7 @@ class StepRecorder:
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen = [], [], False
         self.arena.reset()
+        self._dtype_open = self.dtype_source is None
         self._rearm(logging_next)
         self.logging = logging_next
 

@@ -95,9 +95,23 @@ def tensor_state(t: torch.Tensor) -> int:
     return MASKED
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor | None:
+    """The values a tensor holds: a sparse one's stored values (a sparse batch holding inf is
+    bad, not finite); None for what holds none (meta) or is not looked into (nested)."""
+    if t.is_meta or t.is_nested:
+        return None
+    if t.layout == torch.strided:
+        return t
+    if t.layout == torch.sparse_coo:
+        return t._values()
+    return t.values() if t.layout in _COMPRESSED else None
+
+
 def _worst(value: Any) -> int:
-    return max((tensor_state(t) for t in iter_tensors(value) if t.layout == torch.strided and not t.is_meta),
-               default=FINITE)
+    return max((tensor_state(v) for t in iter_tensors(value) if (v := _stored(t)) is not None), default=FINITE)
 
 
 class _FirstBadOp(TorchDispatchMode):

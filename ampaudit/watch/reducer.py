@@ -199,7 +199,8 @@ class StepReducer:
         flags, tail = _read(rows[len(keys):, _NAN:_INF + 1], flat[buf.tail], flat.device.type != "cpu")
         step = self._with_tail(tail, buf, buf.tail.start, layers=[], params=None,
                                param_nonfinite=[bool(nan or inf) for nan, inf in flags])
-        self._last_norms = dict(zip(param_keys, step.norms, strict=True))
+        # each parameter's own last norm: with two optimizers a step holds only one's parameters
+        self._last_norms.update(zip(param_keys, step.norms, strict=True))
         for name, count in zip(param_keys, step.scaled, strict=True):
             if count >= 0:  # with a GradScaler: gradients overflowing at its current scale
                 self._scaled_totals[name] = self._scaled_totals.get(name, 0) + int(count)

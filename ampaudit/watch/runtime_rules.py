@@ -37,6 +37,8 @@ from ampaudit.watch.rule_api import (
     where,
 )
 
+_FP32_NORMAL = 2.0**-126
+
 
 @runtime_rule("AMP601")
 class GradientUnderflow(GradientRule):
@@ -51,6 +53,8 @@ class GradientUnderflow(GradientRule):
     def measure(self, s: StatsView, step: Step) -> tuple[Value, Value]:
         under = s.below(step.limits.normal, step.scale)
         zeros = where((s.nonzero == 0) | (under >= self.params["zero_share"] * s.nonzero), s.zero, 0)
+        if step.limits.normal <= _FP32_NORMAL:  # bfloat16, fp32's range: its zeros were never flushed
+            zeros = 0
         finite = (s.nan + s.inf) == 0
         return where(finite, under + zeros, 0), where(finite, s.numel, 0)
 
@@ -62,7 +66,7 @@ class GradientUnderflow(GradientRule):
         fix = self.hints["after_skips" if run.skipped else "with_scaler" if run.scaled else "without_scaler"]
         dtype = run.limits.name
         lost = {True: "those updates are lost", None: f"in {dtype} those updates are lost",
-                False: f"in {dtype} those updates would be lost (this run computes in float32)"}[run.computes_low]
+                False: f"in {dtype} those updates would be lost (this run computes in a wider dtype)"}[run.computes_low]
         for (module, _), row in rows.items():
             if row.count >= self.params["min_steps"]:
                 yield Verdict(row.first, module, fix, dict(

@@ -113,7 +113,9 @@ class SummaryBuilder:
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
         return {"steps": self.steps, "logged_steps": self.logged_steps, "cut_short": self.cut_short,
                 "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
-                "layers": self.layers, "params": self.params, "scaler": scaler,
+                # sorted as the summary at exit sorts them: a record holds one optimizer's parameters
+                "layers": dict(sorted(self.layers.items())), "params": dict(sorted(self.params.items())),
+                "scaler": scaler,
                 "unmeasured": dict(sorted(self.unmeasured.items())),
                 "dtype_source": self.dtype_source or "given",
                 "eval_forwards": {"count": self.eval_forwards, "recorded": self.eval_recorded},
