@@ -19,9 +19,11 @@ def _mlp() -> nn.Module:
 
 def _train_in_threads(models: list[nn.Module], steps: int, first_seed: int = 0) -> list[BaseException]:
     """Each model trained by its own thread, all at once (thread i draws its batches from seed
-    ``first_seed + i``); the exceptions raised in them."""
+    ``first_seed + i``); the exceptions raised in them. No thread ends before all have trained:
+    a followed thread that ended hands the watch to the next one that steps, so the steps
+    counted would depend on which finished first."""
     errors: list[BaseException] = []
-    start = threading.Barrier(len(models))
+    start, end = (threading.Barrier(len(models), timeout=60) for _ in range(2))  # broken, not hung, if one raises
 
     def work(i: int) -> None:
         try:
@@ -34,6 +36,11 @@ def _train_in_threads(models: list[nn.Module], steps: int, first_seed: int = 0) 
                 opt.zero_grad()
         except BaseException as exc:  # what a thread raised, for the test to show
             errors.append(exc)
+        finally:
+            try:
+                end.wait()
+            except threading.BrokenBarrierError:
+                pass
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(models))]
     for t in threads:
