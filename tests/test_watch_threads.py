@@ -3,6 +3,7 @@ the user's thread; what watch leaves alone is counted (``unmeasured``) and said.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -37,10 +38,8 @@ def _train_in_threads(models: list[nn.Module], steps: int, first_seed: int = 0) 
         except BaseException as exc:  # what a thread raised, for the test to show
             errors.append(exc)
         finally:
-            try:
+            with contextlib.suppress(threading.BrokenBarrierError):
                 end.wait()
-            except threading.BrokenBarrierError:
-                pass
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(models))]
     for t in threads:
