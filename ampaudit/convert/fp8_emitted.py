@@ -141,6 +141,7 @@ def _hook_inputs(model, hook):
 def _copy(model):
     # copy.deepcopy refuses a tensor attribute with autograd history (torch.nn.utils.weight_norm
     # keeps weight so): the copy gets it detached; weight_norm computes it again at each forward
+    # (graph/model_copy.py's twin: this file imports torch and torchao only)
     held = [(module, name, value) for module in model.modules() for name, value in vars(module).items()
             if isinstance(value, torch.Tensor) and value.grad_fn is not None]
     try:
