@@ -316,3 +316,14 @@ def test_a_speech_model_gets_raw_audio(cli):
     assert any("raw audio 2x1600, the default for a speech model" in note for note in report["target"]["notes"])
     assert sum(1 for n in report["nodes"] if n["measured"]) > 20
     assert not [f for f in report["findings"] if f["rule"] in ("AMP002", "AMP102")]  # broadcast_to is catalogued
+
+
+@needs_transformers
+def test_hf_swin_runs_on_its_default_images(cli):
+    # Swin's window (7) was wider than the small config's 4x4 patches: "the default example inputs
+    # fail to run the model", five AMP002 and nothing measured
+    result = _check(cli, "hf:swin")
+    assert result.code == 0, result.err
+    report = result.json()
+    assert not any("fail to run" in note for note in report["target"]["notes"])
+    assert sum(1 for n in report["nodes"] if n["measured"]) > 20 and report["target"]["trace"] == "recorder"

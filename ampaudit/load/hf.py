@@ -29,6 +29,7 @@ SMALL = {
     "vocab_size": 100, "max_position_embeddings": 64, "relative_attention_num_buckets": 8,
     "image_size": 32, "patch_size": 8, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 16,
     "rotary_dim": 8,  # GPT-J, CodeGen: rotary dims within a 16-dim head (their default 64 is not)
+    "window_size": 1,  # Swin: its default 7 is wider than a small image's 4x4 patches, which it cannot take
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id")
