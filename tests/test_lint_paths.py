@@ -263,6 +263,41 @@ def test_deprecated_module_alias_is_fixed_with_its_uses(tmp_path, cli):
                                   'with amp.autocast("cuda"):\n    pass\n')
 
 
+def test_deprecated_apis_called_with_positional_arguments_are_fixed_to_run(tmp_path, cli):
+    # torch.cuda.amp.autocast(enabled, dtype, ...) but torch.amp.autocast(device_type, dtype,
+    # enabled, ...): DINO's `autocast(fp16_scaler is not None)`, MoCo v3's `autocast(True)` once
+    # became `autocast("cuda", True)` (dtype=True: a TypeError); custom_fwd(fn) (Mask R-CNN's
+    # `nms = custom_fwd(_C.nms)`) became `custom_fwd(device_type="cuda", fn)`: a SyntaxError
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent('''
+    import torch
+    from torch.cpu.amp import autocast as cpu_autocast
+
+    def double(x):
+        return 2 * x
+
+    scaled = torch.cuda.amp.custom_fwd(double)
+    cast = torch.cuda.amp.custom_fwd(double, cast_inputs=torch.float32)
+
+    def run(x, amp):
+        with cpu_autocast(amp, torch.bfloat16):
+            inside = torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cpu")
+        with torch.cpu.amp.autocast(False):
+            off = torch.is_autocast_enabled("cpu")
+        return inside, off
+    '''))
+    assert cli("check", str(script), "--lint-only", "--fix").code == 0
+    fixed = script.read_text()
+    assert 'scaled = torch.amp.custom_fwd(double, device_type="cuda")' in fixed
+    assert 'cast = torch.amp.custom_fwd(double, device_type="cuda", cast_inputs=torch.float32)' in fixed
+    assert 'with cpu_autocast("cpu", enabled=amp, dtype=torch.bfloat16):' in fixed
+    assert 'with torch.amp.autocast("cpu", enabled=False):' in fixed
+    namespace: dict = {}
+    exec(compile(fixed, str(script), "exec"), namespace)
+    assert namespace["run"](torch.ones(1), True) == ((torch.bfloat16, True), False)
+    assert namespace["run"](torch.ones(1), False)[0][1] is False
+
+
 @pytest.mark.parametrize("cast", [
     "model = model.half().float()",  # rounds the weights, trains in fp32
     "if mode == 'inference':\n            if use_amp:\n                model = model.half()\n"

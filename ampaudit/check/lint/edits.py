@@ -52,6 +52,42 @@ def first_argument_insertion(facts: ScriptFacts, call: ast.Call, text: str) -> E
     return insert_at(end - 1, text)  # just before ")"
 
 
+def _argument_start(facts: ScriptFacts, arg) -> int:
+    """Where an argument starts: before its own parentheses, or its `*` or `key=`."""
+    start, _ = facts.outer_span(arg.value) if arg.node is arg.value else facts.span(arg.node)
+    return start
+
+
+def keyword_insertion(facts: ScriptFacts, call: ast.Call, text: str) -> Edit:
+    """Insert the keyword argument ``text`` (``key=value``) after the call's positional
+    arguments: ``f(fn)`` -> ``f(fn, key=value)``, never ``f(key=value, fn)``, which Python
+    refuses (a positional argument after a keyword one)."""
+    written = arguments(call)
+    positional = [a for a in written if not isinstance(a.node, ast.keyword)]
+    if not positional:
+        return first_argument_insertion(facts, call, text)
+    last = positional[-1]
+    end = facts.outer_span(last.value)[1] if last.node is last.value else facts.span(last.node)[1]
+    return insert_at(end, f", {text}")
+
+
+def positional_as_keywords(facts: ScriptFacts, call: ast.Call, names: tuple[str, ...],
+                           first: str = "") -> tuple[Edit, ...] | None:
+    """Name the call's positional arguments ``names[i]=`` (``f(x, y)`` -> ``f(a=x, b=y)``),
+    ``first`` inserted before the first argument in the same edit (two insertions at one
+    offset would come out in either order). None when a positional argument is starred or
+    there are more than ``names``: which parameter gets what is then unknown."""
+    written = arguments(call)
+    positional = [a for a in written if not isinstance(a.node, ast.keyword)]
+    if len(positional) > len(names) or any(isinstance(a.node, ast.Starred) for a in positional):
+        return None
+    out = [insert_at(_argument_start(facts, a), f"{first if i == 0 else ''}{name}=")
+           for i, (a, name) in enumerate(zip(positional, names[:len(positional)], strict=True))]
+    if first and not positional:
+        out.append(first_argument_insertion(facts, call, first.removesuffix(", ")))
+    return tuple(out)
+
+
 def rename_module(facts: ScriptFacts, node: ast.Import | ast.ImportFrom, text: str,
                   alias: ast.alias | None = None) -> Edit:
     """Replace the module an import names - ``torch.cuda`` in ``from torch.cuda import amp``,

@@ -25,7 +25,7 @@ def custom_fwd_without_device_type(facts: ScriptFacts) -> Iterator[Finding]:
         if isinstance(node, ast.Call):
             if any(k.arg == "device_type" for k in node.keywords):
                 continue
-            edit = edits.first_argument_insertion(facts, node, 'device_type="cuda"')
+            edit = edits.keyword_insertion(facts, node, 'device_type="cuda"')
             name = facts.text(node.func)
         else:
             _, end = facts.span(node)

@@ -91,14 +91,36 @@ def _alias_fix(facts: ScriptFacts, imp: Import, bound: str, uses: list[_Use]) ->
         name, bound = imp.names[0]
         alias = next(a for a in node.names if a.name == name and a.asname == bound)
         fixed = edits.rename_module(facts, node, "torch.amp", alias)
-    return (fixed, *(_device_edit(facts, u) for u in members))
+    return _all_edits(facts, fixed, members)
 
 
-def _device_edit(facts: ScriptFacts, use: _Use) -> Edit:
-    if use.call is not None:
-        return edits.first_argument_insertion(facts, use.call, _device(use.old))
-    _, end = facts.span(use.callee)
-    return edits.insert_at(end, f"({_device(use.old)})")  # a bare decorator becomes a call
+# torch.cuda.amp.autocast(enabled, dtype, cache_enabled) but torch.amp.autocast(device_type,
+# dtype, enabled, cache_enabled): a positional argument is named, or `autocast(True)` would
+# become `autocast("cuda", True)` - dtype=True, a TypeError when the block is entered
+_AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
+
+
+def _device_edits(facts: ScriptFacts, use: _Use) -> tuple[Edit, ...] | None:
+    """The edits that pass the device to one use, or None when they cannot be made."""
+    if use.call is None:
+        _, end = facts.span(use.callee)
+        return (edits.insert_at(end, f"({_device(use.old)})"),)  # a bare decorator becomes a call
+    if use.old.endswith(".autocast"):
+        return edits.positional_as_keywords(facts, use.call, _AUTOCAST_POSITIONAL, f"{_device(use.old)}, ")
+    if not _DEPRECATED[use.old][2]:  # device_type= after the positional arguments: custom_fwd(fn)
+        return (edits.keyword_insertion(facts, use.call, _device(use.old)),)
+    return (edits.first_argument_insertion(facts, use.call, _device(use.old)),)
+
+
+def _all_edits(facts: ScriptFacts, first: Edit, uses: list[_Use]) -> tuple[Edit, ...] | None:
+    """``first`` and every use's device edits - or None when one use cannot be fixed."""
+    out = [first]
+    for use in uses:
+        more = _device_edits(facts, use)
+        if more is None:
+            return None
+        out += more
+    return tuple(out)
 
 
 def _bound_names(imp: Import) -> set[str]:
@@ -140,8 +162,8 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
     for imp in imports:
         members = [u for u in uses if isinstance(u.callee, ast.Name) and by_name.get(u.callee.id) is imp]
         fixable = _all_uses_fixable(facts, imp, uses)
-        groups[id(imp)] = (edits.rename_module(facts, imp.node, "torch.amp"),
-                           *(_device_edit(facts, u) for u in members)) if fixable else None
+        groups[id(imp)] = _all_edits(facts, edits.rename_module(facts, imp.node, "torch.amp"), members) \
+            if fixable else None
         yield id(imp), finding(facts, "AMP401", imp, old=f"from {imp.module} import", new="from torch.amp import",
                                fix="import from torch.amp and pass the device to each use",
                                autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
@@ -164,7 +186,7 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
         elif alias is not None:
             fix_edits, key = groups[id(alias)], id(alias)
         elif dotted(use.callee) == use.old:  # spelled out in full: rename in place
-            fix_edits = (edits.replace(facts, use.callee, new), _device_edit(facts, use))
+            fix_edits = _all_edits(facts, edits.replace(facts, use.callee, new), [use])
         else:
             fix_edits = None
         yield key, finding(facts, "AMP401", use.at, old=use.old, new=f"{new}({_device(use.old)}, ...)",
