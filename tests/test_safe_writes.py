@@ -273,3 +273,23 @@ def test_the_fix_lock_never_turns_an_unreadable_file_into_a_traceback(tmp_path, 
     with files.locked(target):  # the read after it reports the file, in one line
         entered = True
     assert entered
+
+
+def test_a_fix_that_would_break_the_file_is_not_written(tmp_path):
+    # the AMP401 fix once wrote `custom_fwd(device_type="cuda", fn)` - a SyntaxError - into a
+    # file and only the recheck noticed: an edit that leaves the file unparsable is refused
+    import dataclasses
+
+    from ampaudit.check import fix
+    from ampaudit.check.lint_file import lint_file
+    from ampaudit.core.findings import Edit
+
+    script = tmp_path / "train.py"
+    script.write_text(DEPRECATED)
+    (finding,) = lint_file(script)
+    start = DEPRECATED.index("(")
+    broken = dataclasses.replace(finding, autofix=dataclasses.replace(
+        finding.autofix, edits=(Edit(start, start + 1, "(device_type='cuda', x"),)))
+    with pytest.raises(UsageError, match=r"the AMP401 fix would leave it invalid Python.*nothing written"):
+        fix.fix_files([broken], unsafe=False, write=True)
+    assert script.read_text() == DEPRECATED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import difflib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -86,6 +87,11 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
     fixed = [f for f in chosen if set(f.autofix.edits) <= taken_set]
     if after == before:
         return None
+    if _compiles(before) and not _compiles(after):
+        # a fix that would break the file is a bug of ours: the user's file stays as it is
+        rules = ", ".join(sorted({f.rule for f in chosen}))
+        raise UsageError(f"{file}: the {rules} fix would leave it invalid Python (an ampaudit bug: please report "
+                         f"it): nothing written")
     diff = unified_diff(before, after, file)
     if write:  # through links the user or root owns, as an output is (core/outputs.py)
         target = resolve_output(file, "--fix")
@@ -95,6 +101,14 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
         finally:
             target.close()
     return FileFix(file, fixed, diff)
+
+
+def _compiles(text: str) -> bool:
+    try:
+        compile(text, "<fix>", "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+    except (SyntaxError, ValueError):  # ValueError: a null byte
+        return False
+    return True
 
 
 def unified_diff(before: str, after: str, file: str) -> str:
