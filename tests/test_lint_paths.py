@@ -298,6 +298,41 @@ def test_deprecated_apis_called_with_positional_arguments_are_fixed_to_run(tmp_p
     assert namespace["run"](torch.ones(1), False)[0][1] is False
 
 
+def test_deprecated_names_in_annotations_and_isinstance_are_fixed_with_the_calls(tmp_path, cli):
+    # audiocraft's `self.scaler: tp.Optional[torch.cuda.amp.GradScaler] = None` was left as it
+    # was while the call became torch.amp.GradScaler("cuda"): the finding the fix claimed came
+    # back, and an isinstance() of the old class turned False on the scaler the fix builds
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent('''
+    import typing as tp
+    import warnings
+
+    import torch
+    from torch.cuda.amp import GradScaler
+
+
+    class Solver:
+        def __init__(self) -> None:
+            self.scaler: tp.Optional[torch.cuda.amp.GradScaler] = None
+            with warnings.catch_warnings():  # no CUDA here: the scaler disables itself
+                warnings.simplefilter("ignore")
+                self.scaler = torch.cuda.amp.GradScaler()
+                self.other: GradScaler = GradScaler()
+
+        def check(self) -> bool:
+            return isinstance(self.scaler, (torch.cuda.amp.GradScaler, int)) and isinstance(self.other, GradScaler)
+    '''))
+    result = cli("check", str(script), "--lint-only", "--fix", "--format", "json")
+    assert [f for f in result.json()["findings"] if f["rule"] == "AMP401"] == []
+    fixed = script.read_text()
+    assert "self.scaler: tp.Optional[torch.amp.GradScaler] = None" in fixed
+    assert "self.other: GradScaler = GradScaler(\"cuda\")" in fixed and "from torch.amp import GradScaler" in fixed
+    assert "isinstance(self.scaler, (torch.amp.GradScaler, int))" in fixed
+    namespace: dict = {}
+    exec(compile(fixed, str(script), "exec"), namespace)
+    assert namespace["Solver"]().check() is True
+
+
 @pytest.mark.parametrize("cast", [
     "model = model.half().float()",  # rounds the weights, trains in fp32
     "if mode == 'inference':\n            if use_amp:\n                model = model.half()\n"

@@ -151,6 +151,7 @@ class Reference:
     line: int
     column: int
     compat: bool = False
+    annotation: bool = False  # in a type annotation (`scaler: torch.cuda.amp.GradScaler`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,6 +207,7 @@ class ScriptFacts(SourceText):
     module_scope: Scope  # the top level
     imports_map: ImportMap = field(repr=False)
     name_references: Mapping[str, tuple[ast.AST, ...]] = field(repr=False)  # see references()
+    annotation_references: frozenset[int] = field(repr=False)  # ids of those read in a type annotation
     # the per-scope index (scopes.py): every scope the visit entered is a key of scalers_by_scope
     calls_by_scope: Mapping[Scope, tuple[Call, ...]] = field(repr=False)  # scopes holding calls, first call first
     assignments_by_scope: Mapping[Scope, tuple[Assignment, ...]] = field(repr=False)

@@ -54,6 +54,7 @@ class _Found:
     decorators: list[Decorator] = field(default_factory=list)
     binary_ops: list[BinaryOp] = field(default_factory=list)
     amp_references: list[Reference] = field(default_factory=list)
+    annotation_references: set[int] = field(default_factory=set)  # ids of tracked names read in annotations
     scale_comparisons: list[Comparison] = field(default_factory=list)
     name_dtypes: dict[tuple[int, str], tuple[str, int]] = field(default_factory=dict)
     scaled_values: dict[tuple[int, str], str] = field(default_factory=dict)
@@ -91,6 +92,7 @@ class Visitor:
         self.contexts: dict[tuple[int | None, str], ast.Call] = {}
         self.scale_loss: list[bool] = [False]
         self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
+        self.annotating = False  # inside a type annotation: names there are typing, not calls
         self.version_tests: dict[ast.AST, bool] = {}
         self.class_body: str | None = None  # the class whose body is being visited (not its methods')
         self.nn_modules: dict[str, str] = {}  # `criterion = nn.MSELoss()`: name -> torch.nn class
@@ -131,6 +133,7 @@ class Visitor:
             methods=MappingProxyType(found.methods),
             module_scope=self.module_scope, imports_map=self.imports,
             name_references=MappingProxyType({name: tuple(nodes) for name, nodes in found.references.items()}),
+            annotation_references=frozenset(found.annotation_references),
             calls_by_scope=calls_by_scope, assignments_by_scope=assignments_by_scope,
             scalers_by_scope=scopes.scalers([self.module_scope, *found.functions], self.module_scope, calls,
                                             assignments),
@@ -221,7 +224,7 @@ class Visitor:
         self._bind(node.name, node)
         self.visit(node.args)
         if node.returns is not None:
-            self.visit(node.returns)
+            self._annotation(node.returns)
         self._block(node.body, function=True)
         self.class_body = class_body
         self.scope, self.loops, self.autocasts, self.guards, self.scale_loss = self.saved.pop()
@@ -245,7 +248,18 @@ class Visitor:
     def _arg(self, node: ast.arg) -> None:
         self._bind(node.arg, node)
         if node.annotation is not None:
-            self.visit(node.annotation)
+            self._annotation(node.annotation)
+
+    def _annotation(self, node: ast.expr) -> None:
+        annotating, self.annotating = self.annotating, True
+        self.visit(node)
+        self.annotating = annotating
+
+    def _ann_assign(self, node: ast.AnnAssign) -> None:
+        self.visit(node.target)
+        self._annotation(node.annotation)
+        if node.value is not None:
+            self.visit(node.value)
 
     def _class(self, node: ast.ClassDef) -> None:
         bases = frozenset(n for base in node.bases for n in self.qualified(unstarred(base)))
@@ -519,7 +533,7 @@ class Visitor:
         if node.attr in _AMP_ATTRIBUTES:
             line, column = self.text.position(node)
             self.found.amp_references.append(Reference(node, self.qualified(node), line, column,
-                                                       self._in_compat()))
+                                                       self._in_compat(), self.annotating))
         elif node.attr in _FLOAT16_ATTRIBUTES and self.qualified(node) & FLOAT16_NAMES:
             self.found.mentions_float16 = True
         self.visit(node.value)
@@ -527,6 +541,8 @@ class Visitor:
     def _name(self, node: ast.Name) -> None:
         if node.id in self.tracked:
             self.found.references.setdefault(node.id, []).append(node)
+            if self.annotating:
+                self.found.annotation_references.add(id(node))
         elif node.id in self.float16_names:
             self.found.mentions_float16 = True
 
@@ -575,7 +591,7 @@ _HANDLERS: dict[type, _Handler] = {
     ast.arguments: Visitor._arguments, ast.ClassDef: Visitor._class,
     ast.If: Visitor._if, ast.For: Visitor._for, ast.AsyncFor: Visitor._for, ast.While: Visitor._while,
     ast.With: Visitor._with, ast.AsyncWith: Visitor._with, ast.Try: Visitor._try,
-    ast.Import: Visitor._import, ast.ImportFrom: Visitor._import_from,
+    ast.Import: Visitor._import, ast.ImportFrom: Visitor._import_from, ast.AnnAssign: Visitor._ann_assign,
     ast.Global: Visitor._global, ast.Nonlocal: Visitor._global, ast.Match: Visitor._match,
 }
 if hasattr(ast, "TryStar"):  # Python 3.11+

@@ -82,7 +82,9 @@ def _alias_fix(facts: ScriptFacts, imp: Import, bound: str, uses: list[_Use]) ->
     the alias is such a use, and the import binds nothing else."""
     members = [u for u in uses if isinstance(u.callee, ast.Attribute) and dotted(u.callee.value) == bound]
     bases = {id(u.callee.value) for u in members}
-    if len(imp.names) != 1 or not members or any(id(r) not in bases for r in facts.references(bound)):
+    named = facts.annotation_references | _class_tests(facts)  # `amp.GradScaler` as a class: renamed too
+    if len(imp.names) != 1 or not members or any(id(r) not in bases and id(r) not in named
+                                                  for r in facts.references(bound)):
         return None
     node = imp.node
     if isinstance(node, ast.ImportFrom):  # from torch.cuda import amp -> from torch import amp
@@ -128,8 +130,9 @@ def _bound_names(imp: Import) -> set[str]:
 
 
 def _all_uses_fixable(facts: ScriptFacts, imp: Import, uses: list[_Use]) -> bool:
-    """Every reference to the imported names is a call or decorator we rewrite."""
-    fixed = {id(u.callee) for u in uses}
+    """Every reference to the imported names is a call or decorator we rewrite, a type
+    annotation or an isinstance()'s class (the torch.amp class once the import names it)."""
+    fixed = {id(u.callee) for u in uses} | facts.annotation_references | _class_tests(facts)
     return all(id(ref) in fixed for name in _bound_names(imp) for ref in facts.references(name))
 
 
@@ -150,6 +153,16 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
         fixes = list(dict.fromkeys(e for f in found if f.autofix is not None for e in f.autofix.edits))
         # an annotation first (no fix of its own) still carries the fix of the calls after it
         yield replace(first, message=first.message + more, autofix=Autofix(tuple(fixes)) if fixes else None)
+
+
+def _class_tests(facts: ScriptFacts) -> set[int]:
+    """The classes ``isinstance(x, C)`` / ``issubclass(x, (C, D))`` test against (node ids)."""
+    found = set()
+    for call in facts.calls:
+        if call.names & {"builtins.isinstance", "builtins.issubclass"} and len(call.node.args) == 2:
+            classes = call.node.args[1]
+            found.update(id(n) for n in (classes.elts if isinstance(classes, ast.Tuple) else [classes]))
+    return found
 
 
 def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
@@ -193,12 +206,19 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
                            fix=f"use {new} and pass {_device(use.old)}",
                            autofix=Autofix(fix_edits) if fix_edits else None)
     used = {id(u.callee) for u in uses}
+    class_tests = _class_tests(facts)
     for ref in facts.amp_references:
         old = next((n for n in ref.names if n in _DEPRECATED), None)
         if old is not None and id(ref.node) not in used and not ref.compat:
             new = _DEPRECATED[old][0]
             root = (dotted(ref.node) or "").split(".")[0]
             owner = by_name.get(root) or aliases.get(root)
+            # an annotation or an isinstance() names the class: torch.amp's is the old one's
+            # base, and what the fixed calls build (an isinstance of the old class would now be
+            # False); a value (`ac = torch.cuda.amp.autocast`) needs the device
+            named = ref.annotation or (id(ref.node) in class_tests and not old.endswith(("_fwd", "_bwd")))
+            rename = named and owner is None and dotted(ref.node) == old
             yield (id(owner) if owner is not None else old), finding(
                 facts, "AMP401", ref, old=old, new=f"{new} with {_device(old)}",
-                fix=f"use {new} and pass {_device(old)} where it is called")
+                fix=f"use {new} and pass {_device(old)} where it is called",
+                autofix=Autofix((edits.replace(facts, ref.node, new),)) if rename else None)
