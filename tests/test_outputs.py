@@ -276,6 +276,19 @@ def test_a_file_no_one_may_write_is_refused_even_for_root(tree, cli):
     assert script.read_text() == DEPRECATED
 
 
+def test_a_read_only_file_in_a_folder_does_not_stop_the_others_fixes(tree, cli):
+    # --fix on a folder once stopped at the first file it could not write: the files before it
+    # rewritten without a word, the ones after it left as they were
+    for name in ("a.py", "z.py"):
+        (tree / "src" / name).write_text(DEPRECATED)
+    (tree / "src" / "train.py").chmod(0o444)
+    line = _one_line(cli("check", "src", "--lint-only", "--fix"))
+    assert line == ("ampaudit: error: src/train.py is read-only: not rewritten (make it writable to allow it) "
+                    "(2 other file(s) fixed: src/a.py, src/z.py)")
+    assert (tree / "src" / "train.py").read_text() == DEPRECATED
+    assert all("torch.amp.GradScaler" in (tree / "src" / n).read_text() for n in ("a.py", "z.py"))
+
+
 # 11. reads that would never end, and one bad file in a walk
 @pytest.mark.parametrize(("argv", "expected"), [
     (["check", "pipe"], "pipe is not a regular file or a folder (a FIFO or a device): not read"),

@@ -67,12 +67,19 @@ def fix_files(findings: Iterable[Finding], *, unsafe: bool, write: bool) -> list
     by_file: dict[str, list[Finding]] = defaultdict(list)
     for finding in fixable(findings, unsafe=unsafe):
         by_file[finding.file].append(finding)
-    results = []
+    results, refused = [], []
     for file, chosen in sorted(by_file.items()):
-        with locked(Path(file)):  # a second --fix on this file waits, then finds it changed
-            result = _fix_one(file, chosen, write=write)
+        try:
+            with locked(Path(file)):  # a second --fix on this file waits, then finds it changed
+                result = _fix_one(file, chosen, write=write)
+        except UsageError as error:  # this file stays as it is; the others are still fixed
+            refused.append(str(error))
+            continue
         if result is not None:
             results.append(result)
+    if refused:  # one line that also names what was written, or a user would not know
+        done = f" ({len(results)} other file(s) fixed: {', '.join(r.path for r in results)})" if results else ""
+        raise UsageError("; ".join(refused) + done)
     return results
 
 
