@@ -4,6 +4,7 @@ branch out of the scaler protocol, and a bug on the AMP branch is still found.""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -331,6 +332,23 @@ def test_deprecated_names_in_annotations_and_isinstance_are_fixed_with_the_calls
     namespace: dict = {}
     exec(compile(fixed, str(script), "exec"), namespace)
     assert namespace["Solver"]().check() is True
+
+
+def test_mask_constant_fix_names_torch_as_the_file_binds_it(tmp_path, cli):
+    # AMP414's fix wrote `torch.finfo(...)` into files that import torch as `th`, or only
+    # `from torch import nn`: a NameError where the mask was filled
+    aliased, unbound = tmp_path / "aliased.py", tmp_path / "unbound.py"
+    aliased.write_text("import torch as th\n\n\ndef attend(s, m):\n    return s.masked_fill(m, -1e9)\n")
+    unbound.write_text("from torch import nn\n\n\nclass A(nn.Module):\n"
+                       "    def forward(self, s, m):\n        return s.masked_fill(m, -1e9)\n")
+    result = cli("check", str(tmp_path), "--lint-only", "--fix", "--unsafe-fixes", "--format", "json")
+    assert "return s.masked_fill(m, th.finfo(s.dtype).min)" in aliased.read_text()
+    assert "-1e9" in unbound.read_text()  # no name for torch there: reported, not fixed
+    assert [(Path(f["file"]).name, f["rule"]) for f in result.json()["findings"]] == [("unbound.py", "AMP414")]
+    namespace: dict = {}
+    exec(compile(aliased.read_text(), str(aliased), "exec"), namespace)
+    filled = namespace["attend"](torch.zeros(2, dtype=torch.float16), torch.tensor([True, False]))
+    assert filled.tolist() == [torch.finfo(torch.float16).min, 0.0]
 
 
 @pytest.mark.parametrize("cast", [

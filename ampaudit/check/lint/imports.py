@@ -40,6 +40,13 @@ class ImportMap:
                         bound[alias.asname or alias.name] = f"{module}.{alias.name}"
         return cls(MappingProxyType(bound))
 
+    def name_for(self, module: str) -> str | None:
+        """The name the file binds to ``module`` itself (``torch``, or ``th`` after ``import
+        torch as th``), for code a fix writes; None when nothing does (``from torch import nn``)."""
+        if self.bound.get(module) == module:
+            return module
+        return next((name for name, target in self.bound.items() if target == module), None)
+
     def qualify(self, node: ast.AST) -> frozenset[str]:
         """``{"torch.cuda.amp.autocast"}`` for ``amp.autocast`` after ``from torch.cuda import
         amp``; a name nothing imports keeps its own spelling (``scaler.step``)."""

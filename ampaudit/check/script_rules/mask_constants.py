@@ -81,7 +81,10 @@ def mask_constants(facts: ScriptFacts) -> Iterator[Finding]:
                 continue
             replacement = f"torch.finfo({_limited_dtype(facts, call, value)}).{which}"
             autofix = None
-            if call.receiver and call.method in ("masked_fill", "masked_fill_"):
-                autofix = Autofix((edits.replace(facts, value, replacement),), safe=False)
+            # the fix writes torch.finfo: only where the file binds torch (maybe as `th`)
+            torch_name = facts.imports_map.name_for("torch")
+            if call.receiver and call.method in ("masked_fill", "masked_fill_") and torch_name is not None:
+                written = f"{torch_name}{replacement.removeprefix('torch')}"
+                autofix = Autofix((edits.replace(facts, value, written),), safe=False)
             yield finding(facts, "AMP414", call, value=shown, replacement=replacement, fix=f"use {replacement}",
                           autofix=autofix)
