@@ -351,6 +351,27 @@ def test_mask_constant_fix_names_torch_as_the_file_binds_it(tmp_path, cli):
     assert filled.tolist() == [torch.finfo(torch.float16).min, 0.0]
 
 
+def test_a_loss_scaler_updated_with_a_found_inf_flag_is_not_a_grad_scaler():
+    # Megatron's mixed-precision optimizer (DeepSpeed-Domino): its own scaler unscales the main
+    # grads by hand, is updated with the inf flag and has no step(); AMP405's unsafe fix wrote
+    # `self.grad_scaler.step(self.optimizer)` - an AttributeError, or on None with bf16
+    source = '''
+    import torch
+    class MixedPrecisionOptimizer:
+        @torch.no_grad()
+        def step(self):
+            self._copy_model_grads_to_main_grads()
+            if self.grad_scaler:
+                found_inf_flag = self._unscale_main_grads_and_check_for_nan()
+                self.grad_scaler.update(found_inf_flag)
+                if found_inf_flag:
+                    return False
+            self.optimizer.step()
+            return True
+    '''
+    assert _codes(source) == []
+
+
 @pytest.mark.parametrize("cast", [
     "model = model.half().float()",  # rounds the weights, trains in fp32
     "if mode == 'inference':\n            if use_amp:\n                model = model.half()\n"

@@ -31,7 +31,8 @@ def scalers(scopes: Iterable[Scope], module_scope: Scope, calls: Iterable[Call],
             assignments: Iterable[Assignment]) -> Mapping[Scope, frozenset[str]]:
     """Per scope, the names holding a GradScaler there: assigned one in the scope or at module
     level, or used as one (``x.scale(loss).backward()``; ``unscale_()`` is GradScaler's
-    alone; step/update/scale on a scaler-named object). ``GradScaler(enabled=False)`` is not
+    alone; step/update/scale on a scaler-named object - not ``update(found_inf)``, the
+    Megatron/DeepSpeed loss scaler's own, which has no step()). ``GradScaler(enabled=False)`` is not
     one."""
     held: dict[Scope, set[str]] = {}  # assigned a GradScaler, or used as one, in the scope itself
     for a in assignments:
@@ -41,7 +42,8 @@ def scalers(scopes: Iterable[Scope], module_scope: Scope, calls: Iterable[Call],
     for c in calls:
         method = c.method
         if method in _SCALER_METHODS and (receiver := c.receiver) and (
-                method == "unscale_" or (method == "scale" and c.feeds_backward) or _SCALER_NAME.search(receiver)):
+                method == "unscale_" or (method == "scale" and c.feeds_backward)
+                or (_SCALER_NAME.search(receiver) and not (method == "update" and c.has_arguments))):
             held.setdefault(c.scope, set()).add(receiver)
     return MappingProxyType({scope: module | held[scope] if scope in held else module for scope in scopes})
 
