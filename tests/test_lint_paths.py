@@ -372,6 +372,43 @@ def test_a_loss_scaler_updated_with_a_found_inf_flag_is_not_a_grad_scaler():
     assert _codes(source) == []
 
 
+def test_framework_fixes_keep_the_arguments_the_framework_takes(tmp_path, cli):
+    # AMP423 rewrote `clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)` into accelerate's
+    # clip_grad_norm_(parameters, max_norm, norm_type), a TypeError; AMP424 dropped backward's
+    # own arguments: `loss.backward(retain_graph=True)` became `self.manual_backward(loss)`
+    import inspect
+
+    accelerate = pytest.importorskip("accelerate")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent('''
+    import lightning as L
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="fp16")
+
+    def train(model, loss):
+        accelerator.backward(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, norm_type=2.0)
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1.0, foreach=True)
+
+    class Net(L.LightningModule):
+        def training_step(self, batch, batch_idx):
+            loss = self.compute(batch)
+            loss.backward (retain_graph=True)
+            loss.backward()
+    '''))
+    cli("check", str(script), "--lint-only", "--fix", "--unsafe-fixes")
+    fixed = script.read_text()
+    assert "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)\n" in fixed
+    assert "    accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0, norm_type=2.0)\n" in fixed
+    assert "    torch.nn.utils.clip_grad_value_(model.parameters(), 1.0, foreach=True)\n" in fixed
+    assert "        self.manual_backward(loss, retain_graph=True)\n        self.manual_backward(loss)\n" in fixed
+    # what was rewritten binds to accelerate's own signature
+    inspect.signature(accelerate.Accelerator.clip_grad_norm_).bind(None, [], max_norm=1.0, norm_type=2.0)
+
+
 @pytest.mark.parametrize("cast", [
     "model = model.half().float()",  # rounds the weights, trains in fp32
     "if mode == 'inference':\n            if use_amp:\n                model = model.half()\n"

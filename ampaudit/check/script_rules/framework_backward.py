@@ -51,7 +51,8 @@ def torch_clip_after_accelerator_backward(facts: ScriptFacts) -> Iterator[Findin
             continue
         accelerator = backwards[-1].receiver
         method = "clip_grad_value_" if "value" in facts.text(clip.node.func) else "clip_grad_norm_"
-        autofix = Autofix((edits.replace(facts, clip.node.func, f"{accelerator}.{method}"),), safe=False)
+        autofix = Autofix((edits.replace(facts, clip.node.func, f"{accelerator}.{method}"),), safe=False) \
+            if _accelerate_takes(clip.node, _ACCELERATE_PARAMETERS[method]) else None
         found = finding(facts, "AMP423", clip, clip=facts.text(clip.node.func), accelerator=accelerator,
                         fix=f"{accelerator}.{method}(...)", autofix=autofix)
         # mixed_precision=<expression>: fp16 in some runs
@@ -69,10 +70,27 @@ def backward_in_lightning_module(facts: ScriptFacts) -> Iterator[Finding]:
             continue
         if not any(_inside(facts, m.node, call.line) for m in modules):
             continue
-        autofix = Autofix((edits.replace(facts, call.node, f"self.manual_backward({call.receiver})"),), safe=False)
+        # backward's own arguments (retain_graph=True) go on: manual_backward passes them through
+        _, end = facts.span(call.node)
+        opening = facts.source.index("(", facts.span(call.node.func)[1])
+        passed = facts.source[opening + 1:end - 1].strip() if call.has_arguments else ""
+        fixed = f"self.manual_backward({call.receiver}{', ' + passed if passed else ''})"
+        autofix = Autofix((edits.replace(facts, call.node, fixed),), safe=False)
         found = finding(facts, "AMP424", call, call=f"{call.receiver}.backward()",
                         fix=f"self.manual_backward({call.receiver})", autofix=autofix)
         yield replace(found, severity=Severity.ERROR) if severe else found
+
+
+# what accelerate's Accelerator.clip_grad_norm_ / clip_grad_value_ take, in order: torch's
+# error_if_nonfinite= and foreach= would be a TypeError there
+_ACCELERATE_PARAMETERS = {"clip_grad_norm_": ("parameters", "max_norm", "norm_type"),
+                          "clip_grad_value_": ("parameters", "clip_value")}
+
+
+def _accelerate_takes(call: ast.Call, parameters: tuple[str, ...]) -> bool:
+    if len(call.args) > len(parameters) or any(isinstance(a, ast.Starred) for a in call.args):
+        return False
+    return all(k.arg in parameters[len(call.args):] for k in call.keywords)  # `**kw`: arg None
 
 
 def _inside(facts: ScriptFacts, node: ast.ClassDef, line: int) -> bool:
