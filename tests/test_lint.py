@@ -161,6 +161,17 @@ def test_fix_keeps_crlf_line_endings(cli, tmp_path):
     assert path.read_bytes() == b'import torch\r\n\r\nscaler = torch.amp.GradScaler("cuda")\r\n'
 
 
+def test_an_inserted_line_takes_its_neighbours_line_break_in_a_mixed_file(cli, tmp_path):
+    # a file whose header has CRLF and whose body LF got its inserted unscale_ with CRLF
+    path = tmp_path / "mixed.py"
+    path.write_bytes(b"import torch\r\n\r\ndef f(scaler, opt, loss, model):\n    scaler.scale(loss).backward()\n"
+                     b"    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n    scaler.step(opt)\n"
+                     b"    scaler.update()\n")
+    cli("check", path, "--lint-only", "--fix", "--unsafe-fixes")
+    assert path.read_bytes().count(b"\r") == 2
+    assert b"    scaler.scale(loss).backward()\n    scaler.unscale_(opt)\n    torch.nn" in path.read_bytes()
+
+
 def _tree(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "train.py").write_text(

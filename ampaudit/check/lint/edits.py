@@ -28,16 +28,25 @@ def _indent_of(facts: ScriptFacts, statement: ast.stmt) -> tuple[int, str]:
     return line_start, line[: len(line) - len(line.lstrip())]
 
 
+def _break_of(facts: ScriptFacts, line: int) -> str:
+    """The line break that ends ``line`` - a file may mix them: an inserted line takes its
+    neighbour's -, or the file's for a last line without one."""
+    end = facts.line_end(line)
+    found = facts.source[end:end + 2]
+    return "\r\n" if found == "\r\n" else found[:1] if found[:1] in ("\r", "\n") else facts.newline
+
+
 def insert_line_before(facts: ScriptFacts, statement: Line, code: str) -> Edit:
     """A new line with ``code`` just above ``statement``, at the same indentation."""
     line_start, indent = _indent_of(facts, statement[0])
-    return insert_at(line_start, f"{indent}{code}{facts.newline}")
+    return insert_at(line_start, f"{indent}{code}{_break_of(facts, statement[0].lineno)}")
 
 
 def insert_line_after(facts: ScriptFacts, statement: Line, code: str) -> Edit:
     """A new line with ``code`` just below ``statement`` (and a comment that ends its line)."""
     _, indent = _indent_of(facts, statement[0])
-    return insert_at(facts.line_end(statement[1].end_lineno), f"{facts.newline}{indent}{code}")
+    last = statement[1].end_lineno
+    return insert_at(facts.line_end(last), f"{_break_of(facts, last)}{indent}{code}")
 
 
 def first_argument_insertion(facts: ScriptFacts, call: ast.Call, text: str) -> Edit:
