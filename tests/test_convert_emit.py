@@ -115,3 +115,27 @@ def test_autocast_policy_survives_a_deep_copy(export):
     (x,) = loaded.inputs.args
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not torch.equal(twin(x), loaded.model(x))
+
+
+def test_an_override_in_the_roots_own_forward_is_kept_by_the_autocast_policy(tmp_path):
+    # root_mask_fill.py fills fp16 scores with -1e9 in the model's own forward: its plan record
+    # names no module. The policies listed nothing, and plain autocast raised as before.
+    from ampaudit.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["convert", model("root_mask_fill.py"), "-o", str(out), "--emit", "autocast", "--emit", "hf",
+                 "--train-steps", "0"]) == 0
+    policy = _module(out / "autocast_policy.py", "autocast_policy_root")
+    assert policy.FP32_MODULES == [""]
+    hf = _module(out / "hf_keep_in_fp32.py", "hf_keep_root")
+    assert hf.KEEP_IN_FP32 == [] and "NOT EXPRESSIBLE HERE" in hf.__doc__
+    loaded = load_target(model("root_mask_fill.py"))
+    (x,) = loaded.inputs.args
+    expected = loaded.model(x)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError, match="overflow"):
+        loaded.model(x)
+    policy.apply(loaded.model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out_policy = loaded.model(x)
+    assert out_policy.dtype == torch.float32 and torch.allclose(out_policy, expected, atol=1e-6)
+    assert ampaudit.autocast_policy(load_target(model("root_mask_fill.py")).model, out) == [""]

@@ -55,13 +55,17 @@ def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
 
 
 def fp32_modules(records: Iterable[Mapping[str, Any]]) -> list[str]:
-    """The outermost modules holding an op the plan overrides to fp32, in plan order."""
+    """The outermost modules holding an op the plan overrides to fp32, in plan order; ``""``
+    (the model itself: ``get_submodule("")``) when the root's own forward holds one - its
+    records name no module, and leaving it out left that op to autocast's low dtype."""
     found: list[str] = []
     for record in records:
-        module = record.get("module")
+        module = record.get("module") or ""
         overridden = record.get("compute") == "float32" and record.get("rule") in OVERRIDES
-        if overridden and module and module not in found:
+        if overridden and module not in found:
             found.append(module)
+    if "" in found:
+        return [""]
     return [m for m in found if not any(m.startswith(other + ".") for other in found)]
 
 
@@ -113,8 +117,9 @@ def emit(plan: Any, format: str) -> str:
     if format == "autocast":
         return _AUTOCAST.format(modules=_pylist(modules))
     if format == "hf":
-        names = list(dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules))
-        return _HF.format(names=_pylist(names), modules=_pylist(modules))
+        names = list(dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules if m))
+        return _HF.format(names=_pylist(names), modules=_pylist(modules),
+                          root=_HF_ROOT if "" in modules else "")
     if format == "fsdp2":
         low = {"float16": "torch.float16", "bfloat16": "torch.bfloat16"}.get(dtype, "torch.bfloat16")
         units, fp32_with_low = low_modules(records, dtype)
@@ -204,13 +209,19 @@ transformers matches each name against module paths at dot boundaries; set it on
 class before from_pretrained(..., torch_dtype=torch.float16):
 
     MyModel._keep_in_fp32_modules = KEEP_IN_FP32
-"""
+{root}"""
 
 KEEP_IN_FP32 = {names}
 
 # the modules the plan keeps in fp32, by path
 FP32_MODULES = {modules}
 '''
+
+_HF_ROOT = """
+NOT EXPRESSIBLE HERE: the plan keeps an op of the model's own forward (its root, '' below)
+in fp32, and _keep_in_fp32_modules names submodules only; load it in fp32, or run it under
+torch.autocast with the autocast policy (which runs the whole forward in fp32).
+"""
 
 _FSDP2 = '''"""FSDP2 mixed precision from an ampaudit convert plan, for a forward without torch.autocast.
 
