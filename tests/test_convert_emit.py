@@ -139,3 +139,24 @@ def test_an_override_in_the_roots_own_forward_is_kept_by_the_autocast_policy(tmp
         out_policy = loaded.model(x)
     assert out_policy.dtype == torch.float32 and torch.allclose(out_policy, expected, atol=1e-6)
     assert ampaudit.autocast_policy(load_target(model("root_mask_fill.py")).model, out) == [""]
+
+
+def test_the_autocast_policy_upcasts_tensors_inside_a_tuple_argument(tmp_path):
+    # tuple_input_attention.py calls self.attn((q, k, v)): the emitted file cast only top-level
+    # tensors, so the fp16 q, k, v reached the -1e9 fill and it raised as plain autocast does
+    from ampaudit.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["convert", model("tuple_input_attention.py"), "-o", str(out), "--emit", "autocast",
+                 "--train-steps", "0"]) == 0
+    policy = _module(out / "autocast_policy.py", "autocast_policy_tuple")
+    assert policy.FP32_MODULES == ["attn"]
+    for apply in (policy.apply, lambda m: ampaudit.autocast_policy(m, out)):
+        loaded = load_target(model("tuple_input_attention.py"))
+        (x,) = loaded.inputs.args
+        expected = loaded.model(x)
+        apply(loaded.model)
+        with torch.autocast("cpu", dtype=torch.float16):
+            got = loaded.model(x)
+        assert got.dtype == torch.float32  # attn's output Linear ran in fp32
+        assert float((got - expected).norm() / expected.norm()) < 1e-2

@@ -100,11 +100,12 @@ def device_type(args: tuple, kwargs: dict) -> str:
 
 
 def float_inputs(value: Any) -> Any:
-    """Float tensors (in tuples and dicts) as fp32; anything else as it is."""
+    """Float tensors (in tuples, lists and dicts) as fp32; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(float_inputs(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        items = [float_inputs(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple
     if isinstance(value, dict):
         return {k: float_inputs(v) for k, v in value.items()}
     return value
@@ -190,10 +191,19 @@ def apply(model: torch.nn.Module) -> None:
 def _fp32_forward(self, *args, **kwargs):
     device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
     with torch.autocast(device, enabled=False):
-        args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-        kwargs = {{k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                  for k, v in kwargs.items()}}
-        return type(self).forward(self, *args, **kwargs)
+        return type(self).forward(self, *_float(args), **_float(kwargs))
+
+
+def _float(value):
+    """Float tensors, also in tuples, lists and dicts (self.attn((q, k, v))), as fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        items = [_float(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple
+    if isinstance(value, dict):
+        return {{k: _float(v) for k, v in value.items()}}
+    return value
 '''
 
 _HF = '''"""For a transformers model: the module names to keep in fp32, from an ampaudit convert plan.
