@@ -160,3 +160,27 @@ def test_the_autocast_policy_upcasts_tensors_inside_a_tuple_argument(tmp_path):
             got = loaded.model(x)
         assert got.dtype == torch.float32  # attn's output Linear ran in fp32
         assert float((got - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_the_hf_names_keep_only_the_plans_modules_in_fp32_under_from_pretrained(tmp_path):
+    # a plan that keeps GPT-2's block h.1 in fp32: its last name, "1", was the entry, and
+    # transformers (regular expressions over weight names) then kept h.10 and every ln_1 too
+    transformers = pytest.importorskip("transformers")
+    from ampaudit.convert.emit import emit
+
+    config = transformers.GPT2Config(n_layer=11, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    records = [{"module": "transformer.h.1", "compute": "float32", "rule": "verify"},
+               {"module": "transformer.h.3.mlp", "compute": "float32", "rule": "AMP301"}]
+    (tmp_path / "hf_keep_in_fp32.py").write_text(emit({"plan": records, "summary": {"dtype": "float16"}}, "hf"))
+    names = _module(tmp_path / "hf_keep_in_fp32.py", "hf_keep_gpt2").KEEP_IN_FP32
+
+    class Kept(transformers.GPT2LMHeadModel):
+        _keep_in_fp32_modules = names
+
+    loaded = Kept.from_pretrained(tmp_path / "gpt2", dtype=torch.float16)
+    fp32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
+    expected = {n for n, _ in loaded.named_parameters()
+                if n.startswith(("transformer.h.1.", "transformer.h.3.mlp."))}
+    assert fp32 == expected and len(expected) == 16

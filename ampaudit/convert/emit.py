@@ -118,7 +118,7 @@ def emit(plan: Any, format: str) -> str:
     if format == "autocast":
         return _AUTOCAST.format(modules=_pylist(modules))
     if format == "hf":
-        names = list(dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules if m))
+        names = [hf_name(m) for m in modules if m]
         return _HF.format(names=_pylist(names), modules=_pylist(modules),
                           root=_HF_ROOT if "" in modules else "")
     if format == "fsdp2":
@@ -127,6 +127,17 @@ def emit(plan: Any, format: str) -> str:
         return _FSDP2.format(low=low, dtype=dtype, units=_pylist(units), overrides=_pylist(modules),
                              fp32_with_low=_pylist(fp32_with_low))
     raise UsageError(f"--emit {format!r}: choose one of {', '.join(FORMATS)}")
+
+
+def hf_name(path: str) -> str:
+    """A module path as a ``_keep_in_fp32_modules`` entry that matches that module only.
+
+    transformers reads the entries as regular expressions: 5.x searches each weight's name for
+    them, 4.x matches them between dots. A last name alone (``mlp`` for ``model.layers.1.mlp``)
+    kept every layer's mlp in fp32, and ``1`` every weight with a 1 in its name (``ln_1``); the
+    whole path does not, once an index at its end is kept from matching longer ones
+    (``h.1`` would match ``h.10``)."""
+    return path + r"(?=\.)" if path.rsplit(".", 1)[-1].isdigit() else path
 
 
 def low_modules(records: Iterable[Mapping[str, Any]], dtype: str) -> tuple[list[str], list[str]]:
@@ -215,8 +226,10 @@ step makes NaN weights wherever a gradient is 0 (a tiny GPT-2's loss is NaN at s
 To train, keep the weights fp32 and use torch.autocast + GradScaler with the autocast policy
 (ampaudit convert --emit autocast), or ampaudit.convert(model, optimizer, example_inputs=...).
 
-transformers matches each name against module paths at dot boundaries; set it on the model
-class before from_pretrained(..., torch_dtype=torch.float16):
+Each name is a module's whole path in the converted model (transformers reads them as regular
+expressions over weight names; a path ending in an index is followed by a look-ahead for a
+dot, so that h.1 is not h.10); set it on that model's class before
+from_pretrained(..., torch_dtype=torch.float16):
 
     MyModel._keep_in_fp32_modules = KEEP_IN_FP32
 {root}"""
