@@ -184,3 +184,25 @@ def test_the_hf_names_keep_only_the_plans_modules_in_fp32_under_from_pretrained(
     expected = {n for n, _ in loaded.named_parameters()
                 if n.startswith(("transformer.h.1.", "transformer.h.3.mlp."))}
     assert fp32 == expected and len(expected) == 16
+
+
+def test_a_forward_the_fx_backend_left_untraced_is_kept_in_fp32_by_the_policies(tmp_path):
+    # --backend fx keeps BranchyAttention's own forward in fp32, untraced: its -1e9 fill is in
+    # no plan record, so the policies listed nothing and autocast raised on it
+    from ampaudit.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["convert", model("untraced_attention_fill.py"), "-o", str(out), "--backend", "fx", "--emit",
+                 "autocast", "--emit", "hf", "--emit", "fsdp2", "--train-steps", "0"]) == 0
+    policy = _module(out / "autocast_policy.py", "autocast_policy_untraced")
+    assert policy.FP32_MODULES == ["attn"]
+    assert _module(out / "hf_keep_in_fp32.py", "hf_keep_untraced").KEEP_IN_FP32 == ["attn"]
+    # FSDP2: attn's own ops compute in fp32 (the root's unit), its Linears low in their own units
+    assert _module(out / "fsdp2_policy.py", "fsdp2_untraced").LOW_MODULES == ["inp", "out", "attn.q", "attn.k"]
+    loaded = load_target(model("untraced_attention_fill.py"))
+    (x,) = loaded.inputs.args
+    expected = loaded.model(x)
+    policy.apply(loaded.model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = loaded.model(x)
+    assert float((got.float() - expected).norm() / expected.norm()) < 1e-2

@@ -29,7 +29,7 @@ from ampaudit.convert.publish import EMIT_FILES
 from ampaudit.core.errors import UsageError
 
 FORMATS = ("autocast", "hf", "fsdp2")
-OVERRIDES = frozenset({"AMP201", "AMP301", "verify", "declared", "kernel"})
+OVERRIDES = frozenset({"AMP201", "AMP301", "verify", "declared", "kernel", "untraced"})
 FILES = EMIT_FILES  # the file each format is written to
 
 
@@ -37,7 +37,7 @@ def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
     """The records and low dtype of a plan given as a converted model, an export folder, a
     plan.json path or plan.json's content."""
     if isinstance(plan, torch.nn.Module):
-        return list(plan.plan), plan.summary.dtype
+        return list(plan.plan) + _untraced(getattr(plan.summary, "untraced", [])), plan.summary.dtype
     if isinstance(plan, (str, Path)):
         path = Path(plan) / "plan.json" if Path(plan).is_dir() else Path(plan)
         try:
@@ -50,8 +50,14 @@ def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
                 or not isinstance(summary, Mapping):
             raise UsageError("a plan's \"plan\" is a list of records (tables) and its \"summary\" a table: "
                              "give a converted model, an export folder, a plan.json path or its content")
-        return list(records), str(summary.get("dtype", "float16"))
+        return list(records) + _untraced(summary.get("untraced") or []), str(summary.get("dtype", "float16"))
     raise UsageError("a plan is a converted model, an export folder, a plan.json path or its content")
+
+
+def _untraced(paths: Iterable[str]) -> list[dict[str, Any]]:
+    """A record for each module whose own forward the fx backend kept in fp32 untraced: its ops
+    are in no record, and under plain autocast they ran low (a -1e9 fill raised)."""
+    return [{"module": str(p), "compute": "float32", "rule": "untraced"} for p in paths]
 
 
 def fp32_modules(records: Iterable[Mapping[str, Any]]) -> list[str]:
