@@ -206,3 +206,26 @@ def test_a_forward_the_fx_backend_left_untraced_is_kept_in_fp32_by_the_policies(
     with torch.autocast("cpu", dtype=torch.float16):
         got = loaded.model(x)
     assert float((got.float() - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_the_autocast_policy_keeps_an_accelerate_offload_hook_on_the_module(tmp_path):
+    # accelerate's cpu_offload puts the weights on "meta" and gives each module with weights an
+    # instance forward that loads them; the policy called the class's forward past it:
+    # "Tensor on device meta is not on the expected device cpu!"
+    accelerate = pytest.importorskip("accelerate")
+    from ampaudit.convert.emit import emit
+
+    records = [{"module": "attn.q", "compute": "float32", "rule": "declared"}]
+    (tmp_path / "autocast_policy.py").write_text(emit({"plan": records, "summary": {"dtype": "float16"}}, "autocast"))
+    policy = _module(tmp_path / "autocast_policy.py", "autocast_policy_offload")
+    for apply in (policy.apply, lambda m: ampaudit.autocast_policy(m, {"plan": records})):
+        loaded = load_target(model(FIXTURE))
+        (x,) = loaded.inputs.args
+        expected = loaded.model(x)
+        accelerate.cpu_offload(loaded.model, execution_device=torch.device("cpu"))
+        assert loaded.model.attn.q.weight.device.type == "meta"
+        apply(loaded.model)
+        apply(loaded.model)  # twice: wrapped once
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = loaded.model(x)
+        assert float((got.float() - expected).norm() / expected.norm()) < 2e-2

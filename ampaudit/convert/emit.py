@@ -91,13 +91,22 @@ def autocast_policy(model: torch.nn.Module, plan: Any) -> list[str]:
 
 def run_in_fp32(module: torch.nn.Module) -> None:
     """``module``'s forward with autocast off and fp32 inputs, in place. A method bound to the
-    module, not a closure over its forward: a deep copy of the model calls its own modules."""
+    module, not a closure over its forward: a deep copy of the model calls its own modules.
+    A forward the instance holds already (accelerate's offload hook, which loads the weights)
+    is kept and called inside; calling the class's forward skipped it (weights on "meta")."""
+    inner = module.__dict__.get("forward")
+    if getattr(inner, "__func__", None) is _fp32_forward:
+        return  # applied already
+    if inner is not None:
+        module._ampaudit_fp32_inner = inner
     module.forward = types.MethodType(_fp32_forward, module)
 
 
 def _fp32_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inner = getattr(self, "_ampaudit_fp32_inner", None)
     with torch.autocast(device_type(args, kwargs), enabled=False):
-        return type(self).forward(self, *float_inputs(args), **float_inputs(kwargs))
+        args, kwargs = float_inputs(args), float_inputs(kwargs)
+        return inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
 
 
 def device_type(args: tuple, kwargs: dict) -> str:
@@ -202,13 +211,20 @@ FP32_MODULES = {modules}
 def apply(model: torch.nn.Module) -> None:
     for path in FP32_MODULES:
         module = model.get_submodule(path)
+        inner = module.__dict__.get("forward")  # the instance's own (accelerate's offload hook): kept
+        if getattr(inner, "__func__", None) is _fp32_forward:
+            continue  # applied already
+        if inner is not None:
+            module._fp32_policy_inner = inner
         module.forward = types.MethodType(_fp32_forward, module)  # bound: copy.deepcopy(model) still works
 
 
 def _fp32_forward(self, *args, **kwargs):
+    inner = getattr(self, "_fp32_policy_inner", None)
     device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
     with torch.autocast(device, enabled=False):
-        return type(self).forward(self, *_float(args), **_float(kwargs))
+        args, kwargs = _float(args), _float(kwargs)
+        return inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
 
 
 def _float(value):
