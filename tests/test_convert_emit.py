@@ -196,6 +196,7 @@ def test_a_forward_the_fx_backend_left_untraced_is_kept_in_fp32_by_the_policies(
                  "autocast", "--emit", "hf", "--emit", "fsdp2", "--train-steps", "0"]) == 0
     policy = _module(out / "autocast_policy.py", "autocast_policy_untraced")
     assert policy.FP32_MODULES == ["attn"]
+    assert "# 'attn': forward not traced (--backend fx)" in (out / "autocast_policy.py").read_text()
     assert _module(out / "hf_keep_in_fp32.py", "hf_keep_untraced").KEEP_IN_FP32 == ["attn"]
     # FSDP2: attn's own ops compute in fp32 (the root's unit), its Linears low in their own units
     assert _module(out / "fsdp2_policy.py", "fsdp2_untraced").LOW_MODULES == ["inp", "out", "attn.q", "attn.k"]

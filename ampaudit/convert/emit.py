@@ -131,7 +131,10 @@ def emit(plan: Any, format: str) -> str:
     records, dtype = read_plan(plan)
     modules = fp32_modules(records)
     if format == "autocast":
-        return _AUTOCAST.format(modules=_pylist(modules))
+        untraced = [str(r["module"]) for r in records if r.get("rule") == "untraced"]
+        note = (f"# {', '.join(repr(u) for u in untraced)}: forward not traced (--backend fx), so it runs in fp32 "
+                "whole, as\n# in the converted model; --backend modules plans its ops one by one\n") if untraced else ""
+        return _AUTOCAST.format(modules=_pylist(modules), untraced=note)
     if format == "hf":
         names = [hf_name(m) for m in modules if m]
         return _HF.format(names=_pylist(names), modules=_pylist(modules),
@@ -205,7 +208,7 @@ import types
 
 import torch
 
-FP32_MODULES = {modules}
+{untraced}FP32_MODULES = {modules}
 
 
 def apply(model: torch.nn.Module) -> None:
