@@ -230,3 +230,26 @@ def test_the_autocast_policy_keeps_an_accelerate_offload_hook_on_the_module(tmp_
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = loaded.model(x)
         assert float((got.float() - expected).norm() / expected.norm()) < 2e-2
+
+
+def test_a_bfloat16_hf_policy_names_the_attribute_transformers_applies_under_bfloat16(tmp_path):
+    # transformers applies _keep_in_fp32_modules under float16 only: the bf16 plan's names, set
+    # there as the file said, left every weight in bf16; _keep_in_fp32_modules_strict applies
+    transformers = pytest.importorskip("transformers")
+    from ampaudit.convert.emit import emit
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    records = [{"module": "transformer.h.1.mlp", "compute": "float32", "rule": "verify"}]
+    (tmp_path / "hf_keep_in_fp32.py").write_text(emit({"plan": records, "summary": {"dtype": "bfloat16"}}, "hf"))
+    hf = _module(tmp_path / "hf_keep_in_fp32.py", "hf_keep_bf16")
+    assert f"MyModel.{hf.ATTRIBUTE} = KEEP_IN_FP32" in hf.__doc__
+
+    class Kept(transformers.GPT2LMHeadModel):
+        pass
+
+    setattr(Kept, hf.ATTRIBUTE, hf.KEEP_IN_FP32)
+    loaded = Kept.from_pretrained(tmp_path / "gpt2", dtype=torch.bfloat16)
+    fp32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
+    assert fp32 == {n for n, _ in loaded.named_parameters() if n.startswith("transformer.h.1.mlp.")} and len(fp32) == 4

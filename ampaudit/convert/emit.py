@@ -137,7 +137,9 @@ def emit(plan: Any, format: str) -> str:
         return _AUTOCAST.format(modules=_pylist(modules), untraced=note)
     if format == "hf":
         names = [hf_name(m) for m in modules if m]
-        return _HF.format(names=_pylist(names), modules=_pylist(modules),
+        # transformers applies _keep_in_fp32_modules under float16 only; bfloat16 needs _strict
+        attribute = "_keep_in_fp32_modules" + ("_strict" if dtype == "bfloat16" else "")
+        return _HF.format(names=_pylist(names), modules=_pylist(modules), dtype=dtype, attribute=attribute,
                           root=_HF_ROOT if "" in modules else "")
     if format == "fsdp2":
         low = {"float16": "torch.float16", "bfloat16": "torch.bfloat16"}.get(dtype, "torch.bfloat16")
@@ -244,20 +246,26 @@ def _float(value):
 
 _HF = '''"""For a transformers model: the module names to keep in fp32, from an ampaudit convert plan.
 
-For inference, not for training: from_pretrained(..., torch_dtype=torch.float16) stores every
-other weight in fp16, and fp16 weights do not train: their gradients are fp16, which
-GradScaler refuses to unscale, and without it AdamW's eps (1e-8) is 0 in fp16, so its first
-step makes NaN weights wherever a gradient is 0 (a tiny GPT-2's loss is NaN at step 2).
+For inference, not for training: from_pretrained(..., torch_dtype=torch.{dtype}) stores every
+other weight in {dtype}, and low-precision weights do not train: in float16 their gradients are
+fp16, which GradScaler refuses to unscale, and without it AdamW's eps (1e-8) is 0 in fp16, so
+its first step makes NaN weights wherever a gradient is 0 (a tiny GPT-2's loss is NaN at step
+2); in bfloat16 an update below 1/256 of a weight rounds away.
 To train, keep the weights fp32 and use torch.autocast + GradScaler with the autocast policy
 (ampaudit convert --emit autocast), or ampaudit.convert(model, optimizer, example_inputs=...).
 
 Each name is a module's whole path in the converted model (transformers reads them as regular
 expressions over weight names; a path ending in an index is followed by a look-ahead for a
 dot, so that h.1 is not h.10); set it on that model's class before
-from_pretrained(..., torch_dtype=torch.float16):
+from_pretrained(..., torch_dtype=torch.{dtype}):
 
-    MyModel._keep_in_fp32_modules = KEEP_IN_FP32
+    MyModel.{attribute} = KEEP_IN_FP32
+
+({attribute}: transformers applies _keep_in_fp32_modules under float16 only, and
+_keep_in_fp32_modules_strict under float16 and bfloat16.)
 {root}"""
+
+ATTRIBUTE = {attribute!r}
 
 KEEP_IN_FP32 = {names}
 
