@@ -115,3 +115,141 @@ def test_autocast_policy_survives_a_deep_copy(export):
     (x,) = loaded.inputs.args
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not torch.equal(twin(x), loaded.model(x))
+
+
+def test_an_override_in_the_roots_own_forward_is_kept_by_the_autocast_policy(tmp_path):
+    # root_mask_fill.py fills fp16 scores with -1e9 in the model's own forward: its plan record
+    # names no module. The policies listed nothing, and plain autocast raised as before.
+    from ampaudit.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["convert", model("root_mask_fill.py"), "-o", str(out), "--emit", "autocast", "--emit", "hf",
+                 "--train-steps", "0"]) == 0
+    policy = _module(out / "autocast_policy.py", "autocast_policy_root")
+    assert policy.FP32_MODULES == [""]
+    hf = _module(out / "hf_keep_in_fp32.py", "hf_keep_root")
+    assert hf.KEEP_IN_FP32 == [] and "NOT EXPRESSIBLE HERE" in hf.__doc__
+    loaded = load_target(model("root_mask_fill.py"))
+    (x,) = loaded.inputs.args
+    expected = loaded.model(x)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError, match="overflow"):
+        loaded.model(x)
+    policy.apply(loaded.model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out_policy = loaded.model(x)
+    assert out_policy.dtype == torch.float32 and torch.allclose(out_policy, expected, atol=1e-6)
+    assert ampaudit.autocast_policy(load_target(model("root_mask_fill.py")).model, out) == [""]
+
+
+def test_the_autocast_policy_upcasts_tensors_inside_a_tuple_argument(tmp_path):
+    # tuple_input_attention.py calls self.attn((q, k, v)): the emitted file cast only top-level
+    # tensors, so the fp16 q, k, v reached the -1e9 fill and it raised as plain autocast does
+    from ampaudit.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["convert", model("tuple_input_attention.py"), "-o", str(out), "--emit", "autocast",
+                 "--train-steps", "0"]) == 0
+    policy = _module(out / "autocast_policy.py", "autocast_policy_tuple")
+    assert policy.FP32_MODULES == ["attn"]
+    for apply in (policy.apply, lambda m: ampaudit.autocast_policy(m, out)):
+        loaded = load_target(model("tuple_input_attention.py"))
+        (x,) = loaded.inputs.args
+        expected = loaded.model(x)
+        apply(loaded.model)
+        with torch.autocast("cpu", dtype=torch.float16):
+            got = loaded.model(x)
+        assert got.dtype == torch.float32  # attn's output Linear ran in fp32
+        assert float((got - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_the_hf_names_keep_only_the_plans_modules_in_fp32_under_from_pretrained(tmp_path):
+    # a plan that keeps GPT-2's block h.1 in fp32: its last name, "1", was the entry, and
+    # transformers (regular expressions over weight names) then kept h.10 and every ln_1 too
+    transformers = pytest.importorskip("transformers")
+    from ampaudit.convert.emit import emit
+
+    config = transformers.GPT2Config(n_layer=11, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    records = [{"module": "transformer.h.1", "compute": "float32", "rule": "verify"},
+               {"module": "transformer.h.3.mlp", "compute": "float32", "rule": "AMP301"}]
+    (tmp_path / "hf_keep_in_fp32.py").write_text(emit({"plan": records, "summary": {"dtype": "float16"}}, "hf"))
+    names = _module(tmp_path / "hf_keep_in_fp32.py", "hf_keep_gpt2").KEEP_IN_FP32
+
+    class Kept(transformers.GPT2LMHeadModel):
+        _keep_in_fp32_modules = names
+
+    loaded = Kept.from_pretrained(tmp_path / "gpt2", dtype=torch.float16)
+    fp32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
+    expected = {n for n, _ in loaded.named_parameters()
+                if n.startswith(("transformer.h.1.", "transformer.h.3.mlp."))}
+    assert fp32 == expected and len(expected) == 16
+
+
+def test_a_forward_the_fx_backend_left_untraced_is_kept_in_fp32_by_the_policies(tmp_path):
+    # --backend fx keeps BranchyAttention's own forward in fp32, untraced: its -1e9 fill is in
+    # no plan record, so the policies listed nothing and autocast raised on it
+    from ampaudit.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["convert", model("untraced_attention_fill.py"), "-o", str(out), "--backend", "fx", "--emit",
+                 "autocast", "--emit", "hf", "--emit", "fsdp2", "--train-steps", "0"]) == 0
+    policy = _module(out / "autocast_policy.py", "autocast_policy_untraced")
+    assert policy.FP32_MODULES == ["attn"]
+    assert "# 'attn': forward not traced (--backend fx)" in (out / "autocast_policy.py").read_text()
+    assert _module(out / "hf_keep_in_fp32.py", "hf_keep_untraced").KEEP_IN_FP32 == ["attn"]
+    # FSDP2: attn's own ops compute in fp32 (the root's unit), its Linears low in their own units
+    assert _module(out / "fsdp2_policy.py", "fsdp2_untraced").LOW_MODULES == ["inp", "out", "attn.q", "attn.k"]
+    loaded = load_target(model("untraced_attention_fill.py"))
+    (x,) = loaded.inputs.args
+    expected = loaded.model(x)
+    policy.apply(loaded.model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = loaded.model(x)
+    assert float((got.float() - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_the_autocast_policy_keeps_an_accelerate_offload_hook_on_the_module(tmp_path):
+    # accelerate's cpu_offload puts the weights on "meta" and gives each module with weights an
+    # instance forward that loads them; the policy called the class's forward past it:
+    # "Tensor on device meta is not on the expected device cpu!"
+    accelerate = pytest.importorskip("accelerate")
+    from ampaudit.convert.emit import emit
+
+    records = [{"module": "attn.q", "compute": "float32", "rule": "declared"}]
+    (tmp_path / "autocast_policy.py").write_text(emit({"plan": records, "summary": {"dtype": "float16"}}, "autocast"))
+    policy = _module(tmp_path / "autocast_policy.py", "autocast_policy_offload")
+    for apply in (policy.apply, lambda m: ampaudit.autocast_policy(m, {"plan": records})):
+        loaded = load_target(model(FIXTURE))
+        (x,) = loaded.inputs.args
+        expected = loaded.model(x)
+        accelerate.cpu_offload(loaded.model, execution_device=torch.device("cpu"))
+        assert loaded.model.attn.q.weight.device.type == "meta"
+        apply(loaded.model)
+        apply(loaded.model)  # twice: wrapped once
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = loaded.model(x)
+        assert float((got.float() - expected).norm() / expected.norm()) < 2e-2
+
+
+def test_a_bfloat16_hf_policy_names_the_attribute_transformers_applies_under_bfloat16(tmp_path):
+    # transformers applies _keep_in_fp32_modules under float16 only: the bf16 plan's names, set
+    # there as the file said, left every weight in bf16; _keep_in_fp32_modules_strict applies
+    transformers = pytest.importorskip("transformers")
+    from ampaudit.convert.emit import emit
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    records = [{"module": "transformer.h.1.mlp", "compute": "float32", "rule": "verify"}]
+    (tmp_path / "hf_keep_in_fp32.py").write_text(emit({"plan": records, "summary": {"dtype": "bfloat16"}}, "hf"))
+    hf = _module(tmp_path / "hf_keep_in_fp32.py", "hf_keep_bf16")
+    assert f"MyModel.{hf.ATTRIBUTE} = KEEP_IN_FP32" in hf.__doc__
+
+    class Kept(transformers.GPT2LMHeadModel):
+        pass
+
+    setattr(Kept, hf.ATTRIBUTE, hf.KEEP_IN_FP32)
+    loaded = Kept.from_pretrained(tmp_path / "gpt2", dtype=torch.bfloat16)
+    fp32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
+    assert fp32 == {n for n, _ in loaded.named_parameters() if n.startswith("transformer.h.1.mlp.")} and len(fp32) == 4

@@ -60,6 +60,9 @@ class ConversionSummary:
     # (path -> {argument: value}: lucidrains' block2(h) leaves scale_shift=None), so that
     # ampaudit.apply, which has no example inputs, traces them the same way
     fixed_args: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # modules whose own forward torch.fx could not trace (fx backend): it runs in fp32 and none
+    # of its own ops is in the plan, so the policies --emit writes keep it in fp32 whole
+    untraced: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -330,6 +333,7 @@ class _Conversion:
     casts: int = 0
     measured: _Measured = field(default_factory=_Measured)
     fixed_args: dict[str, dict[str, Any]] = field(default_factory=dict)  # see ConversionSummary.fixed_args
+    untraced: list[str] = field(default_factory=list)  # see ConversionSummary.untraced
 
 
 def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
@@ -345,7 +349,7 @@ def _convert_once(model: torch.nn.Module, catalog: Catalog, low: LowDtype,
                       fixed_args={k: dict(v) for k, v in (fixed_args or {}).items()})
     converted = _with_plan(_convert_tree(work, "", inputs, run), run.records, low, promoted, casts=run.casts,
                            notes=run.notes, constants=constants, keep_low_outputs=keep_low_outputs,
-                           weights=weights, fixed_args=run.fixed_args)
+                           weights=weights, fixed_args=run.fixed_args, untraced=run.untraced)
     if not isinstance(converted, fx.GraphModule):
         converted.code = f"# {type(model).__name__}.forward is not traceable: its submodules were converted\n"
     return converted
@@ -366,6 +370,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
         gm, failure = fx_trace(module, run.catalog, opaque, concrete_args=fixed, functions_as_leaves=True)
     label = prefix or type(module).__name__
     if gm is None:
+        run.untraced.append(prefix)
         run.notes.append(f"{label}: forward not traceable by torch.fx ({failure.message}); kept in fp32, "
                          "its submodules converted")
         _convert_children(module, prefix, run)
@@ -392,6 +397,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
                          "recomputed in backward")
     run.casts += stats.casts
     for path in opaque:
+        run.untraced.append(_join(prefix, path))
         run.notes.append(f"{_join(prefix, path)}: forward not traceable by torch.fx; kept in fp32, its submodules "
                          "converted")
         _convert_children(gm.get_submodule(path), _join(prefix, path), run)

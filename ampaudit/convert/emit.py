@@ -29,7 +29,7 @@ from ampaudit.convert.publish import EMIT_FILES
 from ampaudit.core.errors import UsageError
 
 FORMATS = ("autocast", "hf", "fsdp2")
-OVERRIDES = frozenset({"AMP201", "AMP301", "verify", "declared", "kernel"})
+OVERRIDES = frozenset({"AMP201", "AMP301", "verify", "declared", "kernel", "untraced"})
 FILES = EMIT_FILES  # the file each format is written to
 
 
@@ -37,7 +37,7 @@ def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
     """The records and low dtype of a plan given as a converted model, an export folder, a
     plan.json path or plan.json's content."""
     if isinstance(plan, torch.nn.Module):
-        return list(plan.plan), plan.summary.dtype
+        return list(plan.plan) + _untraced(getattr(plan.summary, "untraced", [])), plan.summary.dtype
     if isinstance(plan, (str, Path)):
         path = Path(plan) / "plan.json" if Path(plan).is_dir() else Path(plan)
         try:
@@ -50,18 +50,28 @@ def read_plan(plan: Any) -> tuple[list[Mapping[str, Any]], str]:
                 or not isinstance(summary, Mapping):
             raise UsageError("a plan's \"plan\" is a list of records (tables) and its \"summary\" a table: "
                              "give a converted model, an export folder, a plan.json path or its content")
-        return list(records), str(summary.get("dtype", "float16"))
+        return list(records) + _untraced(summary.get("untraced") or []), str(summary.get("dtype", "float16"))
     raise UsageError("a plan is a converted model, an export folder, a plan.json path or its content")
 
 
+def _untraced(paths: Iterable[str]) -> list[dict[str, Any]]:
+    """A record for each module whose own forward the fx backend kept in fp32 untraced: its ops
+    are in no record, and under plain autocast they ran low (a -1e9 fill raised)."""
+    return [{"module": str(p), "compute": "float32", "rule": "untraced"} for p in paths]
+
+
 def fp32_modules(records: Iterable[Mapping[str, Any]]) -> list[str]:
-    """The outermost modules holding an op the plan overrides to fp32, in plan order."""
+    """The outermost modules holding an op the plan overrides to fp32, in plan order; ``""``
+    (the model itself: ``get_submodule("")``) when the root's own forward holds one - its
+    records name no module, and leaving it out left that op to autocast's low dtype."""
     found: list[str] = []
     for record in records:
-        module = record.get("module")
+        module = record.get("module") or ""
         overridden = record.get("compute") == "float32" and record.get("rule") in OVERRIDES
-        if overridden and module and module not in found:
+        if overridden and module not in found:
             found.append(module)
+    if "" in found:
+        return [""]
     return [m for m in found if not any(m.startswith(other + ".") for other in found)]
 
 
@@ -81,13 +91,22 @@ def autocast_policy(model: torch.nn.Module, plan: Any) -> list[str]:
 
 def run_in_fp32(module: torch.nn.Module) -> None:
     """``module``'s forward with autocast off and fp32 inputs, in place. A method bound to the
-    module, not a closure over its forward: a deep copy of the model calls its own modules."""
+    module, not a closure over its forward: a deep copy of the model calls its own modules.
+    A forward the instance holds already (accelerate's offload hook, which loads the weights)
+    is kept and called inside; calling the class's forward skipped it (weights on "meta")."""
+    inner = module.__dict__.get("forward")
+    if getattr(inner, "__func__", None) is _fp32_forward:
+        return  # applied already
+    if inner is not None:
+        module._ampaudit_fp32_inner = inner
     module.forward = types.MethodType(_fp32_forward, module)
 
 
 def _fp32_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inner = getattr(self, "_ampaudit_fp32_inner", None)
     with torch.autocast(device_type(args, kwargs), enabled=False):
-        return type(self).forward(self, *float_inputs(args), **float_inputs(kwargs))
+        args, kwargs = float_inputs(args), float_inputs(kwargs)
+        return inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
 
 
 def device_type(args: tuple, kwargs: dict) -> str:
@@ -96,11 +115,12 @@ def device_type(args: tuple, kwargs: dict) -> str:
 
 
 def float_inputs(value: Any) -> Any:
-    """Float tensors (in tuples and dicts) as fp32; anything else as it is."""
+    """Float tensors (in tuples, lists and dicts) as fp32; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(float_inputs(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        items = [float_inputs(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple
     if isinstance(value, dict):
         return {k: float_inputs(v) for k, v in value.items()}
     return value
@@ -111,16 +131,33 @@ def emit(plan: Any, format: str) -> str:
     records, dtype = read_plan(plan)
     modules = fp32_modules(records)
     if format == "autocast":
-        return _AUTOCAST.format(modules=_pylist(modules))
+        untraced = [str(r["module"]) for r in records if r.get("rule") == "untraced"]
+        note = (f"# {', '.join(repr(u) for u in untraced)}: forward not traced (--backend fx), so it runs in fp32 "
+                "whole, as\n# in the converted model; --backend modules plans its ops one by one\n") if untraced else ""
+        return _AUTOCAST.format(modules=_pylist(modules), untraced=note)
     if format == "hf":
-        names = list(dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules))
-        return _HF.format(names=_pylist(names), modules=_pylist(modules))
+        names = [hf_name(m) for m in modules if m]
+        # transformers applies _keep_in_fp32_modules under float16 only; bfloat16 needs _strict
+        attribute = "_keep_in_fp32_modules" + ("_strict" if dtype == "bfloat16" else "")
+        return _HF.format(names=_pylist(names), modules=_pylist(modules), dtype=dtype, attribute=attribute,
+                          root=_HF_ROOT if "" in modules else "")
     if format == "fsdp2":
         low = {"float16": "torch.float16", "bfloat16": "torch.bfloat16"}.get(dtype, "torch.bfloat16")
         units, fp32_with_low = low_modules(records, dtype)
         return _FSDP2.format(low=low, dtype=dtype, units=_pylist(units), overrides=_pylist(modules),
                              fp32_with_low=_pylist(fp32_with_low))
     raise UsageError(f"--emit {format!r}: choose one of {', '.join(FORMATS)}")
+
+
+def hf_name(path: str) -> str:
+    """A module path as a ``_keep_in_fp32_modules`` entry that matches that module only.
+
+    transformers reads the entries as regular expressions: 5.x searches each weight's name for
+    them, 4.x matches them between dots. A last name alone (``mlp`` for ``model.layers.1.mlp``)
+    kept every layer's mlp in fp32, and ``1`` every weight with a 1 in its name (``ln_1``); the
+    whole path does not, once an index at its end is kept from matching longer ones
+    (``h.1`` would match ``h.10``)."""
+    return path + r"(?=\.)" if path.rsplit(".", 1)[-1].isdigit() else path
 
 
 def low_modules(records: Iterable[Mapping[str, Any]], dtype: str) -> tuple[list[str], list[str]]:
@@ -173,44 +210,74 @@ import types
 
 import torch
 
-FP32_MODULES = {modules}
+{untraced}FP32_MODULES = {modules}
 
 
 def apply(model: torch.nn.Module) -> None:
     for path in FP32_MODULES:
         module = model.get_submodule(path)
+        inner = module.__dict__.get("forward")  # the instance's own (accelerate's offload hook): kept
+        if getattr(inner, "__func__", None) is _fp32_forward:
+            continue  # applied already
+        if inner is not None:
+            module._fp32_policy_inner = inner
         module.forward = types.MethodType(_fp32_forward, module)  # bound: copy.deepcopy(model) still works
 
 
 def _fp32_forward(self, *args, **kwargs):
+    inner = getattr(self, "_fp32_policy_inner", None)
     device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), "cpu")
     with torch.autocast(device, enabled=False):
-        args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-        kwargs = {{k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                  for k, v in kwargs.items()}}
-        return type(self).forward(self, *args, **kwargs)
+        args, kwargs = _float(args), _float(kwargs)
+        return inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
+
+
+def _float(value):
+    """Float tensors, also in tuples, lists and dicts (self.attn((q, k, v))), as fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        items = [_float(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple
+    if isinstance(value, dict):
+        return {{k: _float(v) for k, v in value.items()}}
+    return value
 '''
 
 _HF = '''"""For a transformers model: the module names to keep in fp32, from an ampaudit convert plan.
 
-For inference, not for training: from_pretrained(..., torch_dtype=torch.float16) stores every
-other weight in fp16, and fp16 weights do not train: their gradients are fp16, which
-GradScaler refuses to unscale, and without it AdamW's eps (1e-8) is 0 in fp16, so its first
-step makes NaN weights wherever a gradient is 0 (a tiny GPT-2's loss is NaN at step 2).
+For inference, not for training: from_pretrained(..., torch_dtype=torch.{dtype}) stores every
+other weight in {dtype}, and low-precision weights do not train: in float16 their gradients are
+fp16, which GradScaler refuses to unscale, and without it AdamW's eps (1e-8) is 0 in fp16, so
+its first step makes NaN weights wherever a gradient is 0 (a tiny GPT-2's loss is NaN at step
+2); in bfloat16 an update below 1/256 of a weight rounds away.
 To train, keep the weights fp32 and use torch.autocast + GradScaler with the autocast policy
 (ampaudit convert --emit autocast), or ampaudit.convert(model, optimizer, example_inputs=...).
 
-transformers matches each name against module paths at dot boundaries; set it on the model
-class before from_pretrained(..., torch_dtype=torch.float16):
+Each name is a module's whole path in the converted model (transformers reads them as regular
+expressions over weight names; a path ending in an index is followed by a look-ahead for a
+dot, so that h.1 is not h.10); set it on that model's class before
+from_pretrained(..., torch_dtype=torch.{dtype}):
 
-    MyModel._keep_in_fp32_modules = KEEP_IN_FP32
-"""
+    MyModel.{attribute} = KEEP_IN_FP32
+
+({attribute}: transformers applies _keep_in_fp32_modules under float16 only, and
+_keep_in_fp32_modules_strict under float16 and bfloat16.)
+{root}"""
+
+ATTRIBUTE = {attribute!r}
 
 KEEP_IN_FP32 = {names}
 
 # the modules the plan keeps in fp32, by path
 FP32_MODULES = {modules}
 '''
+
+_HF_ROOT = """
+NOT EXPRESSIBLE HERE: the plan keeps an op of the model's own forward (its root, '' below)
+in fp32, and _keep_in_fp32_modules names submodules only; load it in fp32, or run it under
+torch.autocast with the autocast policy (which runs the whole forward in fp32).
+"""
 
 _FSDP2 = '''"""FSDP2 mixed precision from an ampaudit convert plan, for a forward without torch.autocast.
 
