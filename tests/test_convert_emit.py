@@ -253,3 +253,17 @@ def test_a_bfloat16_hf_policy_names_the_attribute_transformers_applies_under_bfl
     loaded = Kept.from_pretrained(tmp_path / "gpt2", dtype=torch.bfloat16)
     fp32 = {n for n, p in loaded.named_parameters() if p.dtype == torch.float32}
     assert fp32 == {n for n, _ in loaded.named_parameters() if n.startswith("transformer.h.1.mlp.")} and len(fp32) == 4
+
+
+def test_hf_names_are_literal_regular_expressions():
+    # transformers searches weight names with each entry as a regular expression: a ModuleDict
+    # key `a+b` matched `aab` (and `h.1`'s dot any character) before the path was escaped
+    import re
+
+    from ampaudit.convert.emit import hf_name
+
+    assert hf_name("experts.a+b") == r"experts\.a\+b"
+    assert re.search(hf_name("experts.a+b"), "experts.a+b.weight")
+    assert not re.search(hf_name("experts.a+b"), "experts.aab.weight")
+    assert re.search(hf_name("h.1"), "transformer.h.1.attn.weight")
+    assert not re.search(hf_name("h.1"), "transformer.h.10.attn.weight") and not re.search(hf_name("h.1"), "hx1.w")

@@ -18,6 +18,7 @@ in fp32; FSDP2 upcasts no op, so its policy reads the whole plan. The formats:
 from __future__ import annotations
 
 import json
+import re
 import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -156,8 +157,10 @@ def hf_name(path: str) -> str:
     them, 4.x matches them between dots. A last name alone (``mlp`` for ``model.layers.1.mlp``)
     kept every layer's mlp in fp32, and ``1`` every weight with a 1 in its name (``ln_1``); the
     whole path does not, once an index at its end is kept from matching longer ones
-    (``h.1`` would match ``h.10``)."""
-    return path + r"(?=\.)" if path.rsplit(".", 1)[-1].isdigit() else path
+    (``h.1`` would match ``h.10``), and once it is escaped (a ModuleDict key ``a+b``, and the
+    dots, are literal)."""
+    escaped = re.escape(path)
+    return escaped + r"(?=\.)" if path.rsplit(".", 1)[-1].isdigit() else escaped
 
 
 def low_modules(records: Iterable[Mapping[str, Any]], dtype: str) -> tuple[list[str], list[str]]:
