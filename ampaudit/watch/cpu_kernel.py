@@ -185,9 +185,9 @@ def fill_sampled_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor
     the values below fp32 exponent ``normal_exponent`` (underflow), Inf, NaN, -inf, overflow,
     the finite absmax, and so each histogram class's total. A small tensor is binned whole."""
     n = x.numel()
-    stride = n // LAYOUT.hist_sample if n > LAYOUT.hist_sample_above else 1  # sample_stride, inline: a hook's hot path
+    stride = sample_stride(n)
     entry = _library().sampled.get(x.dtype)
-    if stride == 1 or entry is None or not (x.is_contiguous() or dense(x)):
+    if stride == 1 or entry is None or not dense(x):
         fill_row(x, counts, extras, overflow_at)
         return
     base = counts.data_ptr()
