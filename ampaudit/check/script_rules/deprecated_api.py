@@ -20,6 +20,7 @@ from typing import Any
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import Import, ScriptFacts
+from ampaudit.check.lint.memo import per_file
 from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import finding
 from ampaudit.check.script_rules import lint_rule
@@ -155,14 +156,15 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
         yield replace(first, message=first.message + more, autofix=Autofix(tuple(fixes)) if fixes else None)
 
 
-def _class_tests(facts: ScriptFacts) -> set[int]:
+@per_file  # asked for each deprecated import, alias and reference of a file
+def _class_tests(facts: ScriptFacts) -> frozenset[int]:
     """The classes ``isinstance(x, C)`` / ``issubclass(x, (C, D))`` test against (node ids)."""
     found = set()
     for call in facts.calls:
         if call.names & {"builtins.isinstance", "builtins.issubclass"} and len(call.node.args) == 2:
             classes = call.node.args[1]
             found.update(id(n) for n in (classes.elts if isinstance(classes, ast.Tuple) else [classes]))
-    return found
+    return frozenset(found)
 
 
 def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
