@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import ampaudit
+import ampaudit.core.errors
 from ampaudit.core.config import Config
 from ampaudit.graph.function_apply import functions_applied
 from tests.conftest import line_of, model
@@ -83,3 +84,29 @@ def _loaded(name):
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_a_function_whose_file_cannot_be_read_again_is_skipped(tmp_path, monkeypatch):
+    # read_text raises LoadError (not OSError) for a file Python would refuse now: the audit
+    # goes on without that class rather than failing
+    import importlib
+
+    from ampaudit.check.function_audit import applied_function_findings
+
+    path = tmp_path / "fn_mod.py"
+    path.write_text("import torch\n\n\nclass Mm(torch.autograd.Function):\n"
+                    "    @staticmethod\n    def forward(ctx, x, w):\n        return x @ w\n\n"
+                    "    @staticmethod\n    def backward(ctx, g):\n        return g, g\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("fn_mod")
+    assert len(applied_function_findings({module.Mm: None})) == 1
+    text = path.read_bytes()
+    path.write_bytes(text + b"# \x00\n")  # inspect's own parse of it raises SyntaxError
+    assert applied_function_findings({module.Mm: None}) == []
+    path.write_bytes(text)
+
+    def refused(_path):
+        raise ampaudit.core.errors.LoadError("not text")
+
+    monkeypatch.setattr("ampaudit.check.function_audit.read_text", refused)
+    assert applied_function_findings({module.Mm: None}) == []

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ampaudit.check.lint.collect import collect
+from ampaudit.check.lint_file import read_text
 from ampaudit.check.script_rules.autograd_function import function_finding
+from ampaudit.core.errors import LoadError
 from ampaudit.core.findings import Finding
-from ampaudit.core.python_source import read_python
 from ampaudit.core.userframe import Loc
 
 
@@ -28,14 +29,14 @@ def applied_function_findings(functions: Mapping[type, Loc | None]) -> list[Find
     for function in functions:
         try:
             path, (_, line) = inspect.getsourcefile(function), inspect.getsourcelines(function)
-        except (OSError, TypeError):  # defined in an exec'd string, a C extension: nothing to read
+        except (OSError, TypeError, SyntaxError):  # an exec'd string, a C extension, a file changed since
             continue
         if path is None or not Path(path).is_file():
             continue
         if path not in facts_by_file:
             try:
-                facts_by_file[path] = collect(path, read_python(Path(path))[0])
-            except (OSError, SyntaxError, ValueError, RecursionError):
+                facts_by_file[path] = collect(path, read_text(Path(path)))
+            except (LoadError, SyntaxError, ValueError, RecursionError):  # read_text: LoadError, not OSError
                 facts_by_file[path] = None
         facts = facts_by_file[path]
         cls = next((c for c in facts.classes if c.node.name == function.__name__ and c.node.lineno == line),
