@@ -689,7 +689,21 @@ def test_arena_rows_grow_by_chunks_and_reset_to_zero():
     rows.reset()
     handle, counts, extras = rows.take(torch.device("cpu"))
     assert handle == (torch.device("cpu"), 0) and not counts.any() and not extras.any()
-    assert all(not c.any() for c in rows._counts[torch.device("cpu")])
+    assert all(not c.any() for c in rows._devices[torch.device("cpu")].counts)
+
+
+def test_arena_cpu_rows_by_address_are_the_rows_take_gives():
+    from ampaudit.watch.arena import RowArena
+
+    rows = RowArena(chunk=2)
+    cpu = torch.device("cpu")
+    taken = [rows.take(cpu) if i % 2 else rows.take_cpu() for i in range(5)]  # both ways, three chunks
+    assert [handle for handle, *_ in taken] == [(cpu, i) for i in range(5)]
+    for handle, counts, extras in taken[0::2]:  # by address: the views' own first elements
+        view_counts, view_extras = rows.row(handle)
+        assert (counts, extras) == (view_counts.data_ptr(), view_extras.data_ptr())
+    rows.reset()
+    assert rows.take_cpu()[0] == (cpu, 0)
 
 
 @pytest.mark.parametrize(("flag", "needs", "message"), [
@@ -1640,3 +1654,46 @@ def test_run_names_two_roots_of_one_class_apart():
                                          "Sequential.0"]
     params = summary["params"]
     assert (params["Sequential.0.weight"]["numel"], params["Sequential#2.0.weight"]["numel"]) == (3 * 4, 3 * 12)
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_a_gradient_hook_of_watchs_runs_where_register_hook_would_put_it(leaf):
+    """``_add_grad_hook`` writes torch's own hook dict: each hook runs in the order it was
+    added, ours seeing what the hooks before it returned, and a user's handle still works."""
+    from ampaudit.watch.hooks import _add_grad_hook
+
+    x = torch.ones(3, requires_grad=True)
+    y = x if leaf else x * 2
+    seen = []
+    removed = y.register_hook(lambda g: seen.append("removed"))
+    y.register_hook(lambda g: g * 10)  # the user's, before ours: we see its gradient
+    _add_grad_hook(y, lambda g: seen.append(("first", g.sum().item())))
+    y.register_hook(lambda g: g + 1)  # after ours: we do not
+    _add_grad_hook(y, lambda g: seen.append(("second", g.sum().item())))
+    removed.remove()
+    y.sum().backward()
+    scale = 1 if leaf else 2
+    assert seen == [("first", 30.0), ("second", 33.0)]
+    assert x.grad.tolist() == [11.0 * scale] * 3
+
+
+def test_a_gradient_hook_on_a_fresh_tensor_is_its_first():
+    from ampaudit.watch.hooks import _add_grad_hook
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 3
+    seen = []
+    _add_grad_hook(y, lambda g: seen.append(g.tolist()))
+    y.register_hook(lambda g: g * 0)
+    y.sum().backward()
+    assert seen == [[1.0, 1.0]] and x.grad.tolist() == [0.0, 0.0]
+
+
+def test_the_autocast_state_a_call_is_replayed_under():
+    from ampaudit.watch.provenance import autocast_state
+
+    off = autocast_state()
+    assert off == ((False, torch.get_autocast_dtype("cpu")), (False, torch.get_autocast_dtype("cuda")))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_state()[0] == (True, torch.bfloat16)
+    assert autocast_state() == off

@@ -124,6 +124,27 @@ def test_the_same_tensor_gives_the_same_row():
     assert _stats(x, FP16, sampled=True) == _stats(x, FP16, sampled=True)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: _planted(100_000, torch.float32), lambda: _planted(100_000, torch.bfloat16),
+    lambda: _planted(3_000, torch.float16),  # binned whole
+    lambda: _planted(200_000, torch.float32).view(400, 500)[:, ::2],  # not dense: copied first
+    lambda: _planted(50_000, torch.float64),  # no kernel for its dtype: as float32
+], ids=["f32", "bf16", "small f16", "strided", "f64"])
+def test_a_recorded_tensor_gets_the_row_the_kernel_gives(make):
+    """The recorder writes a CPU row at its address (``arena.take_cpu``): the same row as
+    ``stats.fill_sampled_row`` into a fresh one, byte for byte."""
+    from ampaudit.watch.hooks import StepRecorder
+
+    x = make()
+    recorder = StepRecorder(FP16, "given", record_inputs=False, record_eval=False)
+    recorder.record("m", "forward", x, "output")
+    counts, extras = recorder.arena.row(recorder.event_rows[0])
+    want_counts, want_extras = stats.new_row(x.device)
+    stats.fill_sampled_row(x, want_counts, want_extras, FP16)
+    assert torch.equal(counts, want_counts) and torch.equal(extras, want_extras)
+    assert counts[:LAYOUT.bins].sum() == x.numel()  # a row was written at all
+
+
 def _run(exact_histograms: bool, log) -> list[dict]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))

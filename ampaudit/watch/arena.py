@@ -36,28 +36,72 @@ def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return found
 
 
+class _DeviceRows:
+    """One device's rows: the chunks, a (counts, extras) view per row and its two addresses,
+    made once per chunk, and how many rows this step used."""
+
+    __slots__ = ("addresses", "counts", "extras", "rows", "used")
+
+    def __init__(self) -> None:
+        self.counts: list[torch.Tensor] = []
+        self.extras: list[torch.Tensor] = []
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.addresses: list[tuple[int, int]] = []  # each row's (counts, extras) data pointers
+        self.used = 0
+
+    def grow(self, chunk: int, device: torch.device) -> None:
+        counts = torch.zeros(chunk, LAYOUT.counts, dtype=torch.int64, device=device)
+        extras = torch.zeros(chunk, LAYOUT.extras, dtype=torch.float32, device=device)  # whatever the default
+        self.counts.append(counts)
+        self.extras.append(extras)
+        self.rows.extend(zip(counts.unbind(0), extras.unbind(0), strict=True))
+        c, e = counts.data_ptr(), extras.data_ptr()
+        c_step, e_step = counts.stride(0) * counts.element_size(), extras.stride(0) * extras.element_size()
+        self.addresses.extend((c + i * c_step, e + i * e_step) for i in range(chunk))
+
+
+_CPU = torch.device("cpu")
+
+
 class RowArena:
     """Rows on each device a tensor was recorded on; a row is addressed by (device, index)."""
 
     def __init__(self, chunk: int = 256) -> None:
         self.chunk = chunk
-        self._counts: dict[torch.device, list[torch.Tensor]] = {}
-        self._extras: dict[torch.device, list[torch.Tensor]] = {}
-        self._rows: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # views, made once
-        self._used: dict[torch.device, int] = {}
+        self._devices: dict[torch.device, _DeviceRows] = {}
+        self._cpu: _DeviceRows | None = None  # the CPU's, for ``take_cpu`` without a lookup
+
+    def _rows_on(self, device: torch.device) -> _DeviceRows:
+        rows = self._devices.get(device)
+        if rows is None:
+            rows = self._devices[device] = _DeviceRows()
+            if device == _CPU:
+                self._cpu = rows
+        return rows
 
     def take(self, device: torch.device) -> tuple[Handle, torch.Tensor, torch.Tensor]:
         """A zeroed row on ``device``: (handle, counts view, extras view)."""
-        used = self._used.get(device, 0)
-        rows = self._rows.setdefault(device, [])
-        if used == len(rows):
-            counts = torch.zeros(self.chunk, LAYOUT.counts, dtype=torch.int64, device=device)
-            extras = torch.zeros(self.chunk, LAYOUT.extras, dtype=torch.float32, device=device)  # whatever the default
-            self._counts.setdefault(device, []).append(counts)
-            self._extras.setdefault(device, []).append(extras)
-            rows.extend(zip(counts.unbind(0), extras.unbind(0), strict=True))
-        self._used[device] = used + 1
-        return (device, used), *rows[used]
+        rows = self._rows_on(device)
+        used = rows.used
+        if used == len(rows.rows):
+            rows.grow(self.chunk, device)
+        rows.used = used + 1
+        return (device, used), *rows.rows[used]
+
+    def take_cpu(self) -> tuple[Handle, int, int]:
+        """A zeroed CPU row by its addresses: (handle, counts address, extras address) - what a
+        C kernel writes to, with no tensor made for the row (a hook's hot path)."""
+        rows = self._cpu or self._rows_on(_CPU)
+        used = rows.used
+        if used == len(rows.rows):
+            rows.grow(self.chunk, _CPU)
+        rows.used = used + 1
+        return (_CPU, used), *rows.addresses[used]
+
+    def row(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (counts, extras) views of a row taken before."""
+        device, index = handle
+        return self._devices[device].rows[index]
 
     def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows behind ``handles``, in that order, on ``device``: (counts N x LAYOUT.counts
@@ -73,10 +117,12 @@ class RowArena:
             return (torch.zeros(0, LAYOUT.counts, dtype=torch.int64, device=device),
                     torch.zeros(0, LAYOUT.extras, dtype=torch.float32, device=device), index_tensor([], device))
         counts, extras, offsets, total = [], [], {}, 0
-        for dev, used in self._used.items():  # each device's used rows, one after another
-            offsets[dev], total = total, total + used
-            counts.append(self._used_rows(self._counts[dev], used).to(device))
-            extras.append(self._used_rows(self._extras[dev], used).to(device))
+        for dev, rows in self._devices.items():  # each device's used rows, one after another
+            if not rows.used:
+                continue
+            offsets[dev], total = total, total + rows.used
+            counts.append(self._used_rows(rows.counts, rows.used).to(device))
+            extras.append(self._used_rows(rows.extras, rows.used).to(device))
         index = index_tensor([offsets[dev] + i for dev, i in handles], device)
         if len(counts) == 1:
             return counts[0], extras[0], index
@@ -88,8 +134,9 @@ class RowArena:
 
     def reset(self) -> None:
         """Zero the rows used this step, for the next one."""
-        for dev, used in self._used.items():
+        for rows in self._devices.values():
+            used = rows.used
             for i in range(0, used, self.chunk):
-                self._counts[dev][i // self.chunk][: used - i].zero_()
-                self._extras[dev][i // self.chunk][: used - i].zero_()
-        self._used.clear()
+                rows.counts[i // self.chunk][: used - i].zero_()
+                rows.extras[i // self.chunk][: used - i].zero_()
+            rows.used = 0

@@ -184,15 +184,29 @@ def fill_sampled_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor
     elements (``sample_stride``), at a fraction of the cost, and every count exact: the zeros,
     the values below fp32 exponent ``normal_exponent`` (underflow), Inf, NaN, -inf, overflow,
     the finite absmax, and so each histogram class's total. A small tensor is binned whole."""
+    if not fill_sampled_at(x, counts.data_ptr(), extras.data_ptr(), native.float_bits(overflow_at),
+                           normal_exponent << 23):
+        fill_row(x, counts, extras, overflow_at)
+
+
+def fill_sampled_at(x: torch.Tensor, counts_at: int, extras_at: int, overflow_bits: int, low_bits: int) -> bool:
+    """``fill_sampled_row`` into the row at these addresses (``arena.RowArena.take_cpu``), the
+    thresholds as fp32 bits (``native.float_bits(overflow_at)``, ``normal_exponent << 23``).
+    False, nothing written, where ``x`` is not dense or of a dtype the kernel reads: the
+    caller copies (``fill_row``). A hook's hot path: no call it can skip."""
     n = x.numel()
     stride = sample_stride(n)
-    entry = _library().sampled.get(x.dtype)
-    if stride == 1 or entry is None or not dense(x):
-        fill_row(x, counts, extras, overflow_at)
-        return
-    base = counts.data_ptr()
-    entry(x.data_ptr(), n, base, base + _OVERFLOW_AT, base + _NEGINF_AT, extras.data_ptr() + _ABSMAX_AT,
-          native.float_bits(overflow_at), normal_exponent << 23, stride, torch.get_num_threads())
+    library = _library()
+    entry = (library.sampled if stride > 1 else library.rows).get(x.dtype)
+    if entry is None or not (x.is_contiguous() or dense(x)):
+        return False
+    if stride > 1:
+        entry(x.data_ptr(), n, counts_at, counts_at + _OVERFLOW_AT, counts_at + _NEGINF_AT, extras_at + _ABSMAX_AT,
+              overflow_bits, low_bits, stride, torch.get_num_threads())
+    else:
+        entry(x.data_ptr(), n, counts_at, counts_at + _OVERFLOW_AT, counts_at + _NEGINF_AT, extras_at + _ABSMAX_AT,
+              overflow_bits, None, torch.get_num_threads())
+    return True
 
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

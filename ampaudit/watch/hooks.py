@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
+from threading import get_ident
 from typing import Any
 
 import torch
 from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
 
+from ampaudit.core import native
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.watch import compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
@@ -39,19 +42,22 @@ COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: 
 
 
 _functorch = getattr(torch._C, "_functorch", None)
+_level = _functorch.maybe_current_level if _functorch is not None else lambda: None
+_is_compiling = torch.compiler.is_compiling  # dynamo knows the function, not the name: bound once
 
 
 def transformed() -> bool:
     """Inside a ``torch.func`` transform (vmap, grad, jacrev, ...): its tensors are wrappers
     with no storage of their own, and a tensor made there (an arena row) would be one too."""
-    return _functorch is not None and _functorch.maybe_current_level() is not None
+    return _level() is not None
 
 
-def unmeasurable(t: torch.Tensor) -> str | None:
+def unmeasurable(t: torch.Tensor, wrapped: bool = True) -> str | None:
     """Why watch cannot measure a float tensor (its kind), or None: the row kernels read a
-    dense, strided buffer with values."""
+    dense, strided buffer with values. ``wrapped=False``: no torch.func transform is active
+    (``transformed``), so no tensor is a functorch wrapper - the hooks' hot path skips asking."""
     # not traced by dynamo (a C function it cannot trace): a compiled graph's tensors are no wrappers
-    if _functorch is not None and not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(t):
+    if wrapped and _functorch is not None and not _is_compiling() and _functorch.is_functorch_wrapped_tensor(t):
         return "functorch"
     if t.is_nested:
         return "nested"
@@ -62,16 +68,17 @@ def unmeasurable(t: torch.Tensor) -> str | None:
     return None
 
 
-def measurable_tensors(value: Any, limit: int = 8, skipped: Counter | None = None) -> list[torch.Tensor]:
+def measurable_tensors(value: Any, limit: int = 8, skipped: Counter | None = None,
+                       wrapped: bool = True) -> list[torch.Tensor]:
     """Measurable float tensors in a module's output or inputs (a tensor, or a tuple/list/dict
     of them); the others are counted in ``skipped`` by kind, never measured (complex and
-    quantized tensors are not floating point: not counted)."""
+    quantized tensors are not floating point: not counted). ``wrapped``: as ``unmeasurable``."""
     items = [value] if isinstance(value, torch.Tensor) else \
         value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
     found = []
     for item in items:
         if isinstance(item, torch.Tensor) and item.is_floating_point():
-            kind = unmeasurable(item)
+            kind = unmeasurable(item, wrapped)
             if kind is None:
                 found.append(item)
             elif skipped is not None:
@@ -97,12 +104,11 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
     return LowDtype.parse(dtype), source
 
 
-def _compiling() -> bool:
-    """Inside a torch.compile'd region the hooks are traced, not run. By default they record
-    nothing there (a branch dynamo does not take: no graph break, the compiled graph is the
-    one without watch); with ``inside_compile`` the forward hook of a watched model's module
-    puts the recording op in the graph (``compiled``)."""
-    return torch.compiler.is_compiling()
+# Inside a torch.compile'd region the hooks are traced, not run. By default they record nothing
+# there (a branch dynamo does not take: no graph break, the compiled graph is the one without
+# watch); with ``inside_compile`` the forward hook of a watched model's module puts the recording
+# op in the graph (``compiled``).
+_compiling = _is_compiling
 
 
 def _compiled_anything() -> bool:
@@ -116,10 +122,39 @@ def _user_name(name: str) -> str:
     return name.removeprefix("_orig_mod").removeprefix(".") if name.startswith("_orig_mod") else name
 
 
-def _positional(args: Any, skipped: Counter | None = None) -> list[tuple[int, torch.Tensor]]:
-    """The measurable float tensors among a call's positional arguments, with their position."""
-    return [(i, t) for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)
-            for t in measurable_tensors(arg, skipped=skipped)]
+def _positional(args: Any, skipped: Counter | None = None, wrapped: bool = True) -> list[tuple[int, torch.Tensor]]:
+    """The measurable float tensors among a call's positional arguments, with their position;
+    the others counted in ``skipped`` by kind (``measurable_tensors``)."""
+    found = []
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+            kind = unmeasurable(arg, wrapped)
+            if kind is None:
+                found.append((i, arg))
+            elif skipped is not None:
+                skipped[kind] += 1
+    return found
+
+
+def _add_grad_hook(tensor: torch.Tensor, hook: Any) -> None:
+    """``tensor.register_hook(hook)`` for good: the same dict entry, in the same order, without
+    the handle (never removed: a step's tensors die with it) - torch's Python wrapper costs
+    more than the rest of a module's hook. A subclass (or a torch version without the dict)
+    takes the public way."""
+    if type(tensor) is not torch.Tensor:
+        tensor.register_hook(hook)
+        return
+    hooks = tensor._backward_hooks
+    if hooks is None:
+        grad_fn = tensor.grad_fn
+        if grad_fn is not None and not hasattr(grad_fn, "_register_hook_dict"):
+            tensor.register_hook(hook)
+            return
+        tensor._backward_hooks = hooks = OrderedDict()
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(tensor)
+    hooks[RemovableHandle.next_id] = hook
+    RemovableHandle.next_id += 1
 
 
 def _last_hook(tensor: torch.Tensor) -> Any:
@@ -141,7 +176,7 @@ class _GradEvents:
         recorder = self.recorder
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
-            if transformed():  # a torch.func transform's backward through a watched tensor
+            if _level() is not None:  # a torch.func transform's backward through a watched tensor
                 with recorder.thread.lock:
                     recorder.unmeasured["functorch"] += len(self.events)
                 return
@@ -159,13 +194,15 @@ class StepRecorder:
 
     def __init__(self, limits: LowDtype, dtype_source: str | None, *, record_inputs: bool, record_eval: bool,
                  provenance: bool = True, inside_compile: bool = False, exact_histograms: bool = False) -> None:
-        self.limits, self.dtype_source = limits, dtype_source
+        self.limits, self.dtype_source = limits, dtype_source  # ``limits``: a property (its thresholds' bits)
         self._dtype_open = dtype_source is None  # still looking for the run's dtype (``_detect_dtype``)
         self.record_inputs, self.record_eval, self.provenance = record_inputs, record_eval, provenance
         self.inside_compile = inside_compile  # modules inside a torch.compile'd region recorded (``compiled``)
         # a module's tensors: every element binned, or (CPU) big ones' histograms from a sample
         self.exact_histograms = exact_histograms
         self._fill = stats.fill_row if exact_histograms else stats.fill_sampled_row
+        # a sampled row on the CPU kernel is written at its address (``_write``)
+        self._at_address = not exact_histograms and cpu_kernel.available()
         self.logging = True  # this step is recorded
         self.active = False  # hooks attached (a gradient hook outlives detach: it checks)
         self.paused = False  # a replay runs modules: not the run's data
@@ -195,6 +232,17 @@ class StepRecorder:
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
         self._armed = False  # a hook on every module of the model (else on its root only: ``_rearm``)
+
+    @property
+    def limits(self) -> LowDtype:
+        """The audited dtype's limits (detected at the first forward unless given)."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: LowDtype) -> None:
+        self._limits = limits
+        # as the C kernel takes them: fp32 bits of the overflow edge and of the smallest normal
+        self._overflow_bits, self._low_bits = native.float_bits(limits.overflow_at), limits.normal_exponent << 23
 
     # -- attaching --------------------------------------------------------------------------------
     @property
@@ -320,7 +368,8 @@ class StepRecorder:
                 compiled.trace_forward(self._token, index, output, measurable_tensors(output),
                                        _positional(args) if self.provenance else [], record_eval=self.record_eval)
             return
-        if self.paused or self._elsewhere(output):
+        # the followed thread outside any torch.func transform - nearly every call - asks no more
+        if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)):
             return
         name = self._names.get(id(module))
         phase = "forward"
@@ -337,13 +386,13 @@ class StepRecorder:
         if self.provenance and phase == "forward" and not self.calls_frozen:
             self._call = len(self.calls)
             self.calls.append(Call(module, args, kwargs, autocast_state()))
-            for i, t in _positional(args):
+            for i, t in _positional(args, wrapped=False):  # no transform active: asked above
                 if t.requires_grad:
                     self.hook_grad(t, name, f"grad of input[{i}]", INPUT_GRAD)
             for key, value in kwargs.items():  # transformers passes hidden_states by keyword
                 if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
                     self.hook_grad(value, name, f"grad of input[{key}]", INPUT_GRAD)
-        for i, t in enumerate(measurable_tensors(output, skipped=self.unmeasured)):
+        for i, t in enumerate(measurable_tensors(output, skipped=self.unmeasured, wrapped=False)):
             label = "output" if isinstance(output, torch.Tensor) else f"output[{i}]"
             self.record(name, phase, t, label)
             if t.requires_grad:
@@ -437,7 +486,7 @@ class StepRecorder:
             known[1].events.append(entry)
             return
         hook = _GradEvents(self, entry)
-        tensor.register_hook(hook)
+        _add_grad_hook(tensor, hook)
         self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook)
 
     def record(self, module: str, phase: str, tensor: torch.Tensor, label: str, call: int | None = None) -> None:
@@ -449,12 +498,24 @@ class StepRecorder:
         row = self._seen.get(key)
         # a weak reference: never keeps activations alive; a flags-only row serves only flags
         if row is None or row[0]() is not tensor or (whole and not row[2]):
-            handle, counts, extras = self.arena.take(tensor.device)
-            (self._fill if whole else stats.fill_nonfinite)(tensor, counts, extras, self.limits)
-            row = self._seen[key] = (weakref.ref(tensor), handle, whole)
+            row = self._seen[key] = (weakref.ref(tensor), self._write(tensor, whole), whole)
         self.event_rows.append(row[1])
         self.events.append((module, phase, label))
         self.event_calls.append(self._call if call is None else call)
+
+    def _write(self, tensor: torch.Tensor, whole: bool) -> Handle:
+        """``tensor`` into a new arena row: its whole row, or only its NaN/Inf flags. A plain
+        CPU tensor's sampled row goes straight to the row's address on the C kernel (no
+        tensor made for the row); the rest through ``stats``."""
+        if whole and self._at_address and tensor.is_cpu and type(tensor) in stats.PLAIN:
+            handle, counts_at, extras_at = self.arena.take_cpu()
+            if cpu_kernel.fill_sampled_at(tensor, counts_at, extras_at, self._overflow_bits, self._low_bits):
+                return handle
+            counts, extras = self.arena.row(handle)
+        else:
+            handle, counts, extras = self.arena.take(tensor.device)
+        (self._fill if whole else stats.fill_nonfinite)(tensor, counts, extras, self._limits)
+        return handle
 
     def record_traced(self, tensor: torch.Tensor, module: int, kind: int, index: int) -> None:
         """One event from a compiled graph (``compiled``), as it runs: module number ``module``'s

@@ -57,9 +57,16 @@ class Call:
     autocast: tuple  # per device type in _DEVICE_TYPES: (enabled, dtype)
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+# autocast off everywhere (an fp32 or .half() run): the dtype is not used by a replay then
+_OFF = tuple((False, torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES)
+
+
 def autocast_state() -> tuple:
     """The autocast state in force now, to replay a call under it (per device type in
     _DEVICE_TYPES; written out: it runs at every module call of a recorded step)."""
+    if _any_autocast is not None and not _any_autocast():
+        return _OFF
     enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     return (enabled("cpu"), dtype("cpu")), (enabled("cuda"), dtype("cuda"))
 

@@ -20,7 +20,7 @@ class FollowedThread:
     """Which thread a watch records. ``here()`` is the hot path: one identity check."""
 
     def __init__(self) -> None:
-        self._ident: int | None = None  # the followed thread's id: the hot path compares it alone
+        self.ident: int | None = None  # the followed thread's id: the hot paths compare it alone
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -28,7 +28,7 @@ class FollowedThread:
         """Whether the calling thread is the followed one; with ``claim``, it becomes the
         followed one when there is none (or that one has ended). An id of an ended thread that
         a new thread reuses makes that one followed: what a claim would do anyway."""
-        if threading.get_ident() == self._ident:
+        if threading.get_ident() == self.ident:
             return True
         followed = self._thread
         if not claim:
@@ -36,7 +36,7 @@ class FollowedThread:
         with self._lock:
             followed, current = self._thread, threading.current_thread()
             if followed is None or followed is current or not followed.is_alive():
-                self._thread, self._ident = current, current.ident
+                self._thread, self.ident = current, current.ident
                 return True
         return False
 
