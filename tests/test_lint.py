@@ -30,6 +30,65 @@ def test_aliases_resolve_to_their_torch_names():
     assert sorted(_codes(findings)) == sorted(expected_markers(path))
 
 
+def _fixed(source, findings):
+    from ampaudit.check.fix import fixable
+    from ampaudit.check.lint import edits
+
+    return edits.apply(source, (e for f in fixable(findings, unsafe=False) for e in f.autofix.edits))[0]
+
+
+def test_a_star_import_of_the_old_amp_module_is_reported_and_its_names_resolve():
+    # `from torch.cuda.amp import *`: AMP401 at the import, listing the uses of its names;
+    # GradScaler() and autocast() are torch's to the other rules too (AMP405, AMP403).
+    path = SCRIPTS / "star_import.py"
+    source = path.read_text()
+    findings = lint_source(str(path), source)
+    assert sorted(_codes(findings)) == sorted(expected_markers(path))
+    (deprecated,) = [f for f in findings if f.rule == "AMP401"]
+    assert deprecated.message.endswith("(also at lines 8, 10, 19, 27)")
+    fixed = _fixed(source, findings)
+    assert [line for line in fixed.splitlines() if "amp import" in line or '"cuda"' in line] == [
+        "from torch.amp import *  # expect: AMP401",
+        '    scaler = GradScaler("cuda")  # listed by the import\'s AMP401',
+        '        with autocast("cuda"):  # listed too',
+        '        with autocast("cuda"):  # expect: AMP403',
+        '    with autocast("cuda", dtype=torch.float16):  # listed, and rewritten by the import\'s fix']
+    # the fixed file runs, torch.amp's names bound by its star import: no NameError, no
+    # TypeError for a missing device, no deprecation warning
+    import warnings
+
+    import torch
+    scope = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.filterwarnings("ignore", "CUDA is not available|.*torch.cuda.amp.GradScaler is enabled")
+        exec(compile(fixed, str(path), "exec"), scope)
+        model = torch.nn.Linear(2, 1)
+        batches = [(torch.ones(3, 2), torch.zeros(3, 1))]
+        scope["train"](model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
+        scope["train_unscaled"](model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
+        assert scope["evaluate"](model, torch.ones(1, 2)).shape == (1, 1)
+
+
+@pytest.mark.parametrize(("source", "line", "listed"), [
+    # a name the old module's star binds and torch.amp's does not: rewriting the import would
+    # unbind it
+    ("from torch.cuda.amp import *\nwith autocast():\n    pass\nok = not amp_definitely_not_available()\n",
+     1, " (also at line 2)"),
+    # torch.cpu.amp's GradScaler is left as it is: the import cannot move alone
+    ("import torch\nfrom torch.cpu.amp import *\nwith autocast(dtype=torch.bfloat16):\n    pass\n"
+     "scaler = GradScaler()\n", 2, " (also at line 3)"),
+])
+def test_a_star_import_whose_names_cannot_all_be_rewritten_gets_no_fix(source, line, listed):
+    (found,) = lint_source("s.py", source)
+    assert (found.rule, found.line, found.autofix) == ("AMP401", line, None)
+    assert found.message.endswith("import` is deprecated: use `from torch.amp import`" + listed)
+
+
+def test_a_star_import_of_torch_amp_is_not_reported():
+    assert lint_source("s.py", "from torch.amp import *\nwith autocast(\"cuda\"):\n    pass\n") == []
+
+
 @pytest.mark.parametrize("name", ["clean_amp_loop.py", "clean_bf16_loop.py"])
 def test_clean_loops_have_no_findings_at_all(cli, name):
     result = cli("check", f"fixtures/scripts/{name}", "--format", "json", "--fail-on", "info")

@@ -135,7 +135,9 @@ class ClassDef:
 class Import:
     node: ast.Import | ast.ImportFrom
     module: str  # "torch.cuda.amp" for `from torch.cuda.amp import x` and `import torch.cuda.amp`
-    names: tuple[tuple[str, str], ...]  # (imported name, bound alias) for `from m import n as a`
+    # (imported name, bound alias) for `from m import n as a`; for `from m import *`, each name
+    # it binds as (name, name) - none where the lint does not know m's (imports.STAR_EXPORTS)
+    names: tuple[tuple[str, str], ...]
     line: int
     column: int
     compat: bool = False  # in a fallback for old torch (see Call.compat)

@@ -15,7 +15,8 @@ from ampaudit.check.lint.nodes import dotted
 @dataclass(frozen=True, eq=False)
 class ImportMap:
     """What each imported name stands for: ``F`` -> ``torch.nn.functional``, ``amp`` ->
-    ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast``. Read from every import
+    ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast`` (after ``from torch.cuda.amp
+    import *`` too: ``STAR_EXPORTS``). Read from every import
     in the file (module level, functions, ``try`` blocks alike, skipped code too) - the lint
     only asks about torch's, apex's and the frameworks' names, which scripts do not rebind -
     so no scope analysis is needed."""
@@ -38,6 +39,8 @@ class ImportMap:
                 for alias in node.names:
                     if alias.name != "*":
                         bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+                    else:
+                        bound.update((name, f"{module}.{name}") for name in star_names(module))
         return cls(MappingProxyType(bound))
 
     def name_for(self, module: str) -> str | None:
@@ -58,6 +61,22 @@ class ImportMap:
         if target is None:
             return frozenset({f"builtins.{name}" if name in _BUILTINS else name})
         return frozenset({target + dot + rest})
+
+
+# What `from M import *` binds, for the AMP modules the rules ask about: each one's
+# `__all__`, or its public names where it has none (torch.cpu.amp). The lint imports nothing,
+# so a star import of any other module binds no name it knows.
+STAR_EXPORTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "torch.amp": ("autocast", "custom_bwd", "custom_fwd", "is_autocast_available", "GradScaler"),
+    "torch.cuda.amp": ("amp_definitely_not_available", "autocast", "custom_bwd", "custom_fwd", "GradScaler"),
+    "torch.cpu.amp": ("autocast", "autocast_mode", "grad_scaler", "GradScaler"),
+})
+
+
+def star_names(module: str) -> tuple[str, ...]:
+    """The names ``from module import *`` binds, as far as the lint knows (none for a module
+    outside ``STAR_EXPORTS``)."""
+    return STAR_EXPORTS.get(module, ())
 
 
 def _statements_breadth_first(tree: ast.Module) -> Iterator[ast.AST]:

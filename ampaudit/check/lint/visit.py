@@ -37,7 +37,7 @@ from ampaudit.check.lint.facts import (
     Scope,
     ScriptFacts,
 )
-from ampaudit.check.lint.imports import ImportMap
+from ampaudit.check.lint.imports import ImportMap, star_names
 from ampaudit.check.lint.nodes import arguments, dotted, unstarred, unwrap_cast
 from ampaudit.check.lint.source import SourceText
 
@@ -555,11 +555,14 @@ class Visitor:
     def _import_from(self, node: ast.ImportFrom) -> None:
         if node.module is not None:
             self._bind(node.module.split(".")[0], node)  # `from amp import x` names `amp` too
-        if node.module is None or node.names[0].name == "*":
+        if node.module is None:
             return
         line, column = self.text.position(node)
         module = "." * node.level + node.module
-        names = tuple((a.name, a.asname or a.name) for a in node.names)
+        if node.names[0].name == "*":  # what it binds, where the lint knows: `from torch.cuda.amp import *`
+            names = tuple((name, name) for name in star_names(module))
+        else:
+            names = tuple((a.name, a.asname or a.name) for a in node.names)
         self.found.imports.append(Import(node, module, names, line, column, self._in_compat()))
 
     def _import(self, node: ast.Import) -> None:
