@@ -85,6 +85,18 @@ def test_a_star_import_whose_names_cannot_all_be_rewritten_gets_no_fix(source, l
     assert found.message.endswith("import` is deprecated: use `from torch.amp import`" + listed)
 
 
+@pytest.mark.parametrize("names", ["GradScaler, autocast", "*"])
+def test_a_name_imported_from_torch_amp_keeps_that_binding_over_its_fallback(names):
+    # on the torch the script runs under, the `try` imports: `GradScaler()` is torch.amp's,
+    # no deprecated API is used (the fallback's import itself is left alone)
+    source = (f"import torch\ntry:\n    from torch.amp import {names}\n"
+              f"except ImportError:\n    from torch.cuda.amp import {names}\n\n"
+              "def train(model, x, optimizer):\n    scaler = GradScaler()\n"
+              "    with autocast(\"cuda\"):\n        loss = model(x)\n"
+              "    scaler.scale(loss).backward()\n    optimizer.step()\n")
+    assert _codes(lint_source("s.py", source)) == [(12, "AMP405")]
+
+
 def test_a_star_import_of_torch_amp_is_not_reported():
     assert lint_source("s.py", "from torch.amp import *\nwith autocast(\"cuda\"):\n    pass\n") == []
 

@@ -26,11 +26,14 @@ class ImportMap:
     @classmethod
     def of(cls, tree: ast.Module) -> ImportMap:
         bound: dict[str, str] = {}
-        for node in _statements_breadth_first(tree):
+        for node, fallback in _statements_breadth_first(tree):
+            # an import in `except ImportError:` binds what the `try` did not: on the torch
+            # the script is linted for, the `try` imported
+            bind = bound.setdefault if fallback else bound.__setitem__
             if node.__class__ is ast.Import:
                 for alias in node.names:
                     if alias.asname:
-                        bound[alias.asname] = alias.name
+                        bind(alias.asname, alias.name)
                     else:
                         root = alias.name.split(".")[0]
                         bound.setdefault(root, root)
@@ -38,9 +41,10 @@ class ImportMap:
                 module = "." * node.level + node.module
                 for alias in node.names:
                     if alias.name != "*":
-                        bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+                        bind(alias.asname or alias.name, f"{module}.{alias.name}")
                     else:
-                        bound.update((name, f"{module}.{name}") for name in star_names(module))
+                        for name in star_names(module):
+                            bind(name, f"{module}.{name}")
         return cls(MappingProxyType(bound))
 
     def name_for(self, module: str) -> str | None:
@@ -79,15 +83,27 @@ def star_names(module: str) -> tuple[str, ...]:
     return STAR_EXPORTS.get(module, ())
 
 
-def _statements_breadth_first(tree: ast.Module) -> Iterator[ast.AST]:
+def catches_compat(handler: ast.ExceptHandler) -> bool:
+    """``except ImportError`` / ``except (ImportError, AttributeError)``: a fallback for an
+    API an older (or newer) torch lacks."""
+    kind = handler.type
+    if kind is None:
+        return False
+    names = kind.elts if kind.__class__ is ast.Tuple else [kind]
+    return any((dotted(n) or "").rsplit(".", 1)[-1] in _COMPAT_ERRORS for n in names)
+
+
+def _statements_breadth_first(tree: ast.Module) -> Iterator[tuple[ast.AST, bool]]:
     """Every statement, in ``ast.walk``'s order (a later import of a name wins), without
-    walking the expressions - no import is in one."""
-    queue: deque[ast.AST] = deque(tree.body)
+    walking the expressions - no import is in one; and whether it is in a fallback (a
+    ``catches_compat`` handler)."""
+    queue: deque[tuple[ast.AST, bool]] = deque((node, False) for node in tree.body)
     while queue:
-        node = queue.popleft()
-        yield node
+        node, fallback = queue.popleft()
+        yield node, fallback
+        inner = fallback or (node.__class__ is ast.ExceptHandler and catches_compat(node))
         for name in _NESTED.get(node.__class__, ()):
-            queue.extend(getattr(node, name))
+            queue.extend((child, inner) for child in getattr(node, name))
 
 
 _NESTED = {  # the fields that hold statements (or the handlers and cases that do)
@@ -101,3 +117,4 @@ if hasattr(ast, "TryStar"):
     _NESTED[ast.TryStar] = ("body", "handlers", "orelse", "finalbody")
 
 _BUILTINS = frozenset(dir(builtins))
+_COMPAT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "AttributeError"})
