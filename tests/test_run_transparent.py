@@ -23,6 +23,7 @@ ARGV_SCRIPT = "import json, sys\nopen('argv.json', 'w').write(json.dumps(sys.arg
     (["--every=2", "s.py", "--"], ["--"]),
     (["--", "s.py", "--", "z"], ["--", "z"]),  # the first -- ends run's options, as for any command
     (["--log", "w.jsonl", "s.py", "--log", "x"], ["--log", "x"]),  # an option's value is not the script
+    (["--log-file", "w.jsonl", "s.py", "--log", "x"], ["--log", "x"]),  # nor its other spelling's
     (["--dt", "bfloat16", "s.py"], []),  # an abbreviation argparse takes (--dtype) takes its value too
 ])
 def test_the_script_gets_its_arguments_exactly_as_python_gives_them(cli, tmp_path, monkeypatch, command, script_args):

@@ -35,7 +35,8 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """``["run", *options, SCRIPT]`` and SCRIPT's own arguments exactly as typed: argparse would
     drop the first ``--`` after SCRIPT (``run s.py -- --x a`` must give the script ``['--',
     '--x', 'a']``, as ``python s.py -- --x a`` does). (argv, None) when there is no SCRIPT."""
-    takes_value = dict(named for option in fields(WatchOptions) if (named := _flag(option)) is not None)
+    takes_value = {name: named[1] for option in fields(WatchOptions) if (named := _flag(option)) is not None
+                   for name in (named[0], *option.metadata["flag"].aliases)}
     takes_value |= {"-h": False, "--help": False}
     i = 1
     while i < len(argv):
@@ -73,8 +74,8 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
             continue
         flag, text = option.metadata["flag"], option.metadata["flag"].help or option.metadata["doc"]
         if not named[1]:
-            run.add_argument(named[0], dest=option.name, action="store_false" if option.default else "store_true",
-                             help=text)
+            run.add_argument(named[0], *flag.aliases, dest=option.name,
+                             action="store_false" if option.default else "store_true", help=text)
             continue
         kwargs = {"default": flag.default if flag.default is not None else option.default, "metavar": flag.metavar,
                   "choices": flag.choices}
@@ -89,7 +90,7 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
         if flag.repeat:
             kwargs.update(action="append", default=[])
             text += "; repeatable"
-        run.add_argument(named[0], dest=option.name, help=text, **kwargs)
+        run.add_argument(named[0], *flag.aliases, dest=option.name, help=text, **kwargs)
 
 
 def watch_options(args: argparse.Namespace) -> WatchOptions:
