@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import Field, fields
 from pathlib import Path
 
 from ampaudit.cli.common import number_type, path_type
 from ampaudit.core.errors import UsageError
-from ampaudit.watch.options import WatchOptions  # torch-free, as --help must be
+from ampaudit.watch.launch import launched  # torch-free, as --help must be
+from ampaudit.watch.options import WatchOptions
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -110,14 +110,10 @@ def _check_requires(args: argparse.Namespace) -> None:
 
 
 def _launched_rank() -> tuple[int, int] | None:
-    """(rank, world size) of a rank other than 0 in a distributed launch - torch's RANK and
-    WORLD_SIZE, which torchrun, accelerate, Lightning and env:// set - else None. The process
-    group is not up when run opens the log, so watch cannot ask it."""
-    try:
-        rank, world = int(os.environ.get("RANK", "")), int(os.environ.get("WORLD_SIZE", ""))
-    except ValueError:
-        return None
-    return (rank, world) if 0 < rank < world else None
+    """(rank, world size) of a rank other than 0 in a distributed launch, else None. The
+    process group is not up when run opens the log, so watch cannot ask it."""
+    place = launched()
+    return place if place is not None and place[0] > 0 else None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
