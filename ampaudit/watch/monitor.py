@@ -280,6 +280,7 @@ class Monitor:
         """The parameters whose gradients a step records: the model's, else the stepped optimizers'."""
         if self.model is not None:
             return self._model_params
+        self.recorder.name_compiled()
         seen = [p for opt in self.optimizer_tap.optimizers for g in opt.param_groups for p in g["params"]]
         return [(self.recorder.param_name(p, f"param{i}"), p) for i, p in enumerate(seen)]
 
