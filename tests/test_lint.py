@@ -75,9 +75,9 @@ def test_a_star_import_of_the_old_amp_module_is_reported_and_its_names_resolve()
     # unbind it
     ("from torch.cuda.amp import *\nwith autocast():\n    pass\nok = not amp_definitely_not_available()\n",
      1, " (also at line 2)"),
-    # torch.cpu.amp's GradScaler is left as it is: the import cannot move alone
+    # torch.cpu.amp's star binds its modules' names too: a use of one keeps the import
     ("import torch\nfrom torch.cpu.amp import *\nwith autocast(dtype=torch.bfloat16):\n    pass\n"
-     "scaler = GradScaler()\n", 2, " (also at line 3)"),
+     "print(autocast_mode.__name__)\n", 2, " (also at line 3)"),
 ])
 def test_a_star_import_whose_names_cannot_all_be_rewritten_gets_no_fix(source, line, listed):
     (found,) = lint_source("s.py", source)
@@ -95,6 +95,19 @@ def test_a_name_imported_from_torch_amp_keeps_that_binding_over_its_fallback(nam
               "    with autocast(\"cuda\"):\n        loss = model(x)\n"
               "    scaler.scale(loss).backward()\n    optimizer.step()\n")
     assert _codes(lint_source("s.py", source)) == [(12, "AMP405")]
+
+
+def test_torch_cpu_amp_s_grad_scaler_is_deprecated_too():
+    # `torch.cpu.amp.GradScaler(...)` warns as torch.cuda.amp's does; a GradScaler to the other rules
+    source = ("import torch\nfrom torch.cpu.amp import *\n\ndef train(model, x, optimizer):\n"
+              "    scaler = GradScaler(2.0**10)\n    with autocast(dtype=torch.float16):\n"
+              "        loss = model(x).sum()\n    scaler.scale(loss).backward()\n    optimizer.step()\n")
+    findings = lint_source("s.py", source)
+    assert [(f.line, f.rule, f.message) for f in findings] == [
+        (2, "AMP401", "`from torch.cpu.amp import` is deprecated: use `from torch.amp import` (also at lines 5, 6)"),
+        (9, "AMP405", "`optimizer.step()` bypasses scaler: use `scaler.step(optimizer)`")]
+    assert [line.strip() for line in _fixed(source, findings).splitlines()[1:6:3]] == [
+        "from torch.amp import *", 'scaler = GradScaler("cpu", 2.0**10)']
 
 
 def test_a_star_import_of_torch_amp_is_not_reported():
@@ -160,7 +173,7 @@ def test_fix_rewrites_deprecated_apis_and_keeps_everything_else(cli, tmp_path):
     before = path.read_text()
     os.chmod(path, 0o640)
     result = cli("check", path, "--fix", "--format", "json")
-    assert "Fixed 4 findings in 1 file(s)." in result.err  # one per deprecated binding
+    assert "Fixed 5 findings in 1 file(s)." in result.err  # one per deprecated binding
     after = path.read_text()
     assert "from torch.amp import GradScaler, autocast  # expect: AMP401" in after
     assert '    @torch.amp.custom_fwd(device_type="cuda")  # expect: AMP401' in after
@@ -168,9 +181,10 @@ def test_fix_rewrites_deprecated_apis_and_keeps_everything_else(cli, tmp_path):
     assert '        with autocast("cuda", dtype=torch.float16):  # listed too: one finding per binding' in after
     assert '    with torch.amp.autocast("cuda"):  # listed by line 32\'s finding, fixed with it' in after
     assert '    with torch.amp.autocast("cuda", enabled=True):  # expect: AMP401' in after
+    assert '    scaler = torch.amp.GradScaler("cpu", 2.0**10)  # expect: AMP401' in after
     # Only the fixed spans changed: same number of lines, every other line identical.
     changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
-    assert len(changed) == 7
+    assert len(changed) == 8
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
     assert [f for f in result.json()["findings"] if f["rule"] == "AMP401"] == []
     compile(after, str(path), "exec")
@@ -222,7 +236,7 @@ def test_diff_prints_and_writes_nothing(cli, tmp_path):
     assert result.out.startswith(f"--- a/{path}\n+++ b/{path}\n")
     assert '-from torch.cuda.amp import GradScaler, autocast  # expect: AMP401' in result.out
     assert '+from torch.amp import GradScaler, autocast  # expect: AMP401' in result.out
-    assert "4 fixes would be applied to 1 file(s)" in result.err  # one per deprecated binding
+    assert "5 fixes would be applied to 1 file(s)" in result.err  # one per deprecated binding
 
 
 def test_fix_keeps_crlf_line_endings(cli, tmp_path):

@@ -32,7 +32,8 @@ from ampaudit.check.lint.values import is_false
 from ampaudit.core.dtypes import LowDtype
 
 GRAD_SCALERS = frozenset({"torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.GradScaler",
-                          "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler"})
+                          "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler",
+                          "torch.cpu.amp.GradScaler", "torch.cpu.amp.grad_scaler.GradScaler"})
 FLOAT16_NAMES = frozenset({"torch.float16", "torch.half"})
 BFLOAT16_NAMES = frozenset({"torch.bfloat16"})
 
