@@ -75,6 +75,8 @@ def test_a_star_import_of_the_old_amp_module_is_reported_and_its_names_resolve()
     # unbind it
     ("from torch.cuda.amp import *\nwith autocast():\n    pass\nok = not amp_definitely_not_available()\n",
      1, " (also at line 2)"),
+    ("from torch.cuda.amp import *\nwith autocast():\n    pass\n\ndef usable():\n"
+     "    return not amp_definitely_not_available()\n", 1, " (also at line 2)"),  # read inside a function too
     # torch.cpu.amp's star binds its modules' names too: a use of one keeps the import
     ("import torch\nfrom torch.cpu.amp import *\nwith autocast(dtype=torch.bfloat16):\n    pass\n"
      "print(autocast_mode.__name__)\n", 2, " (also at line 3)"),
