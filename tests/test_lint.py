@@ -30,6 +30,92 @@ def test_aliases_resolve_to_their_torch_names():
     assert sorted(_codes(findings)) == sorted(expected_markers(path))
 
 
+def _fixed(source, findings):
+    from ampaudit.check.fix import fixable
+    from ampaudit.check.lint import edits
+
+    return edits.apply(source, (e for f in fixable(findings, unsafe=False) for e in f.autofix.edits))[0]
+
+
+def test_a_star_import_of_the_old_amp_module_is_reported_and_its_names_resolve():
+    # `from torch.cuda.amp import *`: AMP401 at the import, listing the uses of its names;
+    # GradScaler() and autocast() are torch's to the other rules too (AMP405, AMP403).
+    path = SCRIPTS / "star_import.py"
+    source = path.read_text()
+    findings = lint_source(str(path), source)
+    assert sorted(_codes(findings)) == sorted(expected_markers(path))
+    (deprecated,) = [f for f in findings if f.rule == "AMP401"]
+    assert deprecated.message.endswith("(also at lines 8, 10, 19, 27)")
+    fixed = _fixed(source, findings)
+    assert [line for line in fixed.splitlines() if "amp import" in line or '"cuda"' in line] == [
+        "from torch.amp import *  # expect: AMP401",
+        '    scaler = GradScaler("cuda")  # listed by the import\'s AMP401',
+        '        with autocast("cuda"):  # listed too',
+        '        with autocast("cuda"):  # expect: AMP403',
+        '    with autocast("cuda", dtype=torch.float16):  # listed, and rewritten by the import\'s fix']
+    # the fixed file runs, torch.amp's names bound by its star import: no NameError, no
+    # TypeError for a missing device, no deprecation warning
+    import warnings
+
+    import torch
+    scope = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.filterwarnings("ignore", "CUDA is not available|.*torch.cuda.amp.GradScaler is enabled")
+        exec(compile(fixed, str(path), "exec"), scope)
+        model = torch.nn.Linear(2, 1)
+        batches = [(torch.ones(3, 2), torch.zeros(3, 1))]
+        scope["train"](model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
+        scope["train_unscaled"](model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
+        assert scope["evaluate"](model, torch.ones(1, 2)).shape == (1, 1)
+
+
+@pytest.mark.parametrize(("source", "line", "listed"), [
+    # a name the old module's star binds and torch.amp's does not: rewriting the import would
+    # unbind it
+    ("from torch.cuda.amp import *\nwith autocast():\n    pass\nok = not amp_definitely_not_available()\n",
+     1, " (also at line 2)"),
+    ("from torch.cuda.amp import *\nwith autocast():\n    pass\n\ndef usable():\n"
+     "    return not amp_definitely_not_available()\n", 1, " (also at line 2)"),  # read inside a function too
+    # torch.cpu.amp's star binds its modules' names too: a use of one keeps the import
+    ("import torch\nfrom torch.cpu.amp import *\nwith autocast(dtype=torch.bfloat16):\n    pass\n"
+     "print(autocast_mode.__name__)\n", 2, " (also at line 3)"),
+])
+def test_a_star_import_whose_names_cannot_all_be_rewritten_gets_no_fix(source, line, listed):
+    (found,) = lint_source("s.py", source)
+    assert (found.rule, found.line, found.autofix) == ("AMP401", line, None)
+    assert found.message.endswith("import` is deprecated: use `from torch.amp import`" + listed)
+
+
+@pytest.mark.parametrize("names", ["GradScaler, autocast", "*"])
+def test_a_name_imported_from_torch_amp_keeps_that_binding_over_its_fallback(names):
+    # on the torch the script runs under, the `try` imports: `GradScaler()` is torch.amp's,
+    # no deprecated API is used (the fallback's import itself is left alone)
+    source = (f"import torch\ntry:\n    from torch.amp import {names}\n"
+              f"except ImportError:\n    from torch.cuda.amp import {names}\n\n"
+              "def train(model, x, optimizer):\n    scaler = GradScaler()\n"
+              "    with autocast(\"cuda\"):\n        loss = model(x)\n"
+              "    scaler.scale(loss).backward()\n    optimizer.step()\n")
+    assert _codes(lint_source("s.py", source)) == [(12, "AMP405")]
+
+
+def test_torch_cpu_amp_s_grad_scaler_is_deprecated_too():
+    # `torch.cpu.amp.GradScaler(...)` warns as torch.cuda.amp's does; a GradScaler to the other rules
+    source = ("import torch\nfrom torch.cpu.amp import *\n\ndef train(model, x, optimizer):\n"
+              "    scaler = GradScaler(2.0**10)\n    with autocast(dtype=torch.float16):\n"
+              "        loss = model(x).sum()\n    scaler.scale(loss).backward()\n    optimizer.step()\n")
+    findings = lint_source("s.py", source)
+    assert [(f.line, f.rule, f.message) for f in findings] == [
+        (2, "AMP401", "`from torch.cpu.amp import` is deprecated: use `from torch.amp import` (also at lines 5, 6)"),
+        (9, "AMP405", "`optimizer.step()` bypasses scaler: use `scaler.step(optimizer)`")]
+    assert [line.strip() for line in _fixed(source, findings).splitlines()[1:6:3]] == [
+        "from torch.amp import *", 'scaler = GradScaler("cpu", 2.0**10)']
+
+
+def test_a_star_import_of_torch_amp_is_not_reported():
+    assert lint_source("s.py", "from torch.amp import *\nwith autocast(\"cuda\"):\n    pass\n") == []
+
+
 @pytest.mark.parametrize("name", ["clean_amp_loop.py", "clean_bf16_loop.py"])
 def test_clean_loops_have_no_findings_at_all(cli, name):
     result = cli("check", f"fixtures/scripts/{name}", "--format", "json", "--fail-on", "info")
@@ -89,7 +175,7 @@ def test_fix_rewrites_deprecated_apis_and_keeps_everything_else(cli, tmp_path):
     before = path.read_text()
     os.chmod(path, 0o640)
     result = cli("check", path, "--fix", "--format", "json")
-    assert "Fixed 4 findings in 1 file(s)." in result.err  # one per deprecated binding
+    assert "Fixed 5 findings in 1 file(s)." in result.err  # one per deprecated binding
     after = path.read_text()
     assert "from torch.amp import GradScaler, autocast  # expect: AMP401" in after
     assert '    @torch.amp.custom_fwd(device_type="cuda")  # expect: AMP401' in after
@@ -97,9 +183,10 @@ def test_fix_rewrites_deprecated_apis_and_keeps_everything_else(cli, tmp_path):
     assert '        with autocast("cuda", dtype=torch.float16):  # listed too: one finding per binding' in after
     assert '    with torch.amp.autocast("cuda"):  # listed by line 32\'s finding, fixed with it' in after
     assert '    with torch.amp.autocast("cuda", enabled=True):  # expect: AMP401' in after
+    assert '    scaler = torch.amp.GradScaler("cpu", 2.0**10)  # expect: AMP401' in after
     # Only the fixed spans changed: same number of lines, every other line identical.
     changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
-    assert len(changed) == 7
+    assert len(changed) == 8
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
     assert [f for f in result.json()["findings"] if f["rule"] == "AMP401"] == []
     compile(after, str(path), "exec")
@@ -151,7 +238,7 @@ def test_diff_prints_and_writes_nothing(cli, tmp_path):
     assert result.out.startswith(f"--- a/{path}\n+++ b/{path}\n")
     assert '-from torch.cuda.amp import GradScaler, autocast  # expect: AMP401' in result.out
     assert '+from torch.amp import GradScaler, autocast  # expect: AMP401' in result.out
-    assert "4 fixes would be applied to 1 file(s)" in result.err  # one per deprecated binding
+    assert "5 fixes would be applied to 1 file(s)" in result.err  # one per deprecated binding
 
 
 def test_fix_keeps_crlf_line_endings(cli, tmp_path):
@@ -239,14 +326,17 @@ def _all_fixture_files():
 
 def test_skipping_irrelevant_code_changes_no_finding(monkeypatch):
     # relevant_statements() drops functions and classes that mention nothing the rules read;
-    # the findings must be exactly those of a full visit, on every fixture we have.
+    # the findings - their messages and fixes too - must be exactly those of a full visit,
+    # on every fixture we have (aliases.py: a function that names an old AMP API only by
+    # its alias).
     from ampaudit.check.lint import collect
 
     def lint_all():
         out = {}
         for path in _all_fixture_files():
             try:
-                out[path.name] = _codes(lint_source(str(path), path.read_text()))
+                out[path.name] = [(f.line, f.rule, f.message, f.autofix)
+                                  for f in lint_source(str(path), path.read_text())]
             except Exception as exc:  # the syntax-error fixtures
                 out[path.name] = type(exc).__name__
         return out

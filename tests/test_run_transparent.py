@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from ampaudit.cli.run_cmd import split_script_args
+from ampaudit.watch.log_file import open_log
 from tests.conftest import ROOT
 
 ARGV_SCRIPT = "import json, sys\nopen('argv.json', 'w').write(json.dumps(sys.argv[1:]))\n"
@@ -23,6 +24,7 @@ ARGV_SCRIPT = "import json, sys\nopen('argv.json', 'w').write(json.dumps(sys.arg
     (["--every=2", "s.py", "--"], ["--"]),
     (["--", "s.py", "--", "z"], ["--", "z"]),  # the first -- ends run's options, as for any command
     (["--log", "w.jsonl", "s.py", "--log", "x"], ["--log", "x"]),  # an option's value is not the script
+    (["--log-file", "w.jsonl", "s.py", "--log", "x"], ["--log", "x"]),  # nor its other spelling's
     (["--dt", "bfloat16", "s.py"], []),  # an abbreviation argparse takes (--dtype) takes its value too
 ])
 def test_the_script_gets_its_arguments_exactly_as_python_gives_them(cli, tmp_path, monkeypatch, command, script_args):
@@ -353,3 +355,8 @@ def test_each_rank_of_a_distributed_launch_trains_and_the_log_is_rank_0_s(tmp_pa
     assert "ampaudit run: log written to w.jsonl" in out[0][1]
     assert "ampaudit run: rank 1 of 2: the log is rank 0's: watching without one\n" in out[1][1]
     assert "log written" not in out[1][1]
+    # its header names the run's 2 processes, and that the records are rank 0's own: run adds
+    # no collective to the script (the header said "world": 1)
+    header, steps = open_log(tmp_path / "w.jsonl", steps_only=True)
+    assert (header["world"], header["rank"]) == (2, 0)
+    assert [step["layers"]["(model)"]["forward"]["numel"] for step in steps] == [3 * 2, 3 * 2]  # one rank's

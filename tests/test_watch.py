@@ -475,6 +475,26 @@ def test_ddp_two_processes_one_log_and_the_rank_that_went_first(tmp_path):
     assert (first["step"], first["module"], first["phase"], first["rank"]) == (1, "0", "forward", 1)
     # Counts are summed over both ranks: 2 ranks x 3 steps x 2 x 8 outputs.
     assert summary["layers"]["0"]["forward"]["numel"] == 2 * 3 * 16
+    header, _ = open_log(log)
+    assert header["world"] == 2 and "rank" not in header  # every record holds both ranks'
+
+
+@pytest.mark.parametrize(("env", "header"), [
+    ({}, {"world": 1}),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, {"world": 2, "rank": 1}),  # the launch's, its group not up yet
+])
+def test_the_log_header_names_the_run_s_processes(tmp_path, monkeypatch, env, header):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt, log=tmp_path / "w.jsonl"):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    written, _ = open_log(tmp_path / "w.jsonl")
+    assert {k: written[k] for k in ("world", "rank") if k in written} == header
 
 
 def test_summary_schema_is_pinned():

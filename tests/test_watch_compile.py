@@ -282,3 +282,59 @@ def test_every_n_recompiles_a_graph_at_most_once(compile_at, model_given):
     assert graphs[-1] == graphs[6 if compile_at else 0]  # none after the hooks came back on
     assert graphs[-1] <= (1 if compile_at == 0 else 2)
     assert mon.summary()["steps"] == 12
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_run_names_the_parameters_of_a_model_compiled_in_place():
+    # model.compile() runs no module's hooks outside its graph, so ampaudit run's global hooks
+    # never named it: its parameters were param0, param1, ... by the optimizer's order. A
+    # model whose blocks alone are compiled names them within its own tree; a second model
+    # compiled whole is a further root, named by its class.
+    torch._dynamo.reset()
+    whole, outer, critic = TinyLM(), Blocks(), nn.Sequential(nn.Linear(8, 1))
+    opt = torch.optim.SGD([*whole.parameters(), *outer.parameters(), *critic.parameters()], lr=1e-2)
+    idx = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    original = nn.Module.compile
+    with ampaudit.watch(None) as mon:  # as ampaudit run watches the script, which compiles
+        whole.compile(backend="eager")
+        for block in outer.blocks:
+            block.compile(backend="eager")
+        critic.compile(backend="eager")
+        for _ in range(2):
+            whole(idx, idx.roll(1, 1))[1].backward()
+            critic(outer(torch.ones(3, 4))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert nn.Module.compile is original  # the run's wrapper is gone with it
+    assert sorted(mon.summary()["params"]) == sorted([
+        # the first model to run a forward outside a graph: its names unprefixed, its compiled blocks' too
+        "inp.weight", "inp.bias", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias",
+        "TinyLM.emb.weight", "TinyLM.ln.weight", "TinyLM.ln.bias", "TinyLM.fc.weight", "TinyLM.fc.bias",
+        "TinyLM.head.weight", "TinyLM.head.bias", "Sequential.0.weight", "Sequential.0.bias"])
+
+
+def test_run_names_a_model_compiled_in_place_as_the_model(tmp_path):
+    # the one model of a script, compiled in place: named as if it ran outside a graph
+    torch._dynamo.reset()
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    with ampaudit.watch(None, log=tmp_path / "w.jsonl") as mon:
+        model.compile(backend="eager")
+        model(idx, idx.roll(1, 1))[1].backward()
+        opt.step()
+    assert sorted(mon.summary()["params"]) == sorted(name for name, _ in model.named_parameters())
+    assert sorted(read_log(tmp_path / "w.jsonl").summary()["params"]) == sorted(mon.summary()["params"])

@@ -138,6 +138,24 @@ def test_ampaudit_run_takes_every_option_that_has_a_flag():
     assert defaults == WatchOptions(log=Path("ampaudit-watch.jsonl"))  # the command's own log; the rest as the API
 
 
+def test_ampaudit_run_s_flags_pass_through_torchrun_to_run():
+    # torchrun parses its whole command line, the script's arguments too, and takes an
+    # abbreviation of its own options anywhere in it: `--log` could be its --log-dir or
+    # --logs-specs, an error before any rank starts. run's --log-file passes through, and so
+    # does every other flag.
+    from torch.distributed.run import get_args_parser
+
+    argv = [a for name in FLAGS if name in samples() for a in FLAGS[name]]
+    argv[argv.index("--log")] = "--log-file"
+    command = ["--nproc-per-node", "2", "--standalone", "-m", "ampaudit", "run", *argv, "train.py", "--lr", "1"]
+    launched = get_args_parser().parse_args(command)
+    assert (launched.module, launched.training_script) == (True, "ampaudit")
+    assert launched.training_script_args == command[5:]
+    args = build_parser().parse_args(launched.training_script_args)
+    assert watch_options(args) == WatchOptions(**samples(without=tuple(NO_FLAG)))
+    assert (args.script, args.args) == ("train.py", ["--lr", "1"])
+
+
 def test_every_option_is_on_the_command_line():
     # guard too (issue 28 item 10): --guard finds the script's schedulers and AveragedModels
     assert not NO_FLAG

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import Field, fields
 from pathlib import Path
 
 from ampaudit.cli.common import number_type, path_type
 from ampaudit.core.errors import UsageError
-from ampaudit.watch.options import WatchOptions  # torch-free, as --help must be
+from ampaudit.watch.launch import launched  # torch-free, as --help must be
+from ampaudit.watch.options import WatchOptions
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +35,8 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """``["run", *options, SCRIPT]`` and SCRIPT's own arguments exactly as typed: argparse would
     drop the first ``--`` after SCRIPT (``run s.py -- --x a`` must give the script ``['--',
     '--x', 'a']``, as ``python s.py -- --x a`` does). (argv, None) when there is no SCRIPT."""
-    takes_value = dict(named for option in fields(WatchOptions) if (named := _flag(option)) is not None)
+    takes_value = {name: named[1] for option in fields(WatchOptions) if (named := _flag(option)) is not None
+                   for name in (named[0], *option.metadata["flag"].aliases)}
     takes_value |= {"-h": False, "--help": False}
     i = 1
     while i < len(argv):
@@ -73,8 +74,8 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
             continue
         flag, text = option.metadata["flag"], option.metadata["flag"].help or option.metadata["doc"]
         if not named[1]:
-            run.add_argument(named[0], dest=option.name, action="store_false" if option.default else "store_true",
-                             help=text)
+            run.add_argument(named[0], *flag.aliases, dest=option.name,
+                             action="store_false" if option.default else "store_true", help=text)
             continue
         kwargs = {"default": flag.default if flag.default is not None else option.default, "metavar": flag.metavar,
                   "choices": flag.choices}
@@ -89,7 +90,7 @@ def _add_watch_options(run: argparse.ArgumentParser) -> None:
         if flag.repeat:
             kwargs.update(action="append", default=[])
             text += "; repeatable"
-        run.add_argument(named[0], dest=option.name, help=text, **kwargs)
+        run.add_argument(named[0], *flag.aliases, dest=option.name, help=text, **kwargs)
 
 
 def watch_options(args: argparse.Namespace) -> WatchOptions:
@@ -109,14 +110,10 @@ def _check_requires(args: argparse.Namespace) -> None:
 
 
 def _launched_rank() -> tuple[int, int] | None:
-    """(rank, world size) of a rank other than 0 in a distributed launch - torch's RANK and
-    WORLD_SIZE, which torchrun, accelerate, Lightning and env:// set - else None. The process
-    group is not up when run opens the log, so watch cannot ask it."""
-    try:
-        rank, world = int(os.environ.get("RANK", "")), int(os.environ.get("WORLD_SIZE", ""))
-    except ValueError:
-        return None
-    return (rank, world) if 0 < rank < world else None
+    """(rank, world size) of a rank other than 0 in a distributed launch, else None. The
+    process group is not up when run opens the log, so watch cannot ask it."""
+    place = launched()
+    return place if place is not None and place[0] > 0 else None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

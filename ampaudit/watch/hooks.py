@@ -19,6 +19,7 @@ Everything else waits for the step boundary (``reducer``).
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections import Counter, OrderedDict
@@ -232,6 +233,8 @@ class StepRecorder:
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
         self._armed = False  # a hook on every module of the model (else on its root only: ``_rearm``)
+        self._compiled: list[weakref.ref] = []  # modules compiled in place, not named yet (``name_compiled``)
+        self._compile_wrapper: Any = None  # nn.Module.compile as ``_follow_compile`` wrapped it
 
     @property
     def limits(self) -> LowDtype:
@@ -255,8 +258,26 @@ class StepRecorder:
         self._model = model
         if model is not None:
             self._name_tree(model, "")
+        else:
+            self._follow_compile()
         self._arm()
         self.active = True
+
+    def _follow_compile(self) -> None:
+        """Every module that runs forward is named by the global hooks as it runs - but one
+        compiled in place (``model.compile()``) runs none outside its graph: ``nn.Module.compile``
+        is wrapped to note it, for ``name_compiled``."""
+        original = torch.nn.Module.compile
+        noted = self._compiled
+
+        @functools.wraps(original)
+        def compile(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            noted.append(weakref.ref(module))
+            return original(module, *args, **kwargs)
+
+        compile.ampaudit_wraps = original  # type: ignore[attr-defined]
+        torch.nn.Module.compile = compile
+        self._compile_wrapper = compile
 
     def _arm(self) -> None:
         """A hook on every module of the model, or (``ampaudit run``) PyTorch's global module
@@ -297,6 +318,10 @@ class StepRecorder:
     def detach(self) -> None:
         self._remove_handles()
         self.active = False
+        if self._compile_wrapper is not None:
+            if torch.nn.Module.compile is self._compile_wrapper:  # else wrapped again since: left as it is
+                torch.nn.Module.compile = self._compile_wrapper.ampaudit_wraps
+            self._compile_wrapper = None
 
     # -- names ----------------------------------------------------------------------------------
     def _root_name(self, module: torch.nn.Module) -> str:
@@ -331,6 +356,15 @@ class StepRecorder:
             owner = f"{prefix}.{owner}" if prefix and owner else owner or prefix or "(model)"
             if owner not in self._param_owners.setdefault(id(param), []):
                 self._param_owners[id(param)].append(owner)
+
+    def name_compiled(self) -> None:
+        """Name the modules compiled in place that no forward named, as roots: asked at a step's
+        end, when a module around one (a model whose blocks alone are compiled) has run and named
+        it within its own tree. Else their parameters would be ``param0``, ``param1``, ..."""
+        while self._compiled:
+            module = self._compiled.pop(0)()
+            if module is not None and id(module) not in self._names:
+                self._name_tree(module, "" if not self._names else self._root_name(module))
 
     def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:
         return self._param_names.get(id(param), fallback)

@@ -35,6 +35,7 @@ from ampaudit.watch.decode import step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
 from ampaudit.watch.hooks import StepRecorder, transformed, unmeasurable
+from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
 from ampaudit.watch.options import WatchOptions, resolve
@@ -113,6 +114,9 @@ class Monitor:
         self.log_path = Path(options.log) if options.log is not None else None
         distributed = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        # the run's processes, for the log's header: the group's, or before the script brings it
+        # up (ampaudit run) the launch's - whose ranks then each record their own steps
+        self._launch = (rank, world) if distributed else launched() or (0, 1)
         # None: the dtype the run uses, read at its first forward (autocast's, else the model's own)
         dtype = options.dtype
         self.recorder = StepRecorder(LowDtype.parse(dtype if dtype is not None else FLOAT16),
@@ -191,8 +195,10 @@ class Monitor:
         if self._started:
             return self
         # first: a log refused leaves no hook behind; closed in stop
-        self.sink.open({"dtype": self.dtype_name, "every": self.every, "world": self.reducer.world,
-                        "source": self.builder.source,
+        launch_rank, world = self._launch
+        # "rank": the records are that rank's own, gathered from no other
+        ranks = {"world": world} if world == self.reducer.world else {"world": world, "rank": launch_rank}
+        self.sink.open({"dtype": self.dtype_name, "every": self.every, **ranks, "source": self.builder.source,
                         "hist_sample": self.recorder.hist_sample})
         self._started = True
         forks.track(self)
@@ -274,6 +280,7 @@ class Monitor:
         """The parameters whose gradients a step records: the model's, else the stepped optimizers'."""
         if self.model is not None:
             return self._model_params
+        self.recorder.name_compiled()
         seen = [p for opt in self.optimizer_tap.optimizers for g in opt.param_groups for p in g["params"]]
         return [(self.recorder.param_name(p, f"param{i}"), p) for i, p in enumerate(seen)]
 

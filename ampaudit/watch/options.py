@@ -45,6 +45,7 @@ class Flag:
     metavar: str | None = None
     default: Any = None
     help: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings: one a launcher's own parser passes on (``--log-file``)
 
 
 def _about(doc: str, flag: Flag | None = None, *, no_flag: str | None = None) -> dict[str, Any]:
@@ -61,9 +62,11 @@ class WatchOptions:
 
     log: str | Path | None = field(default=None, metadata=_about(
         "the JSON-lines log to write, one line per recorded step (rank 0 writes it); None: no log",
-        Flag(path=True, default=Path("ampaudit-watch.jsonl"),
+        # torchrun's parser takes `--log` for an abbreviation of its own --log-dir and --logs-specs,
+        # wherever it stands: `torchrun ... -m ampaudit run --log-file FILE` reaches run
+        Flag(path=True, default=Path("ampaudit-watch.jsonl"), aliases=("--log-file",), metavar="FILE",
              help="JSON-lines log to write (default: ./ampaudit-watch.jsonl in the folder run starts in; it "
-                  "replaces an earlier watch log, never another file)")))
+                  "replaces an earlier watch log, never another file); --log-file: the same, under torchrun")))
     every: int = field(default=1, metadata=_about(
         "record every N-th step", Flag(least=1, help="record every N-th step (default 1)")))
     dtype: LowDtype | torch.dtype | str | None = field(default=None, metadata=_about(

@@ -28,9 +28,23 @@ def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> 
         # the names' dtypes (inference.py) matter only where autocast is turned off in a region
         infer = _DISABLED.search(source) is not None
         defined = frozenset(n.name for n in tree.body if n.__class__ in _FUNCTIONS) if infer else frozenset()
-        visitor = Visitor(text, ImportMap.of(tree), defined, infer_dtypes=infer)
+        imports = ImportMap.of(tree)
+        visitor = Visitor(text, imports, defined, infer_dtypes=infer)
+        if relevant is not None:
+            relevant = with_aliases(relevant, imports)
         visitor.module(relevant_statements(text, tree, relevant) if relevant is not None else tree.body)
         return visitor.facts(path)
+
+
+def with_aliases(relevant: re.Pattern[str], imports: ImportMap) -> re.Pattern[str]:
+    """``relevant`` and the names the file binds to what it matches: after ``from
+    torch.cuda.amp import autocast as ac`` a function that only says ``ac()`` is read too
+    (its use is one AMP401's fix must rewrite, or withhold the fix for)."""
+    aliases = sorted(name for name, target in imports.bound.items()
+                     if relevant.search(target) is not None and relevant.search(name) is None)
+    if not aliases:
+        return relevant
+    return re.compile(f"{relevant.pattern}|\\b(?:{'|'.join(map(re.escape, aliases))})\\b", relevant.flags)
 
 
 def relevant_statements(text: SourceText, tree: ast.Module, relevant: re.Pattern[str]) -> list[ast.stmt]:

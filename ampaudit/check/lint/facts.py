@@ -32,7 +32,8 @@ from ampaudit.check.lint.values import is_false
 from ampaudit.core.dtypes import LowDtype
 
 GRAD_SCALERS = frozenset({"torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.GradScaler",
-                          "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler"})
+                          "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler",
+                          "torch.cpu.amp.GradScaler", "torch.cpu.amp.grad_scaler.GradScaler"})
 FLOAT16_NAMES = frozenset({"torch.float16", "torch.half"})
 BFLOAT16_NAMES = frozenset({"torch.bfloat16"})
 
@@ -135,7 +136,9 @@ class ClassDef:
 class Import:
     node: ast.Import | ast.ImportFrom
     module: str  # "torch.cuda.amp" for `from torch.cuda.amp import x` and `import torch.cuda.amp`
-    names: tuple[tuple[str, str], ...]  # (imported name, bound alias) for `from m import n as a`
+    # (imported name, bound alias) for `from m import n as a`; for `from m import *`, each name
+    # it binds as (name, name) - none where the lint does not know m's (imports.STAR_EXPORTS)
+    names: tuple[tuple[str, str], ...]
     line: int
     column: int
     compat: bool = False  # in a fallback for old torch (see Call.compat)

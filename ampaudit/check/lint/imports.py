@@ -15,7 +15,8 @@ from ampaudit.check.lint.nodes import dotted
 @dataclass(frozen=True, eq=False)
 class ImportMap:
     """What each imported name stands for: ``F`` -> ``torch.nn.functional``, ``amp`` ->
-    ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast``. Read from every import
+    ``torch.cuda.amp``, ``autocast`` -> ``torch.cuda.amp.autocast`` (after ``from torch.cuda.amp
+    import *`` too: ``STAR_EXPORTS``). Read from every import
     in the file (module level, functions, ``try`` blocks alike, skipped code too) - the lint
     only asks about torch's, apex's and the frameworks' names, which scripts do not rebind -
     so no scope analysis is needed."""
@@ -25,11 +26,14 @@ class ImportMap:
     @classmethod
     def of(cls, tree: ast.Module) -> ImportMap:
         bound: dict[str, str] = {}
-        for node in _statements_breadth_first(tree):
+        for node, fallback in _statements_breadth_first(tree):
+            # an import in `except ImportError:` binds what the `try` did not: on the torch
+            # the script is linted for, the `try` imported
+            bind = bound.setdefault if fallback else bound.__setitem__
             if node.__class__ is ast.Import:
                 for alias in node.names:
                     if alias.asname:
-                        bound[alias.asname] = alias.name
+                        bind(alias.asname, alias.name)
                     else:
                         root = alias.name.split(".")[0]
                         bound.setdefault(root, root)
@@ -37,7 +41,10 @@ class ImportMap:
                 module = "." * node.level + node.module
                 for alias in node.names:
                     if alias.name != "*":
-                        bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+                        bind(alias.asname or alias.name, f"{module}.{alias.name}")
+                    else:
+                        for name in star_names(module):
+                            bind(name, f"{module}.{name}")
         return cls(MappingProxyType(bound))
 
     def name_for(self, module: str) -> str | None:
@@ -60,15 +67,43 @@ class ImportMap:
         return frozenset({target + dot + rest})
 
 
-def _statements_breadth_first(tree: ast.Module) -> Iterator[ast.AST]:
+# What `from M import *` binds, for the AMP modules the rules ask about: each one's
+# `__all__`, or its public names where it has none (torch.cpu.amp). The lint imports nothing,
+# so a star import of any other module binds no name it knows.
+STAR_EXPORTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "torch.amp": ("autocast", "custom_bwd", "custom_fwd", "is_autocast_available", "GradScaler"),
+    "torch.cuda.amp": ("amp_definitely_not_available", "autocast", "custom_bwd", "custom_fwd", "GradScaler"),
+    "torch.cpu.amp": ("autocast", "autocast_mode", "grad_scaler", "GradScaler"),
+})
+
+
+def star_names(module: str) -> tuple[str, ...]:
+    """The names ``from module import *`` binds, as far as the lint knows (none for a module
+    outside ``STAR_EXPORTS``)."""
+    return STAR_EXPORTS.get(module, ())
+
+
+def catches_compat(handler: ast.ExceptHandler) -> bool:
+    """``except ImportError`` / ``except (ImportError, AttributeError)``: a fallback for an
+    API an older (or newer) torch lacks."""
+    kind = handler.type
+    if kind is None:
+        return False
+    names = kind.elts if kind.__class__ is ast.Tuple else [kind]
+    return any((dotted(n) or "").rsplit(".", 1)[-1] in _COMPAT_ERRORS for n in names)
+
+
+def _statements_breadth_first(tree: ast.Module) -> Iterator[tuple[ast.AST, bool]]:
     """Every statement, in ``ast.walk``'s order (a later import of a name wins), without
-    walking the expressions - no import is in one."""
-    queue: deque[ast.AST] = deque(tree.body)
+    walking the expressions - no import is in one; and whether it is in a fallback (a
+    ``catches_compat`` handler)."""
+    queue: deque[tuple[ast.AST, bool]] = deque((node, False) for node in tree.body)
     while queue:
-        node = queue.popleft()
-        yield node
+        node, fallback = queue.popleft()
+        yield node, fallback
+        inner = fallback or (node.__class__ is ast.ExceptHandler and catches_compat(node))
         for name in _NESTED.get(node.__class__, ()):
-            queue.extend(getattr(node, name))
+            queue.extend((child, inner) for child in getattr(node, name))
 
 
 _NESTED = {  # the fields that hold statements (or the handlers and cases that do)
@@ -82,3 +117,4 @@ if hasattr(ast, "TryStar"):
     _NESTED[ast.TryStar] = ("body", "handlers", "orelse", "finalbody")
 
 _BUILTINS = frozenset(dir(builtins))
+_COMPAT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "AttributeError"})

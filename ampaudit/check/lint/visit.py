@@ -37,7 +37,7 @@ from ampaudit.check.lint.facts import (
     Scope,
     ScriptFacts,
 )
-from ampaudit.check.lint.imports import ImportMap
+from ampaudit.check.lint.imports import ImportMap, catches_compat, star_names
 from ampaudit.check.lint.nodes import arguments, dotted, unstarred, unwrap_cast
 from ampaudit.check.lint.source import SourceText
 
@@ -324,12 +324,12 @@ class Visitor:
 
     # -- fallbacks for old torch: try/except ImportError, version checks --------------------
     def _try(self, node: ast.Try) -> None:
-        catches = any(_catches_compat(h) for h in node.handlers)
+        catches = any(catches_compat(h) for h in node.handlers)
         self.compat.append(self.compat[-1] or catches)
         self._block(node.body)
         self.compat.pop()
         for handler in node.handlers:
-            self.compat.append(self.compat[-1] or _catches_compat(handler))
+            self.compat.append(self.compat[-1] or catches_compat(handler))
             self._handler(handler)
             self.compat.pop()
         self._else_blocks(node)
@@ -555,11 +555,14 @@ class Visitor:
     def _import_from(self, node: ast.ImportFrom) -> None:
         if node.module is not None:
             self._bind(node.module.split(".")[0], node)  # `from amp import x` names `amp` too
-        if node.module is None or node.names[0].name == "*":
+        if node.module is None:
             return
         line, column = self.text.position(node)
         module = "." * node.level + node.module
-        names = tuple((a.name, a.asname or a.name) for a in node.names)
+        if node.names[0].name == "*":  # what it binds, where the lint knows: `from torch.cuda.amp import *`
+            names = tuple((name, name) for name in star_names(module))
+        else:
+            names = tuple((a.name, a.asname or a.name) for a in node.names)
         self.found.imports.append(Import(node, module, names, line, column, self._in_compat()))
 
     def _import(self, node: ast.Import) -> None:
@@ -626,7 +629,6 @@ _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _AMP_SWITCHES = GRAD_SCALERS | frozenset(autocasts.AUTOCASTS)
 _AUTOGRAD_FUNCTIONS = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
-_COMPAT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "AttributeError"})
 # `if version.parse(torch.__version__) < ...`, `TORCH_2_4`, `is_torch_greater_or_equal(...)`,
 # `hasattr(torch.amp, "GradScaler")`: code chosen by the installed torch's version.
 _VERSION_TEST = re.compile(r"version|TORCH_\d|hasattr\(\s*torch", re.IGNORECASE)
@@ -645,16 +647,6 @@ def _calls_method(node: ast.AST, method: str) -> bool:
 def _callee(node: ast.expr) -> ast.expr:
     """What a decorator names: ``custom_fwd`` in ``@custom_fwd(...)`` and ``@custom_fwd``."""
     return node.func if node.__class__ is ast.Call else node
-
-
-def _catches_compat(handler: ast.ExceptHandler) -> bool:
-    """``except ImportError`` / ``except (ImportError, AttributeError)``: a fallback for an
-    API an older (or newer) torch lacks."""
-    kind = handler.type
-    if kind is None:
-        return False
-    names = kind.elts if kind.__class__ is ast.Tuple else [kind]
-    return any((dotted(n) or "").rsplit(".", 1)[-1] in _COMPAT_ERRORS for n in names)
 
 
 def _exits(block: list[ast.stmt]) -> bool:

@@ -31,6 +31,7 @@ _DEPRECATED = {
     "torch.cuda.amp.autocast": ("torch.amp.autocast", "cuda", True),
     "torch.cpu.amp.autocast": ("torch.amp.autocast", "cpu", True),
     "torch.cuda.amp.GradScaler": ("torch.amp.GradScaler", "cuda", True),
+    "torch.cpu.amp.GradScaler": ("torch.amp.GradScaler", "cpu", True),
     "torch.cuda.amp.custom_fwd": ("torch.amp.custom_fwd", "cuda", False),
     "torch.cuda.amp.custom_bwd": ("torch.amp.custom_bwd", "cuda", False),
 }
