@@ -94,7 +94,8 @@ def test_the_parameter_rows_in_one_call_are_the_rows_one_at_a_time(scale):
                                                 (0, torch.float32), (3 * 65536 + 7, torch.float32))]
     grads.append(torch.full((64,), 65504.0 / 3.0).nextafter(torch.tensor(1e9)))  # |x| * 3 just past the max
     rows = [stats.new_row(g.device) for g in grads]
-    cpu_kernel.fill_param_rows(grads, rows, FP16.overflow_at, scale, FP16.max)
+    cpu_kernel.fill_param_rows(grads, [(c.data_ptr(), e.data_ptr()) for c, e in rows], FP16.overflow_at, scale,
+                               FP16.max)
     for g, (counts, extras) in zip(grads, rows, strict=True):
         want_counts, want_extras = stats.new_row(g.device)
         cpu_kernel.fill_row(g, want_counts, want_extras, FP16.overflow_at, norm=True)

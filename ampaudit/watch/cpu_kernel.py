@@ -102,7 +102,7 @@ def _library() -> _Library | None:
     compact.restype = None
     buffer = lib.ampaudit_step_buffer
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    buffer.argtypes = [p, i64, p, p, p, i64, i64, p, i64, p, i64, i32, i32, p, i32, i32, i32, i32,
+    buffer.argtypes = [p, i64, p, p, p, i64, i64, p, i64, p, i64, i32, i32, p, i64, p, i32, i32, i32, i32,
                        ctypes.c_double, p]
     buffer.restype = None
     update = lib.ampaudit_update_rows  # rows, n, ncols, columns, steps, k, prev, cond, value, total
@@ -213,21 +213,22 @@ _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _SCALED = LAYOUT.count["scaled"]
 
 
-def fill_param_rows(grads: list[torch.Tensor], rows: list[tuple[torch.Tensor, torch.Tensor]], overflow_at: float,
+def fill_param_rows(grads: list[torch.Tensor], rows: list[tuple[int, int]], overflow_at: float,
                     scale: float | None, limit: float) -> None:
-    """``fill_row(grad, counts, extras, overflow_at, norm=True)`` for each CPU gradient and its
-    arena row, in one C call (a step boundary's parameter rows: tens of small tensors, where
-    a call each costs more than their elements), and with ``scale`` each one's count of |x| *
-    scale > ``limit`` in float32, as ``stats.fill_param_extras`` computes it with torch ops."""
-    readable = [_readable(g, any_order=False) for g in grads]
-    k = len(readable)
+    """``fill_row(grad, counts, extras, overflow_at, norm=True)`` for each CPU gradient into the
+    arena row at its (counts, extras) addresses (``arena.RowArena.take_cpu``), in one C call (a
+    step boundary's parameter rows: tens of small tensors, where a call each costs more than
+    their elements), and with ``scale`` each one's count of |x| * scale > ``limit`` in float32,
+    as ``stats.fill_param_extras`` computes it with torch ops."""
+    k = len(grads)
     if not k:
         return
-    pointers, sizes = ctypes.c_void_p * k, ctypes.c_int64 * k
+    readable = [g if g.dtype in _ENTRY and g.is_contiguous() else _readable(g, any_order=False) for g in grads]
+    pointers = ctypes.c_void_p * k
     _library().param_rows(
-        k, pointers(*(g.data_ptr() for g in readable)), sizes(*(g.numel() for g in readable)),
-        (ctypes.c_int32 * k)(*(_DTYPE_CODE[g.dtype] for g in readable)), pointers(*(c.data_ptr() for c, _ in rows)),
-        pointers(*(e.data_ptr() for _, e in rows)), _OVERFLOW, _NEGINF, _SCALED, _ABSMAX, _SUMSQ,
+        k, pointers(*[g.data_ptr() for g in readable]), (ctypes.c_int64 * k)(*[g.numel() for g in readable]),
+        (ctypes.c_int32 * k)(*[_DTYPE_CODE[g.dtype] for g in readable]), pointers(*[c for c, _ in rows]),
+        pointers(*[e for _, e in rows]), _OVERFLOW, _NEGINF, _SCALED, _ABSMAX, _SUMSQ,
         native.float_bits(overflow_at), scale if scale is not None else 0.0, limit, torch.get_num_threads())
 
 
@@ -265,24 +266,26 @@ _NAN_FIELD, _INF_FIELD, _NEGINF_FIELD = (LAYOUT.field[name] for name in ("nan", 
 
 
 def step_buffer(rows: torch.Tensor, used: torch.Tensor, n_events: int, event_keys: torch.Tensor,
-                modes: torch.Tensor | None, n_keys: int, counts: torch.Tensor, has_scale: bool, size: int,
-                no_event: float) -> torch.Tensor:
+                modes: torch.Tensor | None, n_keys: int, counts: torch.Tensor, extras: torch.Tensor, has_scale: bool,
+                size: int, no_event: float) -> torch.Tensor:
     """``reducer.StepReducer.step_buffer`` on the CPU in one C loop: ``rows`` the Stats rows of
-    the arena rows a step used (``counts``), ``used`` where each event's and then each
-    parameter's row is among them, ``event_keys`` each event's (module, phase) key (-1: none),
-    ``modes`` per event (``reducer.bad_events``). The parameters' norms and the last two slots
-    (scale, found-inf) are left for the caller."""
+    the arena rows a step used (``counts``, ``extras``: float32, their sums of squares give the
+    parameters' norms), ``used`` where each event's and then each parameter's row is among
+    them, ``event_keys`` each event's (module, phase) key (-1: none), ``modes`` per event
+    (``reducer.bad_events``). The last two slots (scale, found-inf) are left for the caller."""
     rows, used = rows.contiguous(), used.contiguous()
     if counts.stride(1) != 1:
         counts = counts.contiguous()
+    if extras.dtype != torch.float32 or extras.stride(1) != 1:
+        extras = extras.to(torch.float32).contiguous()
     flat = torch.empty(size, dtype=torch.float64)
     i64 = used.element_size()
     _library().step_buffer(
         rows.data_ptr(), LAYOUT.width, used.data_ptr(), event_keys.data_ptr(),
         modes.data_ptr() if modes is not None else None, n_events, n_keys, used.data_ptr() + n_events * i64,
         used.numel() - n_events, counts.data_ptr(),
-        counts.stride(0), _SCALED, has_scale, _MAX_FIELDS, len(LAYOUT.max_fields),
-        _NAN_FIELD, _INF_FIELD, _NEGINF_FIELD, no_event, flat.data_ptr())
+        counts.stride(0), _SCALED, has_scale, extras.data_ptr() + _SUMSQ_AT, extras.stride(0), _MAX_FIELDS,
+        len(LAYOUT.max_fields), _NAN_FIELD, _INF_FIELD, _NEGINF_FIELD, no_event, flat.data_ptr())
     return flat
 
 

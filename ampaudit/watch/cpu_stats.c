@@ -441,16 +441,17 @@ void ampaudit_compact(const int64_t *counts, int64_t stride, const float *absmax
  * then each parameter's row, its count over the loss scale (an int64 count slot; -1 without
  * a scale), and the first event that may be where a NaN was born (NO_EVENT if none; modes as
  * in reducer.bad_events, NULL: any non-finite). Sums of integer counts are exact in float64 in
- * any order, so the buffer is the torch ops' to the bit. The norms (torch's sqrt, whose last
- * bit may differ from C's) and the tail's scale and found-inf are the caller's. */
+ * any order, so the buffer is the torch ops' to the bit. Each parameter's norm is the square
+ * root of its float32 sum of squares (sumsq: the extras' slot of its arena row) in float64,
+ * correctly rounded as torch's is. The tail's scale and found-inf are the caller's. */
 void ampaudit_step_buffer(const double *rows, int64_t width, const int64_t *event_row, const int64_t *event_key,
                           const int64_t *modes, int64_t n_events, int64_t n_keys, const int64_t *param_row,
                           int64_t n_params, const int64_t *counts, int64_t counts_stride, int32_t scaled_slot,
-                          int32_t has_scale,
+                          int32_t has_scale, const float *sumsq, int64_t sumsq_stride,
                           const int32_t *max_field, int32_t n_max, int32_t nan, int32_t inf, int32_t neginf,
                           double no_event, double *flat) {
     double *keys = flat, *params = flat + n_keys * width;
-    double *scaled = params + n_params * width + n_params, *first = scaled + n_params; /* norms between */
+    double *norms = params + n_params * width, *scaled = norms + n_params, *first = scaled + n_params;
     unsigned char seen[n_keys > 0 ? n_keys : 1], summed[width];
     memset(keys, 0, (size_t)(n_keys * width) * sizeof(double));
     memset(seen, 0, sizeof seen);
@@ -479,6 +480,9 @@ void ampaudit_step_buffer(const double *rows, int64_t width, const int64_t *even
         int64_t r = param_row[p];
         memcpy(params + p * width, rows + r * width, (size_t)width * sizeof(double));
         scaled[p] = has_scale ? (double)counts[r * counts_stride + scaled_slot] : -1.0;
+        double squares = (double)sumsq[r * sumsq_stride];
+        /* >= 0: the compiler needs no errno path (no libm); NaN stays NaN, as its root would */
+        norms[p] = squares >= 0.0 ? __builtin_sqrt(squares) : squares;
     }
 }
 

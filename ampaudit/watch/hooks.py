@@ -564,14 +564,22 @@ class StepRecorder:
     def record_params(self, params: list[tuple[str, torch.nn.Parameter]], scale: torch.Tensor | None) -> None:
         """A row per parameter gradient, at the step boundary: with its norm, and with a
         GradScaler how many gradients overflow at its current scale. Plain CPU gradients take
-        one C call for all (``cpu_kernel.fill_param_rows``)."""
-        self.param_rows = {}
-        in_c = cpu_kernel.available()
+        one C call for all, at their rows' addresses (``cpu_kernel.fill_param_rows``)."""
+        self.param_rows = rows_of = {}
+        # a plain CPU gradient outside a transform is measurable: no question asked (``unmeasurable``)
+        plain_cpu = cpu_kernel.available() and _level() is None
         grads: list[torch.Tensor] = []
-        rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        addresses: list[tuple[int, int]] = []
         for name, p in params:
             grad = p.grad
             if grad is None:
+                continue
+            if plain_cpu and type(grad) is torch.Tensor and grad.is_cpu and grad.layout == torch.strided \
+                    and not grad.is_nested:
+                handle, counts_at, extras_at = self.arena.take_cpu()
+                rows_of[name] = handle
+                grads.append(grad)
+                addresses.append((counts_at, extras_at))
                 continue
             if stats.is_dtensor(grad):  # FSDP2: this rank's shard; the ranks' rows add up to the whole
                 grad = grad.to_local()
@@ -581,15 +589,11 @@ class StepRecorder:
                 self.unmeasured[kind] += 1
                 continue
             handle, counts, extras = self.arena.take(grad.device)
-            self.param_rows[name] = handle
-            if in_c and type(grad) in stats.PLAIN and grad.is_cpu:
-                grads.append(grad)
-                rows.append((counts, extras))
-            else:
-                stats.fill_row(grad, counts, extras, self.limits, norm=True, scale=scale)
+            rows_of[name] = handle
+            stats.fill_row(grad, counts, extras, self._limits, norm=True, scale=scale)
         if grads:  # on the CPU the scale is host memory: read at no cost
-            cpu_kernel.fill_param_rows(grads, rows, self.limits.overflow_at,
-                                       float(scale) if scale is not None else None, self.limits.max)
+            cpu_kernel.fill_param_rows(grads, addresses, self._limits.overflow_at,
+                                       float(scale) if scale is not None else None, self._limits.max)
 
     def end_step(self, logging_next: bool) -> None:
         """Forget this step's rows and events; ``logging_next``: whether the next is recorded."""

@@ -106,11 +106,8 @@ class StepReducer:
                 and extras.dtype == torch.float32:  # one C loop for the few dozen small torch ops below
             flat = cpu_kernel.step_buffer(
                 rows, used, n_events, index_tensor(event_keys, device),
-                index_tensor(modes, device) if modes is not None and n_events else None, n_keys, counts,
+                index_tensor(modes, device) if modes is not None and n_events else None, n_keys, counts, extras,
                 scale is not None, buf.size, float(NO_EVENT))
-            if param_rows:  # torch's sqrt, as below: C's may differ in the last bit
-                sumsq = extras.select(1, LAYOUT.extra["sumsq"]).index_select(0, used[n_events:])
-                torch.sqrt(sumsq.to(_F64), out=flat[buf.norms])
             if scale is None and found_inf is None:  # one fill for both (each op costs more than its work)
                 flat[buf.scale:].fill_(-1.0)
             else:
