@@ -1717,3 +1717,44 @@ def test_the_autocast_state_a_call_is_replayed_under():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert autocast_state()[0] == (True, torch.bfloat16)
     assert autocast_state() == off
+
+
+def test_a_gradient_hook_does_not_outlive_its_step():
+    """A tensor that lives across steps - a Perceiver's latents, a parameter passed to a module
+    as its input - gets watch's input-gradient hook each step: it comes off at the step's end.
+    Else the hooks piled up on it, and each backward ran all of them, recording every earlier
+    step's events again (and its cost grew with the run)."""
+    from ampaudit.watch.events import INPUT_GRAD
+
+    class Table(nn.Module):  # returns its own parameter: an output that outlives the step
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(4, 8))
+
+        def forward(self):
+            return self.pos
+
+    class Latents(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.latents = nn.Parameter(torch.randn(4, 8))
+            self.attn = nn.Linear(8, 8)
+            self.table = Table()
+
+        def forward(self, x):
+            return self.attn(self.latents) + x.mean() + self.table()
+
+    torch.manual_seed(0)
+    model = Latents()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2, 8)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(4):
+            model(x).sum().backward()
+            input_grads = [e for e in mon.recorder.events if e[1] == INPUT_GRAD and e[0] == "attn"]
+            assert len(input_grads) == 1  # this step's, once
+            opt.step()
+            opt.zero_grad()
+            assert not model.latents._backward_hooks and not model.table.pos._backward_hooks
+        model(x).sum().backward()  # a step the watch's end cuts short: its hooks come off too
+    assert not model.latents._backward_hooks and not model.table.pos._backward_hooks

@@ -137,25 +137,33 @@ def _positional(args: Any, skipped: Counter | None = None, wrapped: bool = True)
     return found
 
 
-def _add_grad_hook(tensor: torch.Tensor, hook: Any) -> None:
-    """``tensor.register_hook(hook)`` for good: the same dict entry, in the same order, without
-    the handle (never removed: a step's tensors die with it) - torch's Python wrapper costs
-    more than the rest of a module's hook. A subclass (or a torch version without the dict)
-    takes the public way."""
+def _add_grad_hook(tensor: torch.Tensor, hook: Any) -> Any:
+    """``tensor.register_hook(hook)``: the same dict entry, in the same order, without torch's
+    Python wrapper, which cost more than the rest of a module's hook. Returns what
+    ``_remove_grad_hook`` takes. A subclass (or a torch version without the dict) takes the
+    public way."""
     if type(tensor) is not torch.Tensor:
-        tensor.register_hook(hook)
-        return
+        return tensor.register_hook(hook)
     hooks = tensor._backward_hooks
     if hooks is None:
         grad_fn = tensor.grad_fn
         if grad_fn is not None and not hasattr(grad_fn, "_register_hook_dict"):
-            tensor.register_hook(hook)
-            return
+            return tensor.register_hook(hook)
         tensor._backward_hooks = hooks = OrderedDict()
         if grad_fn is not None:
             grad_fn._register_hook_dict(tensor)
-    hooks[RemovableHandle.next_id] = hook
+    key = RemovableHandle.next_id
     RemovableHandle.next_id += 1
+    hooks[key] = hook
+    return key
+
+
+def _remove_grad_hook(tensor: torch.Tensor, added: Any) -> None:
+    """Take off a hook ``_add_grad_hook`` put on ``tensor`` (it returned ``added``)."""
+    if isinstance(added, RemovableHandle):
+        added.remove()
+    elif tensor._backward_hooks is not None:
+        tensor._backward_hooks.pop(added, None)
 
 
 def _last_hook(tensor: torch.Tensor) -> Any:
@@ -221,7 +229,8 @@ class StepRecorder:
         self.thread = FollowedThread()  # the one thread whose steps are recorded (watch/threads.py)
         # this step's measured tensors: (tensor, row, whether the whole row or only its flags)
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle, bool]] = {}
-        self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents]] = {}  # this step's, by tensor id
+        # this step's gradient hooks, by tensor id: (the tensor, the hook, what takes it off)
+        self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents, Any]] = {}
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._roots: dict[str, weakref.ref] = {}  # a further root's name -> that root (``_root_name``)
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
@@ -317,6 +326,7 @@ class StepRecorder:
 
     def detach(self) -> None:
         self._remove_handles()
+        self._unhook()
         self.active = False
         if self._compile_wrapper is not None:
             if torch.nn.Module.compile is self._compile_wrapper:  # else wrapped again since: left as it is
@@ -520,8 +530,7 @@ class StepRecorder:
             known[1].events.append(entry)
             return
         hook = _GradEvents(self, entry)
-        _add_grad_hook(tensor, hook)
-        self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook)
+        self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook, _add_grad_hook(tensor, hook))
 
     def record(self, module: str, phase: str, tensor: torch.Tensor, label: str, call: int | None = None) -> None:
         """One event. Hot path: one raw row per tensor; everything else waits for the step
@@ -597,12 +606,22 @@ class StepRecorder:
 
     def end_step(self, logging_next: bool) -> None:
         """Forget this step's rows and events; ``logging_next``: whether the next is recorded."""
+        self._unhook()
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen = [], [], False
         self.arena.reset()
         self._dtype_open = self.dtype_source is None
         self._rearm(logging_next)
         self.logging = logging_next
+
+    def _unhook(self) -> None:
+        """This step's gradient hooks off the tensors still alive: activations are gone by now,
+        but a tensor that lives across steps (a Perceiver's latents, a parameter passed to a
+        module as its input) would gather a hook a step, each backward running them all."""
+        for ref, _, added in self._grad_hooks.values():
+            tensor = ref()
+            if tensor is not None:
+                _remove_grad_hook(tensor, added)
 
     def _rearm(self, logging_next: bool) -> None:
         """The module hooks come off for steps not recorded (``_disarm``) and on again for the
