@@ -67,6 +67,18 @@ def test_ampaudit_run_every_2_records_both_optimizers_of_a_gan(cli, tmp_path, mo
     assert params[0] == params[4] == params[8] == params[12] != params[5] == params[9] == params[13]
 
 
+def test_a_generator_output_made_before_the_discriminator_steps_has_its_gradient_recorded(cli, tmp_path, monkeypatch):
+    # G's output is made in the discriminator's step and gets its gradient in the generator's:
+    # its hook outlives the discriminator's step's end (only leaves' hooks come off there)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gan.py").write_text(GAN)
+    result = cli("run", "--log", "w.jsonl", "gan.py")
+    assert result.code == 0
+    records = [r for r in map(json.loads, (tmp_path / "w.jsonl").read_text().splitlines()) if "step" in r]
+    generator = [sorted(r["layers"]["(model)"]) for r in records]  # G, the first module that ran
+    assert generator[1::2] == [["backward"]] * 8 and generator[0::2] == [["forward"]] * 8
+
+
 TWO_OPTIMIZERS_ONE_BACKWARD = """
 import torch
 from torch import nn

@@ -615,12 +615,15 @@ class StepRecorder:
         self.logging = logging_next
 
     def _unhook(self) -> None:
-        """This step's gradient hooks off the tensors still alive: activations are gone by now,
-        but a tensor that lives across steps (a Perceiver's latents, a parameter passed to a
-        module as its input) would gather a hook a step, each backward running them all."""
+        """This step's gradient hooks off the leaf tensors still alive: a leaf lives across
+        steps (a parameter passed to a module as its input - DETR's query embedding -, one a
+        module returns) and would gather a hook a step, each backward running them all. An
+        activation keeps its hook: its backward may come after this step's end - a GAN's
+        generator output, made before the discriminator's step, gets its gradient in the
+        generator's step, whose record it is then in."""
         for ref, _, added in self._grad_hooks.values():
             tensor = ref()
-            if tensor is not None:
+            if tensor is not None and tensor.grad_fn is None:
                 _remove_grad_hook(tensor, added)
 
     def _rearm(self, logging_next: bool) -> None:
