@@ -32,6 +32,7 @@ from ampaudit.watch.rule_api import (
 )
 from ampaudit.watch.summary import SummaryBuilder, read_log
 from fixtures.watch.record import Gain, _constant, _net  # the models the rule fixtures were recorded with
+from fixtures.watch.zero_init import TinyGPT, lora_net
 from tests.conftest import ROOT, line_of
 
 HERE = "tests/test_verdicts.py"
@@ -129,10 +130,74 @@ def test_a_bfloat16_run_s_exact_zero_gradients_are_not_underflow():
     mon = _run(model.bfloat16(), 1)
     assert mon.summary()["params"]["0.weight"]["zero"] == 32  # all zero, none underflowed
     assert _messages(mon, "AMP601") == []
-    # in float16 a whole tensor of exact zeros is still what a flushed gradient looks like
+    # nor in float16, where layer 2's gradients are healthy: a flush leaves small values behind
     half = _net(nn.ReLU())
     nn.init.zeros_(half[2].weight)
-    assert [m for _, m, _ in _messages(_run(half.half(), 1), "AMP601")] == ["0"]
+    mon = _run(half.half(), 1)
+    assert mon.summary()["params"]["0.weight"]["zero"] == 32
+    assert _messages(mon, "AMP601") == []
+
+
+def _gpt_run(model, steps, *, log=None, scaler=None, loss_factor=1.0):
+    """nanochat's loop in miniature: fp16 matmuls, fp32 master weights, a GradScaler."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scaler = scaler or torch.amp.GradScaler("cpu")
+    gen = torch.Generator().manual_seed(0)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log) as mon:
+        for _ in range(steps):
+            idx, targets = torch.randint(0, 32, (2, 2, 8), generator=gen)
+            scaler.scale(model(idx, targets) * loss_factor).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    return mon
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_zero_initialised_projections_block_gradients_they_do_not_underflow(tmp_path, logged):
+    """nanochat / modded-nanogpt zero their output projections (and a head): on the first steps
+    the layers before them get gradients that are exactly zero, in fp16 as in fp32. AMP601 said
+    "100% of `h.0.attn.c_q`'s parameter gradients ... are zero or below float16's smallest normal
+    at the loss scale: those updates are lost" for each c_q, c_k, c_v and c_fc (and, with the
+    head zero, every module but the head). The same with a log (the host's conditions) and
+    without (the device's)."""
+    log = tmp_path / "run.jsonl" if logged else None
+    mon = _gpt_run(TinyGPT(), 2, log=log)
+    params = mon.summary()["params"]
+    assert params["h.0.attn.c_q.weight"]["zero"] == params["h.0.attn.c_q.weight"]["numel"] // 2 == 256  # step 0
+    assert params["h.0.mlp.c_fc.weight"]["zero"] >= 1024  # step 0's, and dead units' of step 1
+    assert _messages(mon, "AMP601") == []
+    head = _gpt_run(TinyGPT(zero_head=True), 2, log=log)
+    assert head.summary()["params"]["h.0.mlp.c_proj.weight"]["zero"] == 1024  # blocked in step 0 too
+    assert _messages(head, "AMP601") == []
+    # the same model at a loss scale of 1 with a small loss underflows, the blocked layers included
+    low = _gpt_run(TinyGPT(), 2, log=log, loss_factor=1e-4,
+                   scaler=torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000))
+    assert sorted({m for _, m, _ in _messages(low, "AMP601")}) == [
+        "h.0.attn.c_k", "h.0.attn.c_proj", "h.0.attn.c_q", "h.0.attn.c_v", "h.0.mlp.c_fc", "h.0.mlp.c_proj",
+        "lm_head", "wte"]
+
+
+def test_lora_a_while_b_is_zero_is_not_underflow():
+    """peft's LoRA: B starts at zero, so A's gradient is exactly zero on the first step (fp16
+    autocast, a GradScaler); AMP601 named both lora_A."""
+    model = lora_net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    gen = torch.Generator().manual_seed(0)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        for _ in range(2):
+            x = torch.randn(4, 8, generator=gen)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.arange(4))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    params = mon.summary()["params"]
+    assert params["0.lora_A.weight"]["zero"] == params["0.lora_A.weight"]["numel"] // 2 == 32  # step 0: all
+    assert set(params) == {"0.lora_A.weight", "0.lora_B.weight", "2.lora_A.weight", "2.lora_B.weight"}
+    assert _messages(mon, "AMP601") == []
 
 
 def test_headroom_past_the_max_says_how_far_past():

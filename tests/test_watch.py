@@ -1758,3 +1758,34 @@ def test_a_gradient_hook_does_not_outlive_its_step():
             assert not model.latents._backward_hooks and not model.table.pos._backward_hooks
         model(x).sum().backward()  # a step the watch's end cuts short: its hooks come off too
     assert not model.latents._backward_hooks and not model.table.pos._backward_hooks
+
+
+
+@pytest.mark.parametrize("mark", [False, True])
+def test_a_step_skipped_by_hand_is_recorded_with_the_next_unless_marked(tmp_path, mark):
+    """``if not torch.isfinite(loss): optimizer.zero_grad(); continue`` ends no step: the
+    skipped iteration's forward joins the next step's record (docs/watch.md, "A step skipped by
+    hand"), as gradient accumulation's micro-batches do. ``mon.step()`` in that branch ends it."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=log) as mon:
+        for it in range(5):
+            x = torch.ones(3, 4)
+            if it == 2:
+                x[0, 0] = float("inf")
+            loss = model(x).pow(2).mean()
+            if not torch.isfinite(loss):
+                if mark:
+                    mon.step()
+                opt.zero_grad()
+                continue
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    summary = mon.summary()
+    records = [json.loads(line) for line in log.read_text().splitlines()[1:-1]]
+    numel = [r["layers"]["0"]["forward"][0] for r in records]  # layer 0's forward elements, per step
+    assert numel == ([24] * 5 if mark else [24, 24, 48, 24])
+    assert summary["steps"] == len(numel)
+    assert summary["first_nonfinite"]["step"] == 2 and summary["first_nonfinite"]["phase"] == "forward"

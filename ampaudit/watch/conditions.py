@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -288,8 +289,11 @@ class DeviceConditions:
                 cond, value, total = unit.condition(DeviceView(stat, part.rows(k, 0, per_step), part, bounds, k),
                                                     at(part.n))
             else:  # a GradientRule: each parameter measured, the sums judged per module
-                value, total = unit.measure(DeviceView(stat, part.rows(k, n_layers, per_step), part, bounds, k),
-                                            at(n_params))
+                view = DeviceView(stat, part.rows(k, n_layers, per_step), part, bounds, k)
+                step = at(n_params)
+                over_step = tuple(_column(x, k * n_params, f64, device).reshape(k, n_params).sum(1)
+                                  .repeat_interleave(n_params) for x in unit.step_sums(view, step))
+                value, total = unit.measure(view, replace(step, sums=over_step))
                 group = part.group(k)
                 sums = [torch.zeros(k * part.n, dtype=f64, device=device).index_add_(
                     0, group, _column(x, k * n_params, f64, device)) for x in (value, total)]

@@ -12,7 +12,8 @@ never ``and``/``or``/``not``/``if`` or ``~``: a tensor has no truth value, and `
 
 - ``LayerRule``: per module and phase, over the module's output (or output gradient).
 - ``GradientRule``: per module, over its parameters' gradients: ``measure`` each tensor,
-  the sums per module judged by ``condition``.
+  the sums per module judged by ``condition``. ``measure`` may read sums over all the
+  step's gradients (``step_sums``, as ``Step.sums``).
 
 The engines keep one ``Row`` per (rule, module, phase) however long the run - the first and
 last step the condition held, in how many, its longest run of consecutive logged steps and
@@ -89,6 +90,7 @@ class Step:
 
     limits: LowDtype  # the audited dtype
     scale: Value | None  # the loss scale its backward ran with; None without a GradScaler
+    sums: tuple[Value, ...] = ()  # a GradientRule's ``step_sums`` over all the step's parameters
 
     @property
     def scaled(self) -> bool:
@@ -223,6 +225,12 @@ class LayerRule(ModuleRule):
 
 class GradientRule(ModuleRule):
     phases: ClassVar[tuple[str, ...]] = (GRADIENTS,)
+
+    def step_sums(self, s: StatsView, step: Step) -> tuple[Value, ...]:
+        """Per parameter gradient: numbers summed over all the step's parameters, that
+        ``measure`` reads as ``step.sums`` (what the rest of the step's gradients say about
+        one tensor); none by default."""
+        return ()
 
     @abstractmethod
     def measure(self, s: StatsView, step: Step) -> tuple[Value, Value]:

@@ -46,13 +46,25 @@ class GradientUnderflow(GradientRule):
     smallest normal *at the step's loss scale* reaches ``min_share``. With a GradScaler watch
     records the gradients after ``scaler.step()`` unscaled them, so each magnitude bin is
     multiplied back by the scale. Zeros count only in a tensor whose nonzero values are mostly
-    (``zero_share``) below it too, or that has none: zeros beside healthy magnitudes are
-    structure (dead ReLU units). A tensor holding NaN or Inf (a step the scaler skips) says
-    nothing of underflow."""
+    (``zero_share``) below it too: zeros beside healthy magnitudes are structure (dead ReLU
+    units). A tensor with no nonzero value counts only in a step whose gradients show a flush -
+    their nonzero values, all parameters together, mostly below it too, or none at all: an
+    all-zero gradient beside healthy ones is structure as well (the layers before a
+    zero-initialised output projection or head, LoRA's A while B is zero), as underflow
+    leaves small nonzero values where it starts. A tensor holding NaN or Inf (a step the
+    scaler skips) says nothing of underflow."""
+
+    def step_sums(self, s: StatsView, step: Step) -> tuple[Value, Value]:
+        finite = (s.nan + s.inf) == 0
+        return where(finite, s.below(step.limits.normal, step.scale), 0), where(finite, s.nonzero, 0)
 
     def measure(self, s: StatsView, step: Step) -> tuple[Value, Value]:
+        share = self.params["zero_share"]
         under = s.below(step.limits.normal, step.scale)
-        zeros = where((s.nonzero == 0) | (under >= self.params["zero_share"] * s.nonzero), s.zero, 0)
+        small, nonzero = step.sums  # the step's: below the smallest normal, and all finite nonzero values
+        flushed = small >= share * nonzero  # (none at all, too)
+        mostly_small = (s.nonzero > 0) & (under >= share * s.nonzero)
+        zeros = where(mostly_small | ((s.nonzero == 0) & flushed), s.zero, 0)
         if step.limits.normal <= _FP32_NORMAL:  # bfloat16, fp32's range: its zeros were never flushed
             zeros = 0
         finite = (s.nan + s.inf) == 0

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from ampaudit.core.dtypes import LowDtype
@@ -143,9 +144,14 @@ def record_entries(record: dict[str, Any], limits: LowDtype, units: list[ModuleR
                         holds, value, total = unit.condition(HostView(s, phase, below), step)
                         entries.append(((unit.code, module, phase), bool(holds), float(value), float(total)))
         elif isinstance(unit, GradientRule):
+            views = {name: HostView(s, GRADIENTS, below) for name, s in record["params"].items()}
+            at = step
+            if views:
+                parts = [unit.step_sums(view, step) for view in views.values()]
+                at = replace(step, sums=tuple(sum(column) for column in zip(*parts, strict=True)))
             sums: dict[str, list[float]] = {}
-            for name, s in record["params"].items():
-                value, total = unit.measure(HostView(s, GRADIENTS, below), step)
+            for name, view in views.items():
+                value, total = unit.measure(view, at)
                 acc = sums.setdefault(owner(name), [0.0, 0.0])
                 acc[0] += value
                 acc[1] += total
