@@ -712,3 +712,120 @@ def test_a_sparse_input_holding_inf_is_an_input_not_the_op_that_read_it():
     first = mon.summary()["first_nonfinite"]
     assert (first["module"], first["phase"], first.get("op")) == ("(model)", "forward", None)
     assert first["note"].startswith("its inputs already held NaN or +inf")
+
+
+# -- which forwards start a new micro-batch (whose predecessors' calls are released) ---------------
+
+class _Boom(torch.autograd.Function):
+    """Finite forward, an infinite gradient: a backward that overflows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class _BoomAfter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 4)
+
+    def forward(self, x):
+        return _Boom.apply(self.fc(x))  # the op the blame names, in this module's own code
+
+
+def _run_mode(step) -> dict:
+    """``step(opt_factory)`` under ``ampaudit run``'s watch (global hooks, every module called
+    outside another a root); its first non-finite value."""
+    from ampaudit.watch.monitor import Monitor
+
+    opts = []
+
+    def optimizer(params):
+        opts.append(torch.optim.SGD(params, lr=0.01))
+        return opts[-1]
+
+    mon = Monitor(None, optimizer=None).start()
+    try:
+        step(optimizer)
+    finally:
+        mon.stop()
+    return mon.summary()["first_nonfinite"]
+
+
+def test_ampaudit_run_with_a_loss_module_names_the_backward_op():
+    # the criterion module is a root of its own: its forward is the same micro-batch's, and the
+    # model's calls stay for the replay (they were released: "the call was released")
+    torch.manual_seed(0)
+    model, criterion = nn.Sequential(nn.Linear(2, 2), _BoomAfter()), nn.MSELoss()
+
+    def step(optimizer):
+        opt = optimizer(model.parameters())
+        criterion(model(torch.randn(8, 2)), torch.zeros(8, 4)).backward()
+        opt.step()
+
+    first = _run_mode(step)
+    assert {k: first.get(k) for k in ("module", "phase", "op")} == {"module": "1", "phase": "backward",
+                                                                     "op": "_BoomBackward"}
+
+
+def test_a_second_forward_before_the_backward_keeps_the_first_s_calls():
+    # a siamese pair: two forwards of the model, one backward - the first call's backward
+    # overflows (an all-zero row into the norm), and its call is still there to replay
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), Norm(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        (model(torch.zeros(3, 4)).sum() + model(torch.ones(3, 4)).sum()).backward()
+        opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert {k: first.get(k) for k in ("module", "phase", "op")} == {"module": "1", "phase": "backward",
+                                                                     "op": "SqrtBackward0"}
+
+
+def test_a_checkpointed_block_run_again_in_the_backward_is_no_new_micro_batch():
+    # ampaudit run: the block, recomputed inside the backward, is called outside any other
+    # module - a root - after gradient hooks ran; the calls stay for the overflow made after it
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.block = nn.Linear(2, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+        def forward(self, x):
+            h = _Boom.apply(self.fc(x))  # its backward runs after the block's recomputation
+            return checkpoint(self.block, h, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = Net()
+
+    def step(optimizer):
+        opt = optimizer(model.parameters())
+        model(torch.randn(8, 2)).pow(2).mean().backward()
+        opt.step()
+
+    first = _run_mode(step)
+    assert first.get("op") == "_BoomBackward", first
+
+
+def test_a_gradient_whose_forward_ran_before_the_last_step_says_so():
+    # a GAN: the generator's output is made before the discriminator's step and gets its
+    # gradient in the generator's - that forward's calls went with the earlier step
+    torch.manual_seed(0)
+    gen, disc = _BoomAfter(), nn.Linear(4, 1)
+
+    def step(optimizer):
+        opt_d, opt_g = optimizer(disc.parameters()), optimizer(gen.parameters())
+        fake = gen(torch.randn(8, 2))
+        (disc(torch.randn(8, 4)).mean() - disc(fake.detach()).mean()).backward()
+        opt_d.step()
+        disc(fake).mean().backward()
+        opt_g.step()
+
+    first = _run_mode(step)
+    assert (first["step"], first["phase"]) == (1, "backward")
+    assert first["note"].startswith("its forward ran before the previous step ended")

@@ -19,7 +19,7 @@ import torch
 
 from ampaudit.watch import stats
 from ampaudit.watch.events import INPUT_GRAD
-from ampaudit.watch.hooks import COMPILED, StepRecorder
+from ampaudit.watch.hooks import COMPILED, EARLIER, StepRecorder
 from ampaudit.watch.provenance import Call, GradSpec, call_site, replay_backward, replay_forward
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 
@@ -152,6 +152,8 @@ class _Trace:
         param = blame_parameter(self.events, self.bad(), nonfinite_params)
         if param is not None:
             return trace_parameter(first, self.recorder, [param])
+        if any(bad and event.call == EARLIER for event, bad in zip(self.events, self.bad(), strict=True)):
+            return {**first, "phase": "backward", "note": _no_replay(EARLIER)}  # its enclosing calls unknown here
         return {**first, "phase": "backward",
                 "note": "it came into the model already non-finite: from the loss or the code after the model "
                         "(a loss scale too high for a cast of the logits, say)"}
@@ -252,6 +254,9 @@ def _no_replay(call: int | None) -> str:
     """Why an event's module was not replayed."""
     if call == COMPILED:
         return "it ran inside torch.compile, where calls are not kept for a replay"
+    if call == EARLIER:
+        return "its forward ran before the previous step ended (a generator's output made before the " \
+               "discriminator's step), and that step's calls are not kept"
     return "the call was released before the step ended"
 
 

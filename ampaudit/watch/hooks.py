@@ -40,6 +40,7 @@ from ampaudit.watch.provenance import Call, autocast_state
 from ampaudit.watch.threads import FollowedThread
 
 COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: none kept, no replay
+EARLIER = -2  # the call of a gradient's event whose forward ran before an earlier step ended: not kept
 
 
 _functorch = getattr(torch._C, "_functorch", None)
@@ -166,6 +167,14 @@ def _remove_grad_hook(tensor: torch.Tensor, added: Any) -> None:
         tensor._backward_hooks.pop(added, None)
 
 
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a node on this thread (a checkpointed block recomputed)."""
+    return _current_node() is not None
+
+
 def _last_hook(tensor: torch.Tensor) -> Any:
     """The gradient hook registered last on ``tensor``, or None."""
     hooks = tensor._backward_hooks
@@ -176,21 +185,25 @@ class _GradEvents:
     """A tensor's gradient hook: the events (module, phase, label, call) that record its
     gradient, in the order they asked."""
 
-    __slots__ = ("events", "recorder")
+    __slots__ = ("events", "recorder", "step")
 
     def __init__(self, recorder: StepRecorder, entry: tuple[str, str, str, int | None]) -> None:
-        self.recorder, self.events = recorder, [entry]
+        self.recorder, self.events, self.step = recorder, [entry], recorder.steps_ended
 
     def __call__(self, grad: torch.Tensor | None) -> None:
         recorder = self.recorder
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
+            recorder._backward_since = True  # a new forward from now on is another micro-batch's
             if _level() is not None:  # a torch.func transform's backward through a watched tensor
                 with recorder.thread.lock:
                     recorder.unmeasured["functorch"] += len(self.events)
                 return
+            # a forward before an earlier step's end (a GAN's generator, before the discriminator's
+            # step): its calls went with that step, its index means nothing in this one's
+            earlier = self.step != recorder.steps_ended
             for module, phase, label, call in self.events:
-                recorder.record(module, phase, grad, label, call)
+                recorder.record(module, phase, grad, label, EARLIER if earlier else call)
 
 
 class StepRecorder:
@@ -221,6 +234,8 @@ class StepRecorder:
         self.event_calls: list[int | None] = []  # each event's module call, in ``calls`` (provenance)
         self.calls: list[Call | None] = []  # this step's module calls (None: released)
         self.calls_frozen = False  # a micro-batch before this one went non-finite: keep its calls
+        self._backward_since = False  # a gradient hook ran since the calls' micro-batch began (``_root_forward``)
+        self.steps_ended = 0  # how many steps ended (``end_step``): which step a gradient hook was put in
         self._call: int | None = None  # the call whose events are being recorded
         self._model: torch.nn.Module | None = None
         self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle
@@ -493,13 +508,18 @@ class StepRecorder:
             self.eval_forwards += 1
 
     def _root_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """A new forward of the model within the step (gradient accumulation): the calls kept so
-        far are released - unless that micro-batch already went non-finite (one host sync, only
-        when a step has several forwards), whose calls a replay will need."""
+        """A new forward of the model after a backward within the step (gradient accumulation):
+        the calls kept so far are released - unless that micro-batch already went non-finite
+        (one host sync, only when a step has several forwards), whose calls a replay will need.
+        A forward with no backward since is the same micro-batch's: a loss module, a GAN's
+        discriminator, a siamese pair's second input - under ``ampaudit run`` every module
+        called outside any other is a root - and so is a checkpointed block run again inside
+        the backward."""
         if self.paused or not self.calls or self.calls_frozen or not torch.is_grad_enabled() or not self.logging:
             return
-        if transformed() or not self.thread.here():
+        if not self._backward_since or _in_backward() or transformed() or not self.thread.here():
             return
+        self._backward_since = False
         device = self.event_rows[0][0] if self.event_rows else torch.device("cpu")
         if self.event_rows and bool(stats.harmful(stats.raw_matrix(*self.arena.matrix(self.event_rows, device)))
                                     .any()):
@@ -608,7 +628,8 @@ class StepRecorder:
         """Forget this step's rows and events; ``logging_next``: whether the next is recorded."""
         self._unhook()
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
-        self.event_calls, self.calls, self.calls_frozen = [], [], False
+        self.event_calls, self.calls, self.calls_frozen, self._backward_since = [], [], False, False
+        self.steps_ended += 1
         self.arena.reset()
         self._dtype_open = self.dtype_source is None
         self._rearm(logging_next)
