@@ -1676,6 +1676,46 @@ def test_run_names_two_roots_of_one_class_apart():
     assert (params["Sequential.0.weight"]["numel"], params["Sequential#2.0.weight"]["numel"]) == (3 * 4, 3 * 12)
 
 
+class _Student(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_run_names_a_module_at_a_dead_ones_address_by_itself():
+    """Under ampaudit run names were kept by id(module) and id(parameter), forever: a module
+    made after another died often takes its address - the model built again for each trial of
+    a sweep was taken for the dead one (never named: its Linear unrecorded, its parameters
+    `param0`, `param1`), and a loss module made after another in one step carried the other's
+    name (a `MSELoss` reported as `CrossEntropyLoss`). A name now lasts as long as its owner."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    with ampaudit.watch(None) as mon:
+        for trial in range(3):
+            model = nn.Sequential(nn.Linear(4, 3)) if trial == 0 else _Student()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                out = model(x)
+                loss = nn.CrossEntropyLoss()(out, y) + nn.MSELoss()(out, torch.zeros(5, 3))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            del model, opt, out, loss
+            gc.collect()
+        assert mon.recorder._names == {} and mon.recorder._param_names == {}  # nothing named is alive
+    summary = mon.summary()
+    assert sorted(summary["layers"]) == ["(model)", "0", "CrossEntropyLoss", "MSELoss", "proj"]
+    assert sorted(summary["params"]) == ["0.bias", "0.weight", "proj.bias", "proj.weight"]
+    # the two trials' Linears, each step: 4 steps of the students, 2 of the first model
+    assert (summary["layers"]["proj"]["forward"]["numel"], summary["layers"]["0"]["forward"]["numel"]) == \
+        (4 * 15, 2 * 15)
+    assert summary["layers"]["MSELoss"]["forward"]["numel"] == summary["layers"]["CrossEntropyLoss"]["forward"][
+        "numel"] == 6
+
+
 @pytest.mark.parametrize("leaf", [False, True])
 def test_a_gradient_hook_of_watchs_runs_where_register_hook_would_put_it(leaf):
     """``_add_grad_hook`` writes torch's own hook dict: each hook runs in the order it was

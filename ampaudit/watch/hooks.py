@@ -193,6 +193,12 @@ class _GradEvents:
                 recorder.record(module, phase, grad, label, call)
 
 
+def _forget(key: int, tables: tuple[dict, ...], _: weakref.ref) -> None:
+    """A named module or parameter died: its id leaves the tables that name it."""
+    for table in tables:
+        table.pop(key, None)
+
+
 class StepRecorder:
     """Module and tensor hooks that fill this step's arena rows and events.
 
@@ -235,9 +241,13 @@ class StepRecorder:
         self._roots: dict[str, weakref.ref] = {}  # a further root's name -> that root (``_root_name``)
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
+        self._module_at: dict[str, int] = {}  # a name's place in _modules: a module named as a dead one shares it
         self._token = compiled.register(self.record_traced)  # how the op in a compiled graph finds this recorder
         self._param_names: dict[int, str] = {}
         self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
+        # id(module or parameter) named above -> a weak reference that forgets the id when it dies
+        # (``_named``): its address is then another object's, which must not take its name
+        self._named: dict[int, weakref.ref] = {}
         self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
@@ -355,17 +365,29 @@ class StepRecorder:
                 continue
             name = _user_name(raw)
             label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
-            self._names.setdefault(id(module), label)
+            self._named_while_alive(module)
+            label = self._names.setdefault(id(module), label)
             if id(module) not in self._index:  # numbered for a compiled graph
-                self._index[id(module)] = len(self._modules)
-                self._modules.append(self._names[id(module)])
+                self._index[id(module)] = index = self._module_at.setdefault(label, len(self._modules))
+                if index == len(self._modules):
+                    self._modules.append(label)
         for name, param in root.named_parameters(remove_duplicate=False):
             name = _user_name(name)
+            self._named_while_alive(param)
             self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
             owner = name.rpartition(".")[0]
             owner = f"{prefix}.{owner}" if prefix and owner else owner or prefix or "(model)"
             if owner not in self._param_owners.setdefault(id(param), []):
                 self._param_owners[id(param)].append(owner)
+
+    def _named_while_alive(self, obj: Any) -> None:
+        """``obj``'s id keeps the name given to it only while ``obj`` lives: once it dies its
+        address is reused - a loss module made anew each step, a model built again for the next
+        trial - and the new object there would take its name (or, a root, never be named)."""
+        key = id(obj)
+        if key not in self._named:
+            self._named[key] = weakref.ref(obj, functools.partial(
+                _forget, key, (self._named, self._names, self._index, self._param_names, self._param_owners)))
 
     def name_compiled(self) -> None:
         """Name the modules compiled in place that no forward named, as roots: asked at a step's
@@ -381,7 +403,7 @@ class StepRecorder:
 
     def param_owners(self, name: str) -> list[str]:
         """The modules that hold the parameter called ``name`` (a tied weight: each of them)."""
-        for key, known in self._param_names.items():
+        for key, known in list(self._param_names.items()):  # a dead parameter's callback may pop one
             if known == name:
                 return self._param_owners.get(key, [])
         return []
