@@ -201,7 +201,12 @@ class AlwaysNonfinite(LayerRule):
             lead = members[0]
             if first_nonfinite and first <= first_nonfinite["step"] <= last:
                 # where it was born, in whichever phase this group holds it
-                named = [mp for mp in members if mp[0] == first_nonfinite["module"]]
+                born = first_nonfinite["module"]
+                # or, born in its own body's backward (its output gradient finite, its input's not),
+                # the modules inside it the gradient reaches first - not the model's first layer,
+                # which it reaches last and whose name sorts first
+                named = [mp for mp in members if mp[0] == born] or \
+                    [mp for mp in members if mp[0].startswith(born + ".") and mp[1] == first_nonfinite["phase"]]
                 named.sort(key=lambda mp: mp[1] != first_nonfinite["phase"])
                 if named:
                     lead = named[0]
