@@ -1798,3 +1798,43 @@ def test_a_gradient_hook_does_not_outlive_its_step():
             assert not model.latents._backward_hooks and not model.table.pos._backward_hooks
         model(x).sum().backward()  # a step the watch's end cuts short: its hooks come off too
     assert not model.latents._backward_hooks and not model.table.pos._backward_hooks
+
+
+def test_a_tensor_that_outlives_a_forward_records_each_micro_batchs_gradient_once():
+    """Gradient accumulation over a parameter passed to a module as its input (DETR's query
+    embedding) or returned by one (a position table): each forward's event joined the tensor's
+    one hook, which each backward ran whole - micro-batch k recorded the k-1 earlier ones'
+    events again, 1 + 2 + 3 = 6 input-gradient events for 3, and the table's backward counted
+    twice its elements."""
+    from ampaudit.watch.events import INPUT_GRAD
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(4, 8))
+
+        def forward(self):
+            return self.pos
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = nn.Parameter(torch.randn(4, 8))
+            self.layer = nn.Linear(8, 8)
+            self.table = Table()
+
+        def forward(self, x):
+            return self.layer(self.query) + x.mean() + self.table()
+
+    torch.manual_seed(0)
+    model = Decoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(2):
+            for _ in range(3):  # micro-batches
+                model(torch.randn(2, 8)).sum().backward()
+            assert [e[0] for e in mon.recorder.events if e[1] == INPUT_GRAD] == ["layer"] * 3
+            opt.step()
+            opt.zero_grad()
+    table = mon.summary()["layers"]["table"]
+    assert table["backward"]["numel"] == table["forward"]["numel"] == 2 * 3 * 32

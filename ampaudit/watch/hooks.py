@@ -174,14 +174,17 @@ def _last_hook(tensor: torch.Tensor) -> Any:
 
 class _GradEvents:
     """A tensor's gradient hook: the events (module, phase, label, call) that record its
-    gradient, in the order they asked."""
+    gradient, in the order they asked. ``fired``: a backward has run it since its last event
+    was added - those events are recorded, and a later forward's event replaces them
+    (``StepRecorder.hook_grad``)."""
 
-    __slots__ = ("events", "recorder")
+    __slots__ = ("events", "fired", "recorder")
 
     def __init__(self, recorder: StepRecorder, entry: tuple[str, str, str, int | None]) -> None:
-        self.recorder, self.events = recorder, [entry]
+        self.recorder, self.events, self.fired = recorder, [entry], False
 
     def __call__(self, grad: torch.Tensor | None) -> None:
+        self.fired = True
         recorder = self.recorder
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
@@ -549,7 +552,13 @@ class StepRecorder:
         entry = (module, phase, label, self._call)
         known = self._grad_hooks.get(id(tensor))
         if known is not None and known[0]() is tensor and _last_hook(tensor) is known[1]:
-            known[1].events.append(entry)
+            hook = known[1]
+            if hook.fired:  # a tensor that outlives a forward (a parameter passed as an input, under
+                # gradient accumulation): the last micro-batch's backward recorded its events - kept,
+                # each later backward recorded them again, 1 + 2 + ... + k events for k
+                hook.events, hook.fired = [entry], False
+            else:
+                hook.events.append(entry)
             return
         hook = _GradEvents(self, entry)
         self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook, _add_grad_hook(tensor, hook))
