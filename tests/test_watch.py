@@ -1838,3 +1838,53 @@ def test_a_tensor_that_outlives_a_forward_records_each_micro_batchs_gradient_onc
             opt.zero_grad()
     table = mon.summary()["layers"]["table"]
     assert table["backward"]["numel"] == table["forward"]["numel"] == 2 * 3 * 32
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Blocks run under torch.utils.checkpoint, as ViTs' ``grad_checkpointing`` does."""
+
+    def __init__(self, checkpointed: str | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2))
+        self.head, self.checkpointed = nn.Linear(8, 2), checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = x + (block(x) if self.checkpointed is None else
+                     checkpoint(block, x, use_reentrant=self.checkpointed == "reentrant"))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("global_hooks", [False, True])
+def test_activation_checkpointing_records_each_module_call_once(global_hooks):
+    """Non-reentrant checkpointing (torch's default) runs a block's modules again in backward,
+    and stops that recomputation inside the block's last Linear, whose forward hook never runs:
+    their forward rows were counted twice (a Linear's numel 384 for 192), and under ampaudit run
+    the depth of module calls grew by two a block each step - never 0 again, so a root called
+    later (a loss module) was never named, and with ``every`` the hooks never came off. The
+    reentrant kind's forward runs without grad: its recomputation is the call recorded."""
+    from ampaudit.watch.monitor import Monitor
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        model = _CheckpointedBlocks(checkpointed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8, requires_grad=checkpointed == "reentrant")
+        with (Monitor(None) if global_hooks else ampaudit.watch(model, optimizer=opt)) as mon:
+            for _ in range(3):
+                loss = nn.MSELoss()(model(x), torch.zeros(4, 2))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            assert mon.recorder._depth == 0
+        summary = mon.summary()
+        return {name: {phase: row["numel"] for phase, row in phases.items()}
+                for name, phases in summary["layers"].items()}
+
+    plain = run(None)
+    assert plain["blocks.0.0"] == {"forward": 3 * 64, "backward": 3 * 64}
+    assert run("non-reentrant") == plain
+    assert run("reentrant") == plain
+    assert ("MSELoss" in plain) == global_hooks

@@ -45,6 +45,19 @@ COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: 
 _functorch = getattr(torch._C, "_functorch", None)
 _level = _functorch.maybe_current_level if _functorch is not None else lambda: None
 _is_compiling = torch.compiler.is_compiling  # dynamo knows the function, not the name: bound once
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward pass runs
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+
+
+def recomputed() -> bool:
+    """Whether this module call is non-reentrant activation checkpointing recomputing, in
+    backward, a call its forward already made (and watch recorded): its saved-tensor hooks are
+    on top. Reentrant checkpointing's forward runs without grad, its recomputation is the one
+    call to record."""
+    if _graph_task() == -1:  # the forward: nearly every call, one C call
+        return False
+    top = _top_saved_hooks(False)
+    return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
 
 
 def transformed() -> bool:
@@ -417,7 +430,7 @@ class StepRecorder:
     # -- module hooks ---------------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """The forward pre-hook: the module's inputs, before it runs."""
-        if self.paused or _compiling() or (not torch.is_grad_enabled() and not self.record_eval):
+        if self.paused or _compiling() or (not torch.is_grad_enabled() and not self.record_eval) or recomputed():
             return
         if transformed() or not self.thread.here():  # counted in after_forward
             return
@@ -438,7 +451,8 @@ class StepRecorder:
                                        _positional(args) if self.provenance else [], record_eval=self.record_eval)
             return
         # the followed thread outside any torch.func transform - nearly every call - asks no more
-        if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)):
+        if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)) \
+                or recomputed():  # recorded when it ran forward
             return
         name = self._names.get(id(module))
         phase = "forward"
@@ -487,7 +501,9 @@ class StepRecorder:
         return True
 
     def _global_before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self.paused or _compiling():
+        # a call recomputed in backward: non-reentrant checkpointing stops its recomputation inside
+        # a module, whose forward hook never runs - counted, the depth of calls grew each step
+        if self.paused or _compiling() or recomputed():
             return
         if transformed() or not self.thread.here(claim=torch.is_grad_enabled() or self.record_eval):
             return  # counted when the call returns
@@ -504,7 +520,7 @@ class StepRecorder:
         if _compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
             self.after_forward(module, args, kwargs, output)
             return
-        if self.paused or self._elsewhere(output):
+        if self.paused or recomputed() or self._elsewhere(output):
             return
         self._depth = max(0, self._depth - 1)
         self.after_forward(module, args, kwargs, output)
