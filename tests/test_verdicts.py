@@ -569,3 +569,31 @@ def test_the_condition_helpers_are_the_same_on_numbers_and_tensors():
     for fn in (maximum, minimum):
         assert [fn(x, y) for x, y in zip(xs, ys, strict=True)] == fn(tx, ty).tolist()
         assert [fn(x, 1.0) for x in xs] == fn(tx, 1.0).tolist() == fn(1.0, tx).tolist()
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_a_step_the_scaler_skips_is_no_underflow(tmp_path, logged):
+    """One infinite gradient (DETR's fp16 run: an attention bias at the first scale) makes
+    ``clip_grad_norm_``'s total norm inf, and it multiplies every other gradient by 0; the
+    GradScaler skips the step. AMP601 counted those zeros - "100% of `0`'s parameter gradients
+    ... at step 2: those updates are lost" for every layer, of a step never applied. A skipped
+    step's gradients now say nothing of underflow, on the device and from a log alike."""
+    torch.manual_seed(0)
+    model = _net(nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    log = tmp_path / "watch.jsonl" if logged else None
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, dtype="float16", log=log) as mon:
+        for step in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            if step == 2:
+                model[2].weight.grad[0, 0] = float("inf")
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+    summary = mon.summary()
+    assert summary["scaler"]["skipped_steps"] == [2]
+    assert summary["findings"] == []

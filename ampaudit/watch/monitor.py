@@ -309,7 +309,7 @@ class Monitor:
                     # Totals and the verdicts' conditions stay on the device; the step reads back
                     # only what it must decide (first non-finite, skipped, scale).
                     values = self.reducer.accumulate(flat, buf, keys, param_keys)
-                    self._conditions.add(step, flat, keys, param_keys, scale, self.limits)
+                    self._conditions.add(step, flat, keys, param_keys, scale, self.limits, found_inf)
                 else:
                     flat = self.reducer.gather(flat, buf)
                     values = self.reducer.read(flat, buf)

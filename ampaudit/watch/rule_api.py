@@ -89,6 +89,7 @@ class Step:
 
     limits: LowDtype  # the audited dtype
     scale: Value | None  # the loss scale its backward ran with; None without a GradScaler
+    skipped: Value = False  # the GradScaler skipped it: its gradients were never applied
 
     @property
     def scaled(self) -> bool:

@@ -47,16 +47,17 @@ class GradientUnderflow(GradientRule):
     records the gradients after ``scaler.step()`` unscaled them, so each magnitude bin is
     multiplied back by the scale. Zeros count only in a tensor whose nonzero values are mostly
     (``zero_share``) below it too, or that has none: zeros beside healthy magnitudes are
-    structure (dead ReLU units). A tensor holding NaN or Inf (a step the scaler skips) says
-    nothing of underflow."""
+    structure (dead ReLU units). A tensor holding NaN or Inf says nothing of underflow, nor does
+    any gradient of a step the scaler skips: never applied, and its finite ones are often zeros
+    that ``clip_grad_norm_`` made of an infinite norm."""
 
     def measure(self, s: StatsView, step: Step) -> tuple[Value, Value]:
         under = s.below(step.limits.normal, step.scale)
         zeros = where((s.nonzero == 0) | (under >= self.params["zero_share"] * s.nonzero), s.zero, 0)
         if step.limits.normal <= _FP32_NORMAL:  # bfloat16, fp32's range: its zeros were never flushed
             zeros = 0
-        finite = (s.nan + s.inf) == 0
-        return where(finite, under + zeros, 0), where(finite, s.numel, 0)
+        counted = where(step.skipped, False, (s.nan + s.inf) == 0)
+        return where(counted, under + zeros, 0), where(counted, s.numel, 0)
 
     def condition(self, lost: Value, numel: Value, step: Step) -> Value:
         return (numel > 0) & (lost >= self.params["min_share"] * numel)
