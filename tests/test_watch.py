@@ -1888,3 +1888,45 @@ def test_activation_checkpointing_records_each_module_call_once(global_hooks):
     assert run("non-reentrant") == plain
     assert run("reentrant") == plain
     assert ("MSELoss" in plain) == global_hooks
+
+
+def test_run_counts_a_forward_that_raised_as_ended():
+    """A forward that raises, caught by the script (a batch skipped on an out-of-memory error,
+    as detection code does), never ran the global forward hook: under ampaudit run the depth of
+    module calls stayed above 0 for good - a root called later was never named again, and with
+    ``every`` the module hooks never came off between recorded steps."""
+    from torch.nn.modules import module as module_hooks
+
+    from ampaudit.watch.hooks import _compiled_anything
+    from ampaudit.watch.monitor import Monitor
+
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.fail = nn.Linear(4, 4), False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise RuntimeError("out of memory")
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Flaky())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    armed = []
+    with Monitor(None, every=2) as mon:
+        for step in range(4):
+            model[1].fail = step == 0
+            try:
+                out = model(torch.randn(2, 4))
+            except RuntimeError:
+                continue
+            loss = nn.MSELoss()(out, torch.zeros(2, 4)) if step < 3 else nn.L1Loss()(out, torch.zeros(2, 4))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            armed.append(bool(module_hooks._global_forward_pre_hooks))  # the next step's hooks
+        assert mon.recorder._depth == 0
+    if not _compiled_anything():  # after a compiled graph in this process the hooks stay on (``_rearm``)
+        assert armed == [False, True, False]  # steps 1, 2, 3 ended: 2 is the one recorded
+    assert sorted(mon.summary()["layers"]) == ["(model)", "0", "1", "1.fc", "L1Loss", "MSELoss"]

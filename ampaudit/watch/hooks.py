@@ -40,6 +40,7 @@ from ampaudit.watch.provenance import Call, autocast_state
 from ampaudit.watch.threads import FollowedThread
 
 COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: none kept, no replay
+_RAISED = object()  # what ``_global_after_forward`` is called without when the forward raised
 
 
 _functorch = getattr(torch._C, "_functorch", None)
@@ -320,8 +321,9 @@ class StepRecorder:
         model = self._model
         if model is None:  # every module that runs forward, whoever built it
             self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_before_forward))
+            # always_call: a forward that raises (a batch skipped on OOM, caught) still ends its call
             self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
-                                                                           with_kwargs=True))
+                                                                           with_kwargs=True, always_call=True))
         else:
             if self.provenance:  # a new forward of the model: an earlier micro-batch's calls may go
                 self._handles.append(model.register_forward_pre_hook(self._root_forward))
@@ -516,7 +518,13 @@ class StepRecorder:
         if self.record_inputs:
             self.before_forward(module, args)
 
-    def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _RAISED) -> None:
+        if output is _RAISED:  # the forward raised: torch calls an always_call hook as (module, args, None)
+            # the depth its pre-hook counted comes off, or it stayed above 0 for good - no root named
+            # again, no module hook taken off between recorded steps
+            if not (self.paused or _compiling() or recomputed() or transformed()) and self.thread.here(claim=False):
+                self._depth = max(0, self._depth - 1)
+            return
         if _compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
             self.after_forward(module, args, kwargs, output)
             return
