@@ -133,8 +133,11 @@ def _compiled_anything() -> bool:
 
 
 def _user_name(name: str) -> str:
-    """A module's name as the user wrote the model: torch.compile's wrapper adds ``_orig_mod``."""
-    return name.removeprefix("_orig_mod").removeprefix(".") if name.startswith("_orig_mod") else name
+    """A module's name as the user wrote the model: torch.compile's wrapper adds ``_orig_mod`` -
+    around the model, or around a block the script compiled (``blocks[i] = torch.compile(b)``)."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _positional(args: Any, skipped: Counter | None = None, wrapped: bool = True) -> list[tuple[int, torch.Tensor]]:
@@ -376,10 +379,11 @@ class StepRecorder:
         """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
         "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
         for raw, module in root.named_modules(remove_duplicate=False):
-            if raw == "_orig_mod":
-                # torch.compile's inner copy of the root returns the root's own output, which the
-                # root records: named, it would count it twice wherever it runs outside the graph
-                # (dynamo falling back to eager for the model's frame)
+            if raw == "_orig_mod" or raw.endswith("._orig_mod"):
+                # torch.compile's inner copy of a compiled module (the root, or a block compiled on
+                # its own) returns the wrapper's own output, which the wrapper records: named, it
+                # would count it twice wherever it runs outside the graph (dynamo falling back to
+                # eager for the module's frame)
                 continue
             name = _user_name(raw)
             label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
