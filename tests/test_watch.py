@@ -1930,3 +1930,37 @@ def test_run_counts_a_forward_that_raised_as_ended():
     if not _compiled_anything():  # after a compiled graph in this process the hooks stay on (``_rearm``)
         assert armed == [False, True, False]  # steps 1, 2, 3 ended: 2 is the one recorded
     assert sorted(mon.summary()["layers"]) == ["(model)", "0", "1", "1.fc", "L1Loss", "MSELoss"]
+
+
+def test_run_names_the_trained_root_the_model_not_a_frozen_teacher_run_first():
+    """Under ampaudit run the first root that ran was "(model)": DINO's EMA teacher (frozen,
+    called first) or a batch augmentation module, and the student's modules were then named by
+    class (`Student.proj`), the teacher's grad-disabled calls counted as the model's eval
+    forwards. "(model)" is now the first root with a parameter to train."""
+    from ampaudit.watch.monitor import Monitor
+
+    class Jitter(nn.Module):  # a parameterless augmentation, called on the batch first
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 0.01
+
+    torch.manual_seed(0)
+    student, teacher, jitter = _Student(), _Student(), Jitter()
+    teacher.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with Monitor(None) as mon:
+        for _ in range(3):
+            x = jitter(torch.randn(5, 4))
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = torch.sum(-target * student(x).log_softmax(-1), -1).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # the EMA teacher, after the step
+                for t, s in zip(teacher.parameters(), student.parameters(), strict=True):
+                    t.mul_(0.9).add_(0.1 * s)
+    summary = mon.summary()
+    assert sorted(summary["layers"]) == ["(model)", "Jitter", "proj"]
+    assert sorted(summary["params"]) == ["proj.bias", "proj.weight"]
+    assert summary["eval_forwards"]["count"] == 0

@@ -259,6 +259,7 @@ class StepRecorder:
         self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents, Any]] = {}
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._roots: dict[str, weakref.ref] = {}  # a further root's name -> that root (``_root_name``)
+        self._main: weakref.ref | None = None  # global mode: the root named "(model)" (``_root_prefix``)
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
         self._module_at: dict[str, int] = {}  # a name's place in _modules: a module named as a dead one shares it
@@ -365,6 +366,17 @@ class StepRecorder:
             self._compile_wrapper = None
 
     # -- names ----------------------------------------------------------------------------------
+    def _root_prefix(self, module: torch.nn.Module) -> str:
+        """A root's prefix: "" - it is "(model)" - for the first that has a parameter to train
+        while no other "(model)" lives, else ``_root_name``. A frozen EMA teacher that runs
+        before its student (DINO, MoCo) or an augmentation module called on the batch is no
+        more "(model)", its student's modules no more named by class - nor the teacher's
+        grad-disabled calls counted as the model's eval forwards."""
+        if (self._main is None or self._main() is None) and any(p.requires_grad for p in module.parameters()):
+            self._main = weakref.ref(module)
+            return ""
+        return self._root_name(module)
+
     def _root_name(self, module: torch.nn.Module) -> str:
         """A further root's name: its class's, numbered (``Sequential#2``) while another root
         of that name is alive - a GAN's two ``nn.Sequential`` were one module. A loss module
@@ -418,7 +430,7 @@ class StepRecorder:
         while self._compiled:
             module = self._compiled.pop(0)()
             if module is not None and id(module) not in self._names:
-                self._name_tree(module, "" if not self._names else self._root_name(module))
+                self._name_tree(module, self._root_prefix(module))
 
     def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:
         return self._param_names.get(id(param), fallback)
@@ -515,7 +527,7 @@ class StepRecorder:
             return  # counted when the call returns
         if self._depth == 0:
             if id(module) not in self._names:
-                self._name_tree(module, "" if not self._names else self._root_name(module))
+                self._name_tree(module, self._root_prefix(module))
             if self.provenance:
                 self._root_forward(module, args)
         self._depth += 1
