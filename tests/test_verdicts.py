@@ -270,6 +270,48 @@ def test_a_collapsed_loss_scale():
                                     "most often in `2.bias`")
 
 
+class _SqrtHead(nn.Module):
+    """A head whose own body, once, takes a square root where its Linear's output is 0: the
+    forward finite, the gradient NaN from the head's backward on (DETR's box MLP shaped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bad = nn.Linear(4, 4), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return (h - h[:, :1]).abs().sqrt() if self.bad else h
+
+
+def test_a_gradient_born_in_a_modules_body_is_reported_under_it_not_under_the_first_layer():
+    """AMP605 groups the modules non-finite over the same steps under the one that went first.
+    A NaN born in the backward of a module's own body (``1``: its output gradient finite, its
+    input's not) leaves that module out of the group, which was then led by the name that
+    sorts first: `0`, the model's first layer - the last the gradient reaches. Its own Linear,
+    the first, leads now."""
+    torch.manual_seed(0)
+    head = _SqrtHead()
+    model = nn.Sequential(nn.Linear(4, 4), head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for step in range(5):
+            head.bad = step == 1
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    summary = mon.summary()
+    first = summary["first_nonfinite"]
+    assert (first["module"], first["phase"], first["step"]) == ("1", "backward", 1)
+    # the NaN weights that step leaves: every forward from step 2 on, a group of its own
+    assert [(f["rule"], f["module"], f["message"]) for f in summary["findings"]] == [
+        ("AMP605", "1.fc", "`1.fc` (backward) is non-finite in every logged step from 1 to 4 (4 steps); also "
+                           "non-finite in those steps: 0 (backward)"),
+        ("AMP605", "0", "`0` (forward) is non-finite in every logged step from 2 to 4 (3 steps); also non-finite "
+                        "in those steps: 1.fc (forward), (model) (forward), 1 (forward), (model) (backward) and 1 "
+                        "more")]
+
+
 def test_one_bad_batch_without_a_scaler_leaves_the_model_non_finite_for_good():
     mon = _run(_net(nn.ReLU()), 6, bad_step=2)
     [found] = mon.summary()["findings"]
@@ -592,3 +634,31 @@ def test_the_condition_helpers_are_the_same_on_numbers_and_tensors():
     for fn in (maximum, minimum):
         assert [fn(x, y) for x, y in zip(xs, ys, strict=True)] == fn(tx, ty).tolist()
         assert [fn(x, 1.0) for x in xs] == fn(tx, 1.0).tolist() == fn(1.0, tx).tolist()
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_a_step_the_scaler_skips_is_no_underflow(tmp_path, logged):
+    """One infinite gradient (DETR's fp16 run: an attention bias at the first scale) makes
+    ``clip_grad_norm_``'s total norm inf, and it multiplies every other gradient by 0; the
+    GradScaler skips the step. AMP601 counted those zeros - "100% of `0`'s parameter gradients
+    ... at step 2: those updates are lost" for every layer, of a step never applied. A skipped
+    step's gradients now say nothing of underflow, on the device and from a log alike."""
+    torch.manual_seed(0)
+    model = _net(nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    log = tmp_path / "watch.jsonl" if logged else None
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, dtype="float16", log=log) as mon:
+        for step in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            if step == 2:
+                model[2].weight.grad[0, 0] = float("inf")
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+    summary = mon.summary()
+    assert summary["scaler"]["skipped_steps"] == [2]
+    assert summary["findings"] == []

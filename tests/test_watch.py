@@ -1676,6 +1676,46 @@ def test_run_names_two_roots_of_one_class_apart():
     assert (params["Sequential.0.weight"]["numel"], params["Sequential#2.0.weight"]["numel"]) == (3 * 4, 3 * 12)
 
 
+class _Student(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_run_names_a_module_at_a_dead_ones_address_by_itself():
+    """Under ampaudit run names were kept by id(module) and id(parameter), forever: a module
+    made after another died often takes its address - the model built again for each trial of
+    a sweep was taken for the dead one (never named: its Linear unrecorded, its parameters
+    `param0`, `param1`), and a loss module made after another in one step carried the other's
+    name (a `MSELoss` reported as `CrossEntropyLoss`). A name now lasts as long as its owner."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    with ampaudit.watch(None) as mon:
+        for trial in range(3):
+            model = nn.Sequential(nn.Linear(4, 3)) if trial == 0 else _Student()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                out = model(x)
+                loss = nn.CrossEntropyLoss()(out, y) + nn.MSELoss()(out, torch.zeros(5, 3))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            del model, opt, out, loss
+            gc.collect()
+        assert mon.recorder._names == {} and mon.recorder._param_names == {}  # nothing named is alive
+    summary = mon.summary()
+    assert sorted(summary["layers"]) == ["(model)", "0", "CrossEntropyLoss", "MSELoss", "proj"]
+    assert sorted(summary["params"]) == ["0.bias", "0.weight", "proj.bias", "proj.weight"]
+    # the two trials' Linears, each step: 4 steps of the students, 2 of the first model
+    assert (summary["layers"]["proj"]["forward"]["numel"], summary["layers"]["0"]["forward"]["numel"]) == \
+        (4 * 15, 2 * 15)
+    assert summary["layers"]["MSELoss"]["forward"]["numel"] == summary["layers"]["CrossEntropyLoss"]["forward"][
+        "numel"] == 6
+
+
 @pytest.mark.parametrize("leaf", [False, True])
 def test_a_gradient_hook_of_watchs_runs_where_register_hook_would_put_it(leaf):
     """``_add_grad_hook`` writes torch's own hook dict: each hook runs in the order it was
@@ -1789,3 +1829,169 @@ def test_a_step_skipped_by_hand_is_recorded_with_the_next_unless_marked(tmp_path
     assert numel == ([24] * 5 if mark else [24, 24, 48, 24])
     assert summary["steps"] == len(numel)
     assert summary["first_nonfinite"]["step"] == 2 and summary["first_nonfinite"]["phase"] == "forward"
+
+
+def test_a_tensor_that_outlives_a_forward_records_each_micro_batchs_gradient_once():
+    """Gradient accumulation over a parameter passed to a module as its input (DETR's query
+    embedding) or returned by one (a position table): each forward's event joined the tensor's
+    one hook, which each backward ran whole - micro-batch k recorded the k-1 earlier ones'
+    events again, 1 + 2 + 3 = 6 input-gradient events for 3, and the table's backward counted
+    twice its elements."""
+    from ampaudit.watch.events import INPUT_GRAD
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(4, 8))
+
+        def forward(self):
+            return self.pos
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = nn.Parameter(torch.randn(4, 8))
+            self.layer = nn.Linear(8, 8)
+            self.table = Table()
+
+        def forward(self, x):
+            return self.layer(self.query) + x.mean() + self.table()
+
+    torch.manual_seed(0)
+    model = Decoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(2):
+            for _ in range(3):  # micro-batches
+                model(torch.randn(2, 8)).sum().backward()
+            assert [e[0] for e in mon.recorder.events if e[1] == INPUT_GRAD] == ["layer"] * 3
+            opt.step()
+            opt.zero_grad()
+    table = mon.summary()["layers"]["table"]
+    assert table["backward"]["numel"] == table["forward"]["numel"] == 2 * 3 * 32
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Blocks run under torch.utils.checkpoint, as ViTs' ``grad_checkpointing`` does."""
+
+    def __init__(self, checkpointed: str | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2))
+        self.head, self.checkpointed = nn.Linear(8, 2), checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = x + (block(x) if self.checkpointed is None else
+                     checkpoint(block, x, use_reentrant=self.checkpointed == "reentrant"))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("global_hooks", [False, True])
+def test_activation_checkpointing_records_each_module_call_once(global_hooks):
+    """Non-reentrant checkpointing (torch's default) runs a block's modules again in backward,
+    and stops that recomputation inside the block's last Linear, whose forward hook never runs:
+    their forward rows were counted twice (a Linear's numel 384 for 192), and under ampaudit run
+    the depth of module calls grew by two a block each step - never 0 again, so a root called
+    later (a loss module) was never named, and with ``every`` the hooks never came off. The
+    reentrant kind's forward runs without grad: its recomputation is the call recorded."""
+    from ampaudit.watch.monitor import Monitor
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        model = _CheckpointedBlocks(checkpointed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8, requires_grad=checkpointed == "reentrant")
+        with (Monitor(None) if global_hooks else ampaudit.watch(model, optimizer=opt)) as mon:
+            for _ in range(3):
+                loss = nn.MSELoss()(model(x), torch.zeros(4, 2))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            assert mon.recorder._depth == 0
+        summary = mon.summary()
+        return {name: {phase: row["numel"] for phase, row in phases.items()}
+                for name, phases in summary["layers"].items()}
+
+    plain = run(None)
+    assert plain["blocks.0.0"] == {"forward": 3 * 64, "backward": 3 * 64}
+    assert run("non-reentrant") == plain
+    assert run("reentrant") == plain
+    assert ("MSELoss" in plain) == global_hooks
+
+
+def test_run_counts_a_forward_that_raised_as_ended():
+    """A forward that raises, caught by the script (a batch skipped on an out-of-memory error,
+    as detection code does), never ran the global forward hook: under ampaudit run the depth of
+    module calls stayed above 0 for good - a root called later was never named again, and with
+    ``every`` the module hooks never came off between recorded steps."""
+    from torch.nn.modules import module as module_hooks
+
+    from ampaudit.watch.hooks import _compiled_anything
+    from ampaudit.watch.monitor import Monitor
+
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.fail = nn.Linear(4, 4), False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise RuntimeError("out of memory")
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Flaky())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    armed = []
+    with Monitor(None, every=2) as mon:
+        for step in range(4):
+            model[1].fail = step == 0
+            try:
+                out = model(torch.randn(2, 4))
+            except RuntimeError:
+                continue
+            loss = nn.MSELoss()(out, torch.zeros(2, 4)) if step < 3 else nn.L1Loss()(out, torch.zeros(2, 4))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            armed.append(bool(module_hooks._global_forward_pre_hooks))  # the next step's hooks
+        assert mon.recorder._depth == 0
+    if not _compiled_anything():  # after a compiled graph in this process the hooks stay on (``_rearm``)
+        assert armed == [False, True, False]  # steps 1, 2, 3 ended: 2 is the one recorded
+    assert sorted(mon.summary()["layers"]) == ["(model)", "0", "1", "1.fc", "L1Loss", "MSELoss"]
+
+
+def test_run_names_the_trained_root_the_model_not_a_frozen_teacher_run_first():
+    """Under ampaudit run the first root that ran was "(model)": DINO's EMA teacher (frozen,
+    called first) or a batch augmentation module, and the student's modules were then named by
+    class (`Student.proj`), the teacher's grad-disabled calls counted as the model's eval
+    forwards. "(model)" is now the first root with a parameter to train."""
+    from ampaudit.watch.monitor import Monitor
+
+    class Jitter(nn.Module):  # a parameterless augmentation, called on the batch first
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 0.01
+
+    torch.manual_seed(0)
+    student, teacher, jitter = _Student(), _Student(), Jitter()
+    teacher.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with Monitor(None) as mon:
+        for _ in range(3):
+            x = jitter(torch.randn(5, 4))
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = torch.sum(-target * student(x).log_softmax(-1), -1).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # the EMA teacher, after the step
+                for t, s in zip(teacher.parameters(), student.parameters(), strict=True):
+                    t.mul_(0.9).add_(0.1 * s)
+    summary = mon.summary()
+    assert sorted(summary["layers"]) == ["(model)", "Jitter", "proj"]
+    assert sorted(summary["params"]) == ["proj.bias", "proj.weight"]
+    assert summary["eval_forwards"]["count"] == 0

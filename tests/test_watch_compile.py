@@ -338,3 +338,22 @@ def test_run_names_a_model_compiled_in_place_as_the_model(tmp_path):
         opt.step()
     assert sorted(mon.summary()["params"]) == sorted(name for name, _ in model.named_parameters())
     assert sorted(read_log(tmp_path / "w.jsonl").summary()["params"]) == sorted(mon.summary()["params"])
+
+
+def test_a_block_compiled_on_its_own_keeps_its_names():
+    """``blocks[i] = torch.compile(block)`` puts torch.compile's wrapper inside the model: its
+    parameters were reported as ``1._orig_mod.0.weight``, the names the model was written with
+    only for a wrapper around the whole model. The wrapper's inner copy, like the root's, is not
+    a module of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    model[1] = torch.compile(model[1], backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert sorted(summary["params"]) == ["0.bias", "0.weight", "1.0.bias", "1.0.weight"]
+    assert sorted(summary["layers"]) == ["(model)", "0", "1"]  # inside the compiled block: not recorded

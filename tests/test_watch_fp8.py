@@ -325,3 +325,25 @@ def test_fp8_rows_on_the_gpu_are_the_cpus():
         mon, _ = _train(model, [b.to(device) for b in batches], loss_weight=torch.ones(6, 4, device=device))
         rows[device] = mon.summary()["fp8"]
     assert rows["cuda"] == rows["cpu"]
+
+
+def test_activation_checkpointing_measures_each_linear_call_once():
+    """fp8=True under non-reentrant checkpointing: the recomputation in backward ran each
+    Linear again, and its input and weight were measured twice (input numel 128 for 64)."""
+    from tests.test_watch import _CheckpointedBlocks
+
+    def fp8_rows(checkpointed):
+        torch.manual_seed(0)
+        model = _CheckpointedBlocks(checkpointed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8)
+        with ampaudit.watch(model, optimizer=opt, fp8=True) as mon:
+            for _ in range(2):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return mon.summary()["fp8"]
+
+    plain = fp8_rows(None)
+    assert plain["blocks.0.0"]["input"]["numel"] == 2 * 32
+    assert fp8_rows("non-reentrant") == plain

@@ -11,6 +11,7 @@ call of LBFGS's is a step), or - with a GradScaler - at
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,9 +62,24 @@ class OptimizerTap:
                  here: Here = _anywhere) -> None:
         self.on_boundary, self.here = on_boundary, here  # another thread's steps end no step of ours
         optimizer = unwrap_optimizer(optimizer)
-        self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
+        self._given: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
+        # global mode: the optimizer that stepped last, held weakly - a script that drops its model
+        # and optimizer (the next trial of a sweep) frees their memory before its next step
+        self._stepped: weakref.ref | None = None
         self.in_scaler_step = False  # global mode: optimizer.step() called by a GradScaler
         self._handles: list[Any] = []
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer given, or (global mode) the one that stepped last, while it lives."""
+        if self._stepped is None:
+            return self._given
+        optimizer = self._stepped()
+        return [optimizer] if optimizer is not None else []
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Global mode: ``optimizer`` is stepping now (its own step, or a GradScaler's)."""
+        self._stepped = weakref.ref(optimizer)
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
         optimizer = unwrap_optimizer(optimizer)
@@ -82,7 +98,7 @@ class OptimizerTap:
     def _global_step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self.in_scaler_step or not self.here():
             return None  # a GradScaler drives this step (its update() is the boundary), or another thread's
-        self.optimizers = [optimizer]
+        self.stepped(optimizer)
         return self._step_pre_hook(optimizer, args, kwargs)
 
     def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
@@ -168,7 +184,7 @@ class ScalerTap:
         def step(self_scaler, optimizer, *args, **kwargs):
             if not tap.here():  # another thread's scaler step
                 return original_step(self_scaler, optimizer, *args, **kwargs)
-            optimizers.optimizers = [optimizer]
+            optimizers.stepped(optimizer)
             optimizers.in_scaler_step = True
             try:
                 return original_step(self_scaler, optimizer, *args, **kwargs)

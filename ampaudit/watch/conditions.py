@@ -203,15 +203,18 @@ class _Pending:
         self.buffer = buffer  # batch x rows per step x width
         self.steps: list[int] = []
         self.scales: list[torch.Tensor] = []
+        self.skips: list[torch.Tensor] = []  # with a loss scale: whether the scaler skipped each step
 
     def fits(self, layout: _Layout, scaled: bool, limits: LowDtype) -> bool:
         return layout is self.layout and scaled == self.scaled and limits == self.limits
 
-    def add(self, step: int, rows: torch.Tensor, scale: torch.Tensor | None) -> None:
+    def add(self, step: int, rows: torch.Tensor, scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         self.buffer[len(self.steps)].copy_(rows)
         self.steps.append(step)
         if scale is not None:  # the scaler's own tensor changes at its update(): this step's value
             self.scales.append(scale.detach().to(torch.float64).reshape(1).clone())
+            self.skips.append(found_inf.detach().reshape(1) > 0 if found_inf is not None
+                              else torch.zeros(1, dtype=torch.bool, device=scale.device))
 
 
 class DeviceConditions:
@@ -233,7 +236,7 @@ class DeviceConditions:
         return self.keys.setdefault(key, len(self.keys))
 
     def add(self, step: int, flat: torch.Tensor, keys: list, param_keys: list, scale: torch.Tensor | None,
-            limits: LowDtype) -> None:
+            limits: LowDtype, found_inf: torch.Tensor | None = None) -> None:
         """One logged step. ``flat``: the Monitor's step buffer, whose first rows are the Stats
         rows of ``keys`` ((module, phase)) and then of ``param_keys`` (``StepReducer.step_buffer``);
         ``scale``: the loss scale the step used (a device scalar), or None without a GradScaler.
@@ -258,7 +261,7 @@ class DeviceConditions:
             if buffer is None or buffer.shape[1:] != rows.shape or buffer.device != device:
                 buffer = self._buffer = torch.empty(self.batch, *rows.shape, dtype=torch.float64, device=device)
             pending = self._pending = _Pending(layout, n_layers, scale is not None, limits, buffer)
-        pending.add(step, rows, scale)
+        pending.add(step, rows, scale, found_inf)
         if len(pending.steps) >= self.batch:
             self.flush()
 
@@ -274,12 +277,15 @@ class DeviceConditions:
         device = stat.device
         n_params = per_step - n_layers
         scales = torch.cat(pending.scales) if pending.scaled else None  # one per step
+        skips = torch.cat(pending.skips).to(device) if pending.scaled else None
         self._grow(device)
         bounds = self._bin_tops(device)
         f64 = torch.float64
 
         def at(rows: int) -> Step:  # each step's loss scale for each of its ``rows`` rows
-            return Step(pending.limits, scales.repeat_interleave(rows) if scales is not None else None)
+            if scales is None:
+                return Step(pending.limits, None)
+            return Step(pending.limits, scales.repeat_interleave(rows), skipped=skips.repeat_interleave(rows))
 
         holds, values, totals = [], [], []
         for unit, part in zip(self.units, layout.parts, strict=True):

@@ -41,11 +41,25 @@ from ampaudit.watch.threads import FollowedThread
 
 COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: none kept, no replay
 EARLIER = -2  # the call of a gradient's event whose forward ran before an earlier step ended: not kept
+_RAISED = object()  # what ``_global_after_forward`` is called without when the forward raised
 
 
 _functorch = getattr(torch._C, "_functorch", None)
 _level = _functorch.maybe_current_level if _functorch is not None else lambda: None
 _is_compiling = torch.compiler.is_compiling  # dynamo knows the function, not the name: bound once
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward pass runs
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+
+
+def recomputed() -> bool:
+    """Whether this module call is non-reentrant activation checkpointing recomputing, in
+    backward, a call its forward already made (and watch recorded): its saved-tensor hooks are
+    on top. Reentrant checkpointing's forward runs without grad, its recomputation is the one
+    call to record."""
+    if _graph_task() == -1:  # the forward: nearly every call, one C call
+        return False
+    top = _top_saved_hooks(False)
+    return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
 
 
 def transformed() -> bool:
@@ -120,8 +134,11 @@ def _compiled_anything() -> bool:
 
 
 def _user_name(name: str) -> str:
-    """A module's name as the user wrote the model: torch.compile's wrapper adds ``_orig_mod``."""
-    return name.removeprefix("_orig_mod").removeprefix(".") if name.startswith("_orig_mod") else name
+    """A module's name as the user wrote the model: torch.compile's wrapper adds ``_orig_mod`` -
+    around the model, or around a block the script compiled (``blocks[i] = torch.compile(b)``)."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _positional(args: Any, skipped: Counter | None = None, wrapped: bool = True) -> list[tuple[int, torch.Tensor]]:
@@ -183,14 +200,17 @@ def _last_hook(tensor: torch.Tensor) -> Any:
 
 class _GradEvents:
     """A tensor's gradient hook: the events (module, phase, label, call) that record its
-    gradient, in the order they asked."""
+    gradient, in the order they asked. ``fired``: a backward has run it since its last event
+    was added - those events are recorded, and a later forward's event replaces them
+    (``StepRecorder.hook_grad``)."""
 
-    __slots__ = ("events", "recorder", "step")
+    __slots__ = ("events", "fired", "recorder", "step")
 
     def __init__(self, recorder: StepRecorder, entry: tuple[str, str, str, int | None]) -> None:
-        self.recorder, self.events, self.step = recorder, [entry], recorder.steps_ended
+        self.recorder, self.events, self.fired, self.step = recorder, [entry], False, recorder.steps_ended
 
     def __call__(self, grad: torch.Tensor | None) -> None:
+        self.fired = True
         recorder = self.recorder
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
@@ -204,6 +224,12 @@ class _GradEvents:
             earlier = self.step != recorder.steps_ended
             for module, phase, label, call in self.events:
                 recorder.record(module, phase, grad, label, EARLIER if earlier else call)
+
+
+def _forget(key: int, tables: tuple[dict, ...], _: weakref.ref) -> None:
+    """A named module or parameter died: its id leaves the tables that name it."""
+    for table in tables:
+        table.pop(key, None)
 
 
 class StepRecorder:
@@ -248,11 +274,16 @@ class StepRecorder:
         self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents, Any]] = {}
         self._names: dict[int, str] = {}  # id(module) -> qualified name
         self._roots: dict[str, weakref.ref] = {}  # a further root's name -> that root (``_root_name``)
+        self._main: weakref.ref | None = None  # global mode: the root named "(model)" (``_root_prefix``)
         self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
         self._modules: list[str] = []
+        self._module_at: dict[str, int] = {}  # a name's place in _modules: a module named as a dead one shares it
         self._token = compiled.register(self.record_traced)  # how the op in a compiled graph finds this recorder
         self._param_names: dict[int, str] = {}
         self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
+        # id(module or parameter) named above -> a weak reference that forgets the id when it dies
+        # (``_named``): its address is then another object's, which must not take its name
+        self._named: dict[int, weakref.ref] = {}
         self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
@@ -309,8 +340,9 @@ class StepRecorder:
         model = self._model
         if model is None:  # every module that runs forward, whoever built it
             self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_before_forward))
+            # always_call: a forward that raises (a batch skipped on OOM, caught) still ends its call
             self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
-                                                                           with_kwargs=True))
+                                                                           with_kwargs=True, always_call=True))
         else:
             if self.provenance:  # a new forward of the model: an earlier micro-batch's calls may go
                 self._handles.append(model.register_forward_pre_hook(self._root_forward))
@@ -349,6 +381,17 @@ class StepRecorder:
             self._compile_wrapper = None
 
     # -- names ----------------------------------------------------------------------------------
+    def _root_prefix(self, module: torch.nn.Module) -> str:
+        """A root's prefix: "" - it is "(model)" - for the first that has a parameter to train
+        while no other "(model)" lives, else ``_root_name``. A frozen EMA teacher that runs
+        before its student (DINO, MoCo) or an augmentation module called on the batch is no
+        more "(model)", its student's modules no more named by class - nor the teacher's
+        grad-disabled calls counted as the model's eval forwards."""
+        if (self._main is None or self._main() is None) and any(p.requires_grad for p in module.parameters()):
+            self._main = weakref.ref(module)
+            return ""
+        return self._root_name(module)
+
     def _root_name(self, module: torch.nn.Module) -> str:
         """A further root's name: its class's, numbered (``Sequential#2``) while another root
         of that name is alive - a GAN's two ``nn.Sequential`` were one module. A loss module
@@ -363,24 +406,37 @@ class StepRecorder:
         """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
         "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
         for raw, module in root.named_modules(remove_duplicate=False):
-            if raw == "_orig_mod":
-                # torch.compile's inner copy of the root returns the root's own output, which the
-                # root records: named, it would count it twice wherever it runs outside the graph
-                # (dynamo falling back to eager for the model's frame)
+            if raw == "_orig_mod" or raw.endswith("._orig_mod"):
+                # torch.compile's inner copy of a compiled module (the root, or a block compiled on
+                # its own) returns the wrapper's own output, which the wrapper records: named, it
+                # would count it twice wherever it runs outside the graph (dynamo falling back to
+                # eager for the module's frame)
                 continue
             name = _user_name(raw)
             label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
-            self._names.setdefault(id(module), label)
+            self._named_while_alive(module)
+            label = self._names.setdefault(id(module), label)
             if id(module) not in self._index:  # numbered for a compiled graph
-                self._index[id(module)] = len(self._modules)
-                self._modules.append(self._names[id(module)])
+                self._index[id(module)] = index = self._module_at.setdefault(label, len(self._modules))
+                if index == len(self._modules):
+                    self._modules.append(label)
         for name, param in root.named_parameters(remove_duplicate=False):
             name = _user_name(name)
+            self._named_while_alive(param)
             self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
             owner = name.rpartition(".")[0]
             owner = f"{prefix}.{owner}" if prefix and owner else owner or prefix or "(model)"
             if owner not in self._param_owners.setdefault(id(param), []):
                 self._param_owners[id(param)].append(owner)
+
+    def _named_while_alive(self, obj: Any) -> None:
+        """``obj``'s id keeps the name given to it only while ``obj`` lives: once it dies its
+        address is reused - a loss module made anew each step, a model built again for the next
+        trial - and the new object there would take its name (or, a root, never be named)."""
+        key = id(obj)
+        if key not in self._named:
+            self._named[key] = weakref.ref(obj, functools.partial(
+                _forget, key, (self._named, self._names, self._index, self._param_names, self._param_owners)))
 
     def name_compiled(self) -> None:
         """Name the modules compiled in place that no forward named, as roots: asked at a step's
@@ -389,14 +445,14 @@ class StepRecorder:
         while self._compiled:
             module = self._compiled.pop(0)()
             if module is not None and id(module) not in self._names:
-                self._name_tree(module, "" if not self._names else self._root_name(module))
+                self._name_tree(module, self._root_prefix(module))
 
     def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:
         return self._param_names.get(id(param), fallback)
 
     def param_owners(self, name: str) -> list[str]:
         """The modules that hold the parameter called ``name`` (a tied weight: each of them)."""
-        for key, known in self._param_names.items():
+        for key, known in list(self._param_names.items()):  # a dead parameter's callback may pop one
             if known == name:
                 return self._param_owners.get(key, [])
         return []
@@ -407,7 +463,7 @@ class StepRecorder:
     # -- module hooks ---------------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """The forward pre-hook: the module's inputs, before it runs."""
-        if self.paused or _compiling() or (not torch.is_grad_enabled() and not self.record_eval):
+        if self.paused or _compiling() or (not torch.is_grad_enabled() and not self.record_eval) or recomputed():
             return
         if transformed() or not self.thread.here():  # counted in after_forward
             return
@@ -428,7 +484,8 @@ class StepRecorder:
                                        _positional(args) if self.provenance else [], record_eval=self.record_eval)
             return
         # the followed thread outside any torch.func transform - nearly every call - asks no more
-        if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)):
+        if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)) \
+                or recomputed():  # recorded when it ran forward
             return
         name = self._names.get(id(module))
         phase = "forward"
@@ -477,24 +534,32 @@ class StepRecorder:
         return True
 
     def _global_before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self.paused or _compiling():
+        # a call recomputed in backward: non-reentrant checkpointing stops its recomputation inside
+        # a module, whose forward hook never runs - counted, the depth of calls grew each step
+        if self.paused or _compiling() or recomputed():
             return
         if transformed() or not self.thread.here(claim=torch.is_grad_enabled() or self.record_eval):
             return  # counted when the call returns
         if self._depth == 0:
             if id(module) not in self._names:
-                self._name_tree(module, "" if not self._names else self._root_name(module))
+                self._name_tree(module, self._root_prefix(module))
             if self.provenance:
                 self._root_forward(module, args)
         self._depth += 1
         if self.record_inputs:
             self.before_forward(module, args)
 
-    def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _global_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any = _RAISED) -> None:
+        if output is _RAISED:  # the forward raised: torch calls an always_call hook as (module, args, None)
+            # the depth its pre-hook counted comes off, or it stayed above 0 for good - no root named
+            # again, no module hook taken off between recorded steps
+            if not (self.paused or _compiling() or recomputed() or transformed()) and self.thread.here(claim=False):
+                self._depth = max(0, self._depth - 1)
+            return
         if _compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
             self.after_forward(module, args, kwargs, output)
             return
-        if self.paused or self._elsewhere(output):
+        if self.paused or recomputed() or self._elsewhere(output):
             return
         self._depth = max(0, self._depth - 1)
         self.after_forward(module, args, kwargs, output)
@@ -547,7 +612,13 @@ class StepRecorder:
         entry = (module, phase, label, self._call)
         known = self._grad_hooks.get(id(tensor))
         if known is not None and known[0]() is tensor and _last_hook(tensor) is known[1]:
-            known[1].events.append(entry)
+            hook = known[1]
+            if hook.fired:  # a tensor that outlives a forward (a parameter passed as an input, under
+                # gradient accumulation): the last micro-batch's backward recorded its events - kept,
+                # each later backward recorded them again, 1 + 2 + ... + k events for k
+                hook.events, hook.fired = [entry], False
+            else:
+                hook.events.append(entry)
             return
         hook = _GradEvents(self, entry)
         self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook, _add_grad_hook(tensor, hook))

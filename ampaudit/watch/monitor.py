@@ -34,7 +34,7 @@ from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
-from ampaudit.watch.hooks import StepRecorder, transformed, unmeasurable
+from ampaudit.watch.hooks import StepRecorder, recomputed, transformed, unmeasurable
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
@@ -126,7 +126,7 @@ class Monitor:
                                      exact_histograms=options.exact_histograms)
         self.fp8_history = options.fp8_history  # the delayed recipe's amax history, in steps
         self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused,
-                                lambda: not transformed() and self.recorder.thread.here())
+                                lambda: not transformed() and not recomputed() and self.recorder.thread.here())
                     if options.fp8 else None)  # float8 statistics: a unit of their own (watch/fp8.py)
         here = self.recorder.thread.here  # steps end on the thread the watch follows (watch/threads.py)
         self.optimizer_tap = OptimizerTap(self._boundary, optimizer, here)
@@ -309,7 +309,7 @@ class Monitor:
                     # Totals and the verdicts' conditions stay on the device; the step reads back
                     # only what it must decide (first non-finite, skipped, scale).
                     values = self.reducer.accumulate(flat, buf, keys, param_keys)
-                    self._conditions.add(step, flat, keys, param_keys, scale, self.limits)
+                    self._conditions.add(step, flat, keys, param_keys, scale, self.limits, found_inf)
                 else:
                     flat = self.reducer.gather(flat, buf)
                     values = self.reducer.read(flat, buf)

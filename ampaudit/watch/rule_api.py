@@ -90,7 +90,9 @@ class Step:
 
     limits: LowDtype  # the audited dtype
     scale: Value | None  # the loss scale its backward ran with; None without a GradScaler
-    sums: tuple[Value, ...] = ()  # a GradientRule's ``step_sums`` over all the step's parameters
+    # by name only (two optional fields of unlike kinds: a positional one would land in the other)
+    sums: tuple[Value, ...] = field(default=(), kw_only=True)  # a GradientRule's ``step_sums`` over all parameters
+    skipped: Value = field(default=False, kw_only=True)  # the GradScaler skipped it: its gradients never applied
 
     @property
     def scaled(self) -> bool:

@@ -51,8 +51,9 @@ class GradientUnderflow(GradientRule):
     their nonzero values, all parameters together, mostly below it too, or none at all: an
     all-zero gradient beside healthy ones is structure as well (the layers before a
     zero-initialised output projection or head, LoRA's A while B is zero), as underflow
-    leaves small nonzero values where it starts. A tensor holding NaN or Inf (a step the
-    scaler skips) says nothing of underflow."""
+    leaves small nonzero values where it starts. A tensor holding NaN or Inf says nothing of
+    underflow, nor does any gradient of a step the scaler skips: never applied, and its finite
+    ones are often zeros that ``clip_grad_norm_`` made of an infinite norm."""
 
     def step_sums(self, s: StatsView, step: Step) -> tuple[Value, Value]:
         finite = (s.nan + s.inf) == 0
@@ -67,8 +68,8 @@ class GradientUnderflow(GradientRule):
         zeros = where(mostly_small | ((s.nonzero == 0) & flushed), s.zero, 0)
         if step.limits.normal <= _FP32_NORMAL:  # bfloat16, fp32's range: its zeros were never flushed
             zeros = 0
-        finite = (s.nan + s.inf) == 0
-        return where(finite, under + zeros, 0), where(finite, s.numel, 0)
+        counted = where(step.skipped, False, (s.nan + s.inf) == 0)
+        return where(counted, under + zeros, 0), where(counted, s.numel, 0)
 
     def condition(self, lost: Value, numel: Value, step: Step) -> Value:
         return (numel > 0) & (lost >= self.params["min_share"] * numel)
@@ -213,7 +214,12 @@ class AlwaysNonfinite(LayerRule):
             lead = members[0]
             if first_nonfinite and first <= first_nonfinite["step"] <= last:
                 # where it was born, in whichever phase this group holds it
-                named = [mp for mp in members if mp[0] == first_nonfinite["module"]]
+                born = first_nonfinite["module"]
+                # or, born in its own body's backward (its output gradient finite, its input's not),
+                # the modules inside it the gradient reaches first - not the model's first layer,
+                # which it reaches last and whose name sorts first
+                named = [mp for mp in members if mp[0] == born] or \
+                    [mp for mp in members if mp[0].startswith(born + ".") and mp[1] == first_nonfinite["phase"]]
                 named.sort(key=lambda mp: mp[1] != first_nonfinite["phase"])
                 if named:
                     lead = named[0]

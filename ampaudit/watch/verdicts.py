@@ -132,7 +132,7 @@ class HostView(StatsView):
 def record_entries(record: dict[str, Any], limits: LowDtype, units: list[ModuleRule]
                    ) -> tuple[list[tuple[Key, bool, float, float]], dict[str, list[str]]]:
     """A log record's conditions: (key, holds, value, total) per key, and each module's parameters."""
-    step = Step(limits, record.get("scale"))
+    step = Step(limits, record.get("scale"), skipped=bool(record.get("skipped")))
     below: dict[tuple[float, Any], int] = {}
     entries: list[tuple[Key, bool, float, float]] = []
     for unit in units:
