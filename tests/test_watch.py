@@ -1759,6 +1759,29 @@ def test_the_autocast_state_a_call_is_replayed_under():
     assert autocast_state() == off
 
 
+class _Table(nn.Module):  # returns its own parameter: an output that outlives the step
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self):
+        return self.pos
+
+
+class _Queries(nn.Module):
+    """Parameters that live across steps as a module's input (DETR's query embedding, a
+    Perceiver's latents) and as one's output (a position table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(4, 8))
+        self.layer = nn.Linear(8, 8)
+        self.table = _Table()
+
+    def forward(self, x):
+        return self.layer(self.query) + x.mean() + self.table()
+
+
 def test_a_gradient_hook_does_not_outlive_its_step():
     """A tensor that lives across steps - a Perceiver's latents, a parameter passed to a module
     as its input - gets watch's input-gradient hook each step: it comes off at the step's end.
@@ -1766,38 +1789,20 @@ def test_a_gradient_hook_does_not_outlive_its_step():
     step's events again (and its cost grew with the run)."""
     from ampaudit.watch.events import INPUT_GRAD
 
-    class Table(nn.Module):  # returns its own parameter: an output that outlives the step
-        def __init__(self) -> None:
-            super().__init__()
-            self.pos = nn.Parameter(torch.randn(4, 8))
-
-        def forward(self):
-            return self.pos
-
-    class Latents(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.latents = nn.Parameter(torch.randn(4, 8))
-            self.attn = nn.Linear(8, 8)
-            self.table = Table()
-
-        def forward(self, x):
-            return self.attn(self.latents) + x.mean() + self.table()
-
     torch.manual_seed(0)
-    model = Latents()
+    model = _Queries()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(2, 8)
     with ampaudit.watch(model, optimizer=opt) as mon:
         for _ in range(4):
             model(x).sum().backward()
-            input_grads = [e for e in mon.recorder.events if e[1] == INPUT_GRAD and e[0] == "attn"]
+            input_grads = [e for e in mon.recorder.events if e[1] == INPUT_GRAD and e[0] == "layer"]
             assert len(input_grads) == 1  # this step's, once
             opt.step()
             opt.zero_grad()
-            assert not model.latents._backward_hooks and not model.table.pos._backward_hooks
+            assert not model.query._backward_hooks and not model.table.pos._backward_hooks
         model(x).sum().backward()  # a step the watch's end cuts short: its hooks come off too
-    assert not model.latents._backward_hooks and not model.table.pos._backward_hooks
+    assert not model.query._backward_hooks and not model.table.pos._backward_hooks
 
 
 
@@ -1839,26 +1844,8 @@ def test_a_tensor_that_outlives_a_forward_records_each_micro_batchs_gradient_onc
     twice its elements."""
     from ampaudit.watch.events import INPUT_GRAD
 
-    class Table(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.pos = nn.Parameter(torch.randn(4, 8))
-
-        def forward(self):
-            return self.pos
-
-    class Decoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.query = nn.Parameter(torch.randn(4, 8))
-            self.layer = nn.Linear(8, 8)
-            self.table = Table()
-
-        def forward(self, x):
-            return self.layer(self.query) + x.mean() + self.table()
-
     torch.manual_seed(0)
-    model = Decoder()
+    model = _Queries()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with ampaudit.watch(model, optimizer=opt) as mon:
         for _ in range(2):

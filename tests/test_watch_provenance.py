@@ -24,6 +24,7 @@ from ampaudit.watch.provenance import (
     replay_forward,
     tensor_state,
 )
+from tests.test_watch_masks import InfBackward
 
 HERE = __file__
 
@@ -716,25 +717,13 @@ def test_a_sparse_input_holding_inf_is_an_input_not_the_op_that_read_it():
 
 # -- which forwards start a new micro-batch (whose predecessors' calls are released) ---------------
 
-class _Boom(torch.autograd.Function):
-    """Finite forward, an infinite gradient: a backward that overflows."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
 class _BoomAfter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(2, 4)
 
     def forward(self, x):
-        return _Boom.apply(self.fc(x))  # the op the blame names, in this module's own code
+        return InfBackward.apply(self.fc(x))  # the op the blame names, in this module's own code
 
 
 def _run_mode(step) -> dict:
@@ -769,7 +758,7 @@ def test_ampaudit_run_with_a_loss_module_names_the_backward_op():
 
     first = _run_mode(step)
     assert {k: first.get(k) for k in ("module", "phase", "op")} == {"module": "1", "phase": "backward",
-                                                                     "op": "_BoomBackward"}
+                                                                     "op": "InfBackwardBackward"}
 
 
 def test_a_second_forward_before_the_backward_keeps_the_first_s_calls():
@@ -797,7 +786,7 @@ def test_a_checkpointed_block_run_again_in_the_backward_is_no_new_micro_batch():
             self.fc, self.block = nn.Linear(2, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
 
         def forward(self, x):
-            h = _Boom.apply(self.fc(x))  # its backward runs after the block's recomputation
+            h = InfBackward.apply(self.fc(x))  # its backward runs after the block's recomputation
             return checkpoint(self.block, h, use_reentrant=False)
 
     torch.manual_seed(0)
@@ -809,7 +798,7 @@ def test_a_checkpointed_block_run_again_in_the_backward_is_no_new_micro_batch():
         opt.step()
 
     first = _run_mode(step)
-    assert first.get("op") == "_BoomBackward", first
+    assert first.get("op") == "InfBackwardBackward", first
 
 
 def test_a_gradient_whose_forward_ran_before_the_last_step_says_so():
