@@ -1982,3 +1982,23 @@ def test_run_names_the_trained_root_the_model_not_a_frozen_teacher_run_first():
     assert sorted(summary["layers"]) == ["(model)", "Jitter", "proj"]
     assert sorted(summary["params"]) == ["proj.bias", "proj.weight"]
     assert summary["eval_forwards"]["count"] == 0
+
+
+def test_the_loss_scale_history_costs_16_bytes_a_logged_step():
+    # a million logged steps kept 136 MB of [step, scale] lists; the summary still lists them
+    import tracemalloc
+
+    from ampaudit.watch.summary import SummaryBuilder
+
+    builder = SummaryBuilder("float16", source={"file": "x.py", "line": 1})
+    record = {"layers": {}, "params": {}, "first_nonfinite": None}
+    builder.add({**record, "step": 0, "scale": 65536.0})
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for step in range(1, 20_001):
+        builder.add({**record, "step": step, "scale": 2.0 ** (16 - step // 5000)})
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 40 * 20_000  # arrays grow by doubling: 16 bytes a step, up to twice that
+    history = builder.summary()["scaler"]["history"]
+    assert len(history) == 20_001 and history[0] == [0, 65536.0] and history[-1] == [20_000, 2.0 ** 12]

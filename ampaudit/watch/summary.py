@@ -3,6 +3,7 @@ a Monitor or from a log file (``ampaudit report``) - ending with its verdicts (`
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ def describe_first(first: dict[str, Any]) -> str:
 
 
 class SummaryBuilder:
-    """Running totals only, so memory stays flat however long the run (or the log)."""
+    """Running totals, so memory stays flat however long the run (or the log) - but for the
+    loss scale's history, 16 bytes a logged step (two arrays, not a list a step: 136 bytes),
+    and the steps the scaler skipped."""
 
     def __init__(self, dtype: str, source: dict[str, Any] | None = None) -> None:
         self.dtype = dtype
@@ -42,7 +45,7 @@ class SummaryBuilder:
         self.first_nonfinite: dict[str, Any] | None = None
         self.layers: dict[str, dict[str, dict]] = {}
         self.params: dict[str, dict] = {}
-        self.scales: list[list[float]] = []
+        self.scale_steps, self.scales = array("q"), array("d")  # the loss scale each logged step used
         self.skipped: list[int] = []
         self.nonfinite_params: dict[int, list[str]] = {}
         self.unmeasured: dict[str, int] = {}  # tensors watch skipped, by kind (sparse, nested, meta)
@@ -93,7 +96,8 @@ class SummaryBuilder:
         if record.get("unmeasured"):
             self.unmeasured = dict(record["unmeasured"])  # counted from the start of the run
         if record.get("scale") is not None:
-            self.scales.append([record["step"], record["scale"]])
+            self.scale_steps.append(record["step"])
+            self.scales.append(record["scale"])
         if record.get("skipped"):
             self.skipped.append(record["step"])
             self.nonfinite_params[record["step"]] = record.get("nonfinite_params", [])
@@ -107,9 +111,9 @@ class SummaryBuilder:
     def summary(self, device: dict[str, Any] | None = None) -> dict[str, Any]:
         scaler = None
         if self.scales:
-            scale = self.final_scale if self.final_scale is not None else self.scales[-1][1]
-            scaler = {"scale": scale, "used_last": self.scales[-1][1], "skipped_steps": list(self.skipped),
-                      "history": self.scales,
+            scale = self.final_scale if self.final_scale is not None else self.scales[-1]
+            scaler = {"scale": scale, "used_last": self.scales[-1], "skipped_steps": list(self.skipped),
+                      "history": [[step, value] for step, value in zip(self.scale_steps, self.scales, strict=True)],
                       "nonfinite_params": {str(k): v for k, v in self.nonfinite_params.items()}}
         return {"steps": self.steps, "logged_steps": self.logged_steps, "cut_short": self.cut_short,
                 "dtype": self.dtype, "first_nonfinite": self.first_nonfinite,
