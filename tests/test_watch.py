@@ -2002,3 +2002,32 @@ def test_the_loss_scale_history_costs_16_bytes_a_logged_step():
     assert grown < 40 * 20_000  # arrays grow by doubling: 16 bytes a step, up to twice that
     history = builder.summary()["scaler"]["history"]
     assert len(history) == 20_001 and history[0] == [0, 65536.0] and history[-1] == [20_000, 2.0 ** 12]
+
+
+@pytest.mark.parametrize("global_hooks", [False, True], ids=["watch", "run"])
+def test_a_loop_that_updates_by_hand_gets_steps_of_bounded_size(monkeypatch, capsys, global_hooks):
+    """No optimizer step, GradScaler or step() ends a step in a loop that updates its
+    parameters itself (`p.data.add_(p.grad, alpha=-lr)`, pytorch/examples' word_language_model):
+    its one step kept every tensor's row - 2.7 MB an iteration on nanoGPT. Past OVERDUE_ROWS a
+    step ends at the model's next forward, said once."""
+    from ampaudit.watch import hooks
+    from ampaudit.watch.monitor import Monitor
+
+    monkeypatch.setattr(hooks, "OVERDUE_ROWS", 40)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # 8 rows a forward and backward
+    mon = Monitor(None if global_hooks else model).start()
+    most = 0
+    for _ in range(30):
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.01)
+                p.grad = None
+        most = max(most, mon.recorder.arena.rows_used())
+    mon.stop()
+    summary = mon.summary()
+    assert most < 40 + 12  # the limit, and one iteration's rows
+    assert mon.overdue_steps == summary["steps"] - 1 and mon.overdue_steps >= 3
+    assert capsys.readouterr().err.count("no optimizer step, GradScaler or step() has ended") == 1
+    assert summary["layers"]["0"]["forward"]["numel"] == 30 * 16 * 8  # every iteration recorded

@@ -98,6 +98,10 @@ class RowArena:
         rows.used = used + 1
         return (_CPU, used), *rows.addresses[used]
 
+    def rows_used(self) -> int:
+        """How many rows this step took, on every device."""
+        return sum(rows.used for rows in self._devices.values())
+
     def row(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor]:
         """The (counts, extras) views of a row taken before."""
         device, index = handle

@@ -41,6 +41,10 @@ from ampaudit.watch.threads import FollowedThread
 
 COMPILED = -1  # the call of an event recorded inside a torch.compile'd region: none kept, no replay
 EARLIER = -2  # the call of a gradient's event whose forward ran before an earlier step ended: not kept
+# A step's rows (8 KB each on the CPU) past which a new forward after a backward ends it: a loop
+# that updates its parameters by hand (`p.data.add_(p.grad, alpha=-lr)`, pytorch/examples'
+# word_language_model) steps no optimizer, and its one step grew 2.7 MB an iteration (nanoGPT)
+OVERDUE_ROWS = 8192
 _RAISED = object()  # what ``_global_after_forward`` is called without when the forward raised
 
 
@@ -261,7 +265,10 @@ class StepRecorder:
         self.calls: list[Call | None] = []  # this step's module calls (None: released)
         self.calls_frozen = False  # a micro-batch before this one went non-finite: keep its calls
         self._backward_since = False  # a gradient hook ran since the calls' micro-batch began (``_root_forward``)
+        self._checked = 0  # this step's events checked for non-finite values at a new micro-batch (``_root_forward``)
         self.steps_ended = 0  # how many steps ended (``end_step``): which step a gradient hook was put in
+        # called at a new forward after a backward once the step holds OVERDUE_ROWS rows: ends it
+        self.on_overdue: Any = None
         self._call: int | None = None  # the call whose events are being recorded
         self._model: torch.nn.Module | None = None
         self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle
@@ -344,8 +351,8 @@ class StepRecorder:
             self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
                                                                            with_kwargs=True, always_call=True))
         else:
-            if self.provenance:  # a new forward of the model: an earlier micro-batch's calls may go
-                self._handles.append(model.register_forward_pre_hook(self._root_forward))
+            # a new forward of the model: an earlier micro-batch's calls may go, an overdue step end
+            self._handles.append(model.register_forward_pre_hook(self._root_forward))
             for module in model.modules():
                 self._handles.append(module.register_forward_hook(self.after_forward, with_kwargs=True))
                 if self.record_inputs:  # the pre-hook costs a call per module: only when it records
@@ -543,8 +550,7 @@ class StepRecorder:
         if self._depth == 0:
             if id(module) not in self._names:
                 self._name_tree(module, self._root_prefix(module))
-            if self.provenance:
-                self._root_forward(module, args)
+            self._root_forward(module, args)
         self._depth += 1
         if self.record_inputs:
             self.before_forward(module, args)
@@ -580,14 +586,20 @@ class StepRecorder:
         discriminator, a siamese pair's second input - under ``ampaudit run`` every module
         called outside any other is a root - and so is a checkpointed block run again inside
         the backward."""
-        if self.paused or not self.calls or self.calls_frozen or not torch.is_grad_enabled() or not self.logging:
+        if self.paused or not torch.is_grad_enabled() or not self.logging:
             return
         if not self._backward_since or _in_backward() or transformed() or not self.thread.here():
             return
         self._backward_since = False
-        device = self.event_rows[0][0] if self.event_rows else torch.device("cpu")
-        if self.event_rows and bool(stats.harmful(stats.raw_matrix(*self.arena.matrix(self.event_rows, device)))
-                                    .any()):
+        if self.on_overdue is not None and self.arena.rows_used() >= OVERDUE_ROWS:
+            self.on_overdue()  # no step end in sight (a hand-made update): one here, before this forward
+            return
+        if not self.provenance or not self.calls or self.calls_frozen:
+            return
+        # the rows since the last micro-batch's check: the earlier ones were clean (else frozen)
+        rows, self._checked = self.event_rows[self._checked:], len(self.event_rows)
+        device = rows[0][0] if rows else torch.device("cpu")
+        if rows and bool(stats.harmful(stats.raw_matrix(*self.arena.matrix(rows, device))).any()):
             self.calls_frozen = True
         else:
             self.calls = [None] * len(self.calls)
@@ -700,6 +712,7 @@ class StepRecorder:
         self._unhook()
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen, self._backward_since = [], [], False, False
+        self._checked = 0
         self.steps_ended += 1
         self.arena.reset()
         self._dtype_open = self.dtype_source is None

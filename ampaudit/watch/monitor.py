@@ -16,6 +16,7 @@ scale, and the first module that went non-finite - with at most one host sync pe
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import sys
 from pathlib import Path
@@ -124,6 +125,8 @@ class Monitor:
                                      record_eval=options.eval, provenance=options.provenance,
                                      inside_compile=options.inside_compile,
                                      exact_histograms=options.exact_histograms)
+        self.recorder.on_overdue = self._overdue
+        self.overdue_steps = 0  # steps ended by ``_overdue``: no optimizer, scaler or step() ended them
         self.fp8_history = options.fp8_history  # the delayed recipe's amax history, in steps
         self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused,
                                 lambda: not transformed() and not recomputed() and self.recorder.thread.here())
@@ -262,6 +265,19 @@ class Monitor:
         callbacks). With ``scaler`` - after its ``unscale_``, before its ``step`` - the step's
         skip (the scaler's found-inf flags) and its loss scale are recorded too."""
         self._boundary(scaler=scaler)
+
+    def _overdue(self) -> None:
+        """A step that no optimizer, GradScaler or ``step()`` ended holds ``OVERDUE_ROWS`` rows (a
+        loop that updates its parameters by hand): it ends at the model's next forward, as
+        ``step()`` there would, so that its rows stop growing. Said once."""
+        if not self.overdue_steps:
+            with contextlib.suppress(OSError, ValueError):  # a script may have closed stderr
+                sys.stderr.write(f"ampaudit: {self.recorder.arena.rows_used()} tensors recorded and no optimizer step, "
+                                 "GradScaler or step() has ended the watched step: it ends at the model's next "
+                                 "forward each time one grows this large (a loop that updates the parameters by "
+                                 "hand: call step() after the update; docs/watch.md)\n")
+        self.overdue_steps += 1
+        self._boundary()
 
     def _boundary(self, scaler: torch.amp.GradScaler | None = None) -> None:
         found_inf = scale = None
