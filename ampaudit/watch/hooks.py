@@ -236,6 +236,23 @@ def _forget(key: int, tables: tuple[dict, ...], _: weakref.ref) -> None:
         table.pop(key, None)
 
 
+class NotCopied:
+    """A callback the recorder holds (its Monitor's): a deep copy of a watched model - an EMA
+    copy, AveragedModel - copies the hooks and through them the recorder, but not the Monitor
+    (it holds what cannot be copied: locks, thread-locals); the copy's recorder calls nothing."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+
 class StepRecorder:
     """Module and tensor hooks that fill this step's arena rows and events.
 
@@ -268,7 +285,7 @@ class StepRecorder:
         self._checked = 0  # this step's events checked for non-finite values at a new micro-batch (``_root_forward``)
         self.steps_ended = 0  # how many steps ended (``end_step``): which step a gradient hook was put in
         # called at a new forward after a backward once the step holds OVERDUE_ROWS rows: ends it
-        self.on_overdue: Any = None
+        self.on_overdue: NotCopied | None = None
         self._call: int | None = None  # the call whose events are being recorded
         self._model: torch.nn.Module | None = None
         self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle

@@ -35,7 +35,7 @@ from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
-from ampaudit.watch.hooks import StepRecorder, recomputed, transformed, unmeasurable
+from ampaudit.watch.hooks import NotCopied, StepRecorder, recomputed, transformed, unmeasurable
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
@@ -125,7 +125,7 @@ class Monitor:
                                      record_eval=options.eval, provenance=options.provenance,
                                      inside_compile=options.inside_compile,
                                      exact_histograms=options.exact_histograms)
-        self.recorder.on_overdue = self._overdue
+        self.recorder.on_overdue = NotCopied(self._overdue)
         self.overdue_steps = 0  # steps ended by ``_overdue``: no optimizer, scaler or step() ended them
         self.fp8_history = options.fp8_history  # the delayed recipe's amax history, in steps
         self.fp8 = (Fp8Recorder(options.fp8_history, self.recorder.module_name, lambda: self.recorder.paused,
