@@ -50,9 +50,18 @@ _RAISED = object()  # what ``_global_after_forward`` is called without when the 
 
 _functorch = getattr(torch._C, "_functorch", None)
 _level = _functorch.maybe_current_level if _functorch is not None else lambda: None
-_is_compiling = torch.compiler.is_compiling  # dynamo knows the function, not the name: bound once
+# Inside a torch.compile'd region the hooks are traced, not run. By default they record nothing
+# there (a branch dynamo does not take: no graph break, the compiled graph is the one without
+# watch); with ``inside_compile`` the forward hook of a watched model's module puts the recording
+# op in the graph (``compiled``). Dynamo knows the function, not the name: bound once.
+_compiling = torch.compiler.is_compiling
 _graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward pass runs
 _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpointed block recomputed)."""
+    return _graph_task() != -1
 
 
 def recomputed() -> bool:
@@ -60,7 +69,7 @@ def recomputed() -> bool:
     backward, a call its forward already made (and watch recorded): its saved-tensor hooks are
     on top. Reentrant checkpointing's forward runs without grad, its recomputation is the one
     call to record."""
-    if _graph_task() == -1:  # the forward: nearly every call, one C call
+    if not _in_backward():  # the forward: nearly every call, one C call
         return False
     top = _top_saved_hooks(False)
     return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
@@ -77,7 +86,7 @@ def unmeasurable(t: torch.Tensor, wrapped: bool = True) -> str | None:
     dense, strided buffer with values. ``wrapped=False``: no torch.func transform is active
     (``transformed``), so no tensor is a functorch wrapper - the hooks' hot path skips asking."""
     # not traced by dynamo (a C function it cannot trace): a compiled graph's tensors are no wrappers
-    if wrapped and _functorch is not None and not _is_compiling() and _functorch.is_functorch_wrapped_tensor(t):
+    if wrapped and _functorch is not None and not _compiling() and _functorch.is_functorch_wrapped_tensor(t):
         return "functorch"
     if t.is_nested:
         return "nested"
@@ -123,12 +132,6 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
         dtype, source = torch.float16, f"default (autocast to {dtype})"
     return LowDtype.parse(dtype), source
 
-
-# Inside a torch.compile'd region the hooks are traced, not run. By default they record nothing
-# there (a branch dynamo does not take: no graph break, the compiled graph is the one without
-# watch); with ``inside_compile`` the forward hook of a watched model's module puts the recording
-# op in the graph (``compiled``).
-_compiling = _is_compiling
 
 
 def _compiled_anything() -> bool:
@@ -186,14 +189,6 @@ def _remove_grad_hook(tensor: torch.Tensor, added: Any) -> None:
         added.remove()
     elif tensor._backward_hooks is not None:
         tensor._backward_hooks.pop(added, None)
-
-
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a node on this thread (a checkpointed block recomputed)."""
-    return _current_node() is not None
 
 
 def _last_hook(tensor: torch.Tensor) -> Any:
