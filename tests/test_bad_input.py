@@ -451,7 +451,7 @@ def test_hostile_logs_are_one_line_naming_the_line(tmp_path, monkeypatch, capsys
 
 @pytest.mark.parametrize(("name", "code", "expected"), [
     ("no_parameters.py", 0, None),
-    ("complex_parameter.py", 2, "w is a complex tensor: ampaudit converts real floating-point models"),
+    ("complex_parameter.py", 2, "w is a complex parameter: ampaudit converts real floating-point models"),
     ("broken_backward.py", 2, "the training check failed in the model's own backward (in fp32): RuntimeError: my "
                               "backward is broken (fixtures/unconvertible/broken_backward.py:9); pass --train-steps 0"),
 ])

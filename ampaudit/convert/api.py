@@ -19,7 +19,7 @@ from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
-from ampaudit.convert.verify import output_error, search_promotions
+from ampaudit.convert.verify import ZERO_REFERENCE, all_zeros, output_error, reference_outputs, search_promotions
 from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config, load_config
@@ -113,10 +113,11 @@ def convert(
     optimizer, together with its loss scaling and fp32 masters.
     """
     require_module(model, "ampaudit.convert", eager=True)
-    complex_state = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_complex()),
-                         None)
+    # a complex buffer (rotary frequencies) is kept as it is, as autocast keeps it; a complex
+    # parameter would need complex master weights and a low complex dtype that does not exist
+    complex_state = next((name for name, t in model.named_parameters() if t.is_complex()), None)
     if complex_state is not None:
-        raise UsageError(f"{complex_state} is a complex tensor: ampaudit converts real floating-point models "
+        raise UsageError(f"{complex_state} is a complex parameter: ampaudit converts real floating-point models "
                          "(float16/bfloat16 have no complex counterpart to convert to)")
     optimizer, example_inputs = _split_args(optimizer_or_inputs, example_inputs)
     if converted_already(model):
@@ -167,7 +168,12 @@ def convert(
         if inputs is not None and verify:
             model_mp = search_promotions(model, model_mp, build, inputs, tol)
         elif inputs is not None:
-            model_mp.summary.error_before = model_mp.summary.error_after = output_error(model, model_mp, inputs)
+            reference = reference_outputs(model, inputs)
+            if all_zeros(reference):
+                model_mp.summary.notes.append(ZERO_REFERENCE)
+            else:
+                model_mp.summary.error_before = model_mp.summary.error_after = output_error(reference, model_mp,
+                                                                                           inputs)
     finally:
         model.train(was_training)
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual

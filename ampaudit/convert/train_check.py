@@ -246,6 +246,8 @@ def _target(model: torch.nn.Module, inputs: ExampleInputs, labelled: bool) -> to
         raise ValueError("the model's output holds no float tensor to train on")
     generator = torch.Generator(device=first.device).manual_seed(0)
     noise = torch.randn(first.shape, generator=generator, device=first.device)
+    if not first.any():  # a zero-initialised last layer (DiT's adaLN-Zero): a unit target, as noise prediction's
+        return noise
     return noise * float(first.float().std().clamp_min(1e-3))
 
 
