@@ -18,7 +18,7 @@ from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fp8_casts import RECIPES
 from ampaudit.graph.fp8_measure import Fp8Layer
 from ampaudit.graph.fp8_other_gemms import other_gemms, other_gemms_note
-from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, mx_tokens_problem
+from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, mx_tokens_problem, zero_grad_note
 
 DEFAULT_RECIPE = "tensorwise"  # torchao's default Float8LinearConfig
 
@@ -44,6 +44,9 @@ def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str 
         notes.append(_sampled_note(sampled))
     if not judgement.layers:
         notes.append("no nn.Linear ran on the example inputs: nothing for fp8 training to convert")
+    zero = [layer.layer.name for layer in judgement.layers if layer.layer.zero_grad]
+    if zero:
+        notes.append(zero_grad_note(zero))
     if recipe == "mxfp8" and (problem := mx_tokens_problem({v.layer.name: v.layer.rows for v in judgement.layers
                                                              if not v.keep})):
         notes.append(f"{problem}: torchao asserts it at the first step")

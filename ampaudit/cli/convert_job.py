@@ -95,6 +95,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
     )
     from ampaudit.core.console import slow_status
     from ampaudit.graph.fp8_other_gemms import other_gemms, other_gemms_note
+    from ampaudit.graph.fp8_verdicts import zero_grad_note
     from ampaudit.load.loader import NotImported, load_target
 
     loaded = load_target(args.target, allow_exec=args.allow_exec, input_shapes=args.input_shape,
@@ -126,8 +127,9 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
                     verify_with(module, loaded.model, loaded.inputs, steps)
             write_fp8(Path(staging), policy, text, train, shown=args.output, inputs=inputs)
     other = other_gemms_note(other_gemms(loaded.model))  # GPT-2's Conv1D projections: why "0 nn.Linear"
-    summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train,
-               "notes": [other] if other else []}
+    zero = [layer["name"] for layer in policy.table.get("layers", []) if layer.get("grad_all_zero")]
+    notes = ([zero_grad_note(zero)] if zero else []) + ([other] if other else [])
+    summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train, "notes": notes}
     return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
                      export_ran=False)
 

@@ -229,7 +229,9 @@ def verify(model, args, kwargs=None, steps=STEPS):
     target, labelled = None, _labelled(model, args, kwargs)
     if _own_loss(output, labelled) is None:  # no loss of its own: its first output trained to a fixed random target
         generator = torch.Generator().manual_seed(0)
-        target = torch.randn(first.shape, generator=generator) * float(first.float().std().clamp_min(1e-3))
+        target = torch.randn(first.shape, generator=generator)
+        if first.any():  # else a zero-initialised last layer (DiT's adaLN-Zero): a unit target, as noise prediction's
+            target = target * float(first.float().std().clamp_min(1e-3))
     torch.manual_seed(0)
     bf16 = _train(reference, args, kwargs, target, labelled, steps, device)
     fp8_model = convert(_copy(model).eval())

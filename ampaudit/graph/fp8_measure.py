@@ -105,6 +105,7 @@ class Fp8Layer:
     operands: dict[str, dict[str, OperandStats]] = field(default_factory=dict)  # recipe -> operand -> stats
     gemms: dict[str, float] = field(default_factory=dict)  # the chosen recipe: output/grad_input/grad_weight SQNR
     has_grad: bool = True
+    zero_grad: bool = False  # its output's gradient was all zeros: the backward not measured (has_grad False)
     sampled: dict[str, int] = field(default_factory=dict)  # dim -> how many measured, where sampled
     # a subclass's own forward (or one wrapped on the instance): what it is, and how far its output
     # is from F.linear of its input (relative to its norm); None for nn.Linear's own forward
@@ -128,7 +129,8 @@ class Fp8Layer:
                 "own_forward": None if self.own_forward is None else
                 {**self.own_forward, "difference": _num(self.own_forward["difference"])},
                 "tied_to": list(self.tied_to), "computed_weight": self.computed_weight,
-                **({"sampled": dict(self.sampled)} if self.sampled else {})}
+                **({"sampled": dict(self.sampled)} if self.sampled else {}),
+                **({"grad_all_zero": True} if self.zero_grad else {})}
 
 
 @dataclass
@@ -207,14 +209,20 @@ def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 def model_loss(output: Any, labelled: bool = False) -> torch.Tensor:
     """The model's own loss (``core.tensors.own_loss``; ``labelled``: the call passed targets),
-    else the mean square of its outputs."""
+    else the mean square of its outputs - or, where they are all exactly zero (a last layer
+    initialised to zero: DiT's adaLN-Zero), whose mean square has no gradient at all, their
+    mean squared error to fixed unit noise (a noise prediction's target)."""
     loss = own_loss(output, labelled)
     if loss is not None and loss.requires_grad:
         return loss.float()
-    parts = [t.float().square().mean() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
-    if not parts:
+    outputs = [t.float() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not outputs:
         raise LoadError("the model's output has no tensor that depends on its weights: nothing to train in fp8")
-    return torch.stack(parts).sum()
+    if not any(bool(t.detach().any()) for t in outputs):
+        generator = torch.Generator(device=outputs[0].device).manual_seed(0)
+        return torch.stack([(t - torch.randn(t.shape, generator=generator, device=t.device)).square().mean()
+                            for t in outputs]).sum()
+    return torch.stack([t.square().mean() for t in outputs]).sum()
 
 
 def _outputs(output: Any, kept: tuple[bool, ...] | None = None) -> torch.Tensor:
@@ -677,9 +685,12 @@ def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
 def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor]) -> Fp8Layer:
     """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale)."""
     x, g = rec.x, rec.grad
+    zero_grad = g is not None and not bool(g.any())  # a zero-initialised layer downstream: nothing to measure
+    if zero_grad:
+        g = None
     w = rec.module.weight.detach().float()
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
-                     rec.line, {}, 0, 0, has_grad=g is not None)
+                     rec.line, {}, 0, 0, has_grad=g is not None, zero_grad=zero_grad)
     if rec.own_difference is not None:
         instance = "forward" in vars(rec.module)
         # what Float8Linear.from_float does not keep: parameters beside weight and bias, submodules
@@ -937,8 +948,8 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     import time
 
     reference = measurement.reference
-    if not candidates or reference is None or reference.numel() == 0:
-        return
+    if not candidates or reference is None or reference.numel() == 0 or not bool(reference.any()):
+        return  # an all-zero fp32 output (a zero-initialised last layer) is no measure of any error
     start = time.perf_counter()
     recipe = RECIPES[measurement.recipe]
     weights: dict[int, CastResult] = {}  # both forwards cast the same weights

@@ -201,3 +201,13 @@ def mx_tokens_problem(rows: dict[str, int]) -> str | None:
         return None
     return (f"mxfp8 training needs each batch's tokens to be a multiple of {MX_BLOCK} (its grad-weight GEMM casts "
             f"along them); the example inputs give `{odd[0]}` {odd[1]}")
+
+
+def zero_grad_note(names: list[str]) -> str:
+    """Layers whose output gradient was exactly zero on the example inputs: a layer after them
+    starts at zero (DiT's adaLN-Zero), so their backward GEMMs had nothing to measure."""
+    shown = ", ".join(n or "(model)" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{len(names)} nn.Linear got an all-zero output gradient on the example inputs ({shown}): a layer "
+            "downstream starts at zero (a zero-initialised last layer or gate, as DiT's adaLN-Zero), so their "
+            "grad_output, grad-input and grad-weight were not measured - only their forward is judged; audit a "
+            "checkpoint that has trained a few steps to judge the backward")
