@@ -40,7 +40,11 @@ def snippet(finding: Finding, color: bool) -> Syntax | Text | None:
     return text
 
 
-def finding_block(finding: Finding, color: bool) -> Group:
+MODULES_SHOWN = 6  # a finding repeated in more modules than this names the first ones and counts the rest
+
+
+def finding_block(finding: Finding, color: bool, modules: Sequence[str] = ()) -> Group:
+    """``modules``: every module the same finding was made in (a model's repeated blocks), shown once."""
     head = Text()
     file = printable(finding.file)
     head.append(f"{file}:{finding.line}" if finding.line > 0 else file, style="bold")
@@ -53,7 +57,11 @@ def finding_block(finding: Finding, color: bool) -> Group:
         head.append("[fix] " if finding.autofix.safe else "[unsafe fix] ", style="green")
     head.append(finding.message)
     parts: list = [head]
-    if finding.module:
+    if len(modules) > 1:
+        named = ", ".join(modules[:MODULES_SHOWN])
+        more = f" and {len(modules) - MODULES_SHOWN} more" if len(modules) > MODULES_SHOWN else ""
+        parts.append(Text(f"  in {len(modules)} modules: {named}{more}", style="dim"))
+    elif finding.module:
         parts.append(Text(f"  in module {finding.module}", style="dim"))
     lines = snippet(finding, color)
     if lines is not None:
@@ -63,12 +71,29 @@ def finding_block(finding: Finding, color: bool) -> Group:
     return Group(*parts)
 
 
-def render_findings(findings: Sequence[Finding], console: Console) -> None:
-    """Each finding, then the count by severity - or "No findings."."""
-    color = console.color_system is not None
+def _same_place(findings: Sequence[Finding]) -> list[tuple[Finding, list[str]]]:
+    """The findings, one per place and words: a rule that fires on one source line in each of a
+    model's 24 blocks is one block naming the modules, not 24 identical ones (the machine
+    formats keep every finding)."""
+    groups: dict[tuple, tuple[Finding, list[str]]] = {}
     for finding in findings:
+        key = (finding.file, finding.line, finding.column, finding.rule, finding.message, finding.fix,
+               finding.autofix is None)
+        if finding.module is None or finding.autofix is not None:
+            key = (*key, id(finding))  # a fix edits its own place: never merged
+        modules = groups.setdefault(key, (finding, []))[1]
+        if finding.module is not None:
+            modules.append(finding.module)
+    return list(groups.values())
+
+
+def render_findings(findings: Sequence[Finding], console: Console) -> None:
+    """Each finding (those alike but for their module, once), then the count by severity - or
+    "No findings."."""
+    color = console.color_system is not None
+    for finding, modules in _same_place(findings):
         console.print()
-        console.print(finding_block(finding, color))
+        console.print(finding_block(finding, color, modules))
     console.print()
     if findings:
         counts = {s: sum(f.severity is s for f in findings) for s in Severity}
