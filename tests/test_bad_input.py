@@ -31,6 +31,9 @@ CASES = {
                     "the example inputs (example_inputs()) fail to run the model: RuntimeError: mat1 and mat2 "
                     "shapes cannot be multiplied"),
     "non-tensor-output": ([model("non_tensor_output.py")], "the model's output holds no tensor (got dict)"),
+    # LlamaGen's shape: an inference path in eval mode; the error says train mode runs
+    "train-only-forward": ([model("train_only_forward.py")],
+                           "(fixtures/models/train_only_forward.py:21) - in eval mode, which the audit runs it in"),
     "bad-shape-flag": ([model("input_shape.py"), "--input-shape", "2,x"], "--input-shape '2,x'"),
     "shape-mismatch": ([model("input_shape.py"), "--input-shape", "2,9"],
                        "the example inputs (--input-shape) fail to run the model"),
@@ -461,3 +464,20 @@ def test_convert_on_a_model_it_cannot_handle_is_one_line(cli, tmp_path, name, co
     assert result.code == code, result.err
     if expected is not None:
         assert result.err.startswith(f"ampaudit: error: {expected}") and len(result.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("backend", ["fx", "modules"])
+def test_convert_says_the_model_fails_on_its_inputs_and_that_train_mode_runs(cli, tmp_path, backend):
+    # the fx backend's first run (recording how children are called) and the modules backend's
+    # recording raised the model's error as 'unexpected RuntimeError' - an ampaudit bug, as worded
+    result = cli("convert", model("train_only_forward.py"), "-o", tmp_path / "out", "--backend", backend)
+    assert result.code == 2 and "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and "unexpected" not in lines[0]
+    assert lines[0].startswith("ampaudit: error: the example inputs (example_inputs()) fail to run the model: "
+                               "RuntimeError: The size of tensor a (16) must match")
+    assert "in train mode it runs" in lines[0]
+    assert not (tmp_path / "out").exists()
+    bad = cli("convert", model("bad_inputs.py"), "-o", tmp_path / "out2", "--backend", backend)
+    assert bad.code == 2 and "fail to run the model: RuntimeError: mat1 and mat2" in bad.err
+    assert "train mode" not in bad.err  # fails either way: no hint

@@ -16,7 +16,7 @@ from ampaudit.core.config import Config
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding, NodeDecision, Report, Target
 from ampaudit.graph.declared import Declared, declared_precision
-from ampaudit.graph.forward import ExampleInputs, refuse_meta
+from ampaudit.graph.forward import ExampleInputs, failures_explained, refuse_meta
 from ampaudit.graph.function_apply import functions_applied
 from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.trace import TraceResult, trace_model
@@ -41,7 +41,8 @@ def audit_model(
     measure = inputs is not None and run
     if measure:
         refuse_meta(model, inputs, "pass --no-run (run=False) to audit the graph without running it")
-    with functions_applied() as functions:  # the custom autograd Functions the model runs, for AMP415
+    with functions_applied() as functions, failures_explained(model, inputs if run else None):
+        # functions: the custom autograd Functions the model runs, for AMP415
         trace = trace_model(model, catalog, inputs if run else None, validate=not measure)
         if measure:
             measure_ranges(trace.graphs[0].gm, inputs, catalog, dtype)

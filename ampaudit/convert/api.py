@@ -27,7 +27,7 @@ from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
 from ampaudit.graph.declared import Declared, declared_precision
 from ampaudit.graph.dtype_flow import non_float_in_code
-from ampaudit.graph.forward import ExampleInputs, refuse_meta
+from ampaudit.graph.forward import ExampleInputs, failures_explained, refuse_meta, run_model
 from ampaudit.graph.fx_tracer import forward_location, fx_trace
 from ampaudit.graph.measure import measure_ranges
 from ampaudit.graph.model_copy import copy_model
@@ -141,6 +141,8 @@ def convert(
     if inputs is not None and verify:
         refuse_meta(model, inputs, "verifying the conversion needs real values (or pass --no-verify, verify=False)")
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE[low.name]
+    if inputs is not None:  # bad inputs fail here, in one line - not deep inside a conversion's own run
+        _run_in_eval(model, inputs)
     backend = _pick_backend(backend, model, catalog, inputs)
     weights = _pick_weights(weights, optimizer)
     if backend == "modules":
@@ -180,6 +182,17 @@ def convert(
     model_mp.summary.notes += low_weight_notes(found_low, low)
     return _finish(user_model, model_mp, optimizer, inputs, low, verify=verify, loss_scale=loss_scale,
                    train_steps=train_steps)
+
+
+def _run_in_eval(model: torch.nn.Module, inputs: ExampleInputs) -> None:
+    """One forward in eval mode, as every run of the conversion: a LoadError where it fails."""
+    was_training = model.training
+    model.eval()
+    try:
+        with failures_explained(model, inputs):
+            run_model(model, inputs)
+    finally:
+        model.train(was_training)
 
 
 def converted_already(model: torch.nn.Module) -> bool:

@@ -3,8 +3,9 @@ forward every audit starts from, and turning its failures into one-line errors."
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,40 @@ def describe_exception(exc: BaseException) -> str:
     where = traceback_location(exc.__traceback__)
     suffix = f" ({display_path(where[0])}:{where[1]})" if where else ""
     return f"{type(exc).__name__}: {text}{suffix}" if text else f"{type(exc).__name__}{suffix}"
+
+
+@contextlib.contextmanager
+def failures_explained(model: torch.nn.Module, inputs: ExampleInputs | None) -> Iterator[None]:
+    """A run of ``model`` on ``inputs`` that failed (the LoadError ``run_model`` and the range
+    probe raise) says so where train mode would have run it (``_train_mode_hint``)."""
+    try:
+        yield
+    except LoadError as exc:
+        if inputs is None or not str(exc).startswith(f"the example inputs ({inputs.origin}) fail to run the model"):
+            raise
+        hint = _train_mode_hint(model, inputs)
+        if not hint:
+            raise
+        raise LoadError(f"{exc}{hint}") from exc.__cause__
+
+
+def _train_mode_hint(model: torch.nn.Module, inputs: ExampleInputs) -> str:
+    """Where a forward that failed in eval mode (the audit's: no dropout draws) runs in train
+    mode - an ``if self.training:`` branch, LlamaGen's eval path reading a kv cache's positions -
+    the error says so, or it reads as the user's bug."""
+    if model.training:
+        return ""
+    try:
+        with torch.no_grad(), attributes_kept(model), torch.random.fork_rng(devices=[]):
+            model.train()
+            model(*inputs.args, **inputs.kwargs)
+    except USER_CODE_ERRORS:  # only a hint: any failure in train mode (exit() included) means none
+        return ""
+    finally:
+        model.eval()
+    return (" - in eval mode, which the audit runs it in (no dropout draws); in train mode it runs: its forward "
+            "takes another branch in eval. Audit a model whose eval forward takes the training path (get_model() "
+            "returning a wrapper that runs it in train mode, its dropout at 0)")
 
 
 def run_model(
