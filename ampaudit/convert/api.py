@@ -19,7 +19,7 @@ from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
-from ampaudit.convert.verify import ZERO_REFERENCE, all_zeros, output_error, reference_outputs, search_promotions
+from ampaudit.convert.verify import ZERO_REFERENCE, output_error, search_promotions
 from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config, load_config
@@ -170,12 +170,11 @@ def convert(
         if inputs is not None and verify:
             model_mp = search_promotions(model, model_mp, build, inputs, tol)
         elif inputs is not None:
-            reference = reference_outputs(model, inputs)
-            if all_zeros(reference):
+            error = output_error(model, model_mp, inputs)
+            if error == 0.0:
                 model_mp.summary.notes.append(ZERO_REFERENCE)
             else:
-                model_mp.summary.error_before = model_mp.summary.error_after = output_error(reference, model_mp,
-                                                                                           inputs)
+                model_mp.summary.error_before = model_mp.summary.error_after = error
     finally:
         model.train(was_training)
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual

@@ -30,9 +30,10 @@ _CALLS = ("call_function", "call_method")
 class Fp32Ops:
     """Where the plan computes a catalog fp32 op in fp32: (kind, file name, line) sites."""
 
-    def __init__(self, records: Iterable[Mapping[str, Any]], catalog: Catalog) -> None:
+    def __init__(self, records: Iterable[Mapping[str, Any]], catalog: Catalog, ran: Iterable[str] = ()) -> None:
         # the caller passes the records its sites come from (the modules backend: unruled ones
-        # and the overrides it upcasts at their own op)
+        # and the overrides it upcasts at their own op); ``ran``: the kinds of every op the plan
+        # holds, whose kernels that refuse mixed float dtypes get their inputs cast to the widest
         sites = [r for r in records if r.get("op") in _CALLS and r.get("compute") == "float32"]
         self.sites = frozenset((r["kind"], os.path.basename(str(r["file"])), r["line"]) for r in sites)
         self._modules = frozenset(str(r["module"]) for r in sites if r.get("module") is not None)
@@ -41,6 +42,9 @@ class Fp32Ops:
         upcast_by_cuda = {k for k in kinds if (p := catalog.lookup(k)) is not None
                           and (p.autocast in ("fp32", "banned") or p.fp32_under_autocast)}
         self.kinds = {"cuda": frozenset(kinds - upcast_by_cuda), None: frozenset(kinds)}
+        same = catalog.trait("same_dtype_inputs") & frozenset(ran)
+        promoted_by_cuda = {k for k in same if (p := catalog.lookup(k)) is not None and p.autocast == "promote"}
+        self.same_dtype = {"cuda": frozenset(same - promoted_by_cuda), None: frozenset(same)}
         self.catalog = catalog
         self._kind_of: dict[Any, str | None] = {}
         self._depth = 0  # forwards in flight that entered the mode
@@ -58,12 +62,13 @@ class Fp32Ops:
         module holding a site enters it, not only the model's forward: activation checkpointing
         runs a block's forward again in backward, outside the model's forward."""
         kinds = self.kinds.get(device_type, self.kinds[None])
-        if self._depth or not kinds:
+        same = self.same_dtype.get(device_type, self.same_dtype[None])
+        if self._depth or not (kinds or same):
             yield
             return
         self._depth += 1
         try:
-            with _Upcast(self, kinds):
+            with _Upcast(self, kinds, same):
                 yield
         finally:
             self._depth -= 1
@@ -79,18 +84,60 @@ class Fp32Ops:
 
 
 class _Upcast(TorchFunctionMode):
-    def __init__(self, ops: Fp32Ops, kinds: frozenset[str]) -> None:
+    def __init__(self, ops: Fp32Ops, kinds: frozenset[str], same_dtype: frozenset[str] = frozenset()) -> None:
         super().__init__()
-        self.ops, self.kinds = ops, kinds
+        self.ops, self.kinds, self.same_dtype = ops, kinds, same_dtype
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = self.ops.kind(func)
-        if kind in self.kinds and "out" not in kwargs and _has_low(args, kwargs):
+        # out=None is passed on by F.normalize and its like: only a real out= tensor is left alone
+        if kind in self.kinds and kwargs.get("out") is None and _has_low(args, kwargs):
             loc = user_location(sys._getframe(1))
             if loc is not None and (kind, os.path.basename(loc.file), loc.line) in self.ops.sites:
                 args, kwargs = _up(args), _up(kwargs)
+                # a composite op (F.normalize: a norm, then a division) runs its own ops under
+                # autocast too, whose CPU policy casts the norm down again: off for the site
+                with torch.autocast(_device_type(args, kwargs), enabled=False):
+                    return func(*args, **kwargs)
+        if kind in self.same_dtype and kwargs.get("out") is None:
+            # an fp32 op's output meeting a low one where the kernel wants one dtype (EDM2's
+            # ``a.lerp(b, t)``): what type promotion would give, the widest
+            dtypes = _float_dtypes((*args, *kwargs.values()))
+            if len(dtypes) > 1:
+                wide = torch.float32 if not dtypes - set(_LOW) - {torch.float32} else torch.float64
+                args, kwargs = _to(args, wide), _to(kwargs, wide)
         return func(*args, **kwargs)
+
+
+def _device_type(args: tuple, kwargs: dict) -> str:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+        if isinstance(value, (list, tuple)) and value:
+            return _device_type(tuple(value), {})
+    return "cpu"
+
+
+def _float_dtypes(values: Iterable[Any]) -> set[torch.dtype]:
+    found: set[torch.dtype] = set()
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            found.add(v.dtype)
+        elif isinstance(v, (list, tuple)):
+            found |= _float_dtypes(v)
+    return found
+
+
+def _to(value: Any, dtype: torch.dtype) -> Any:
+    """Float tensors in ``value`` (a tensor, list, tuple or dict) as ``dtype``; the rest as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _has_low(args: tuple, kwargs: dict) -> bool:

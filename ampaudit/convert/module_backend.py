@@ -95,14 +95,19 @@ def _what_runs(records: list[dict[str, Any]], leaves: frozenset[str]) -> list[di
 
 def whole_fp32_modules(records: Iterable[Mapping[str, Any]], leaves: frozenset[str]) -> set[str]:
     """The modules run whole in fp32 (autocast off, fp32 inputs): the outermost holding an
-    override not upcast at its own op, and the leaves with an fp32 op."""
+    override not upcast at its own op, and the leaves with an fp32 op no upcast at its own
+    site can keep fp32 - a torch.nn leaf recorded whole (a norm), an in-place op, a factory.
+    A leaf of the user's whose own ops were recorded (EDM2's ``MPConv``: the weight normalised
+    in fp32, then a conv) has its fp32 ops upcast where they are (``fp32_ops``): run whole in
+    fp32, its conv and matmul were fp32 too."""
     ops: dict[str, list[Mapping[str, Any]]] = {}
     for record in records:
         if record.get("op", "").startswith("call_") and record.get("module"):
             ops.setdefault(record["module"], []).append(record)
     overridden = _outermost({m for m, rs in ops.items()
                              if any(_override(r) and not _by_site(r, leaves) for r in rs)})
-    leaves_fp32 = {m for m, rs in ops.items() if m in leaves and any(r["compute"] == "float32" for r in rs)}
+    leaves_fp32 = {m for m, rs in ops.items()
+                   if m in leaves and any(r["compute"] == "float32" and _whole(r) for r in rs)}
     return overridden | leaves_fp32
 
 
@@ -116,6 +121,13 @@ def _by_site(record: Mapping[str, Any], leaves: frozenset[str]) -> bool:
     planned: a constant or measured overflow in a module with children, on a tensor input."""
     return record.get("rule") in ("AMP201", "AMP301") and record.get("compute") == "float32" \
         and record.get("module") not in leaves and record.get("kind") not in _FACTORIES and not _in_place(record)
+
+
+def _whole(record: Mapping[str, Any]) -> bool:
+    """An fp32 op of a leaf that only running the leaf whole in fp32 keeps fp32: a module
+    recorded whole (its ops unseen), an in-place op or a factory, an override."""
+    return record.get("op") == "call_module" or _in_place(record) or record.get("kind") in _FACTORIES \
+        or _override(record)
 
 
 def _in_place(record: Mapping[str, Any]) -> bool:
@@ -160,7 +172,8 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
     # nn.Linear's line is every Linear's)
     sites = [r for r in records if (r.get("rule") is None or _by_site(r, leaves))
              and not (r.get("module") and _under(r["module"], whole))]
-    fp32_ops = Fp32Ops(sites, catalog if catalog is not None else builtin_catalog())
+    fp32_ops = Fp32Ops(sites, catalog if catalog is not None else builtin_catalog(),
+                       ran={str(r["kind"]) for r in records if r.get("op") in ("call_function", "call_method")})
     for path in fp32_ops.modules():
         module = modules.get(path)
         if path and module is not None and not _under(path, overridden | leaves_fp32):

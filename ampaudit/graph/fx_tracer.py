@@ -239,8 +239,35 @@ def fx_trace(
         return None, FxFailure(path, type(failed).__name__, message, loc)
     if concrete_args:
         _keep_argument_names(gm, concrete_args)
+    python_scalars(gm)
     fill_missing_locations(gm.graph, root)
     return gm, None
+
+
+def python_scalars(gm: fx.GraphModule) -> None:
+    """NumPy scalars in the graph's arguments as the Python numbers they equal: fx writes one
+    as its repr, ``np.float64(0.76...)`` under NumPy 2, into code that has no ``np`` - EDM2's
+    ``a.lerp(b, t) / np.sqrt(...)`` traced, then raised NameError when the graph ran."""
+    np = sys.modules.get("numpy")  # never imported: no NumPy scalar can be in the graph
+    if np is None:
+        return
+    changed = False
+
+    def plain(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, np.generic) and np.ndim(value) == 0:
+            changed = True
+            return value.item()
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(plain(v) for v in value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    for node in gm.graph.nodes:
+        node.args, node.kwargs = plain(node.args), plain(node.kwargs)
+    if changed:
+        gm.recompile()
 
 
 def _keep_argument_names(gm: fx.GraphModule, concrete_args: dict[str, Any]) -> None:

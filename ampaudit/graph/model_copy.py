@@ -7,11 +7,18 @@ leaves) support the deepcopy protocol"), from the moment the model is built. ``s
 leaves one after a training forward, and so does any forward that caches an intermediate on
 ``self``. Such an attribute is a forward's by-product - weight_norm's pre-hook recomputes it
 before every call - so the copy gets it detached, and the user's model keeps its own.
+
+A method bound on the instance to the module itself (the modules backend's ``forward``
+wrapper, accelerate's hooks) is taken off while the copy is made and bound to the copy's
+module after: a class whose ``__reduce__`` passes its state as the reconstructor's arguments
+(StyleGAN's and EDM2's ``persistence.persistent_class``) copies that state before the copy
+exists, so the method's ``__self__`` led back to the module without end (RecursionError).
 """
 
 from __future__ import annotations
 
 import copy
+import types
 from typing import TypeVar
 
 import torch
@@ -24,10 +31,21 @@ def copy_model(model: M) -> M:
     (not a parameter or buffer) copied detached."""
     held = [(module, name, value) for module in model.modules() for name, value in vars(module).items()
             if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+    modules = list(model.modules())
+    bound = [(i, name, value) for i, module in enumerate(modules) for name, value in vars(module).items()
+             if isinstance(value, types.MethodType) and value.__self__ is module]
     try:
         for module, name, value in held:
             module.__dict__[name] = value.detach()
-        return copy.deepcopy(model)
+        for i, name, _ in bound:
+            del modules[i].__dict__[name]
+        copied = copy.deepcopy(model)
     finally:
         for module, name, value in held:
             module.__dict__[name] = value
+        for i, name, value in bound:
+            modules[i].__dict__[name] = value
+    copies = list(copied.modules())
+    for i, name, value in bound:
+        copies[i].__dict__[name] = types.MethodType(value.__func__, copies[i])
+    return copied

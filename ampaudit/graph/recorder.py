@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.tensors import has_tensor
 from ampaudit.core.userframe import Loc, boundary, user_location
+from ampaudit.graph.cast_source import dtype_written
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
 from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.module_calls import forwards_wrapped
@@ -244,9 +245,25 @@ def record_trace(
         with _in_float64(root):
             gm, out = _record(root, _widen(args), _widen(kwargs), catalog)
     except Exception:
-        return _record(root, args, kwargs, catalog)
+        gm, out = _record(root, args, kwargs, catalog)
+        _mark_followed(gm)
+        return gm, out
     _narrow(gm)
+    _mark_followed(gm)
     return gm, _narrow_tensors(out)
+
+
+def _mark_followed(gm: fx.GraphModule) -> None:
+    """Casts to fp32 whose source reads the dtype from a value (``w.to(x.dtype)`` after the
+    model made ``x`` fp32 itself, which float64 cannot show) are marked ``DYNAMIC`` too."""
+    for node in gm.graph.nodes:
+        if node.op != "call_method" or node.target not in ("to", "type") or node.meta.get(DYNAMIC):
+            continue
+        if not any(a in (torch.float32, torch.float64) for a in (*node.args[1:], node.kwargs.get("dtype"))):
+            continue
+        loc = node.meta.get(LOC)
+        if loc is not None and dtype_written(loc.file, loc.line, loc.column) is False:
+            node.meta[DYNAMIC] = True
 
 
 def _record(root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog) -> tuple[fx.GraphModule, Any]:
