@@ -389,8 +389,8 @@ class Visitor:
             held = self._context(bound) if bound else None
             if held is not None:  # a name the file assigned: what it holds, whatever an import of that name binds
                 call = _entered(held, item.context_expr)
-            elif call.__class__ is ast.IfExp:  # `with torch.autocast("cuda") if amp else nullcontext():`
-                call = autocasts.held_in(self.qualified, call)
+            elif call.__class__ in (ast.IfExp, ast.Subscript):  # `with autocast("cuda") if amp else nullcontext():`,
+                call = autocasts.held_in(self.qualified, call)  # `with {"fp16": autocast(...), ...}[precision]:`
             elif call.__class__ is not ast.Call or autocasts.device(self.qualified, call.func) is False:
                 call = None
             if call.__class__ is ast.Call and (device := autocasts.device(self.qualified, call.func)) is not False:
