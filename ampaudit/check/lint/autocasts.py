@@ -36,7 +36,52 @@ def device(qualify: Qualify, func: ast.expr) -> str | bool | None:
 def held_in(qualify: Qualify, value: ast.expr) -> ast.Call | None:
     """The autocast call a context variable holds: ``torch.autocast(...)``, one side of
     ``nullcontext() if cpu else torch.autocast(...)``, ``partial(torch.autocast, ...)``, or
-    the uncalled function (``accelerator.autocast if amp else nullcontext``)."""
+    the uncalled function (``accelerator.autocast if amp else nullcontext``). Held on one side
+    of a condition only, it is on in the runs where the condition says so: the call it gives
+    reads ``enabled=<the condition>`` (llama-recipes' ``autocast = torch.cuda.amp.autocast if
+    use_fp16 else nullcontext``, then ``if use_fp16: scaler... else: loss.backward()``)."""
+    if value.__class__ is ast.Subscript and value.value.__class__ is ast.Dict:
+        return _picked(qualify, value.value, value.slice)
+    if value.__class__ is not ast.IfExp:
+        return _held(qualify, value)
+    body, orelse = _held(qualify, value.body), _held(qualify, value.orelse)
+    if body is not None and orelse is not None:
+        return body  # an autocast either way: no switch
+    if body is None and orelse is None:
+        return None
+    call, on = (body, value.test) if body is not None else (orelse, ast.UnaryOp(ast.Not(), value.test))
+    position = 0 if device(qualify, call.func) is not None else 2  # as region() reads it
+    if any(k.arg == "enabled" for k in call.keywords) or len(call.args) > position:
+        return call  # its own enabled= says when it is on
+    switch = ast.keyword(arg="enabled", value=ast.copy_location(on, value.test))
+    return ast.Call(func=call.func, args=call.args, keywords=[*call.keywords, ast.copy_location(switch, value.test)])
+
+
+def _picked(qualify: Qualify, table: ast.Dict, key: ast.expr) -> ast.Call | None:
+    """The autocast a dict of contexts gives for ``key`` (``{"bf16": autocast(dtype=torch.bfloat16),
+    "fp16": autocast(dtype=torch.float16), "tf32": nullcontext()}[args.precision]``: LLaMA-Adapter,
+    LlamaGen): an autocast whose dtype is ``key`` where the entries' dtypes differ, and whose
+    ``enabled=`` is ``key`` where some entry is no autocast."""
+    entries = [_held(qualify, v) for v in table.values]
+    calls = [c for c in entries if c is not None]
+    if not calls:
+        return None
+    first = calls[0]
+    dtypes = {ast.dump(k.value) for c in calls for k in c.keywords if k.arg == "dtype"}
+    keywords = [k for k in first.keywords if k.arg not in ("dtype", "enabled")]
+    if len(dtypes) == 1 and all(any(k.arg == "dtype" for k in c.keywords) for c in calls):
+        keywords += [k for k in first.keywords if k.arg == "dtype"]
+    elif dtypes:
+        keywords.append(ast.copy_location(ast.keyword(arg="dtype", value=key), key))
+    if len(calls) < len(entries):
+        keywords.append(ast.copy_location(ast.keyword(arg="enabled", value=key), key))
+    # the device, where torch.autocast takes it positionally; a dtype or enabled written
+    # positionally would be the picked one's alone
+    position = 0 if device(qualify, first.func) is not None else 1
+    return ast.Call(func=first.func, args=first.args[:position], keywords=keywords)
+
+
+def _held(qualify: Qualify, value: ast.expr) -> ast.Call | None:
     for candidate in (value, *(getattr(value, side, None) for side in ("body", "orelse"))):
         if candidate.__class__ in _NAMES and device(qualify, candidate) is not False:
             return ast.Call(func=candidate, args=[], keywords=[])  # `ctx = accelerator.autocast if amp else ...`
@@ -75,7 +120,7 @@ def region(text: SourceText, qualify: Qualify, node: ast.With | ast.AsyncWith, c
     elif on == "cpu":
         dtype = BFLOAT16
     line, column = text.position(node)
-    # enabled is torch.cuda.amp.autocast's first parameter, torch.autocast's third
+    # enabled is torch.cuda.amp.autocast's first parameter, torch.autocast's third (held_in too)
     position = 0 if implied is not None else 2
     enabled = keywords.get("enabled", args[position].value if len(args) > position else None)
     switched = enabled is not None and not (enabled.__class__ is ast.Constant and type(enabled.value) is bool)

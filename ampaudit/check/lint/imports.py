@@ -64,7 +64,26 @@ class ImportMap:
         target = self.bound.get(root)
         if target is None:
             return frozenset({f"builtins.{name}" if name in _BUILTINS else name})
-        return frozenset({target + dot + rest})
+        full = target + dot + rest
+        public = amp_public_name(full)
+        return frozenset({full, public}) if public else frozenset({full})
+
+
+def amp_public_name(name: str) -> str | None:
+    """The public spelling of an AMP name read through the module that defines it -
+    ``torch.cuda.amp.grad_scaler.GradScaler`` is ``torch.cuda.amp.GradScaler``,
+    ``torch.amp.autocast_mode.autocast`` is ``torch.amp.autocast`` - so that the rules, which ask
+    for the public names, know it; None for any other name."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[:1] == ["torch"] and parts[1:3] in _AMP_PACKAGES and parts[3] in _AMP_SUBMODULES:
+        return ".".join([*parts[:3], parts[4]])
+    if len(parts) == 4 and parts[:2] == ["torch", "amp"] and parts[2] in _AMP_SUBMODULES:
+        return f"torch.amp.{parts[3]}"
+    return None
+
+
+_AMP_PACKAGES = (["cuda", "amp"], ["cpu", "amp"])
+_AMP_SUBMODULES = frozenset({"grad_scaler", "autocast_mode"})
 
 
 # What `from M import *` binds, for the AMP modules the rules ask about: each one's

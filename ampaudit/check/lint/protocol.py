@@ -30,6 +30,37 @@ ADAMS = frozenset({"torch.optim.Adam", "torch.optim.AdamW", "torch.optim.Adamax"
                    "torch.optim.RAdam", "torch.optim.adam.Adam", "torch.optim.adamw.AdamW"})
 
 
+def clips(facts: ScriptFacts, call: Call) -> bool:
+    """``call`` clips gradients: torch's clip_grad_norm_ / clip_grad_value_, or a function of
+    this file that calls one and does not unscale_ first - ``self._clip_gradients(max_norm)``
+    (ClassyVision's classification task), ``clip(parameters, max_norm)``."""
+    if call.names & CLIPS:
+        return True
+    func = call.node.func
+    if func.__class__ is ast.Name:
+        owner, name = None, func.id  # a function of the module
+    elif func.__class__ is ast.Attribute and func.value.__class__ is ast.Name and func.value.id == "self":
+        owner, name = facts.methods.get(call.scope), func.attr  # a method of the caller's class
+        if owner is None:
+            return False
+    else:
+        return False
+    return (owner, name) in _clip_helpers(facts)
+
+
+@per_file
+def _clip_helpers(facts: ScriptFacts) -> frozenset[tuple[str | None, str]]:
+    """(class or None, name) of the functions that clip gradients they do not unscale."""
+    found = set()
+    for scope in facts.scopes():
+        if scope.kind != "function":
+            continue
+        calls = facts.calls_in(scope)
+        if any(c.names & CLIPS for c in calls) and not any(c.method == "unscale_" for c in calls):
+            found.add((facts.methods.get(scope), scope.name))
+    return frozenset(found)
+
+
 def finding(facts: ScriptFacts, code: str, at: Any, *, fix: str | None = None,
             autofix: Autofix | None = None, **fields: Any) -> Finding:
     """A finding at a fact (anything with ``line`` and ``column``)."""

@@ -385,9 +385,14 @@ class Visitor:
         scale_loss = self.scale_loss[-1]
         for item in node.items:
             call = item.context_expr
-            if call.__class__ is not ast.Call or autocasts.device(self.qualified, call.func) is False:
-                bound = dotted(call.func if call.__class__ is ast.Call else call)  # `with ctx:` / `with ctx():`
-                call = self._context(bound or "")
+            bound = dotted(call.func if call.__class__ is ast.Call else call)  # `with ctx:` / `with ctx():`
+            held = self._context(bound) if bound else None
+            if held is not None:  # a name the file assigned: what it holds, whatever an import of that name binds
+                call = _entered(held, item.context_expr)
+            elif call.__class__ in (ast.IfExp, ast.Subscript):  # `with autocast("cuda") if amp else nullcontext():`,
+                call = autocasts.held_in(self.qualified, call)  # `with {"fp16": autocast(...), ...}[precision]:`
+            elif call.__class__ is not ast.Call or autocasts.device(self.qualified, call.func) is False:
+                call = None
             if call.__class__ is ast.Call and (device := autocasts.device(self.qualified, call.func)) is not False:
                 block = autocasts.region(self.text, self.qualified, node, call, device, self.scope)
                 self.found.autocasts.append(block)
@@ -637,6 +642,16 @@ _FLOAT16_ATTRIBUTES = frozenset(name.rsplit(".", 1)[1] for name in FLOAT16_NAMES
 
 _SCOPE_OF_CALL = attrgetter("scope")
 _SCOPE_OF_ASSIGNMENT = attrgetter("call.scope")
+
+
+def _entered(held: ast.Call, entered: ast.expr) -> ast.Call:
+    """The autocast call a ``with`` enters through a name that holds ``held``: ``with ctx:``
+    enters it as it is; ``with autocast("cuda"):`` calls the function (or partial) it holds with
+    more arguments, its own keywords winning."""
+    if entered.__class__ is not ast.Call or not (entered.args or entered.keywords):
+        return held
+    keywords = {k.arg: k for k in held.keywords} | {k.arg: k for k in entered.keywords}
+    return ast.Call(func=held.func, args=[*held.args, *entered.args], keywords=list(keywords.values()))
 
 
 def _calls_method(node: ast.AST, method: str) -> bool:

@@ -10,10 +10,10 @@ from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import ScriptFacts
 from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import (
-    CLIPS,
     amp_path,
     backward_calls,
     backward_scaler,
+    clips,
     guard_prefix,
     on_path,
     optimizers,
@@ -31,7 +31,7 @@ def clip_before_unscale(facts: ScriptFacts) -> Iterator[Finding]:
         if not backwards:
             continue
         for clip in facts.calls_in(scope):
-            if not clip.names & CLIPS or not amp_path(facts, clip):
+            if not clips(facts, clip) or not amp_path(facts, clip):
                 continue
             before = [b for b in backwards if b.line < clip.line]
             if not before:

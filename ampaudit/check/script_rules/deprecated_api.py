@@ -20,6 +20,7 @@ from typing import Any
 
 from ampaudit.check.lint import edits
 from ampaudit.check.lint.facts import Import, ScriptFacts
+from ampaudit.check.lint.imports import amp_public_name
 from ampaudit.check.lint.memo import per_file
 from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import finding
@@ -36,6 +37,10 @@ _DEPRECATED = {
     "torch.cuda.amp.custom_bwd": ("torch.amp.custom_bwd", "cuda", False),
 }
 _OLD_MODULES = ("torch.cuda.amp", "torch.cpu.amp")
+# the modules that define the old classes: imported from, they are the same deprecated classes
+# (nerfstudio's `from torch.cuda.amp.grad_scaler import GradScaler`); torch.amp has its own
+_OLD_SUBMODULES = {f"torch.{device}.amp.{module}": f"torch.amp.{module}"
+                   for device in ("cuda", "cpu") for module in ("grad_scaler", "autocast_mode")}
 
 
 @dataclass
@@ -128,7 +133,22 @@ def _all_edits(facts: ScriptFacts, first: Edit, uses: list[_Use]) -> tuple[Edit,
 
 
 def _bound_names(imp: Import) -> set[str]:
+    """The names an import of an old module binds - of a module defining an old class, the
+    deprecated ones only (``OptState`` stays what it is in torch.amp.grad_scaler)."""
+    if imp.module in _OLD_SUBMODULES:
+        return {bound for name, bound in imp.names if amp_public_name(f"{imp.module}.{name}") in _DEPRECATED}
     return {bound for _, bound in imp.names}
+
+
+def _imports_old_class(imp: Import) -> bool:
+    return imp.module in _OLD_SUBMODULES and bool(_bound_names(imp))
+
+
+def _spelled_out(node: ast.expr, old: str) -> bool:
+    """``node`` spells the deprecated name in full: ``torch.cuda.amp.autocast``, or through the
+    module defining it, ``torch.cuda.amp.autocast_mode.autocast``."""
+    name = dotted(node)
+    return name is not None and (name == old or amp_public_name(name) == old)
 
 
 def _all_uses_fixable(facts: ScriptFacts, imp: Import, uses: list[_Use]) -> bool:
@@ -171,17 +191,18 @@ def _class_tests(facts: ScriptFacts) -> frozenset[int]:
 def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
     """Every deprecated spelling, with the binding it belongs to."""
     uses = _uses(facts)
-    imports = [i for i in facts.imports if i.module in _OLD_MODULES and isinstance(i.node, ast.ImportFrom)
-               and not i.compat]
+    imports = [i for i in facts.imports if isinstance(i.node, ast.ImportFrom) and not i.compat
+               and (i.module in _OLD_MODULES or _imports_old_class(i))]
     by_name = {bound: imp for imp in imports for bound in _bound_names(imp)}
     groups: dict[int, tuple[Edit, ...] | None] = {}
     for imp in imports:
         members = [u for u in uses if isinstance(u.callee, ast.Name) and by_name.get(u.callee.id) is imp]
         fixable = _all_uses_fixable(facts, imp, uses)
-        groups[id(imp)] = _all_edits(facts, edits.rename_module(facts, imp.node, "torch.amp"), members) \
+        module = _OLD_SUBMODULES.get(imp.module, "torch.amp")
+        groups[id(imp)] = _all_edits(facts, edits.rename_module(facts, imp.node, module), members) \
             if fixable else None
-        yield id(imp), finding(facts, "AMP401", imp, old=f"from {imp.module} import", new="from torch.amp import",
-                               fix="import from torch.amp and pass the device to each use",
+        yield id(imp), finding(facts, "AMP401", imp, old=f"from {imp.module} import", new=f"from {module} import",
+                               fix=f"import from {module} and pass the device to each use",
                                autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
     aliases = _module_aliases(facts)
     for bound, imp in aliases.items():
@@ -201,7 +222,7 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
             fix_edits, key = groups[id(imp)], id(imp)
         elif alias is not None:
             fix_edits, key = groups[id(alias)], id(alias)
-        elif dotted(use.callee) == use.old:  # spelled out in full: rename in place
+        elif _spelled_out(use.callee, use.old):  # rename in place
             fix_edits = _all_edits(facts, edits.replace(facts, use.callee, new), [use])
         else:
             fix_edits = None
@@ -220,7 +241,7 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
             # base, and what the fixed calls build (an isinstance of the old class would now be
             # False); a value (`ac = torch.cuda.amp.autocast`) needs the device
             named = ref.annotation or (id(ref.node) in class_tests and not old.endswith(("_fwd", "_bwd")))
-            rename = named and owner is None and dotted(ref.node) == old
+            rename = named and owner is None and _spelled_out(ref.node, old)
             yield (id(owner) if owner is not None else old), finding(
                 facts, "AMP401", ref, old=old, new=f"{new} with {_device(old)}",
                 fix=f"use {new} and pass {_device(old)} where it is called",

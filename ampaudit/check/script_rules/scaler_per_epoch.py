@@ -6,6 +6,7 @@ skipped, every epoch, while a per-step schedule moves on."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import GRAD_SCALERS, Assignment, Call, Scope, ScriptFacts
@@ -16,6 +17,7 @@ from ampaudit.core.findings import Finding
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _TRAINS = frozenset({"scale", "step"})
+_ONE_EPOCH = re.compile(r"(?<![a-z])epoch(?![a-z])", re.IGNORECASE)  # train_one_epoch, _train_epoch: not train_epochs
 
 
 @lint_rule("AMP448", reads=("GradScaler", "epoch"))
@@ -45,6 +47,13 @@ def grad_scaler_built_per_epoch(facts: ScriptFacts) -> Iterator[Finding]:
                           where=f"in `{call.scope.name}()`, which the loop at line {caller.loop.lineno} calls on "
                                 "every iteration",
                           fix=f"build {built.target} once, outside the loop, and pass it to {call.scope.name}()")
+        elif _ONE_EPOCH.search(call.scope.name):
+            # the epoch loop that calls it is in another file (DINO's engine.train_one_epoch,
+            # StarGANv2-VC's Trainer._train_epoch): the name says it runs once per epoch
+            yield finding(facts, "AMP448", call, scaler=built.target,
+                          where=f"in `{call.scope.name}()`, a function that runs one epoch per call",
+                          fix=f"build {built.target} once, outside the epoch loop, and pass it to "
+                              f"{call.scope.name}()")
 
 
 def _built_once(facts: ScriptFacts, built: Assignment) -> bool:
