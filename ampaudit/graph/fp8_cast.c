@@ -130,3 +130,160 @@ void ampaudit_fp8_cast(const float *x, float *out, int64_t outer, int64_t inner,
     counts[1] += nz_q;
     counts[2] += sat;
 }
+
+/* The same cast with its scales computed here from the amaxes, as graph/fp8_casts.py's torch ops
+ * compute them (the torch ops' half dozen small ops a scale cost more than the cast of a small
+ * operand). `gran`: 0 one scale for the tensor (from `amax` where it is >= 0, else x's own),
+ * 1 one per outer run, 2 one per inner index (along the outer dim), 3 MX blocks of 32 along the
+ * inner dim, 4 MX blocks of 32 along the outer dim (a last block shorter: as torch's zero padding,
+ * which changes no amax and no count).
+ *
+ * A scale: fp32((1 / max(amax, 1e-12)) * fmax) in double (torch's fmax / t is t.reciprocal() *
+ * fmax), rounded down to a power of two where `pow2` (torch: exp2(floor(log2(s)))). MX:
+ * 2^clamp(floor(log2(amax)) - emax, -127, 127), 2^-127 where amax is 0. floor(log2(a)) is a's
+ * binary exponent, except that torch's float32 log2 rounds up to the next integer a value 1-3
+ * ulps below a power of two (measured): within 2^-14 of a power of two (not one), and for a
+ * non-finite amax, the kernel declines (returns 1, counts untouched) and the caller takes the
+ * torch ops. Returns 0 when done. */
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+
+static inline int floor_log2(float a) { /* a finite, > 0; INT_MIN: too near a power of two */
+    int k;
+    float m = frexpf(a, &k); /* a = m 2^k, m in [0.5, 1) */
+    if (m != 0.5f && (m > 1.0f - 0x1p-14f || m < 0.5f + 0x1p-15f)) return INT_MIN;
+    return k - 1;
+}
+
+static inline int tensor_scale(float amax, double fmax, int pow2, float *scale) {
+    if (!(amax <= FLT_MAX)) return 0; /* inf or NaN */
+    double d = amax < 1e-12 ? 1e-12 : (double)amax;
+    float s = (float)((1.0 / d) * fmax);
+    if (pow2) {
+        int e = floor_log2(s);
+        if (e == INT_MIN) return 0;
+        s = ldexpf(1.0f, e);
+    }
+    *scale = s;
+    return 1;
+}
+
+static inline int mx_scale(float amax, int emax, float *scale) {
+    if (!(amax <= FLT_MAX)) return 0;
+    int e = -127;
+    if (amax > 0) {
+        int l = floor_log2(amax);
+        if (l == INT_MIN) return 0;
+        e = l - emax;
+    }
+    e = e < -127 ? -127 : e > 127 ? 127 : e;
+    *scale = ldexpf(1.0f, e);
+    return 1;
+}
+
+/* |x|'s max as fp32 bits (their order is the magnitudes'; a NaN's are above inf's) */
+SIMD_CLONES static uint32_t run_amax(const float *x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+SIMD_CLONES static void column_amax(const float *x, int64_t lo, int64_t hi, int64_t inner, uint32_t *m) {
+    for (int64_t o = lo; o < hi; o++) {
+        const float *row = x + o * inner;
+        for (int64_t i = 0; i < inner; i++) {
+            uint32_t a = bits_of(row[i]) & 0x7fffffffu;
+            m[i] = a > m[i] ? a : m[i];
+        }
+    }
+}
+
+/* MX: element (o, i) has its scale at scale[(o / go) * so + (gi ? i >> 5 : i)] */
+SIMD_CLONES static void cast_blocks(const float *x, float *out, int64_t outer, int64_t inner, const float *scale,
+                                    int64_t go, int64_t so, int gi, const Format *f, int64_t *counts) {
+    int64_t nz_x = 0, nz_q = 0, sat = 0;
+    const float fmax = f->fmax;
+    for (int64_t o = 0; o < outer; o++) {
+        const float *row = x + o * inner, *s = scale + (o / go) * so;
+        float *dst = out + o * inner;
+        for (int64_t i = 0; i < inner; i++) {
+            float s1 = gi ? s[i >> 5] : s[i], v = row[i] / s1;
+            float m = v < 0 ? -v : v;
+            sat += m > fmax;
+            v = v > fmax ? fmax : v < -fmax ? -fmax : v;
+            float q = round_fp8(v, f);
+            nz_x += (bits_of(row[i]) & 0x7fffffffu) != 0;
+            nz_q += (bits_of(q) & 0x7fffffffu) != 0;
+            dst[i] = q * s1;
+        }
+    }
+    counts[0] += nz_x;
+    counts[1] += nz_q;
+    counts[2] += sat;
+}
+
+int ampaudit_fp8_cast_amax(const float *x, float *out, int64_t outer, int64_t inner, int gran, float amax,
+                           int pow2, int emax, uint32_t shift, uint32_t min_normal, float magic, uint32_t max_bits,
+                           uint32_t over_bits, float fmax, int64_t *counts, int threads) {
+    Format f = {shift, min_normal, magic, max_bits, over_bits, fmax, gran >= 3};
+    int64_t n = outer * inner, blocks_in = (inner + 31) / 32, groups = (outer + 31) / 32;
+    int64_t size = gran == 0 ? 1 : gran == 1 ? outer : gran == 2 ? inner : gran == 3 ? outer * blocks_in
+                                                                                     : groups * inner;
+    float one, *scale = size == 1 ? &one : malloc(size * sizeof(float));
+    uint32_t *m = gran == 2 || gran == 4 ? calloc(inner, sizeof(uint32_t)) : NULL;
+    int ok = scale != NULL && (m != NULL || !(gran == 2 || gran == 4));
+    int64_t parts = n / CHUNK < threads ? n / CHUNK : threads;
+    if (ok && gran == 0) {
+        uint32_t a = 0;
+        if (amax < 0 && parts >= 2) { /* the tensor's amax, in parallel: a multi-MB activation's */
+            _Pragma("omp parallel for num_threads(parts) schedule(static) reduction(max:a)")
+            for (int64_t p = 0; p < parts; p++) {
+                uint32_t r = run_amax(x + n * p / parts, n * (p + 1) / parts - n * p / parts);
+                a = r > a ? r : a;
+            }
+        } else if (amax < 0) {
+            a = run_amax(x, n);
+        }
+        ok = tensor_scale(amax >= 0 ? amax : float_of(a), fmax, pow2, scale);
+    } else if (ok && gran == 1) {
+        _Pragma("omp parallel for num_threads(parts < 2 ? 1 : parts) schedule(static) if(parts >= 2)")
+        for (int64_t o = 0; o < outer; o++) scale[o] = float_of(run_amax(x + o * inner, inner));
+        for (int64_t o = 0; o < outer && ok; o++) ok = tensor_scale(scale[o], fmax, pow2, scale + o);
+    } else if (ok && gran == 2) {
+        column_amax(x, 0, outer, inner, m);
+        for (int64_t i = 0; i < inner && ok; i++) ok = tensor_scale(float_of(m[i]), fmax, pow2, scale + i);
+    } else if (ok && gran == 3) {
+        for (int64_t o = 0; o < outer && ok; o++)
+            for (int64_t b = 0; b < blocks_in && ok; b++) {
+                int64_t lo = b * 32, len = inner - lo < 32 ? inner - lo : 32;
+                ok = mx_scale(float_of(run_amax(x + o * inner + lo, len)), emax, scale + o * blocks_in + b);
+            }
+    } else if (ok && gran == 4) {
+        for (int64_t g = 0; g < groups && ok; g++) {
+            memset(m, 0, inner * sizeof(uint32_t));
+            column_amax(x, g * 32, (g + 1) * 32 < outer ? (g + 1) * 32 : outer, inner, m);
+            for (int64_t i = 0; i < inner && ok; i++) ok = mx_scale(float_of(m[i]), emax, scale + g * inner + i);
+        }
+    }
+    if (ok) {
+        int64_t local[3] = {0, 0, 0};
+        if (gran == 3)
+            cast_blocks(x, out, outer, inner, scale, 1, blocks_in, 1, &f, local);
+        else if (gran == 4)
+            cast_blocks(x, out, outer, inner, scale, 32, inner, 0, &f, local);
+        else
+            ampaudit_fp8_cast(x, out, outer, inner, scale, gran == 1, gran == 2, shift, min_normal, magic, max_bits,
+                              over_bits, fmax, 0, local, threads);
+        counts[0] += local[0];
+        counts[1] += local[1];
+        counts[2] += local[2];
+    }
+    if (scale != &one) free(scale);
+    free(m);
+    return !ok;
+}

@@ -177,6 +177,13 @@ def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | Non
         if nonzero is None:
             nonzero = int(torch.count_nonzero(x)) if count else 0
         return CastResult(x, 0, 0, nonzero)
+    # one C pass with the scales computed in it (the torch ops below give the same bits)
+    given = float(amax) if how.granularity == TENSOR and amax is not None else None
+    along = None if how.granularity == TENSOR else dim
+    done = fp8_native.cast(x, fp8_native.FromAmax(along, pow2 and how.granularity != BLOCK, given), how.fmt,
+                           block=how.granularity == BLOCK)
+    if done is not None:
+        return _kernel_result(done[0], done, nonzero, count)
     if how.granularity == BLOCK:
         return _mx_cast(x, how.fmt, dim, nonzero, count)
     if how.granularity != TENSOR or amax is None:
