@@ -141,19 +141,20 @@ void ampaudit_fp8_cast(const float *x, float *out, int64_t outer, int64_t inner,
  * A scale: fp32((1 / max(amax, 1e-12)) * fmax) in double (torch's fmax / t is t.reciprocal() *
  * fmax), rounded down to a power of two where `pow2` (torch: exp2(floor(log2(s)))). MX:
  * 2^clamp(floor(log2(amax)) - emax, -127, 127), 2^-127 where amax is 0. floor(log2(a)) is a's
- * binary exponent, except that torch's float32 log2 rounds up to the next integer a value 1-3
- * ulps below a power of two (measured): within 2^-14 of a power of two (not one), and for a
- * non-finite amax, the kernel declines (returns 1, counts untouched) and the caller takes the
- * torch ops. Returns 0 when done. */
+ * binary exponent, except that torch's float32 log2 rounds up to the next integer values up to
+ * 5.2e-6 below a power of two (1-88 ulps, more the larger the exponent): within 2^-14 of one,
+ * floorf(log2f(a)) decides - libm's log2f, which torch's scalar path calls, and which gave the
+ * floor its vector path (Sleef) gives on every fp32 value within 2^14 ulps of every power of
+ * two (8.9M, measured, glibc). A non-finite amax: the kernel declines (returns 1, counts
+ * untouched) and the caller takes the torch ops. Returns 0 when done. */
 #include <float.h>
-#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 
-static inline int floor_log2(float a) { /* a finite, > 0; INT_MIN: too near a power of two */
+static inline int floor_log2(float a) { /* a finite, > 0 */
     int k;
     float m = frexpf(a, &k); /* a = m 2^k, m in [0.5, 1) */
-    if (m != 0.5f && (m > 1.0f - 0x1p-14f || m < 0.5f + 0x1p-15f)) return INT_MIN;
+    if (m != 0.5f && (m > 1.0f - 0x1p-14f || m < 0.5f + 0x1p-15f)) return (int)floorf(log2f(a));
     return k - 1;
 }
 
@@ -162,9 +163,7 @@ static inline int tensor_scale(float amax, double fmax, int pow2, float *scale) 
     double d = amax < 1e-12 ? 1e-12 : (double)amax;
     float s = (float)((1.0 / d) * fmax);
     if (pow2) {
-        int e = floor_log2(s);
-        if (e == INT_MIN) return 0;
-        s = ldexpf(1.0f, e);
+        s = ldexpf(1.0f, floor_log2(s));
     }
     *scale = s;
     return 1;
@@ -173,11 +172,7 @@ static inline int tensor_scale(float amax, double fmax, int pow2, float *scale) 
 static inline int mx_scale(float amax, int emax, float *scale) {
     if (!(amax <= FLT_MAX)) return 0;
     int e = -127;
-    if (amax > 0) {
-        int l = floor_log2(amax);
-        if (l == INT_MIN) return 0;
-        e = l - emax;
-    }
+    if (amax > 0) e = floor_log2(amax) - emax;
     e = e < -127 ? -127 : e > 127 ? 127 : e;
     *scale = ldexpf(1.0f, e);
     return 1;
@@ -203,23 +198,42 @@ SIMD_CLONES static void column_amax(const float *x, int64_t lo, int64_t hi, int6
     }
 }
 
-/* MX: element (o, i) has its scale at scale[(o / go) * so + (gi ? i >> 5 : i)] */
-SIMD_CLONES static void cast_blocks(const float *x, float *out, int64_t outer, int64_t inner, const float *scale,
-                                    int64_t go, int64_t so, int gi, const Format *f, int64_t *counts) {
-    int64_t nz_x = 0, nz_q = 0, sat = 0;
+/* MX: n elements divided by their scales (a power of two: multiplied by its inverse, exactly the
+ * same), clamped, rounded and multiplied back; the scale one for all (ss 0) or one each (ss 1) */
+static inline void cast_mx_run(const float *x, float *dst, int64_t n, const float *s, int64_t ss, const Format *f,
+                               int64_t *nz_x, int64_t *nz_q, int64_t *sat) {
     const float fmax = f->fmax;
+    int64_t a = 0, b = 0, c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float s1 = s[i * ss], v = x[i] * (1.0f / s1);
+        float m = v < 0 ? -v : v;
+        c += m > fmax;
+        v = v > fmax ? fmax : v < -fmax ? -fmax : v;
+        float q = round_fp8(v, f);
+        a += (bits_of(x[i]) & 0x7fffffffu) != 0;
+        b += (bits_of(q) & 0x7fffffffu) != 0;
+        dst[i] = q * s1;
+    }
+    *nz_x += a;
+    *nz_q += b;
+    *sat += c;
+}
+
+/* MX blocks along the inner dim (`along_inner`: scale[o * ceil(inner / 32) + i / 32]) or the outer
+ * (scale[(o / 32) * inner + i]) */
+SIMD_CLONES static void cast_blocks(const float *x, float *out, int64_t outer, int64_t inner, const float *scale,
+                                    int along_inner, const Format *f, int64_t *counts) {
+    int64_t nz_x = 0, nz_q = 0, sat = 0, blocks = (inner + 31) / 32;
     for (int64_t o = 0; o < outer; o++) {
-        const float *row = x + o * inner, *s = scale + (o / go) * so;
+        const float *row = x + o * inner;
         float *dst = out + o * inner;
-        for (int64_t i = 0; i < inner; i++) {
-            float s1 = gi ? s[i >> 5] : s[i], v = row[i] / s1;
-            float m = v < 0 ? -v : v;
-            sat += m > fmax;
-            v = v > fmax ? fmax : v < -fmax ? -fmax : v;
-            float q = round_fp8(v, f);
-            nz_x += (bits_of(row[i]) & 0x7fffffffu) != 0;
-            nz_q += (bits_of(q) & 0x7fffffffu) != 0;
-            dst[i] = q * s1;
+        if (along_inner) {
+            for (int64_t b = 0; b < blocks; b++) {
+                int64_t lo = b * 32, len = inner - lo < 32 ? inner - lo : 32;
+                cast_mx_run(row + lo, dst + lo, len, scale + o * blocks + b, 0, f, &nz_x, &nz_q, &sat);
+            }
+        } else {
+            cast_mx_run(row, dst, inner, scale + (o / 32) * inner, 1, f, &nz_x, &nz_q, &sat);
         }
     }
     counts[0] += nz_x;
@@ -272,10 +286,8 @@ int ampaudit_fp8_cast_amax(const float *x, float *out, int64_t outer, int64_t in
     }
     if (ok) {
         int64_t local[3] = {0, 0, 0};
-        if (gran == 3)
-            cast_blocks(x, out, outer, inner, scale, 1, blocks_in, 1, &f, local);
-        else if (gran == 4)
-            cast_blocks(x, out, outer, inner, scale, 32, inner, 0, &f, local);
+        if (gran >= 3)
+            cast_blocks(x, out, outer, inner, scale, gran == 3, &f, local);
         else
             ampaudit_fp8_cast(x, out, outer, inner, scale, gran == 1, gran == 2, shift, min_normal, magic, max_bits,
                               over_bits, fmax, 0, local, threads);
@@ -286,4 +298,64 @@ int ampaudit_fp8_cast_amax(const float *x, float *out, int64_t outer, int64_t in
     if (scale != &one) free(scale);
     free(m);
     return !ok;
+}
+
+/* One operand's summary for the fp8 measurement, in one pass: |x|'s max per outer run
+ * (outer_amax), per inner index (inner_amax) and in all (amax), its nonzero elements, and its
+ * k-th smallest |x| (0-based: graph/fp8_measure.py's 99.9th percentile, the element torch's topk
+ * finds) - the smallest of its n - k largest, kept in a min-heap that a run whose max does not
+ * pass the heap's least skips. Magnitudes as fp32 bits: their order is the floats'. */
+static void sift_down(uint32_t *h, int64_t m, uint32_t v) { /* the root replaced by v */
+    int64_t i = 0;
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= m) break;
+        if (c + 1 < m && h[c + 1] < h[c]) c++;
+        if (h[c] >= v) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = v;
+}
+
+SIMD_CLONES static uint32_t run_summary(const float *row, int64_t inner, uint32_t *inner_m, int64_t *nz) {
+    uint32_t m = 0;
+    int64_t z = 0;
+    for (int64_t i = 0; i < inner; i++) {
+        uint32_t a = bits_of(row[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+        inner_m[i] = a > inner_m[i] ? a : inner_m[i];
+        z += a != 0;
+    }
+    *nz += z;
+    return m;
+}
+
+int ampaudit_fp8_summary(const float *x, int64_t outer, int64_t inner, float *outer_amax, float *inner_amax,
+                         int64_t k, int64_t *nonzero, float *kth, float *amax) {
+    int64_t n = outer * inner, top = n - k, nz = 0; /* the kth smallest: the least of the top largest */
+    uint32_t *heap = calloc(top, sizeof(uint32_t)), *inner_m = calloc(inner, sizeof(uint32_t)), all = 0;
+    if (heap == NULL || inner_m == NULL) {
+        free(heap);
+        free(inner_m);
+        return 1;
+    }
+    for (int64_t o = 0; o < outer; o++) {
+        const float *row = x + o * inner;
+        uint32_t m = run_summary(row, inner, inner_m, &nz);
+        outer_amax[o] = float_of(m);
+        all = m > all ? m : all;
+        if (m <= heap[0]) continue; /* the heap starts with zeros: no magnitude is below them */
+        for (int64_t i = 0; i < inner; i++) {
+            uint32_t a = bits_of(row[i]) & 0x7fffffffu;
+            if (a > heap[0]) sift_down(heap, top, a);
+        }
+    }
+    for (int64_t i = 0; i < inner; i++) inner_amax[i] = float_of(inner_m[i]);
+    *nonzero = nz;
+    *kth = float_of(heap[0]);
+    *amax = float_of(all);
+    free(heap);
+    free(inner_m);
+    return 0;
 }

@@ -28,6 +28,7 @@ from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.tensors import given_labels, iter_tensors, linear_input, own_loss
+from ampaudit.graph import fp8_native
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
@@ -149,11 +150,6 @@ def _num(value: float) -> float | str:
     return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 
-def _max_over_median(amax: torch.Tensor) -> float:
-    median = float(amax.median())
-    return float(amax.max()) / median if median > 0 else math.inf
-
-
 def _p999(a: torch.Tensor) -> float:
     """The 99.9th percentile of ``a`` (1-D): its k-th smallest element, k = ceil(0.999 n), found
     as the (n - k + 1)-th largest (topk of a 0.1% is 2-3x faster than kthvalue's selection)."""
@@ -161,11 +157,39 @@ def _p999(a: torch.Tensor) -> float:
     return float(a.topk(a.numel() - k + 1).values[-1])
 
 
+def _p999_index(n: int) -> int:
+    """Where the 99.9th percentile of n elements sits among them sorted (0-based): ``_p999``'s."""
+    return max(1, math.ceil(0.999 * n)) - 1
+
+
 def outlier_ratio(x: torch.Tensor) -> float:
     a = x.detach().abs().flatten().float()
-    p = _p999(a)
-    amax = float(a.max())
+    return _ratio(float(a.max()), _p999(a))
+
+
+def _ratio(amax: float, p: float) -> float:
+    """amax over the 99.9th percentile of |x|."""
     return amax / p if p > 0 else (math.inf if amax > 0 else 1.0)
+
+
+def _summaries(operands: dict[str, torch.Tensor | None]) -> dict[str, fp8_native.Summary] | None:
+    """Each operand's ``fp8_native.summary`` (its 99.9th percentile of |x| the k-th); None where
+    the kernel takes one of them not (the torch ops measure them all)."""
+    found = {}
+    for op, t in operands.items():
+        if t is not None:
+            found[op] = fp8_native.summary(t, _p999_index(t.numel())) if t.numel() else None
+            if found[op] is None:
+                return None
+    return found
+
+
+def _over_median(amax: torch.Tensor, largest: float) -> tuple[float, torch.Tensor]:
+    """The largest of ``amax`` (``largest``) over their median, and which are outliers (over
+    OUTLIER_RATIO x the median)."""
+    median = amax.median()
+    m = float(median)
+    return (largest / m if m > 0 else math.inf), amax > OUTLIER_RATIO * median
 
 
 def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, energy: float) -> OperandStats:
@@ -421,12 +445,14 @@ class _Casts:
     at most once per way of casting it: rowwise and rowwise_with_gw_hp share casts, a per-tensor
     cast is the same along either dim, and the chosen recipe's GEMMs reuse the statistics' ones."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None = None,
+                 nonzero: dict[str, int] | None = None) -> None:
         self.tensors = tensors
         self.amax = amax or {}  # view -> the whole operand's amax (a sampled view's per-tensor scale)
         # a sample's statistics count flushes per row (_sampled_stats): its casts count only MX saturation
         self.count = amax is None
-        self.nonzero = {op: int(torch.count_nonzero(t)) if self.count else 0 for op, t in tensors.items()}
+        # nonzero: each operand's, where the caller counted them
+        self.nonzero = nonzero or {op: int(torch.count_nonzero(t)) if self.count else 0 for op, t in tensors.items()}
         self.memo: dict[tuple, CastResult] = {}
 
     def get(self, op: str, how: Any, dim: int, pow2: bool) -> CastResult:
@@ -577,11 +603,12 @@ class _StarvedFeatures:
     (``g_cols``: every token, the sampled features): the share of output features starved
     (``starved_features``). Each cast is measured once; the squares, once for all of them."""
 
-    def __init__(self, casts: _Casts, g_cols: str, cols: _Axis) -> None:
+    def __init__(self, casts: _Casts, g_cols: str, cols: _Axis, col_amax: torch.Tensor | None = None) -> None:
         self.casts, self.g_cols, self.cols = casts, g_cols, cols
         self._by_cast: dict[int, float] = {}
         self._col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
         self._col_amax: float | None = None  # its smallest nonzero column amax
+        self._col_amaxes = col_amax  # each column's amax, where the caller has them
 
     def __call__(self, r: Recipe) -> float:
         g = self.casts.tensors[self.g_cols]
@@ -604,7 +631,7 @@ class _StarvedFeatures:
 
     def _smallest_column_amax(self, g: torch.Tensor) -> float:
         if self._col_amax is None:
-            live = amax_of(g, 0)
+            live = amax_of(g, 0) if self._col_amaxes is None else self._col_amaxes
             live = live[live > 0]  # a column without gradient is not starved
             self._col_amax = float(live.min()) if live.numel() else math.inf
         return self._col_amax
@@ -688,20 +715,27 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         layer.own_forward = {"class": type(rec.module).__name__, "instance": instance,
                              "difference": rec.own_difference, "extra": extra}
     layer.computed_weight = computed_weight(rec.module)
-    row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
-    _require_finite(name, "input", row_amax.max())
-    if g is not None:
-        _require_finite(name, "output gradient", amax_of(g))
-    tokens, channels = row_amax > OUTLIER_RATIO * row_amax.median(), col_amax > OUTLIER_RATIO * col_amax.median()
-    layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
-    layer.token_ratio, layer.channel_ratio = (_max_over_median(a) for a in (row_amax, col_amax))
     size = x.numel() + w.numel() + (g.numel() if g is not None else 0)
     sampled = size > LARGE
+    # a small layer's operands summed up in one C pass each (its fixed cost is the small ops')
+    summaries = None if sampled else _summaries({"input": x, "weight": w, "grad_output": g})
+    if summaries is not None:
+        row_amax, col_amax, x_amax = summaries["input"].row_amax, summaries["input"].col_amax, summaries["input"].amax
+    else:
+        row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
+        x_amax = float(row_amax.max())
+    _require_finite(name, "input", x_amax)
+    if g is not None:
+        _require_finite(name, "output gradient", summaries["grad_output"].amax if summaries else amax_of(g))
+    # the largest row amax is the largest column amax: the input's amax
+    layer.token_ratio, tokens = _over_median(row_amax, x_amax)
+    layer.channel_ratio, channels = _over_median(col_amax, x_amax)
+    layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
     # tokens sampled by the input's row amax (massive tokens always kept), the input's columns by
     # theirs (outlier channels kept), the weight's rows (out_features) by theirs
     tok, k_ax = _Axis.of(row_amax, sampled), _Axis.of(col_amax, sampled)
-    n_amax = amax_of(w, 1).flatten()
-    _require_finite(name, "weight", n_amax.max())
+    n_amax = summaries["weight"].row_amax if summaries else amax_of(w, 1).flatten()
+    _require_finite(name, "weight", summaries["weight"].amax if summaries else n_amax.max())
     n_ax = _Axis.of(n_amax, sampled)
     weight_amax[id(rec.module)] = n_amax.max()
     full = _Axis()
@@ -709,8 +743,12 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         tensors = {"input": x, "weight": w.t()}
         if g is not None:
             tensors["grad_output"] = g
-        layer.outlier_ratio = {op: outlier_ratio(t) for op, t in tensors.items()}
-        casts = _Casts(tensors)
+        if summaries is not None:  # the weight's summary is w's: the same elements as w.t()
+            layer.outlier_ratio = {op: _ratio(summaries[op].amax, summaries[op].kth) for op in tensors}
+            casts = _Casts(tensors, nonzero={op: summaries[op].nonzero for op in tensors})
+        else:
+            layer.outlier_ratio = {op: outlier_ratio(t) for op, t in tensors.items()}
+            casts = _Casts(tensors)
         views = {"input_cols": "input", "weight_rows": "weight", "grad_output_cols": "grad_output"}
     else:
         amax = {"input": row_amax.max(), "weight": weight_amax[id(rec.module)]}
@@ -735,7 +773,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     done: dict[int, OperandStats] = {}  # by cast: rowwise and rowwise_with_gw_hp share theirs
     signals: dict[str, _Signal] = {}
     # the grad-weight GEMM's operands read every token and the sampled features
-    starved = _StarvedFeatures(casts, views["grad_output_cols"], n_ax) if g is not None else None
+    starved = (_StarvedFeatures(casts, views["grad_output_cols"], n_ax,
+                                summaries["grad_output"].col_amax if summaries else None) if g is not None else None)
     ordinary_gw = (_OrdinaryGradWeight(casts, views["input_cols"], views["grad_output_cols"], tokens, n_ax, k_ax)
                    if g is not None and layer.outlier_tokens else None)
     for rname, r in RECIPES.items():

@@ -21,7 +21,7 @@ SOURCE = Path(__file__).with_name("fp8_cast.c")
 
 
 @cache
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     lib = native.load(SOURCE)
     if lib is None:
         return None
@@ -34,7 +34,10 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     amax.argtypes = [p, p, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, u32, u32,
                      ctypes.c_float, u32, u32, ctypes.c_float, p, ctypes.c_int]
     amax.restype = ctypes.c_int
-    return fn, amax
+    summary = lib.ampaudit_fp8_summary
+    summary.argtypes = [p, i64, i64, p, p, i64, p, p, p]
+    summary.restype = ctypes.c_int
+    return fn, amax, summary
 
 
 def available() -> bool:
@@ -80,8 +83,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
     ``block``: MX (divide by the scale, clamp to the max, multiply back); else multiply, and
     divide back. ``scale`` a ``FromAmax``: the kernel computes the scales (one pass for the
     amaxes, a tensor's six small torch ops spared). None where the kernel does not take these
-    tensors, or declines an amax (not finite, or near a power of two under a power-of-two
-    rounding: ``fp8_cast.c``): the caller's torch ops do."""
+    tensors, or declines an amax (not finite): the caller's torch ops do."""
     fns = _functions()
     walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
     if fns is None or walk is None:
@@ -125,3 +127,33 @@ def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: in
         return None
     # MX's torch ops give a contiguous value whatever x's layout (the GEMM reads that one)
     return out.contiguous() if block else out, counts[0], counts[1], counts[2]
+
+
+@dataclass
+class Summary:
+    """One operand's amax per row and per column (float32), whole amax, nonzero elements, and
+    its ``k``-th smallest magnitude (0-based)."""
+
+    row_amax: torch.Tensor
+    col_amax: torch.Tensor
+    amax: float
+    nonzero: int
+    kth: float
+
+
+def summary(x: torch.Tensor, k: int) -> Summary | None:
+    """``x`` (2-D float32, CPU) summed up in one C pass and a selection (the torch ops: a dozen,
+    and topk's); None where the kernel does not walk it. The same values as the torch ops:
+    maxima and an order statistic are exact."""
+    fns = _functions()
+    walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
+    if fns is None or walk is None or not 0 <= k < x.numel():
+        return None
+    outer, inner, dims = walk
+    amaxes = torch.empty(outer + inner)
+    nonzero, kth, amax = ctypes.c_int64(), ctypes.c_float(), ctypes.c_float()
+    if fns[2](x.data_ptr(), outer, inner, amaxes.data_ptr(), amaxes.data_ptr() + 4 * outer, k, ctypes.byref(nonzero),
+              ctypes.byref(kth), ctypes.byref(amax)):
+        return None
+    by_dim = (amaxes[:outer], amaxes[outer:]) if dims[0] == 0 else (amaxes[outer:], amaxes[:outer])
+    return Summary(by_dim[0], by_dim[1], amax.value, nonzero.value, kth.value)
