@@ -192,14 +192,64 @@ def _over_median(amax: torch.Tensor, largest: float) -> tuple[float, torch.Tenso
     return (largest / m if m > 0 else math.inf), amax > OUTLIER_RATIO * median
 
 
-def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, energy: float) -> OperandStats:
+def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, energy: float,
+                  scratch: _Scratch | None = None) -> OperandStats:
     """``energy``: ``x``'s sum of squares; ``rest``: the mask of its ordinary elements, None
-    where it has no outlier tokens or channels (then the rest is the whole)."""
-    error = x - q.value
+    where it has no outlier tokens or channels (then the rest is the whole); ``scratch``: where
+    the error's buffer comes from and goes back to."""
+    scratch = scratch or _Scratch()
+    error = scratch.sub(x, q.value)
     whole = _db(energy, _norm(error))
     rest_db = whole if rest is None else _db(_norm(x * rest), _norm(error.mul_(rest)))
+    scratch.give(error)
     total = max(q.nonzero, 1)
     return OperandStats(whole, rest_db, q.flushed / total, q.saturated / max(x.numel(), 1))
+
+
+class _Scratch:
+    """Tensors a small layer's measurement gives back for the next one's temporaries, by shape
+    and layout: its cost is fixed costs, and a fresh tensor's page faults are one (on the 2-vCPU
+    VM a 256 KB tensor's 64 faults cost about as much as a pass over it)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A tensor of ``like``'s shape, dtype and strides, given back before; None where none is."""
+        return self._take((like.shape, like.stride(), like.dtype))
+
+    def _take(self, key: tuple) -> torch.Tensor | None:
+        found = self.free.get(key)
+        return found.pop() if found else None
+
+    def give(self, t: torch.Tensor) -> None:
+        """``t``, no longer read nor written by anyone."""
+        self.free.setdefault((t.shape, t.stride(), t.dtype), []).append(t)
+
+    def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a - b`` (float32), into a tensor given back where a and b share a shape and layout (the
+        result's then): the values and the layout of ``a - b``, so the norms after add alike."""
+        if a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype == torch.float32:
+            buf = self.take(a)
+            if buf is not None:
+                return torch.sub(a, b, out=buf)
+        return a - b
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` (2-D float32), into a contiguous tensor given back, as mm's own result is."""
+        key = (torch.Size((a.shape[0], b.shape[1])), (b.shape[1], 1), torch.float32)
+        buf = self._take(key) if a.dtype == b.dtype == torch.float32 and b.shape[1] > 1 else None
+        return torch.mm(a, b) if buf is None else torch.mm(a, b, out=buf)
+
+
+def _sqnr(reference: torch.Tensor, value: torch.Tensor, scratch: _Scratch | None) -> float:
+    """``sqnr_db``, its difference in a scratch tensor (where there is a scratch)."""
+    if scratch is None:
+        return sqnr_db(reference, value)
+    error = scratch.sub(reference, value)
+    found = _db(_norm(reference), _norm(error))
+    scratch.give(error)
+    return found
 
 
 @dataclass
@@ -428,8 +478,9 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     weight_amax: dict[int, torch.Tensor] = {}
     # inference mode: a few hundred small ops a layer, on tensors no gradient will ever flow
     # through, each spared autograd's dispatch (~10% of this part's time; the same numbers)
+    scratch = _Scratch()  # the layers' temporaries, from one layer to the next
     with torch.inference_mode():
-        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
+        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch) for name, rec in records.items()
                   if rec.x is not None]
     tied = _tied(model)
     for layer in layers:
@@ -446,8 +497,10 @@ class _Casts:
     cast is the same along either dim, and the chosen recipe's GEMMs reuse the statistics' ones."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None = None,
-                 nonzero: dict[str, int] | None = None) -> None:
+                 nonzero: dict[str, int] | None = None, scratch: _Scratch | None = None) -> None:
         self.tensors = tensors
+        self.scratch = scratch  # where the casts' values come from and go back to (``release``)
+        self.lent: list[torch.Tensor] = []
         self.amax = amax or {}  # view -> the whole operand's amax (a sampled view's per-tensor scale)
         # a sample's statistics count flushes per row (_sampled_stats): its casts count only MX saturation
         self.count = amax is None
@@ -458,9 +511,22 @@ class _Casts:
     def get(self, op: str, how: Any, dim: int, pow2: bool) -> CastResult:
         key = (op, how, None if how.granularity == "tensor" else dim, pow2 and how.granularity != "block")
         if key not in self.memo:
-            self.memo[key] = cast(self.tensors[op], how, dim, pow2=pow2, nonzero=self.nonzero[op],
-                                  amax=self.amax.get(op), count=self.count or how.granularity == "block")
+            x = self.tensors[op]
+            # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
+            lend = self.scratch is not None and how.fmt is not None
+            lend = lend and (how.granularity != "block" or x.is_contiguous())
+            out = self.scratch.take(x) if lend else None
+            self.memo[key] = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
+                                  count=self.count or how.granularity == "block", out=out)
+            if out is not None and self.memo[key].value is out:
+                self.lent.append(out)
         return self.memo[key]
+
+    def release(self) -> None:
+        """The casts' values back to the scratch: nothing reads them any more."""
+        for t in self.lent:
+            self.scratch.give(t)
+        self.lent, self.memo = [], {}
 
 
 def sample_index(amax: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -701,8 +767,10 @@ def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
                         f"a non-finite {operand} (inf or NaN): fp8 cannot be measured against it")
 
 
-def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor]) -> Fp8Layer:
-    """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale)."""
+def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor],
+                   scratch: _Scratch | None = None) -> Fp8Layer:
+    """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale);
+    ``scratch``: the temporaries of a layer measured whole come from it and go back to it."""
     x, g = rec.x, rec.grad
     w = rec.module.weight.detach().float()
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
@@ -745,7 +813,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
             tensors["grad_output"] = g
         if summaries is not None:  # the weight's summary is w's: the same elements as w.t()
             layer.outlier_ratio = {op: _ratio(summaries[op].amax, summaries[op].kth) for op in tensors}
-            casts = _Casts(tensors, nonzero={op: summaries[op].nonzero for op in tensors})
+            casts = _Casts(tensors, nonzero={op: summaries[op].nonzero for op in tensors}, scratch=scratch)
         else:
             layer.outlier_ratio = {op: outlier_ratio(t) for op, t in tensors.items()}
             casts = _Casts(tensors)
@@ -789,7 +857,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
                 if sampled and op not in signals:
                     signals[op] = _signal(tensors[op], mask, *axes[op])
                 done[id(q)] = (_sampled_stats(tensors[op], q, signals[op], mask, *axes[op]) if sampled
-                               else operand_stats(tensors[op], q, mask, energy[op]))
+                               else operand_stats(tensors[op], q, mask, energy[op], casts.scratch))
             stats[op] = done[id(q)]
         if starved is not None:
             stats["grad_output"] = replace(stats["grad_output"], starved_features=starved(r))
@@ -799,8 +867,12 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     # the chosen recipe's GEMMs, on the sampled rows and columns of their products: each product
     # element reduces over a whole dim, so its value is exact; only the SQNR is over a sample
     p2 = chosen.pow2_scales
+    pool = casts.scratch  # a layer measured whole: its products' tensors come from the scratch and go back
+    mm = pool.mm if pool is not None else torch.mm
+    made: list[torch.Tensor] = []  # the products made here, for the scratch
     xq, wq = casts.get("input", chosen.input, -1, p2), casts.get("weight", chosen.weight, 0, p2)
-    output = torch.mm(xq.value, wq.value)
+    output = mm(xq.value, wq.value)
+    made.append(output)
     # called more than once: the recorded products are the first call's; a forward of its own: the
     # recorded output and weight gradient are not F.linear's - recomputed from the input and weight
     once = rec.calls == 1 and rec.own_difference is None
@@ -810,7 +882,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
             reference = reference - n_ax.take(rec.module.bias.detach().float(), 0)
     else:
         reference = tensors["input"] @ tensors["weight"]  # the sampled rows of x and W, taken once above
-    layer.gemms["output"] = _sampled_sqnr(reference, output, tok, n_ax) if sampled else sqnr_db(reference, output)
+    layer.gemms["output"] = (_sampled_sqnr(reference, output, tok, n_ax) if sampled else
+                             _sqnr(reference, output, pool))
     if tokens.any():  # the ordinary tokens' output rows: what their lost input bits cost
         ordinary = ~tok.take(tokens, 0)
         rows = _Axis(None, None if tok.weight is None else tok.weight[ordinary])
@@ -820,20 +893,27 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     if g is not None:
         go = casts.get("grad_output", chosen.grad_output, -1, p2)
         w_gi = casts.get(views["weight_rows"], chosen.weight_for_grad_input, -1, p2)
-        grad_input = torch.mm(go.value, w_gi.value.t())
+        grad_input = mm(go.value, w_gi.value.t())
         # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
-        ref_gi = tensors["grad_output"] @ tensors[views["weight_rows"]].t()
-        layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled
-                                     else sqnr_db(ref_gi, grad_input))
+        ref_gi = mm(tensors["grad_output"], tensors[views["weight_rows"]].t())
+        made += [grad_input, ref_gi]
+        layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled else
+                                     _sqnr(ref_gi, grad_input, pool))
         go_gw = casts.get(views["grad_output_cols"], chosen.grad_output_for_grad_weight, 0, p2)
         x_gw = casts.get(views["input_cols"], chosen.input_for_grad_weight, 0, p2)
-        grad_weight = torch.mm(go_gw.value.t(), x_gw.value)  # (N,K), as weight.grad
+        grad_weight = mm(go_gw.value.t(), x_gw.value)  # (N,K), as weight.grad
+        made.append(grad_weight)
         if once and rec.grad_weight is not None:
             ref_gw = k_ax.take(n_ax.take(rec.grad_weight, 0), 1)
         else:
-            ref_gw = tensors[views["grad_output_cols"]].t() @ tensors[views["input_cols"]]
-        layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled
-                                      else sqnr_db(ref_gw, grad_weight))
+            ref_gw = mm(tensors[views["grad_output_cols"]].t(), tensors[views["input_cols"]])
+            made.append(ref_gw)
+        layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled else
+                                      _sqnr(ref_gw, grad_weight, pool))
+    if pool is not None:  # nothing reads them any more
+        for t in made:
+            pool.give(t)
+        casts.release()
     return layer
 
 

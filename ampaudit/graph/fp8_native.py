@@ -76,21 +76,24 @@ def _walk(x: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
     return None
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, block: bool = False
-         ) -> tuple[torch.Tensor, int, int, int] | None:
+def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, block: bool = False,
+         out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int] | None:
     """``x`` (2-D float32, CPU) cast with ``scale`` (broadcastable to it, float32): the
     dequantized value (in ``x``'s layout), nonzero x, nonzero after the cast, saturated.
     ``block``: MX (divide by the scale, clamp to the max, multiply back); else multiply, and
     divide back. ``scale`` a ``FromAmax``: the kernel computes the scales (one pass for the
     amaxes, a tensor's six small torch ops spared). None where the kernel does not take these
-    tensors, or declines an amax (not finite): the caller's torch ops do."""
+    tensors, or declines an amax (not finite): the caller's torch ops do. ``out`` (with a
+    ``FromAmax``): where the value goes, a tensor of x's shape and strides."""
     fns = _functions()
     walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
     if fns is None or walk is None:
         return None
     outer, inner, dims = walk
     if isinstance(scale, FromAmax):
-        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block)
+        if out is not None and (out.shape != x.shape or out.stride() != x.stride() or out.dtype != torch.float32):
+            out = None
+        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out)
     fn = fns[0]
     if scale.dtype != torch.float32 or scale.device.type != "cpu":
         return None
@@ -109,7 +112,8 @@ def _mx_emax(fmt: LowDtype) -> int:
 
 
 def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: int, dims: tuple[int, int],
-                    how: FromAmax, fmt: LowDtype, block: bool) -> tuple[torch.Tensor, int, int, int] | None:
+                    how: FromAmax, fmt: LowDtype, block: bool, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, int, int, int] | None:
     if how.dim is None:
         if block:
             return None
@@ -119,7 +123,7 @@ def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: in
     else:
         along_inner = how.dim % 2 == dims[1]  # each scale along the run: one per outer index
         gran, amax = (3 if along_inner else 4) if block else (1 if along_inner else 2), -1.0
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     counts = (ctypes.c_int64 * 3)()
     declined = fn(x.data_ptr(), out.data_ptr(), outer, inner, gran, amax, int(how.pow2), _mx_emax(fmt) if block else 0,
                   *_format(fmt), counts, torch.get_num_threads())
