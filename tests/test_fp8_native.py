@@ -133,3 +133,15 @@ def test_an_operands_summary_equals_the_torch_ops():
         assert torch.equal(s.row_amax, x.abs().amax(1)) and torch.equal(s.col_amax, x.abs().amax(0))
         assert s.amax == float(x.abs().max()) and s.nonzero == int(torch.count_nonzero(x))
         assert s.kth == _p999(x.abs().flatten())
+
+
+def test_an_amax_arrays_median_outliers_and_least_positive_equal_the_torch_ops():
+    g = torch.Generator().manual_seed(4)
+    cases = [torch.rand(64, generator=g), torch.rand(65, generator=g), torch.tensor([3.0]), torch.zeros(6),
+             torch.tensor([0.0, 1.0, 1.0, 1.0, 25.0, 20.0]), torch.randint(0, 3, (50,), generator=g).float()]
+    cases[0][5] = 1e4  # an outlier token
+    for amax in cases:
+        median, over, least = fp8_native.spread(amax, 20.0)
+        assert median == float(amax.median()) and over == int((amax > 20.0 * amax.median()).sum())
+        positive = amax[amax > 0]
+        assert least == (float(positive.min()) if positive.numel() else float("inf"))

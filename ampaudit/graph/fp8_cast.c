@@ -359,3 +359,52 @@ int ampaudit_fp8_summary(const float *x, int64_t outer, int64_t inner, float *ou
     free(inner_m);
     return 0;
 }
+
+/* A 1-D array of amaxes (each >= 0), for the fp8 measurement's outlier tokens and channels: its
+ * lower median (torch.median's), how many exceed fp32(ratio * median) (the comparison torch
+ * makes of the float32 tensors), and its least positive element (inf where none is). */
+static uint32_t select_kth(uint32_t *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (hi > lo) {
+        uint32_t p0 = a[lo], p1 = a[lo + (hi - lo) / 2], p2 = a[hi]; /* the median of three: the pivot */
+        uint32_t p = p0 < p1 ? (p1 < p2 ? p1 : p0 < p2 ? p2 : p0) : (p0 < p2 ? p0 : p1 < p2 ? p2 : p1);
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < p) i++;
+            while (a[j] > p) j--;
+            if (i <= j) {
+                uint32_t t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (k <= j)
+            hi = j;
+        else if (k >= i)
+            lo = i;
+        else
+            return a[k];
+    }
+    return a[k];
+}
+
+int ampaudit_fp8_spread(const float *amax, int64_t n, float ratio, float *median, int64_t *over,
+                        float *least_positive) {
+    uint32_t *a = malloc(n * sizeof(uint32_t)), least = 0x7f800000u;
+    if (a == NULL || n == 0) {
+        free(a);
+        return 1;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        a[i] = bits_of(amax[i]) & 0x7fffffffu;
+        least = a[i] != 0 && a[i] < least ? a[i] : least;
+    }
+    float m = float_of(select_kth(a, n, (n - 1) / 2)), threshold = ratio * m;
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += amax[i] > threshold;
+    *median = m;
+    *over = c;
+    *least_positive = float_of(least);
+    free(a);
+    return 0;
+}

@@ -184,12 +184,25 @@ def _summaries(operands: dict[str, torch.Tensor | None]) -> dict[str, fp8_native
     return found
 
 
-def _over_median(amax: torch.Tensor, largest: float) -> tuple[float, torch.Tensor]:
-    """The largest of ``amax`` (``largest``) over their median, and which are outliers (over
-    OUTLIER_RATIO x the median)."""
-    median = amax.median()
-    m = float(median)
-    return (largest / m if m > 0 else math.inf), amax > OUTLIER_RATIO * median
+def _over_median(amax: torch.Tensor, largest: float) -> tuple[float, torch.Tensor | None, int]:
+    """The largest of ``amax`` (``largest``) over their median, which are outliers (over
+    OUTLIER_RATIO x the median: None where none is) and how many."""
+    found = fp8_native.spread(amax, OUTLIER_RATIO)
+    if found is not None:  # one C call where the torch ops are five
+        m, count, _ = found
+        # the threshold as torch computes it: the float32 product (m is a float32's value)
+        over = amax > fp8_native.float32(OUTLIER_RATIO * m) if count else None
+    else:
+        median = amax.median()
+        m, over = float(median), amax > OUTLIER_RATIO * median
+        count = int(over.sum())
+        over = over if count else None
+    return (largest / m if m > 0 else math.inf), over, count
+
+
+def _mask(over: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``_over_median``'s outliers as a mask of ``n``, all False where it found none."""
+    return over if over is not None else torch.zeros(n, dtype=torch.bool)
 
 
 def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, energy: float,
@@ -675,6 +688,8 @@ class _StarvedFeatures:
         self._col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
         self._col_amax: float | None = None  # its smallest nonzero column amax
         self._col_amaxes = col_amax  # each column's amax, where the caller has them
+        if col_amax is not None and (found := fp8_native.spread(col_amax, OUTLIER_RATIO)) is not None:
+            self._col_amax = found[2]  # the least positive (inf: none is)
 
     def __call__(self, r: Recipe) -> float:
         g = self.casts.tensors[self.g_cols]
@@ -796,9 +811,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     if g is not None:
         _require_finite(name, "output gradient", summaries["grad_output"].amax if summaries else amax_of(g))
     # the largest row amax is the largest column amax: the input's amax
-    layer.token_ratio, tokens = _over_median(row_amax, x_amax)
-    layer.channel_ratio, channels = _over_median(col_amax, x_amax)
-    layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
+    layer.token_ratio, tokens, layer.outlier_tokens = _over_median(row_amax, x_amax)
+    layer.channel_ratio, channels, layer.outlier_channels = _over_median(col_amax, x_amax)
     # tokens sampled by the input's row amax (massive tokens always kept), the input's columns by
     # theirs (outlier channels kept), the weight's rows (out_features) by theirs
     tok, k_ax = _Axis.of(row_amax, sampled), _Axis.of(col_amax, sampled)
@@ -834,7 +848,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         layer.sampled = {k: int(a.index.numel()) for k, a in (("tokens", tok), ("out_features", n_ax),
                                                                ("in_features", k_ax)) if a.index is not None}
     rest = None  # the input's ordinary elements, where it has outlier tokens or channels
-    if tokens.any() or channels.any():
+    if layer.outlier_tokens or layer.outlier_channels:
+        tokens, channels = _mask(tokens, row_amax.numel()), _mask(channels, col_amax.numel())
         rest = (~(tok.take(tokens, 0)[:, None] | channels[None, :])).float()
     axes = {"input": (tok, full), "weight": (full, n_ax), "grad_output": (tok, full)}
     energy = {op: _norm(t) for op, t in tensors.items() if op in axes} if not sampled else {}
@@ -884,7 +899,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         reference = tensors["input"] @ tensors["weight"]  # the sampled rows of x and W, taken once above
     layer.gemms["output"] = (_sampled_sqnr(reference, output, tok, n_ax) if sampled else
                              _sqnr(reference, output, pool))
-    if tokens.any():  # the ordinary tokens' output rows: what their lost input bits cost
+    if layer.outlier_tokens:  # the ordinary tokens' output rows: what their lost input bits cost
         ordinary = ~tok.take(tokens, 0)
         rows = _Axis(None, None if tok.weight is None else tok.weight[ordinary])
         layer.gemms["output_ordinary_tokens"] = (

@@ -21,7 +21,7 @@ SOURCE = Path(__file__).with_name("fp8_cast.c")
 
 
 @cache
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+def _functions() -> tuple[ctypes._CFuncPtr, ...] | None:
     lib = native.load(SOURCE)
     if lib is None:
         return None
@@ -37,7 +37,10 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] 
     summary = lib.ampaudit_fp8_summary
     summary.argtypes = [p, i64, i64, p, p, i64, p, p, p]
     summary.restype = ctypes.c_int
-    return fn, amax, summary
+    spread = lib.ampaudit_fp8_spread
+    spread.argtypes = [p, i64, ctypes.c_float, p, p, p]
+    spread.restype = ctypes.c_int
+    return fn, amax, summary, spread
 
 
 def available() -> bool:
@@ -106,6 +109,11 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
     return out, counts[0], counts[1], counts[2]
 
 
+def float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, ties to even), as a Python float."""
+    return ctypes.c_float(value).value
+
+
 @cache
 def _mx_emax(fmt: LowDtype) -> int:
     return int(torch.finfo(fmt.torch).max).bit_length() - 1  # e4m3's largest exponent: 8
@@ -161,3 +169,17 @@ def summary(x: torch.Tensor, k: int) -> Summary | None:
         return None
     by_dim = (amaxes[:outer], amaxes[outer:]) if dims[0] == 0 else (amaxes[outer:], amaxes[:outer])
     return Summary(by_dim[0], by_dim[1], amax.value, nonzero.value, kth.value)
+
+
+def spread(amax: torch.Tensor, ratio: float) -> tuple[float, int, float] | None:
+    """``amax`` (1-D contiguous float32, CPU, each >= 0): its lower median (``torch.median``'s),
+    how many exceed ``ratio`` x it (compared in float32, as ``amax > ratio * amax.median()``),
+    and its least positive element (inf where none is); None where the kernel is not here."""
+    fns = _functions()
+    if (fns is None or amax.dim() != 1 or not amax.numel() or amax.dtype != torch.float32
+            or amax.device.type != "cpu" or not amax.is_contiguous()):
+        return None
+    median, over, least = ctypes.c_float(), ctypes.c_int64(), ctypes.c_float()
+    if fns[3](amax.data_ptr(), amax.numel(), ratio, ctypes.byref(median), ctypes.byref(over), ctypes.byref(least)):
+        return None
+    return median.value, over.value, least.value
