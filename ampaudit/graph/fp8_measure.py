@@ -144,9 +144,6 @@ class Fp8Measurement:
     # which of the output's float tensors the reference holds: those that depend on the weights
     outputs_kept: tuple[bool, ...] | None = None
     weight_amax: dict[int, torch.Tensor] = field(default_factory=dict)  # by module id, for ``dominance``
-    # the chosen recipe's weight casts of the layers measured whole, by module id: ``dominance``'s
-    # forwards cast the same weights the same way (it empties this once done)
-    weight_casts: dict[int, CastResult] = field(default_factory=dict)
 
 
 def _num(value: float) -> float | str:
@@ -492,13 +489,11 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
                         "nothing to measure in fp8")
     # a Linear never called on the example inputs has nothing to measure
     weight_amax: dict[int, torch.Tensor] = {}
-    weight_casts: dict[int, CastResult] = {}
     # inference mode: a few hundred small ops a layer, on tensors no gradient will ever flow
     # through, each spared autograd's dispatch (~10% of this part's time; the same numbers)
     scratch = _Scratch()  # the layers' temporaries, from one layer to the next
     with torch.inference_mode():
-        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch, weight_casts)
-                  for name, rec in records.items()
+        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch) for name, rec in records.items()
                   if rec.x is not None]
     tied = _tied(model)
     for layer in layers:
@@ -506,7 +501,7 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
                          if module is not records[layer.name].module]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
-                          reference=reference, outputs_kept=kept, weight_amax=weight_amax, weight_casts=weight_casts)
+                          reference=reference, outputs_kept=kept, weight_amax=weight_amax)
 
 
 class _Casts:
@@ -539,10 +534,6 @@ class _Casts:
             if out is not None and self.memo[key].value is out:
                 self.lent.append(out)
         return self.memo[key]
-
-    def keep(self, value: torch.Tensor) -> None:
-        """``value`` stays its reader's: ``release`` does not give it back."""
-        self.lent = [t for t in self.lent if t is not value]
 
     def release(self) -> None:
         """The casts' values back to the scratch: nothing reads them any more."""
@@ -792,10 +783,9 @@ def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
 
 
 def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor],
-                   scratch: _Scratch | None = None, weight_casts: dict[int, CastResult] | None = None) -> Fp8Layer:
+                   scratch: _Scratch | None = None) -> Fp8Layer:
     """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale);
-    ``scratch``: the temporaries of a layer measured whole come from it and go back to it;
-    ``weight_casts``: gets its weight as the chosen recipe casts it, where it is measured whole."""
+    ``scratch``: the temporaries of a layer measured whole come from it and go back to it."""
     x, g = rec.x, rec.grad
     w = rec.module.weight.detach().float()
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
@@ -896,9 +886,6 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     mm = pool.mm if pool is not None else torch.mm
     made: list[torch.Tensor] = []  # the products made here, for the scratch
     xq, wq = casts.get("input", chosen.input, -1, p2), casts.get("weight", chosen.weight, 0, p2)
-    if weight_casts is not None and not sampled and chosen.weight.fmt is not None:
-        weight_casts[id(rec.module)] = wq  # the cast dominance's forwards make: the same bits
-        casts.keep(wq.value)
     output = mm(xq.value, wq.value)
     made.append(output)
     # called more than once: the recorded products are the first call's; a forward of its own: the
@@ -1083,15 +1070,12 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     with every candidate in fp8, and without the one whose own GEMM output is the worst."""
     import time
 
-    # both forwards cast the same weights; the measurement's casts of them, where it made them (not
-    # kept past this: the judgement holds the measurement)
-    weights: dict[int, CastResult] = dict(measurement.weight_casts)
-    measurement.weight_casts.clear()
     reference = measurement.reference
     if not candidates or reference is None or reference.numel() == 0:
         return
     start = time.perf_counter()
     recipe = RECIPES[measurement.recipe]
+    weights: dict[int, CastResult] = {}  # both forwards cast the same weights
     second = len(candidates) >= max(2, min_layers)  # with fewer, no one layer is said to dominate: no second run
     by_name = {layer.name: layer for layer in measurement.layers}
     worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf)) if second else None
