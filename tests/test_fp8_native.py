@@ -90,3 +90,58 @@ def test_the_kernel_declines_what_it_does_not_walk():
     assert fp8_native.cast(x[:, ::2], ONE, E4M3) is None  # neither contiguous nor transposed
     assert fp8_native.cast(x.double(), ONE, E4M3) is None
     assert fp8_native.cast(x, ONE.double(), E4M3) is None
+
+
+def test_scales_computed_in_the_kernel_equal_the_torch_ops_near_a_power_of_two(monkeypatch):
+    # rows whose amax puts the scale (448 / amax: rowwise's power-of-two rounding) or the amax
+    # itself (MX's floor(log2)) within a few ulps of a power of two, where torch's float32 log2
+    # rounds up across it
+    near = [448.0 * 2.0 ** -k * (1 + j * 2.0 ** -23) for k in (-3, 0, 5, 20) for j in range(-4, 5)]
+    near += [2.0 ** k * (1 + j * 2.0 ** -24) for k in (-130, -20, 0, 7) for j in range(-4, 5)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(len(near), 64, generator=g) * 0.5
+    x[:, 7] = torch.tensor(near)
+    row, block = fp8_casts.Cast(E4M3, fp8_casts.ROW), fp8_casts.Cast(E4M3, fp8_casts.BLOCK)
+    for t in (x, x.t().contiguous().t()):  # contiguous and transposed
+        for how, pow2 in ((row, True), (row, False), (block, True)):
+            assert fp8_native.cast(t, fp8_native.FromAmax(-1, pow2 and how is row), E4M3, block=how is block)
+            got = cast(t, how, -1, pow2=pow2)
+            with monkeypatch.context() as m:
+                m.setattr(fp8_native, "cast", lambda *a, **k: None)
+                want = cast(t, how, -1, pow2=pow2)
+            assert _same_bits(got.value, want.value) and got.flushed == want.flushed
+            assert got.saturated == want.saturated
+
+
+def test_the_kernel_computes_a_per_tensor_scale_from_the_amax_it_is_given():
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    given = cast(x, fp8_casts.Cast(E4M3, fp8_casts.TENSOR), -1, pow2=False, amax=torch.tensor(100.0))
+    assert _same_bits(given.value, (x * (448.0 / 100.0)).to(torch.float8_e4m3fn).float() / (448.0 / 100.0))
+    assert fp8_native.cast(x, fp8_native.FromAmax(None, amax=float("nan")), E4M3) is None
+
+
+def test_an_operands_summary_equals_the_torch_ops():
+    # amax per row, per column and in all, nonzero elements, the 99.9th percentile of |x| (the
+    # k-th smallest, as topk finds it): on spreads, ties, zeros, one element, transposed
+    from ampaudit.graph.fp8_measure import _p999, _p999_index
+
+    g = torch.Generator().manual_seed(3)
+    ties = torch.randint(-3, 4, (50, 40), generator=g).float()  # mostly equal magnitudes
+    cases = [*_operands().values(), ties, torch.zeros(5, 7), torch.tensor([[-2.5]]), torch.randn(3000, 1, generator=g)]
+    for x in cases:
+        s = fp8_native.summary(x, _p999_index(x.numel()))
+        assert torch.equal(s.row_amax, x.abs().amax(1)) and torch.equal(s.col_amax, x.abs().amax(0))
+        assert s.amax == float(x.abs().max()) and s.nonzero == int(torch.count_nonzero(x))
+        assert s.kth == _p999(x.abs().flatten())
+
+
+def test_an_amax_arrays_median_outliers_and_least_positive_equal_the_torch_ops():
+    g = torch.Generator().manual_seed(4)
+    cases = [torch.rand(64, generator=g), torch.rand(65, generator=g), torch.tensor([3.0]), torch.zeros(6),
+             torch.tensor([0.0, 1.0, 1.0, 1.0, 25.0, 20.0]), torch.randint(0, 3, (50,), generator=g).float()]
+    cases[0][5] = 1e4  # an outlier token
+    for amax in cases:
+        median, over, least = fp8_native.spread(amax, 20.0)
+        assert median == float(amax.median()) and over == int((amax > 20.0 * amax.median()).sum())
+        positive = amax[amax > 0]
+        assert least == (float(positive.min()) if positive.numel() else float("inf"))

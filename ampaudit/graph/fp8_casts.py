@@ -163,20 +163,28 @@ def _finite(amax: torch.Tensor) -> bool:
 
 
 def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | None = None,
-         amax: torch.Tensor | None = None, count: bool = True) -> CastResult:
+         amax: torch.Tensor | None = None, count: bool = True, out: torch.Tensor | None = None) -> CastResult:
     """``x`` (2-D, fp32) cast as ``how`` says, scaled along ``dim`` (the GEMM's reduction dim).
     ``nonzero``: ``x``'s count of nonzero elements, when the caller knows it. ``amax``: the
     whole tensor's, for a per-tensor scale where ``x`` is a sample of its rows or columns (or
     ``x``'s own, known already): at least every ``|x|``.
-    ``count=False``: the value only (flushed and nonzero left 0: two passes fewer).
+    ``count=False``: the value only (flushed and nonzero left 0: two passes fewer). ``out``: a
+    tensor of ``x``'s shape and layout the value may be written into (where the C pass casts).
 
     Tensor and row scales come from the amax, so nothing saturates (x * fmax/amax <= fmax; a
     power-of-two scale is rounded down): only MX's floor-rounded block scales clamp values."""
-    x = x.float()
+    x = x if x.dtype == torch.float32 else x.float()
     if how.fmt is None:
         if nonzero is None:
             nonzero = int(torch.count_nonzero(x)) if count else 0
         return CastResult(x, 0, 0, nonzero)
+    # one C pass with the scales computed in it (the torch ops below give the same bits)
+    given = float(amax) if how.granularity == TENSOR and amax is not None else None
+    along = None if how.granularity == TENSOR else dim
+    done = fp8_native.cast(x, fp8_native.FromAmax(along, pow2 and how.granularity != BLOCK, given), how.fmt,
+                           block=how.granularity == BLOCK, out=out)
+    if done is not None:
+        return _kernel_result(done[0], done, nonzero, count)
     if how.granularity == BLOCK:
         return _mx_cast(x, how.fmt, dim, nonzero, count)
     if how.granularity != TENSOR or amax is None:

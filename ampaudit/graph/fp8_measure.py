@@ -28,6 +28,7 @@ from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.tensors import given_labels, iter_tensors, linear_input, own_loss
+from ampaudit.graph import fp8_native
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
 from ampaudit.graph.kept_attributes import attributes_kept
@@ -151,11 +152,6 @@ def _num(value: float) -> float | str:
     return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 
-def _max_over_median(amax: torch.Tensor) -> float:
-    median = float(amax.median())
-    return float(amax.max()) / median if median > 0 else math.inf
-
-
 def _p999(a: torch.Tensor) -> float:
     """The 99.9th percentile of ``a`` (1-D): its k-th smallest element, k = ceil(0.999 n), found
     as the (n - k + 1)-th largest (topk of a 0.1% is 2-3x faster than kthvalue's selection)."""
@@ -163,21 +159,112 @@ def _p999(a: torch.Tensor) -> float:
     return float(a.topk(a.numel() - k + 1).values[-1])
 
 
+def _p999_index(n: int) -> int:
+    """Where the 99.9th percentile of n elements sits among them sorted (0-based): ``_p999``'s."""
+    return max(1, math.ceil(0.999 * n)) - 1
+
+
 def outlier_ratio(x: torch.Tensor) -> float:
     a = x.detach().abs().flatten().float()
-    p = _p999(a)
-    amax = float(a.max())
+    return _ratio(float(a.max()), _p999(a))
+
+
+def _ratio(amax: float, p: float) -> float:
+    """amax over the 99.9th percentile of |x|."""
     return amax / p if p > 0 else (math.inf if amax > 0 else 1.0)
 
 
-def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, energy: float) -> OperandStats:
+def _summaries(operands: dict[str, torch.Tensor | None]) -> dict[str, fp8_native.Summary] | None:
+    """Each operand's ``fp8_native.summary`` (its 99.9th percentile of |x| the k-th); None where
+    the kernel takes one of them not (the torch ops measure them all)."""
+    found = {}
+    for op, t in operands.items():
+        if t is not None:
+            found[op] = fp8_native.summary(t, _p999_index(t.numel())) if t.numel() else None
+            if found[op] is None:
+                return None
+    return found
+
+
+def _over_median(amax: torch.Tensor, largest: float) -> tuple[float, torch.Tensor | None, int]:
+    """The largest of ``amax`` (``largest``) over their median, which are outliers (over
+    OUTLIER_RATIO x the median: None where none is) and how many."""
+    found = fp8_native.spread(amax, OUTLIER_RATIO)
+    if found is not None:  # one C call where the torch ops are five
+        m, count, _ = found
+        # the threshold as torch computes it: the float32 product (m is a float32's value)
+        over = amax > fp8_native.float32(OUTLIER_RATIO * m) if count else None
+    else:
+        median = amax.median()
+        m, over = float(median), amax > OUTLIER_RATIO * median
+        count = int(over.sum())
+        over = over if count else None
+    return (largest / m if m > 0 else math.inf), over, count
+
+
+def _mask(over: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``_over_median``'s outliers as a mask of ``n``, all False where it found none."""
+    return over if over is not None else torch.zeros(n, dtype=torch.bool)
+
+
+def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, energy: float,
+                  scratch: _Scratch | None = None) -> OperandStats:
     """``energy``: ``x``'s sum of squares; ``rest``: the mask of its ordinary elements, None
-    where it has no outlier tokens or channels (then the rest is the whole)."""
-    error = x - q.value
+    where it has no outlier tokens or channels (then the rest is the whole); ``scratch``: where
+    the error's buffer comes from and goes back to."""
+    scratch = scratch or _Scratch()
+    error = scratch.sub(x, q.value)
     whole = _db(energy, _norm(error))
     rest_db = whole if rest is None else _db(_norm(x * rest), _norm(error.mul_(rest)))
+    scratch.give(error)
     total = max(q.nonzero, 1)
     return OperandStats(whole, rest_db, q.flushed / total, q.saturated / max(x.numel(), 1))
+
+
+class _Scratch:
+    """Tensors a small layer's measurement gives back for the next one's temporaries, by shape
+    and layout: its cost is fixed costs, and a fresh tensor's page faults are one (on the 2-vCPU
+    VM a 256 KB tensor's 64 faults cost about as much as a pass over it)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A tensor of ``like``'s shape, dtype and strides, given back before; None where none is."""
+        return self._take((like.shape, like.stride(), like.dtype))
+
+    def _take(self, key: tuple) -> torch.Tensor | None:
+        found = self.free.get(key)
+        return found.pop() if found else None
+
+    def give(self, t: torch.Tensor) -> None:
+        """``t``, no longer read nor written by anyone."""
+        self.free.setdefault((t.shape, t.stride(), t.dtype), []).append(t)
+
+    def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a - b`` (float32), into a tensor given back where a and b share a shape and layout (the
+        result's then): the values and the layout of ``a - b``, so the norms after add alike."""
+        if a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype == torch.float32:
+            buf = self.take(a)
+            if buf is not None:
+                return torch.sub(a, b, out=buf)
+        return a - b
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` (2-D float32), into a contiguous tensor given back, as mm's own result is."""
+        key = (torch.Size((a.shape[0], b.shape[1])), (b.shape[1], 1), torch.float32)
+        buf = self._take(key) if a.dtype == b.dtype == torch.float32 and b.shape[1] > 1 else None
+        return torch.mm(a, b) if buf is None else torch.mm(a, b, out=buf)
+
+
+def _sqnr(reference: torch.Tensor, value: torch.Tensor, scratch: _Scratch | None) -> float:
+    """``sqnr_db``, its difference in a scratch tensor (where there is a scratch)."""
+    if scratch is None:
+        return sqnr_db(reference, value)
+    error = scratch.sub(reference, value)
+    found = _db(_norm(reference), _norm(error))
+    scratch.give(error)
+    return found
 
 
 @dataclass
@@ -412,8 +499,9 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     weight_amax: dict[int, torch.Tensor] = {}
     # inference mode: a few hundred small ops a layer, on tensors no gradient will ever flow
     # through, each spared autograd's dispatch (~10% of this part's time; the same numbers)
+    scratch = _Scratch()  # the layers' temporaries, from one layer to the next
     with torch.inference_mode():
-        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax) for name, rec in records.items()
+        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch) for name, rec in records.items()
                   if rec.x is not None]
     tied = _tied(model)
     for layer in layers:
@@ -429,20 +517,37 @@ class _Casts:
     at most once per way of casting it: rowwise and rowwise_with_gw_hp share casts, a per-tensor
     cast is the same along either dim, and the chosen recipe's GEMMs reuse the statistics' ones."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], amax: dict[str, torch.Tensor] | None = None,
+                 nonzero: dict[str, int] | None = None, scratch: _Scratch | None = None) -> None:
         self.tensors = tensors
+        self.scratch = scratch  # where the casts' values come from and go back to (``release``)
+        self.lent: list[torch.Tensor] = []
         self.amax = amax or {}  # view -> the whole operand's amax (a sampled view's per-tensor scale)
         # a sample's statistics count flushes per row (_sampled_stats): its casts count only MX saturation
         self.count = amax is None
-        self.nonzero = {op: int(torch.count_nonzero(t)) if self.count else 0 for op, t in tensors.items()}
+        # nonzero: each operand's, where the caller counted them
+        self.nonzero = nonzero or {op: int(torch.count_nonzero(t)) if self.count else 0 for op, t in tensors.items()}
         self.memo: dict[tuple, CastResult] = {}
 
     def get(self, op: str, how: Any, dim: int, pow2: bool) -> CastResult:
         key = (op, how, None if how.granularity == "tensor" else dim, pow2 and how.granularity != "block")
         if key not in self.memo:
-            self.memo[key] = cast(self.tensors[op], how, dim, pow2=pow2, nonzero=self.nonzero[op],
-                                  amax=self.amax.get(op), count=self.count or how.granularity == "block")
+            x = self.tensors[op]
+            # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
+            lend = self.scratch is not None and how.fmt is not None
+            lend = lend and (how.granularity != "block" or x.is_contiguous())
+            out = self.scratch.take(x) if lend else None
+            self.memo[key] = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
+                                  count=self.count or how.granularity == "block", out=out)
+            if out is not None and self.memo[key].value is out:
+                self.lent.append(out)
         return self.memo[key]
+
+    def release(self) -> None:
+        """The casts' values back to the scratch: nothing reads them any more."""
+        for t in self.lent:
+            self.scratch.give(t)
+        self.lent, self.memo = [], {}
 
 
 def sample_index(amax: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -585,11 +690,14 @@ class _StarvedFeatures:
     (``g_cols``: every token, the sampled features): the share of output features starved
     (``starved_features``). Each cast is measured once; the squares, once for all of them."""
 
-    def __init__(self, casts: _Casts, g_cols: str, cols: _Axis) -> None:
+    def __init__(self, casts: _Casts, g_cols: str, cols: _Axis, col_amax: torch.Tensor | None = None) -> None:
         self.casts, self.g_cols, self.cols = casts, g_cols, cols
         self._by_cast: dict[int, float] = {}
         self._col_sq: tuple[torch.Tensor, torch.Tensor] | None = None  # its squares, their sum per column
         self._col_amax: float | None = None  # its smallest nonzero column amax
+        self._col_amaxes = col_amax  # each column's amax, where the caller has them
+        if col_amax is not None and (found := fp8_native.spread(col_amax, OUTLIER_RATIO)) is not None:
+            self._col_amax = found[2]  # the least positive (inf: none is)
 
     def __call__(self, r: Recipe) -> float:
         g = self.casts.tensors[self.g_cols]
@@ -612,7 +720,7 @@ class _StarvedFeatures:
 
     def _smallest_column_amax(self, g: torch.Tensor) -> float:
         if self._col_amax is None:
-            live = amax_of(g, 0)
+            live = amax_of(g, 0) if self._col_amaxes is None else self._col_amaxes
             live = live[live > 0]  # a column without gradient is not starved
             self._col_amax = float(live.min()) if live.numel() else math.inf
         return self._col_amax
@@ -682,8 +790,10 @@ def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
                         f"a non-finite {operand} (inf or NaN): fp8 cannot be measured against it")
 
 
-def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor]) -> Fp8Layer:
-    """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale)."""
+def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor],
+                   scratch: _Scratch | None = None) -> Fp8Layer:
+    """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale);
+    ``scratch``: the temporaries of a layer measured whole come from it and go back to it."""
     x, g = rec.x, rec.grad
     zero_grad = g is not None and not bool(g.any())  # a zero-initialised layer downstream: nothing to measure
     if zero_grad:
@@ -699,20 +809,26 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         layer.own_forward = {"class": type(rec.module).__name__, "instance": instance,
                              "difference": rec.own_difference, "extra": extra}
     layer.computed_weight = computed_weight(rec.module)
-    row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
-    _require_finite(name, "input", row_amax.max())
-    if g is not None:
-        _require_finite(name, "output gradient", amax_of(g))
-    tokens, channels = row_amax > OUTLIER_RATIO * row_amax.median(), col_amax > OUTLIER_RATIO * col_amax.median()
-    layer.outlier_tokens, layer.outlier_channels = int(tokens.sum()), int(channels.sum())
-    layer.token_ratio, layer.channel_ratio = (_max_over_median(a) for a in (row_amax, col_amax))
     size = x.numel() + w.numel() + (g.numel() if g is not None else 0)
     sampled = size > LARGE
+    # a small layer's operands summed up in one C pass each (its fixed cost is the small ops')
+    summaries = None if sampled else _summaries({"input": x, "weight": w, "grad_output": g})
+    if summaries is not None:
+        row_amax, col_amax, x_amax = summaries["input"].row_amax, summaries["input"].col_amax, summaries["input"].amax
+    else:
+        row_amax, col_amax = amax_of(x, 1).flatten(), amax_of(x, 0).flatten()
+        x_amax = float(row_amax.max())
+    _require_finite(name, "input", x_amax)
+    if g is not None:
+        _require_finite(name, "output gradient", summaries["grad_output"].amax if summaries else amax_of(g))
+    # the largest row amax is the largest column amax: the input's amax
+    layer.token_ratio, tokens, layer.outlier_tokens = _over_median(row_amax, x_amax)
+    layer.channel_ratio, channels, layer.outlier_channels = _over_median(col_amax, x_amax)
     # tokens sampled by the input's row amax (massive tokens always kept), the input's columns by
     # theirs (outlier channels kept), the weight's rows (out_features) by theirs
     tok, k_ax = _Axis.of(row_amax, sampled), _Axis.of(col_amax, sampled)
-    n_amax = amax_of(w, 1).flatten()
-    _require_finite(name, "weight", n_amax.max())
+    n_amax = summaries["weight"].row_amax if summaries else amax_of(w, 1).flatten()
+    _require_finite(name, "weight", summaries["weight"].amax if summaries else n_amax.max())
     n_ax = _Axis.of(n_amax, sampled)
     weight_amax[id(rec.module)] = n_amax.max()
     full = _Axis()
@@ -720,8 +836,12 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         tensors = {"input": x, "weight": w.t()}
         if g is not None:
             tensors["grad_output"] = g
-        layer.outlier_ratio = {op: outlier_ratio(t) for op, t in tensors.items()}
-        casts = _Casts(tensors)
+        if summaries is not None:  # the weight's summary is w's: the same elements as w.t()
+            layer.outlier_ratio = {op: _ratio(summaries[op].amax, summaries[op].kth) for op in tensors}
+            casts = _Casts(tensors, nonzero={op: summaries[op].nonzero for op in tensors}, scratch=scratch)
+        else:
+            layer.outlier_ratio = {op: outlier_ratio(t) for op, t in tensors.items()}
+            casts = _Casts(tensors)
         views = {"input_cols": "input", "weight_rows": "weight", "grad_output_cols": "grad_output"}
     else:
         amax = {"input": row_amax.max(), "weight": weight_amax[id(rec.module)]}
@@ -739,14 +859,16 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         layer.sampled = {k: int(a.index.numel()) for k, a in (("tokens", tok), ("out_features", n_ax),
                                                                ("in_features", k_ax)) if a.index is not None}
     rest = None  # the input's ordinary elements, where it has outlier tokens or channels
-    if tokens.any() or channels.any():
+    if layer.outlier_tokens or layer.outlier_channels:
+        tokens, channels = _mask(tokens, row_amax.numel()), _mask(channels, col_amax.numel())
         rest = (~(tok.take(tokens, 0)[:, None] | channels[None, :])).float()
     axes = {"input": (tok, full), "weight": (full, n_ax), "grad_output": (tok, full)}
     energy = {op: _norm(t) for op, t in tensors.items() if op in axes} if not sampled else {}
     done: dict[int, OperandStats] = {}  # by cast: rowwise and rowwise_with_gw_hp share theirs
     signals: dict[str, _Signal] = {}
     # the grad-weight GEMM's operands read every token and the sampled features
-    starved = _StarvedFeatures(casts, views["grad_output_cols"], n_ax) if g is not None else None
+    starved = (_StarvedFeatures(casts, views["grad_output_cols"], n_ax,
+                                summaries["grad_output"].col_amax if summaries else None) if g is not None else None)
     ordinary_gw = (_OrdinaryGradWeight(casts, views["input_cols"], views["grad_output_cols"], tokens, n_ax, k_ax)
                    if g is not None and layer.outlier_tokens else None)
     for rname, r in RECIPES.items():
@@ -761,7 +883,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
                 if sampled and op not in signals:
                     signals[op] = _signal(tensors[op], mask, *axes[op])
                 done[id(q)] = (_sampled_stats(tensors[op], q, signals[op], mask, *axes[op]) if sampled
-                               else operand_stats(tensors[op], q, mask, energy[op]))
+                               else operand_stats(tensors[op], q, mask, energy[op], casts.scratch))
             stats[op] = done[id(q)]
         if starved is not None:
             stats["grad_output"] = replace(stats["grad_output"], starved_features=starved(r))
@@ -771,8 +893,12 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     # the chosen recipe's GEMMs, on the sampled rows and columns of their products: each product
     # element reduces over a whole dim, so its value is exact; only the SQNR is over a sample
     p2 = chosen.pow2_scales
+    pool = casts.scratch  # a layer measured whole: its products' tensors come from the scratch and go back
+    mm = pool.mm if pool is not None else torch.mm
+    made: list[torch.Tensor] = []  # the products made here, for the scratch
     xq, wq = casts.get("input", chosen.input, -1, p2), casts.get("weight", chosen.weight, 0, p2)
-    output = torch.mm(xq.value, wq.value)
+    output = mm(xq.value, wq.value)
+    made.append(output)
     # called more than once: the recorded products are the first call's; a forward of its own: the
     # recorded output and weight gradient are not F.linear's - recomputed from the input and weight
     once = rec.calls == 1 and rec.own_difference is None
@@ -782,8 +908,9 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
             reference = reference - n_ax.take(rec.module.bias.detach().float(), 0)
     else:
         reference = tensors["input"] @ tensors["weight"]  # the sampled rows of x and W, taken once above
-    layer.gemms["output"] = _sampled_sqnr(reference, output, tok, n_ax) if sampled else sqnr_db(reference, output)
-    if tokens.any():  # the ordinary tokens' output rows: what their lost input bits cost
+    layer.gemms["output"] = (_sampled_sqnr(reference, output, tok, n_ax) if sampled else
+                             _sqnr(reference, output, pool))
+    if layer.outlier_tokens:  # the ordinary tokens' output rows: what their lost input bits cost
         ordinary = ~tok.take(tokens, 0)
         rows = _Axis(None, None if tok.weight is None else tok.weight[ordinary])
         layer.gemms["output_ordinary_tokens"] = (
@@ -792,20 +919,27 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     if g is not None:
         go = casts.get("grad_output", chosen.grad_output, -1, p2)
         w_gi = casts.get(views["weight_rows"], chosen.weight_for_grad_input, -1, p2)
-        grad_input = torch.mm(go.value, w_gi.value.t())
+        grad_input = mm(go.value, w_gi.value.t())
         # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
-        ref_gi = tensors["grad_output"] @ tensors[views["weight_rows"]].t()
-        layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled
-                                     else sqnr_db(ref_gi, grad_input))
+        ref_gi = mm(tensors["grad_output"], tensors[views["weight_rows"]].t())
+        made += [grad_input, ref_gi]
+        layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled else
+                                     _sqnr(ref_gi, grad_input, pool))
         go_gw = casts.get(views["grad_output_cols"], chosen.grad_output_for_grad_weight, 0, p2)
         x_gw = casts.get(views["input_cols"], chosen.input_for_grad_weight, 0, p2)
-        grad_weight = torch.mm(go_gw.value.t(), x_gw.value)  # (N,K), as weight.grad
+        grad_weight = mm(go_gw.value.t(), x_gw.value)  # (N,K), as weight.grad
+        made.append(grad_weight)
         if once and rec.grad_weight is not None:
             ref_gw = k_ax.take(n_ax.take(rec.grad_weight, 0), 1)
         else:
-            ref_gw = tensors[views["grad_output_cols"]].t() @ tensors[views["input_cols"]]
-        layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled
-                                      else sqnr_db(ref_gw, grad_weight))
+            ref_gw = mm(tensors[views["grad_output_cols"]].t(), tensors[views["input_cols"]])
+            made.append(ref_gw)
+        layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled else
+                                      _sqnr(ref_gw, grad_weight, pool))
+    if pool is not None:  # nothing reads them any more
+        for t in made:
+            pool.give(t)
+        casts.release()
     return layer
 
 

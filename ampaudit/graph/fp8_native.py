@@ -8,6 +8,7 @@ torch's float32 -> float8 conversion is a per-element function on a CPU. Built b
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -20,7 +21,7 @@ SOURCE = Path(__file__).with_name("fp8_cast.c")
 
 
 @cache
-def _function() -> ctypes._CFuncPtr | None:
+def _functions() -> tuple[ctypes._CFuncPtr, ...] | None:
     lib = native.load(SOURCE)
     if lib is None:
         return None
@@ -29,11 +30,33 @@ def _function() -> ctypes._CFuncPtr | None:
     fn.argtypes = [p, p, i64, i64, p, i64, i64, u32, u32, ctypes.c_float, u32, u32, ctypes.c_float, ctypes.c_int, p,
                    ctypes.c_int]
     fn.restype = None
-    return fn
+    amax = lib.ampaudit_fp8_cast_amax
+    amax.argtypes = [p, p, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, u32, u32,
+                     ctypes.c_float, u32, u32, ctypes.c_float, p, ctypes.c_int]
+    amax.restype = ctypes.c_int
+    summary = lib.ampaudit_fp8_summary
+    summary.argtypes = [p, i64, i64, p, p, i64, p, p, p]
+    summary.restype = ctypes.c_int
+    spread = lib.ampaudit_fp8_spread
+    spread.argtypes = [p, i64, ctypes.c_float, p, p, p]
+    spread.restype = ctypes.c_int
+    return fn, amax, summary, spread
 
 
 def available() -> bool:
-    return _function() is not None
+    return _functions() is not None
+
+
+@dataclass(frozen=True)
+class FromAmax:
+    """Scales the kernel computes itself from the amaxes, as ``fp8_casts`` computes them:
+    ``dim``: the dim each scale is taken along (the GEMM's reduction dim; None: one scale for
+    the tensor, from ``amax`` where given, else the tensor's own); ``pow2``: rounded down to a
+    power of two. With ``block``: MX's E8M0 scales of 32-element blocks along ``dim``."""
+
+    dim: int | None
+    pow2: bool = False
+    amax: float | None = None
 
 
 @cache
@@ -56,17 +79,27 @@ def _walk(x: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
     return None
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, fmt: LowDtype, *, block: bool = False
-         ) -> tuple[torch.Tensor, int, int, int] | None:
+def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, block: bool = False,
+         out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int] | None:
     """``x`` (2-D float32, CPU) cast with ``scale`` (broadcastable to it, float32): the
     dequantized value (in ``x``'s layout), nonzero x, nonzero after the cast, saturated.
     ``block``: MX (divide by the scale, clamp to the max, multiply back); else multiply, and
-    divide back. None where the kernel does not take these tensors (the caller's torch ops do)."""
-    fn = _function()
+    divide back. ``scale`` a ``FromAmax``: the kernel computes the scales (one pass for the
+    amaxes, a tensor's six small torch ops spared). None where the kernel does not take these
+    tensors, or declines an amax (not finite): the caller's torch ops do. ``out`` (with a
+    ``FromAmax``): where the value goes, a tensor of x's shape and strides."""
+    fns = _functions()
     walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
-    if fn is None or walk is None or scale.dtype != torch.float32 or scale.device.type != "cpu":
+    if fns is None or walk is None:
         return None
     outer, inner, dims = walk
+    if isinstance(scale, FromAmax):
+        if out is not None and (out.shape != x.shape or out.stride() != x.stride() or out.dtype != torch.float32):
+            out = None
+        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out)
+    fn = fns[0]
+    if scale.dtype != torch.float32 or scale.device.type != "cpu":
+        return None
     spread = scale.expand(x.shape)
     so, si = spread.stride(dims[0]), spread.stride(dims[1])
     out = torch.empty_like(x)
@@ -74,3 +107,79 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt: LowDtype, *, block: bool = F
     fn(x.data_ptr(), out.data_ptr(), outer, inner, spread.data_ptr(), so, si, *_format(fmt), int(block), counts,
        torch.get_num_threads())
     return out, counts[0], counts[1], counts[2]
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, ties to even), as a Python float."""
+    return ctypes.c_float(value).value
+
+
+@cache
+def _mx_emax(fmt: LowDtype) -> int:
+    return int(torch.finfo(fmt.torch).max).bit_length() - 1  # e4m3's largest exponent: 8
+
+
+def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: int, dims: tuple[int, int],
+                    how: FromAmax, fmt: LowDtype, block: bool, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, int, int, int] | None:
+    if how.dim is None:
+        if block:
+            return None
+        if how.amax is not None and not 0 <= how.amax < float("inf"):
+            return None  # a non-finite amax: the torch ops' NaN scale
+        gran, amax = 0, -1.0 if how.amax is None else how.amax
+    else:
+        along_inner = how.dim % 2 == dims[1]  # each scale along the run: one per outer index
+        gran, amax = (3 if along_inner else 4) if block else (1 if along_inner else 2), -1.0
+    out = torch.empty_like(x) if out is None else out
+    counts = (ctypes.c_int64 * 3)()
+    declined = fn(x.data_ptr(), out.data_ptr(), outer, inner, gran, amax, int(how.pow2), _mx_emax(fmt) if block else 0,
+                  *_format(fmt), counts, torch.get_num_threads())
+    if declined:
+        return None
+    # MX's torch ops give a contiguous value whatever x's layout (the GEMM reads that one)
+    return out.contiguous() if block else out, counts[0], counts[1], counts[2]
+
+
+@dataclass
+class Summary:
+    """One operand's amax per row and per column (float32), whole amax, nonzero elements, and
+    its ``k``-th smallest magnitude (0-based)."""
+
+    row_amax: torch.Tensor
+    col_amax: torch.Tensor
+    amax: float
+    nonzero: int
+    kth: float
+
+
+def summary(x: torch.Tensor, k: int) -> Summary | None:
+    """``x`` (2-D float32, CPU) summed up in one C pass and a selection (the torch ops: a dozen,
+    and topk's); None where the kernel does not walk it. The same values as the torch ops:
+    maxima and an order statistic are exact."""
+    fns = _functions()
+    walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
+    if fns is None or walk is None or not 0 <= k < x.numel():
+        return None
+    outer, inner, dims = walk
+    amaxes = torch.empty(outer + inner)
+    nonzero, kth, amax = ctypes.c_int64(), ctypes.c_float(), ctypes.c_float()
+    if fns[2](x.data_ptr(), outer, inner, amaxes.data_ptr(), amaxes.data_ptr() + 4 * outer, k, ctypes.byref(nonzero),
+              ctypes.byref(kth), ctypes.byref(amax)):
+        return None
+    by_dim = (amaxes[:outer], amaxes[outer:]) if dims[0] == 0 else (amaxes[outer:], amaxes[:outer])
+    return Summary(by_dim[0], by_dim[1], amax.value, nonzero.value, kth.value)
+
+
+def spread(amax: torch.Tensor, ratio: float) -> tuple[float, int, float] | None:
+    """``amax`` (1-D contiguous float32, CPU, each >= 0): its lower median (``torch.median``'s),
+    how many exceed ``ratio`` x it (compared in float32, as ``amax > ratio * amax.median()``),
+    and its least positive element (inf where none is); None where the kernel is not here."""
+    fns = _functions()
+    if (fns is None or amax.dim() != 1 or not amax.numel() or amax.dtype != torch.float32
+            or amax.device.type != "cpu" or not amax.is_contiguous()):
+        return None
+    median, over, least = ctypes.c_float(), ctypes.c_int64(), ctypes.c_float()
+    if fns[3](amax.data_ptr(), amax.numel(), ratio, ctypes.byref(median), ctypes.byref(over), ctypes.byref(least)):
+        return None
+    return median.value, over.value, least.value
