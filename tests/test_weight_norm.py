@@ -122,3 +122,24 @@ def test_fp8_names_a_parametrization_that_computes_the_weight():
     assert policy.fp8 == ["2"]
     assert policy.keep == {"0": "AMP706: its weight is computed by a parametrization (WeightNorm): torchao's "
                                 "Float8Linear takes a Parameter"}
+
+
+class _Untraceable(torch.nn.Module):
+    """DAC's shape: weight-normed convs in a forward fx cannot trace, so the recording runs
+    weight_norm's pre-hook and sees its ``torch._weight_norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.utils.weight_norm(torch.nn.Conv1d(2, 4, 3, padding=1))
+
+    def forward(self, x):
+        return self.conv(x) if x.shape[-1] > 1 else x
+
+
+def test_the_recorded_weight_norm_is_a_catalogued_fp32_op():
+    # descript-audio-codec: seven AMP102 "torch._weight_norm is not in the op catalog" infos
+    from ampaudit.check.api import check
+
+    report = check(_Untraceable(), example_inputs=(torch.randn(1, 2, 8),), dtype=torch.float16)
+    assert "AMP102" not in {f.rule for f in report.findings}
+    assert [n.precision.value for n in report.nodes if n.kind == "_weight_norm"] == ["fp32"]
