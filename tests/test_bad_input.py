@@ -481,3 +481,26 @@ def test_convert_says_the_model_fails_on_its_inputs_and_that_train_mode_runs(cli
     bad = cli("convert", model("bad_inputs.py"), "-o", tmp_path / "out2", "--backend", backend)
     assert bad.code == 2 and "fail to run the model: RuntimeError: mat1 and mat2" in bad.err
     assert "train mode" not in bad.err  # fails either way: no hint
+
+
+def test_the_train_mode_retry_leaves_the_models_batchnorm_statistics_as_they_were():
+    import torch
+
+    from ampaudit.check.api import check
+    from ampaudit.core.errors import LoadError
+
+    class TrainOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            if not self.training:
+                raise RuntimeError("inference path needs a cache")
+            return self.norm(x)
+
+    net = TrainOnly().eval()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(LoadError, match="in train mode it runs"):
+        check(net, example_inputs=(torch.randn(8, 4) * 5 + 3,), dtype=torch.float16)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())

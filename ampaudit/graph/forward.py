@@ -103,6 +103,8 @@ def _train_mode_hint(model: torch.nn.Module, inputs: ExampleInputs) -> str:
     the error says so, or it reads as the user's bug."""
     if model.training:
         return ""
+    # a train-mode forward updates BatchNorm's running statistics in place: put back after
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         with torch.no_grad(), attributes_kept(model), torch.random.fork_rng(devices=[]):
             model.train()
@@ -111,6 +113,9 @@ def _train_mode_hint(model: torch.nn.Module, inputs: ExampleInputs) -> str:
         return ""
     finally:
         model.eval()
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
     return (" - in eval mode, which the audit runs it in (no dropout draws); in train mode it runs: its forward "
             "takes another branch in eval. Audit a model whose eval forward takes the training path (get_model() "
             "returning a wrapper that runs it in train mode, its dropout at 0)")
