@@ -197,6 +197,30 @@ def test_a_weight_already_non_finite_is_named_not_denied(value):
     assert first == {"step": 0, "module": "1", "phase": "forward", "tensor": "output", **made}
 
 
+class _UpBlock(nn.Module):
+    """Pytorch-UNet's ``Up`` with a scale that overflows, a BatchNorm after it: the forward's
+    own BatchNorm writes the NaN batch's statistics into its running stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        x1 = self.up(x) * 1e38 * 1e38  # past float32's max
+        return self.bn(x1)
+
+
+def test_a_buffer_the_forward_itself_made_non_finite_is_not_said_to_have_held_it_before():
+    """The replay runs after the forward, which left the BatchNorm's running_mean NaN: the
+    note said that buffer "already held NaN or Inf before this forward", beside the op that
+    made the inf - which it did not (it was finite until the forward's own BatchNorm ran)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _UpBlock())
+    first = _steps(model, _batches(1))["first_nonfinite"]
+    assert first == {"step": 0, "module": "1", "phase": "forward", "tensor": "output", "op": "aten.mul",
+                     "source": _line_of(_UpBlock.forward, "* 1e38")}
+
+
 def test_backward_nonfinite_names_the_module_node_and_line():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Norm(), nn.Linear(8, 2))

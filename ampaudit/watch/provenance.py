@@ -261,7 +261,10 @@ def replay_forward(call: Call) -> Origin:
             _eager(call.module)(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
     except Exception as exc:  # the user's code: a failed replay only loses the op
         return Origin(note=_failed(exc))
-    found, state = scan.result(), _nonfinite_state(call.module)
+    found = scan.result()
+    # the replay runs after the forward, whose BatchNorms wrote its batch statistics into their
+    # buffers: a buffer counts only where no op made the value (a parameter the forward never writes)
+    state = _nonfinite_state(call.module, buffers=found is None or found.op is None)
     if state is not None:  # the ops read it: with NaN/+inf none made them from finite inputs
         found = found or Origin()
         found.state = state
@@ -293,10 +296,11 @@ def call_site(parent: Call, child: torch.nn.Module, nth: int) -> tuple[str, int]
     return seen[nth] if 0 <= nth < len(seen) else None
 
 
-def _nonfinite_state(module: torch.nn.Module) -> str | None:
-    """The first of ``module``'s parameters and buffers that holds NaN or Inf, named ("parameter
-    weight", "buffer running_var"), or None."""
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+def _nonfinite_state(module: torch.nn.Module, *, buffers: bool = True) -> str | None:
+    """The first of ``module``'s parameters (and ``buffers``) that holds NaN or Inf, named
+    ("parameter weight", "buffer running_var"), or None."""
+    kinds = (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
+    for kind, named in kinds[:2 if buffers else 1]:
         for name, t in named:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 return f"{kind} {name}"
