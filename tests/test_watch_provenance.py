@@ -842,3 +842,32 @@ def test_a_gradient_whose_forward_ran_before_the_last_step_says_so():
     first = _run_mode(step)
     assert (first["step"], first["phase"]) == (1, "backward")
     assert first["note"].startswith("its forward ran before the previous step ended")
+
+
+def test_a_loss_term_outside_the_modules_is_not_blamed_on_the_criterion_module_beside_it():
+    """Pytorch-UNet's loop shape under ``ampaudit run``: ``loss = criterion(out, y)`` (an
+    nn.CrossEntropyLoss, a watched module) plus a term the loop computes from the model's output
+    - here a sqrt of a negative. The model's output gradient is the sum over both uses, and a
+    tensor hook sees only the sum: the criterion, whose incoming gradient was finite and whose
+    input's was not, was blamed ("the replay's gradients stayed finite"). Its replay clears it:
+    the gradient came into the model's output from the loop's own code."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    criterion = nn.CrossEntropyLoss()
+
+    def train(optimizer):
+        opt = optimizer(model.parameters())
+        for _ in range(2):
+            out = model(torch.randn(5, 4))
+            loss = criterion(out, torch.randint(0, 3, (5,))) + 0.01 * torch.sqrt(out.min())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    first = _run_mode(train)
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
+        "(model)", "backward", "grad of output", 0), first
+    assert first["note"] == (
+        "it came into `(model)`'s output already non-finite, from code outside the watched modules that uses that "
+        "output (a term of the loss, say): `CrossEntropyLoss`, which uses it too, made no NaN or Inf when its "
+        "backward was replayed"), first

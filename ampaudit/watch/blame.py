@@ -136,17 +136,25 @@ class _Trace:
         return self.located({**first, **origin.to_dict()}, index)
 
     def backward(self, first: dict[str, Any], nonfinite_params: Sequence[str]) -> dict[str, Any]:
-        fallback = None
+        fallback = shared = None
         for index in blame_backward(self.events, self.bad()):
             event, call = self.events[index], self.call(self.events[index].call)
             origin = replay_backward(call, self.incoming(event.call)) if call else None
             found = {"step": first["step"], "module": event.module, "phase": "backward", "tensor": event.tensor}
             if origin is not None and origin.op is not None:
                 return self.located({**found, **origin.to_dict()}, event.call)
+            if origin is not None and origin.cleared and shared is None:
+                shared = self.also_output(index)
             fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": _no_replay(event.call)})}
         found = self.enclosing_code(first)
         if found is not None:
             return found
+        if shared is not None:  # its replay clears the module: the output's other users made it
+            user, output = shared
+            return {"step": first["step"], "module": output.module, "phase": "backward", "tensor": output.tensor,
+                    "note": f"it came into `{output.module}`'s output already non-finite, from code outside the "
+                            "watched modules that uses that output (a term of the loss, say): "
+                            f"`{user}`, which uses it too, made no NaN or Inf when its backward was replayed"}
         if fallback is not None:
             return fallback
         param = blame_parameter(self.events, self.bad(), nonfinite_params)
@@ -157,6 +165,19 @@ class _Trace:
         return {**first, "phase": "backward",
                 "note": "it came into the model already non-finite: from the loss or the code after the model "
                         "(a loss scale too high for a cast of the logits, say)"}
+
+    def also_output(self, index: int) -> tuple[str, Event] | None:
+        """Where the bad input gradient ``index`` is also the gradient of another module's
+        output (one tensor, one hook, one row: ``StepRecorder.hook_grad``), which every user of
+        that output adds to: (the input's module, that output's event), or None."""
+        rows, user = self.recorder.event_rows, self.events[index].module
+        outputs = [event for j, (event, is_bad) in enumerate(zip(self.events, self.bad(), strict=True))
+                   if j != index and is_bad and rows[j] is rows[index] and event.phase == "backward"
+                   and event.tensor.startswith("grad of output") and event.module != user
+                   and not _contains(user, event.module)]
+        # a container returns its last child's very tensor: named as the outermost module's output
+        outer = [e for e in outputs if not any(_contains(o.module, e.module) for o in outputs)]
+        return (user, outer[0]) if outer else None
 
     def enclosing_code(self, first: dict[str, Any]) -> dict[str, Any] | None:
         """A bad gradient that arrived at a module's output from finite gradients further on was

@@ -82,6 +82,7 @@ class Origin:
     note: str | None = None  # why the op is unknown, or what else to know
     outside: bool = False  # the call's inputs were already non-finite: made before this module
     state: str | None = None  # the module's parameter or buffer that already held NaN/Inf ("parameter weight")
+    cleared: bool = False  # a backward replay ran and made no NaN/Inf
 
     def to_dict(self) -> dict[str, Any]:
         found = {"op": self.op, "source": f"{self.file}:{self.line}" if self.file else None, "note": self.note}
@@ -423,7 +424,7 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
                     handle.remove()
     except Exception as exc:  # the user's code: a failed replay only loses the node
         return Origin(note=_failed(exc))
-    return scan.found or Origin(note="the replay's gradients stayed finite")
+    return scan.found or Origin(note="the replay's gradients stayed finite", cleared=True)
 
 
 def _graph_nodes(outputs: list[torch.Tensor]) -> list:
