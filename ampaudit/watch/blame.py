@@ -117,7 +117,8 @@ class _Trace:
 
     def forward(self, first: dict[str, Any], seq: int) -> dict[str, Any] | None:
         """The op that made the forward event ``seq`` non-finite; None for a -inf mask."""
-        index = self.events[seq].call
+        event = self.events[seq]
+        index = event.call
         call = self.call(index)
         if call is None:
             return {**first, "note": _no_replay(index)}
@@ -131,6 +132,17 @@ class _Trace:
                 found = replay_forward(self.recorder.calls[parent])
                 if found.op is not None:
                     name = self.recorder.module_name(self.recorder.calls[parent].module)
+                    return {"step": first["step"], "module": name, "phase": "forward", "tensor": "output",
+                            **found.to_dict()}
+        # NaN made of a -inf that came in: a -inf an enclosing module's own code made by arithmetic
+        # (a log of 0 after a ReLU: Pytorch-UNet's head) was born there, not in this module
+        if origin.masked_input:
+            for parent in self.enclosing(index):
+                found = replay_forward(self.recorder.calls[parent]).minus_inf
+                if found is not None:
+                    name = self.recorder.module_name(self.recorder.calls[parent].module)
+                    found.note = (f"it made -inf by arithmetic (not a mask, which masked_fill/where would write), "
+                                  f"which `{event.module}` turned into NaN or Inf")
                     return {"step": first["step"], "module": name, "phase": "forward", "tensor": "output",
                             **found.to_dict()}
         return self.located({**first, **origin.to_dict()}, index)
@@ -189,7 +201,7 @@ class _Trace:
                         if b and e.phase == "backward" and e.tensor.startswith("grad of output")), None)
         if arrived is None:
             return None
-        unfound = None  # the innermost module whose code made it, its replay finite
+        unfound, bad_output = None, False  # the innermost module whose code made it, its replay finite
         for parent in self.enclosing(arrived.call):
             call = self.recorder.calls[parent]
             incoming = self.incoming(parent)
@@ -201,7 +213,14 @@ class _Trace:
             if origin.op is not None:
                 return {"step": first["step"], "module": self.recorder.module_name(call.module), "phase": "backward",
                         "tensor": f"grad of {arrived.module}'s output", **origin.to_dict()}
-            unfound = unfound or self.recorder.module_name(call.module)
+            if unfound is None:
+                unfound = self.recorder.module_name(call.module)
+                bad_output = any(spec.bad for spec in incoming)
+        if unfound is not None and bad_output:  # an output's gradient came in bad beside finite ones
+            return {**first, "note": f"it came into `{unfound}`'s output already non-finite: from code outside the "
+                                     "watched modules that uses that output (a term of the loss, say), or from "
+                                     f"`{unfound}`'s own code after it, which stayed finite when replayed from the "
+                                     "other outputs' gradients"}
         if unfound is not None:  # not from the loss: finite gradients came into that module
             return {**first, "note": f"it was made between modules, in the code of `{unfound}`'s forward (the "
                                      "gradients that came into it were finite); replayed with gradients shaped like "

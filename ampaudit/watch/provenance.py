@@ -83,6 +83,10 @@ class Origin:
     outside: bool = False  # the call's inputs were already non-finite: made before this module
     state: str | None = None  # the module's parameter or buffer that already held NaN/Inf ("parameter weight")
     cleared: bool = False  # a backward replay ran and made no NaN/Inf
+    # the op made NaN/+inf of a -inf its inputs held: made by ``minus_inf`` in the same replay
+    # (arithmetic, not a mask), or - ``masked_input`` - before the module, by no mask it knows
+    minus_inf: Origin | None = None
+    masked_input: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         found = {"op": self.op, "source": f"{self.file}:{self.line}" if self.file else None, "note": self.note}
@@ -158,6 +162,9 @@ class _FirstBadOp(TorchDispatchMode):
         if self.found is not None and self.given == MASKED and self.negative is not None:
             where = f" at {self.negative.file}:{self.negative.line}" if self.negative.file else ""
             self.found.note = f"its input held -inf made by {self.negative.op}{where}"
+            self.found.minus_inf = self.negative
+        elif self.found is not None and self.given == MASKED:
+            self.found.masked_input = True
         if self.found is None and self.negative is not None:
             self.negative.note = "it overflowed to -inf: not a mask, which masked_fill/where would write"
             return self.negative
