@@ -953,3 +953,27 @@ def test_a_term_the_loop_adds_from_the_models_logits_is_not_said_to_come_from_fi
         "it came into `(model)`'s output already non-finite: from code outside the watched modules that uses that "
         "output (a term of the loss, say), or from `(model)`'s own code after it, which stayed finite when "
         "replayed from the other outputs' gradients"), first
+
+
+def test_a_gradient_made_non_finite_after_the_backward_says_no_modules_backward_made_it():
+    """minGPT's trainer shape with the gradients divided by a zero norm between backward() and
+    step(): every module's gradient was finite, the parameters' were not. The record named the
+    first parameter and nothing else; it now says that no module's backward, replayed, made it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(2):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                p.grad.div_(p.grad[:0].norm())  # a norm over nothing: 0
+            opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
+        "0.bias", "backward", "param grad", 0), first
+    assert first["note"] == (
+        "replayed, the backward of the module that holds it made no NaN or Inf: it went non-finite after the "
+        "backward, in code that writes the gradients (a division, clipping, a hook), or from exact gradient "
+        "values a replay does not have"), first

@@ -41,6 +41,7 @@ def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_par
     weight) is replayed; the one whose backward makes it non-finite is named, with the node."""
     with _paused(recorder):
         trace = _Trace(recorder, [], set())
+        cleared = False
         for name in nonfinite_params:
             for owner in recorder.param_owners(name):
                 for index in trace.calls_of(owner):
@@ -48,6 +49,12 @@ def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_par
                     if origin.op is not None:
                         return {"step": first["step"], "module": owner, "phase": "backward",
                                 "tensor": f"grad of {name.rpartition('.')[2]}", **origin.to_dict()}
+                    cleared = cleared or origin.cleared
+        if cleared and "note" not in first:  # its module's gradients finite, and its backward's too
+            return {**first, "note": "replayed, the backward of the module that holds it made no NaN or Inf: it "
+                                     "went non-finite after the backward, in code that writes the gradients (a "
+                                     "division, clipping, a hook), or from exact gradient values a replay does "
+                                     "not have"}
         return first
 
 
