@@ -360,3 +360,22 @@ def test_each_rank_of_a_distributed_launch_trains_and_the_log_is_rank_0_s(tmp_pa
     header, steps = open_log(tmp_path / "w.jsonl", steps_only=True)
     assert (header["world"], header["rank"]) == (2, 0)
     assert [step["layers"]["(model)"]["forward"]["numel"] for step in steps] == [3 * 2, 3 * 2]  # one rank's
+
+
+def test_the_folder_run_starts_in_is_not_on_the_scripts_path_unless_python_puts_it_there(tmp_path):
+    """``python sub/train.py`` puts ``sub/`` first on sys.path and not the folder it starts in;
+    ``python -m ampaudit run sub/train.py`` left that folder (``-m`` puts it first) on the path
+    too: a module beside the shell found there (Pytorch-UNet's ``evaluate.py``, run through a
+    wrapper elsewhere) imported under run and failed under python."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "helper.py").write_text("")
+    (tmp_path / "sub" / "train.py").write_text(
+        "import sys\nprint(sys.path[0].endswith('sub'))\n"
+        "try:\n    import helper\n    print('found')\nexcept ImportError:\n    print('missing')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "sub/train.py"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60, env=env)
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "sub/train.py"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert plain.stdout == "True\nmissing\n"
+    assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr

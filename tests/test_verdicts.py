@@ -662,3 +662,57 @@ def test_a_step_the_scaler_skips_is_no_underflow(tmp_path, logged):
     summary = mon.summary()
     assert summary["scaler"]["skipped_steps"] == [2]
     assert summary["findings"] == []
+
+
+class _ThreeStages(nn.Module):
+    """Pytorch-UNet's shape in three Linears: they run ``inc``, ``down``, ``up`` - an order that
+    sorts otherwise by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc, self.down, self.up = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(torch.relu(self.down(torch.relu(self.inc(x)))))
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_a_later_groups_lead_is_the_module_its_first_step_went_non_finite_in(tmp_path, log):
+    """An inf written into the last stage's weight: step 0's NaN gradients, clipped, leave every
+    weight NaN, and from step 1 on the model's first stage (``inc``) is the first non-finite.
+    That group's lead was the member whose name sorts first (``down``, which only passes
+    ``inc``'s NaN on); it is now the module that step's own first non-finite names."""
+    torch.manual_seed(0)
+    model = _ThreeStages()
+    with torch.no_grad():
+        model.up.weight[0, 0] = float("inf")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "run.jsonl"
+    with ampaudit.watch(model, optimizer=opt, log=path if log else None) as mon:
+        for _ in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    summary = mon.summary()
+    assert (summary["first_nonfinite"]["module"], summary["first_nonfinite"]["step"]) == ("up", 0)
+    leads = [(f["module"], f["message"].split(";")[0]) for f in summary["findings"] if f["rule"] == "AMP605"]
+    assert leads == [("up", "`up` (forward) is non-finite in every logged step from 0 to 3 (4 steps)"),
+                     ("inc", "`inc` (forward) is non-finite in every logged step from 1 to 3 (3 steps)")]
+    if log:  # the log's report says the same
+        assert [f.to_dict() for f in read_log(path).findings()] == summary["findings"]
+
+
+def test_each_steps_first_non_finite_is_kept_where_it_changes_and_no_more_than_firsts_kept():
+    v = verdicts.Verdicts()
+    for step, module in enumerate(["a", "a", None, "b", "b"]):
+        v._add_first(step, {"module": module, "phase": "forward"} if module else None)
+    assert v.firsts == [(0, "a", "forward"), (2, None, None), (3, "b", "forward")]
+    run = rule_api.Run(LowDtype.parse("float16"), False, None, {}, None, firsts=tuple(v.firsts))
+    assert [run.first_at(s) for s in (-1, 0, 1, 2, 3, 9)] == [None, ("a", "forward"), ("a", "forward"), None,
+                                                              ("b", "forward"), ("b", "forward")]
+    flips = verdicts.Verdicts()
+    for step in range(3 * rule_api.FIRSTS_KEPT):  # a run whose first non-finite flips every step
+        flips._add_first(step, {"module": "ab"[step % 2], "phase": "forward"})
+    assert len(flips.firsts) == rule_api.FIRSTS_KEPT and flips.firsts[-1][1] is None  # unknown from there on

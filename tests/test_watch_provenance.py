@@ -197,6 +197,30 @@ def test_a_weight_already_non_finite_is_named_not_denied(value):
     assert first == {"step": 0, "module": "1", "phase": "forward", "tensor": "output", **made}
 
 
+class _UpBlock(nn.Module):
+    """Pytorch-UNet's ``Up`` with a scale that overflows, a BatchNorm after it: the forward's
+    own BatchNorm writes the NaN batch's statistics into its running stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        x1 = self.up(x) * 1e38 * 1e38  # past float32's max
+        return self.bn(x1)
+
+
+def test_a_buffer_the_forward_itself_made_non_finite_is_not_said_to_have_held_it_before():
+    """The replay runs after the forward, which left the BatchNorm's running_mean NaN: the
+    note said that buffer "already held NaN or Inf before this forward", beside the op that
+    made the inf - which it did not (it was finite until the forward's own BatchNorm ran)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _UpBlock())
+    first = _steps(model, _batches(1))["first_nonfinite"]
+    assert first == {"step": 0, "module": "1", "phase": "forward", "tensor": "output", "op": "aten.mul",
+                     "source": _line_of(_UpBlock.forward, "* 1e38")}
+
+
 def test_backward_nonfinite_names_the_module_node_and_line():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Norm(), nn.Linear(8, 2))
@@ -818,3 +842,138 @@ def test_a_gradient_whose_forward_ran_before_the_last_step_says_so():
     first = _run_mode(step)
     assert (first["step"], first["phase"]) == (1, "backward")
     assert first["note"].startswith("its forward ran before the previous step ended")
+
+
+def test_a_loss_term_outside_the_modules_is_not_blamed_on_the_criterion_module_beside_it():
+    """Pytorch-UNet's loop shape under ``ampaudit run``: ``loss = criterion(out, y)`` (an
+    nn.CrossEntropyLoss, a watched module) plus a term the loop computes from the model's output
+    - here a sqrt of a negative. The model's output gradient is the sum over both uses, and a
+    tensor hook sees only the sum: the criterion, whose incoming gradient was finite and whose
+    input's was not, was blamed ("the replay's gradients stayed finite"). Its replay clears it:
+    the gradient came into the model's output from the loop's own code."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    criterion = nn.CrossEntropyLoss()
+
+    def train(optimizer):
+        opt = optimizer(model.parameters())
+        for _ in range(2):
+            out = model(torch.randn(5, 4))
+            loss = criterion(out, torch.randint(0, 3, (5,))) + 0.01 * torch.sqrt(out.min())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    first = _run_mode(train)
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
+        "(model)", "backward", "grad of output", 0), first
+    assert first["note"] == (
+        "it came into `(model)`'s output already non-finite, from code outside the watched modules that uses that "
+        "output (a term of the loss, say): `CrossEntropyLoss`, which uses it too, made no NaN or Inf when its "
+        "backward was replayed"), first
+
+
+class _LogHead(nn.Module):
+    """Pytorch-UNet's ``OutConv`` with a log in its own code: log(0) after a ReLU is -inf, its
+    conv's output NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.conv(torch.log(x))
+
+
+@pytest.mark.parametrize("mode", ["watch", "run"])
+def test_a_disabled_grad_scaler_ends_the_step_before_the_update_that_the_replay_must_not_see(mode):
+    """``GradScaler(enabled=amp)`` with amp off (Pytorch-UNet's default): its update() ended the
+    step, after optimizer.step() had written this step's NaN gradients into the weights, so the
+    replay ran on them - "its parameter conv.weight already held NaN or Inf before this forward",
+    at step 0. A disabled scaler's step is the optimizer's: the step ends before the update."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), _LogHead())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+
+    def train(optimizer):
+        opt = optimizer(model.parameters())
+        for _ in range(2):
+            loss = model(torch.randn(5, 4)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return opt
+
+    if mode == "run":
+        first = _run_mode(train)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+            train(lambda params: opt)
+        first = mon.summary()["first_nonfinite"]
+        assert mon.summary()["steps"] == 2
+    assert first == {"step": 0, "module": "4", "phase": "forward", "tensor": "output", "op": "aten.log",
+                     "source": _line_of(_LogHead.forward, "torch.log"),
+                     "note": "it made -inf by arithmetic (not a mask, which masked_fill/where would write), which "
+                             "`4.conv` turned into NaN or Inf"}, first
+
+
+class _LogitsAndLoss(nn.Module):
+    """nanoGPT's GPT in two layers: it returns its logits and the loss it computes from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.lm_head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        logits = self.lm_head(torch.relu(self.body(x)))
+        return logits, nn.functional.cross_entropy(logits, y)
+
+
+def test_a_term_the_loop_adds_from_the_models_logits_is_not_said_to_come_from_finite_gradients():
+    """build-nanogpt's loop with ``loss + 0.0 * torch.sqrt(logits.min())``: the logits' gradient
+    arrives NaN beside the loss's finite one. The replay of the model (that output seeded with
+    zeros) stayed finite, and the note said it was made in the model's own code "(the gradients
+    that came into it were finite)" - one was not. It names both places it can have come from."""
+    torch.manual_seed(0)
+    model = _LogitsAndLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(2):
+            logits, loss = model(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+            loss = loss + 0.0 * torch.sqrt(logits.min())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
+        "lm_head", "backward", "grad of output", 0), first
+    assert first["note"] == (
+        "it came into `(model)`'s output already non-finite: from code outside the watched modules that uses that "
+        "output (a term of the loss, say), or from `(model)`'s own code after it, which stayed finite when "
+        "replayed from the other outputs' gradients"), first
+
+
+def test_a_gradient_made_non_finite_after_the_backward_says_no_modules_backward_made_it():
+    """minGPT's trainer shape with the gradients divided by a zero norm between backward() and
+    step(): every module's gradient was finite, the parameters' were not. The record named the
+    first parameter and nothing else; it now says that no module's backward, replayed, made it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(2):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                p.grad.div_(p.grad[:0].norm())  # a norm over nothing: 0
+            opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
+        "0.bias", "backward", "param grad", 0), first
+    assert first["note"] == (
+        "replayed, the backward of the module that holds it made no NaN or Inf: it went non-finite after the "
+        "backward, in code that writes the gradients (a division, clipping, a hook), or from exact gradient "
+        "values a replay does not have"), first

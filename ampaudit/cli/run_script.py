@@ -94,7 +94,11 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = list(argv)
     if not script.is_dir():  # a folder: run_path puts the folder itself first, as python does
-        sys.path.insert(0, str(script.resolve().parent))
+        folder = str(script.resolve().parent)
+        if sys.path and not _imports_ampaudit(sys.path[0]):
+            sys.path[0] = folder  # python's first entry is the script's folder, not what started run
+        else:  # ampaudit itself comes from there (a checkout, run with -m): kept, after the script's
+            sys.path.insert(0, folder)
     code, interrupted = 0, False
     monitor.start()
     try:
@@ -116,6 +120,16 @@ def _run_watched(script: Path, argv: list[str], monitor: Monitor, kept: Callable
         monitor.stop()
         sys.argv, sys.path[:] = saved_argv, saved_path
     return code, interrupted
+
+
+def _imports_ampaudit(entry: str) -> bool:
+    """Whether ampaudit was imported from sys.path entry ``entry`` ('' is the working folder):
+    run's own later imports need it."""
+    package = Path(__file__).resolve().parents[1]
+    try:
+        return package.parent == Path(entry or os.getcwd()).resolve()
+    except OSError:
+        return True
 
 
 def _run_main(script: Path) -> None:

@@ -41,6 +41,7 @@ def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_par
     weight) is replayed; the one whose backward makes it non-finite is named, with the node."""
     with _paused(recorder):
         trace = _Trace(recorder, [], set())
+        cleared = False
         for name in nonfinite_params:
             for owner in recorder.param_owners(name):
                 for index in trace.calls_of(owner):
@@ -48,6 +49,12 @@ def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_par
                     if origin.op is not None:
                         return {"step": first["step"], "module": owner, "phase": "backward",
                                 "tensor": f"grad of {name.rpartition('.')[2]}", **origin.to_dict()}
+                    cleared = cleared or origin.cleared
+        if cleared and "note" not in first:  # its module's gradients finite, and its backward's too
+            return {**first, "note": "replayed, the backward of the module that holds it made no NaN or Inf: it "
+                                     "went non-finite after the backward, in code that writes the gradients (a "
+                                     "division, clipping, a hook), or from exact gradient values a replay does "
+                                     "not have"}
         return first
 
 
@@ -117,7 +124,8 @@ class _Trace:
 
     def forward(self, first: dict[str, Any], seq: int) -> dict[str, Any] | None:
         """The op that made the forward event ``seq`` non-finite; None for a -inf mask."""
-        index = self.events[seq].call
+        event = self.events[seq]
+        index = event.call
         call = self.call(index)
         if call is None:
             return {**first, "note": _no_replay(index)}
@@ -133,20 +141,39 @@ class _Trace:
                     name = self.recorder.module_name(self.recorder.calls[parent].module)
                     return {"step": first["step"], "module": name, "phase": "forward", "tensor": "output",
                             **found.to_dict()}
+        # NaN made of a -inf that came in: a -inf an enclosing module's own code made by arithmetic
+        # (a log of 0 after a ReLU: Pytorch-UNet's head) was born there, not in this module
+        if origin.masked_input:
+            for parent in self.enclosing(index):
+                found = replay_forward(self.recorder.calls[parent]).minus_inf
+                if found is not None:
+                    name = self.recorder.module_name(self.recorder.calls[parent].module)
+                    found.note = (f"it made -inf by arithmetic (not a mask, which masked_fill/where would write), "
+                                  f"which `{event.module}` turned into NaN or Inf")
+                    return {"step": first["step"], "module": name, "phase": "forward", "tensor": "output",
+                            **found.to_dict()}
         return self.located({**first, **origin.to_dict()}, index)
 
     def backward(self, first: dict[str, Any], nonfinite_params: Sequence[str]) -> dict[str, Any]:
-        fallback = None
+        fallback = shared = None
         for index in blame_backward(self.events, self.bad()):
             event, call = self.events[index], self.call(self.events[index].call)
             origin = replay_backward(call, self.incoming(event.call)) if call else None
             found = {"step": first["step"], "module": event.module, "phase": "backward", "tensor": event.tensor}
             if origin is not None and origin.op is not None:
                 return self.located({**found, **origin.to_dict()}, event.call)
+            if origin is not None and origin.cleared and shared is None:
+                shared = self.also_output(index)
             fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": _no_replay(event.call)})}
         found = self.enclosing_code(first)
         if found is not None:
             return found
+        if shared is not None:  # its replay clears the module: the output's other users made it
+            user, output = shared
+            return {"step": first["step"], "module": output.module, "phase": "backward", "tensor": output.tensor,
+                    "note": f"it came into `{output.module}`'s output already non-finite, from code outside the "
+                            "watched modules that uses that output (a term of the loss, say): "
+                            f"`{user}`, which uses it too, made no NaN or Inf when its backward was replayed"}
         if fallback is not None:
             return fallback
         param = blame_parameter(self.events, self.bad(), nonfinite_params)
@@ -158,6 +185,19 @@ class _Trace:
                 "note": "it came into the model already non-finite: from the loss or the code after the model "
                         "(a loss scale too high for a cast of the logits, say)"}
 
+    def also_output(self, index: int) -> tuple[str, Event] | None:
+        """Where the bad input gradient ``index`` is also the gradient of another module's
+        output (one tensor, one hook, one row: ``StepRecorder.hook_grad``), which every user of
+        that output adds to: (the input's module, that output's event), or None."""
+        rows, user = self.recorder.event_rows, self.events[index].module
+        outputs = [event for j, (event, is_bad) in enumerate(zip(self.events, self.bad(), strict=True))
+                   if j != index and is_bad and rows[j] is rows[index] and event.phase == "backward"
+                   and event.tensor.startswith("grad of output") and event.module != user
+                   and not _contains(user, event.module)]
+        # a container returns its last child's very tensor: named as the outermost module's output
+        outer = [e for e in outputs if not any(_contains(o.module, e.module) for o in outputs)]
+        return (user, outer[0]) if outer else None
+
     def enclosing_code(self, first: dict[str, Any]) -> dict[str, Any] | None:
         """A bad gradient that arrived at a module's output from finite gradients further on was
         made between modules: in the code of a module enclosing it (a custom Function applied in
@@ -168,7 +208,7 @@ class _Trace:
                         if b and e.phase == "backward" and e.tensor.startswith("grad of output")), None)
         if arrived is None:
             return None
-        unfound = None  # the innermost module whose code made it, its replay finite
+        unfound, bad_output = None, False  # the innermost module whose code made it, its replay finite
         for parent in self.enclosing(arrived.call):
             call = self.recorder.calls[parent]
             incoming = self.incoming(parent)
@@ -180,7 +220,14 @@ class _Trace:
             if origin.op is not None:
                 return {"step": first["step"], "module": self.recorder.module_name(call.module), "phase": "backward",
                         "tensor": f"grad of {arrived.module}'s output", **origin.to_dict()}
-            unfound = unfound or self.recorder.module_name(call.module)
+            if unfound is None:
+                unfound = self.recorder.module_name(call.module)
+                bad_output = any(spec.bad for spec in incoming)
+        if unfound is not None and bad_output:  # an output's gradient came in bad beside finite ones
+            return {**first, "note": f"it came into `{unfound}`'s output already non-finite: from code outside the "
+                                     "watched modules that uses that output (a term of the loss, say), or from "
+                                     f"`{unfound}`'s own code after it, which stayed finite when replayed from the "
+                                     "other outputs' gradients"}
         if unfound is not None:  # not from the loss: finite gradients came into that module
             return {**first, "note": f"it was made between modules, in the code of `{unfound}`'s forward (the "
                                      "gradients that came into it were finite); replayed with gradients shaped like "

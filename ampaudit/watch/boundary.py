@@ -182,7 +182,9 @@ class ScalerTap:
         tap = self
 
         def step(self_scaler, optimizer, *args, **kwargs):
-            if not tap.here():  # another thread's scaler step
+            # another thread's scaler step; or a disabled scaler's, which is the optimizer's own
+            # step: its hook ends the step before the update (update() comes after it)
+            if not tap.here() or not self_scaler.is_enabled():
                 return original_step(self_scaler, optimizer, *args, **kwargs)
             optimizers.stepped(optimizer)
             optimizers.in_scaler_step = True
@@ -192,7 +194,7 @@ class ScalerTap:
                 optimizers.in_scaler_step = False
 
         def update(self_scaler, new_scale=None):
-            if tap.here():
+            if tap.here() and self_scaler.is_enabled():
                 tap.on_boundary(scaler=self_scaler)
             return original_update(self_scaler, new_scale)
 

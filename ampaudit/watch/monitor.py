@@ -212,7 +212,9 @@ class Monitor:
             self._model_params = [(self.recorder.param_name(p, n), p) for n, p in self.model.named_parameters()]
         if self.guard is not None:
             self.guard.start()
-        if self.scaler is not None:
+        # a disabled GradScaler (``enabled=amp`` with amp off) steps the optimizer as it is: that
+        # step ends the step, before the update a replay must not see (its update() comes after)
+        if self.scaler is not None and (self.scaler.is_enabled() or self.optimizer is None):
             self.scaler_tap.attach(self.scaler)
         elif self.optimizer is not None:
             self.optimizer_tap.attach(self.optimizer)

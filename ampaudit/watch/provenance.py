@@ -82,6 +82,11 @@ class Origin:
     note: str | None = None  # why the op is unknown, or what else to know
     outside: bool = False  # the call's inputs were already non-finite: made before this module
     state: str | None = None  # the module's parameter or buffer that already held NaN/Inf ("parameter weight")
+    cleared: bool = False  # a backward replay ran and made no NaN/Inf
+    # the op made NaN/+inf of a -inf its inputs held: made by ``minus_inf`` in the same replay
+    # (arithmetic, not a mask), or - ``masked_input`` - before the module, by no mask it knows
+    minus_inf: Origin | None = None
+    masked_input: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         found = {"op": self.op, "source": f"{self.file}:{self.line}" if self.file else None, "note": self.note}
@@ -157,6 +162,9 @@ class _FirstBadOp(TorchDispatchMode):
         if self.found is not None and self.given == MASKED and self.negative is not None:
             where = f" at {self.negative.file}:{self.negative.line}" if self.negative.file else ""
             self.found.note = f"its input held -inf made by {self.negative.op}{where}"
+            self.found.minus_inf = self.negative
+        elif self.found is not None and self.given == MASKED:
+            self.found.masked_input = True
         if self.found is None and self.negative is not None:
             self.negative.note = "it overflowed to -inf: not a mask, which masked_fill/where would write"
             return self.negative
@@ -261,7 +269,10 @@ def replay_forward(call: Call) -> Origin:
             _eager(call.module)(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))
     except Exception as exc:  # the user's code: a failed replay only loses the op
         return Origin(note=_failed(exc))
-    found, state = scan.result(), _nonfinite_state(call.module)
+    found = scan.result()
+    # the replay runs after the forward, whose BatchNorms wrote its batch statistics into their
+    # buffers: a buffer counts only where no op made the value (a parameter the forward never writes)
+    state = _nonfinite_state(call.module, buffers=found is None or found.op is None)
     if state is not None:  # the ops read it: with NaN/+inf none made them from finite inputs
         found = found or Origin()
         found.state = state
@@ -293,10 +304,11 @@ def call_site(parent: Call, child: torch.nn.Module, nth: int) -> tuple[str, int]
     return seen[nth] if 0 <= nth < len(seen) else None
 
 
-def _nonfinite_state(module: torch.nn.Module) -> str | None:
-    """The first of ``module``'s parameters and buffers that holds NaN or Inf, named ("parameter
-    weight", "buffer running_var"), or None."""
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+def _nonfinite_state(module: torch.nn.Module, *, buffers: bool = True) -> str | None:
+    """The first of ``module``'s parameters (and ``buffers``) that holds NaN or Inf, named
+    ("parameter weight", "buffer running_var"), or None."""
+    kinds = (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
+    for kind, named in kinds[:2 if buffers else 1]:
         for name, t in named:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 return f"{kind} {name}"
@@ -419,7 +431,7 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
                     handle.remove()
     except Exception as exc:  # the user's code: a failed replay only loses the node
         return Origin(note=_failed(exc))
-    return scan.found or Origin(note="the replay's gradients stayed finite")
+    return scan.found or Origin(note="the replay's gradients stayed finite", cleared=True)
 
 
 def _graph_nodes(outputs: list[torch.Tensor]) -> list:

@@ -29,6 +29,7 @@ Torch-free: ``ampaudit report`` runs the rules without importing torch.
 
 from __future__ import annotations
 
+import bisect
 import math
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -176,6 +177,20 @@ class Run:
     # audited for float16 by default), None where the dtype was given and the run's is unknown
     computes_low: bool | None = None
     skipped: int = 0  # logged steps the GradScaler skipped
+    # each logged step's own first non-finite (module, phase), as (step, module, phase) where it
+    # differs from the logged step before's (module None: none, or no longer known: ``FIRSTS_KEPT``)
+    firsts: tuple[tuple[int, str | None, str | None], ...] = ()
+
+    def first_at(self, step: float) -> tuple[str, str] | None:
+        """The (module, phase) logged step ``step`` first went non-finite in, where known."""
+        i = bisect.bisect_right(self.firsts, step, key=lambda change: change[0]) - 1
+        if i < 0 or self.firsts[i][1] is None:
+            return None
+        _, module, phase = self.firsts[i]
+        return module, phase or ""
+
+
+FIRSTS_KEPT = 4096  # Run.firsts' changes kept: a run that flips more often than that is not told apart
 
 
 @dataclass(frozen=True)

@@ -211,22 +211,29 @@ class AlwaysNonfinite(LayerRule):
             # an enclosing module (the model, a block) only passes its child's NaN on: the
             # innermost lead, forward before backward
             members.sort(key=lambda mp, ms=tuple(members): (_encloses(mp[0], ms), mp[1] != "forward", mp[0]))
-            lead = members[0]
+            # where it was born: the group's first step's own first non-finite (a later group:
+            # the weights a bad step left NaN, first read by the model's first layer, not by the
+            # name that sorts first), else the run's, in whichever phase this group holds it
+            borns = [run.first_at(first)]
             if first_nonfinite and first <= first_nonfinite["step"] <= last:
-                # where it was born, in whichever phase this group holds it
-                born = first_nonfinite["module"]
-                # or, born in its own body's backward (its output gradient finite, its input's not),
-                # the modules inside it the gradient reaches first - not the model's first layer,
-                # which it reaches last and whose name sorts first
-                named = [mp for mp in members if mp[0] == born] or \
-                    [mp for mp in members if mp[0].startswith(born + ".") and mp[1] == first_nonfinite["phase"]]
-                named.sort(key=lambda mp: mp[1] != first_nonfinite["phase"])
-                if named:
-                    lead = named[0]
+                borns.append((first_nonfinite["module"], first_nonfinite["phase"]))
+            lead = next((named for born in borns if born and (named := _born_in(born, members))), members[0])
             rest = [f"{m} ({p})" for m, p in members if (m, p) != lead]
             others = f"; also non-finite in those steps: {names(rest)}" if rest else ""
             yield Verdict(first, lead[0], self.hints.get("fix"), dict(
                 module=lead[0], phase=lead[1], first=int(first), last=int(last), count=int(count), others=others))
+
+
+def _born_in(born: tuple[str, str], members: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The member a value born in ``born`` (module, phase) is reported under: that module, or -
+    born in its own body's backward (its output gradient finite, its input's not) - the modules
+    inside it the gradient reaches first, not the model's first layer, which it reaches last and
+    whose name sorts first."""
+    module, phase = born
+    named = [mp for mp in members if mp[0] == module] or \
+        [mp for mp in members if mp[0].startswith(module + ".") and mp[1] == phase]
+    named.sort(key=lambda mp: mp[1] != phase)
+    return named[0] if named else None
 
 
 def _run_step(state: dict[str, Any], rows: Fp8Rows, **sums: float) -> None:

@@ -29,6 +29,7 @@ from ampaudit.watch.rule_api import (
     COLUMNS,
     COUNT,
     FIRST,
+    FIRSTS_KEPT,
     GRADIENTS,
     LAST,
     PEAK,
@@ -180,6 +181,7 @@ class Verdicts:
         self.peak: tuple[float, int] | None = None  # the highest scale a step was applied with, its step
         self.nonfinite: Counter = Counter()  # parameters non-finite on skipped steps
         self.skipped = 0  # logged steps the GradScaler skipped
+        self.firsts: list[tuple[int, str | None, str | None]] = []  # Run.firsts
 
     def add(self, record: dict[str, Any], dtype: str) -> None:
         step = record["step"]
@@ -193,11 +195,19 @@ class Verdicts:
         for module, names in params.items():
             self.params.setdefault(module, set()).update(names)
         self._add_scale(step, record.get("scale"), bool(record.get("skipped")), record.get("nonfinite_params") or [])
+        self._add_first(step, record.get("first_nonfinite"))
         if isinstance(record.get("fp8"), dict):  # watch(..., fp8=True)
             rows = Fp8Rows(step, self._prev, record["fp8"])
             for unit in self._fp8_units:
                 unit.observe(rows)
         self._prev = step
+
+    def _add_first(self, step: int, first: Any) -> None:
+        """This step's first non-finite, kept where it changes (``Run.firsts``)."""
+        seen = (first.get("module"), first.get("phase")) if isinstance(first, dict) else (None, None)
+        last = self.firsts[-1][1:] if self.firsts else (None, None)
+        if seen != last and len(self.firsts) < FIRSTS_KEPT:
+            self.firsts.append((step, *seen) if len(self.firsts) < FIRSTS_KEPT - 1 else (step, None, None))
 
     def _add_scale(self, step: int, scale: float | None, skipped: bool, nonfinite: list[str]) -> None:
         if scale is not None:
@@ -226,7 +236,8 @@ class Verdicts:
             for module, names in device["params"].items():
                 params.setdefault(module, set()).update(names)
         run = Run(LowDtype.parse(dtype), self.scaled_steps > 0, self.first_scaled, params, first_nonfinite,
-                  self.nonfinite, computes_low=computes_low(dtype_source), skipped=self.skipped)
+                  self.nonfinite, computes_low=computes_low(dtype_source), skipped=self.skipped,
+                  firsts=tuple(self.firsts))
         file, line = _where(source)
         found: list[tuple[tuple, Finding]] = []
         for code, unit in self.units.items():
