@@ -360,3 +360,59 @@ def test_each_rank_of_a_distributed_launch_trains_and_the_log_is_rank_0_s(tmp_pa
     header, steps = open_log(tmp_path / "w.jsonl", steps_only=True)
     assert (header["world"], header["rank"]) == (2, 0)
     assert [step["layers"]["(model)"]["forward"]["numel"] for step in steps] == [3 * 2, 3 * 2]  # one rank's
+
+
+def test_a_log_the_script_writes_itself_is_left_to_the_script(tmp_path):
+    """``--log metrics.jsonl`` naming the file the script writes its own metrics to: the watch
+    kept writing at its own offset into the file the script had emptied - the script's lines
+    and the watch's records mixed, with a run of NUL bytes between, neither readable. A log
+    another writer emptied, filled or replaced since the watch wrote it is no longer written:
+    the script's file is its own, and the summary says where the log stopped."""
+    (tmp_path / "s.py").write_text(
+        "import json, os, torch\nOUT = 'metrics.jsonl'\ntorch.manual_seed(0)\n"
+        "m = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "with open(OUT, 'w') as f:\n"
+        "    for i in range(4):\n"
+        "        loss = m(torch.randn(3, 4)).pow(2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "        f.write(json.dumps({'step': i, 'loss': round(loss.item(), 6)}) + '\\n'); f.flush()\n"
+        "print(open(OUT).read(), end='')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    mine = (tmp_path / "metrics.jsonl").read_bytes()
+    (tmp_path / "metrics.jsonl").unlink()
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "metrics.jsonl", "s.py"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr
+    assert (tmp_path / "metrics.jsonl").read_bytes() == mine  # the script's lines, nothing of the watch's
+    assert "log written to" not in watched.stderr
+    said = "by another process (the script itself?)"
+    assert watched.stderr.count(said) == 2  # as it happens, and in the summary
+    assert "ampaudit run: the log metrics.jsonl stops " in watched.stderr
+
+
+@pytest.mark.parametrize("other", ["emptied", "appended", "replaced", "removed"])
+def test_a_log_another_writer_touched_is_not_written_again(tmp_path, capsys, other):
+    from ampaudit.watch.log_file import LogSink
+
+    sink = LogSink(tmp_path / "w.jsonl")
+    sink.open({"dtype": "float16"})
+    sink.write({"step": 0, "layers": {}, "params": {}})
+    if other == "emptied":
+        (tmp_path / "w.jsonl").write_text("mine\n")
+    elif other == "appended":
+        with open(tmp_path / "w.jsonl", "a") as f:
+            f.write("mine\n")
+    elif other == "replaced":
+        (tmp_path / "new").write_text("mine\n")
+        os.replace(tmp_path / "new", tmp_path / "w.jsonl")
+    else:
+        (tmp_path / "w.jsonl").unlink()
+    before = (tmp_path / "w.jsonl").read_bytes() if other != "removed" else None
+    sink.write({"step": 1, "layers": {}, "params": {}})
+    sink.close({"steps": 2})
+    after = (tmp_path / "w.jsonl").read_bytes() if other != "removed" else None
+    assert after == before and not sink.is_open
+    gone = "removed or replaced" if other in ("replaced", "removed") else "written"
+    assert (sink.last_step, sink.failure.split(" by ")[0]) == (0, gone)
+    assert capsys.readouterr().err.count("logging stopped") == 1
