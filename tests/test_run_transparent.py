@@ -416,3 +416,21 @@ def test_a_log_another_writer_touched_is_not_written_again(tmp_path, capsys, oth
     gone = "removed or replaced" if other in ("replaced", "removed") else "written"
     assert (sink.last_step, sink.failure.split(" by ")[0]) == (0, gone)
     assert capsys.readouterr().err.count("logging stopped") == 1
+
+
+def test_a_file_the_script_opens_on_a_closed_stderr_s_descriptor_gets_no_summary(tmp_path):
+    """A script that closes file descriptor 2 and opens a file (it takes descriptor 2), still
+    open at the script's end: the summary went to ``sys.stderr`` - into that file, 2.4 kB of
+    table after the script's 21 bytes. It goes to the stream there at the start (a copy of its
+    descriptor), whatever now holds the number."""
+    (tmp_path / "s.py").write_text(
+        "import atexit, os, torch\nm = torch.nn.Linear(4, 2)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "os.close(2)\nf = open('losses.txt', 'w')\natexit.register(f.close)\n"
+        "for _ in range(3):\n"
+        "    loss = m(torch.ones(3, 4)).pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    f.write(f'{loss.item():.4f}\\n'); f.flush()\nprint('fd', f.fileno())\n")
+    plain, watched = _plain_and_run(tmp_path)
+    assert (plain.returncode, plain.stdout) == (0, "fd 2\n")
+    assert (watched.returncode, watched.stdout) == (0, "fd 2\n")
+    assert (tmp_path / "losses.txt").read_text().count("\n") == 3  # the script's three lines, nothing else
+    assert "ampaudit watch" in watched.stderr and watched.stderr.endswith("log written to w.jsonl\n")

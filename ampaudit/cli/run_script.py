@@ -159,6 +159,15 @@ def _stderr(kept: Callable[[], TextIO]) -> TextIO:
     return kept() if getattr(sys.stderr, "closed", True) else sys.stderr
 
 
+def _file_of(stream: TextIO) -> tuple[int, int] | None:
+    """The (device, inode) behind ``stream``'s descriptor; None where it has none (closed)."""
+    try:
+        info = os.fstat(stream.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return info.st_dev, info.st_ino
+
+
 @contextlib.contextmanager
 def _kept_stderr() -> Iterator[Callable[[], TextIO]]:
     """The stream ampaudit's summary goes to, whatever the script did to ``sys.stderr`` (closed
@@ -170,9 +179,11 @@ def _kept_stderr() -> Iterator[Callable[[], TextIO]]:
     with contextlib.suppress(AttributeError, OSError, ValueError, io.UnsupportedOperation):
         copy = open(os.dup(original.fileno()), "w", encoding=getattr(original, "encoding", None) or "utf-8",  # noqa: SIM115
                     errors="replace", buffering=1)
+    start = _file_of(copy) if copy is not None else None
 
     def stream() -> TextIO:
-        if not getattr(original, "closed", True):
+        # its descriptor closed by the script and taken by a file it opened: not written into that
+        if not getattr(original, "closed", True) and (start is None or _file_of(original) == start):
             return original
         return copy if copy is not None else io.StringIO()  # nowhere left to write: say nothing
 
