@@ -434,3 +434,12 @@ def test_a_file_the_script_opens_on_a_closed_stderr_s_descriptor_gets_no_summary
     assert (watched.returncode, watched.stdout) == (0, "fd 2\n")
     assert (tmp_path / "losses.txt").read_text().count("\n") == 3  # the script's three lines, nothing else
     assert "ampaudit watch" in watched.stderr and watched.stderr.endswith("log written to w.jsonl\n")
+
+
+def test_a_script_on_stdin_is_refused_in_words_that_say_so(cli, tmp_path, monkeypatch):
+    """`python -` runs the script on stdin; `ampaudit run -` said "no such script: -"."""
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", "--log", "w.jsonl", "-")
+    assert (result.code, result.out) == (2, "")
+    assert result.err == ("ampaudit: error: ampaudit run takes no script on stdin ('-'): save it to a file and name "
+                          "that\n")

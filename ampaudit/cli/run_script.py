@@ -29,6 +29,8 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
     earlier run still writing it, another file of that name) leaves the script to train without."""
     if script.is_dir() and not (script / "__main__.py").is_file():  # python runs a folder's __main__.py
         raise UsageError(f"{script} is a folder without a __main__.py: name the script to run")
+    if str(script) == "-" and not script.exists():  # python - reads the script from stdin
+        raise UsageError("ampaudit run takes no script on stdin ('-'): save it to a file and name that")
     if not (script.is_file() or script.is_dir()):
         raise UsageError(f"no such script: {script}")
     monitor = _monitor(script, options)
