@@ -281,7 +281,8 @@ class StepRecorder:
         self.steps_ended = 0  # how many steps ended (``end_step``): which step a gradient hook was put in
         # called at a new forward after a backward once the step holds OVERDUE_ROWS rows: ends it
         self.on_overdue: NotCopied | None = None
-        self._forwards = 0  # the model's forwards with grad in this step (``_root_forward``, ``_idle_forward``)
+        # the model's forwards this step: after a backward (``_root_forward``: the step's first is none)
+        self._forwards = 0
         # how many the first overdue step held: a step not recorded (``every``) ends after as many
         self.overdue_forwards: int | None = None
         self._call: int | None = None  # the call whose events are being recorded
@@ -609,16 +610,15 @@ class StepRecorder:
         if not self.logging:  # hooks kept on between recorded steps (torch.compile, the dtype not known yet)
             self._idle_forward(module, args)
             return
-        if self.paused or not torch.is_grad_enabled() or _in_backward() or transformed() or not self.thread.here():
+        if self.paused or not torch.is_grad_enabled():
             return
-        if self._model is not None or self._names.get(id(module)) == "(model)":
-            self._forwards += 1
-        if not self._backward_since:
+        if not self._backward_since or _in_backward() or transformed() or not self.thread.here():
             return
         self._backward_since = False
+        self._forwards += 1  # forwards after a backward: the step's first is not one
         if self.on_overdue is not None and self.arena.rows_used() >= OVERDUE_ROWS:
             if self.overdue_forwards is None:
-                self.overdue_forwards = max(1, self._forwards - 1)  # this one begins the next step
+                self.overdue_forwards = self._forwards  # what it held: this one begins the next step
             self._end_overdue()  # no step end in sight (a hand-made update): one here, before this forward
             return
         if not self.provenance or not self.calls or self.calls_frozen:
