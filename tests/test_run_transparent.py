@@ -379,3 +379,86 @@ def test_the_folder_run_starts_in_is_not_on_the_scripts_path_unless_python_puts_
                              cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert plain.stdout == "True\nmissing\n"
     assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr
+
+
+def test_a_log_the_script_writes_itself_is_left_to_the_script(tmp_path):
+    """``--log metrics.jsonl`` naming the file the script writes its own metrics to: the watch
+    kept writing at its own offset into the file the script had emptied - the script's lines
+    and the watch's records mixed, with a run of NUL bytes between, neither readable. A log
+    another writer emptied, filled or replaced since the watch wrote it is no longer written:
+    the script's file is its own, and the summary says where the log stopped."""
+    (tmp_path / "s.py").write_text(
+        "import json, os, torch\nOUT = 'metrics.jsonl'\ntorch.manual_seed(0)\n"
+        "m = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "with open(OUT, 'w') as f:\n"
+        "    for i in range(4):\n"
+        "        loss = m(torch.randn(3, 4)).pow(2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "        f.write(json.dumps({'step': i, 'loss': round(loss.item(), 6)}) + '\\n'); f.flush()\n"
+        "print(open(OUT).read(), end='')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    mine = (tmp_path / "metrics.jsonl").read_bytes()
+    (tmp_path / "metrics.jsonl").unlink()
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "metrics.jsonl", "s.py"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr
+    assert (tmp_path / "metrics.jsonl").read_bytes() == mine  # the script's lines, nothing of the watch's
+    assert "log written to" not in watched.stderr
+    said = "by another process (the script itself?)"
+    assert watched.stderr.count(said) == 2  # as it happens, and in the summary
+    assert "ampaudit run: the log metrics.jsonl stops " in watched.stderr
+
+
+@pytest.mark.parametrize("other", ["emptied", "appended", "replaced", "removed"])
+def test_a_log_another_writer_touched_is_not_written_again(tmp_path, capsys, other):
+    from ampaudit.watch.log_file import LogSink
+
+    sink = LogSink(tmp_path / "w.jsonl")
+    sink.open({"dtype": "float16"})
+    sink.write({"step": 0, "layers": {}, "params": {}})
+    if other == "emptied":
+        (tmp_path / "w.jsonl").write_text("mine\n")
+    elif other == "appended":
+        with open(tmp_path / "w.jsonl", "a") as f:
+            f.write("mine\n")
+    elif other == "replaced":
+        (tmp_path / "new").write_text("mine\n")
+        os.replace(tmp_path / "new", tmp_path / "w.jsonl")
+    else:
+        (tmp_path / "w.jsonl").unlink()
+    before = (tmp_path / "w.jsonl").read_bytes() if other != "removed" else None
+    sink.write({"step": 1, "layers": {}, "params": {}})
+    sink.close({"steps": 2})
+    after = (tmp_path / "w.jsonl").read_bytes() if other != "removed" else None
+    assert after == before and not sink.is_open
+    gone = "removed or replaced" if other in ("replaced", "removed") else "written"
+    assert (sink.last_step, sink.failure.split(" by ")[0]) == (0, gone)
+    assert capsys.readouterr().err.count("logging stopped") == 1
+
+
+def test_a_file_the_script_opens_on_a_closed_stderr_s_descriptor_gets_no_summary(tmp_path):
+    """A script that closes file descriptor 2 and opens a file (it takes descriptor 2), still
+    open at the script's end: the summary went to ``sys.stderr`` - into that file, 2.4 kB of
+    table after the script's 21 bytes. It goes to the stream there at the start (a copy of its
+    descriptor), whatever now holds the number."""
+    (tmp_path / "s.py").write_text(
+        "import atexit, os, torch\nm = torch.nn.Linear(4, 2)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "os.close(2)\nf = open('losses.txt', 'w')\natexit.register(f.close)\n"
+        "for _ in range(3):\n"
+        "    loss = m(torch.ones(3, 4)).pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    f.write(f'{loss.item():.4f}\\n'); f.flush()\nprint('fd', f.fileno())\n")
+    plain, watched = _plain_and_run(tmp_path)
+    assert (plain.returncode, plain.stdout) == (0, "fd 2\n")
+    assert (watched.returncode, watched.stdout) == (0, "fd 2\n")
+    assert (tmp_path / "losses.txt").read_text().count("\n") == 3  # the script's three lines, nothing else
+    assert "ampaudit watch" in watched.stderr and watched.stderr.endswith("log written to w.jsonl\n")
+
+
+def test_a_script_on_stdin_is_refused_in_words_that_say_so(cli, tmp_path, monkeypatch):
+    """`python -` runs the script on stdin; `ampaudit run -` said "no such script: -"."""
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", "--log", "w.jsonl", "-")
+    assert (result.code, result.out) == (2, "")
+    assert result.err == ("ampaudit: error: ampaudit run takes no script on stdin ('-'): save it to a file and name "
+                          "that\n")

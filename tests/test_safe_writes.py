@@ -293,3 +293,24 @@ def test_a_fix_that_would_break_the_file_is_not_written(tmp_path):
     with pytest.raises(UsageError, match=r"the AMP401 fix would leave it invalid Python.*nothing written"):
         fix.fix_files([broken], unsafe=False, write=True)
     assert script.read_text() == DEPRECATED
+
+
+def test_a_file_in_a_folder_this_user_cannot_write_says_it_is_the_folder(tmp_path, monkeypatch):
+    """`check --fix w.py` as a user who may write w.py but not its folder said "cannot write
+    w.py: Permission denied" - the file's mode allows it; the new text is written beside it
+    (a temporary file renamed over it), which the folder refuses."""
+    target = tmp_path / "w.py"
+    target.write_text("x = 1\n")
+    real_open = os.open
+
+    def no_new_file(path, flags, *args, **kwargs):  # as the kernel answers a folder without write permission
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_new_file)
+    with pytest.raises(UsageError) as raised:
+        write_atomic(target, "x = 2\n", expected="x = 1\n", shown="w.py")
+    assert str(raised.value) == ("cannot write w.py: its folder is not writable (the new text is written beside the "
+                                 "file, then renamed over it)")
+    assert target.read_text() == "x = 1\n"

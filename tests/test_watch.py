@@ -2031,3 +2031,31 @@ def test_a_loop_that_updates_by_hand_gets_steps_of_bounded_size(monkeypatch, cap
     assert mon.overdue_steps == summary["steps"] - 1 and mon.overdue_steps >= 3
     assert capsys.readouterr().err.count("no optimizer step, GradScaler or step() has ended") == 1
     assert summary["layers"]["0"]["forward"]["numel"] == 30 * 16 * 8  # every iteration recorded
+
+
+@pytest.mark.parametrize("global_hooks", [False, True], ids=["watch", "run"])
+def test_a_loop_that_updates_by_hand_is_recorded_every_nth_step_with_every(monkeypatch, capsys, global_hooks):
+    """With every=N the steps not recorded hold no rows, so none grew overdue: the first
+    overdue step ended and the next was never recorded - 1 step in the summary for 30
+    iterations (`ampaudit run --every 10` on a hand-updated loop: 1 step for 1000 iterations).
+    A step not recorded ends after as many of the model's forwards as the overdue step held."""
+    from ampaudit.watch import hooks
+    from ampaudit.watch.monitor import Monitor
+
+    monkeypatch.setattr(hooks, "OVERDUE_ROWS", 40)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    mon = Monitor(None if global_hooks else model, every=2).start()
+    for _ in range(30):
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.01)
+                p.grad = None
+    mon.stop()
+    summary = mon.summary()
+    # 6 rows an iteration: the 8th forward ends step 0 at 42 rows, each later step 7 forwards
+    # long as with every=1; steps 0, 2 and 4 (its first 2) recorded, 1 and 3 not
+    assert (summary["steps"], mon.overdue_steps) == (5, 4)
+    assert summary["layers"]["0"]["forward"]["numel"] == (7 + 7 + 2) * 16 * 8
+    assert capsys.readouterr().err.count("no optimizer step, GradScaler or step() has ended") == 1

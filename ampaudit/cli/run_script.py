@@ -29,6 +29,8 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
     earlier run still writing it, another file of that name) leaves the script to train without."""
     if script.is_dir() and not (script / "__main__.py").is_file():  # python runs a folder's __main__.py
         raise UsageError(f"{script} is a folder without a __main__.py: name the script to run")
+    if str(script) == "-" and not script.exists():  # python - reads the script from stdin
+        raise UsageError("ampaudit run takes no script on stdin ('-'): save it to a file and name that")
     if not (script.is_file() or script.is_dir()):
         raise UsageError(f"no such script: {script}")
     monitor = _monitor(script, options)
@@ -173,6 +175,15 @@ def _stderr(kept: Callable[[], TextIO]) -> TextIO:
     return kept() if getattr(sys.stderr, "closed", True) else sys.stderr
 
 
+def _file_of(stream: TextIO) -> tuple[int, int] | None:
+    """The (device, inode) behind ``stream``'s descriptor; None where it has none (closed)."""
+    try:
+        info = os.fstat(stream.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return info.st_dev, info.st_ino
+
+
 @contextlib.contextmanager
 def _kept_stderr() -> Iterator[Callable[[], TextIO]]:
     """The stream ampaudit's summary goes to, whatever the script did to ``sys.stderr`` (closed
@@ -184,9 +195,11 @@ def _kept_stderr() -> Iterator[Callable[[], TextIO]]:
     with contextlib.suppress(AttributeError, OSError, ValueError, io.UnsupportedOperation):
         copy = open(os.dup(original.fileno()), "w", encoding=getattr(original, "encoding", None) or "utf-8",  # noqa: SIM115
                     errors="replace", buffering=1)
+    start = _file_of(copy) if copy is not None else None
 
     def stream() -> TextIO:
-        if not getattr(original, "closed", True):
+        # its descriptor closed by the script and taken by a file it opened: not written into that
+        if not getattr(original, "closed", True) and (start is None or _file_of(original) == start):
             return original
         return copy if copy is not None else io.StringIO()  # nowhere left to write: say nothing
 

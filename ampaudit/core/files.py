@@ -122,6 +122,9 @@ def _replace_in(folder: int, name: str, payload: bytes, expected: str | None, en
     tmp = f".{name[:200]}.{secrets.token_hex(4)}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
+    except PermissionError:  # the file itself may be writable: the folder is what refuses
+        raise UsageError(f"cannot write {shown}: its folder is not writable (the new text is written beside the "
+                         "file, then renamed over it)") from None
     except OSError as exc:
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
     try:

@@ -281,6 +281,10 @@ class StepRecorder:
         self.steps_ended = 0  # how many steps ended (``end_step``): which step a gradient hook was put in
         # called at a new forward after a backward once the step holds OVERDUE_ROWS rows: ends it
         self.on_overdue: NotCopied | None = None
+        # the model's forwards this step: after a backward (``_root_forward``: the step's first is none)
+        self._forwards = 0
+        # how many the first overdue step held: a step not recorded (``every``) ends after as many
+        self.overdue_forwards: int | None = None
         self._call: int | None = None  # the call whose events are being recorded
         self._model: torch.nn.Module | None = None
         self.param_rows: dict[str, Handle] = {}  # parameter name -> arena handle
@@ -383,6 +387,9 @@ class StepRecorder:
                                                                            with_kwargs=True))
         else:
             self._handles.append(model.register_forward_hook(self.after_forward, with_kwargs=True))
+        if self.overdue_forwards is not None:  # a loop updating by hand: the step's forwards end it
+            self._handles.append(model.register_forward_pre_hook(self._idle_forward) if model is not None
+                                 else module_hooks.register_module_forward_pre_hook(self._idle_forward))
         self._armed = False
 
     def _remove_handles(self) -> None:
@@ -563,6 +570,8 @@ class StepRecorder:
             if id(module) not in self._names:
                 self._name_tree(module, self._root_prefix(module))
             self._root_forward(module, args)
+            if not self._armed:  # it ended an overdue step, the next not recorded: the idle hooks count no depth
+                return
         self._depth += 1
         if self.record_inputs:
             self.before_forward(module, args)
@@ -598,13 +607,19 @@ class StepRecorder:
         discriminator, a siamese pair's second input - under ``ampaudit run`` every module
         called outside any other is a root - and so is a checkpointed block run again inside
         the backward."""
-        if self.paused or not torch.is_grad_enabled() or not self.logging:
+        if not self.logging:  # hooks kept on between recorded steps (torch.compile, the dtype not known yet)
+            self._idle_forward(module, args)
+            return
+        if self.paused or not torch.is_grad_enabled():
             return
         if not self._backward_since or _in_backward() or transformed() or not self.thread.here():
             return
         self._backward_since = False
+        self._forwards += 1  # forwards after a backward: the step's first is not one
         if self.on_overdue is not None and self.arena.rows_used() >= OVERDUE_ROWS:
-            self.on_overdue()  # no step end in sight (a hand-made update): one here, before this forward
+            if self.overdue_forwards is None:
+                self.overdue_forwards = self._forwards  # what it held: this one begins the next step
+            self._end_overdue()  # no step end in sight (a hand-made update): one here, before this forward
             return
         if not self.provenance or not self.calls or self.calls_frozen:
             return
@@ -615,6 +630,26 @@ class StepRecorder:
             self.calls_frozen = True
         else:
             self.calls = [None] * len(self.calls)
+
+    def _idle_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A step not recorded (``every``) of a loop that updates by hand holds no rows to grow
+        overdue: it ends at the model's forward after as many as the first overdue step held,
+        which begins the next - else no step after the first overdue one would end, none be
+        recorded again."""
+        if self.overdue_forwards is None or self.on_overdue is None or self.paused or not torch.is_grad_enabled():
+            return
+        if _compiling() or _in_backward() or transformed() or not self.thread.here():
+            return
+        if self._model is None and self._names.get(id(module)) != "(model)":
+            return
+        self._forwards += 1
+        if self._forwards > self.overdue_forwards:
+            self._end_overdue()
+
+    def _end_overdue(self) -> None:
+        """End the step before the model's forward now starting, which the next step counts."""
+        self.on_overdue()
+        self._forwards = 1
 
     def _detect_dtype(self, outputs: list[torch.Tensor]) -> None:
         """A default (neither autocast nor a low dtype seen yet) is kept looking past until the
@@ -724,7 +759,7 @@ class StepRecorder:
         self._unhook()
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen, self._backward_since = [], [], False, False
-        self._checked = 0
+        self._checked, self._forwards = 0, 0
         self.steps_ended += 1
         self.arena.reset()
         self._dtype_open = self.dtype_source is None

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import sys
 from collections.abc import Generator
 from contextlib import closing
@@ -97,6 +98,7 @@ class LogSink:
         self._handle: TextIO | None = None
         self.failure: str | None = None  # why writing stopped early (a full disk), if it did
         self.last_step: int | None = None  # the last step written whole
+        self._regular = False  # a regular file: no other writer may have touched it since (``_taken``)
 
     @property
     def is_open(self) -> bool:
@@ -107,6 +109,7 @@ class LogSink:
         """Create the log (``create_log``: refused over anything but an earlier log)."""
         if self.path is not None:
             self._handle = create_log(self.path, header)
+            self._regular = stat.S_ISREG(os.fstat(self._handle.fileno()).st_mode)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._handle is not None:
@@ -117,17 +120,38 @@ class LogSink:
         if self._handle is None:
             return
         try:
+            if self._taken():
+                return
             self._handle.write(line + "\n")
             self._handle.flush()
             if step is not None:
                 self.last_step = step
         except OSError as exc:  # a full disk or `ulimit -f` must not stop the training: stop logging
-            with contextlib.suppress(OSError):
-                self._handle.close()
-            self._handle = None
-            self.failure = str(exc.strerror or exc)
-            sys.stderr.write(f"ampaudit: the log {display_path(str(self.path))} could not be written "
-                             f"({self.failure}): logging stopped, training goes on\n")
+            self._stop(str(exc.strerror or exc), f"could not be written ({exc.strerror or exc}): logging stopped")
+
+    def _taken(self) -> bool:
+        """Whether another writer emptied, wrote or replaced the log since this one last wrote
+        it - the script writing its own file at that path (``--log metrics.jsonl``): the watch
+        would write at its own offset into the script's data, NUL bytes between. Such a log is
+        the other writer's from then on, left as it has it. (An fstat a step.)"""
+        if not self._regular:  # a FIFO or a device: written in place, no size to compare
+            return False
+        fd = self._handle.fileno()
+        info = os.fstat(fd)
+        if info.st_nlink and info.st_size == os.lseek(fd, 0, os.SEEK_CUR):
+            return False
+        what = f"{'removed or replaced' if not info.st_nlink else 'written'} by another process (the script itself?)"
+        self._stop(f"{what}, the file left as it is", f"was {what}: logging stopped, the file left as it is")
+        return True
+
+    def _stop(self, failure: str, said: str) -> None:
+        """Stop logging, say why once on stderr (the script may have closed it); training goes on."""
+        with contextlib.suppress(OSError):
+            self._handle.close()
+        self._handle = None
+        self.failure = failure
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.write(f"ampaudit: the log {display_path(str(self.path))} {said}, training goes on\n")
 
     def abandon(self) -> None:
         """In a forked child: forget the log without writing or flushing it (it is the parent's;
