@@ -457,6 +457,26 @@ def test_a_gradient_that_overflows_to_minus_inf_is_not_a_mask():
     assert {k: first[k] for k in ("module", "phase", "tensor")} == {
         "module": "1", "phase": "backward", "tensor": "grad of output"}
     assert first["note"].startswith("it came into the model already non-finite: from the loss")
+    assert "a log of 0" in first["note"]  # no GradScaler here: no loss scale to blame
+
+
+def test_the_loss_scale_is_named_as_a_cause_only_where_a_gradscaler_scales_the_loss():
+    """An fp32 run with no GradScaler was told its NaN came from "a loss scale too high" (the
+    watch hunt on minGPT and minRF): the example now fits the run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as mon:
+        loss = nn.functional.cross_entropy(model(x), y) * 2.0**100
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    first = mon.summary()["first_nonfinite"]
+    assert first["note"].startswith("it came into the model already non-finite: from the loss")
+    assert "a loss scale too high" in first["note"]
 
 
 @pytest.mark.parametrize("after", [nn.LayerNorm(8), nn.ReLU()], ids=["layernorm", "relu"])

@@ -27,13 +27,14 @@ _BACKWARD = ("backward", INPUT_GRAD)
 
 
 def trace_first(first: dict[str, Any], seq: int, recorder: StepRecorder, nonfinite_params: Sequence[str],
-                modes: list[int], masks: set[str]) -> dict[str, Any] | None:
+                modes: list[int], masks: set[str], scaled: bool = False) -> dict[str, Any] | None:
     """``first`` (the record's first_nonfinite, event ``seq`` of the step) with the module that
     made it, and the op (``op``, ``source``) or why it is unknown (``note``); None when it was
     only -inf a module writes on purpose (added to ``masks``) and nothing else went bad. The
-    recorder is paused meanwhile: the replays run the user's modules, not the run's data."""
+    recorder is paused meanwhile: the replays run the user's modules, not the run's data.
+    ``scaled``: the step's loss was scaled (a GradScaler), which a note may name as a cause."""
     with _paused(recorder):
-        return _Trace(recorder, modes, masks).first(first, seq, nonfinite_params)
+        return _Trace(recorder, modes, masks, scaled).first(first, seq, nonfinite_params)
 
 
 def trace_parameter(first: dict[str, Any], recorder: StepRecorder, nonfinite_params: Sequence[str]) -> dict[str, Any]:
@@ -71,8 +72,8 @@ def _paused(recorder: StepRecorder) -> Iterator[None]:
 class _Trace:
     """One step's events, their flags (read back once, when needed) and the replays."""
 
-    def __init__(self, recorder: StepRecorder, modes: list[int], masks: set[str]) -> None:
-        self.recorder, self.modes, self.masks = recorder, modes, masks
+    def __init__(self, recorder: StepRecorder, modes: list[int], masks: set[str], scaled: bool = False) -> None:
+        self.recorder, self.modes, self.masks, self.scaled = recorder, modes, masks, scaled
         self.events = [Event(m, p, t, c) for (m, p, t), c in zip(recorder.events, recorder.event_calls, strict=True)]
         self._raw: torch.Tensor | None = None
         self._flags: tuple[list[bool], list[bool]] | None = None
@@ -181,9 +182,12 @@ class _Trace:
             return trace_parameter(first, self.recorder, [param])
         if any(bad and event.call == EARLIER for event, bad in zip(self.events, self.bad(), strict=True)):
             return {**first, "phase": "backward", "note": _no_replay(EARLIER)}  # its enclosing calls unknown here
+        # the likely cause named is one this run can have: no loss scale without a GradScaler
+        example = "a loss scale too high for a cast of the logits" if self.scaled else \
+            "a log of 0 or a division by 0 in the loss"
         return {**first, "phase": "backward",
                 "note": "it came into the model already non-finite: from the loss or the code after the model "
-                        "(a loss scale too high for a cast of the logits, say)"}
+                        f"({example}, say)"}
 
     def also_output(self, index: int) -> tuple[str, Event] | None:
         """Where the bad input gradient ``index`` is also the gradient of another module's

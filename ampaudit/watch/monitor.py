@@ -400,7 +400,8 @@ class Monitor:
         seq, rank = divmod(int(first_seq), world)
         if rank == self._rank:  # the module ran here: replay it here
             masks = len(self.masks)
-            record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params, modes, self.masks)
+            record["first_nonfinite"] = trace_first(first, seq, self.recorder, bad_params, modes, self.masks,
+                                                    scaled=record.get("scale") is not None)
             if len(self.masks) != masks:
                 self._modes.clear()  # a module found to write masks: its -inf no longer counts
                 self._shape = None
