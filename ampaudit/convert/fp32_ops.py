@@ -98,7 +98,7 @@ class _Upcast(TorchFunctionMode):
                 args, kwargs = _up(args), _up(kwargs)
                 # a composite op (F.normalize: a norm, then a division) runs its own ops under
                 # autocast too, whose CPU policy casts the norm down again: off for the site
-                with torch.autocast(_device_type(args, kwargs), enabled=False):
+                with _autocast_off(_device_type(args, kwargs)):
                     return func(*args, **kwargs)
         if kind in self.same_dtype and kwargs.get("out") is None:
             # an fp32 op's output meeting a low one where the kernel wants one dtype (EDM2's
@@ -108,6 +108,15 @@ class _Upcast(TorchFunctionMode):
                 wide = torch.float32 if not dtypes - set(_LOW) - {torch.float32} else torch.float64
                 args, kwargs = _to(args, wide), _to(kwargs, wide)
         return func(*args, **kwargs)
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device_type`` where it is on; as it is on a device autocast does not know."""
+    try:
+        return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+            else contextlib.nullcontext()
+    except RuntimeError:  # "unsupported autocast device_type" (meta, a backend without autocast)
+        return contextlib.nullcontext()
 
 
 def _device_type(args: tuple, kwargs: dict) -> str:
