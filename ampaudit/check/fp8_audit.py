@@ -12,6 +12,7 @@ import torch
 from ampaudit.core.dtypes import E4M3
 from ampaudit.core.errors import UsageError
 from ampaudit.core.findings import Finding, Report, Target
+from ampaudit.core.listing import listed
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
@@ -79,11 +80,10 @@ def _cost_note(judgement: Fp8Judgement, seconds: float) -> str:
 def _sampled_note(layers: list[Fp8Layer]) -> str:
     from ampaudit.graph.fp8_measure import SAMPLE
 
-    names = ", ".join(f"{layer.name or '(model)'} ({_dims(layer)})" for layer in layers[:3])
-    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+    names = listed([f"{layer.name or '(model)'} ({_dims(layer)})" for layer in layers], 3)
     return (f"{len(layers)} large nn.Linear measured on a sample of at most {SAMPLE} tokens, output and input "
             f"features each, every outlier token and channel kept (each sampled element cast exactly, the "
-            f"per-tensor scales from the whole tensors): {names}{more}")
+            f"per-tensor scales from the whole tensors): {names}")
 
 
 def _dims(layer: Fp8Layer) -> str:

@@ -32,6 +32,7 @@ from ampaudit.convert.publish import FP8_FILES, seal_staging
 from ampaudit.core.arguments import require_module
 from ampaudit.core.errors import LoadError, UsageError
 from ampaudit.core.import_noise import quiet_imports
+from ampaudit.core.listing import listed
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import EMITTED_RECIPES, TORCHAO_RECIPES
 from ampaudit.graph.fp8_measure import float8_linears
@@ -201,7 +202,7 @@ def require_unconverted(model: torch.nn.Module) -> None:
     trains in fp8 too) and the emitted file would convert it again: one line, nothing written."""
     done = float8_linears(model)
     if done:
-        names = ", ".join(f"`{n}`" for n in done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else "")
+        names = listed([f"`{n}`" for n in done], 3)
         raise UsageError(f"the model is converted to float8 already (torchao's Float8Linear: {names}): give "
                          "convert the model before convert_to_float8_training")
 

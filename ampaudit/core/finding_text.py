@@ -13,6 +13,7 @@ from rich.text import Text
 
 from ampaudit.core.console import printable
 from ampaudit.core.findings import Finding, Severity
+from ampaudit.core.listing import listed
 
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -58,9 +59,7 @@ def finding_block(finding: Finding, color: bool, modules: Sequence[str] = ()) ->
     head.append(finding.message)
     parts: list = [head]
     if len(modules) > 1:
-        named = ", ".join(modules[:MODULES_SHOWN])
-        more = f" and {len(modules) - MODULES_SHOWN} more" if len(modules) > MODULES_SHOWN else ""
-        parts.append(Text(f"  in {len(modules)} modules: {named}{more}", style="dim"))
+        parts.append(Text(f"  in {len(modules)} modules: {listed(modules, MODULES_SHOWN)}", style="dim"))
     elif finding.module:
         parts.append(Text(f"  in module {finding.module}", style="dim"))
     lines = snippet(finding, color)

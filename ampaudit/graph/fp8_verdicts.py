@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from ampaudit.core.listing import listed
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs
 from ampaudit.graph.fp8_casts import BLOCK, MX_BLOCK, RECIPES
@@ -206,7 +207,7 @@ def mx_tokens_problem(rows: dict[str, int]) -> str | None:
 def zero_grad_note(names: list[str]) -> str:
     """Layers whose output gradient was exactly zero on the example inputs: a layer after them
     starts at zero (DiT's adaLN-Zero), so their backward GEMMs had nothing to measure."""
-    shown = ", ".join(n or "(model)" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    shown = listed([n or "(model)" for n in names], 4)
     return (f"{len(names)} nn.Linear got an all-zero output gradient on the example inputs ({shown}): a layer "
             "downstream starts at zero (a zero-initialised last layer or gate, as DiT's adaLN-Zero), so their "
             "grad_output, grad-input and grad-weight were not measured - only their forward is judged; audit a "

@@ -25,6 +25,7 @@ import torch
 from ampaudit.core.child_main import user_code
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.import_noise import quiet_imports
+from ampaudit.core.listing import listed
 from ampaudit.core.paths import display_path
 from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs, describe_exception
@@ -145,14 +146,10 @@ def _finish(model: torch.nn.Module, entry: str, path: Path | None, label: str | 
                 inputs = None
     model.eval()  # the audit must not depend on dropout draws
     if iterated := converge_spectral_norms(model):
-        notes.append(f"spectral_norm on {_listed(iterated)}: u and v never iterated (a freshly built model, whose "
+        notes.append(f"spectral_norm on {listed(iterated, 3)}: u and v never iterated (a freshly built model, whose "
                      f"eval forward divides by a random estimate of the norm): {ITERATIONS} power iterations "
                      "first, as training gives them")
     return LoadedModel(model, entry, inputs, path, label or "", notes)
-
-
-def _listed(names: list[str], shown: int = 3) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _import_module(name: str) -> ModuleType:

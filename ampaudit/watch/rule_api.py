@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.listing import listed
 from ampaudit.core.registry import CodeRegistry
 from ampaudit.core.rulebook import rule
 from ampaudit.watch.stats_merge import FIELDS
@@ -339,5 +340,4 @@ def percent(share: float) -> str:
 
 
 def names(items: list[str], most: int = 4) -> str:
-    shown = ", ".join(items[:most])
-    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
+    return listed(items, most)
