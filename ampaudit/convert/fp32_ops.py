@@ -138,27 +138,22 @@ def _float_dtypes(values: Iterable[Any]) -> set[torch.dtype]:
     return found
 
 
-def _to(value: Any, dtype: torch.dtype) -> Any:
-    """Float tensors in ``value`` (a tensor, list, tuple or dict) as ``dtype``; the rest as they are."""
+def _to(value: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None) -> Any:
+    """Float tensors in ``value`` (a tensor, list, tuple or dict) as ``dtype`` - those of the
+    dtypes in ``only``, where given; the rest as they are."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        cast = value.is_floating_point() and value.dtype != dtype and (only is None or value.dtype in only)
+        return value.to(dtype) if cast else value
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to(v, dtype) for v in value)
+        return type(value)(_to(v, dtype, only) for v in value)
     if isinstance(value, dict):
-        return {k: _to(v, dtype) for k, v in value.items()}
+        return {k: _to(v, dtype, only) for k, v in value.items()}
     return value
 
 
 def _has_low(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.dtype in _LOW for a in (*args, *kwargs.values())) or \
-        any(isinstance(a, (list, tuple)) and _has_low(tuple(a), {}) for a in (*args, *kwargs.values()))
+    return not _float_dtypes((*args, *kwargs.values())).isdisjoint(_LOW)
 
 
 def _up(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in _LOW else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_up(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _up(v) for k, v in value.items()}
-    return value
+    return _to(value, torch.float32, _LOW)
