@@ -19,7 +19,7 @@ from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
-from ampaudit.convert.verify import ZERO_REFERENCE, output_error, search_promotions
+from ampaudit.convert.verify import output_error, record_error, search_promotions
 from ampaudit.core.arguments import require_module
 from ampaudit.core.catalog import Catalog, build_catalog
 from ampaudit.core.config import Config, load_config
@@ -171,10 +171,7 @@ def convert(
             model_mp = search_promotions(model, model_mp, build, inputs, tol)
         elif inputs is not None:
             error = output_error(model, model_mp, inputs)
-            if error == 0.0:
-                model_mp.summary.notes.append(ZERO_REFERENCE)
-            else:
-                model_mp.summary.error_before = model_mp.summary.error_after = error
+            record_error(model_mp.summary, error, error)
     finally:
         model.train(was_training)
     model_mp.train(was_training)  # nn.Dropout / BatchNorm modules follow the mode as usual

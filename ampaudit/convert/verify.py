@@ -61,6 +61,16 @@ ZERO_REFERENCE = ("error vs fp32 not measured: the converted model's outputs equ
                   "adaLN-Zero or EDM2's out_gain)")
 
 
+def record_error(summary: Any, before: float, after: float, compared: bool = True) -> None:
+    """The output error vs fp32 into ``summary`` - or, where the converted outputs equal fp32's
+    to the bit (and any were ``compared``), ``ZERO_REFERENCE`` in its notes and no error."""
+    if compared and before == 0.0 and after == 0.0:
+        summary.error_before = summary.error_after = None
+        summary.notes.append(ZERO_REFERENCE)
+    else:
+        summary.error_before, summary.error_after = before, after
+
+
 def reference_outputs(reference: torch.nn.Module, inputs: ExampleInputs) -> list[torch.Tensor]:
     """The fp32 model's float outputs, computed once for every comparison of a search."""
     with torch.no_grad(), attributes_kept(reference), untrained_norms_use_batch_statistics(reference):
@@ -260,10 +270,7 @@ class _Search:
         return ranked, over
 
     def finish(self, gm: fx.GraphModule, before: float, after: float) -> fx.GraphModule:
-        gm.summary.error_before, gm.summary.error_after = before, after
-        if before == 0.0 and after == 0.0 and any(t.numel() for t in self.reference):
-            gm.summary.error_before = gm.summary.error_after = None
-            gm.summary.notes.append(ZERO_REFERENCE)
+        record_error(gm.summary, before, after, compared=any(t.numel() for t in self.reference))
         gm.summary.search = {"forwards": self.forwards, "tried": len(self.tried)}
         return gm
 
