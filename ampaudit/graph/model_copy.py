@@ -29,9 +29,9 @@ M = TypeVar("M", bound=torch.nn.Module)
 def copy_model(model: M) -> M:
     """``copy.deepcopy(model)``, with every module attribute that carries autograd history
     (not a parameter or buffer) copied detached."""
-    held = [(module, name, value) for module in model.modules() for name, value in vars(module).items()
-            if isinstance(value, torch.Tensor) and value.grad_fn is not None]
     modules = list(model.modules())
+    held = [(module, name, value) for module in modules for name, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None]
     bound = [(i, name, value) for i, module in enumerate(modules) for name, value in vars(module).items()
              if isinstance(value, types.MethodType) and value.__self__ is module]
     try:

@@ -246,11 +246,11 @@ def record_trace(
             gm, out = _record(root, _widen(args), _widen(kwargs), catalog)
     except Exception:
         gm, out = _record(root, args, kwargs, catalog)
-        _mark_followed(gm)
-        return gm, out
-    _narrow(gm)
+    else:
+        _narrow(gm)
+        out = _narrow_tensors(out)
     _mark_followed(gm)
-    return gm, _narrow_tensors(out)
+    return gm, out
 
 
 def _mark_followed(gm: fx.GraphModule) -> None:
