@@ -2004,6 +2004,15 @@ def test_the_loss_scale_history_costs_16_bytes_a_logged_step():
     assert len(history) == 20_001 and history[0] == [0, 65536.0] and history[-1] == [20_000, 2.0 ** 12]
 
 
+def _sgd_by_hand(model: nn.Module) -> None:
+    """One iteration of a loop that updates the parameters itself, no optimizer (word_language_model)."""
+    model(torch.randn(16, 4)).pow(2).mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.01)
+            p.grad = None
+
+
 @pytest.mark.parametrize("global_hooks", [False, True], ids=["watch", "run"])
 def test_a_loop_that_updates_by_hand_gets_steps_of_bounded_size(monkeypatch, capsys, global_hooks):
     """No optimizer step, GradScaler or step() ends a step in a loop that updates its
@@ -2019,11 +2028,7 @@ def test_a_loop_that_updates_by_hand_gets_steps_of_bounded_size(monkeypatch, cap
     mon = Monitor(None if global_hooks else model).start()
     most = 0
     for _ in range(30):
-        model(torch.randn(16, 4)).pow(2).mean().backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.data.add_(p.grad, alpha=-0.01)
-                p.grad = None
+        _sgd_by_hand(model)
         most = max(most, mon.recorder.arena.rows_used())
     mon.stop()
     summary = mon.summary()
@@ -2047,11 +2052,7 @@ def test_a_loop_that_updates_by_hand_is_recorded_every_nth_step_with_every(monke
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     mon = Monitor(None if global_hooks else model, every=2).start()
     for _ in range(30):
-        model(torch.randn(16, 4)).pow(2).mean().backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.data.add_(p.grad, alpha=-0.01)
-                p.grad = None
+        _sgd_by_hand(model)
     mon.stop()
     summary = mon.summary()
     # 6 rows an iteration: the 8th forward ends step 0 at 42 rows, each later step 7 forwards
