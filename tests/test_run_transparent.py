@@ -462,3 +462,38 @@ def test_a_script_on_stdin_is_refused_in_words_that_say_so(cli, tmp_path, monkey
     assert (result.code, result.out) == (2, "")
     assert result.err == ("ampaudit: error: ampaudit run takes no script on stdin ('-'): save it to a file and name "
                           "that\n")
+
+
+def test_the_log_stops_before_it_takes_the_disk_the_script_needs(tmp_path, capsys, monkeypatch):
+    """A log grows ~15 kB a step on nanoGPT: a long run's default log could fill the disk the
+    script writes its checkpoints to. It stops once its file system is down to 5% of its size
+    free (at most 2 GiB): the file kept as written, said once, training untouched."""
+    import torch
+
+    import ampaudit
+    from ampaudit.watch import log_file
+
+    real = os.fstatvfs
+    free_blocks = iter([10_000, 10_000, 10_000, 40, 40, 40, 40, 40])  # 1000 blocks of 4 kB: 5% = 50 blocks
+
+    class Disk:
+        def __init__(self, free: int) -> None:
+            self.f_frsize, self.f_blocks, self.f_bavail = 4096, 1000, free
+
+    monkeypatch.setattr(log_file.os, "fstatvfs", lambda fd: Disk(next(free_blocks)))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt, log=tmp_path / "w.jsonl") as monitor:
+        for _ in range(6):
+            loss = model(torch.ones(3, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    monkeypatch.setattr(log_file.os, "fstatvfs", real)
+    steps = [json.loads(line).get("step") for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:]]
+    assert steps == [0, 1, 2]  # the fourth write found 160 kB free: no more lines, no end line
+    assert (monitor.sink.last_step, monitor.sink.failure) == (2, "the disk is nearly full (0 MB free)")
+    said = capsys.readouterr().err
+    assert said.count("ampaudit: the log") == 1 and "stopped: 0 MB free on its disk, kept for the script" in said
+    assert monitor.summary()["steps"] == 6  # the totals still count every step

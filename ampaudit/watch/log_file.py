@@ -31,6 +31,10 @@ from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 # with {"end": {...}} (what happened after the last logged step: eval forwards, steps, forks)
 FORMAT_VERSION = 3
 READS = (1, 2, 3)  # the versions read: 1 wrote each Stats as its dict
+# A log grows by ~0.5 kB a module a step (15 kB a step for nanoGPT's 28 modules): days of
+# training fill a disk. It stops before it takes the space the script needs for its own
+# checkpoints: while its file system keeps less free than this share of its size, capped.
+RESERVE_SHARE, RESERVE_MAX = 0.05, 2 << 30
 
 
 def create_log(path: Path, header: dict[str, Any]) -> TextIO:
@@ -120,7 +124,7 @@ class LogSink:
         if self._handle is None:
             return
         try:
-            if self._taken():
+            if self._taken() or self._disk_nearly_full():
                 return
             self._handle.write(line + "\n")
             self._handle.flush()
@@ -142,6 +146,20 @@ class LogSink:
             return False
         what = f"{'removed or replaced' if not info.st_nlink else 'written'} by another process (the script itself?)"
         self._stop(f"{what}, the file left as it is", f"was {what}: logging stopped, the file left as it is")
+        return True
+
+    def _disk_nearly_full(self) -> bool:
+        """Whether the log's file system has no more free space than it leaves to the script
+        (``RESERVE_SHARE`` of its size, at most ``RESERVE_MAX``): logging stops there, the file
+        kept as written. (An fstatvfs a step.)"""
+        if not self._regular:
+            return False
+        disk = os.fstatvfs(self._handle.fileno())
+        free, reserve = disk.f_bavail * disk.f_frsize, min(RESERVE_MAX, RESERVE_SHARE * disk.f_blocks * disk.f_frsize)
+        if free > reserve:
+            return False
+        left = f"{free / 2**20:.0f} MB free"
+        self._stop(f"the disk is nearly full ({left})", f"stopped: {left} on its disk, kept for the script")
         return True
 
     def _stop(self, failure: str, said: str) -> None:
