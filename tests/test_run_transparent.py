@@ -464,17 +464,20 @@ def test_a_script_on_stdin_is_refused_in_words_that_say_so(cli, tmp_path, monkey
                           "that\n")
 
 
-def test_the_log_stops_before_it_takes_the_disk_the_script_needs(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("free_at_start", [900, 60])
+def test_the_log_stops_before_it_takes_the_disk_the_script_needs(tmp_path, capsys, monkeypatch, free_at_start):
     """A log grows ~15 kB a step on nanoGPT: a long run's default log could fill the disk the
     script writes its checkpoints to. It stops once its file system is down to 5% of its size
-    free (at most 2 GiB): the file kept as written, said once, training untouched."""
+    free (at most 2 GiB) - on a disk already fuller at the start, to half the space free then -:
+    the file kept as written, said once, training untouched."""
     import torch
 
     import ampaudit
     from ampaudit.watch import log_file
 
     real = os.fstatvfs
-    free_blocks = iter([10_000, 10_000, 10_000, 40, 40, 40, 40, 40])  # 1000 blocks of 4 kB: 5% = 50 blocks
+    # 1000 blocks of 4 kB: 5% = 50 blocks; the first call is the log's opening
+    free_blocks = iter([free_at_start, 900, 900, 900, 40, 40, 40, 40, 40])
 
     class Disk:
         def __init__(self, free: int) -> None:
@@ -492,8 +495,13 @@ def test_the_log_stops_before_it_takes_the_disk_the_script_needs(tmp_path, capsy
             opt.step()
     monkeypatch.setattr(log_file.os, "fstatvfs", real)
     steps = [json.loads(line).get("step") for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:]]
-    assert steps == [0, 1, 2]  # the fourth write found 160 kB free: no more lines, no end line
-    assert (monitor.sink.last_step, monitor.sink.failure) == (2, "the disk is nearly full (0 MB free)")
+    # the fourth write found 160 kB free: below 200 kB (5%); below 120 kB (half of 240 kB at the start) it
+    # would have gone on
+    assert steps == ([0, 1, 2] if free_at_start == 900 else [0, 1, 2, 3, 4, 5, None])
     said = capsys.readouterr().err
+    if free_at_start == 60:
+        assert monitor.sink.failure is None and "ampaudit: the log" not in said
+        return
+    assert (monitor.sink.last_step, monitor.sink.failure) == (2, "the disk is nearly full (0 MB free)")
     assert said.count("ampaudit: the log") == 1 and "stopped: 0 MB free on its disk, kept for the script" in said
     assert monitor.summary()["steps"] == 6  # the totals still count every step

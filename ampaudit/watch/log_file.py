@@ -33,7 +33,8 @@ FORMAT_VERSION = 3
 READS = (1, 2, 3)  # the versions read: 1 wrote each Stats as its dict
 # A log grows by ~0.5 kB a module a step (15 kB a step for nanoGPT's 28 modules): days of
 # training fill a disk. It stops before it takes the space the script needs for its own
-# checkpoints: while its file system keeps less free than this share of its size, capped.
+# checkpoints: when its file system is down to this share of its size free, capped - or, on
+# a disk already fuller than that at the start, to half the space free then.
 RESERVE_SHARE, RESERVE_MAX = 0.05, 2 << 30
 
 
@@ -103,6 +104,7 @@ class LogSink:
         self.failure: str | None = None  # why writing stopped early (a full disk), if it did
         self.last_step: int | None = None  # the last step written whole
         self._regular = False  # a regular file: no other writer may have touched it since (``_taken``)
+        self._floor = 0  # the free bytes on its disk it never writes below (``_disk_nearly_full``)
 
     @property
     def is_open(self) -> bool:
@@ -114,6 +116,10 @@ class LogSink:
         if self.path is not None:
             self._handle = create_log(self.path, header)
             self._regular = stat.S_ISREG(os.fstat(self._handle.fileno()).st_mode)
+            if self._regular:
+                disk = os.fstatvfs(self._handle.fileno())
+                reserve = min(RESERVE_MAX, RESERVE_SHARE * disk.f_blocks * disk.f_frsize)
+                self._floor = min(reserve, disk.f_bavail * disk.f_frsize // 2)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._handle is not None:
@@ -149,14 +155,14 @@ class LogSink:
         return True
 
     def _disk_nearly_full(self) -> bool:
-        """Whether the log's file system has no more free space than it leaves to the script
-        (``RESERVE_SHARE`` of its size, at most ``RESERVE_MAX``): logging stops there, the file
-        kept as written. (An fstatvfs a step.)"""
+        """Whether the log's file system is down to the free space it leaves to the script
+        (``RESERVE_SHARE``, ``RESERVE_MAX``): logging stops there, the file kept as written.
+        (An fstatvfs a step.)"""
         if not self._regular:
             return False
         disk = os.fstatvfs(self._handle.fileno())
-        free, reserve = disk.f_bavail * disk.f_frsize, min(RESERVE_MAX, RESERVE_SHARE * disk.f_blocks * disk.f_frsize)
-        if free > reserve:
+        free = disk.f_bavail * disk.f_frsize
+        if free > self._floor:
             return False
         left = f"{free / 2**20:.0f} MB free"
         self._stop(f"the disk is nearly full ({left})", f"stopped: {left} on its disk, kept for the script")
