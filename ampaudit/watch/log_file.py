@@ -33,9 +33,8 @@ FORMAT_VERSION = 3
 READS = (1, 2, 3)  # the versions read: 1 wrote each Stats as its dict
 # A log grows by ~0.5 kB a module a step (15 kB a step for nanoGPT's 28 modules): days of
 # training fill a disk. It stops before it takes the space the script needs for its own
-# checkpoints: when its file system is down to this share of its size free, capped - or, on
-# a disk already fuller than that at the start, to half the space free then.
-RESERVE_SHARE, RESERVE_MAX = 0.05, 2 << 30
+# checkpoints: it takes at most this share of the space free on its disk when it opened.
+LOG_SHARE = 0.5
 
 
 def create_log(path: Path, header: dict[str, Any]) -> TextIO:
@@ -118,8 +117,7 @@ class LogSink:
             self._regular = stat.S_ISREG(os.fstat(self._handle.fileno()).st_mode)
             if self._regular:
                 disk = os.fstatvfs(self._handle.fileno())
-                reserve = min(RESERVE_MAX, RESERVE_SHARE * disk.f_blocks * disk.f_frsize)
-                self._floor = min(reserve, disk.f_bavail * disk.f_frsize // 2)
+                self._floor = int(disk.f_bavail * disk.f_frsize * (1 - LOG_SHARE))
 
     def write(self, record: dict[str, Any]) -> None:
         if self._handle is not None:
@@ -156,8 +154,7 @@ class LogSink:
 
     def _disk_nearly_full(self) -> bool:
         """Whether the log's file system is down to the free space it leaves to the script
-        (``RESERVE_SHARE``, ``RESERVE_MAX``): logging stops there, the file kept as written.
-        (An fstatvfs a step.)"""
+        (``LOG_SHARE``): logging stops there, the file kept as written. (An fstatvfs a step.)"""
         if not self._regular:
             return False
         disk = os.fstatvfs(self._handle.fileno())
