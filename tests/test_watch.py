@@ -1216,7 +1216,7 @@ def test_between_recorded_steps_only_one_hook_runs_and_eval_calls_still_count(mo
     # forward for nothing, on a small model most of every=10's cost
     from ampaudit.watch import hooks as watch_hooks
 
-    monkeypatch.setattr(watch_hooks, "_compiled_anything", lambda: False)  # another test may have compiled
+    monkeypatch.setattr(watch_hooks, "compiled_anything", lambda: False)  # another test may have compiled
     model = _net(nn.ReLU())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.ones(3, 4)
@@ -1267,7 +1267,7 @@ def test_run_keeps_its_hooks_while_a_forward_is_in_flight(monkeypatch):
     # whose calls count nothing: the outer call would never come back to depth 0
     from ampaudit.watch import hooks as watch_hooks
 
-    monkeypatch.setattr(watch_hooks, "_compiled_anything", lambda: False)
+    monkeypatch.setattr(watch_hooks, "compiled_anything", lambda: False)
     model = _InnerLoop()
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
     x = torch.randn(8, 4)
@@ -1291,7 +1291,7 @@ def test_once_torch_compile_has_run_the_hooks_stay_on(monkeypatch):
     # a compiled graph guards on its modules' hooks: taking them off and on would recompile it
     from ampaudit.watch import hooks as watch_hooks
 
-    monkeypatch.setattr(watch_hooks, "_compiled_anything", lambda: True)
+    monkeypatch.setattr(watch_hooks, "compiled_anything", lambda: True)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with ampaudit.watch(model, optimizer=opt, every=3):
@@ -1915,7 +1915,7 @@ def test_run_counts_a_forward_that_raised_as_ended():
     ``every`` the module hooks never came off between recorded steps."""
     from torch.nn.modules import module as module_hooks
 
-    from ampaudit.watch.hooks import _compiled_anything
+    from ampaudit.watch.hooks import compiled_anything
     from ampaudit.watch.monitor import Monitor
 
     class Flaky(nn.Module):
@@ -1945,7 +1945,7 @@ def test_run_counts_a_forward_that_raised_as_ended():
             opt.zero_grad()
             armed.append(bool(module_hooks._global_forward_pre_hooks))  # the next step's hooks
         assert mon.recorder._depth == 0
-    if not _compiled_anything():  # after a compiled graph in this process the hooks stay on (``_rearm``)
+    if not compiled_anything():  # after a compiled graph in this process the hooks stay on (``_rearm``)
         assert armed == [False, True, False]  # steps 1, 2, 3 ended: 2 is the one recorded
     assert sorted(mon.summary()["layers"]) == ["(model)", "0", "1", "1.fc", "L1Loss", "MSELoss"]
 

@@ -20,6 +20,7 @@ import torch
 from ampaudit.watch import stats
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.hooks import COMPILED, EARLIER, StepRecorder
+from ampaudit.watch.loss_notes import FROM_THE_LOSS
 from ampaudit.watch.provenance import Call, GradSpec, call_site, replay_backward, replay_forward
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 
@@ -185,9 +186,7 @@ class _Trace:
         # the likely cause named is one this run can have: no loss scale without a GradScaler
         example = "a loss scale too high for a cast of the logits" if self.scaled else \
             "a log of 0 or a division by 0 in the loss"
-        return {**first, "phase": "backward",
-                "note": "it came into the model already non-finite: from the loss or the code after the model "
-                        f"({example}, say)"}
+        return {**first, "phase": "backward", "note": f"{FROM_THE_LOSS} ({example}, say)"}
 
     def also_output(self, index: int) -> tuple[str, Event] | None:
         """Where the bad input gradient ``index`` is also the gradient of another module's

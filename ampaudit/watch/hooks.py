@@ -36,6 +36,7 @@ from ampaudit.watch import compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
 from ampaudit.watch.events import INPUT_GRAD, event
 from ampaudit.watch.layout import LAYOUT
+from ampaudit.watch.loss_probe import LossProbe
 from ampaudit.watch.provenance import Call, autocast_state
 from ampaudit.watch.threads import FollowedThread
 
@@ -134,7 +135,7 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
 
 
 
-def _compiled_anything() -> bool:
+def compiled_anything() -> bool:
     """Whether torch.compile has compiled a graph in this process (dynamo counts them)."""
     dynamo = sys.modules.get("torch._dynamo.utils")
     return dynamo is not None and bool(dynamo.counters["stats"]["unique_graphs"])
@@ -211,6 +212,8 @@ class _GradEvents:
     def __call__(self, grad: torch.Tensor | None) -> None:
         self.fired = True
         recorder = self.recorder
+        if recorder.loss_probe is not None:
+            recorder.loss_probe.pause()  # the backward started: the loss code is behind
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
             recorder._backward_since = True  # a new forward from now on is another micro-batch's
@@ -274,6 +277,7 @@ class StepRecorder:
         self.event_rows: list[Handle] = []  # arena handles, in execution order
         self.events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
         self.event_calls: list[int | None] = []  # each event's module call, in ``calls`` (provenance)
+        self.loss_probe: LossProbe | None = None  # armed by the monitor after a NaN from the loss
         self.calls: list[Call | None] = []  # this step's module calls (None: released)
         self.calls_frozen = False  # a micro-batch before this one went non-finite: keep its calls
         self._backward_since = False  # a gradient hook ran since the calls' micro-batch began (``_root_forward``)
@@ -524,6 +528,8 @@ class StepRecorder:
             self._detect_dtype(measurable_tensors(output))
         if not self.logging or name is None:
             return
+        if self.loss_probe is not None and phase == "forward" and module is self._model:
+            self.loss_probe.start()  # what the loop does with the output until the backward
         self._call = None
         if self.provenance and phase == "forward" and not self.calls_frozen:
             self._call = len(self.calls)
@@ -567,6 +573,8 @@ class StepRecorder:
         if transformed() or not self.thread.here(claim=torch.is_grad_enabled() or self.record_eval):
             return  # counted when the call returns
         if self._depth == 0:
+            if self.loss_probe is not None:
+                self.loss_probe.pause()
             if id(module) not in self._names:
                 self._name_tree(module, self._root_prefix(module))
             self._root_forward(module, args)
@@ -590,6 +598,8 @@ class StepRecorder:
             return
         self._depth = max(0, self._depth - 1)
         self.after_forward(module, args, kwargs, output)
+        if self._depth == 0 and self.loss_probe is not None and self.logging and torch.is_grad_enabled():
+            self.loss_probe.start()  # a module called outside all others returned: the loop's code follows
 
     def _global_idle_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """The global hook between recorded steps: the model's eval calls, counted as
@@ -607,6 +617,8 @@ class StepRecorder:
         discriminator, a siamese pair's second input - under ``ampaudit run`` every module
         called outside any other is a root - and so is a checkpointed block run again inside
         the backward."""
+        if self.loss_probe is not None:
+            self.loss_probe.pause()  # the model's own code: its modules' hooks see it
         if not self.logging:  # hooks kept on between recorded steps (torch.compile, the dtype not known yet)
             self._idle_forward(module, args)
             return
@@ -787,7 +799,7 @@ class StepRecorder:
         calls, and the idle one does not."""
         if not self.active or self.dtype_source is None or self._depth:
             return
-        if _compiled_anything():
+        if compiled_anything():
             logging_next = True
         if logging_next and not self._armed:
             self._remove_handles()

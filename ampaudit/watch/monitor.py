@@ -35,10 +35,12 @@ from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
 from ampaudit.watch.events import INPUT_GRAD
 from ampaudit.watch.fp8 import Fp8Recorder
-from ampaudit.watch.hooks import NotCopied, StepRecorder, recomputed, transformed, unmeasurable
+from ampaudit.watch.hooks import NotCopied, StepRecorder, compiled_anything, recomputed, transformed, unmeasurable
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
+from ampaudit.watch.loss_notes import from_the_loss, named
+from ampaudit.watch.loss_probe import ARMED_STEPS, LossProbe
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
 from ampaudit.watch.schedule import EverySchedule
@@ -146,6 +148,7 @@ class Monitor:
         self._last_scaler: torch.amp.GradScaler | None = None
         self._skips_in_row = 0
         self._stopping = False
+        self._probe_steps: int | None = None  # recorded steps the loss probe stays armed for; 0: it was
         self.forks = 0  # processes forked while watching: not watched (watch/forks.py)
         self.forked_child = False  # this process is a fork of the one watch started in
 
@@ -337,11 +340,14 @@ class Monitor:
                 record["fp8"] = fp8.read(self.fp8.kinds, self.fp8.formats)
             self._trace(record, values.first, modes,
                         [k for k, bad in zip(param_keys, values.param_nonfinite, strict=True) if bad])
+            self._probe_loss(record)
             self.builder.add(record)
             if self.sink.is_open:  # the per-step rows, read back: the log's one extra read
                 line = self._lines.line({**record, "layers": {}, "params": {}}, flat.cpu(), buf, keys, param_keys)
                 self.sink.write_line(line, step)
         self.step_index += 1
+        if recorder.loss_probe is not None and recorder.loss_probe.leave() and self._probe_steps == 0:
+            recorder.loss_probe = None  # off the mode stack and no longer armed
         recorder.end_step(logging_next=logging_next)
         if record is not None:
             self._check_stop(record)
@@ -405,6 +411,23 @@ class Monitor:
             if len(self.masks) != masks:
                 self._modes.clear()  # a module found to write masks: its -inf no longer counts
                 self._shape = None
+
+    def _probe_loss(self, record: dict[str, Any]) -> None:
+        """A bad gradient that came into the model from the loop's code (``loss_probe``): the
+        first time, the probe is armed for the next recorded steps (once a run); on a step it
+        recorded, the call that made it is named. Not with torch.compile in the process (a mode
+        would change what it traces) nor across processes (each rank's loss code is its own)."""
+        recorder = self.recorder
+        probe, first = recorder.loss_probe, record["first_nonfinite"]
+        if probe is not None and self._probe_steps:
+            self._probe_steps -= 1
+            origin = probe.origin() if from_the_loss(first) else None
+            if origin is not None:
+                record["first_nonfinite"] = named(first, origin)
+                self._probe_steps = 0
+        elif self._probe_steps is None and from_the_loss(first) and recorder.provenance and self.reducer.world <= 1 \
+                and not compiled_anything():
+            recorder.loss_probe, self._probe_steps = LossProbe(), ARMED_STEPS
 
     def _check_stop(self, record: dict[str, Any]) -> None:
         """With ``stop_on_nonfinite``: raise once this step is recorded, if it calls for it."""

@@ -26,7 +26,7 @@ import copy as copy_module
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +126,7 @@ def _worst(value: Any) -> int:
     return max((tensor_state(v) for t in iter_tensors(value) if (v := _stored(t)) is not None), default=FINITE)
 
 
-class _FirstBadOp(TorchDispatchMode):
+class FirstBadOp(TorchDispatchMode):
     """Runs each aten op and keeps the first that made NaN or +inf out of inputs without them,
     and the first that made -inf by arithmetic (a mask written by masked_fill is not that)."""
 
@@ -139,22 +139,27 @@ class _FirstBadOp(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        self.observe(name, args, kwargs, out, lambda: self._origin(f"aten.{name}", user_location(sys._getframe(3))))
+        return out
+
+    def observe(self, name: str, args: tuple, kwargs: dict | None, out: Any, origin: Callable[[], Origin]) -> None:
+        """One op that ran, in order: ``name`` (aten's, or torch's function name: the same for
+        the writers and the casts), what it read and made; ``origin`` names it, called only
+        for the op kept."""
         if self.found is None and name not in _UNWRITTEN:
             made = _worst(out)
             if made != FINITE:
                 # out= is written, not read
                 given = _worst((args, {k: v for k, v in (kwargs or {}).items() if k != "out"}))
                 if made == BAD and given != BAD:
-                    self.found, self.given = self._origin(name), given
+                    self.found, self.given = origin(), given
                 elif (made == MASKED and given == FINITE and name not in _WRITERS and self.negative is None
                       and not _casts_a_mask(name, args, out)):
-                    self.negative = self._origin(name)
-        return out
+                    self.negative = origin()
 
     @staticmethod
-    def _origin(name: str) -> Origin:
-        loc = user_location(sys._getframe(2))
-        return Origin(f"aten.{name}", *(loc[:2] if loc else (None, None)))
+    def _origin(op: str, loc: tuple | None) -> Origin:
+        return Origin(op, *(loc[:2] if loc else (None, None)))
 
     def result(self) -> Origin | None:
         """The op that made NaN/+inf; else the one whose arithmetic overflowed to -inf (an
@@ -263,7 +268,7 @@ def replay_forward(call: Call) -> Origin:
     if _worst((call.args, call.kwargs)) == BAD:
         return Origin(note="its inputs already held NaN or +inf: they came from outside the watched modules "
                            "(the batch, or code between modules)", outside=True)
-    scan = _FirstBadOp()
+    scan = FirstBadOp()
     try:
         with _Isolated(call), torch.no_grad(), scan:
             _eager(call.module)(*_copy(call.args, grad=False), **_copy(call.kwargs, grad=False))

@@ -9,6 +9,7 @@ from typing import Any
 
 from ampaudit.core.findings import Finding
 from ampaudit.watch.log_file import open_log
+from ampaudit.watch.loss_notes import from_the_loss, named_later
 from ampaudit.watch.stats_merge import add_fp8, add_stats
 from ampaudit.watch.verdicts import Verdicts, caller_source
 
@@ -67,8 +68,11 @@ class SummaryBuilder:
             return
         self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
         self.logged_steps += 1
-        if self.first_nonfinite is None and record.get("first_nonfinite"):
-            self.first_nonfinite = record["first_nonfinite"]
+        first = record.get("first_nonfinite")
+        if self.first_nonfinite is None and first:
+            self.first_nonfinite = first
+        elif first and first.get("op") and from_the_loss(self.first_nonfinite) and first.get("loss_code"):
+            self.first_nonfinite = named_later(self.first_nonfinite, first)  # the probe named it again
         for module, phases in record["layers"].items():
             for phase, stats in phases.items():
                 slot = self.layers.setdefault(module, {})

@@ -1,0 +1,96 @@
+"""The loss code, which no module hook sees: where a NaN made between the model's forward and its
+backward was born.
+
+A training loop computes its loss from the model's output in plain torch calls -
+``-(y * torch.log(p)).mean()``, ``loss.sum() / mask.sum()`` - outside every module, so a NaN
+they make reaches the model only as a bad gradient of its output, and the blame can say no more
+than "from the loss". Once a step has said that, the probe is armed for the next recorded steps
+(``ARMED_STEPS``): a torch function mode, on from the moment the model (or, under ``ampaudit
+run``, any module called outside all others) returns until the backward starts, keeps each torch
+call with the user's line and the tensors it read and made - references, freed at the step's end.
+At the step boundary, only when that step's bad gradient again came from the loss, the calls are
+judged in order as a forward replay judges aten ops (``provenance.FirstBadOp``): the first that
+made NaN/+inf out of finite values, or -inf by arithmetic (a log of 0), is named with its line.
+
+Why only after such a step, and not on every step: a mode on the stack changes what
+``torch.compile`` traces and costs each call of the loop some Python. A healthy run never arms it;
+a run whose loss goes bad again and again (a GradScaler skipping steps: the weights stay finite,
+the same loss code makes the same NaN) is named at the next recorded step. A run whose weights
+went NaN after the first bad step blames the weights from then on, and the probe stays silent.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ampaudit.core.userframe import user_location
+from ampaudit.watch.provenance import FirstBadOp, Origin
+
+ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
+MAX_CALLS = 512  # a step's calls kept at most: a loop that evaluates between forward and backward
+def _op_name(func: Any) -> str:
+    """``torch.log``, ``F.cross_entropy``, ``Tensor.div`` - how the user wrote the call."""
+    name = getattr(func, "__name__", None) or str(func)
+    module = getattr(func, "__module__", None)
+    if module == "torch.nn.functional":
+        return f"F.{name}"
+    if module and module.startswith("torch"):
+        return f"torch.{name}"
+    return f"Tensor.{name}"
+
+
+class LossProbe(TorchFunctionMode):
+    """The torch calls of one step's loss code (``recording``: between a model's return and the
+    backward), to judge at the step's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = False
+        self.on_stack = False
+        self.calls: list[tuple[Any, Any, tuple, dict | None, Any]] = []  # func, line, args, kwargs, out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.recording and len(self.calls) < MAX_CALLS and torch.is_grad_enabled():
+            self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out))
+        return out
+
+    # -- on the training thread only: a mode stack is per thread ------------------------------
+    def start(self) -> None:
+        """The model returned: record what the loop does next."""
+        if not self.on_stack:
+            self.__enter__()
+            self.on_stack = True
+        self.recording = True
+
+    def pause(self) -> None:
+        """A module runs (its hooks see it) or the backward started (any thread: a flag only)."""
+        self.recording = False
+
+    def leave(self) -> bool:
+        """Off the mode stack at the step's end, its calls released. A mode the loop pushed
+        since and has not popped is above it: this one stays on, paused, until a later end finds
+        it on top. Returns whether it is off."""
+        self.recording = False
+        self.calls = []
+        if self.on_stack and torch._C._len_torch_function_stack() and \
+                torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is self:
+            self.__exit__(None, None, None)
+            self.on_stack = False
+        return not self.on_stack
+
+    def origin(self) -> Origin | None:
+        """The first call that made NaN/+inf of finite values (or -inf by arithmetic), with its
+        line; an input already bad is named as such (the batch, the labels)."""
+        judge = FirstBadOp()
+        for func, loc, args, kwargs, out in self.calls:
+            name = _op_name(func)
+            judge.observe(name.rpartition(".")[2], args, kwargs, out,
+                          lambda name=name, loc=loc: FirstBadOp._origin(name, loc))
+            if judge.found is not None:
+                break
+        return judge.result()

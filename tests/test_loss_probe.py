@@ -1,0 +1,180 @@
+"""A NaN made by the loss code - plain torch calls between the model's forward and its backward,
+which no module hook sees - is named with its call and line at the next recorded step where it
+happens again (``watch/loss_probe.py``); a healthy run never has the probe on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ampaudit
+from ampaudit.watch.loss_notes import FROM_THE_LOSS
+from tests.conftest import ROOT
+
+THIS = os.path.abspath(__file__)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_compiled(monkeypatch):
+    # another test in this process may have compiled a graph: the probe is never armed then
+    monkeypatch.setattr("ampaudit.watch.monitor.compiled_anything", lambda: False)
+
+
+def _line(marker: str) -> int:
+    """The line of this file that holds ``marker`` (a comment on the loss code's line)."""
+    with open(THIS) as f:
+        return next(i for i, text in enumerate(f, 1) if marker in text and "_line(" not in text)
+
+
+def _train(loss_fn, steps: int = 6, log=None, stack: list | None = None, **options):
+    """A tiny regression trained under a GradScaler on the CPU (fp32: it skips a step with
+    NaN gradients, so the weights stay finite and the loss code goes bad again)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    losses = []
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log, **options) as monitor:
+        for step in range(steps):
+            out = model(x)
+            loss = loss_fn(out, y, step)
+            if stack is not None:
+                stack.append(torch._C._len_torch_function_stack())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    return monitor, losses
+
+
+def _masked_mean(out, y, step):
+    mask = torch.ones_like(y) if step < 2 else torch.zeros_like(y)  # an all-padding batch from step 2
+    return ((out - y) ** 2 * mask).sum() / mask.sum()  # probe: 0 / 0
+
+
+def _bce_by_hand(out, y, step):
+    y = (y > 0.5).float()  # labels 0 and 1
+    p = torch.sigmoid(out * (1.0 if step < 2 else 1e4))  # saturates to exactly 0 and 1 from step 2
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()  # probe: log(0) * 0
+
+
+def test_a_division_by_zero_in_the_loss_code_is_named_at_the_next_step(tmp_path):
+    monitor, losses = _train(_masked_mean, log=tmp_path / "w.jsonl")
+    assert [loss == loss for loss in losses] == [True, True, False, False, False, False]
+    records = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:-1]]
+    firsts = [r["first_nonfinite"] for r in records]
+    assert firsts[:2] == [None, None]
+    assert firsts[2]["note"].startswith(FROM_THE_LOSS) and "op" not in firsts[2]  # not armed yet
+    source = f"{THIS}:{_line('probe: 0 / 0')}"
+    assert (firsts[3]["op"], firsts[3]["source"]) == ("Tensor.div", source)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", source)
+    assert first["note"] == ("it came into the model already non-finite: the loss code made it (named at step 3, "
+                             "where it happened again)")
+    # the probe is off once it named it: the later steps say only where the gradient came from
+    assert all("op" not in f for f in firsts[4:])
+    report = subprocess.run([sys.executable, "-m", "ampaudit", "report", "--format", "json", str(tmp_path / "w.jsonl")],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert json.loads(report.stdout)["first_nonfinite"] == first
+
+
+def test_a_log_of_zero_times_zero_names_the_log_not_the_product():
+    monitor, _ = _train(_bce_by_hand)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["op"], first["source"]) == ("torch.log", f"{THIS}:{_line('probe: log(0) * 0')}")
+    assert "-inf by arithmetic (a log of 0, say), which Tensor.mul at" in first["note"]
+
+
+def test_a_healthy_run_never_has_the_probe_on():
+    stack: list[int] = []
+    monitor, _ = _train(lambda out, y, step: ((out - y) ** 2).mean(), stack=stack)
+    assert stack == [0] * 6 and monitor.recorder.loss_probe is None
+    assert monitor.summary()["first_nonfinite"] is None
+
+
+def test_the_probe_leaves_the_stack_at_each_step_end_and_changes_no_value():
+    """Armed, the probe is a torch function mode on the stack only between the model's return
+    and the step's end; the losses are the ones a run without watch computes, bit for bit."""
+    stack: list[int] = []
+    _, watched = _train(_masked_mean, stack=stack)
+    assert stack == [0, 0, 0, 1, 0, 0]  # armed at step 2's end; off once step 3 named the call
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    plain = []
+    for step in range(6):
+        loss = _masked_mean(model(x), y, step)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        plain.append(loss.item())
+        assert torch._C._len_torch_function_stack() == 0
+    assert str(plain) == str(watched)
+
+
+def test_a_mode_the_loop_pushes_above_the_probe_is_left_alone():
+    """A loop that enters its own torch function mode in the loss code and leaves it open past
+    the step's end: the probe, below it, is not popped in its place (it stays paused until a
+    later end finds it on top) and the loop's mode is still the one on top."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    mine = Counting()
+
+    def loss_fn(out, y, step):
+        if step == 3:
+            mine.__enter__()  # left open until after the step's end
+        return _masked_mean(out, y, step)
+
+    stack: list[int] = []
+    monitor, _ = _train(loss_fn, steps=5, stack=stack)
+    top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+    assert top is mine and Counting.calls > 0
+    mine.__exit__(None, None, None)
+    assert monitor.summary()["first_nonfinite"]["op"] == "Tensor.div"  # named at step 3 all the same
+    while torch._C._len_torch_function_stack():  # the stranded probe, paused: off for the next test
+        torch._C._pop_torch_function_stack()
+
+
+def test_ampaudit_run_names_the_loss_line_of_an_unmodified_script(tmp_path):
+    (tmp_path / "s.py").write_text(
+        "import torch\ntorch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.05)\nscaler = torch.amp.GradScaler('cpu', init_scale=4.0)\n"
+        "x, y = torch.randn(16, 4), torch.rand(16, 1)\n"
+        "for step in range(5):\n"
+        "    mask = torch.ones_like(y) if step < 2 else torch.zeros_like(y)\n"
+        "    loss = ((m(x) - y) ** 2 * mask).sum() / mask.sum()\n"
+        "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n"
+        "print('done')\n")
+    proc = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (proc.returncode, proc.stdout) == (0, "done\n"), proc.stderr
+    report = subprocess.run([sys.executable, "-m", "ampaudit", "report", "--format", "json", "w.jsonl"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    first = json.loads(report.stdout)["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{tmp_path / 's.py'}:9")
+
+
+def test_with_torch_compile_in_the_process_the_probe_is_never_armed(monkeypatch):
+    monkeypatch.setattr("ampaudit.watch.monitor.compiled_anything", lambda: True)
+    stack: list[int] = []
+    monitor, _ = _train(_masked_mean, stack=stack)
+    assert stack == [0] * 6 and monitor.recorder.loss_probe is None
+    assert monitor.summary()["first_nonfinite"]["note"].startswith(FROM_THE_LOSS)
