@@ -178,3 +178,17 @@ def test_with_torch_compile_in_the_process_the_probe_is_never_armed(monkeypatch)
     monitor, _ = _train(_masked_mean, stack=stack)
     assert stack == [0] * 6 and monitor.recorder.loss_probe is None
     assert monitor.summary()["first_nonfinite"]["note"].startswith(FROM_THE_LOSS)
+
+
+def test_a_watch_that_ends_in_the_loss_code_takes_the_probe_off_the_stack(tmp_path):
+    """An exception between the model's forward and the backward ends the watch there (its
+    ``with`` block): an armed probe, on the stack since the model returned, comes off with it."""
+
+    def loss_fn(out, y, step):
+        if step == 3:  # armed at step 2's end: on the stack now
+            raise KeyboardInterrupt
+        return _masked_mean(out, y, step)
+
+    with pytest.raises(KeyboardInterrupt):
+        _train(loss_fn)
+    assert torch._C._len_torch_function_stack() == 0

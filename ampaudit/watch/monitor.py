@@ -148,7 +148,8 @@ class Monitor:
         self._last_scaler: torch.amp.GradScaler | None = None
         self._skips_in_row = 0
         self._stopping = False
-        self._probe_steps: int | None = None  # recorded steps the loss probe stays armed for; 0: it was
+        # recorded steps the loss probe stays armed for (``_probe_loss``); None: never armed, 0: done
+        self._probe_steps: int | None = None
         self.forks = 0  # processes forked while watching: not watched (watch/forks.py)
         self.forked_child = False  # this process is a fork of the one watch started in
 
@@ -247,6 +248,9 @@ class Monitor:
     def _detach(self) -> None:
         self._started = False
         self.recorder.detach()
+        if self.recorder.loss_probe is not None:  # a watch that ends between the forward and the backward
+            self.recorder.loss_probe.leave()
+            self.recorder.loss_probe = None
         if self.fp8 is not None:
             self.fp8.detach()
         if self.guard is not None:
