@@ -192,3 +192,26 @@ def test_a_watch_that_ends_in_the_loss_code_takes_the_probe_off_the_stack(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         _train(loss_fn)
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_loss_code_before_the_model_call_is_named_too():
+    """EDM2's loss (a plain class) weights each sample by its noise level before it calls the
+    model: ``(sigma ** 2 + 0.25) / (sigma * 0.5) ** 2``, which overflows once sigma underflows (a
+    P_mean of -50 for -0.4). The probe records from the step's start, so the weight's line is
+    named - not the model call's, nor ``opt.zero_grad()``'s reads of the skipped step's ``.grad``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x = torch.randn(16, 4)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as monitor:
+        for step in range(5):
+            opt.zero_grad()
+            sigma = (torch.randn(16, 1) + (-0.4 if step < 2 else -50.0)).exp()
+            weight = (sigma ** 2 + 0.25) / (sigma * 0.5) ** 2  # probe: the weight overflows
+            loss = (weight * (model(x + sigma * torch.randn_like(x)) - x) ** 2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{THIS}:{_line('probe: the weight')}")

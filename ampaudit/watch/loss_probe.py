@@ -5,9 +5,11 @@ A training loop computes its loss from the model's output in plain torch calls -
 ``-(y * torch.log(p)).mean()``, ``loss.sum() / mask.sum()`` - outside every module, so a NaN
 they make reaches the model only as a bad gradient of its output, and the blame can say no more
 than "from the loss". Once a step has said that, the probe is armed for the next recorded steps
-(``ARMED_STEPS``): a torch function mode, on from the moment the model (or, under ``ampaudit
-run``, any module called outside all others) returns until the backward starts, keeps each torch
-call with the user's line and the tensors it read and made - references, freed at the step's end.
+(``ARMED_STEPS``): a torch function mode that keeps each torch call the loop makes outside the
+model - from the step's start to its backward, less the model's forward (under ``ampaudit run``,
+that of any module called outside all others): the loss code before the model call too, as
+EDM2's loss weights its noise levels - with the user's line and the tensors it read and made,
+references freed at the step's end.
 At the step boundary, only when that step's bad gradient again came from the loss, the calls are
 judged in order as a forward replay judges aten ops (``provenance.FirstBadOp``): the first that
 made NaN/+inf out of finite values, or -inf by arithmetic (a log of 0), is named with its line.
@@ -32,6 +34,7 @@ from ampaudit.watch.provenance import FirstBadOp, Origin
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 MAX_CALLS = 512  # a step's calls kept at most: a loop that evaluates between forward and backward
+_ACCESS = ("__get__", "__set__", "__delete__")
 def _op_name(func: Any) -> str:
     """``torch.log``, ``F.cross_entropy``, ``Tensor.div`` - how the user wrote the call."""
     name = getattr(func, "__name__", None) or str(func)
@@ -55,13 +58,15 @@ class LossProbe(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.recording and len(self.calls) < MAX_CALLS and torch.is_grad_enabled():
+        # an attribute read or written (``p.grad``, ``x.data``) computes nothing: never the maker
+        if self.recording and len(self.calls) < MAX_CALLS and torch.is_grad_enabled() \
+                and getattr(func, "__name__", None) not in _ACCESS:
             self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out))
         return out
 
     # -- on the training thread only: a mode stack is per thread ------------------------------
     def start(self) -> None:
-        """The model returned: record what the loop does next."""
+        """A step begins, or the model returned: record what the loop does next."""
         if not self.on_stack:
             self.__enter__()
             self.on_stack = True

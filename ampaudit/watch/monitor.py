@@ -350,8 +350,12 @@ class Monitor:
                 line = self._lines.line({**record, "layers": {}, "params": {}}, flat.cpu(), buf, keys, param_keys)
                 self.sink.write_line(line, step)
         self.step_index += 1
-        if recorder.loss_probe is not None and recorder.loss_probe.leave() and self._probe_steps == 0:
-            recorder.loss_probe = None  # off the mode stack and no longer armed
+        probe = recorder.loss_probe
+        if probe is not None and probe.leave():  # this step's calls released
+            if self._probe_steps:
+                probe.start()  # the next step's loop code, from its start: a loss weighted before the model call
+            else:
+                recorder.loss_probe = None  # no longer armed
         recorder.end_step(logging_next=logging_next)
         if record is not None:
             self._check_stop(record)
