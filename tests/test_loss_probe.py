@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ampaudit
-from ampaudit.watch.loss_notes import FROM_THE_LOSS
+from ampaudit.watch.loss_notes import LOSS_SCALED
 from tests.conftest import ROOT
 
 THIS = os.path.abspath(__file__)
@@ -71,13 +71,14 @@ def test_a_division_by_zero_in_the_loss_code_is_named_at_the_next_step(tmp_path)
     records = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:-1]]
     firsts = [r["first_nonfinite"] for r in records]
     assert firsts[:2] == [None, None]
-    assert firsts[2]["note"].startswith(FROM_THE_LOSS) and "op" not in firsts[2]  # not armed yet
+    assert (firsts[2]["module"], firsts[2]["phase"], firsts[2]["made_in"]) == ("(loss)", "loss", "loss")
+    assert firsts[2]["note"].startswith(LOSS_SCALED) and "op" not in firsts[2]  # not armed yet
     source = f"{THIS}:{_line('probe: 0 / 0')}"
     assert (firsts[3]["op"], firsts[3]["source"]) == ("Tensor.div", source)
     first = monitor.summary()["first_nonfinite"]
     assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", source)
-    assert first["note"] == ("it came into the model already non-finite: the loss code made it (named at step 3, "
-                             "where it happened again)")
+    assert first["note"] == (f"{LOSS_SCALED} (NaN or Inf out of finite values); its gradients made the model's "
+                             "non-finite too (named at step 3, where it happened again)")
     # the probe is off once it named it: the later steps say only where the gradient came from
     assert all("op" not in f for f in firsts[4:])
     report = subprocess.run([sys.executable, "-m", "ampaudit", "report", "--format", "json", str(tmp_path / "w.jsonl")],
@@ -177,7 +178,7 @@ def test_with_torch_compile_in_the_process_the_probe_is_never_armed(monkeypatch)
     stack: list[int] = []
     monitor, _ = _train(_masked_mean, stack=stack)
     assert stack == [0] * 6 and monitor.recorder.loss_probe is None
-    assert monitor.summary()["first_nonfinite"]["note"].startswith(FROM_THE_LOSS)
+    assert monitor.summary()["first_nonfinite"]["note"].startswith(LOSS_SCALED)
 
 
 def test_a_watch_that_ends_in_the_loss_code_takes_the_probe_off_the_stack(tmp_path):

@@ -417,11 +417,12 @@ def test_run_attaches_to_a_plain_script(tmp_path):
     summary = read_log(log).summary()
     assert summary["steps"] == 4
     assert set(summary["layers"]) == {"(model)", "0", "1", "2"}
-    # The loss's gradient reaches the last layer's output first (the model returns that tensor).
+    # The loss the loop computed from the model's output (times NaN) is the first non-finite tensor.
     first = summary["first_nonfinite"]
     assert {k: first[k] for k in ("step", "module", "phase", "tensor")} == {
-        "step": 2, "module": "2", "phase": "backward", "tensor": "grad of output"}
-    assert first["note"].startswith("it came into the model already non-finite: from the loss")
+        "step": 2, "module": "(loss)", "phase": "loss", "tensor": "loss"}
+    assert first["note"] == ("the loss was non-finite, made by the loop's code outside every watched module; its "
+                             "gradients made the model's non-finite too")
     assert "first non-finite" in proc.stderr
 
 
@@ -603,8 +604,9 @@ def test_input_gradients_get_flags_only_rows_and_never_stand_in_for_statistics(m
             loss.backward()
             opt.step()
         results.append(mon.summary()["layers"])
-    # one input gradient made by no module's output hook first, with provenance only
-    assert flags_only == [(3, 4)]
+    # the loss (flags only, each run: it is in no statistics row) and one input gradient made by no
+    # module's output hook first, with provenance only
+    assert flags_only == [(), (3, 4), ()]
     assert results[0] == results[1]  # and the statistics are the same either way
 
 
@@ -2055,8 +2057,8 @@ def test_a_loop_that_updates_by_hand_is_recorded_every_nth_step_with_every(monke
         _sgd_by_hand(model)
     mon.stop()
     summary = mon.summary()
-    # 6 rows an iteration: the 8th forward ends step 0 at 42 rows, each later step 7 forwards
-    # long as with every=1; steps 0, 2 and 4 (its first 2) recorded, 1 and 3 not
+    # 7 rows an iteration (the loss's among them): the 7th forward ends step 0 at 42 rows, each later
+    # step 6 forwards long as with every=1; steps 0, 2 and 4 recorded, 1 and 3 not
     assert (summary["steps"], mon.overdue_steps) == (5, 4)
-    assert summary["layers"]["0"]["forward"]["numel"] == (7 + 7 + 2) * 16 * 8
+    assert summary["layers"]["0"]["forward"]["numel"] == (6 + 6 + 6) * 16 * 8
     assert capsys.readouterr().err.count("no optimizer step, GradScaler or step() has ended") == 1

@@ -474,9 +474,9 @@ def test_the_loss_scale_is_named_as_a_cause_only_where_a_gradscaler_scales_the_l
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-    first = mon.summary()["first_nonfinite"]
-    assert first["note"].startswith("it came into the model already non-finite: from the loss")
-    assert "a loss scale too high" in first["note"]
+    first = mon.summary()["first_nonfinite"]  # the loss is finite, the scaled one is not
+    assert (first["module"], first["phase"]) == ("(loss)", "loss")
+    assert first["note"].startswith("the scaled loss was non-finite: a loss scale too high for it")
 
 
 @pytest.mark.parametrize("after", [nn.LayerNorm(8), nn.ReLU()], ids=["layernorm", "relu"])
@@ -884,13 +884,10 @@ def test_a_loss_term_outside_the_modules_is_not_blamed_on_the_criterion_module_b
             loss.backward()
             opt.step()
 
-    first = _run_mode(train)
-    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
-        "(model)", "backward", "grad of output", 0), first
-    assert first["note"] == (
-        "it came into `(model)`'s output already non-finite, from code outside the watched modules that uses that "
-        "output (a term of the loss, say): `CrossEntropyLoss`, which uses it too, made no NaN or Inf when its "
-        "backward was replayed"), first
+    first = _run_mode(train)  # the criterion's output is finite, the sum the loop makes is not
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == ("(loss)", "loss", "loss", 0), first
+    assert first["note"] == ("the loss was non-finite, made by the loop's code outside every watched module; its "
+                             "gradients made the model's non-finite too"), first
 
 
 class _LogHead(nn.Module):
@@ -966,13 +963,10 @@ def test_a_term_the_loop_adds_from_the_models_logits_is_not_said_to_come_from_fi
             opt.zero_grad()
             loss.backward()
             opt.step()
-    first = mon.summary()["first_nonfinite"]
-    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
-        "lm_head", "backward", "grad of output", 0), first
-    assert first["note"] == (
-        "it came into `(model)`'s output already non-finite: from code outside the watched modules that uses that "
-        "output (a term of the loss, say), or from `(model)`'s own code after it, which stayed finite when "
-        "replayed from the other outputs' gradients"), first
+    first = mon.summary()["first_nonfinite"]  # 0 * sqrt(negative) is NaN: the loss itself, in the loop's code
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == ("(loss)", "loss", "loss", 0), first
+    assert first["note"] == ("the loss was non-finite, made by the loop's code outside every watched module; its "
+                             "gradients made the model's non-finite too"), first
 
 
 def test_a_gradient_made_non_finite_after_the_backward_says_no_modules_backward_made_it():
@@ -997,3 +991,54 @@ def test_a_gradient_made_non_finite_after_the_backward_says_no_modules_backward_
         "replayed, the backward of the module that holds it made no NaN or Inf: it went non-finite after the "
         "backward, in code that writes the gradients (a division, clipping, a hook), or from exact gradient "
         "values a replay does not have"), first
+
+
+def test_a_loss_term_whose_gradient_alone_is_bad_is_not_blamed_on_the_criterion_module_beside_it():
+    """The same loop with a term whose value is finite and whose gradient is not - a sqrt at
+    exactly 0 (``sqrt(out.min() - out.min().detach())``, 0 with an infinite slope): the loss is
+    finite, the model's output gradient is not. The criterion's replay clears it: the gradient came
+    into the model's output from the loop's own code."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    criterion = nn.CrossEntropyLoss()
+
+    def train(optimizer):
+        opt = optimizer(model.parameters())
+        for _ in range(2):
+            out = model(torch.randn(5, 4))
+            loss = criterion(out, torch.randint(0, 3, (5,))) + 0.01 * torch.sqrt(out.min() - out.min().detach())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    first = _run_mode(train)
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
+        "(model)", "backward", "grad of output", 0), first
+    assert first["note"] == (
+        "it came into `(model)`'s output already non-finite, from code outside the watched modules that uses that "
+        "output (a term of the loss, say): `CrossEntropyLoss`, which uses it too, made no NaN or Inf when its "
+        "backward was replayed"), first
+
+
+def test_a_logits_term_whose_gradient_alone_is_bad_names_both_places_it_can_come_from():
+    """build-nanogpt's loop with a term on the logits whose value is 0 and whose gradient is
+    infinite: the logits' gradient arrives bad beside the loss's finite one. The replay of the
+    model (that output seeded with zeros) stays finite; the note names both places it can have
+    come from, never "the gradients that came into it were finite"."""
+    torch.manual_seed(0)
+    model = _LogitsAndLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt) as mon:
+        for _ in range(2):
+            logits, loss = model(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+            loss = loss + torch.sqrt(logits.min() - logits.min().detach())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    first = mon.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
+        "lm_head", "backward", "grad of output", 0), first
+    assert first["note"] == (
+        "it came into `(model)`'s output already non-finite: from code outside the watched modules that uses that "
+        "output (a term of the loss, say), or from `(model)`'s own code after it, which stayed finite when "
+        "replayed from the other outputs' gradients"), first

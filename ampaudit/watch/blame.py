@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ampaudit.watch import stats
-from ampaudit.watch.events import INPUT_GRAD
+from ampaudit.watch.events import INPUT_GRAD, LOSS
 from ampaudit.watch.hooks import COMPILED, EARLIER, StepRecorder
-from ampaudit.watch.loss_notes import FROM_THE_LOSS
+from ampaudit.watch.loss_notes import FROM_THE_LOSS, LOSS_ALONE, LOSS_ITSELF, LOSS_SCALED, LOSS_SPREAD
 from ampaudit.watch.provenance import Call, GradSpec, call_site, replay_backward, replay_forward
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 
@@ -122,6 +122,10 @@ class _Trace:
                 continue
             if event.phase in _BACKWARD:
                 return self.backward(first, nonfinite_params)
+            if event.phase == LOSS:  # made by the loop's code: the loss probe may name it (``loss_probe``)
+                later = any(bad for bad in self.bad()[seq + 1:]) or bool(nonfinite_params)
+                lead = LOSS_SCALED if self.scaled else LOSS_ITSELF
+                return {**first, "note": lead + (LOSS_SPREAD if later else LOSS_ALONE), "made_in": "loss"}
             return first
 
     def forward(self, first: dict[str, Any], seq: int) -> dict[str, Any] | None:
@@ -186,7 +190,7 @@ class _Trace:
         # the likely cause named is one this run can have: no loss scale without a GradScaler
         example = "a loss scale too high for a cast of the logits" if self.scaled else \
             "a log of 0 or a division by 0 in the loss"
-        return {**first, "phase": "backward", "note": f"{FROM_THE_LOSS} ({example}, say)"}
+        return {**first, "phase": "backward", "note": f"{FROM_THE_LOSS} ({example}, say)", "made_in": "loss"}
 
     def also_output(self, index: int) -> tuple[str, Event] | None:
         """Where the bad input gradient ``index`` is also the gradient of another module's

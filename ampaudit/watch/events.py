@@ -11,6 +11,12 @@ from __future__ import annotations
 # the module's backward made), but in no statistics row - the producer's output gradient
 # already counts that tensor.
 INPUT_GRAD = "input grad"
+# The tensor a backward runs from - the loss, made by the loop's code outside every module: an
+# event that may be the first non-finite (a loss that is NaN while its gradients stay finite, as
+# F.cross_entropy over a batch whose every label is ignored), in no statistics row either.
+LOSS = "loss"
+NO_ROW = (INPUT_GRAD, LOSS)  # the phases only the first non-finite reads
+LOSS_MODULE = "(loss)"  # its module in the events
 
 # A traced tensor's kind, as the compiled op carries it: (phase, label); "{}" is the tensor's
 # index among the module's.

@@ -32,9 +32,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ampaudit.core import native
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.watch import compiled, cpu_kernel, stats
+from ampaudit.watch import backward_tap, compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
-from ampaudit.watch.events import INPUT_GRAD, event
+from ampaudit.watch.events import INPUT_GRAD, LOSS, LOSS_MODULE, NO_ROW, event
 from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.loss_probe import LossProbe
 from ampaudit.watch.provenance import Call, autocast_state
@@ -343,6 +343,7 @@ class StepRecorder:
         else:
             self._follow_compile()
         self._arm()
+        backward_tap.listen(self.on_backward)
         self.active = True
 
     def _follow_compile(self) -> None:
@@ -403,6 +404,7 @@ class StepRecorder:
 
     def detach(self) -> None:
         self._remove_handles()
+        backward_tap.unlisten(self.on_backward)
         self._unhook()
         self.active = False
         if self._compile_wrapper is not None:
@@ -673,6 +675,20 @@ class StepRecorder:
             self.limits, self.dtype_source = limits, source
         self._dtype_open = source.startswith("default")
 
+    def on_backward(self, roots: Any) -> None:
+        """A backward starts from ``roots`` (``backward_tap``): the loss, made outside every
+        module, is an event of its own (flags only) on a recorded step; the loss probe, if
+        armed, stops recording."""
+        if self.loss_probe is not None:
+            self.loss_probe.pause()
+        # no module of this watch ran forward in the step: another model's backward (a deep copy's)
+        if not (self.active and self.logging and self.events) or self.paused or _compiling() or recomputed():
+            return
+        if transformed() or not self.thread.here():
+            return
+        for t in measurable_tensors(roots, skipped=self.unmeasured, wrapped=False):
+            self.record(LOSS_MODULE, LOSS, t, "loss")
+
     # -- tensors --------------------------------------------------------------------------------
     def hook_grad(self, tensor: torch.Tensor, module: str, label: str, phase: str = "backward") -> None:
         """Record the gradient w.r.t. ``tensor`` when backward computes it (phase "backward").
@@ -698,7 +714,7 @@ class StepRecorder:
         """One event. Hot path: one raw row per tensor; everything else waits for the step
         boundary. A container often returns its last child's very tensor: measured once,
         counted for both."""
-        whole = phase != INPUT_GRAD  # an input gradient is only a candidate first non-finite: its flags do
+        whole = phase not in NO_ROW  # an input gradient or the loss is only a candidate first non-finite: flags do
         key = (id(tensor), tensor._version)
         row = self._seen.get(key)
         # a weak reference: never keeps activations alive; a flags-only row serves only flags

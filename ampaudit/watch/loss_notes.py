@@ -5,32 +5,45 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ampaudit.watch.events import LOSS
+
 if TYPE_CHECKING:
     from ampaudit.watch.provenance import Origin
 
 # the blame's words for a bad gradient that came into the model from the loop's code (``blame``)
 FROM_THE_LOSS = "it came into the model already non-finite: from the loss or the code after the model"
+LOSS_ITSELF = "the loss was non-finite, made by the loop's code outside every watched module"
+LOSS_SCALED = ("the scaled loss was non-finite: a loss scale too high for it, or a loss non-finite before the "
+               "scaling, made by the loop's code outside every watched module")
+LOSS_ALONE = ("; every gradient stayed finite - a mean over no elements does that (F.cross_entropy over a batch "
+              "whose every label is ignored: 0/0 = NaN, zero gradients)")
+LOSS_SPREAD = "; its gradients made the model's non-finite too"
 
 
 def from_the_loss(first: dict[str, Any] | None) -> bool:
-    """Whether a step's first non-finite came from the loss code, its op not named yet."""
-    return bool(first) and not first.get("op") and str(first.get("note", "")).startswith(FROM_THE_LOSS)
+    """Whether a step's first non-finite was made by the loop's code (``made_in``), its op not named yet."""
+    return bool(first) and first.get("made_in") == "loss" and not first.get("op")
 
 
 def named(first: dict[str, Any], origin: Origin) -> dict[str, Any]:
     """``first`` (from the loss) with the call of the loss code that made it: the one that
-    made -inf by arithmetic, where a later call turned that into NaN (``0 * log(0)``).
-    ``loss_code``: named by the probe (``named_later`` reads it)."""
-    note = "it came into the model already non-finite: the loss code made it"
+    made -inf by arithmetic, where a later call turned that into NaN (``0 * log(0)``)."""
+    how = "NaN or Inf out of finite values"
     if origin.minus_inf is not None:
         then = f"{origin.op} at {origin.file}:{origin.line}" if origin.file else origin.op
-        note = f"{note}, -inf by arithmetic (a log of 0, say), which {then} turned into NaN or +inf"
+        how = f"-inf by arithmetic (a log of 0, say), which {then} turned into NaN or +inf"
         origin = origin.minus_inf
+    if first.get("phase") == LOSS:  # the loss event's note: LOSS_ITSELF or LOSS_SCALED, then what its gradients did
+        said = str(first.get("note", LOSS_ITSELF))
+        lead = LOSS_SCALED if said.startswith(LOSS_SCALED) else LOSS_ITSELF
+        note = f"{lead} ({how}){said[len(lead):]}"
+    else:
+        note = f"it came into the model already non-finite, made by the loss code: {how}"
     return {**first, "op": origin.op, **({"source": f"{origin.file}:{origin.line}"} if origin.file else {}),
-            "note": note, "loss_code": True}
+            "note": note}
 
 
 def named_later(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     """The run's first non-finite, from the loss, named by a later step's probe (``later``)."""
     return {**first, "op": later["op"], **({"source": later["source"]} if "source" in later else {}),
-            "note": f"{later['note']} (named at step {later['step']}, where it happened again)", "loss_code": True}
+            "note": f"{later['note']} (named at step {later['step']}, where it happened again)"}

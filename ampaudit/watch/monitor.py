@@ -33,7 +33,7 @@ from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
-from ampaudit.watch.events import INPUT_GRAD
+from ampaudit.watch.events import NO_ROW
 from ampaudit.watch.fp8 import Fp8Recorder
 from ampaudit.watch.hooks import NotCopied, StepRecorder, compiled_anything, recomputed, transformed, unmeasurable
 from ampaudit.watch.launch import launched
@@ -379,7 +379,7 @@ class Monitor:
         events, params = tuple(recorder.events), tuple(recorder.param_rows)
         if self._shape is not None and self._shape[0] == events and self._shape[1] == params:
             return self._shape[2]
-        keys = sorted(set((module, phase) for module, phase, _ in events if phase != INPUT_GRAD))
+        keys = sorted(set((module, phase) for module, phase, _ in events if phase not in NO_ROW))
         slot = {key: i for i, key in enumerate(keys)}
         shape = keys, sorted(params), self._event_modes(), [slot.get((m, p), -1) for m, p, _ in events]
         self._shape = events, params, shape

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ampaudit.core.findings import Finding
+from ampaudit.watch.events import LOSS
 from ampaudit.watch.log_file import open_log
 from ampaudit.watch.loss_notes import from_the_loss, named_later
 from ampaudit.watch.stats_merge import add_fp8, add_stats
@@ -16,7 +17,8 @@ from ampaudit.watch.verdicts import Verdicts, caller_source
 
 def describe_first(first: dict[str, Any]) -> str:
     """The first non-finite value in words: where, and the op and line that made it if known."""
-    text = f"first in {first['module']} ({first['phase']}, {first['tensor']}) at step {first['step']}"
+    where = "the loss" if first["phase"] == LOSS else f"{first['module']} ({first['phase']}, {first['tensor']})"
+    text = f"first in {where} at step {first['step']}"
     if "rank" in first:
         text += f" on rank {first['rank']}"
     if first.get("op"):
@@ -71,7 +73,7 @@ class SummaryBuilder:
         first = record.get("first_nonfinite")
         if self.first_nonfinite is None and first:
             self.first_nonfinite = first
-        elif first and first.get("op") and from_the_loss(self.first_nonfinite) and first.get("loss_code"):
+        elif first and first.get("op") and first.get("made_in") == "loss" and from_the_loss(self.first_nonfinite):
             self.first_nonfinite = named_later(self.first_nonfinite, first)  # the probe named it again
         for module, phases in record["layers"].items():
             for phase, stats in phases.items():
