@@ -216,3 +216,22 @@ def test_loss_code_before_the_model_call_is_named_too():
             scaler.update()
     first = monitor.summary()["first_nonfinite"]
     assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{THIS}:{_line('probe: the weight')}")
+
+
+def test_min_snr_weighting_with_a_zero_terminal_snr_schedule_names_the_division():
+    """kohya-ss/sd-scripts' shape: min-SNR-gamma weights ``min(snr, 5) / snr`` per sample, the SNR
+    looked up per timestep in a table; a zero-terminal-SNR schedule makes the last timestep's SNR
+    exactly 0, and epsilon prediction divides by it (on sd-scripts' own apply_snr_weight:
+    ``torch.div at library/custom_train_functions.py:74``)."""
+    alphas_cumprod = torch.cat([torch.linspace(0.999, 0.01, 9), torch.zeros(1)])  # terminal SNR 0
+    all_snr = alphas_cumprod / (1 - alphas_cumprod)
+
+    def snr_weighted(out, y, step):
+        timesteps = torch.tensor([9, 3] * 8) if step >= 2 else torch.tensor([1, 3] * 8)
+        snr = torch.stack([all_snr[t] for t in timesteps])
+        weight = torch.div(torch.minimum(snr, torch.full_like(snr, 5.0)), snr)  # probe: min-SNR weight
+        return (((out - y) ** 2).mean(1) * weight).mean()
+
+    monitor, _ = _train(snr_weighted)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "torch.div", f"{THIS}:{_line('probe: min-SNR')}")
