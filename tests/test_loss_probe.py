@@ -235,3 +235,32 @@ def test_min_snr_weighting_with_a_zero_terminal_snr_schedule_names_the_division(
     monitor, _ = _train(snr_weighted)
     first = monitor.summary()["first_nonfinite"]
     assert (first["step"], first["op"], first["source"]) == (2, "torch.div", f"{THIS}:{_line('probe: min-SNR')}")
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_only_the_loop_s_own_backward_is_the_loss(reentrant):
+    """Reentrant activation checkpointing runs a backward of its recomputed block inside the
+    step's backward: that is not the loss. One loss event a step, whichever checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(checkpoint(lambda h: torch.relu(self.a(h)), x, use_reentrant=reentrant))
+
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with ampaudit.watch(model, optimizer=opt) as monitor:
+        for _ in range(3):
+            loss = model(torch.randn(5, 4).requires_grad_()).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            losses.append([e for e in monitor.recorder.events if e[1] == "loss"])
+            opt.step()
+    assert losses == [[("(loss)", "loss", "loss")]] * 3
+    assert monitor.summary()["first_nonfinite"] is None

@@ -681,8 +681,9 @@ class StepRecorder:
         armed, stops recording."""
         if self.loss_probe is not None:
             self.loss_probe.pause()
-        # no module of this watch ran forward in the step: another model's backward (a deep copy's)
-        if not (self.active and self.logging and self.events) or self.paused or _compiling() or recomputed():
+        # no module of this watch ran forward in the step: another model's backward (a deep copy's); a
+        # backward inside a backward (reentrant checkpointing's recomputed block): not the loss
+        if not (self.active and self.logging and self.events) or self.paused or _compiling() or _in_backward():
             return
         if transformed() or not self.thread.here():
             return
