@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -31,16 +32,18 @@ def _line(marker: str) -> int:
         return next(i for i, text in enumerate(f, 1) if marker in text and "_line(" not in text)
 
 
-def _train(loss_fn, steps: int = 6, log=None, stack: list | None = None, **options):
+def _train(loss_fn, steps: int = 6, log=None, stack: list | None = None, watched: bool = True, **options):
     """A tiny regression trained under a GradScaler on the CPU (fp32: it skips a step with
-    NaN gradients, so the weights stay finite and the loss code goes bad again)."""
+    NaN gradients, so the weights stay finite and the loss code goes bad again); ``watched``
+    False: the same run without watch (its monitor None)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     x, y = torch.randn(16, 4), torch.rand(16, 1)
     losses = []
-    with ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log, **options) as monitor:
+    watch = ampaudit.watch(model, optimizer=opt, scaler=scaler, log=log, **options) if watched else nullcontext()
+    with watch as monitor:
         for step in range(steps):
             out = model(x)
             loss = loss_fn(out, y, step)
@@ -101,25 +104,14 @@ def test_a_healthy_run_never_has_the_probe_on():
 
 
 def test_the_probe_leaves_the_stack_at_each_step_end_and_changes_no_value():
-    """Armed, the probe is a torch function mode on the stack only between the model's return
-    and the step's end; the losses are the ones a run without watch computes, bit for bit."""
+    """Armed, the probe is a torch function mode on the stack from one step's end to the next's,
+    off once it named the call; the losses are the ones a run without watch computes, bit for bit."""
     stack: list[int] = []
     _, watched = _train(_masked_mean, stack=stack)
     assert stack == [0, 0, 0, 1, 0, 0]  # armed at step 2's end; off once step 3 named the call
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    x, y = torch.randn(16, 4), torch.rand(16, 1)
-    plain = []
-    for step in range(6):
-        loss = _masked_mean(model(x), y, step)
-        opt.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        plain.append(loss.item())
-        assert torch._C._len_torch_function_stack() == 0
+    plain_stack: list[int] = []
+    _, plain = _train(_masked_mean, stack=plain_stack, watched=False)
+    assert plain_stack == [0] * 6
     assert str(plain) == str(watched)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import ampaudit
 from ampaudit.watch.blame import Event, blame_backward
+from ampaudit.watch.events import LOSS_MODULE
 from ampaudit.watch.monitor import NonFiniteError
 from ampaudit.watch.provenance import (
     BAD,
@@ -864,13 +865,26 @@ def test_a_gradient_whose_forward_ran_before_the_last_step_says_so():
     assert first["note"].startswith("its forward ran before the previous step ended")
 
 
-def test_a_loss_term_outside_the_modules_is_not_blamed_on_the_criterion_module_beside_it():
+_LOSS_ITSELF = ("the loss was non-finite, made by the loop's code outside every watched module; its gradients made "
+                "the model's non-finite too")
+# a term whose value is NaN (a sqrt of a negative) makes the loss NaN; one whose value is finite and
+# whose gradient is not (a sqrt at exactly 0: 0 with an infinite slope) makes only the gradient bad
+_NAN_TERM, _GRAD_TERM = "nan", "grad"
+
+
+def _sqrt_term(t: torch.Tensor, term: str) -> torch.Tensor:
+    return torch.sqrt(t.min()) if term == _NAN_TERM else torch.sqrt(t.min() - t.min().detach())
+
+
+@pytest.mark.parametrize("term", [_NAN_TERM, _GRAD_TERM])
+def test_a_loss_term_outside_the_modules_is_not_blamed_on_the_criterion_module_beside_it(term):
     """Pytorch-UNet's loop shape under ``ampaudit run``: ``loss = criterion(out, y)`` (an
-    nn.CrossEntropyLoss, a watched module) plus a term the loop computes from the model's output
-    - here a sqrt of a negative. The model's output gradient is the sum over both uses, and a
-    tensor hook sees only the sum: the criterion, whose incoming gradient was finite and whose
-    input's was not, was blamed ("the replay's gradients stayed finite"). Its replay clears it:
-    the gradient came into the model's output from the loop's own code."""
+    nn.CrossEntropyLoss, a watched module) plus a term the loop computes from the model's output.
+    A NaN term makes the loss itself NaN: the loss is named. A term whose gradient alone is bad:
+    the model's output gradient is the sum over both uses, and a tensor hook sees only the sum -
+    the criterion, whose incoming gradient was finite and whose input's was not, was blamed ("the
+    replay's gradients stayed finite"). Its replay clears it: the gradient came into the model's
+    output from the loop's own code."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     criterion = nn.CrossEntropyLoss()
@@ -879,16 +893,21 @@ def test_a_loss_term_outside_the_modules_is_not_blamed_on_the_criterion_module_b
         opt = optimizer(model.parameters())
         for _ in range(2):
             out = model(torch.randn(5, 4))
-            loss = criterion(out, torch.randint(0, 3, (5,))) + 0.01 * torch.sqrt(out.min())
+            loss = criterion(out, torch.randint(0, 3, (5,))) + 0.01 * _sqrt_term(out, term)
             opt.zero_grad()
             loss.backward()
             opt.step()
 
-    first = _run_mode(train)  # the criterion's output is finite, the sum the loop makes is not
-    assert (first["module"], first["phase"], first["tensor"], first["step"]) == ("(loss)", "loss", "loss", 0), first
-    assert first["note"] == ("the loss was non-finite, made by the loop's code outside every watched module; its "
-                             "gradients made the model's non-finite too"), first
-
+    first = _run_mode(train)
+    where = (first["module"], first["phase"], first["tensor"], first["step"])
+    if term == _NAN_TERM:
+        assert (where, first["note"]) == ((LOSS_MODULE, "loss", "loss", 0), _LOSS_ITSELF), first
+        return
+    assert where == ("(model)", "backward", "grad of output", 0), first
+    assert first["note"] == (
+        "it came into `(model)`'s output already non-finite, from code outside the watched modules that uses that "
+        "output (a term of the loss, say): `CrossEntropyLoss`, which uses it too, made no NaN or Inf when its "
+        "backward was replayed"), first
 
 class _LogHead(nn.Module):
     """Pytorch-UNet's ``OutConv`` with a log in its own code: log(0) after a ReLU is -inf, its
@@ -948,26 +967,33 @@ class _LogitsAndLoss(nn.Module):
         return logits, nn.functional.cross_entropy(logits, y)
 
 
-def test_a_term_the_loop_adds_from_the_models_logits_is_not_said_to_come_from_finite_gradients():
-    """build-nanogpt's loop with ``loss + 0.0 * torch.sqrt(logits.min())``: the logits' gradient
-    arrives NaN beside the loss's finite one. The replay of the model (that output seeded with
-    zeros) stayed finite, and the note said it was made in the model's own code "(the gradients
-    that came into it were finite)" - one was not. It names both places it can have come from."""
+@pytest.mark.parametrize("term", [_NAN_TERM, _GRAD_TERM])
+def test_a_term_the_loop_adds_from_the_models_logits_is_not_said_to_come_from_finite_gradients(term):
+    """build-nanogpt's loop with ``loss + sqrt(...)`` of the logits. A NaN term: the loss is named.
+    A term whose gradient alone is bad: the logits' gradient arrives bad beside the loss's finite
+    one; the replay of the model (that output seeded with zeros) stayed finite, and the note said it
+    was made in the model's own code "(the gradients that came into it were finite)" - one was not.
+    It names both places it can have come from."""
     torch.manual_seed(0)
     model = _LogitsAndLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ampaudit.watch(model, optimizer=opt) as mon:
         for _ in range(2):
             logits, loss = model(torch.randn(5, 4), torch.randint(0, 3, (5,)))
-            loss = loss + 0.0 * torch.sqrt(logits.min())
+            loss = loss + _sqrt_term(logits, term)
             opt.zero_grad()
             loss.backward()
             opt.step()
-    first = mon.summary()["first_nonfinite"]  # 0 * sqrt(negative) is NaN: the loss itself, in the loop's code
-    assert (first["module"], first["phase"], first["tensor"], first["step"]) == ("(loss)", "loss", "loss", 0), first
-    assert first["note"] == ("the loss was non-finite, made by the loop's code outside every watched module; its "
-                             "gradients made the model's non-finite too"), first
-
+    first = mon.summary()["first_nonfinite"]
+    where = (first["module"], first["phase"], first["tensor"], first["step"])
+    if term == _NAN_TERM:
+        assert (where, first["note"]) == ((LOSS_MODULE, "loss", "loss", 0), _LOSS_ITSELF), first
+        return
+    assert where == ("lm_head", "backward", "grad of output", 0), first
+    assert first["note"] == (
+        "it came into `(model)`'s output already non-finite: from code outside the watched modules that uses that "
+        "output (a term of the loss, say), or from `(model)`'s own code after it, which stayed finite when "
+        "replayed from the other outputs' gradients"), first
 
 def test_a_gradient_made_non_finite_after_the_backward_says_no_modules_backward_made_it():
     """minGPT's trainer shape with the gradients divided by a zero norm between backward() and
@@ -991,54 +1017,3 @@ def test_a_gradient_made_non_finite_after_the_backward_says_no_modules_backward_
         "replayed, the backward of the module that holds it made no NaN or Inf: it went non-finite after the "
         "backward, in code that writes the gradients (a division, clipping, a hook), or from exact gradient "
         "values a replay does not have"), first
-
-
-def test_a_loss_term_whose_gradient_alone_is_bad_is_not_blamed_on_the_criterion_module_beside_it():
-    """The same loop with a term whose value is finite and whose gradient is not - a sqrt at
-    exactly 0 (``sqrt(out.min() - out.min().detach())``, 0 with an infinite slope): the loss is
-    finite, the model's output gradient is not. The criterion's replay clears it: the gradient came
-    into the model's output from the loop's own code."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    criterion = nn.CrossEntropyLoss()
-
-    def train(optimizer):
-        opt = optimizer(model.parameters())
-        for _ in range(2):
-            out = model(torch.randn(5, 4))
-            loss = criterion(out, torch.randint(0, 3, (5,))) + 0.01 * torch.sqrt(out.min() - out.min().detach())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
-    first = _run_mode(train)
-    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
-        "(model)", "backward", "grad of output", 0), first
-    assert first["note"] == (
-        "it came into `(model)`'s output already non-finite, from code outside the watched modules that uses that "
-        "output (a term of the loss, say): `CrossEntropyLoss`, which uses it too, made no NaN or Inf when its "
-        "backward was replayed"), first
-
-
-def test_a_logits_term_whose_gradient_alone_is_bad_names_both_places_it_can_come_from():
-    """build-nanogpt's loop with a term on the logits whose value is 0 and whose gradient is
-    infinite: the logits' gradient arrives bad beside the loss's finite one. The replay of the
-    model (that output seeded with zeros) stays finite; the note names both places it can have
-    come from, never "the gradients that came into it were finite"."""
-    torch.manual_seed(0)
-    model = _LogitsAndLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ampaudit.watch(model, optimizer=opt) as mon:
-        for _ in range(2):
-            logits, loss = model(torch.randn(5, 4), torch.randint(0, 3, (5,)))
-            loss = loss + torch.sqrt(logits.min() - logits.min().detach())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    first = mon.summary()["first_nonfinite"]
-    assert (first["module"], first["phase"], first["tensor"], first["step"]) == (
-        "lm_head", "backward", "grad of output", 0), first
-    assert first["note"] == (
-        "it came into `(model)`'s output already non-finite: from code outside the watched modules that uses that "
-        "output (a term of the loss, say), or from `(model)`'s own code after it, which stayed finite when "
-        "replayed from the other outputs' gradients"), first
