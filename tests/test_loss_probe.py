@@ -256,3 +256,33 @@ def test_only_the_loop_s_own_backward_is_the_loss(reentrant):
             opt.step()
     assert losses == [[("(loss)", "loss", "loss")]] * 3
     assert monitor.summary()["first_nonfinite"] is None
+
+
+def test_an_armed_probe_lets_the_model_be_deep_copied_mid_step():
+    """An EMA copy made in the loop's code after the forward: the recorder is copied with the
+    model's hooks, and both the calls the probe holds and the module calls kept for replays carry
+    autograd history, which ``copy.deepcopy`` refuses ("Only Tensors created explicitly by the
+    user..."). The copy gets neither; the run goes on."""
+    import copy
+
+    copies = []
+
+    def loss_fn(out, y, step):
+        loss = _masked_mean(out, y, step)
+        if step == 3:  # armed at step 2's end: the probe holds this step's calls
+            copies.append(copy.deepcopy(loss_fn.model))
+        return loss
+
+    torch.manual_seed(0)
+    loss_fn.model = model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as monitor:
+        for step in range(5):
+            loss = loss_fn(model(x), y, step)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert len(copies) == 1 and monitor.summary()["first_nonfinite"]["op"] == "Tensor.div"

@@ -64,6 +64,11 @@ class LossProbe(TorchFunctionMode):
             self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out))
         return out
 
+    def __deepcopy__(self, memo: dict) -> None:
+        # a deep copy of the watched model (an EMA made mid-step) copies the recorder: the calls
+        # hold tensors with autograd history, which refuse to be copied; the copy has no probe
+        return None
+
     # -- on the training thread only: a mode stack is per thread ------------------------------
     def start(self) -> None:
         """A step begins, or the model returned: record what the loop does next."""

@@ -56,6 +56,12 @@ class Call:
     kwargs: dict
     autocast: tuple  # per device type in _DEVICE_TYPES: (enabled, dtype)
 
+    def __deepcopy__(self, memo: dict) -> None:
+        # a deep copy of the watched model made mid-step (an EMA created after the forward) copies
+        # the recorder: the arguments carry autograd history, which refuses to be copied. The
+        # copy's recorder replays nothing
+        return None
+
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 # autocast off everywhere (an fp32 or .half() run): the dtype is not used by a replay then
