@@ -286,3 +286,29 @@ def test_an_armed_probe_lets_the_model_be_deep_copied_mid_step():
             scaler.step(opt)
             scaler.update()
     assert len(copies) == 1 and monitor.summary()["first_nonfinite"]["op"] == "Tensor.div"
+
+
+def test_a_mode_the_loop_entered_before_the_probe_keeps_its_place():
+    """A loop inside ``with torch.device("cpu"):`` (a torch function mode) whose loss goes bad,
+    watched from outside that block (``ampaudit run``): the probe, pushed above the device mode at
+    a step's end, was the mode that block's ``__exit__`` popped - the device context stayed on after
+    the block, the default device of the rest of the script. The probe never goes on above a mode
+    it did not see come and go."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    monitor = ampaudit.watch(model, optimizer=opt, scaler=scaler).start()
+    try:
+        with torch.device("cpu"):
+            for step in range(3):  # armed at the last step's end: the block ends with the probe armed
+                loss = _masked_mean(model(x), y, step)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert torch._C._len_torch_function_stack() == 0  # the block's mode is gone with it
+    finally:
+        monitor.stop()
+    assert torch._C._len_torch_function_stack() == 0

@@ -71,8 +71,13 @@ class LossProbe(TorchFunctionMode):
 
     # -- on the training thread only: a mode stack is per thread ------------------------------
     def start(self) -> None:
-        """A step begins, or the model returned: record what the loop does next."""
+        """A step begins, or the model returned: record what the loop does next - only from an
+        empty mode stack. A mode the loop entered before (``with torch.device(...)`` around the
+        whole loop) would be below this one, and its ``__exit__`` pops whatever is on top: it
+        would take the probe off and stay on itself, its device the default after the block."""
         if not self.on_stack:
+            if torch._C._len_torch_function_stack():
+                return
             self.__enter__()
             self.on_stack = True
         self.recording = True
