@@ -1188,7 +1188,9 @@ class _Chain(nn.Module):
 def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(monkeypatch, inplace):
     """The second dominance forward (all but the worst layer in fp8) takes the first one's
     outputs for the calls before the worst layer's: the same output SQNRs as two whole
-    forwards, fewer casts; an output changed in place since is not reused."""
+    forwards, fewer input casts; an output changed in place since is not reused. Both take
+    each weight's cast from the measurement (every layer here is measured whole): the same
+    bits as casting it again."""
     from ampaudit.graph import fp8_measure
     from ampaudit.graph.forward import ExampleInputs
 
@@ -1198,6 +1200,11 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
     m = fp8_measure.measure_fp8(model, inputs, "tensorwise")
     for layer in m.layers:  # make c the worst: the second forward re-runs c (fp32) and d only
         layer.gemms["output"] = 10.0 if layer.name == "c" else 30.0
+    recipe = RECIPES["tensorwise"]
+    kept = {name: m.weight_cast[id(mod)].value for name, mod in model.named_children()}
+    for name, value in kept.items():
+        fresh = fp8_measure.cast(getattr(model, name).weight.detach().t(), recipe.weight, 0, pow2=False, count=False)
+        assert torch.equal(value.view(torch.int32), fresh.value.view(torch.int32)), name
     calls = []
     real_cast = fp8_measure.cast
     monkeypatch.setattr(fp8_measure, "cast", lambda t, *a, **k: calls.append(t.shape) or real_cast(t, *a, **k))
@@ -1208,10 +1215,10 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
     # the first forward kept the calls up to c's, not d's: the second runs d anew
     assert sorted(name for name, mod in model.named_children()
                   if any(key[0] == id(mod) for key in replays[0].calls)) == ["a", "b", "c"]
-    # first forward: 4 inputs, 4 weights; second: d's input (its weight is kept); with b's
-    # output halved in place, b's is not reused: b's input too
-    assert len(calls) == (10 if inplace else 9)
-    recipe = RECIPES["tensorwise"]
+    # first forward: 4 inputs; second: d's input; with b's output halved in place, b's is not
+    # reused: b's input too. No weight is cast again: the forwards take the measurement's casts
+    assert calls == [(8, 32)] * (6 if inplace else 5)
+    assert m.weight_cast == {}  # held only until the forwards
     whole = [sqnr_db(m.reference, fp8_measure.fp8_forward(model, inputs, names, recipe))
              for names in ({"a", "b", "c", "d"}, {"a", "b", "d"})]
     assert (m.output_sqnr_db, m.output_sqnr_without_db) == tuple(whole)

@@ -146,6 +146,9 @@ class Fp8Measurement:
     # which of the output's float tensors the reference holds: those that depend on the weights
     outputs_kept: tuple[bool, ...] | None = None
     weight_amax: dict[int, torch.Tensor] = field(default_factory=dict)  # by module id, for ``dominance``
+    # the chosen recipe's cast of each weight measured whole, by module id: the dominance forwards'
+    # cast of it (the same cast of the same tensor; the forwards cast only the others)
+    weight_cast: dict[int, CastResult] = field(default_factory=dict)
 
 
 def _num(value: float) -> float | str:
@@ -499,17 +502,18 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     weight_amax: dict[int, torch.Tensor] = {}
     # inference mode: a few hundred small ops a layer, on tensors no gradient will ever flow
     # through, each spared autograd's dispatch (~10% of this part's time; the same numbers)
+    weight_cast: dict[int, CastResult] = {}
     scratch = _Scratch()  # the layers' temporaries, from one layer to the next
     with torch.inference_mode():
-        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch) for name, rec in records.items()
-                  if rec.x is not None]
+        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch, weight_cast)
+                  for name, rec in records.items() if rec.x is not None]
     tied = _tied(model)
     for layer in layers:
         layer.tied_to = [n for module, n in tied.get(id(records[layer.name].module.weight), [])
                          if module is not records[layer.name].module]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
-                          reference=reference, outputs_kept=kept, weight_amax=weight_amax)
+                          reference=reference, outputs_kept=kept, weight_amax=weight_amax, weight_cast=weight_cast)
 
 
 class _Casts:
@@ -543,10 +547,11 @@ class _Casts:
                 self.lent.append(out)
         return self.memo[key]
 
-    def release(self) -> None:
-        """The casts' values back to the scratch: nothing reads them any more."""
+    def release(self, kept: CastResult | None = None) -> None:
+        """The casts' values back to the scratch: nothing reads them any more (but ``kept``'s)."""
         for t in self.lent:
-            self.scratch.give(t)
+            if kept is None or t is not kept.value:
+                self.scratch.give(t)
         self.lent, self.memo = [], {}
 
 
@@ -791,9 +796,10 @@ def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
 
 
 def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor],
-                   scratch: _Scratch | None = None) -> Fp8Layer:
+                   scratch: _Scratch | None = None, weight_cast: dict[int, CastResult] | None = None) -> Fp8Layer:
     """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale);
-    ``scratch``: the temporaries of a layer measured whole come from it and go back to it."""
+    ``scratch``: the temporaries of a layer measured whole come from it and go back to it;
+    ``weight_cast``: gets the chosen recipe's cast of a weight measured whole, by module id."""
     x, g = rec.x, rec.grad
     zero_grad = g is not None and not bool(g.any())  # a zero-initialised layer downstream: nothing to measure
     if zero_grad:
@@ -936,10 +942,12 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
             made.append(ref_gw)
         layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled else
                                       _sqnr(ref_gw, grad_weight, pool))
-    if pool is not None:  # nothing reads them any more
+    if weight_cast is not None and not sampled:  # the whole weight's cast: the dominance forwards take it
+        weight_cast[id(rec.module)] = wq
+    if pool is not None:  # nothing reads them any more (but that cast)
         for t in made:
             pool.give(t)
-        casts.release()
+        casts.release(wq)
     return layer
 
 
@@ -1082,11 +1090,13 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     import time
 
     reference = measurement.reference
+    # both forwards cast the same weights; those measured whole, the measurement cast already
+    # (held only until here)
+    weights, measurement.weight_cast = measurement.weight_cast, {}
     if not candidates or reference is None or reference.numel() == 0 or not bool(reference.any()):
         return  # an all-zero fp32 output (a zero-initialised last layer) is no measure of any error
     start = time.perf_counter()
     recipe = RECIPES[measurement.recipe]
-    weights: dict[int, CastResult] = {}  # both forwards cast the same weights
     second = len(candidates) >= max(2, min_layers)  # with fewer, no one layer is said to dominate: no second run
     by_name = {layer.name: layer for layer in measurement.layers}
     worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf)) if second else None
