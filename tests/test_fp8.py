@@ -1277,6 +1277,30 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     assert "forward" not in vars(net.a) and vars(net.b)["forward"] is hooked
 
 
+def test_the_measurements_scratch_lends_a_larger_buffer_in_the_layout_torch_gives():
+    """A buffer given back serves a smaller tensor of another shape (viewed from its start); a
+    difference of two tensors of different layouts is written in the layout ``a - b`` has - the
+    same values and strides, so the same norms."""
+    from ampaudit.graph.fp8_measure import _difference_layout, _Scratch
+
+    n = _Scratch.SHARED
+    a, t = torch.randn(64, n // 32), torch.randn(n // 32, 64).t()
+    for x, y in ((a, a.clone()), (a, t), (t, a), (t, t.clone()), (a, torch.randn(n // 32)), (t, torch.randn(64, 1))):
+        layout = _difference_layout(x, y)
+        assert layout is not None and (layout[0], layout[1]) == ((x - y).shape, (x - y).stride())
+    assert _difference_layout(a[:, ::2], a[:, ::2]) is None  # not dense
+    scratch = _Scratch()
+    big = torch.empty(2 * n)
+    scratch.give(big)
+    got = scratch.sub(t, a)
+    assert got.data_ptr() == big.data_ptr() and got.stride() == (t - a).stride()
+    assert torch.equal(got, t - a) and float(torch.linalg.vector_norm(got)) == float(torch.linalg.vector_norm(t - a))
+    scratch.give(got)
+    product = scratch.mm(torch.randn(n // 32, 64), torch.randn(64, 64))
+    assert product.data_ptr() == big.data_ptr() and product.is_contiguous()
+    assert scratch.take(torch.empty(8, 8)) is None  # small: none lent past its own shape
+
+
 class _LayerScaleInPlace(nn.Module):
     """timm's LayerScale(inplace=True) after a Linear of a 3-D input: `x.mul_(gamma)`."""
 

@@ -225,39 +225,92 @@ def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ene
 
 
 class _Scratch:
-    """Tensors a small layer's measurement gives back for the next one's temporaries, by shape
-    and layout: its cost is fixed costs, and a fresh tensor's page faults are one (on the 2-vCPU
-    VM a 256 KB tensor's 64 faults cost about as much as a pass over it)."""
+    """Tensors a small layer's measurement gives back for the next one's temporaries: its cost is
+    fixed costs, and a fresh tensor's page faults are one (on the 2-vCPU VM a 256 KB tensor's 64
+    faults cost about as much as a pass over it). Lent again by shape and layout; where none of
+    those is free, the smallest free one whose storage holds the layout is viewed as it, from its
+    start (the alignment a fresh tensor has): a buffer serves later layers of other shapes."""
+
+    SHARED = 1 << 14  # elements from which a miss looks for a larger buffer (smaller ones: the heap's, no page faults)
 
     def __init__(self) -> None:
-        self.free: dict[tuple, list[torch.Tensor]] = {}
+        # by shape and strides: float32 tensors at their storage's start, and each storage's elements
+        self.free: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor | None:
         """A tensor of ``like``'s shape, dtype and strides, given back before; None where none is."""
-        return self._take((like.shape, like.stride(), like.dtype))
+        return self._take(like.shape, like.stride()) if like.dtype == torch.float32 else None
 
-    def _take(self, key: tuple) -> torch.Tensor | None:
-        found = self.free.get(key)
-        return found.pop() if found else None
+    def take_contiguous(self, shape: torch.Size) -> torch.Tensor | None:
+        """A contiguous 2-D float32 tensor of ``shape``, given back before; None where none is."""
+        return self._take(shape, (shape[1], 1))
+
+    def _take(self, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor | None:
+        found = self.free.get((shape, stride))
+        if found:
+            return found.pop()[0]
+        if shape.numel() < self.SHARED:
+            return None
+        n = _dense_size(shape, stride)
+        if n is None:
+            return None
+        best = None  # (elements, key, index)
+        for key, ts in self.free.items():
+            for i, (_, size) in enumerate(ts):
+                if size >= n and (best is None or size < best[0]):
+                    best = size, key, i
+        if best is None:
+            return None
+        return self.free[best[1]].pop(best[2])[0].as_strided(shape, stride, 0)
 
     def give(self, t: torch.Tensor) -> None:
-        """``t``, no longer read nor written by anyone."""
-        self.free.setdefault((t.shape, t.stride(), t.dtype), []).append(t)
+        """``t``, no longer read nor written by anyone (its storage neither)."""
+        if t.dtype == torch.float32 and t.storage_offset() == 0:
+            self.free.setdefault((t.shape, t.stride()), []).append((t, t.untyped_storage().nbytes() // 4))
 
     def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a - b`` (float32), into a tensor given back where a and b share a shape and layout (the
-        result's then): the values and the layout of ``a - b``, so the norms after add alike."""
+        """``a - b`` (float32; ``b`` broadcast to ``a``'s shape), into a tensor given back, in the
+        layout torch gives ``a - b`` - ``a``'s dims' order, dense (TensorIterator orders the dims
+        by the first input whose strides differ) - so the values, their layout and the norms
+        after are the same."""
         if a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype == torch.float32:
-            buf = self.take(a)
-            if buf is not None:
-                return torch.sub(a, b, out=buf)
-        return a - b
+            buf = self._take(a.shape, a.stride())  # a's layout, dense or not, as torch keeps it
+        else:  # a small one is the heap's (no page faults): not worth finding its layout
+            layout = _difference_layout(a, b) if a.numel() >= self.SHARED else None
+            buf = self._take(*layout) if layout is not None else None
+        return a - b if buf is None else torch.sub(a, b, out=buf)
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a @ b`` (2-D float32), into a contiguous tensor given back, as mm's own result is."""
-        key = (torch.Size((a.shape[0], b.shape[1])), (b.shape[1], 1), torch.float32)
-        buf = self._take(key) if a.dtype == b.dtype == torch.float32 and b.shape[1] > 1 else None
+        shape = torch.Size((a.shape[0], b.shape[1]))
+        buf = self._take(shape, (b.shape[1], 1)) if a.dtype == b.dtype == torch.float32 and b.shape[1] > 1 else None
         return torch.mm(a, b) if buf is None else torch.mm(a, b, out=buf)
+
+
+def _difference_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]] | None:
+    """The shape and strides of ``a - b`` where ``a`` is a dense 2-D float32 tensor of two dims
+    over 1 (its strides differ: they order the output's dims) and ``b`` a float32 tensor that
+    broadcasts to it; None for any other."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.dim() != 2 or min(a.shape) < 2:
+        return None
+    # broadcast by hand: torch.broadcast_shapes's first call imports torch's refs (8,600 page faults)
+    if (_dense_size(a.shape, a.stride()) is None or b.dim() > 2
+            or any(m not in (1, n) for m, n in zip(reversed(b.shape), reversed(a.shape), strict=False))):
+        return None
+    rows, cols = a.shape
+    return a.shape, ((cols, 1) if a.stride(0) > a.stride(1) else (1, rows))
+
+
+def _dense_size(shape: torch.Size, stride: tuple[int, ...]) -> int | None:
+    """The elements of a dense layout (every element once, no gap: contiguous or a permutation
+    of it); None for any other."""
+    n = 1
+    for size, step in sorted(((size, step) for size, step in zip(shape, stride, strict=True) if size != 1),
+                             key=lambda d: d[1]):
+        if step != n:
+            return None
+        n *= size
+    return n if all(shape) else None
 
 
 def _sqnr(reference: torch.Tensor, value: torch.Tensor, scratch: _Scratch | None) -> float:
@@ -539,12 +592,19 @@ class _Casts:
             x = self.tensors[op]
             # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
             lend = self.scratch is not None and how.fmt is not None
-            lend = lend and (how.granularity != "block" or x.is_contiguous())
             out = self.scratch.take(x) if lend else None
+            dense = None
+            if out is not None and how.granularity == "block" and not x.is_contiguous():
+                dense = self.scratch.take_contiguous(x.shape)
             self.memo[key] = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
-                                  count=self.count or how.granularity == "block", out=out)
-            if out is not None and self.memo[key].value is out:
-                self.lent.append(out)
+                                  count=self.count or how.granularity == "block", out=out, dense=dense)
+            value = self.memo[key].value
+            for t in (out, dense):  # the one holding the value is lent; the other is free again
+                if t is not None:
+                    if value is t:
+                        self.lent.append(t)
+                    else:
+                        self.scratch.give(t)
         return self.memo[key]
 
     def release(self, kept: CastResult | None = None) -> None:
@@ -911,7 +971,9 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     if once and rec.out is not None and rec.out_version is not None and _version(rec.out) == rec.out_version:
         reference = n_ax.take(tok.take(rec.out, 0), 1)
         if rec.module.bias is not None:  # x @ W.T as fp32 computed it: the output less the bias
-            reference = reference - n_ax.take(rec.module.bias.detach().float(), 0)
+            bias = n_ax.take(rec.module.bias.detach().float(), 0)
+            reference = pool.sub(reference, bias) if pool is not None else reference - bias
+            made.append(reference)
     else:
         reference = tensors["input"] @ tensors["weight"]  # the sampled rows of x and W, taken once above
     layer.gemms["output"] = (_sampled_sqnr(reference, output, tok, n_ax) if sampled else
