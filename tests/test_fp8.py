@@ -1277,6 +1277,39 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     assert "forward" not in vars(net.a) and vars(net.b)["forward"] is hooked
 
 
+def test_the_recording_keeps_each_layers_grad_input_product_only_for_the_gradient_it_recorded():
+    """The recording's backward keeps ``grad @ W`` (the measurement's grad-input reference of a
+    layer measured whole) bit for bit as the measurement would compute it, and only where its
+    gradient is the one recorded: a forward hook that returns a new output (a massive first
+    token) gives the Linear another gradient than the hooked output's; a column-major input's
+    product is computed transposed."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import record
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(24, 40), nn.Linear(40, 40), nn.Linear(40, 8)
+
+        def forward(self, x):
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x.t())))))
+
+    def sink(module, args, out):
+        out = out.clone()
+        out[0] = out[0] * 300.0
+        return out
+
+    torch.manual_seed(0)
+    net = Net()
+    net.b.register_forward_hook(sink)
+    records, _, _ = record(net, ExampleInputs.coerce((torch.randn(24, 12),), "x"))
+    assert records["a"].grad_input is None  # column-major input
+    assert records["b"].grad_input is None  # the hook's output is not the Linear's
+    kept = records["c"].grad_input
+    fresh = torch.mm(records["c"].grad, records["c"].module.weight.detach())
+    assert kept is not None and torch.equal(kept.view(torch.int32), fresh.view(torch.int32))
+
+
 def test_the_measurements_scratch_lends_a_larger_buffer_in_the_layout_torch_gives():
     """A buffer given back serves a smaller tensor of another shape (viewed from its start); a
     difference of two tensors of different layouts is written in the layout ``a - b`` has - the

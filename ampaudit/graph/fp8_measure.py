@@ -338,6 +338,9 @@ class _Record:
     line: int = 0
     pending: tuple[torch.Tensor, Any] | None = None  # this call's input and line, until its output is seen
     with_grad: bool = False  # the call measured computes a gradient: later calls are not measured
+    grad_seen: torch.Tensor | None = None  # the output gradient recorded, as autograd gave it
+    # grad @ W as the recording's backward computed it (_InputGradLinear), for the gradient recorded
+    grad_input: torch.Tensor | None = None
 
 
 def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -390,11 +393,15 @@ class _InputGradLinear(torch.autograd.Function):
     third of a Linear's GEMMs, forward and backward); each sampled grad-weight reference is
     recomputed from the recorded input and output gradient. The input's gradient is computed
     as autograd computes it for ``linear`` (``mm_mat1_backward``: ``grad @ W``, or its transpose
-    for a column-major input), bit for bit, so every gradient upstream is unchanged."""
+    for a column-major input), bit for bit, so every gradient upstream is unchanged. ``rec``:
+    where ``grad @ W`` is kept when ``grad`` is the output gradient it recorded (the same tensor):
+    the measurement's grad-input reference of a layer measured whole (the same product)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                rec: _Record | None = None) -> torch.Tensor:
         ctx.save_for_backward(weight)
+        ctx.rec = rec
         ctx.column_major = x.dim() == 2 and x.shape[1] > 1 and x.stride(0) == 1 and x.stride(1) == x.shape[0]
         out = nn.functional.linear(x, weight, bias)
         if out._is_view():  # a flattened input's 2-D product viewed back: autograd would forbid an
@@ -404,11 +411,21 @@ class _InputGradLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (weight,) = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         gi = weight.t().mm(g.t()).t() if ctx.column_major else g.mm(weight)
-        return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None
+        rec, ctx.rec = ctx.rec, None
+        if rec is not None and not ctx.column_major and _same_tensor(grad, rec.grad_seen) and \
+                weight.dtype == gi.dtype == torch.float32 and g.numel() + weight.numel() + gi.numel() <= LARGE:
+            rec.grad_input = gi
+        return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` is ``b`` or views the same elements of it the same way."""
+    return b is not None and (a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+                                         and a.shape == b.shape and a.stride() == b.stride()))
 
 
 def _is_float8_linear(module: nn.Module) -> bool:
@@ -434,9 +451,9 @@ def _own_difference(module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> fl
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _input_grad_only(module: nn.Linear, rec: _Record | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature: fc(input=x) too
-        return _InputGradLinear.apply(input, module.weight, module.bias)
+        return _InputGradLinear.apply(input, module.weight, module.bias, rec)
 
     return forward
 
@@ -481,6 +498,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             def keep(g: torch.Tensor, rec: _Record = rec) -> None:
                 if rec.grad is None:
                     rec.grad = g.detach().float().reshape(-1, g.shape[-1])
+                    rec.grad_seen = g
             output.register_hook(keep)
 
     for rec in records.values():
@@ -501,7 +519,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         with attributes_kept(model), torch.enable_grad(), _modules_called():
             for rec in records.values():
                 if id(rec.module) in plain:
-                    rec.module.forward = _input_grad_only(rec.module)
+                    rec.module.forward = _input_grad_only(rec.module, rec)
             try:
                 output = model(*inputs.args, **inputs.kwargs)
                 loss = model_loss(output, given_labels(model.forward, inputs.args, inputs.kwargs))
@@ -988,9 +1006,14 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         go = casts.get("grad_output", chosen.grad_output, -1, p2)
         w_gi = casts.get(views["weight_rows"], chosen.weight_for_grad_input, -1, p2)
         grad_input = mm(go.value, w_gi.value.t())
-        # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
-        ref_gi = mm(tensors["grad_output"], tensors[views["weight_rows"]].t())
-        made += [grad_input, ref_gi]
+        # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs);
+        # a layer measured whole and called once: the recording's backward computed this product
+        if once and not sampled and rec.grad_input is not None:
+            ref_gi = rec.grad_input
+            made.append(grad_input)
+        else:
+            ref_gi = mm(tensors["grad_output"], tensors[views["weight_rows"]].t())
+            made += [grad_input, ref_gi]
         layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled else
                                      _sqnr(ref_gi, grad_input, pool))
         go_gw = casts.get(views["grad_output_cols"], chosen.grad_output_for_grad_weight, 0, p2)
