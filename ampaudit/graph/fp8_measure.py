@@ -266,7 +266,9 @@ class _Scratch:
     def give(self, t: torch.Tensor) -> None:
         """``t``, no longer read nor written by anyone (its storage neither)."""
         if t.dtype == torch.float32 and t.storage_offset() == 0:
-            self.free.setdefault((t.shape, t.stride()), []).append((t, t.untyped_storage().nbytes() // 4))
+            n = t.numel()  # what a small one holds is never lent as another shape: no need to ask its storage
+            size = t.untyped_storage().nbytes() // 4 if n >= self.SHARED else n
+            self.free.setdefault((t.shape, t.stride()), []).append((t, size))
 
     def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a - b`` (float32; ``b`` broadcast to ``a``'s shape), into a tensor given back, in the
