@@ -1188,7 +1188,9 @@ class _Chain(nn.Module):
 def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(monkeypatch, inplace):
     """The second dominance forward (all but the worst layer in fp8) takes the first one's
     outputs for the calls before the worst layer's: the same output SQNRs as two whole
-    forwards, fewer casts; an output changed in place since is not reused."""
+    forwards, fewer input casts; an output changed in place since is not reused. Both take
+    each weight's cast from the measurement (every layer here is measured whole): the same
+    bits as casting it again."""
     from ampaudit.graph import fp8_measure
     from ampaudit.graph.forward import ExampleInputs
 
@@ -1198,6 +1200,11 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
     m = fp8_measure.measure_fp8(model, inputs, "tensorwise")
     for layer in m.layers:  # make c the worst: the second forward re-runs c (fp32) and d only
         layer.gemms["output"] = 10.0 if layer.name == "c" else 30.0
+    recipe = RECIPES["tensorwise"]
+    kept = {name: m.weight_cast[id(mod)].value for name, mod in model.named_children()}
+    for name, value in kept.items():
+        fresh = fp8_measure.cast(getattr(model, name).weight.detach().t(), recipe.weight, 0, pow2=False, count=False)
+        assert torch.equal(value.view(torch.int32), fresh.value.view(torch.int32)), name
     calls = []
     real_cast = fp8_measure.cast
     monkeypatch.setattr(fp8_measure, "cast", lambda t, *a, **k: calls.append(t.shape) or real_cast(t, *a, **k))
@@ -1208,10 +1215,10 @@ def test_dominance_replays_the_first_forwards_calls_up_to_the_dominant_layer(mon
     # the first forward kept the calls up to c's, not d's: the second runs d anew
     assert sorted(name for name, mod in model.named_children()
                   if any(key[0] == id(mod) for key in replays[0].calls)) == ["a", "b", "c"]
-    # first forward: 4 inputs, 4 weights; second: d's input (its weight is kept); with b's
-    # output halved in place, b's is not reused: b's input too
-    assert len(calls) == (10 if inplace else 9)
-    recipe = RECIPES["tensorwise"]
+    # first forward: 4 inputs; second: d's input; with b's output halved in place, b's is not
+    # reused: b's input too. No weight is cast again: the forwards take the measurement's casts
+    assert calls == [(8, 32)] * (6 if inplace else 5)
+    assert m.weight_cast == {}  # held only until the forwards
     whole = [sqnr_db(m.reference, fp8_measure.fp8_forward(model, inputs, names, recipe))
              for names in ({"a", "b", "c", "d"}, {"a", "b", "d"})]
     assert (m.output_sqnr_db, m.output_sqnr_without_db) == tuple(whole)
@@ -1268,6 +1275,63 @@ def test_the_recording_backward_skips_weight_gradients_and_keeps_every_output_gr
     assert records["b"].grad_weight is not None and records["c"].grad_weight is not None
     assert all(torch.equal(p.grad, user[n]) for n, p in net.named_parameters())
     assert "forward" not in vars(net.a) and vars(net.b)["forward"] is hooked
+
+
+def test_the_recording_keeps_each_layers_grad_input_product_only_for_the_gradient_it_recorded():
+    """The recording's backward keeps ``grad @ W`` (the measurement's grad-input reference of a
+    layer measured whole) bit for bit as the measurement would compute it, and only where its
+    gradient is the one recorded: a forward hook that returns a new output (a massive first
+    token) gives the Linear another gradient than the hooked output's; a column-major input's
+    product is computed transposed."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import record
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(24, 40), nn.Linear(40, 40), nn.Linear(40, 8)
+
+        def forward(self, x):
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x.t())))))
+
+    def sink(module, args, out):
+        out = out.clone()
+        out[0] = out[0] * 300.0
+        return out
+
+    torch.manual_seed(0)
+    net = Net()
+    net.b.register_forward_hook(sink)
+    records, _, _ = record(net, ExampleInputs.coerce((torch.randn(24, 12),), "x"))
+    assert records["a"].grad_input is None  # column-major input
+    assert records["b"].grad_input is None  # the hook's output is not the Linear's
+    kept = records["c"].grad_input
+    fresh = torch.mm(records["c"].grad, records["c"].module.weight.detach())
+    assert kept is not None and torch.equal(kept.view(torch.int32), fresh.view(torch.int32))
+
+
+def test_the_measurements_scratch_lends_a_larger_buffer_in_the_layout_torch_gives():
+    """A buffer given back serves a smaller tensor of another shape (viewed from its start); a
+    difference of two tensors of different layouts is written in the layout ``a - b`` has - the
+    same values and strides, so the same norms."""
+    from ampaudit.graph.fp8_measure import _difference_layout, _Scratch
+
+    n = _Scratch.SHARED
+    a, t = torch.randn(64, n // 32), torch.randn(n // 32, 64).t()
+    for x, y in ((a, a.clone()), (a, t), (t, a), (t, t.clone()), (a, torch.randn(n // 32)), (t, torch.randn(64, 1))):
+        layout = _difference_layout(x, y)
+        assert layout is not None and (layout[0], layout[1]) == ((x - y).shape, (x - y).stride())
+    assert _difference_layout(a[:, ::2], a[:, ::2]) is None  # not dense
+    scratch = _Scratch()
+    big = torch.empty(2 * n)
+    scratch.give(big)
+    got = scratch.sub(t, a)
+    assert got.data_ptr() == big.data_ptr() and got.stride() == (t - a).stride()
+    assert torch.equal(got, t - a) and float(torch.linalg.vector_norm(got)) == float(torch.linalg.vector_norm(t - a))
+    scratch.give(got)
+    product = scratch.mm(torch.randn(n // 32, 64), torch.randn(64, 64))
+    assert product.data_ptr() == big.data_ptr() and product.is_contiguous()
+    assert scratch.take(torch.empty(8, 8)) is None  # small: none lent past its own shape
 
 
 class _LayerScaleInPlace(nn.Module):

@@ -146,6 +146,9 @@ class Fp8Measurement:
     # which of the output's float tensors the reference holds: those that depend on the weights
     outputs_kept: tuple[bool, ...] | None = None
     weight_amax: dict[int, torch.Tensor] = field(default_factory=dict)  # by module id, for ``dominance``
+    # the chosen recipe's cast of each weight measured whole, by module id: the dominance forwards'
+    # cast of it (the same cast of the same tensor; the forwards cast only the others)
+    weight_cast: dict[int, CastResult] = field(default_factory=dict)
 
 
 def _num(value: float) -> float | str:
@@ -222,39 +225,94 @@ def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ene
 
 
 class _Scratch:
-    """Tensors a small layer's measurement gives back for the next one's temporaries, by shape
-    and layout: its cost is fixed costs, and a fresh tensor's page faults are one (on the 2-vCPU
-    VM a 256 KB tensor's 64 faults cost about as much as a pass over it)."""
+    """Tensors a small layer's measurement gives back for the next one's temporaries: its cost is
+    fixed costs, and a fresh tensor's page faults are one (on the 2-vCPU VM a 256 KB tensor's 64
+    faults cost about as much as a pass over it). Lent again by shape and layout; where none of
+    those is free, the smallest free one whose storage holds the layout is viewed as it, from its
+    start (the alignment a fresh tensor has): a buffer serves later layers of other shapes."""
+
+    SHARED = 1 << 14  # elements from which a miss looks for a larger buffer (smaller ones: the heap's, no page faults)
 
     def __init__(self) -> None:
-        self.free: dict[tuple, list[torch.Tensor]] = {}
+        # by shape and strides: float32 tensors at their storage's start, and each storage's elements
+        self.free: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor | None:
         """A tensor of ``like``'s shape, dtype and strides, given back before; None where none is."""
-        return self._take((like.shape, like.stride(), like.dtype))
+        return self._take(like.shape, like.stride()) if like.dtype == torch.float32 else None
 
-    def _take(self, key: tuple) -> torch.Tensor | None:
-        found = self.free.get(key)
-        return found.pop() if found else None
+    def take_contiguous(self, shape: torch.Size) -> torch.Tensor | None:
+        """A contiguous 2-D float32 tensor of ``shape``, given back before; None where none is."""
+        return self._take(shape, (shape[1], 1))
+
+    def _take(self, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor | None:
+        found = self.free.get((shape, stride))
+        if found:
+            return found.pop()[0]
+        if shape.numel() < self.SHARED:
+            return None
+        n = _dense_size(shape, stride)
+        if n is None:
+            return None
+        best = None  # (elements, key, index)
+        for key, ts in self.free.items():
+            for i, (_, size) in enumerate(ts):
+                if size >= n and (best is None or size < best[0]):
+                    best = size, key, i
+        if best is None:
+            return None
+        return self.free[best[1]].pop(best[2])[0].as_strided(shape, stride, 0)
 
     def give(self, t: torch.Tensor) -> None:
-        """``t``, no longer read nor written by anyone."""
-        self.free.setdefault((t.shape, t.stride(), t.dtype), []).append(t)
+        """``t``, no longer read nor written by anyone (its storage neither)."""
+        if t.dtype == torch.float32 and t.storage_offset() == 0:
+            n = t.numel()  # what a small one holds is never lent as another shape: no need to ask its storage
+            size = t.untyped_storage().nbytes() // 4 if n >= self.SHARED else n
+            self.free.setdefault((t.shape, t.stride()), []).append((t, size))
 
     def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a - b`` (float32), into a tensor given back where a and b share a shape and layout (the
-        result's then): the values and the layout of ``a - b``, so the norms after add alike."""
+        """``a - b`` (float32; ``b`` broadcast to ``a``'s shape), into a tensor given back, in the
+        layout torch gives ``a - b`` - ``a``'s dims' order, dense (TensorIterator orders the dims
+        by the first input whose strides differ) - so the values, their layout and the norms
+        after are the same."""
         if a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype == torch.float32:
-            buf = self.take(a)
-            if buf is not None:
-                return torch.sub(a, b, out=buf)
-        return a - b
+            buf = self._take(a.shape, a.stride())  # a's layout, dense or not, as torch keeps it
+        else:  # a small one is the heap's (no page faults): not worth finding its layout
+            layout = _difference_layout(a, b) if a.numel() >= self.SHARED else None
+            buf = self._take(*layout) if layout is not None else None
+        return a - b if buf is None else torch.sub(a, b, out=buf)
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a @ b`` (2-D float32), into a contiguous tensor given back, as mm's own result is."""
-        key = (torch.Size((a.shape[0], b.shape[1])), (b.shape[1], 1), torch.float32)
-        buf = self._take(key) if a.dtype == b.dtype == torch.float32 and b.shape[1] > 1 else None
+        shape = torch.Size((a.shape[0], b.shape[1]))
+        buf = self._take(shape, (b.shape[1], 1)) if a.dtype == b.dtype == torch.float32 and b.shape[1] > 1 else None
         return torch.mm(a, b) if buf is None else torch.mm(a, b, out=buf)
+
+
+def _difference_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]] | None:
+    """The shape and strides of ``a - b`` where ``a`` is a dense 2-D float32 tensor of two dims
+    over 1 (its strides differ: they order the output's dims) and ``b`` a float32 tensor that
+    broadcasts to it; None for any other."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.dim() != 2 or min(a.shape) < 2:
+        return None
+    # broadcast by hand: torch.broadcast_shapes's first call imports torch's refs (8,600 page faults)
+    if (_dense_size(a.shape, a.stride()) is None or b.dim() > 2
+            or any(m not in (1, n) for m, n in zip(reversed(b.shape), reversed(a.shape), strict=False))):
+        return None
+    rows, cols = a.shape
+    return a.shape, ((cols, 1) if a.stride(0) > a.stride(1) else (1, rows))
+
+
+def _dense_size(shape: torch.Size, stride: tuple[int, ...]) -> int | None:
+    """The elements of a dense layout (every element once, no gap: contiguous or a permutation
+    of it); None for any other."""
+    n = 1
+    for size, step in sorted(((size, step) for size, step in zip(shape, stride, strict=True) if size != 1),
+                             key=lambda d: d[1]):
+        if step != n:
+            return None
+        n *= size
+    return n if all(shape) else None
 
 
 def _sqnr(reference: torch.Tensor, value: torch.Tensor, scratch: _Scratch | None) -> float:
@@ -282,6 +340,9 @@ class _Record:
     line: int = 0
     pending: tuple[torch.Tensor, Any] | None = None  # this call's input and line, until its output is seen
     with_grad: bool = False  # the call measured computes a gradient: later calls are not measured
+    grad_seen: torch.Tensor | None = None  # the output gradient recorded, as autograd gave it
+    # grad @ W as the recording's backward computed it (_InputGradLinear), for the gradient recorded
+    grad_input: torch.Tensor | None = None
 
 
 def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -334,11 +395,15 @@ class _InputGradLinear(torch.autograd.Function):
     third of a Linear's GEMMs, forward and backward); each sampled grad-weight reference is
     recomputed from the recorded input and output gradient. The input's gradient is computed
     as autograd computes it for ``linear`` (``mm_mat1_backward``: ``grad @ W``, or its transpose
-    for a column-major input), bit for bit, so every gradient upstream is unchanged."""
+    for a column-major input), bit for bit, so every gradient upstream is unchanged. ``rec``:
+    where ``grad @ W`` is kept when ``grad`` is the output gradient it recorded (the same tensor):
+    the measurement's grad-input reference of a layer measured whole (the same product)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                rec: _Record | None = None) -> torch.Tensor:
         ctx.save_for_backward(weight)
+        ctx.rec = rec
         ctx.column_major = x.dim() == 2 and x.shape[1] > 1 and x.stride(0) == 1 and x.stride(1) == x.shape[0]
         out = nn.functional.linear(x, weight, bias)
         if out._is_view():  # a flattened input's 2-D product viewed back: autograd would forbid an
@@ -348,11 +413,21 @@ class _InputGradLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (weight,) = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         gi = weight.t().mm(g.t()).t() if ctx.column_major else g.mm(weight)
-        return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None
+        rec, ctx.rec = ctx.rec, None
+        if rec is not None and not ctx.column_major and _same_tensor(grad, rec.grad_seen) and \
+                weight.dtype == gi.dtype == torch.float32 and g.numel() + weight.numel() + gi.numel() <= LARGE:
+            rec.grad_input = gi
+        return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` is ``b`` or views the same elements of it the same way."""
+    return b is not None and (a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+                                         and a.shape == b.shape and a.stride() == b.stride()))
 
 
 def _is_float8_linear(module: nn.Module) -> bool:
@@ -378,9 +453,9 @@ def _own_difference(module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> fl
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def _input_grad_only(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _input_grad_only(module: nn.Linear, rec: _Record | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature: fc(input=x) too
-        return _InputGradLinear.apply(input, module.weight, module.bias)
+        return _InputGradLinear.apply(input, module.weight, module.bias, rec)
 
     return forward
 
@@ -425,6 +500,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
             def keep(g: torch.Tensor, rec: _Record = rec) -> None:
                 if rec.grad is None:
                     rec.grad = g.detach().float().reshape(-1, g.shape[-1])
+                    rec.grad_seen = g
             output.register_hook(keep)
 
     for rec in records.values():
@@ -445,7 +521,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         with attributes_kept(model), torch.enable_grad(), _modules_called():
             for rec in records.values():
                 if id(rec.module) in plain:
-                    rec.module.forward = _input_grad_only(rec.module)
+                    rec.module.forward = _input_grad_only(rec.module, rec)
             try:
                 output = model(*inputs.args, **inputs.kwargs)
                 loss = model_loss(output, given_labels(model.forward, inputs.args, inputs.kwargs))
@@ -499,17 +575,18 @@ def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Meas
     weight_amax: dict[int, torch.Tensor] = {}
     # inference mode: a few hundred small ops a layer, on tensors no gradient will ever flow
     # through, each spared autograd's dispatch (~10% of this part's time; the same numbers)
+    weight_cast: dict[int, CastResult] = {}
     scratch = _Scratch()  # the layers' temporaries, from one layer to the next
     with torch.inference_mode():
-        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch) for name, rec in records.items()
-                  if rec.x is not None]
+        layers = [_measure_layer(name, rec, RECIPES[recipe], weight_amax, scratch, weight_cast)
+                  for name, rec in records.items() if rec.x is not None]
     tied = _tied(model)
     for layer in layers:
         layer.tied_to = [n for module, n in tied.get(id(records[layer.name].module.weight), [])
                          if module is not records[layer.name].module]
     done = time.perf_counter()
     return Fp8Measurement(recipe, layers, seconds={"forward_backward": recorded - start, "casts": done - recorded},
-                          reference=reference, outputs_kept=kept, weight_amax=weight_amax)
+                          reference=reference, outputs_kept=kept, weight_amax=weight_amax, weight_cast=weight_cast)
 
 
 class _Casts:
@@ -535,18 +612,26 @@ class _Casts:
             x = self.tensors[op]
             # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
             lend = self.scratch is not None and how.fmt is not None
-            lend = lend and (how.granularity != "block" or x.is_contiguous())
             out = self.scratch.take(x) if lend else None
+            dense = None
+            if out is not None and how.granularity == "block" and not x.is_contiguous():
+                dense = self.scratch.take_contiguous(x.shape)
             self.memo[key] = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
-                                  count=self.count or how.granularity == "block", out=out)
-            if out is not None and self.memo[key].value is out:
-                self.lent.append(out)
+                                  count=self.count or how.granularity == "block", out=out, dense=dense)
+            value = self.memo[key].value
+            for t in (out, dense):  # the one holding the value is lent; the other is free again
+                if t is not None:
+                    if value is t:
+                        self.lent.append(t)
+                    else:
+                        self.scratch.give(t)
         return self.memo[key]
 
-    def release(self) -> None:
-        """The casts' values back to the scratch: nothing reads them any more."""
+    def release(self, kept: CastResult | None = None) -> None:
+        """The casts' values back to the scratch: nothing reads them any more (but ``kept``'s)."""
         for t in self.lent:
-            self.scratch.give(t)
+            if kept is None or t is not kept.value:
+                self.scratch.give(t)
         self.lent, self.memo = [], {}
 
 
@@ -791,9 +876,10 @@ def _require_finite(name: str, operand: str, amax: torch.Tensor) -> None:
 
 
 def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[int, torch.Tensor],
-                   scratch: _Scratch | None = None) -> Fp8Layer:
+                   scratch: _Scratch | None = None, weight_cast: dict[int, CastResult] | None = None) -> Fp8Layer:
     """``weight_amax``: gets the weight's amax, by module id (the dominance forwards' per-tensor scale);
-    ``scratch``: the temporaries of a layer measured whole come from it and go back to it."""
+    ``scratch``: the temporaries of a layer measured whole come from it and go back to it;
+    ``weight_cast``: gets the chosen recipe's cast of a weight measured whole, by module id."""
     x, g = rec.x, rec.grad
     zero_grad = g is not None and not bool(g.any())  # a zero-initialised layer downstream: nothing to measure
     if zero_grad:
@@ -905,7 +991,9 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     if once and rec.out is not None and rec.out_version is not None and _version(rec.out) == rec.out_version:
         reference = n_ax.take(tok.take(rec.out, 0), 1)
         if rec.module.bias is not None:  # x @ W.T as fp32 computed it: the output less the bias
-            reference = reference - n_ax.take(rec.module.bias.detach().float(), 0)
+            bias = n_ax.take(rec.module.bias.detach().float(), 0)
+            reference = pool.sub(reference, bias) if pool is not None else reference - bias
+            made.append(reference)
     else:
         reference = tensors["input"] @ tensors["weight"]  # the sampled rows of x and W, taken once above
     layer.gemms["output"] = (_sampled_sqnr(reference, output, tok, n_ax) if sampled else
@@ -920,9 +1008,14 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         go = casts.get("grad_output", chosen.grad_output, -1, p2)
         w_gi = casts.get(views["weight_rows"], chosen.weight_for_grad_input, -1, p2)
         grad_input = mm(go.value, w_gi.value.t())
-        # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs)
-        ref_gi = mm(tensors["grad_output"], tensors[views["weight_rows"]].t())
-        made += [grad_input, ref_gi]
+        # not the gradient autograd gave x: x may feed other layers too (q, k and v share theirs);
+        # a layer measured whole and called once: the recording's backward computed this product
+        if once and not sampled and rec.grad_input is not None:
+            ref_gi = rec.grad_input
+            made.append(grad_input)
+        else:
+            ref_gi = mm(tensors["grad_output"], tensors[views["weight_rows"]].t())
+            made += [grad_input, ref_gi]
         layer.gemms["grad_input"] = (_sampled_sqnr(ref_gi, grad_input, tok, k_ax) if sampled else
                                      _sqnr(ref_gi, grad_input, pool))
         go_gw = casts.get(views["grad_output_cols"], chosen.grad_output_for_grad_weight, 0, p2)
@@ -936,10 +1029,12 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
             made.append(ref_gw)
         layer.gemms["grad_weight"] = (_sampled_sqnr(ref_gw, grad_weight, n_ax, k_ax) if sampled else
                                       _sqnr(ref_gw, grad_weight, pool))
-    if pool is not None:  # nothing reads them any more
+    if weight_cast is not None and not sampled:  # the whole weight's cast: the dominance forwards take it
+        weight_cast[id(rec.module)] = wq
+    if pool is not None:  # nothing reads them any more (but that cast)
         for t in made:
             pool.give(t)
-        casts.release()
+        casts.release(wq)
     return layer
 
 
@@ -1082,11 +1177,13 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
     import time
 
     reference = measurement.reference
+    # both forwards cast the same weights; those measured whole, the measurement cast already
+    # (held only until here)
+    weights, measurement.weight_cast = measurement.weight_cast, {}
     if not candidates or reference is None or reference.numel() == 0 or not bool(reference.any()):
         return  # an all-zero fp32 output (a zero-initialised last layer) is no measure of any error
     start = time.perf_counter()
     recipe = RECIPES[measurement.recipe]
-    weights: dict[int, CastResult] = {}  # both forwards cast the same weights
     second = len(candidates) >= max(2, min_layers)  # with fewer, no one layer is said to dominate: no second run
     by_name = {layer.name: layer for layer in measurement.layers}
     worst = min(candidates, key=lambda n: by_name[n].gemms.get("output", math.inf)) if second else None

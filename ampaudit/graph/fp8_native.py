@@ -80,14 +80,17 @@ def _walk(x: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, block: bool = False,
-         out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int] | None:
+         out: torch.Tensor | None = None, dense: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, int, int, int] | None:
     """``x`` (2-D float32, CPU) cast with ``scale`` (broadcastable to it, float32): the
     dequantized value (in ``x``'s layout), nonzero x, nonzero after the cast, saturated.
     ``block``: MX (divide by the scale, clamp to the max, multiply back); else multiply, and
     divide back. ``scale`` a ``FromAmax``: the kernel computes the scales (one pass for the
     amaxes, a tensor's six small torch ops spared). None where the kernel does not take these
     tensors, or declines an amax (not finite): the caller's torch ops do. ``out`` (with a
-    ``FromAmax``): where the value goes, a tensor of x's shape and strides."""
+    ``FromAmax``): where the value goes, a tensor of x's shape and strides; ``dense``: where MX's
+    value of a transposed ``x`` is copied (contiguous, as the torch ops give it) in place of a
+    new tensor."""
     fns = _functions()
     walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
     if fns is None or walk is None:
@@ -96,7 +99,9 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
     if isinstance(scale, FromAmax):
         if out is not None and (out.shape != x.shape or out.stride() != x.stride() or out.dtype != torch.float32):
             out = None
-        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out)
+        if dense is not None and (dense.shape != x.shape or not dense.is_contiguous() or dense.dtype != torch.float32):
+            dense = None
+        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out, dense)
     fn = fns[0]
     if scale.dtype != torch.float32 or scale.device.type != "cpu":
         return None
@@ -120,8 +125,8 @@ def _mx_emax(fmt: LowDtype) -> int:
 
 
 def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: int, dims: tuple[int, int],
-                    how: FromAmax, fmt: LowDtype, block: bool, out: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, int, int, int] | None:
+                    how: FromAmax, fmt: LowDtype, block: bool, out: torch.Tensor | None = None,
+                    dense: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int] | None:
     if how.dim is None:
         if block:
             return None
@@ -138,7 +143,9 @@ def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: in
     if declined:
         return None
     # MX's torch ops give a contiguous value whatever x's layout (the GEMM reads that one)
-    return out.contiguous() if block else out, counts[0], counts[1], counts[2]
+    if block and not out.is_contiguous():
+        out = out.contiguous() if dense is None else dense.copy_(out)
+    return out, counts[0], counts[1], counts[2]
 
 
 @dataclass
