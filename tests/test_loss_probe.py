@@ -312,3 +312,34 @@ def test_a_mode_the_loop_entered_before_the_probe_keeps_its_place():
     finally:
         monitor.stop()
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_the_backward_tap_comes_off_and_leaves_a_later_wrapper_in_place():
+    """One wrapper of ``torch.autograd.backward`` for all watches, off with the last; where the
+    script wrapped it since, that wrapper stays on (ours passing through inside it) and a later
+    watch tells its listeners once a backward, not twice."""
+    from ampaudit.watch import backward_tap
+
+    original, seen = torch.autograd.backward, []
+    backward_tap.listen(seen.append)
+    assert torch.autograd.backward.__wrapped__ is original  # functools.wraps: the signature and doc stay
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()
+    inner = torch.autograd.backward
+
+    def theirs(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    torch.autograd.backward = theirs
+    try:
+        backward_tap.unlisten(seen.append)
+        assert torch.autograd.backward is theirs
+        backward_tap.listen(seen.append)
+        (x * 2).sum().backward()
+        backward_tap.unlisten(seen.append)
+        assert torch.autograd.backward is theirs
+        (x * 2).sum().backward()
+        assert len(seen) == 2
+    finally:
+        torch.autograd.backward = original
+        backward_tap._wrapper = None

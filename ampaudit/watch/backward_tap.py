@@ -3,12 +3,14 @@ module, so no module hook sees it - handed to every watch that listens (``StepRe
 
 ``torch.autograd.backward`` is wrapped while any watch listens: ``Tensor.backward`` calls it by
 name, so ``loss.backward()`` (a GradScaler's scaled loss, Lightning's, Accelerate's) passes through.
-One wrapper for all watches; taken off when the last stops, unless something wrapped it since
-(then it stays, passing through).
+One wrapper for all watches; taken off when the last stops, unless something wrapped it since -
+then it stays in that chain, passing through, and a later watch wraps anew (only the newest
+wrapper tells the listeners).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,26 +18,28 @@ import torch
 
 Listener = Callable[[Any], None]
 _listeners: list[Listener] = []
-_original: Callable[..., Any] | None = None
-
-
-def _backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-    for listener in list(_listeners):
-        listener(tensors)
-    return _original(tensors, *args, **kwargs)
+_wrapper: Callable[..., Any] | None = None  # the newest wrapper: the one that tells the listeners
 
 
 def listen(listener: Listener) -> None:
-    global _original
-    if not _listeners and torch.autograd.backward is not _backward:
-        _original = torch.autograd.backward
-        torch.autograd.backward = _backward
+    global _wrapper
+    if _wrapper is None or (torch.autograd.backward is not _wrapper and not _listeners):
+        original = torch.autograd.backward
+
+        @functools.wraps(original)
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if backward is _wrapper:
+                for each in list(_listeners):
+                    each(tensors)
+            return original(tensors, *args, **kwargs)
+
+        _wrapper = torch.autograd.backward = backward
     _listeners.append(listener)
 
 
 def unlisten(listener: Listener) -> None:
-    global _original
+    global _wrapper
     if listener in _listeners:
         _listeners.remove(listener)
-    if not _listeners and torch.autograd.backward is _backward:
-        torch.autograd.backward, _original = _original, None
+    if not _listeners and _wrapper is not None and torch.autograd.backward is _wrapper:
+        torch.autograd.backward, _wrapper = _wrapper.__wrapped__, None
