@@ -679,13 +679,13 @@ class StepRecorder:
         """A backward starts from ``roots`` (``backward_tap``): the loss, made outside every
         module, is an event of its own (flags only) on a recorded step; the loss probe, if
         armed, stops recording."""
+        if transformed() or not self.thread.here(claim=False):  # another thread's backward: its own story
+            return
         if self.loss_probe is not None:
             self.loss_probe.pause()
         # no module of this watch ran forward in the step: another model's backward (a deep copy's); a
         # backward inside a backward (reentrant checkpointing's recomputed block): not the loss
         if not (self.active and self.logging and self.events) or self.paused or _compiling() or _in_backward():
-            return
-        if transformed() or not self.thread.here():
             return
         for t in measurable_tensors(roots, skipped=self.unmeasured, wrapped=False):
             self.record(LOSS_MODULE, LOSS, t, "loss")
