@@ -22,6 +22,8 @@ from typing import Any
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding
 from ampaudit.core.rulebook import rule
+from ampaudit.watch.columns import Column, spread
+from ampaudit.watch.line_shape import Matched, Shape
 from ampaudit.watch.rule_api import (
     BEST_LAST,
     BEST_LEN,
@@ -56,6 +58,7 @@ from ampaudit.watch.rule_api import (
     owner,
     rule_units,
 )
+from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 
 RUNTIME_RULES: tuple[str, ...] = tuple(sorted(REGISTRY.load()))  # the AMP6xx and AMP75x codes, one unit each
 
@@ -130,6 +133,126 @@ class HostView(StatsView):
         return self._phase == phase
 
 
+class ColumnView(StatsView):
+    """Tensors of a logged step at once - their rows as ``line_shape`` proved them: lists of
+    the log row's fields (``stats_merge.LOG_ROW``), then the counts from hist_from - as a
+    condition reads them: a ``Column`` per field, the same numbers ``HostView`` gives one by one."""
+
+    def __init__(self, rows: list[list], phases: list[str], below: dict[tuple[float, Any], int]) -> None:
+        self._rows, self._phases, self._below = rows, phases, below
+        self._fields: dict[str, Column] = {}
+
+    def field(self, name: str) -> Value:
+        column = self._fields.get(name)
+        if column is None:
+            at = _AT[name]
+            column = self._fields[name] = Column([row[at] for row in self._rows])
+        return column
+
+    @property
+    def nonzero(self) -> Value:
+        return Column([sum(row[_HIST:]) for row in self._rows])  # the counts are whole numbers >= 0
+
+    def below(self, limit: float, scale: Value | None) -> Value:
+        if isinstance(scale, Column):  # the host's scale is the step's: HostView takes this one
+            raise TypeError("a Column of loss scales")
+        last = self._below.get((limit, scale))
+        if last is None:
+            last = self._below[(limit, scale)] = last_bin_below(1.0 if scale is None else scale, limit)
+        under = []
+        for row in self._rows:  # counts from exponent hist_from (row[_HIST - 1]) up, the first last - hist_from + 1
+            n = last - row[_HIST - 1] + 1
+            under.append(sum(row[_HIST:_HIST + n]) if n > 0 else 0)
+        return Column(under)
+
+    def in_phase(self, phase: str) -> Value:
+        return Column([p == phase for p in self._phases])
+
+
+_AT = {name: i for i, name in enumerate(LOG_ROW)}
+_HIST = len(LOG_ROW)  # where a row's counts start
+
+
+def column_entries(record: dict[str, Any], matched: Matched, limits: LowDtype, units: list[ModuleRule],
+                   selections: dict[tuple, Any]) -> tuple[list[tuple[Key, bool, float, float]], dict[str, list[str]]]:
+    """``record_entries`` of a record whose rows ``line_shape`` proved (``matched``), each
+    rule's condition run once over all its tensors (``ColumnView``) - the same entries, in the
+    same order. ``selections``: the rows each set of phases takes, per shape, kept between
+    steps. A rule that is not written for columns (it asks a Column for its truth) is run
+    tensor by tensor, as ``record_entries``."""
+    try:
+        return _column_entries(record, matched, limits, units, selections)
+    except TypeError:
+        shape, rows = matched
+        stats = [stats_from_row(row, LOG_ROW) for row in rows]
+        layers: dict[str, dict[str, Any]] = {}
+        for (module, phase), s in zip(shape.keys, stats, strict=False):
+            layers.setdefault(module, {})[phase] = s
+        params = dict(zip(shape.params, stats[len(shape.keys):], strict=True))
+        return record_entries({**record, "layers": layers, "params": params}, limits, units)
+
+
+def _selection(shape: Shape, phases: tuple[str, ...], selections: dict[tuple, Any]) -> tuple[list[int], list[Key]]:
+    """The rows of ``shape`` in ``phases``, in ``record_entries``' order: by module, then phase."""
+    found = selections.get((shape, phases))
+    if found is None:
+        if len(selections) > 64:  # shapes come and go: keep a few
+            selections.clear()
+        at = {key: i for i, key in enumerate(shape.keys)}
+        modules = dict.fromkeys(module for module, _ in shape.keys)
+        keys = [(module, phase) for module in modules for phase in phases if (module, phase) in at]
+        found = selections[(shape, phases)] = ([at[key] for key in keys], keys)
+    return found
+
+
+def _owners(shape: Shape, selections: dict[tuple, Any]) -> dict[str, list[str]]:
+    found = selections.get((shape, None))
+    if found is None:
+        found = selections[(shape, None)] = {}
+        for name in shape.params:
+            found.setdefault(owner(name), []).append(name)
+    return found
+
+
+def _column_entries(record: dict[str, Any], matched: Matched, limits: LowDtype, units: list[ModuleRule],
+                    selections: dict[tuple, Any]) -> tuple[list[tuple[Key, bool, float, float]], dict[str, list[str]]]:
+    shape, rows = matched
+    step = Step(limits, record.get("scale"), skipped=bool(record.get("skipped")))
+    below: dict[tuple[float, Any], int] = {}
+    entries: list[tuple[Key, bool, float, float]] = []
+    params = shape.params
+    for unit in units:
+        if isinstance(unit, LayerRule):
+            index, keys = _selection(shape, unit.phases, selections)
+            n = len(index)
+            if n:
+                view = ColumnView([rows[i] for i in index], [phase for _, phase in keys], below)
+                holds, value, total = unit.condition(view, step)
+                code = unit.code
+                entries.extend(((code, module, phase), bool(h), float(v), float(t)) for (module, phase), h, v, t
+                               in zip(keys, spread(holds, n), spread(value, n), spread(total, n), strict=True))
+        elif isinstance(unit, GradientRule):
+            n = len(params)
+            at = step
+            view = ColumnView(rows[len(shape.keys):], [GRADIENTS] * n, below)
+            if n:
+                at = replace(step, sums=tuple(sum(spread(column, n)) for column in unit.step_sums(view, step)))
+            sums: dict[str, list[float]] = {}
+            if n:
+                value, total = unit.measure(view, at)
+                for name, v, t in zip(params, spread(value, n), spread(total, n), strict=True):
+                    acc = sums.setdefault(owner(name), [0.0, 0.0])
+                    acc[0] += v
+                    acc[1] += t
+            modules = list(sums)
+            if modules:
+                values, totals = Column([a[0] for a in sums.values()]), Column([a[1] for a in sums.values()])
+                holds = spread(unit.condition(values, totals, step), len(modules))
+                entries.extend(((unit.code, module, GRADIENTS), bool(h), v, t)
+                               for module, h, v, t in zip(modules, holds, values, totals, strict=True))
+    return entries, _owners(shape, selections)
+
+
 def record_entries(record: dict[str, Any], limits: LowDtype, units: list[ModuleRule]
                    ) -> tuple[list[tuple[Key, bool, float, float]], dict[str, list[str]]]:
     """A log record's conditions: (key, holds, value, total) per key, and each module's parameters."""
@@ -173,6 +296,7 @@ class Verdicts:
         self._step_units = [u for u in self.units.values() if isinstance(u, StepRule)]
         self._fp8_units = [u for u in self.units.values() if isinstance(u, Fp8Rule)]
         self.rows: dict[Key, list[float]] = {}
+        self._selections: dict[tuple, Any] = {}  # column_entries' rows per shape and phases
         self.params: dict[str, set[str]] = {}  # module -> its parameters seen with gradients
         self._prev = -1  # the logged step before
         # the loss scale, for every step rule
@@ -183,10 +307,15 @@ class Verdicts:
         self.skipped = 0  # logged steps the GradScaler skipped
         self.firsts: list[tuple[int, str | None, str | None]] = []  # Run.firsts
 
-    def add(self, record: dict[str, Any], dtype: str) -> None:
+    def add(self, record: dict[str, Any], dtype: str, matched: Matched | None = None) -> None:
+        """One logged step; ``matched``: its rows as ``line_shape`` proved them (its layers
+        and params hold lists then), judged a rule at a time over all of them."""
         step = record["step"]
         limits = LowDtype.parse(record.get("dtype") or dtype)
-        entries, params = record_entries(record, limits, self._module_units)
+        if matched is not None:
+            entries, params = column_entries(record, matched, limits, self._module_units, self._selections)
+        else:
+            entries, params = record_entries(record, limits, self._module_units)
         for key, cond, value, total in entries:
             row = self.rows.get(key)
             if row is None:
