@@ -68,7 +68,7 @@ def spread(value: Any, n: int) -> list:
 
 def where(cond: Column, x: Any, y: Any) -> Column:
     n = len(cond)
-    return Column(a if c else b for c, a, b in zip(cond, spread(x, n), spread(y, n), strict=True))
+    return Column([a if c else b for c, a, b in zip(cond, spread(x, n), spread(y, n), strict=True)])
 
 
 def maximum(x: Any, y: Any) -> Column:

@@ -18,6 +18,8 @@ from ampaudit.watch.stats_merge import FIELDS, LOG_ROW
 
 _SUMS = tuple(i for i, name in enumerate(FIELDS) if LAYOUT.reduce[name] != MAX)
 _MAXES = tuple(i for i, name in enumerate(FIELDS) if LAYOUT.reduce[name] == MAX)
+# the summed fields first (layout.FIELDS: the counts, then absmax): one slice of them adds them all
+_LEADING = len(_SUMS) if tuple(range(len(_SUMS))) == _SUMS else 0
 _FROM = LOG_ROW.index("hist_from")
 _COUNTS = len(LOG_ROW)
 _BASE = 999  # a count's exponent e is at e + _BASE of the dense histogram (line_shape: hist_from > -1000)
@@ -29,17 +31,22 @@ class _Total:
     def __init__(self, row: list) -> None:
         self.fields = row[:_FROM]  # the first row's values as they are, as add_stats({}, row) takes them
         self.hist = [0] * (_BASE + 129)  # fp32's exponents, -127 to 128
-        self.add_hist(row)
+        start = row[_FROM] + _BASE
+        end = start + len(row) - _COUNTS
+        if end > len(self.hist):
+            self.hist.extend([0] * (end - len(self.hist)))
+        self.hist[start:end] = row[_COUNTS:]
 
     def add(self, row: list) -> None:
         fields = self.fields
-        for i in _SUMS:
-            fields[i] = fields[i] + row[i]
+        if _LEADING:
+            fields[:_LEADING] = map(add, fields[:_LEADING], row[:_LEADING])
+        else:
+            for i in _SUMS:
+                fields[i] = fields[i] + row[i]
         for i in _MAXES:
-            fields[i] = max(fields[i], row[i])
-        self.add_hist(row)
-
-    def add_hist(self, row: list) -> None:
+            if row[i] > fields[i]:  # max(total, row): the total unless the row's is larger
+                fields[i] = row[i]
         start = row[_FROM] + _BASE
         end = start + len(row) - _COUNTS
         hist = self.hist
