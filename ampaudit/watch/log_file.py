@@ -184,8 +184,9 @@ def _is_log(path: Path) -> bool:
 def open_log(path: Path, *, steps_only: bool = False) -> tuple[dict[str, Any], Generator[dict[str, Any], None, None]]:
     """The log's header (``{"ampaudit_watch": 1, "dtype": ...}``) and an iterator over its
     records, in order: one per step, and the end last (``{"end": {...}, "final_scale": ...}``;
-    format 2: ``{"final_scale": ...}``), not with ``steps_only``."""
-    lines = _lines(path)
+    format 2: ``{"final_scale": ...}``), not with ``steps_only``. A step line that matches its
+    shape (``line_shape``) has its rows checked by that one match."""
+    lines = (record for record, _ in _lines(path, shapes=True))
     header = next(lines, None)
     if header is None:
         raise UsageError(f"{path} is empty")
