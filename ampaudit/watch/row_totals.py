@@ -22,20 +22,15 @@ _MAXES = tuple(i for i, name in enumerate(FIELDS) if LAYOUT.reduce[name] == MAX)
 _LEADING = len(_SUMS) if tuple(range(len(_SUMS))) == _SUMS else 0
 _FROM = LOG_ROW.index("hist_from")
 _COUNTS = len(LOG_ROW)
-_BASE = 999  # a count's exponent e is at e + _BASE of the dense histogram (line_shape: hist_from > -1000)
 
 
 class _Total:
-    __slots__ = ("fields", "hist")
+    __slots__ = ("fields", "hist", "low")
 
     def __init__(self, row: list) -> None:
         self.fields = row[:_FROM]  # the first row's values as they are, as add_stats({}, row) takes them
-        self.hist = [0] * (_BASE + 129)  # fp32's exponents, -127 to 128
-        start = row[_FROM] + _BASE
-        end = start + len(row) - _COUNTS
-        if end > len(self.hist):
-            self.hist.extend([0] * (end - len(self.hist)))
-        self.hist[start:end] = row[_COUNTS:]
+        self.low = row[_FROM]  # the exponent of hist[0]: the histogram spans what the rows held
+        self.hist = row[_COUNTS:]
 
     def add(self, row: list) -> None:
         fields = self.fields
@@ -47,16 +42,19 @@ class _Total:
         for i in _MAXES:
             if row[i] > fields[i]:  # max(total, row): the total unless the row's is larger
                 fields[i] = row[i]
-        start = row[_FROM] + _BASE
-        end = start + len(row) - _COUNTS
         hist = self.hist
+        start = row[_FROM] - self.low
+        if start < 0:  # counts below the lowest so far
+            hist[0:0] = [0] * -start
+            self.low, start = row[_FROM], 0
+        end = start + len(row) - _COUNTS
         if end > len(hist):
             hist.extend([0] * (end - len(hist)))
         hist[start:end] = map(add, hist[start:end], row[_COUNTS:])
 
     def stats(self) -> dict[str, Any]:
         stats = dict(zip(FIELDS, self.fields, strict=True))
-        stats["hist"] = [[e - _BASE, c] for e, c in enumerate(self.hist) if c]
+        stats["hist"] = [[self.low + e, c] for e, c in enumerate(self.hist) if c]
         return stats
 
 
