@@ -1,5 +1,5 @@
 """`ampaudit report`'s fast way through a log (watch/line_shape.py, row_totals.py, columns.py,
-verdicts.column_entries): a step line proven by its shape's pattern is added up and judged from
+verdicts.ColumnView): a step line proven by its shape's pattern is added up and judged from
 its rows as lists - and gives the summary, the findings and the errors the slow way (a Stats
 dict and a HostView per row: ``open_log`` and ``SummaryBuilder.add``) gives, byte for byte,
 whatever breaks the shape."""

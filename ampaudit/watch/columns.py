@@ -1,6 +1,6 @@
 """``Column``: one Python number per tensor, with a tensor column's elementwise arithmetic, so
 that the host runs a rule's condition once over a logged step's tensors (``verdicts.
-column_entries``) where ``HostView`` runs it once per tensor - the same Python numbers and
+ColumnView``) where ``HostView`` runs it once per tensor - the same Python numbers and
 operations, element by element, so the same results. Torch-free.
 """
 

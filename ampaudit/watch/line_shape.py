@@ -4,7 +4,7 @@
 The step lines of a run share a shape - the same modules, phases and parameters, written in
 the same order, step after step - so the text of a line's ``"layers": {...}, "params": {...}``
 is fixed but for the numbers. ``LineShapes`` compiles that text once per shape into a pattern
-whose rows admit only what the fast readers (``row_totals``, ``verdicts.column_entries``) take
+whose rows admit only what the fast readers (``row_totals``, ``verdicts.ColumnView``) take
 exactly as the slow path does: the integer fields as whole numbers of at most 19 digits (below
 2**64, ``log_schema.MAX_INT``), the float fields as numbers >= 0, infinite included (no NaN: a
 NaN maximum depends on the order it is taken in), ``hist_from`` of at most 3 digits, and the counts
