@@ -65,6 +65,15 @@ def test_report_benchmark_runs():
     assert re.match(r"log 1 MB, [\d,]+ steps: [\d.]+ s, peak RSS \d+ MB$", out.strip()), out
 
 
+def test_report_benchmark_times_a_log_against_a_baseline(tmp_path):
+    log = tmp_path / "run.jsonl"
+    log.write_text((ROOT / "fixtures" / "watch" / "AMP605_invalid.jsonl").read_text())
+    out = _run("bench/report_log.py", "--log", str(log), "--rounds", "2", "--baseline", str(ROOT))
+    lines = out.strip().splitlines()
+    assert re.match(r"log 0 MB, \d+ steps: [\d.]+ s \([\d.]+-[\d.]+ s, 2 rounds\), peak RSS \d+ MB$", lines[0]), out
+    assert lines[1].startswith(f"baseline {ROOT}: ") and lines[2].endswith("the same output: yes"), out
+
+
 def test_convert_time_benchmark_runs():
     out = _run("bench/convert_time.py", "--size", "32", "--batch", "1", "--train-steps", "1")
     assert "convert (trace, measure, verify, search):" in out and "with the training check (1 steps)" in out

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from ampaudit.core.errors import UsageError
 from ampaudit.core.outputs import resolve_output
 from ampaudit.core.paths import display_path
+from ampaudit.watch.line_shape import LineShapes, Matched
 from ampaudit.watch.log_schema import end_problem, step_problem
 from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 
@@ -204,8 +205,9 @@ def _is_log(path: Path) -> bool:
 def open_log(path: Path, *, steps_only: bool = False) -> tuple[dict[str, Any], Generator[dict[str, Any], None, None]]:
     """The log's header (``{"ampaudit_watch": 1, "dtype": ...}``) and an iterator over its
     records, in order: one per step, and the end last (``{"end": {...}, "final_scale": ...}``;
-    format 2: ``{"final_scale": ...}``), not with ``steps_only``."""
-    lines = _lines(path)
+    format 2: ``{"final_scale": ...}``), not with ``steps_only``. A step line that matches its
+    shape (``line_shape``) has its rows checked by that one match."""
+    lines = (record for record, _ in _lines(path, shapes=True))
     header = next(lines, None)
     if header is None:
         raise UsageError(f"{path} is empty")
@@ -214,32 +216,61 @@ def open_log(path: Path, *, steps_only: bool = False) -> tuple[dict[str, Any], G
     return header, (r for r in lines if "step" in r) if steps_only else lines
 
 
+def open_rows(path: Path) -> tuple[dict[str, Any], Generator[tuple[dict[str, Any], Matched | None], None, None]]:
+    """``open_log``'s header and records, each with what ``line_shape`` proved of its rows:
+    ``(shape, rows)`` where its line matched its shape - its rows, lists of numbers, as the
+    fast readers take them - else None (the header, the end, a format-1 log, a line that
+    takes the slow path: ``as_stats`` gives its Stats dicts). A format-2 record's rows stay
+    lists either way."""
+    lines = _lines(path, shapes=True)
+    first = next(lines, None)
+    if first is None:
+        raise UsageError(f"{path} is empty")
+    header = first[0]
+    if header["ampaudit_watch"] >= 2:
+        _row_names(header.get("row"), path)
+    return header, lines
+
+
+def _row_names(names: Any, path: Path) -> list[str]:
+    if not (isinstance(names, list) and "hist_from" in names and all(isinstance(n, str) for n in names)):
+        raise UsageError(f"{path}: its header does not name the fields of a row")
+    return names
+
+
 def _as_stats(records: Generator[dict[str, Any], None, None], names: Any,
               path: Path) -> Generator[dict[str, Any], None, None]:
     """Format 2 records with each Stats row as its dict, as format 1 wrote them: what every
     reader of a log works with."""
-    if not (isinstance(names, list) and "hist_from" in names and all(isinstance(n, str) for n in names)):
-        raise UsageError(f"{path}: its header does not name the fields of a row")
+    names = _row_names(names, path)
     with closing(records):
         for record in records:
             if "step" in record:
-                try:
-                    record["layers"] = {module: {phase: stats_from_row(row, names) for phase, row in phases.items()}
-                                        for module, phases in record["layers"].items()}
-                    norms, scaled = record.pop("norms", {}), record.pop("overflow_at_scale", None)
-                    params = {}
-                    for name, row in record["params"].items():
-                        params[name] = stats = stats_from_row(row, names)
-                        stats["norm"] = norms.get(name)
-                        if scaled is not None:
-                            stats["overflow_at_scale"] = scaled.get(name, 0)
-                    record["params"] = params
-                except (TypeError, ValueError, AttributeError):
-                    raise UsageError(f"{path}: step {record['step']}: a malformed row") from None
+                as_stats(record, names, path)
             yield record
 
 
-def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
+def as_stats(record: dict[str, Any], names: list[str], path: Path) -> None:
+    """A format-2 step record's rows as Stats dicts, in place (``stats_merge.stats_from_row``;
+    the gradient norm and the count overflowing at the loss scale joined to each parameter's)."""
+    try:
+        record["layers"] = {module: {phase: stats_from_row(row, names) for phase, row in phases.items()}
+                            for module, phases in record["layers"].items()}
+        norms, scaled = record.pop("norms", {}), record.pop("overflow_at_scale", None)
+        params = {}
+        for name, row in record["params"].items():
+            params[name] = stats = stats_from_row(row, names)
+            stats["norm"] = norms.get(name)
+            if scaled is not None:
+                stats["overflow_at_scale"] = scaled.get(name, 0)
+        record["params"] = params
+    except (TypeError, ValueError, AttributeError):
+        raise UsageError(f"{path}: step {record['step']}: a malformed row") from None
+
+
+def _lines(path: Path, *, shapes: bool = False) -> Generator[Any, None, None]:
+    """The log's records, checked; with ``shapes``, each as ``(record, matched)``: what
+    ``LineShapes.match`` proved of a step line's rows, or None."""
     try:
         handle = open(path, "rb")  # noqa: SIM115 (closed below; a generator keeps it open while read)
     except OSError as exc:
@@ -247,6 +278,7 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
     with handle:
         pending: str | None = None  # a bad line: an error unless it is the last one
         header = False
+        line_shapes: LineShapes | None = None
         ended: int | None = None  # the end record's line: the last
         for number, raw in enumerate(handle, start=1):
             if not raw.strip():
@@ -254,7 +286,8 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
             if pending is not None:
                 raise UsageError(pending)
             try:
-                record = json.loads(raw.decode("utf-8"))
+                text = raw.decode("utf-8")
+                record = json.loads(text)
             except UnicodeDecodeError:
                 pending = f"{path}:{number}: not UTF-8 text"
                 continue
@@ -281,20 +314,23 @@ def _lines(path: Path) -> Generator[dict[str, Any], None, None]:
                                      "header)")
                 header = True
                 names = record.get("row") if isinstance(record.get("row"), list) else None
-                yield record
+                if shapes and version >= 2:
+                    line_shapes = LineShapes(names)
+                yield (record, None) if shapes else record
                 continue
             if "step" not in record and ("end" in record or "final_scale" in record):
                 problem = end_problem(record)  # written at stop(): the run's end, the final loss scale
                 if problem:
                     raise UsageError(f"{path}:{number}: {problem}")
                 ended = number
-                yield record
+                yield (record, None) if shapes else record
                 continue
             if "step" not in record or "layers" not in record or "params" not in record:
                 raise UsageError(f"{path}:{number}: not a step record (needs step, layers and params)")
-            problem = step_problem(record, version, names)
+            matched = line_shapes.match(text, record) if line_shapes is not None else None
+            problem = step_problem(record, version, names, rows_checked=matched is not None)
             if problem:
                 raise UsageError(f"{path}:{number}: {problem}")
-            yield record
+            yield (record, matched) if shapes else record
         if not header and pending is not None:
             raise UsageError(pending)  # nothing but a bad line: not a log, not a crash

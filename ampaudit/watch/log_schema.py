@@ -28,12 +28,16 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def step_problem(record: dict[str, Any], version: int, names: list[str] | None) -> str | None:
+def step_problem(record: dict[str, Any], version: int, names: list[str] | None, *,
+                 rows_checked: bool = False) -> str | None:
     """Why ``record`` is not a step record of a format-``version`` log (``names``: the row's
-    fields, format 2), or None."""
+    fields, format 2), or None. ``rows_checked``: its layers and params were proven right
+    already (``line_shape``: the line matched its shape), the rest of it is checked here."""
     step = record.get("step")
     if not _whole(step) or not 0 <= step < MAX_STEP:
         return f"step must be a whole number from 0 to 2**53, not {str(step)[:40]}"
+    if rows_checked:
+        return _extras_problem(record)
     for key in ("layers", "params"):
         if not isinstance(record.get(key), dict):
             return f"{key} must be an object"

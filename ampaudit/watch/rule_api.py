@@ -3,7 +3,8 @@
 ``[AMP6nn.params]`` of rules/rules.toml (``self.params``), its fixes ``[AMP6nn.hints]``.
 
 A ``ModuleRule``'s condition is written once and runs in two places: over a log record's
-Stats on the host (``verdicts.py``, where each column is a Python number) and over a step's
+Stats on the host (``verdicts.py``, where each column is a Python number, or a ``Column`` of
+them, one per tensor of the step) and over a step's
 Stats rows on the device (``conditions.py``, where each column is a tensor with one element
 per module, so a Monitor without a log never reads them back per step). So a condition is
 plain arithmetic and comparisons (``+ - * / < <= == >= >``), ``&`` and ``|`` for and/or (in
@@ -41,9 +42,11 @@ from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.listing import listed
 from ampaudit.core.registry import CodeRegistry
 from ampaudit.core.rulebook import rule
+from ampaudit.watch import columns
+from ampaudit.watch.columns import Column
 from ampaudit.watch.stats_merge import FIELDS
 
-Value = Any  # a Python number or bool (a log's step), or a tensor column (on the device)
+Value = Any  # a Python number or bool (a log's step), a Column of them (a log's step at once), or a tensor column
 GRADIENTS = "grad"  # the phase of a GradientRule's rows: a module's parameter gradients
 
 
@@ -107,6 +110,8 @@ def _python(*values: Value) -> bool:
 
 def where(cond: Value, x: Value, y: Value) -> Value:
     """``x`` where ``cond`` holds, else ``y``."""
+    if isinstance(cond, Column):
+        return columns.where(cond, x, y)
     if _python(cond):
         return x if cond else y
     import torch  # only a tensor column gets here: torch is loaded
@@ -115,6 +120,8 @@ def where(cond: Value, x: Value, y: Value) -> Value:
 
 
 def maximum(x: Value, y: Value) -> Value:
+    if isinstance(x, Column) or isinstance(y, Column):
+        return columns.maximum(x, y)
     if _python(x, y):
         return max(x, y)
     if _python(x):
@@ -123,6 +130,8 @@ def maximum(x: Value, y: Value) -> Value:
 
 
 def minimum(x: Value, y: Value) -> Value:
+    if isinstance(x, Column) or isinstance(y, Column):
+        return columns.minimum(x, y)
     if _python(x, y):
         return min(x, y)
     if _python(x):

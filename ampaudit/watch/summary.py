@@ -9,8 +9,10 @@ from typing import Any
 
 from ampaudit.core.findings import Finding
 from ampaudit.watch.events import LOSS
-from ampaudit.watch.log_file import open_log
+from ampaudit.watch.line_shape import Matched
+from ampaudit.watch.log_file import as_stats, open_rows
 from ampaudit.watch.loss_notes import from_the_loss, named_later
+from ampaudit.watch.row_totals import RowTotals
 from ampaudit.watch.stats_merge import add_fp8, add_stats
 from ampaudit.watch.verdicts import Verdicts, caller_source
 
@@ -53,6 +55,53 @@ class SummaryBuilder:
         self.nonfinite_params: dict[int, list[str]] = {}
         self.unmeasured: dict[str, int] = {}  # tensors watch skipped, by kind (sparse, nested, meta)
         self.fp8: dict[str, dict[str, Any]] = {}  # fp8=True: module -> {"kind", operand: totals}
+        # ``add_rows``: the totals of the steps whose rows line_shape proved, kept as lists
+        # until the first step that is not (or ``summary()``) turns them into Stats dicts
+        self._rows: RowTotals | None = RowTotals()
+        self._norms: dict[str, Any] = {}  # each parameter's last gradient norm (its Stats' "norm")
+        self._scaled: dict[str, Any] = {}  # its overflow at the loss scale, summed (once a step has it)
+        self._scaled_last: dict[str, bool] = {}  # whether its last step had that count
+
+    def add_rows(self, record: dict[str, Any], matched: Matched | None, names: list[str], path: Path) -> None:
+        """A record of a format-2 log (``log_file.open_rows``), its rows still lists: added as
+        lists where ``line_shape`` proved them (``matched``), else as their Stats dicts
+        (``log_file.as_stats``, and ``add``) - the same summary either way."""
+        if "step" not in record:
+            self.add(record)
+            return
+        norms, scaled = record.get("norms", {}), record.get("overflow_at_scale")
+        if matched is None or self._rows is None or not isinstance(norms, dict) \
+                or not (scaled is None or isinstance(scaled, dict)):
+            self._stop_rows()
+            as_stats(record, names, path)
+            self.add(record)
+            return
+        shape, rows = matched
+        self._rows.add(shape, rows)
+        params = shape.params
+        self._norms.update(zip(params, map(norms.get, params), strict=True))
+        if scaled is not None:
+            for name in params:
+                self._scaled[name] = self._scaled.get(name, 0) + scaled.get(name, 0)
+        self._scaled_last.update(dict.fromkeys(params, scaled is not None))
+        self._add_record(record, matched)
+
+    def _stop_rows(self) -> None:
+        """The totals ``add_rows`` kept as lists, as the Stats dicts ``add`` would have made
+        of the same steps; every step from here on is added by ``add``."""
+        totals, self._rows = self._rows, None
+        if not totals:
+            return
+        for (module, phase), total in totals.layers.items():
+            self.layers.setdefault(module, {})[phase] = total.stats()
+        for name, total in totals.params.items():
+            self.params[name] = stats = total.stats()
+            # add's order: "norm" and "overflow_at_scale" as the last step put them
+            if name in self._scaled and not self._scaled_last[name]:
+                stats["overflow_at_scale"] = self._scaled[name]
+            stats["norm"] = self._norms[name]
+            if name in self._scaled and self._scaled_last[name]:
+                stats["overflow_at_scale"] = self._scaled[name]
 
     def add(self, record: dict[str, Any]) -> None:
         """One logged step: {"step", "layers", "params", "scale", "skipped", "first_nonfinite", ...}
@@ -68,13 +117,7 @@ class SummaryBuilder:
                 self.eval_recorded = end["eval_forwards"]["recorded"]
             self.unmeasured = dict(end.get("unmeasured", self.unmeasured))
             return
-        self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
-        self.logged_steps += 1
-        first = record.get("first_nonfinite")
-        if self.first_nonfinite is None and first:
-            self.first_nonfinite = first
-        elif first and first.get("op") and first.get("made_in") == "loss" and from_the_loss(self.first_nonfinite):
-            self.first_nonfinite = named_later(self.first_nonfinite, first)  # the probe named it again
+        self._stop_rows()
         for module, phases in record["layers"].items():
             for phase, stats in phases.items():
                 slot = self.layers.setdefault(module, {})
@@ -88,6 +131,17 @@ class SummaryBuilder:
             if "overflow_at_scale" in extra:
                 merged["overflow_at_scale"] = previous.get("overflow_at_scale", 0) + extra["overflow_at_scale"]
             self.params[name] = merged
+        self._add_record(record)
+
+    def _add_record(self, record: dict[str, Any], matched: Matched | None = None) -> None:
+        """What a step record adds beside its Stats."""
+        self.steps = max(self.steps, record["step"] + 1, record.get("steps_seen", 0))
+        self.logged_steps += 1
+        first = record.get("first_nonfinite")
+        if self.first_nonfinite is None and first:
+            self.first_nonfinite = first
+        elif first and first.get("op") and first.get("made_in") == "loss" and from_the_loss(self.first_nonfinite):
+            self.first_nonfinite = named_later(self.first_nonfinite, first)  # the probe named it again
         for module, entry in (record.get("fp8") or {}).items():
             slot = self.fp8.setdefault(module, {"kind": entry.get("kind")})
             for operand, row in entry.items():
@@ -107,7 +161,7 @@ class SummaryBuilder:
         if record.get("skipped"):
             self.skipped.append(record["step"])
             self.nonfinite_params[record["step"]] = record.get("nonfinite_params", [])
-        self.verdicts.add(record, self.dtype)
+        self.verdicts.add(record, self.dtype, matched)
 
     def findings(self, device: dict[str, Any] | None = None) -> list[Finding]:
         """The run's AMP6xx findings; ``device``: condition rows a Monitor kept on its device."""
@@ -115,6 +169,7 @@ class SummaryBuilder:
                                       source=self.source, dtype_source=self.dtype_source)
 
     def summary(self, device: dict[str, Any] | None = None) -> dict[str, Any]:
+        self._stop_rows()
         scaler = None
         if self.scales:
             scale = self.final_scale if self.final_scale is not None else self.scales[-1]
@@ -136,15 +191,19 @@ class SummaryBuilder:
 
 def read_log(path: Path) -> SummaryBuilder:
     """Rebuild a summary from a JSON-lines log, streamed: memory stays flat however long the log."""
-    header, records = open_log(path)
+    header, records = open_rows(path)
     source = header.get("source")
     if not (isinstance(source, dict) and isinstance(source.get("file"), str)
             and isinstance(source.get("line"), int)):
         source = {"file": str(path), "line": 0}  # a log that does not say: the findings point at it
     builder = SummaryBuilder(header["dtype"], source=source)
     builder.cut_short = True
-    for record in records:
-        builder.add(record)
+    names = header.get("row")
+    for record, matched in records:
+        if header["ampaudit_watch"] >= 2:
+            builder.add_rows(record, matched, names, path)
+        else:
+            builder.add(record)
         if "step" not in record:  # the end line, written last at stop()
             builder.cut_short = False
     return builder

@@ -17,11 +17,14 @@ import os
 import sys
 from collections import Counter
 from dataclasses import replace
+from operator import itemgetter
 from typing import Any
 
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.findings import Finding
 from ampaudit.core.rulebook import rule
+from ampaudit.watch.columns import Column, spread
+from ampaudit.watch.line_shape import Matched, Shape
 from ampaudit.watch.rule_api import (
     BEST_LAST,
     BEST_LEN,
@@ -56,6 +59,7 @@ from ampaudit.watch.rule_api import (
     owner,
     rule_units,
 )
+from ampaudit.watch.stats_merge import LOG_ROW, stats_from_row
 
 RUNTIME_RULES: tuple[str, ...] = tuple(sorted(REGISTRY.load()))  # the AMP6xx and AMP75x codes, one unit each
 
@@ -70,8 +74,12 @@ def update_row(row: list[float], step: int, prev: int, cond: bool, value: float,
     """One logged step of a key that had a row in it; ``prev`` is the logged step before.
     The same arithmetic as ``conditions.update_rows`` on the device."""
     row[SEEN] += 1
-    if not cond:
-        return
+    if cond:
+        held(row, step, prev, value, total)
+
+
+def held(row: list[float], step: int, prev: int, value: float, total: float) -> None:
+    """``update_row`` of a step the condition held in, but for its count of steps seen."""
     extend = row[RUN_LEN] > 0 and row[LAST] == prev
     if not extend:
         row[RUN_START] = step
@@ -130,6 +138,90 @@ class HostView(StatsView):
         return self._phase == phase
 
 
+class ColumnView(StatsView):
+    """Tensors of a logged step at once - their rows as ``line_shape`` proved them: lists of
+    the log row's fields (``stats_merge.LOG_ROW``), then the counts from hist_from - as a
+    condition reads them: a ``Column`` per field, the same numbers ``HostView`` gives one by one."""
+
+    def __init__(self, rows: list[list], phases: list[str], below: dict[tuple[float, Any], int]) -> None:
+        self._rows, self._phases, self._below = rows, phases, below
+        self._fields: dict[Any, Column] = {}  # by field, and nonzero and below's: a rule asks again
+
+    def field(self, name: str) -> Value:
+        column = self._fields.get(name)
+        if column is None:
+            column = self._fields[name] = Column(map(itemgetter(_AT[name]), self._rows))
+        return column
+
+    @property
+    def nonzero(self) -> Value:
+        column = self._fields.get(_NONZERO)
+        if column is None:  # the counts are whole numbers >= 0: their sum is HostView's
+            column = self._fields[_NONZERO] = Column([sum(row[_HIST:]) for row in self._rows])
+        return column
+
+    def below(self, limit: float, scale: Value | None) -> Value:
+        if isinstance(scale, Column):  # the host's scale is the step's: HostView takes this one
+            raise TypeError("a Column of loss scales")
+        last = self._below.get((limit, scale))
+        if last is None:
+            last = self._below[(limit, scale)] = last_bin_below(1.0 if scale is None else scale, limit)
+        column = self._fields.get(last)
+        if column is None:  # the counts of exponents hist_from (row[_HIST - 1]) to last
+            column = self._fields[last] = Column([sum(row[_HIST:_HIST + last - row[_HIST - 1] + 1])
+                                                  if last >= row[_HIST - 1] else 0 for row in self._rows])
+        return column
+
+    def in_phase(self, phase: str) -> Value:
+        return Column([p == phase for p in self._phases])
+
+
+_AT = {name: i for i, name in enumerate(LOG_ROW)}
+_HIST = len(LOG_ROW)  # where a row's counts start
+_NONZERO = ("nonzero",)  # ColumnView's key of its nonzero column (a field's is its name, below's an exponent)
+
+
+class _Selection:
+    """The keys of one rule over one line shape, in ``record_entries``' order, the rows they
+    take, and the logged steps judged since their rows last counted them (``SEEN``, added
+    at ``Verdicts.flush_seen``: the same count, without a Python step per key and step)."""
+
+    __slots__ = ("index", "keys", "rows", "steps")
+
+    def __init__(self, index: list[int], keys: list[Key], table: dict[Key, list[float]]) -> None:
+        self.index, self.keys, self.steps = index, keys, 0
+        for key in keys:  # created in record_entries' order, as update would
+            if key not in table:
+                table[key] = new_row()
+        self.rows = [table[key] for key in keys]
+
+
+def _layer_selection(shape: Shape, code: str, phases: tuple[str, ...]) -> tuple[list[int], list[Key]]:
+    """The rows of ``shape`` in ``phases``, in ``record_entries``' order: by module, then phase."""
+    at = {key: i for i, key in enumerate(shape.keys)}
+    modules = dict.fromkeys(module for module, _ in shape.keys)
+    keys = [(module, phase) for module in modules for phase in phases if (module, phase) in at]
+    return [at[key] for key in keys], [(code, module, phase) for module, phase in keys]
+
+
+def _owners(shape: Shape) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for name in shape.params:
+        found.setdefault(owner(name), []).append(name)
+    return found
+
+
+def _as_dicts(record: dict[str, Any], matched: Matched) -> dict[str, Any]:
+    """A record whose rows are lists (``line_shape``) with its rows as the Stats dicts
+    ``record_entries`` reads."""
+    shape, rows = matched
+    stats = [stats_from_row(row, list(LOG_ROW)) for row in rows]
+    layers: dict[str, dict[str, Any]] = {}
+    for (module, phase), s in zip(shape.keys, stats, strict=False):
+        layers.setdefault(module, {})[phase] = s
+    return {**record, "layers": layers, "params": dict(zip(shape.params, stats[len(shape.keys):], strict=True))}
+
+
 def record_entries(record: dict[str, Any], limits: LowDtype, units: list[ModuleRule]
                    ) -> tuple[list[tuple[Key, bool, float, float]], dict[str, list[str]]]:
     """A log record's conditions: (key, holds, value, total) per key, and each module's parameters."""
@@ -173,6 +265,7 @@ class Verdicts:
         self._step_units = [u for u in self.units.values() if isinstance(u, StepRule)]
         self._fp8_units = [u for u in self.units.values() if isinstance(u, Fp8Rule)]
         self.rows: dict[Key, list[float]] = {}
+        self._selections: dict[tuple, Any] = {}  # per (shape, rule): its _Selection; per shape: its owners
         self.params: dict[str, set[str]] = {}  # module -> its parameters seen with gradients
         self._prev = -1  # the logged step before
         # the loss scale, for every step rule
@@ -183,17 +276,24 @@ class Verdicts:
         self.skipped = 0  # logged steps the GradScaler skipped
         self.firsts: list[tuple[int, str | None, str | None]] = []  # Run.firsts
 
-    def add(self, record: dict[str, Any], dtype: str) -> None:
+    def add(self, record: dict[str, Any], dtype: str, matched: Matched | None = None) -> None:
+        """One logged step; ``matched``: its rows as ``line_shape`` proved them (its layers
+        and params hold lists then), judged a rule at a time over all of them (``ColumnView``)."""
         step = record["step"]
         limits = LowDtype.parse(record.get("dtype") or dtype)
-        entries, params = record_entries(record, limits, self._module_units)
-        for key, cond, value, total in entries:
-            row = self.rows.get(key)
-            if row is None:
-                row = self.rows[key] = new_row()
-            update_row(row, step, self._prev, cond, value, total)
-        for module, names in params.items():
-            self.params.setdefault(module, set()).update(names)
+        done = matched is not None and self._add_columns(record, matched, limits)
+        if not done:
+            if matched is not None:  # a rule not written for columns: tensor by tensor, from the rows' dicts
+                record = _as_dicts(record, matched)
+            entries, params = record_entries(record, limits, self._module_units)
+            rows = self.rows
+            for key, cond, value, total in entries:
+                row = rows.get(key)
+                if row is None:
+                    row = rows[key] = new_row()
+                update_row(row, step, self._prev, cond, value, total)
+            for module, names in params.items():
+                self.params.setdefault(module, set()).update(names)
         self._add_scale(step, record.get("scale"), bool(record.get("skipped")), record.get("nonfinite_params") or [])
         self._add_first(step, record.get("first_nonfinite"))
         if isinstance(record.get("fp8"), dict):  # watch(..., fp8=True)
@@ -201,6 +301,88 @@ class Verdicts:
             for unit in self._fp8_units:
                 unit.observe(rows)
         self._prev = step
+
+    def _add_columns(self, record: dict[str, Any], matched: Matched, limits: LowDtype) -> bool:
+        """``add``'s rows of a step ``line_shape`` proved, each rule run once over all its
+        tensors (``ColumnView``: the numbers ``HostView`` gives, as Columns) - the same
+        arithmetic, the same rows. False, nothing changed, where a rule is not written for
+        columns (it asked a Column for its truth: TypeError)."""
+        shape, rows = matched
+        step = Step(limits, record.get("scale"), skipped=bool(record.get("skipped")))
+        below: dict[tuple[float, Any], int] = {}
+        judged = []  # (selection, holds, value, total), applied once every rule ran
+        try:
+            for unit in self._module_units:
+                if isinstance(unit, LayerRule):
+                    chosen = self._selection(shape, unit, None)
+                    n = len(chosen.index)
+                    if n:
+                        view = ColumnView([rows[i] for i in chosen.index], [k[2] for k in chosen.keys], below)
+                        holds, value, total = unit.condition(view, step)
+                        judged.append((chosen, spread(holds, n), spread(value, n), spread(total, n), True))
+                elif isinstance(unit, GradientRule) and shape.params:
+                    judged.append(self._gradients(unit, shape, rows[len(shape.keys):], step, below))
+        except TypeError:
+            return False
+        step_at, prev = record["step"], self._prev
+        for chosen, holds, values, totals, as_float in judged:
+            chosen.steps += 1
+            for i, h in enumerate(holds):
+                if h:
+                    v, t = values[i], totals[i]
+                    held(chosen.rows[i], step_at, prev, float(v) if as_float else v, float(t) if as_float else t)
+        for module, names in self._owners(shape).items():
+            self.params.setdefault(module, set()).update(names)
+        return True
+
+    def _gradients(self, unit: GradientRule, shape: Shape, rows: list[list], step: Step,
+                   below: dict[tuple[float, Any], int]) -> tuple:
+        """A GradientRule over the step's parameter rows: ``record_entries``' sums, per module."""
+        n = len(rows)
+        view = ColumnView(rows, [GRADIENTS] * n, below)
+        at = replace(step, sums=tuple(sum(spread(column, n)) for column in unit.step_sums(view, step)))
+        value, total = unit.measure(view, at)
+        sums: dict[str, list[float]] = {}
+        for module, v, t in zip(self._param_owners(shape), spread(value, n), spread(total, n), strict=True):
+            acc = sums.setdefault(module, [0.0, 0.0])
+            acc[0] += v
+            acc[1] += t
+        values, totals = Column([a[0] for a in sums.values()]), Column([a[1] for a in sums.values()])
+        holds = spread(unit.condition(values, totals, step), len(values))
+        return self._selection(shape, unit, list(sums)), [bool(h) for h in holds], values, totals, False
+
+    def _selection(self, shape: Shape, unit: ModuleRule, modules: list[str] | None) -> _Selection:
+        chosen = self._selections.get((shape, unit.code))
+        if chosen is None:
+            if len(self._selections) > 64:  # shapes come and go: keep a few
+                self.flush_seen()
+                self._selections.clear()
+            if modules is None:
+                index, keys = _layer_selection(shape, unit.code, unit.phases)
+            else:
+                index, keys = list(range(len(modules))), [(unit.code, m, GRADIENTS) for m in modules]
+            chosen = self._selections[(shape, unit.code)] = _Selection(index, keys, self.rows)
+        return chosen
+
+    def _owners(self, shape: Shape) -> dict[str, list[str]]:
+        found = self._selections.get((shape, None))
+        if found is None:
+            found = self._selections[(shape, None)] = _owners(shape)
+        return found
+
+    def _param_owners(self, shape: Shape) -> list[str]:
+        found = self._selections.get((shape, "owner"))
+        if found is None:
+            found = self._selections[(shape, "owner")] = [owner(name) for name in shape.params]
+        return found
+
+    def flush_seen(self) -> None:
+        """The steps each selection judged, added to its rows' ``SEEN``."""
+        for chosen in self._selections.values():
+            if isinstance(chosen, _Selection) and chosen.steps:
+                for row in chosen.rows:
+                    row[SEEN] += chosen.steps
+                chosen.steps = 0
 
     def _add_first(self, step: int, first: Any) -> None:
         """This step's first non-finite, kept where it changes (``Run.firsts``)."""
@@ -229,6 +411,7 @@ class Verdicts:
                  dtype_source: str | None = None) -> list[Finding]:
         """The run's AMP6xx findings; ``device``: the condition rows a Monitor kept on its
         device (``conditions.DeviceConditions.read``), added to the ones built here."""
+        self.flush_seen()
         rows = dict(self.rows)
         params = {m: set(names) for m, names in self.params.items()}
         if device:
