@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ampaudit
-from ampaudit.watch.loss_notes import LOSS_SCALED
+from ampaudit.watch.loss_notes import LOSS_ITSELF, LOSS_SCALED
 from tests.conftest import ROOT
 
 THIS = os.path.abspath(__file__)
@@ -80,7 +80,7 @@ def test_a_division_by_zero_in_the_loss_code_is_named_at_the_next_step(tmp_path)
     assert (firsts[3]["op"], firsts[3]["source"]) == ("Tensor.div", source)
     first = monitor.summary()["first_nonfinite"]
     assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", source)
-    assert first["note"] == (f"{LOSS_SCALED} (NaN or Inf out of finite values); its gradients made the model's "
+    assert first["note"] == (f"{LOSS_ITSELF} (NaN or Inf out of finite values); its gradients made the model's "
                              "non-finite too (named at step 3, where it happened again)")
     # the probe is off once it named it: the later steps say only where the gradient came from
     assert all("op" not in f for f in firsts[4:])

@@ -34,9 +34,10 @@ def named(first: dict[str, Any], origin: Origin) -> dict[str, Any]:
         how = f"-inf by arithmetic (a log of 0, say), which {then} turned into NaN or +inf"
         origin = origin.minus_inf
     if first.get("phase") == LOSS:  # the loss event's note: LOSS_ITSELF or LOSS_SCALED, then what its gradients did
+        # named, the call says which it was (a GradScaler's multiplication is a call at scaler.scale's line)
         said = str(first.get("note", LOSS_ITSELF))
-        lead = LOSS_SCALED if said.startswith(LOSS_SCALED) else LOSS_ITSELF
-        note = f"{lead} ({how}){said[len(lead):]}"
+        rest = said[len(LOSS_SCALED if said.startswith(LOSS_SCALED) else LOSS_ITSELF):]
+        note = f"{LOSS_ITSELF} ({how}){rest}"
     else:
         note = f"it came into the model already non-finite, made by the loss code: {how}"
     return {**first, "op": origin.op, **({"source": f"{origin.file}:{origin.line}"} if origin.file else {}),
