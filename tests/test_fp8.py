@@ -356,6 +356,22 @@ def test_fp8_policy_names_exactly_the_layers_kept_and_why():
         ampaudit.fp8_policy(model, module.example_inputs(), recipe="delayed")
 
 
+def test_fp8_policy_on_an_eval_model_whose_forward_fills_a_cache_dict():
+    # timm's LeViT caches its gathered attention biases in a dict in eval mode: the first of the
+    # policy's two measurements (one per recipe, to choose) left its graph's tensor there, and the
+    # second's backward raised "Trying to backward through the graph a second time"
+    import ampaudit
+    from fixtures.models import cached_attention_bias
+
+    torch.manual_seed(0)
+    model = cached_attention_bias.get_model().eval()
+    cache = model.attn.attention_bias_cache
+    policy = ampaudit.fp8_policy(model, cached_attention_bias.example_inputs())
+    assert policy.fp8 == ["attn.qkv", "attn.proj"] and list(policy.keep) == ["head"]
+    assert model.attn.attention_bias_cache is cache and cache == {}  # as it was found
+    copy.deepcopy(model)  # no tensor of ampaudit's graphs left behind
+
+
 def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verification(cli, tmp_path):
     _torchao()
     out = tmp_path / "out"
