@@ -945,6 +945,23 @@ def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
     report = ampaudit.check(gpt2, (torch.randint(0, 64, (2, 8)),), dtype="fp8")
     assert [layer["name"] for layer in report.fp8["layers"]] == ["lm_head"]
     assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)
+    # MHA's out_proj is the MHA note's; no Linear went unrun
+    assert not any("never called as a module" in note for note in report.target.notes)
+
+
+def test_a_linear_whose_weight_the_forward_reads_itself_is_named_in_a_note():
+    # BEiT's and EVA's qkv: F.linear(input=x, weight=self.qkv.weight, bias=qkv_bias) - the largest
+    # GEMM of the block, missing from the table without a word
+    import ampaudit
+    from fixtures.models import keyword_linear
+
+    torch.manual_seed(0)
+    report = ampaudit.check(keyword_linear.get_model(), keyword_linear.example_inputs(), dtype="fp8")
+    assert [layer["name"] for layer in report.fp8["layers"]] == ["block.attn.proj", "head"]
+    note = ("not audited: 1 nn.Linear never called as a module on the example inputs (block.attn.qkv) - a forward "
+            "that reads its weight itself (F.linear(x, self.qkv.weight), as BEiT's attention does) runs that GEMM "
+            "in high precision even once torchao converts the layer")
+    assert note in report.target.notes
 
 
 @pytest.mark.parametrize("first_call", ["reentrant_checkpoint", "no_grad"])
