@@ -386,6 +386,40 @@ def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verif
     _runs_as_written(out, plan, tmp_path)
 
 
+def test_the_emitted_file_trains_a_model_whose_eval_forward_fills_a_cache(cli, tmp_path):
+    # timm's LeViT caches its attention biases in eval mode, the mode the file's verify() trains
+    # in: the fp8 copy's second backward met the first step's freed graph (convert exited 1),
+    # and the bf16 copy kept the target's no-grad biases, which never trained
+    _torchao()
+    import importlib
+
+    from fixtures.models import cached_attention_bias
+
+    out = tmp_path / "out"
+    result = cli("convert", model_path("cached_attention_bias.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", "tensorwise", "--train-steps", "3", "-o", out)
+    assert result.code == 0, result.err
+    _runs_as_written(out, json.loads((out / "fp8_plan.json").read_text()), tmp_path)
+    spec = importlib.util.spec_from_file_location("emitted_fp8", out / "fp8_torchao.py")
+    emitted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emitted)
+    torch.manual_seed(0)
+    net, x = cached_attention_bias.get_model().eval(), cached_attention_bias.example_inputs()
+    train = emitted.verify(net, x, steps=3)
+    by_hand = copy.deepcopy(net).train()  # train mode: no cache, the biases train
+    with torch.no_grad():
+        target = torch.randn(by_hand(*x).shape, generator=torch.Generator().manual_seed(0)) * float(by_hand(*x).std())
+    adamw, losses = torch.optim.AdamW(by_hand.parameters(), lr=1e-3), []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(by_hand(*x).float(), target)
+        adamw.zero_grad()
+        loss.backward()
+        adamw.step()
+        losses.append(float(loss))
+    assert train["bf16"] == losses and train["passed"]
+    assert net.attn.attention_bias_cache == {}
+
 def _mx_training():
     _torchao()
     pytest.importorskip("torchao.prototype.moe_training.config")
