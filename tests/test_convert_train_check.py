@@ -151,3 +151,31 @@ def test_a_scale_that_skips_every_step_fails_in_one_line(cli, tmp_path, monkeypa
     assert result.code == 1, result.err
     assert "training check FAILED: no update applied - the loss scale skipped all 14 steps tried (inf/NaN " \
            "gradients at every scale); fp32's loss started at" in _text(result.out)
+
+
+@pytest.mark.parametrize("backend", ["fx", "modules"])
+def test_a_cache_an_eval_forward_fills_is_made_again_each_step(backend):
+    # timm's LeViT caches its attention biases in a dict in eval mode, the mode the check trains
+    # in: the fp32 copy kept the target's no-grad biases (they never trained: its curve was not
+    # the model's), and the modules backend's copy the first step's (its second backward raised)
+    import copy
+
+    from fixtures.models import cached_attention_bias
+
+    torch.manual_seed(0)
+    net, x = cached_attention_bias.get_model().eval(), cached_attention_bias.example_inputs()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    model_mp, _ = ampaudit.convert(net, optimizer, example_inputs=x, backend=backend, train_steps=3)
+    by_hand = copy.deepcopy(net).train()  # train mode: no cache, the biases train
+    with torch.no_grad():
+        output = by_hand(*x)
+    target = torch.randn(output.shape, generator=torch.Generator().manual_seed(0)) * float(output.std())
+    adamw, losses = torch.optim.AdamW(by_hand.parameters(), lr=1e-3), []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(by_hand(*x), target)
+        adamw.zero_grad()
+        loss.backward()
+        adamw.step()
+        losses.append(float(loss))
+    assert model_mp.summary.train["fp32"] == losses  # bit for bit
+    assert model_mp.summary.train["passed"] and net.attn.attention_bias_cache == {}

@@ -356,6 +356,22 @@ def test_fp8_policy_names_exactly_the_layers_kept_and_why():
         ampaudit.fp8_policy(model, module.example_inputs(), recipe="delayed")
 
 
+def test_fp8_policy_on_an_eval_model_whose_forward_fills_a_cache_dict():
+    # timm's LeViT caches its gathered attention biases in a dict in eval mode: the first of the
+    # policy's two measurements (one per recipe, to choose) left its graph's tensor there, and the
+    # second's backward raised "Trying to backward through the graph a second time"
+    import ampaudit
+    from fixtures.models import cached_attention_bias
+
+    torch.manual_seed(0)
+    model = cached_attention_bias.get_model().eval()
+    cache = model.attn.attention_bias_cache
+    policy = ampaudit.fp8_policy(model, cached_attention_bias.example_inputs())
+    assert policy.fp8 == ["attn.qkv", "attn.proj"] and list(policy.keep) == ["head"]
+    assert model.attn.attention_bias_cache is cache and cache == {}  # as it was found
+    copy.deepcopy(model)  # no tensor of ampaudit's graphs left behind
+
+
 def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verification(cli, tmp_path):
     _torchao()
     out = tmp_path / "out"
@@ -369,6 +385,40 @@ def test_convert_emits_a_torchao_file_that_runs_as_written_and_repeats_the_verif
     assert "KEEP_IN_BF16 = {\n    'fc1',  # AMP702: massive-activation tokens" in text
     _runs_as_written(out, plan, tmp_path)
 
+
+def test_the_emitted_file_trains_a_model_whose_eval_forward_fills_a_cache(cli, tmp_path):
+    # timm's LeViT caches its attention biases in eval mode, the mode the file's verify() trains
+    # in: the fp8 copy's second backward met the first step's freed graph (convert exited 1),
+    # and the bf16 copy kept the target's no-grad biases, which never trained
+    _torchao()
+    import importlib
+
+    from fixtures.models import cached_attention_bias
+
+    out = tmp_path / "out"
+    result = cli("convert", model_path("cached_attention_bias.py"), "--dtype", "fp8", "--emit", "torchao",
+                 "--fp8-recipe", "tensorwise", "--train-steps", "3", "-o", out)
+    assert result.code == 0, result.err
+    _runs_as_written(out, json.loads((out / "fp8_plan.json").read_text()), tmp_path)
+    spec = importlib.util.spec_from_file_location("emitted_fp8", out / "fp8_torchao.py")
+    emitted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emitted)
+    torch.manual_seed(0)
+    net, x = cached_attention_bias.get_model().eval(), cached_attention_bias.example_inputs()
+    train = emitted.verify(net, x, steps=3)
+    by_hand = copy.deepcopy(net).train()  # train mode: no cache, the biases train
+    with torch.no_grad():
+        target = torch.randn(by_hand(*x).shape, generator=torch.Generator().manual_seed(0)) * float(by_hand(*x).std())
+    adamw, losses = torch.optim.AdamW(by_hand.parameters(), lr=1e-3), []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(by_hand(*x).float(), target)
+        adamw.zero_grad()
+        loss.backward()
+        adamw.step()
+        losses.append(float(loss))
+    assert train["bf16"] == losses and train["passed"]
+    assert net.attn.attention_bias_cache == {}
 
 def _mx_training():
     _torchao()
@@ -929,6 +979,23 @@ def test_gemms_fp8_training_does_not_convert_are_named_in_a_note():
     report = ampaudit.check(gpt2, (torch.randint(0, 64, (2, 8)),), dtype="fp8")
     assert [layer["name"] for layer in report.fp8["layers"]] == ["lm_head"]
     assert any(note.startswith("not audited: 8 transformers Conv1D layers - ") for note in report.target.notes)
+    # MHA's out_proj is the MHA note's; no Linear went unrun
+    assert not any("never called as a module" in note for note in report.target.notes)
+
+
+def test_a_linear_whose_weight_the_forward_reads_itself_is_named_in_a_note():
+    # BEiT's and EVA's qkv: F.linear(input=x, weight=self.qkv.weight, bias=qkv_bias) - the largest
+    # GEMM of the block, missing from the table without a word
+    import ampaudit
+    from fixtures.models import keyword_linear
+
+    torch.manual_seed(0)
+    report = ampaudit.check(keyword_linear.get_model(), keyword_linear.example_inputs(), dtype="fp8")
+    assert [layer["name"] for layer in report.fp8["layers"]] == ["block.attn.proj", "head"]
+    note = ("not audited: 1 nn.Linear never called as a module on the example inputs (block.attn.qkv) - a forward "
+            "that reads its weight itself (F.linear(x, self.qkv.weight), as BEiT's attention does) runs that GEMM "
+            "in high precision even once torchao converts the layer")
+    assert note in report.target.notes
 
 
 @pytest.mark.parametrize("first_call", ["reentrant_checkpoint", "no_grad"])

@@ -184,6 +184,16 @@ def test_timm_style_model_is_clean():
     assert not [n for n in report.nodes if n.precision.value == "fp32" and n.measured is None and n.op != "output"]
 
 
+def test_linear_called_with_keyword_tensors_is_measured():
+    # BEiT's qkv: F.linear(input=x, weight=self.qkv.weight, bias=qkv_bias); the range probe read
+    # its first two positional arguments and raised "not enough values to unpack" (exit 2)
+    path = model("keyword_linear.py")
+    report = _check(path)
+    assert report.target.trace == "fx" and report.findings == []
+    (qkv,) = [n for n in report.nodes if n.kind == "linear" and n.line == line_of(path, "qkv = F.linear(")]
+    assert qkv.precision.value == "fp16" and qkv.module == "block.attn"
+    assert qkv.measured is not None and 0 < qkv.measured["rel_error"] < 1e-3  # fp16 rounding, measured
+
 # -- identity-like modules ----------------------------------------------------------------------------
 
 

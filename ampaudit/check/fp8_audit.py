@@ -18,7 +18,7 @@ from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs, refuse_meta
 from ampaudit.graph.fp8_casts import RECIPES
 from ampaudit.graph.fp8_measure import Fp8Layer
-from ampaudit.graph.fp8_other_gemms import other_gemms, other_gemms_note
+from ampaudit.graph.fp8_other_gemms import other_gemms, other_gemms_note, unrun_linears, unrun_linears_note
 from ampaudit.graph.fp8_verdicts import Fp8Judgement, judge, mx_tokens_problem, zero_grad_note
 
 DEFAULT_RECIPE = "tensorwise"  # torchao's default Float8LinearConfig
@@ -54,6 +54,9 @@ def fp8_audit(model: torch.nn.Module, inputs: ExampleInputs | None, recipe: str 
     other = other_gemms_note(other_gemms(model))
     if other:
         notes.append(other)
+    unrun = unrun_linears_note(unrun_linears(model, {layer.layer.name for layer in judgement.layers}))
+    if unrun and judgement.layers:
+        notes.append(unrun)
     report = Report(Target(file, entry, "fp8", notes), E4M3, [], findings)
     report.fp8 = judgement.to_dict(seconds)
     return report

@@ -94,7 +94,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
         write_fp8,
     )
     from ampaudit.core.console import slow_status
-    from ampaudit.graph.fp8_other_gemms import other_gemms, other_gemms_note
+    from ampaudit.graph.fp8_other_gemms import other_gemms, other_gemms_note, unrun_linears, unrun_linears_note
     from ampaudit.graph.fp8_verdicts import zero_grad_note
     from ampaudit.load.loader import NotImported, load_target
 
@@ -128,7 +128,8 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
             write_fp8(Path(staging), policy, text, train, shown=args.output, inputs=inputs)
     other = other_gemms_note(other_gemms(loaded.model))  # GPT-2's Conv1D projections: why "0 nn.Linear"
     zero = [layer["name"] for layer in policy.table.get("layers", []) if layer.get("grad_all_zero")]
-    notes = ([zero_grad_note(zero)] if zero else []) + ([other] if other else [])
+    unrun = unrun_linears_note(unrun_linears(loaded.model, [layer["name"] for layer in policy.table.get("layers", [])]))
+    notes = ([zero_grad_note(zero)] if zero else []) + [note for note in (other, unrun) if note]
     summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train, "notes": notes}
     return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
                      export_ran=False)

@@ -203,12 +203,30 @@ def _loss(output, target, labelled):
     return torch.nn.functional.mse_loss(_first(output).float(), target)
 
 
+def _caches(model):
+    """The plain dicts and lists the model's modules hold, each with its entries. The copies train
+    in eval mode, where a forward may fill one: timm's LeViT caches its attention biases. Kept to
+    the next step, those biases would not train, and their graph would be freed in its backward."""
+    return [(value, copy.copy(value)) for module in model.modules() for name, value in vars(module).items()
+            if type(value) in (dict, list) and name not in ("_parameters", "_buffers", "_modules")]
+
+
+def _refill(caches):
+    for value, entries in caches:
+        if isinstance(value, dict):
+            value.clear()
+            value.update(entries)
+        else:
+            value[:] = entries
+
+
 def _train(model, args, kwargs, target, labelled, steps, device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
+    losses, caches = [], _caches(model)
     for _ in range(steps):
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = _loss(model(*args, **kwargs), target, labelled)
+        _refill(caches)
         losses.append(float(loss.detach()))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -223,8 +241,10 @@ def verify(model, args, kwargs=None, steps=STEPS):
     kwargs = kwargs or {{}}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     reference = _copy(model).eval()  # eval: no dropout on either side
+    caches = _caches(reference)
     with torch.no_grad():
         output = reference(*args, **kwargs)
+    _refill(caches)
     first = _first(output)
     target, labelled = None, _labelled(model, args, kwargs)
     if _own_loss(output, labelled) is None:  # no loss of its own: its first output trained to a fixed random target

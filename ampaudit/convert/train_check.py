@@ -35,6 +35,7 @@ from ampaudit.core.paths import display_path
 from ampaudit.core.tensors import given_labels, iter_tensors, own_loss
 from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs
+from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.model_copy import copy_model
 
 DEFAULT_STEPS = 20
@@ -121,7 +122,11 @@ class _Runs:
         self.trial_opt = MixedPrecisionOptimizer.from_optimizer(same_optimizer(optimizer, model, source), source,
                                                                 self.trial, dtype=dtype.torch, loss_scale=loss_scale)
         self.labelled = given_labels(model.forward, inputs.args, inputs.kwargs)
-        with _batch_statistics(self.reference):
+        # each forward (these steps run in eval mode, for no dropout) leaves the copies' attributes as
+        # they were: timm's LeViT caches its attention biases in eval mode, and a cache kept from the
+        # target's no-grad forward froze them (fp32), one kept from a step's forward met its freed
+        # graph in the next backward (converted)
+        with attributes_kept(self.reference), _batch_statistics(self.reference):
             self.target = _target(self.reference, inputs, self.labelled)
         self.fp32: list[float] = []
         self.converted: list[float] = []  # one loss per applied update
@@ -152,7 +157,7 @@ class _Runs:
         return self.fp32[:len(self.converted)], self.converted
 
     def _fp32_step(self) -> None:
-        with _batch_statistics(self.reference):
+        with attributes_kept(self.reference), _batch_statistics(self.reference):
             loss = _loss(self.reference(*self.inputs.args, **self.inputs.kwargs), self.target, self.labelled)
         self.reference_opt.zero_grad()
         _backward(torch.Tensor.backward, "the model's own backward (in fp32)", loss)
@@ -161,7 +166,7 @@ class _Runs:
 
     def _converted_step(self) -> None:
         self.attempts += 1
-        with _batch_statistics(self.trial):
+        with attributes_kept(self.trial), _batch_statistics(self.trial):
             loss = _loss(self.trial(*self.inputs.args, **self.inputs.kwargs), self.target, self.labelled)
         self.trial_opt.zero_grad()
         _backward(self.trial_opt.backward, "the converted model's backward", loss)

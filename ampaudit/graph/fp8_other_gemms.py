@@ -9,8 +9,11 @@ A user reading a table of one Linear should know why the rest is missing."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 
 from torch import nn
+
+from ampaudit.core.listing import listed
 
 _KINDS = (  # (one, several, does this module compute such a GEMM)
     ("transformers Conv1D", "transformers Conv1D layers",
@@ -48,3 +51,22 @@ def other_gemms_note(found: Counter[int]) -> str | None:
     kinds = ", ".join(f"{n} {_KINDS[kind][0] if n == 1 else _KINDS[kind][1]}" for kind, n in sorted(found.items()))
     return (f"not audited: {kinds} - not nn.Linear, so torchao's convert_to_float8_training leaves them in "
             "high precision (they train as they do today)")
+
+
+def unrun_linears(model: nn.Module, ran: Collection[str]) -> list[str]:
+    """The nn.Linear layers (by name) that did not run as modules on the example inputs - those
+    ``ran`` does not name - but for nn.MultiheadAttention's out-projection, noted above."""
+    inside_mha = {f"{name}.{child}" if name else child for name, m in model.named_modules()
+                  if isinstance(m, nn.MultiheadAttention) for child, _ in m.named_children()}
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name not in ran and name not in inside_mha]
+
+
+def unrun_linears_note(names: list[str]) -> str | None:
+    """BEiT's and EVA's qkv: an nn.Linear whose weight the attention reads with ``F.linear`` itself.
+    Its GEMM is not measured, and torchao's Float8Linear, never called, leaves it in high precision."""
+    if not names:
+        return None
+    return (f"not audited: {len(names)} nn.Linear never called as a module on the example inputs "
+            f"({listed(names, 3)}) - a forward that reads its weight itself (F.linear(x, self.qkv.weight), "
+            f"as BEiT's attention does) runs that GEMM in high precision even once torchao converts the layer")

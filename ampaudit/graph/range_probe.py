@@ -246,15 +246,19 @@ class RangeProbe(fx.Interpreter):
             weight, bias = state["weight"], state.get("bias")
             x = self.env[n.args[0]] if isinstance(n.args[0], fx.Node) else n.args[0]
         else:
-            x, weight = (self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:2])
-            bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-            bias = self.env[bias] if isinstance(bias, fx.Node) else bias
+            # F.linear(x, weight=w, bias=b): BEiT's and EVA's qkv pass their tensors by keyword
+            x, weight, bias = (self._argument(n, i, name) for i, name in enumerate(("input", "weight", "bias")))
             weight, bias = _round(weight, self.limits.torch), _round(bias, self.limits.torch)
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return self._generic_error(n, result)
         rows = x.reshape(-1, x.shape[-1])[:_SAMPLE_ROWS]
         low = _round(torch.nn.functional.linear(_round(rows, self.limits.torch), weight, bias), self.limits.torch)
         return _error(low, result.reshape(-1, result.shape[-1])[: rows.shape[0]], self.limits)
+
+    def _argument(self, n: fx.Node, index: int, name: str) -> Any:
+        """The value of ``n``'s argument at ``index``, or passed as ``name``."""
+        a = n.args[index] if len(n.args) > index else n.kwargs.get(name)
+        return self.env[a] if isinstance(a, fx.Node) else a
 
     def _generic_error(self, n: fx.Node, result: torch.Tensor) -> tuple[float | None, int | None]:
         low = self._run_low(n)
