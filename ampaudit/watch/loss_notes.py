@@ -10,7 +10,8 @@ from ampaudit.watch.events import LOSS
 if TYPE_CHECKING:
     from ampaudit.watch.provenance import Origin
 
-# the blame's words for a bad gradient that came into the model from the loop's code (``blame``)
+# the blame's words (``blame``) for a NaN the loop's code made: a bad gradient that came into the model
+# from it (FROM_THE_LOSS), or the loss itself (LOSS_ITSELF, LOSS_SCALED, then LOSS_ALONE or LOSS_SPREAD)
 FROM_THE_LOSS = "it came into the model already non-finite: from the loss or the code after the model"
 LOSS_ITSELF = "the loss was non-finite, made by the loop's code outside every watched module"
 LOSS_SCALED = ("the scaled loss was non-finite: a loss scale too high for it, or a loss non-finite before the "

@@ -3,14 +3,15 @@ backward was born.
 
 A training loop computes its loss from the model's output in plain torch calls -
 ``-(y * torch.log(p)).mean()``, ``loss.sum() / mask.sum()`` - outside every module, so a NaN
-they make reaches the model only as a bad gradient of its output, and the blame can say no more
-than "from the loss". Once a step has said that, the probe is armed for the next recorded steps
+they make is seen only in the loss itself (``backward_tap``: the loss event) or as a bad gradient
+of the model's output, and the blame can say no more than "the loss" or "from the loss". Once a
+step has said that (``loss_notes.from_the_loss``), the probe is armed for the next recorded steps
 (``ARMED_STEPS``): a torch function mode that keeps each torch call the loop makes outside the
 model - from the step's start to its backward, less the model's forward (under ``ampaudit run``,
 that of any module called outside all others): the loss code before the model call too, as
 EDM2's loss weights its noise levels - with the user's line and the tensors it read and made,
 references freed at the step's end.
-At the step boundary, only when that step's bad gradient again came from the loss, the calls are
+At the step boundary, only when that step's NaN again came from the loss, the calls are
 judged in order as a forward replay judges aten ops (``provenance.FirstBadOp``): the first that
 made NaN/+inf out of finite values, or -inf by arithmetic (a log of 0), is named with its line.
 
@@ -35,6 +36,8 @@ from ampaudit.watch.provenance import FirstBadOp, Origin
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 MAX_CALLS = 512  # a step's calls kept at most: a loop that evaluates between forward and backward
 _ACCESS = ("__get__", "__set__", "__delete__")
+
+
 def _op_name(func: Any) -> str:
     """``torch.log``, ``F.cross_entropy``, ``Tensor.div`` - how the user wrote the call."""
     name = getattr(func, "__name__", None) or str(func)
