@@ -1548,6 +1548,30 @@ def test_a_model_torchao_cannot_train_as_written_fails_the_check_in_one_line_nam
     out = tmp_path / "out"
     result = cli("convert", model_file, "--dtype", "fp8", "--emit", "torchao", "--train-steps", "2", "-o", out)
     assert result.code == 1 and result.err.count("\n") == 1, result.err
-    assert "training the model in fp8 with torchao failed: RuntimeError: Output 0 of " in result.err
+    assert "training the model in fp8 with torchao (tensorwise) failed: RuntimeError: Output 0 of " in result.err
+    assert "--fp8-recipe tensorwise" not in result.err  # the recipe that failed is the one it would suggest
     assert f"({model_file.name}:12)" in result.err or "inplace.py:12)" in result.err
     assert not out.exists()
+
+
+def test_a_recipe_torchao_cannot_run_on_the_model_names_the_one_that_runs_most(cli, tmp_path):
+    """timm's LeViT applies a Linear to a transposed (non-contiguous) input: torchao's rowwise
+    recipe raises "aten.clone.default with axiswise scaling is not supported yet" where tensorwise
+    trains. The failure's one line says which recipe failed and names tensorwise."""
+    _torchao()
+    model_file = tmp_path / "transposed.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc = nn.Linear(32, 32)\n\n    def forward(self, x):\n"
+        "        return self.fc(x.transpose(1, 2))\n\n\n"
+        "def example_inputs():\n    return (torch.randn(2, 32, 16),)\n")
+    out = tmp_path / "out"
+    result = cli("convert", model_file, "--dtype", "fp8", "--fp8-recipe", "rowwise", "--emit", "torchao",
+                 "--train-steps", "2", "-o", out)
+    assert result.code == 1 and result.err.count("\n") == 1, result.err
+    assert "training the model in fp8 with torchao (rowwise) failed: AssertionError: aten.clone.default" in result.err
+    assert "(another recipe may train it: --fp8-recipe tensorwise; --train-steps 0 writes" in result.err
+    assert not out.exists()
+    result = cli("convert", model_file, "--dtype", "fp8", "--fp8-recipe", "tensorwise", "--emit", "torchao",
+                 "--train-steps", "2", "-o", out)
+    assert result.code == 0, result.err
