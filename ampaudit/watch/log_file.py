@@ -207,12 +207,10 @@ def open_log(path: Path, *, steps_only: bool = False) -> tuple[dict[str, Any], G
     records, in order: one per step, and the end last (``{"end": {...}, "final_scale": ...}``;
     format 2: ``{"final_scale": ...}``), not with ``steps_only``. A step line that matches its
     shape (``line_shape``) has its rows checked by that one match."""
-    lines = (record for record, _ in _lines(path, shapes=True))
-    header = next(lines, None)
-    if header is None:
-        raise UsageError(f"{path} is empty")
+    header, rows = open_rows(path)
+    lines = (record for record, _ in rows)
     if header["ampaudit_watch"] >= 2:
-        lines = _as_stats(lines, header.get("row"), path)
+        lines = _as_stats(lines, header["row"], path)
     return header, (r for r in lines if "step" in r) if steps_only else lines
 
 
@@ -222,7 +220,7 @@ def open_rows(path: Path) -> tuple[dict[str, Any], Generator[tuple[dict[str, Any
     fast readers take them - else None (the header, the end, a format-1 log, a line that
     takes the slow path: ``as_stats`` gives its Stats dicts). A format-2 record's rows stay
     lists either way."""
-    lines = _lines(path, shapes=True)
+    lines = _lines(path)
     first = next(lines, None)
     if first is None:
         raise UsageError(f"{path} is empty")
@@ -238,11 +236,10 @@ def _row_names(names: Any, path: Path) -> list[str]:
     return names
 
 
-def _as_stats(records: Generator[dict[str, Any], None, None], names: Any,
+def _as_stats(records: Generator[dict[str, Any], None, None], names: list[str],
               path: Path) -> Generator[dict[str, Any], None, None]:
     """Format 2 records with each Stats row as its dict, as format 1 wrote them: what every
-    reader of a log works with."""
-    names = _row_names(names, path)
+    reader of a log works with (``names``: the header's, checked by ``open_rows``)."""
     with closing(records):
         for record in records:
             if "step" in record:
@@ -268,9 +265,9 @@ def as_stats(record: dict[str, Any], names: list[str], path: Path) -> None:
         raise UsageError(f"{path}: step {record['step']}: a malformed row") from None
 
 
-def _lines(path: Path, *, shapes: bool = False) -> Generator[Any, None, None]:
-    """The log's records, checked; with ``shapes``, each as ``(record, matched)``: what
-    ``LineShapes.match`` proved of a step line's rows, or None."""
+def _lines(path: Path) -> Generator[tuple[dict[str, Any], Matched | None], None, None]:
+    """The log's records, checked, each as ``(record, matched)``: what ``LineShapes.match``
+    proved of a step line's rows, or None."""
     try:
         handle = open(path, "rb")  # noqa: SIM115 (closed below; a generator keeps it open while read)
     except OSError as exc:
@@ -314,16 +311,16 @@ def _lines(path: Path, *, shapes: bool = False) -> Generator[Any, None, None]:
                                      "header)")
                 header = True
                 names = record.get("row") if isinstance(record.get("row"), list) else None
-                if shapes and version >= 2:
+                if version >= 2:
                     line_shapes = LineShapes(names)
-                yield (record, None) if shapes else record
+                yield record, None
                 continue
             if "step" not in record and ("end" in record or "final_scale" in record):
                 problem = end_problem(record)  # written at stop(): the run's end, the final loss scale
                 if problem:
                     raise UsageError(f"{path}:{number}: {problem}")
                 ended = number
-                yield (record, None) if shapes else record
+                yield record, None
                 continue
             if "step" not in record or "layers" not in record or "params" not in record:
                 raise UsageError(f"{path}:{number}: not a step record (needs step, layers and params)")
@@ -331,6 +328,6 @@ def _lines(path: Path, *, shapes: bool = False) -> Generator[Any, None, None]:
             problem = step_problem(record, version, names, rows_checked=matched is not None)
             if problem:
                 raise UsageError(f"{path}:{number}: {problem}")
-            yield (record, matched) if shapes else record
+            yield record, matched
         if not header and pending is not None:
             raise UsageError(pending)  # nothing but a bad line: not a log, not a crash
