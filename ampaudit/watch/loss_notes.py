@@ -41,8 +41,7 @@ def named(first: dict[str, Any], origin: Origin) -> dict[str, Any]:
         note = f"{LOSS_ITSELF} ({how}){rest}"
     else:
         note = f"it came into the model already non-finite, made by the loss code: {how}"
-    return {**first, "op": origin.op, **({"source": f"{origin.file}:{origin.line}"} if origin.file else {}),
-            "note": note}
+    return {**first, **origin.to_dict(), "note": note}
 
 
 def named_later(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:

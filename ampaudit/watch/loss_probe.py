@@ -103,12 +103,12 @@ class LossProbe(TorchFunctionMode):
 
     def origin(self) -> Origin | None:
         """The first call that made NaN/+inf of finite values (or -inf by arithmetic), with its
-        line; an input already bad is named as such (the batch, the labels)."""
+        line; None where the first bad value came in bad (the batch, the labels)."""
         judge = FirstBadOp()
         for func, loc, args, kwargs, out in self.calls:
             name = _op_name(func)
             judge.observe(name.rpartition(".")[2], args, kwargs, out,
-                          lambda name=name, loc=loc: FirstBadOp._origin(name, loc))
+                          lambda name=name, loc=loc: Origin.at(name, loc))
             if judge.found is not None:
                 break
         return judge.result()

@@ -421,8 +421,8 @@ class Monitor:
                 self._shape = None
 
     def _probe_loss(self, record: dict[str, Any]) -> None:
-        """A bad gradient that came into the model from the loop's code (``loss_probe``): the
-        first time, the probe is armed for the next recorded steps (once a run); on a step it
+        """A NaN the loop's code made - the loss, or a bad gradient that came into the model from
+        it (``loss_probe``): the first time, the probe is armed for the next recorded steps (once a run); on a step it
         recorded, the call that made it is named. Not with torch.compile in the process (a mode
         would change what it traces) nor across processes (each rank's loss code is its own)."""
         recorder = self.recorder

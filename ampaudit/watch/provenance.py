@@ -94,6 +94,11 @@ class Origin:
     minus_inf: Origin | None = None
     masked_input: bool = False
 
+    @classmethod
+    def at(cls, op: str, loc: tuple | None, **fields: Any) -> Origin:
+        """``op`` at ``loc`` (``user_location``'s ``(file, line, ...)``, or None: no user line)."""
+        return cls(op, *(loc[:2] if loc else (None, None)), **fields)
+
     def to_dict(self) -> dict[str, Any]:
         found = {"op": self.op, "source": f"{self.file}:{self.line}" if self.file else None, "note": self.note}
         return {k: v for k, v in found.items() if v is not None}
@@ -145,7 +150,7 @@ class FirstBadOp(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        self.observe(name, args, kwargs, out, lambda: self._origin(f"aten.{name}", user_location(sys._getframe(3))))
+        self.observe(name, args, kwargs, out, lambda: Origin.at(f"aten.{name}", user_location(sys._getframe(3))))
         return out
 
     def observe(self, name: str, args: tuple, kwargs: dict | None, out: Any, origin: Callable[[], Origin]) -> None:
@@ -162,10 +167,6 @@ class FirstBadOp(TorchDispatchMode):
                 elif (made == MASKED and given == FINITE and name not in _WRITERS and self.negative is None
                       and not _casts_a_mask(name, args, out)):
                     self.negative = origin()
-
-    @staticmethod
-    def _origin(op: str, loc: tuple | None) -> Origin:
-        return Origin(op, *(loc[:2] if loc else (None, None)))
 
     def result(self) -> Origin | None:
         """The op that made NaN/+inf; else the one whose arithmetic overflowed to -inf (an
@@ -369,8 +370,7 @@ class _NodeScan:
                 function = getattr(node, "_forward_cls", None)
                 if function is not None:  # a custom autograd Function: its apply's line, from the node
                     op, loc = f"{function.__name__}.apply", _created_at(node)
-                self.found = Origin(node.name(), *(loc[:2] if loc else (None, None)),
-                                    note=f"from {op}" if op else None)
+                self.found = Origin.at(node.name(), loc, note=f"from {op}" if op else None)
         return check
 
 
