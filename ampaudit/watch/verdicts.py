@@ -204,11 +204,13 @@ def _layer_selection(shape: Shape, code: str, phases: tuple[str, ...]) -> tuple[
     return [at[key] for key in keys], [(code, module, phase) for module, phase in keys]
 
 
-def _owners(shape: Shape) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    for name in shape.params:
-        found.setdefault(owner(name), []).append(name)
-    return found
+def _owners(shape: Shape) -> tuple[list[str], dict[str, list[str]]]:
+    """Each parameter's module, in the shape's order, and each module's parameters."""
+    each = [owner(name) for name in shape.params]
+    grouped: dict[str, list[str]] = {}
+    for module, name in zip(each, shape.params, strict=True):
+        grouped.setdefault(module, []).append(name)
+    return each, grouped
 
 
 def _as_dicts(record: dict[str, Any], matched: Matched) -> dict[str, Any]:
@@ -265,7 +267,8 @@ class Verdicts:
         self._step_units = [u for u in self.units.values() if isinstance(u, StepRule)]
         self._fp8_units = [u for u in self.units.values() if isinstance(u, Fp8Rule)]
         self.rows: dict[Key, list[float]] = {}
-        self._selections: dict[tuple, Any] = {}  # per (shape, rule): its _Selection; per shape: its owners
+        self._selections: dict[tuple[Shape, str], _Selection] = {}  # per (shape, rule)
+        self._shape_owners: dict[Shape, tuple[list[str], dict[str, list[str]]]] = {}  # ``_owners``, per shape
         self.params: dict[str, set[str]] = {}  # module -> its parameters seen with gradients
         self._prev = -1  # the logged step before
         # the loss scale, for every step rule
@@ -331,7 +334,7 @@ class Verdicts:
                 if h:
                     v, t = values[i], totals[i]
                     held(chosen.rows[i], step_at, prev, float(v) if as_float else v, float(t) if as_float else t)
-        for module, names in self._owners(shape).items():
+        for module, names in self._owners(shape)[1].items():
             self.params.setdefault(module, set()).update(names)
         return True
 
@@ -343,7 +346,7 @@ class Verdicts:
         at = replace(step, sums=tuple(sum(spread(column, n)) for column in unit.step_sums(view, step)))
         value, total = unit.measure(view, at)
         sums: dict[str, list[float]] = {}
-        for module, v, t in zip(self._param_owners(shape), spread(value, n), spread(total, n), strict=True):
+        for module, v, t in zip(self._owners(shape)[0], spread(value, n), spread(total, n), strict=True):
             acc = sums.setdefault(module, [0.0, 0.0])
             acc[0] += v
             acc[1] += t
@@ -357,6 +360,7 @@ class Verdicts:
             if len(self._selections) > 64:  # shapes come and go: keep a few
                 self.flush_seen()
                 self._selections.clear()
+                self._shape_owners.clear()
             if modules is None:
                 index, keys = _layer_selection(shape, unit.code, unit.phases)
             else:
@@ -364,22 +368,16 @@ class Verdicts:
             chosen = self._selections[(shape, unit.code)] = _Selection(index, keys, self.rows)
         return chosen
 
-    def _owners(self, shape: Shape) -> dict[str, list[str]]:
-        found = self._selections.get((shape, None))
+    def _owners(self, shape: Shape) -> tuple[list[str], dict[str, list[str]]]:
+        found = self._shape_owners.get(shape)
         if found is None:
-            found = self._selections[(shape, None)] = _owners(shape)
-        return found
-
-    def _param_owners(self, shape: Shape) -> list[str]:
-        found = self._selections.get((shape, "owner"))
-        if found is None:
-            found = self._selections[(shape, "owner")] = [owner(name) for name in shape.params]
+            found = self._shape_owners[shape] = _owners(shape)
         return found
 
     def flush_seen(self) -> None:
         """The steps each selection judged, added to its rows' ``SEEN``."""
         for chosen in self._selections.values():
-            if isinstance(chosen, _Selection) and chosen.steps:
+            if chosen.steps:
                 for row in chosen.rows:
                     row[SEEN] += chosen.steps
                 chosen.steps = 0
