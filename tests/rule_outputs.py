@@ -47,7 +47,8 @@ def without_torch():
         sys.modules["torch"] = saved
 
 
-FP8_FIXTURE_RECIPES = {"AMP707": "mxfp8"}  # fp8 verdicts that only one recipe gives: its fixtures are checked under it
+# fp8 verdicts that only some recipes give: their fixtures are checked under one of them
+FP8_FIXTURE_RECIPES = {"AMP707": "mxfp8", "AMP708": "rowwise"}
 
 
 def compute_findings(code: str, kind: str) -> tuple[Finding, ...]:

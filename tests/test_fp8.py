@@ -1554,17 +1554,42 @@ def test_a_model_torchao_cannot_train_as_written_fails_the_check_in_one_line_nam
     assert not out.exists()
 
 
-def test_a_recipe_torchao_cannot_run_on_the_model_names_the_one_that_runs_most(cli, tmp_path):
-    """timm's LeViT applies a Linear to a transposed (non-contiguous) input: torchao's rowwise
-    recipe raises "aten.clone.default with axiswise scaling is not supported yet" where tensorwise
-    trains. The failure's one line says which recipe failed and names tensorwise."""
+_TRANSPOSED = ("import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+               "        super().__init__()\n        self.fc = nn.Linear(32, 32)\n"
+               "        self.fc2 = nn.Linear(32, 16)\n\n"
+               "    def forward(self, x):\n        return self.fc2(self.fc(x.transpose(1, 2)))\n\n\n"
+               "def example_inputs():\n    return (torch.randn(2, 32, 16),)\n")
+
+
+def test_a_linear_fed_a_transposed_view_is_kept_in_bf16_under_rowwise_and_the_rest_trains(cli, tmp_path):
+    """timm's LeViT and MLP-Mixer apply a Linear to a transposed input: torchao's rowwise recipes
+    raise "aten.clone.default with axiswise scaling is not supported yet" on it (AMP708). convert
+    keeps that layer in bf16 under them and trains the rest; tensorwise converts both."""
     _torchao()
     model_file = tmp_path / "transposed.py"
-    model_file.write_text(
-        "import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
-        "        super().__init__()\n        self.fc = nn.Linear(32, 32)\n\n    def forward(self, x):\n"
-        "        return self.fc(x.transpose(1, 2))\n\n\n"
-        "def example_inputs():\n    return (torch.randn(2, 32, 16),)\n")
+    model_file.write_text(_TRANSPOSED)
+    out = tmp_path / "out"
+    result = cli("convert", model_file, "--dtype", "fp8", "--fp8-recipe", "rowwise", "--emit", "torchao",
+                 "--train-steps", "2", "-o", out)
+    assert result.code == 0, result.err
+    plan = json.loads((out / "fp8_plan.json").read_text())
+    assert plan["fp8"] == ["fc2"] and list(plan["keep"]) == ["fc"]
+    assert plan["keep"]["fc"] == "AMP708: its input is a permuted view: torchao's rowwise cannot reshape it"
+    result = cli("convert", model_file, "--dtype", "fp8", "--fp8-recipe", "tensorwise", "--emit", "torchao",
+                 "--train-steps", "2", "-o", tmp_path / "tw")
+    assert result.code == 0, result.err
+    assert json.loads((tmp_path / "tw" / "fp8_plan.json").read_text())["fp8"] == ["fc", "fc2"]
+
+
+def test_a_recipe_torchao_cannot_run_on_the_model_names_the_one_that_runs_most(cli, tmp_path, monkeypatch):
+    """A failure the audit did not foresee (here AMP708's layout test switched off): the training
+    check's one line says which recipe failed and names tensorwise."""
+    _torchao()
+    from ampaudit.graph import fp8_measure
+
+    monkeypatch.setattr(fp8_measure, "permuted_rows", lambda x: None)
+    model_file = tmp_path / "transposed.py"
+    model_file.write_text(_TRANSPOSED)
     out = tmp_path / "out"
     result = cli("convert", model_file, "--dtype", "fp8", "--fp8-recipe", "rowwise", "--emit", "torchao",
                  "--train-steps", "2", "-o", out)
@@ -1572,6 +1597,37 @@ def test_a_recipe_torchao_cannot_run_on_the_model_names_the_one_that_runs_most(c
     assert "training the model in fp8 with torchao (rowwise) failed: AssertionError: aten.clone.default" in result.err
     assert "(another recipe may train it: --fp8-recipe tensorwise; --train-steps 0 writes" in result.err
     assert not out.exists()
-    result = cli("convert", model_file, "--dtype", "fp8", "--fp8-recipe", "tensorwise", "--emit", "torchao",
-                 "--train-steps", "2", "-o", out)
-    assert result.code == 0, result.err
+
+
+# each input layout: (how it is made from a contiguous (4, 32, 32) tensor, whether torchao's rowwise takes it)
+_LAYOUTS = {
+    "contiguous": (lambda b: b, True),
+    "transposed": (lambda b: b.transpose(1, 2), False),
+    "batch_first_swapped": (lambda b: b.transpose(0, 1), False),
+    "sliced_features": (lambda b: torch.cat([b, b], -1)[..., :32], True),  # not dense: a cast's output is contiguous
+    "strided_tokens": (lambda b: b[:, ::2], True),
+    "expanded": (lambda b: b[:1].expand(4, 32, 32), True),
+    "matrix_transposed": (lambda b: b[0].t(), True),  # 2-D: no reshape
+    "channels_last": (lambda b: b.reshape(4, 32, 4, 8).permute(0, 2, 3, 1), False),
+    "transposed_then_sliced": (lambda b: b.transpose(1, 2)[:, :16], False),
+    "transposed_one_batch": (lambda b: b[:1].transpose(1, 2), True),  # viewable as rows all the same
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_amp708s_layout_test_is_what_torchaos_rowwise_linear_takes(layout):
+    config_cls, convert = _torchao()
+    from ampaudit.graph.fp8_measure import permuted_rows
+
+    make, takes = _LAYOUTS[layout]
+    x = make(torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(0))).detach().requires_grad_()
+    fp8 = nn.Sequential(nn.Linear(32, 16))
+    convert(fp8, config=dataclasses.replace(config_cls.from_recipe_name("rowwise"), emulate=True))
+    try:
+        fp8(x).sum().backward()
+        ran = True
+    except AssertionError as exc:
+        assert "axiswise scaling is not supported" in str(exc)
+        ran = False
+    assert ran is takes
+    assert (permuted_rows(x) is None) is takes

@@ -114,6 +114,7 @@ class Fp8Layer:
     tied_to: list[str] = field(default_factory=list)  # other modules' parameters that are this weight
     # what computes the weight where it is no Parameter of its own (weight_norm, a parametrization)
     computed_weight: str | None = None
+    permuted_input: str | None = None  # its input's shape and strides where it is a permuted view
 
     @property
     def divisible(self) -> bool:
@@ -130,6 +131,7 @@ class Fp8Layer:
                 "own_forward": None if self.own_forward is None else
                 {**self.own_forward, "difference": _num(self.own_forward["difference"])},
                 "tied_to": list(self.tied_to), "computed_weight": self.computed_weight,
+                "permuted_input": self.permuted_input,
                 **({"sampled": dict(self.sampled)} if self.sampled else {}),
                 **({"grad_all_zero": True} if self.zero_grad else {})}
 
@@ -343,6 +345,23 @@ class _Record:
     grad_seen: torch.Tensor | None = None  # the output gradient recorded, as autograd gave it
     # grad @ W as the recording's backward computed it (_InputGradLinear), for the gradient recorded
     grad_input: torch.Tensor | None = None
+    permuted: str | None = None  # the input's shape and strides, where it is a permuted view (``permuted_rows``)
+
+
+def permuted_rows(x: torch.Tensor) -> str | None:
+    """``x``'s shape and strides where its rows cannot be viewed as one matrix without a copy:
+    an input of 3 or more dims that is a permuted view (``x.transpose(1, 2)`` into a Linear, as
+    MLP-Mixer's token MLP and LeViT do). torchao's rowwise casts keep the input's layout (an
+    elementwise op's output follows its strides) and then reshape it to (-1, in_features): on a
+    permuted layout that reshape is a copy, which its Float8TrainingTensor refuses with axiswise
+    scales ("aten.clone.default with axiswise scaling is not supported yet"). None: it can."""
+    if x.dim() <= 2:
+        return None
+    try:  # empty_like keeps a dense layout's strides, as the cast's output does; no data is touched
+        torch.empty_like(x, device="meta").view(-1, x.shape[-1])
+    except RuntimeError:
+        return f"shape {tuple(x.shape)}, strides {x.stride()}"
+    return None
 
 
 def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -487,6 +506,7 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         if rec.x is not None and not output.requires_grad:  # measured without a gradient already
             return
         x, loc = pending
+        rec.permuted = permuted_rows(x)
         rec.x = x.detach().float().reshape(-1, x.shape[-1])
         rec.file, rec.line = (loc.file, loc.line) if loc is not None else (None, 0)
         # not copied (a pass over every output): kept with its version, it is known unchanged or not
@@ -886,7 +906,7 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         g = None
     w = rec.module.weight.detach().float()
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
-                     rec.line, {}, 0, 0, has_grad=g is not None, zero_grad=zero_grad)
+                     rec.line, {}, 0, 0, has_grad=g is not None, zero_grad=zero_grad, permuted_input=rec.permuted)
     if rec.own_difference is not None:
         instance = "forward" in vars(rec.module)
         # what Float8Linear.from_float does not keep: parameters beside weight and bias, submodules

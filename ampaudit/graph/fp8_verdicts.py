@@ -14,10 +14,11 @@ from torch import nn
 from ampaudit.core.listing import listed
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.fp8_casts import BLOCK, MX_BLOCK, RECIPES
+from ampaudit.graph.fp8_casts import BLOCK, MX_BLOCK, RECIPES, ROW
 from ampaudit.graph.fp8_measure import Fp8Layer, Fp8Measurement, OperandStats, dominance, measure_fp8
 
-FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705", "AMP706", "AMP707")  # the verdicts this module gives
+# the verdicts this module gives
+FP8_CODES = ("AMP701", "AMP702", "AMP703", "AMP704", "AMP705", "AMP706", "AMP707", "AMP708")
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _ordinary_grad_weight(ops: dict[str, OperandStats]) -> float:
 
 
 def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
-    """The AMP701-AMP704, AMP706 and AMP707 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
+    """The AMP701-AMP704 and AMP706-AMP708 verdicts on one layer (AMP705 needs the whole model: ``judge``)."""
     found = []
     own = layer.own_forward
     if own is not None:
@@ -94,6 +95,9 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
     if recipe == "mxfp8" and layer.tied_to:  # quantize_ gives the weight a Parameter of its own
         tied = ", ".join(f"`{n}`" for n in layer.tied_to)
         found.append(Verdict("AMP707", {"tied": tied}, f"its weight is tied to {tied}: MXFP8 training unties it"))
+    if layer.permuted_input is not None and RECIPES[recipe].input.granularity == ROW:
+        found.append(Verdict("AMP708", {"layout": layer.permuted_input, "recipe": recipe},
+                             f"its input is a permuted view: torchao's {recipe} cannot reshape it"))
     ops = layer.operands[recipe]
     rest = ops["input"].sqnr_rest_db
     tokens_input = bool(layer.outlier_tokens) and rest < rule("AMP702").params["min_sqnr_db"]
