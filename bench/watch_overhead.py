@@ -214,6 +214,7 @@ def main() -> None:
 
     variants = {"plain": contextlib.nullcontext, "watch": watched, "watch + log": logged,
                 "watch, provenance=False": lambda: watched(provenance=False), "watch every=10": lambda: watched(10),
+                "watch, probe_loss": lambda: watched(probe_loss=True),
                 "watch, torch-op rows": torch_rows, "naive .item() hooks": lambda: ab.item_hooks(model),
                 "detect_anomaly": ab.anomaly}
     if args.workload == "nanogpt":  # what `ampaudit run` does: the log, every step and every 10th

@@ -343,3 +343,115 @@ def test_the_backward_tap_comes_off_and_leaves_a_later_wrapper_in_place():
     finally:
         torch.autograd.backward = original
         backward_tap._wrapper = None
+
+
+def _train_unscaled(loss_fn, steps: int = 5, watched: bool = True, stack: list | None = None, setup_calls: int = 0,
+                    **options):
+    """The regression of ``_train`` without a GradScaler (an fp32 or bf16 run): the first bad
+    step's NaN gradients go into the weights, and every later step is NaN from the model on.
+    ``setup_calls``: torch calls the script makes with the watch on, before its first step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    watch = ampaudit.watch(model, optimizer=opt, **options) if watched else nullcontext()
+    with watch as monitor:
+        t = torch.ones(2, requires_grad=True)
+        for _ in range(setup_calls):  # a script's own set-up: kept within the probe's window, not ahead of it
+            t = t * 1.0
+        for step in range(steps):
+            loss = loss_fn(model(x), y, step)
+            if stack is not None:
+                stack.append(torch._C._len_torch_function_stack())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return monitor, [p.detach().clone() for p in model.parameters()]
+
+
+def test_without_a_scaler_a_nan_that_never_recurs_is_named_only_with_probe_loss():
+    """No GradScaler: step 2's 0/0 puts NaN into the weights, so no later step's loss code makes
+    it again and the probe armed after it finds nothing; the note says how to name it. With
+    probe_loss the probe is on from the first step and names the division at step 2 itself."""
+    monitor, _ = _train_unscaled(_masked_mean)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["phase"]) == (2, "loss") and "op" not in first
+    assert first["note"].endswith(" (to name its line where it does not happen again: `ampaudit run --probe-loss`, "
+                                  "watch(probe_loss=True))")
+    stack: list[int] = []
+    monitor, weights = _train_unscaled(_masked_mean, probe_loss=True, stack=stack)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")
+    assert first["note"] == (f"{LOSS_ITSELF} (NaN or Inf out of finite values); its gradients made the model's "
+                             "non-finite too")
+    assert stack == [1, 1, 1, 0, 0]  # on the stack in the loss code until it named the call
+    assert torch._C._len_torch_function_stack() == 0
+    _, plain = _train_unscaled(_masked_mean, watched=False)
+    for a, b in zip(weights, plain, strict=True):  # NaN where the run put it, the rest bit for bit
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_probe_loss_keeps_the_latest_calls_so_a_long_setup_does_not_crowd_out_the_loss_code():
+    from ampaudit.watch.loss_probe import MAX_CALLS
+
+    monitor, _ = _train_unscaled(_masked_mean, probe_loss=True, setup_calls=MAX_CALLS + 100)
+    assert monitor.summary()["first_nonfinite"]["op"] == "Tensor.div"
+
+
+def test_probe_loss_on_a_healthy_run_changes_no_value_and_leaves_the_stack_empty():
+    def mse(out, y, step):
+        return ((out - y) ** 2).mean()
+
+    stack: list[int] = []
+    monitor, watched = _train_unscaled(mse, probe_loss=True, stack=stack)
+    assert stack == [1] * 5 and torch._C._len_torch_function_stack() == 0
+    assert monitor.summary()["first_nonfinite"] is None
+    _, plain = _train_unscaled(mse, watched=False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
+
+
+def test_probe_loss_steps_off_the_stack_for_a_compiled_model_and_stops_once_something_compiled(monkeypatch):
+    """The mode is off the stack while the model runs, so torch.compile traces the model as it
+    would without it; once a graph has compiled, the probe stops at the next step's end."""
+    compiled = {"any": False}
+    monkeypatch.setattr("ampaudit.watch.monitor.compiled_anything", lambda: compiled["any"])
+    seen: list[int] = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    stack = []
+    with ampaudit.watch(model, optimizer=opt, probe_loss=True) as monitor:
+        model.register_forward_pre_hook(lambda m, a: seen.append(torch._C._len_torch_function_stack()))  # after watch's
+        for step in range(4):
+            loss = model(torch.randn(16, 4)).pow(2).mean()
+            stack.append(torch._C._len_torch_function_stack())
+            compiled["any"] = step >= 1
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert seen == [0, 0, 0, 0]  # the model never runs under the probe
+    assert stack == [1, 1, 0, 0] and monitor.recorder.loss_probe is None
+
+
+def test_probe_loss_names_a_nan_loss_without_provenance_too():
+    """provenance=False keeps no module calls, and the blame then traces nothing to the loss
+    code; a non-finite loss is the loop's all the same, and the probe names its call."""
+    monitor, _ = _train_unscaled(_masked_mean, probe_loss=True, provenance=False)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")
+    monitor, _ = _train_unscaled(_masked_mean, provenance=False)  # never armed without probe_loss
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["phase"]) == (2, "loss") and "op" not in first and monitor.recorder.loss_probe is None
+
+
+def test_a_loss_function_compiled_with_fullgraph_trains_under_probe_loss_as_without_it():
+    """Dynamo traces a torch function mode's own code: the probe's frame lookup broke a
+    fullgraph compile of the loss function ("does not know how to trace sys._getframe") and
+    the script with it; compiling, the mode only makes the call."""
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled(out, y, step):
+        return ((out - y) ** 2).mean()
+
+    _, watched = _train_unscaled(compiled, probe_loss=True)
+    _, plain = _train_unscaled(compiled, watched=False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))

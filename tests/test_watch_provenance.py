@@ -865,8 +865,10 @@ def test_a_gradient_whose_forward_ran_before_the_last_step_says_so():
     assert first["note"].startswith("its forward ran before the previous step ended")
 
 
+# a single step: the probe, armed by it, had no later step to name it at; the note says how to
 _LOSS_ITSELF = ("the loss was non-finite, made by the loop's code outside every watched module; its gradients made "
-                "the model's non-finite too")
+                "the model's non-finite too (to name its line where it does not happen again: `ampaudit run "
+                "--probe-loss`, watch(probe_loss=True))")
 # a term whose value is NaN (a sqrt of a negative) makes the loss NaN; one whose value is finite and
 # whose gradient is not (a sqrt at exactly 0: 0 with an infinite slope) makes only the gradient bad
 _NAN_TERM, _GRAD_TERM = "nan", "grad"

@@ -277,7 +277,8 @@ class StepRecorder:
         self.event_rows: list[Handle] = []  # arena handles, in execution order
         self.events: list[tuple[str, str, str]] = []  # (module, phase, tensor) of each row
         self.event_calls: list[int | None] = []  # each event's module call, in ``calls`` (provenance)
-        self.loss_probe: LossProbe | None = None  # armed by the monitor after a NaN from the loss
+        # armed by the monitor after a NaN from the loss, or from the start (probe_loss)
+        self.loss_probe: LossProbe | None = None
         self.calls: list[Call | None] = []  # this step's module calls (None: released)
         self.calls_frozen = False  # a micro-batch before this one went non-finite: keep its calls
         self._backward_since = False  # a gradient hook ran since the calls' micro-batch began (``_root_forward``)
@@ -530,8 +531,6 @@ class StepRecorder:
             self._detect_dtype(measurable_tensors(output))
         if not self.logging or name is None:
             return
-        if self.loss_probe is not None and phase == "forward" and module is self._model:
-            self.loss_probe.start()  # what the loop does with the output until the backward
         self._call = None
         if self.provenance and phase == "forward" and not self.calls_frozen:
             self._call = len(self.calls)
@@ -548,6 +547,8 @@ class StepRecorder:
             if t.requires_grad:
                 self.hook_grad(t, name, f"grad of {label}")
         self._call = None
+        if self.loss_probe is not None and phase == "forward" and module is self._model:
+            self.loss_probe.start()  # what the loop does with the output until the backward (not this hook's calls)
 
     def _elsewhere(self, output: Any) -> bool:
         """Whether a module call is one this recorder leaves alone - inside a ``torch.func``
@@ -576,7 +577,7 @@ class StepRecorder:
             return  # counted when the call returns
         if self._depth == 0:
             if self.loss_probe is not None:
-                self.loss_probe.pause()
+                self.loss_probe.step_aside()
             if id(module) not in self._names:
                 self._name_tree(module, self._root_prefix(module))
             self._root_forward(module, args)
@@ -620,7 +621,7 @@ class StepRecorder:
         called outside any other is a root - and so is a checkpointed block run again inside
         the backward."""
         if self.loss_probe is not None:
-            self.loss_probe.pause()  # the model's own code: its modules' hooks see it
+            self.loss_probe.step_aside()  # the model's own code: its modules' hooks see it
         if not self.logging:  # hooks kept on between recorded steps (torch.compile, the dtype not known yet)
             self._idle_forward(module, args)
             return
@@ -681,8 +682,8 @@ class StepRecorder:
         armed, stops recording."""
         if transformed() or not self.thread.here(claim=False):  # another thread's backward: its own story
             return
-        if self.loss_probe is not None:
-            self.loss_probe.pause()
+        if self.loss_probe is not None:  # off the stack: the backward, the optimizer and the step's end run without it
+            self.loss_probe.step_aside()
         # no module of this watch ran forward in the step: another model's backward (a deep copy's); a
         # backward inside a backward (reentrant checkpointing's recomputed block): not the loss
         if not (self.active and self.logging and self.events) or self.paused or _compiling() or _in_backward():

@@ -21,9 +21,25 @@ LOSS_ALONE = ("; every gradient stayed finite - a mean over no elements does tha
 LOSS_SPREAD = "; its gradients made the model's non-finite too"
 
 
+# said of a NaN from the loss the probe has not named (yet) in a run without ``probe_loss``: the
+# probe, armed by it, names it only where it happens again with finite weights
+TO_NAME_IT = " (to name its line where it does not happen again: `ampaudit run --probe-loss`, watch(probe_loss=True))"
+
+
 def from_the_loss(first: dict[str, Any] | None) -> bool:
-    """Whether a step's first non-finite was made by the loop's code (``made_in``), its op not named yet."""
-    return bool(first) and first.get("made_in") == "loss" and not first.get("op")
+    """Whether a step's first non-finite was made by the loop's code - the loss itself, or what
+    the blame traced to it (``made_in``: not without provenance) -, its op not named yet."""
+    return bool(first) and (first.get("made_in") == "loss" or first.get("phase") == LOSS) and not first.get("op")
+
+
+# said instead under ``probe_loss`` once torch.compile stopped the probe
+COMPILED = " (the loss probe stopped when torch.compile compiled a graph: its mode would change what dynamo traces)"
+
+
+def unnamed(first: dict[str, Any], why: str = TO_NAME_IT) -> dict[str, Any]:
+    """``first``, not named by the probe, with why (once): how to name it, or why it was not."""
+    note = str(first.get("note", ""))
+    return first if note.endswith(why) else {**first, "note": note + why}
 
 
 def named(first: dict[str, Any], origin: Origin) -> dict[str, Any]:
@@ -36,7 +52,7 @@ def named(first: dict[str, Any], origin: Origin) -> dict[str, Any]:
         origin = origin.minus_inf
     if first.get("phase") == LOSS:  # the loss event's note: LOSS_ITSELF or LOSS_SCALED, then what its gradients did
         # named, the call says which it was (a GradScaler's multiplication is a call at scaler.scale's line)
-        said = str(first.get("note", LOSS_ITSELF))
+        said = str(first.get("note", LOSS_ITSELF)).removesuffix(TO_NAME_IT)  # named at last
         rest = said[len(LOSS_SCALED if said.startswith(LOSS_SCALED) else LOSS_ITSELF):]
         note = f"{LOSS_ITSELF} ({how}){rest}"
     else:
@@ -46,5 +62,6 @@ def named(first: dict[str, Any], origin: Origin) -> dict[str, Any]:
 
 def named_later(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     """The run's first non-finite, from the loss, named by a later step's probe (``later``)."""
+    first = {**first, "note": str(first.get("note", "")).removesuffix(TO_NAME_IT)}
     return {**first, "op": later["op"], **({"source": later["source"]} if "source" in later else {}),
             "note": f"{later['note']} (named at step {later['step']}, where it happened again)"}

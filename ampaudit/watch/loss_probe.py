@@ -19,12 +19,18 @@ Why only after such a step, and not on every step: a mode on the stack changes w
 ``torch.compile`` traces and costs each call of the loop some Python. A healthy run never arms it;
 a run whose loss goes bad again and again (a GradScaler skipping steps: the weights stay finite,
 the same loss code makes the same NaN) is named at the next recorded step. A run whose weights
-went NaN after the first bad step blames the weights from then on, and the probe stays silent.
+went NaN after the first bad step (no GradScaler: fp32 and bf16 runs) blames the weights from
+then on: there the probe can only be on from the first step (``watch(probe_loss=True)``,
+``ampaudit run --probe-loss``), at that cost on every step.
+
+The mode steps off the stack while the model runs (its modules' hooks see that code, and a
+compiled model is traced without it) and back on when the model returns.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any
 
 import torch
@@ -34,7 +40,9 @@ from ampaudit.core.userframe import user_location
 from ampaudit.watch.provenance import FirstBadOp, Origin
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
-MAX_CALLS = 512  # a step's calls kept at most: a loop that evaluates between forward and backward
+# a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
+# a script's setup before its first step under ``probe_loss``
+MAX_CALLS = 512
 _ACCESS = ("__get__", "__set__", "__delete__")
 
 
@@ -57,13 +65,17 @@ class LossProbe(TorchFunctionMode):
         super().__init__()
         self.recording = False
         self.on_stack = False
-        self.calls: list[tuple[Any, Any, tuple, dict | None, Any]] = []  # func, line, args, kwargs, out
+        # func, line, args, kwargs, out
+        self.calls: deque[tuple[Any, Any, tuple, dict | None, Any]] = deque(maxlen=MAX_CALLS)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # paused (the backward and the optimizer's unscaling run before the step's end takes it off
+        # the stack: inside this method it cannot); compiling: dynamo traces the mode's code - the call alone
+        if not self.recording or torch.compiler.is_compiling():
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         # an attribute read or written (``p.grad``, ``x.data``) computes nothing: never the maker
-        if self.recording and len(self.calls) < MAX_CALLS and torch.is_grad_enabled() \
-                and getattr(func, "__name__", None) not in _ACCESS:
+        if torch.is_grad_enabled() and getattr(func, "__name__", None) not in _ACCESS:
             self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out))
         return out
 
@@ -89,17 +101,30 @@ class LossProbe(TorchFunctionMode):
         """A module runs (its hooks see it) or the backward started (any thread: a flag only)."""
         self.recording = False
 
+    def step_aside(self) -> None:
+        """The model's forward, the loop's backward or the step's end starts, on the training
+        thread: off the stack until the model returns or the next step starts (``start``) -
+        torch.compile traces the model as it would without the probe, and the watch's own step
+        end pays nothing for it. (``loss.backward()`` reaches the watch inside this mode's
+        ``__torch_function__``, where the mode is not on the stack: only its flag changes then.)"""
+        self.recording = False
+        self._pop()
+
     def leave(self) -> bool:
         """Off the mode stack at the step's end, its calls released. A mode the loop pushed
         since and has not popped is above it: this one stays on, paused, until a later end finds
         it on top. Returns whether it is off."""
         self.recording = False
-        self.calls = []
+        self.calls.clear()
+        self._pop()
+        return not self.on_stack
+
+    def _pop(self) -> None:
+        """Off this thread's mode stack, if it is on top of it."""
         if self.on_stack and torch._C._len_torch_function_stack() and \
                 torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is self:
             self.__exit__(None, None, None)
             self.on_stack = False
-        return not self.on_stack
 
     def origin(self) -> Origin | None:
         """The first call that made NaN/+inf of finite values (or -inf by arithmetic), with its

@@ -39,7 +39,7 @@ from ampaudit.watch.hooks import NotCopied, StepRecorder, compiled_anything, rec
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
-from ampaudit.watch.loss_notes import from_the_loss, named
+from ampaudit.watch.loss_notes import COMPILED, TO_NAME_IT, from_the_loss, named, unnamed
 from ampaudit.watch.loss_probe import ARMED_STEPS, LossProbe
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
@@ -150,6 +150,9 @@ class Monitor:
         self._stopping = False
         # recorded steps the loss probe stays armed for (``_probe_loss``); None: never armed, 0: done
         self._probe_steps: int | None = None
+        self.probe_loss = options.probe_loss  # the loss probe armed from the first step, for good
+        # what a NaN from the loss the probe did not name says of that (``loss_notes``)
+        self._probe_why = "" if options.probe_loss else TO_NAME_IT
         self.forks = 0  # processes forked while watching: not watched (watch/forks.py)
         self.forked_child = False  # this process is a fork of the one watch started in
 
@@ -216,6 +219,12 @@ class Monitor:
             self._model_params = [(self.recorder.param_name(p, n), p) for n, p in self.model.named_parameters()]
         if self.guard is not None:
             self.guard.start()
+        if self.probe_loss and self.reducer.world <= 1:
+            if compiled_anything():
+                self._probe_why = COMPILED
+            else:
+                self.recorder.loss_probe, self._probe_steps = LossProbe(), ARMED_STEPS
+                self.recorder.loss_probe.start()  # the first step's loss code, from here
         # a disabled GradScaler (``enabled=amp`` with amp off) steps the optimizer as it is: that
         # step ends the step, before the update a replay must not see (its update() comes after)
         if self.scaler is not None and (self.scaler.is_enabled() or self.optimizer is None):
@@ -289,6 +298,8 @@ class Monitor:
         self._boundary()
 
     def _boundary(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        if self.recorder.loss_probe is not None:  # off the stack: the step's end makes no call through it
+            self.recorder.loss_probe.step_aside()
         found_inf = scale = None
         if scaler is not None and scaler.is_enabled():
             self._last_scaler = scaler  # its scale after the last update() is read at stop()
@@ -428,14 +439,18 @@ class Monitor:
         recorder = self.recorder
         probe, first = recorder.loss_probe, record["first_nonfinite"]
         if probe is not None and self._probe_steps:
-            self._probe_steps -= 1
+            self._probe_steps -= not self.probe_loss
             origin = probe.origin() if from_the_loss(first) else None
             if origin is not None:
                 record["first_nonfinite"] = named(first, origin)
                 self._probe_steps = 0
+            elif self.probe_loss and compiled_anything():  # a mode would change what it traces
+                self._probe_steps, self._probe_why = 0, COMPILED
         elif self._probe_steps is None and from_the_loss(first) and recorder.provenance and self.reducer.world <= 1 \
                 and not compiled_anything():
             recorder.loss_probe, self._probe_steps = LossProbe(), ARMED_STEPS
+        if from_the_loss(record["first_nonfinite"]) and self._probe_why:
+            record["first_nonfinite"] = unnamed(record["first_nonfinite"], self._probe_why)
 
     def _check_stop(self, record: dict[str, Any]) -> None:
         """With ``stop_on_nonfinite``: raise once this step is recorded, if it calls for it."""

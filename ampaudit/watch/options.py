@@ -87,6 +87,14 @@ class WatchOptions:
         "keep a step's module calls, to replay the one that went non-finite and name its op and line",
         Flag(help="do not keep a step's module calls to replay the one that went non-finite (saves the memory of "
              "their inputs; the report then names the module but not the op)")))
+    probe_loss: bool = field(default=False, metadata=_about(
+        "record the loop's own torch calls (the loss code, outside every module) on every step from the first, so "
+        "that a NaN made there is named with its line even when it never recurs - a run without a GradScaler, "
+        "whose weights go NaN after the first bad step; costs each such call some Python; not with torch.compile "
+        "(off from the first step that compiled) or across processes",
+        Flag(help="record the loop's own torch calls (the loss code) on every step from the first, to name the line "
+             "of a NaN made there even when it never recurs (no GradScaler: the weights go NaN after it); costs "
+             "each such call some Python")))
     ignore: Sequence[str] = field(default=(), metadata=_about(
         "modules (fnmatch on their names, e.g. 'blocks.*.attn.mask') never reported as where a NaN/Inf was born",
         Flag(repeat=True, metavar="PATTERN")))
@@ -121,7 +129,8 @@ class WatchOptions:
         history = self.fp8_history
         if isinstance(history, bool) or not isinstance(history, int) or not 1 <= history <= FP8_HISTORY_MAX:
             raise ValueError(f"fp8_history must be a whole number from 1 to {FP8_HISTORY_MAX} (got {history!r})")
-        for name in ("stop_on_nonfinite", "inputs", "eval", "provenance", "inside_compile", "exact_histograms", "fp8"):
+        for name in ("stop_on_nonfinite", "inputs", "eval", "provenance", "probe_loss", "inside_compile",
+                     "exact_histograms", "fp8"):
             value = getattr(self, name)
             if not isinstance(value, bool):  # fp8="false" is truthy: it turned the recording on
                 raise TypeError(f"{name} must be True or False (got {value!r})")
