@@ -80,12 +80,27 @@ def test_a_zero_output_gain_leaves_the_output_exactly_fp32s_and_says_so():
 
 def test_a_class_reduced_with_its_state_as_argument_is_copied_once_converted():
     converted = _convert()
-    with pytest.raises(RecursionError):  # the instance-bound forward led back to the module
-        copy.deepcopy(converted)
     twin = copy_model(converted)
     assert twin.forward.__self__ is twin and converted.forward.__self__ is converted
     with torch.no_grad():
         assert torch.equal(twin(*mp_unet.example_inputs()), converted(*mp_unet.example_inputs()))
+
+
+def test_the_users_deepcopy_of_the_converted_model_is_a_converted_model_of_its_own():
+    """EDM2's loop keeps its EMA as ``copy.deepcopy(net)``: of a converted persistent-class
+    model that recursed (the instance-bound forward led back to the module); with the model
+    and its parameters in one deepcopy (a checkpoint dict), they stay one another's."""
+    converted = _convert()
+    twin = copy.deepcopy(converted)
+    assert twin.forward.__self__ is twin and converted.forward.__self__ is converted
+    blocks = [(m, c) for m, c in zip(twin.modules(), converted.modules(), strict=True) if "forward" in vars(c)]
+    assert blocks and all(m.forward.__self__ is m and m.__deepcopy__.__self__ is m for m, _ in blocks)
+    with torch.no_grad():
+        assert torch.equal(twin(*mp_unet.example_inputs()), converted(*mp_unet.example_inputs()))
+        next(twin.parameters()).add_(1.0)  # the copy's weights are its own
+        assert not torch.equal(twin(*mp_unet.example_inputs()), converted(*mp_unet.example_inputs()))
+    state = copy.deepcopy({"net": converted, "params": list(converted.parameters())})
+    assert all(a is b for a, b in zip(state["params"], state["net"].parameters(), strict=True))
 
 
 def test_the_fx_backend_runs_a_graph_holding_numpy_scalars():

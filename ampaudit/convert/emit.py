@@ -28,6 +28,7 @@ import torch
 
 from ampaudit.convert.publish import EMIT_FILES
 from ampaudit.core.errors import UsageError
+from ampaudit.graph.model_copy import copied_whole
 
 FORMATS = ("autocast", "hf", "fsdp2")
 OVERRIDES = frozenset({"AMP201", "AMP301", "verify", "declared", "kernel", "untraced"})
@@ -101,6 +102,7 @@ def run_in_fp32(module: torch.nn.Module) -> None:
     if inner is not None:
         module._ampaudit_fp32_inner = inner
     module.forward = types.MethodType(_fp32_forward, module)
+    copied_whole(module)
 
 
 def _fp32_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

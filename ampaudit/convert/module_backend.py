@@ -45,7 +45,7 @@ from ampaudit.graph import dtype_flow as flow
 from ampaudit.graph.declared import declared_precision
 from ampaudit.graph.forward import ExampleInputs, run_model
 from ampaudit.graph.measure import measure_ranges
-from ampaudit.graph.model_copy import copy_model
+from ampaudit.graph.model_copy import copied_whole, copy_model
 from ampaudit.graph.recorder import record_trace
 from ampaudit.graph.trace import SubGraph
 from ampaudit.graph.view import GraphView
@@ -179,8 +179,10 @@ def apply_module_plan(model: torch.nn.Module, records: Iterable[Mapping[str, Any
         if path and module is not None and not _under(path, overridden | leaves_fp32):
             module.ampaudit_fp32_ops = fp32_ops
             module.forward = types.MethodType(_fp32_ops_forward, module)
+            copied_whole(module)
     work.ampaudit_fp32_ops = fp32_ops
     work.forward = types.MethodType(_autocast_forward, work)
+    copied_whole(work)
     return work
 
 

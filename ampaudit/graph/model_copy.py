@@ -26,8 +26,8 @@ import torch
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-def copy_model(model: M) -> M:
-    """``copy.deepcopy(model)``, with every module attribute that carries autograd history
+def copy_model(model: M, memo: dict[int, object] | None = None) -> M:
+    """``copy.deepcopy(model, memo)``, with every module attribute that carries autograd history
     (not a parameter or buffer) copied detached."""
     modules = list(model.modules())
     held = [(module, name, value) for module in modules for name, value in vars(module).items()
@@ -39,7 +39,7 @@ def copy_model(model: M) -> M:
             module.__dict__[name] = value.detach()
         for i, name, _ in bound:
             del modules[i].__dict__[name]
-        copied = copy.deepcopy(model)
+        copied = copy.deepcopy(model, memo)
     finally:
         for module, name, value in held:
             module.__dict__[name] = value
@@ -49,3 +49,15 @@ def copy_model(model: M) -> M:
     for i, name, value in bound:
         copies[i].__dict__[name] = types.MethodType(value.__func__, copies[i])
     return copied
+
+
+def copied_whole(module: torch.nn.Module) -> None:
+    """Have ``copy.deepcopy(module)`` - the user's: an EMA of the converted model - be
+    ``copy_model``'s, for a module given a method bound to itself: an instance ``__deepcopy__``
+    (itself bound, so taken off and bound again like the others). Without it a persistent
+    class's copy recursed, as above."""
+    module.__deepcopy__ = types.MethodType(_deepcopy, module)
+
+
+def _deepcopy(self: torch.nn.Module, memo: dict[int, object]) -> torch.nn.Module:
+    return copy_model(self, memo)
