@@ -216,10 +216,13 @@ def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ene
     where it has no outlier tokens or channels (then the rest is the whole); ``scratch``: where
     the error's buffer comes from and goes back to."""
     scratch = scratch or _Scratch()
-    error = scratch.sub(x, q.value)
-    whole = _db(energy, _norm(error))
-    rest_db = whole if rest is None else _db(_norm(x * rest), _norm(error.mul_(rest)))
-    scratch.give(error)
+    if rest is None:
+        whole = rest_db = _db(energy, _error_norm(x, q.value, scratch))
+    else:
+        error = scratch.sub(x, q.value)
+        whole = _db(energy, _norm(error))
+        rest_db = _db(_norm(x * rest), _norm(error.mul_(rest)))
+        scratch.give(error)
     total = max(q.nonzero, 1)
     return OperandStats(whole, rest_db, q.flushed / total, q.saturated / max(x.numel(), 1))
 
@@ -319,8 +322,18 @@ def _sqnr(reference: torch.Tensor, value: torch.Tensor, scratch: _Scratch | None
     """``sqnr_db``, its difference in a scratch tensor (where there is a scratch)."""
     if scratch is None:
         return sqnr_db(reference, value)
-    error = scratch.sub(reference, value)
-    found = _db(_norm(reference), _norm(error))
+    return _db(_norm(reference), _error_norm(reference, value, scratch))
+
+
+def _error_norm(a: torch.Tensor, b: torch.Tensor, scratch: _Scratch) -> float:
+    """``_norm(a - b)``: in one C pass where the kernel takes the two (one dense layout; the same
+    float as torch's norm of torch's difference), else by torch ops into a scratch tensor (and
+    where the kernel's sum is 0 or inf: ``_norm``'s float64 retry)."""
+    n = fp8_native.error_norm(a, b)
+    if n is not None and 0 < n < math.inf:
+        return n ** 2
+    error = scratch.sub(a, b)
+    found = _norm(error)
     scratch.give(error)
     return found
 

@@ -40,7 +40,10 @@ def _functions() -> tuple[ctypes._CFuncPtr, ...] | None:
     spread = lib.ampaudit_fp8_spread
     spread.argtypes = [p, i64, ctypes.c_float, p, p, p]
     spread.restype = ctypes.c_int
-    return fn, amax, summary, spread
+    norm = lib.ampaudit_fp8_error_norm
+    norm.argtypes = [p, p, i64]
+    norm.restype = ctypes.c_float
+    return fn, amax, summary, spread, norm
 
 
 def available() -> bool:
@@ -190,3 +193,52 @@ def spread(amax: torch.Tensor, ratio: float) -> tuple[float, int, float] | None:
     if fns[3](amax.data_ptr(), amax.numel(), ratio, ctypes.byref(median), ctypes.byref(over), ctypes.byref(least)):
         return None
     return median.value, over.value, least.value
+
+
+def _dense_start(t: torch.Tensor) -> bool:
+    """Whether ``t`` (float32, CPU) is dense - every element once, no gap: contiguous or a
+    permutation of it - so that its elements in memory order are one run from its data pointer."""
+    n = 1
+    for size, step in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] != 1), key=lambda d: d[1]):
+        if step != n:
+            return False
+        n *= size
+    return True
+
+
+def error_norm(x: torch.Tensor, v: torch.Tensor | None = None) -> float | None:
+    """``float(torch.linalg.vector_norm(x - v))`` (of ``x`` where ``v`` is None) in one C pass,
+    the same float: the kernel sums in torch's order, checked against torch's norm on first use
+    (per torch thread count). ``x`` and ``v``: float32 CPU tensors of one shape and strides,
+    dense; None where they are not, or where this torch sums otherwise (the caller's torch ops)."""
+    fns = _functions()
+    if fns is None or x.dtype != torch.float32 or x.device.type != "cpu" or not _agrees(torch.get_num_threads()):
+        return None
+    if v is not None and (v.dtype != torch.float32 or v.device.type != "cpu" or v.shape != x.shape
+                          or v.stride() != x.stride()):
+        return None
+    if not x.is_contiguous() and not _dense_start(x):
+        return None
+    return fns[4](x.data_ptr(), 0 if v is None else v.data_ptr(), x.numel())
+
+
+@cache
+def _agrees(threads: int) -> bool:
+    """Whether the kernel's norm is torch's, bit for bit, on probes that tell summation orders
+    apart: every length to 20 (each tail of the eight lanes and of the groups of four, with
+    and without a body), longer ones, a transposed matrix; magnitudes over 30 decades, zeros;
+    differences of two tensors and single tensors. About 1 ms, once."""
+    fn = _functions()[4]
+    g = torch.Generator().manual_seed(0)
+    shapes = [(n,) for n in range(1, 21)] + [(4099,), (61, 131), (96, 40)]
+    for i, shape in enumerate(shapes):
+        x = torch.randn(shape, generator=g) * 10.0 ** (i % 31 - 15)
+        v = x + torch.randn(shape, generator=g) * 10.0 ** (i % 7 - 20 + i % 31)
+        x[torch.rand(shape, generator=g) < 0.1] = 0
+        if len(shape) == 2 and i % 2:
+            x, v = x.t().contiguous().t(), v.t().contiguous().t()  # dense, transposed
+        for a, b in ((x, v), (x, None)):
+            want = float(torch.linalg.vector_norm(a if b is None else a - b))
+            if fn(a.data_ptr(), 0 if b is None else b.data_ptr(), a.numel()) != want:
+                return False
+    return True
