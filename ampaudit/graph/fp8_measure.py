@@ -618,34 +618,54 @@ class _Casts:
         # nonzero: each operand's, where the caller counted them
         self.nonzero = nonzero or {op: int(torch.count_nonzero(t)) if self.count else 0 for op, t in tensors.items()}
         self.memo: dict[tuple, CastResult] = {}
+        self.raw: dict[tuple, CastResult] = {}  # MX casts of a transposed operand, in its layout (``get``)
 
-    def get(self, op: str, how: Any, dim: int, pow2: bool) -> CastResult:
+    def get(self, op: str, how: Any, dim: int, pow2: bool, any_layout: bool = False) -> CastResult:
+        """``any_layout``: the caller reads the value in any layout (a statistic of its elements
+        against the operand's, in the operand's layout): MX's value of a transposed operand is left
+        in that layout where the kernel writes it - the same values, without the contiguous copy a
+        GEMM reads (made where a later caller asks for it)."""
         key = (op, how, None if how.granularity == "tensor" else dim, pow2 and how.granularity != "block")
-        if key not in self.memo:
-            x = self.tensors[op]
-            # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
-            lend = self.scratch is not None and how.fmt is not None
-            out = self.scratch.take(x) if lend else None
-            dense = None
-            if out is not None and how.granularity == "block" and not x.is_contiguous():
-                dense = self.scratch.take_contiguous(x.shape)
-            self.memo[key] = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
-                                  count=self.count or how.granularity == "block", out=out, dense=dense)
-            value = self.memo[key].value
-            for t in (out, dense):  # the one holding the value is lent; the other is free again
-                if t is not None:
-                    if value is t:
-                        self.lent.append(t)
-                    else:
-                        self.scratch.give(t)
-        return self.memo[key]
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        raw = self.raw.get(key)
+        if raw is not None:
+            if any_layout:
+                return raw
+            # the value as the cast gives it otherwise: contiguous (the same copy _cast_from_amax makes)
+            dense = self.scratch.take_contiguous(raw.value.shape)
+            value = raw.value.contiguous() if dense is None else dense.copy_(raw.value)
+            if value is dense:
+                self.lent.append(dense)
+            self.memo[key] = replace(raw, value=value)
+            return self.memo[key]
+        x = self.tensors[op]
+        # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
+        lend = self.scratch is not None and how.fmt is not None
+        keep = lend and any_layout and how.granularity == "block" and not x.is_contiguous()
+        out = self.scratch.take(x) if lend else None
+        dense = None
+        if out is not None and how.granularity == "block" and not x.is_contiguous() and not keep:
+            dense = self.scratch.take_contiguous(x.shape)
+        found = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
+                     count=self.count or how.granularity == "block", out=out, dense=dense, keep_layout=keep)
+        for t in (out, dense):  # the one holding the value is lent; the other is free again
+            if t is not None:
+                if found.value is t:
+                    self.lent.append(t)
+                else:
+                    self.scratch.give(t)
+        # kept in x's layout (where the torch ops cast, it is contiguous already: as any caller takes it)
+        (self.raw if keep and not found.value.is_contiguous() else self.memo)[key] = found
+        return found
 
     def release(self, kept: CastResult | None = None) -> None:
         """The casts' values back to the scratch: nothing reads them any more (but ``kept``'s)."""
         for t in self.lent:
             if kept is None or t is not kept.value:
                 self.scratch.give(t)
-        self.lent, self.memo = [], {}
+        self.lent, self.memo, self.raw = [], {}, {}
 
 
 def sample_index(amax: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -976,7 +996,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         for op in ("input", "weight", "grad_output"):
             if op not in tensors:
                 continue
-            q = casts.get(op, *hows[op], r.pow2_scales)
+            # a layer measured whole: its statistics read the cast's values in the operand's layout
+            q = casts.get(op, *hows[op], r.pow2_scales, any_layout=not sampled)
             if id(q) not in done:
                 mask = rest if op == "input" else None
                 if sampled and op not in signals:

@@ -83,7 +83,7 @@ def _walk(x: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, block: bool = False,
-         out: torch.Tensor | None = None, dense: torch.Tensor | None = None
+         out: torch.Tensor | None = None, dense: torch.Tensor | None = None, keep_layout: bool = False
          ) -> tuple[torch.Tensor, int, int, int] | None:
     """``x`` (2-D float32, CPU) cast with ``scale`` (broadcastable to it, float32): the
     dequantized value (in ``x``'s layout), nonzero x, nonzero after the cast, saturated.
@@ -93,7 +93,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
     tensors, or declines an amax (not finite): the caller's torch ops do. ``out`` (with a
     ``FromAmax``): where the value goes, a tensor of x's shape and strides; ``dense``: where MX's
     value of a transposed ``x`` is copied (contiguous, as the torch ops give it) in place of a
-    new tensor."""
+    new tensor; ``keep_layout``: MX's value is left in x's layout (the same values, for a reader
+    that takes any layout)."""
     fns = _functions()
     walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
     if fns is None or walk is None:
@@ -104,7 +105,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
             out = None
         if dense is not None and (dense.shape != x.shape or not dense.is_contiguous() or dense.dtype != torch.float32):
             dense = None
-        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out, dense)
+        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out, dense, keep_layout)
     fn = fns[0]
     if scale.dtype != torch.float32 or scale.device.type != "cpu":
         return None
@@ -129,7 +130,8 @@ def _mx_emax(fmt: LowDtype) -> int:
 
 def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: int, dims: tuple[int, int],
                     how: FromAmax, fmt: LowDtype, block: bool, out: torch.Tensor | None = None,
-                    dense: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int] | None:
+                    dense: torch.Tensor | None = None, keep_layout: bool = False
+                    ) -> tuple[torch.Tensor, int, int, int] | None:
     if how.dim is None:
         if block:
             return None
@@ -146,7 +148,7 @@ def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: in
     if declined:
         return None
     # MX's torch ops give a contiguous value whatever x's layout (the GEMM reads that one)
-    if block and not out.is_contiguous():
+    if block and not keep_layout and not out.is_contiguous():
         out = out.contiguous() if dense is None else dense.copy_(out)
     return out, counts[0], counts[1], counts[2]
 
@@ -212,12 +214,12 @@ def error_norm(x: torch.Tensor, v: torch.Tensor | None = None) -> float | None:
     (per torch thread count). ``x`` and ``v``: float32 CPU tensors of one shape and strides,
     dense; None where they are not, or where this torch sums otherwise (the caller's torch ops)."""
     fns = _functions()
-    if fns is None or x.dtype != torch.float32 or x.device.type != "cpu" or not _agrees(torch.get_num_threads()):
+    if fns is None or x.dtype is not torch.float32 or not x.is_cpu or not _agrees(torch.get_num_threads()):
         return None
-    if v is not None and (v.dtype != torch.float32 or v.device.type != "cpu" or v.shape != x.shape
-                          or v.stride() != x.stride()):
+    if v is not None and (v.dtype is not torch.float32 or not v.is_cpu or v.stride() != x.stride()
+                          or v.shape != x.shape):
         return None
-    if not x.is_contiguous() and not _dense_start(x):
+    if not x.is_contiguous() and (x.dim() != 2 or _walk(x) is None) and not _dense_start(x):
         return None
     return fns[4](x.data_ptr(), 0 if v is None else v.data_ptr(), x.numel())
 
