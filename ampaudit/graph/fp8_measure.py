@@ -914,10 +914,19 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     ``scratch``: the temporaries of a layer measured whole come from it and go back to it;
     ``weight_cast``: gets the chosen recipe's cast of a weight measured whole, by module id."""
     x, g = rec.x, rec.grad
-    zero_grad = g is not None and not bool(g.any())  # a zero-initialised layer downstream: nothing to measure
+    w = rec.module.weight.detach().float()
+    # a small layer's operands summed up in one C pass each (its fixed cost is the small ops'); the
+    # output gradient's nonzero count says whether it is all zeros (any() is a slower pass here)
+    summaries = None
+    if x.numel() + w.numel() + (g.numel() if g is not None else 0) <= LARGE:
+        summaries = _summaries({"input": x, "weight": w, "grad_output": g})
+    zero_grad = False  # a zero-initialised layer downstream: nothing to measure
+    if g is not None:
+        zero_grad = summaries["grad_output"].nonzero == 0 if summaries is not None else not bool(g.any())
     if zero_grad:
         g = None
-    w = rec.module.weight.detach().float()
+        if summaries is not None:
+            del summaries["grad_output"]
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
                      rec.line, {}, 0, 0, has_grad=g is not None, zero_grad=zero_grad)
     if rec.own_difference is not None:
@@ -930,8 +939,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     layer.computed_weight = computed_weight(rec.module)
     size = x.numel() + w.numel() + (g.numel() if g is not None else 0)
     sampled = size > LARGE
-    # a small layer's operands summed up in one C pass each (its fixed cost is the small ops')
-    summaries = None if sampled else _summaries({"input": x, "weight": w, "grad_output": g})
+    if summaries is None and not sampled:  # all-zero gradient the torch ops found: the others' summaries
+        summaries = _summaries({"input": x, "weight": w, "grad_output": g})
     if summaries is not None:
         row_amax, col_amax, x_amax = summaries["input"].row_amax, summaries["input"].col_amax, summaries["input"].amax
     else:
