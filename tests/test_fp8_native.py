@@ -173,3 +173,24 @@ def test_the_error_norm_declines_layouts_it_does_not_walk():
     assert fp8_native.error_norm(x, x.t().contiguous().t()) is None  # two layouts
     assert fp8_native.error_norm(x, x.double()) is None
     assert fp8_native.error_norm(x[2:], x[2:]) == float(torch.linalg.vector_norm(x[2:] - x[2:]))  # offset: its start
+
+
+def test_a_kernel_that_sums_otherwise_than_torch_is_not_used(monkeypatch):
+    # another torch build or CPU (16 lanes, another tail): the first-use probe finds the
+    # difference and the measurement keeps torch's subtraction and norm. Here a kernel one
+    # float32 ulp off where a tail of four or more follows the lanes
+    import numpy as np
+
+    real = fp8_native._functions()
+
+    def off(x, v, n):
+        found = real[4](x, v, n)
+        return float(np.nextafter(np.float32(found), np.float32(np.inf))) if n % 8 >= 4 else found
+
+    monkeypatch.setattr(fp8_native, "_functions", lambda: (*real[:4], off))
+    fp8_native._agrees.cache_clear()
+    try:
+        assert not fp8_native._agrees(torch.get_num_threads())
+        assert fp8_native.error_norm(torch.randn(8, 8), torch.randn(8, 8)) is None
+    finally:
+        fp8_native._agrees.cache_clear()

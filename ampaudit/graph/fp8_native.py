@@ -227,20 +227,22 @@ def error_norm(x: torch.Tensor, v: torch.Tensor | None = None) -> float | None:
 @cache
 def _agrees(threads: int) -> bool:
     """Whether the kernel's norm is torch's, bit for bit, on probes that tell summation orders
-    apart: every length to 20 (each tail of the eight lanes and of the groups of four, with
-    and without a body), longer ones, a transposed matrix; magnitudes over 30 decades, zeros;
-    differences of two tensors and single tensors. About 1 ms, once."""
+    apart: six vectors of every length to 20 (each tail of the eight lanes and of the groups of
+    four, with and without a body: a tail's rounding shows in some of them), a long one with
+    elements over 30 decades and zeros, a transposed matrix; differences of two tensors and
+    single tensors. About a millisecond, once."""
     fn = _functions()[4]
     g = torch.Generator().manual_seed(0)
-    shapes = [(n,) for n in range(1, 21)] + [(4099,), (61, 131), (96, 40)]
-    for i, shape in enumerate(shapes):
-        x = torch.randn(shape, generator=g) * 10.0 ** (i % 31 - 15)
-        v = x + torch.randn(shape, generator=g) * 10.0 ** (i % 7 - 20 + i % 31)
-        x[torch.rand(shape, generator=g) < 0.1] = 0
-        if len(shape) == 2 and i % 2:
-            x, v = x.t().contiguous().t(), v.t().contiguous().t()  # dense, transposed
-        for a, b in ((x, v), (x, None)):
-            want = float(torch.linalg.vector_norm(a if b is None else a - b))
-            if fn(a.data_ptr(), 0 if b is None else b.data_ptr(), a.numel()) != want:
+    noise = torch.randn(2, 4100, generator=g)
+    x, v = noise[0], noise[0] + noise[1] * 1e-3
+    wide = x * torch.full((4100,), 10.0).pow_(torch.randint(-15, 16, (4100,), generator=g))
+    wide[::11] = 0
+    probes = [(x[k * 20:k * 20 + n], v[k * 20:k * 20 + n]) for n in range(1, 21) for k in range(6)]
+    # the last: dense, column-major
+    probes += [(wide[:4099], v[:4099]), (x[:4096].view(64, 64).t(), v[:4096].view(64, 64).t())]
+    for a, b in probes:
+        for c in (b, None):
+            want = float(torch.linalg.vector_norm(a if c is None else a - c))
+            if fn(a.data_ptr(), 0 if c is None else c.data_ptr(), a.numel()) != want:
                 return False
     return True
