@@ -194,3 +194,30 @@ def test_the_fp8_check_audits_a_timm_vit_whose_layerscale_multiplies_in_place(cl
     # timm's LayerScale(inplace=True) does x.mul_(gamma) on attn.proj's output; check --dtype fp8
     # exited 2 between 0e4b20d and 847b0c6 (the recording pass's Linear returned a view)
     assert [f["rule"] for f in _check(cli, "timm_style.py", "tensorwise")["findings"]] == ["AMP701"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_the_measurement_is_the_same_with_the_kernels_error_norms_and_with_torchs(recipe, monkeypatch):
+    # the C pass's norm of each cast's error sums in torch's order, and MX's value of a transposed
+    # weight is read in its layout by the statistics: every SQNR, share and verdict is what
+    # contiguous values, torch.sub and torch.linalg.vector_norm gave (fp8_measure's path before)
+    from ampaudit.graph import fp8_measure, fp8_native
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_verdicts import judge
+
+    if not fp8_native.available():
+        pytest.skip("no C compiler: the torch ops only")
+    found = []
+    get = fp8_measure._Casts.get
+    for torch_only in (False, True):
+        if torch_only:
+            monkeypatch.setattr(fp8_native, "error_norm", lambda *a: None)
+            monkeypatch.setattr(fp8_measure._Casts, "get", lambda self, *a, any_layout=False: get(self, *a))
+        for name, build in (("fp8_sink_token_lm", "SinkTokenLM"), ("fp8_outlier_channel_lm", "OutlierChannelLM")):
+            module = _fixture(name)
+            torch.manual_seed(0)
+            model = getattr(module, build)()
+            verdict = judge(model, ExampleInputs(module.example_inputs(), {}, name), recipe).to_dict()
+            verdict.pop("seconds")
+            found.append(json.dumps(verdict, sort_keys=True))
+    assert found[:2] == found[2:]

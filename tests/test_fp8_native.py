@@ -145,3 +145,52 @@ def test_an_amax_arrays_median_outliers_and_least_positive_equal_the_torch_ops()
         assert median == float(amax.median()) and over == int((amax > 20.0 * amax.median()).sum())
         positive = amax[amax > 0]
         assert least == (float(positive.min()) if positive.numel() else float("inf"))
+
+
+def test_the_error_norm_is_torchs_norm_of_torchs_difference_bit_for_bit():
+    # the kernel sums in torch's order (eight lanes, groups of four, fused multiply-adds for the
+    # last 1-3): every length's tail, contiguous and transposed, 30 decades, zeros, NaN
+    assert fp8_native._agrees(torch.get_num_threads())
+    g = torch.Generator().manual_seed(1)
+    cases = [(r, c) for r in (1, 3, 8, 64) for c in range(1, 24)] + [(64, 384), (384, 128), (130, 257)]
+    for i, (r, c) in enumerate(cases):
+        x = torch.randn(r, c, generator=g) * 10.0 ** (i % 31 - 15)
+        v = x + torch.randn(r, c, generator=g) * 10.0 ** (i % 31 - 18)
+        x[0, 0] = v[0, -1] = 0.0
+        if i % 2:
+            x, v = x.t().contiguous().t(), v.t().contiguous().t()  # dense, column-major
+        for a, b in ((x, v), (x, None)):
+            want = float(torch.linalg.vector_norm(a if b is None else a - b))
+            assert fp8_native.error_norm(a, b) == want, (r, c, b is None)
+    nan = torch.ones(4, 9)
+    nan[2, 3] = float("nan")
+    assert fp8_native.error_norm(nan, torch.zeros(4, 9)) != fp8_native.error_norm(nan, torch.zeros(4, 9))  # NaN
+
+
+def test_the_error_norm_declines_layouts_it_does_not_walk():
+    x = torch.randn(8, 16)
+    assert fp8_native.error_norm(x[:, ::2], x[:, ::2]) is None  # not dense
+    assert fp8_native.error_norm(x, x.t().contiguous().t()) is None  # two layouts
+    assert fp8_native.error_norm(x, x.double()) is None
+    assert fp8_native.error_norm(x[2:], x[2:]) == float(torch.linalg.vector_norm(x[2:] - x[2:]))  # offset: its start
+
+
+def test_a_kernel_that_sums_otherwise_than_torch_is_not_used(monkeypatch):
+    # another torch build or CPU (16 lanes, another tail): the first-use probe finds the
+    # difference and the measurement keeps torch's subtraction and norm. Here a kernel one
+    # float32 ulp off where a tail of four or more follows the lanes
+    import numpy as np
+
+    real = fp8_native._functions()
+
+    def off(x, v, n):
+        found = real[4](x, v, n)
+        return float(np.nextafter(np.float32(found), np.float32(np.inf))) if n % 8 >= 4 else found
+
+    monkeypatch.setattr(fp8_native, "_functions", lambda: (*real[:4], off))
+    fp8_native._agrees.cache_clear()
+    try:
+        assert not fp8_native._agrees(torch.get_num_threads())
+        assert fp8_native.error_norm(torch.randn(8, 8), torch.randn(8, 8)) is None
+    finally:
+        fp8_native._agrees.cache_clear()

@@ -408,3 +408,52 @@ int ampaudit_fp8_spread(const float *amax, int64_t n, float ratio, float *median
     free(a);
     return 0;
 }
+
+/* The 2-norm of x - v (of x where v is NULL), n elements each in memory order, summed as torch's
+ * CPU norm sums a dense float32 tensor (its AVX2 kernel, binary_kernel_reduce_lastdim): eight
+ * lanes, each adding its elements' squares (a product, then a sum: not fused); the lanes added in
+ * order; then the remaining elements, four at a time squared and added in order, the last 1-3
+ * each by one fused multiply-add; sqrtf. x - v is float32's subtraction, as torch.sub's. What the
+ * fp8 measurement took as torch.sub then torch.linalg.vector_norm: two passes and a temporary.
+ * graph/fp8_native.py compares it with torch's on first use and keeps torch's where they differ
+ * (another build of torch, another CPU): the products and sums must not be fused by the compiler. */
+#if defined(__clang__)
+#define NO_CONTRACT
+#elif defined(__GNUC__)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT
+#endif
+
+NO_CONTRACT float ampaudit_fp8_error_norm(const float *x, const float *v, int64_t n) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0, body = n - n % 8;
+    if (v != NULL) {
+        for (; d < body; d += 8)
+            for (int j = 0; j < 8; j++) {
+                float e = x[d + j] - v[d + j], p = e * e;
+                acc[j] = acc[j] + p;
+            }
+    } else {
+        for (; d < body; d += 8)
+            for (int j = 0; j < 8; j++) {
+                float e = x[d + j], p = e * e;
+                acc[j] = acc[j] + p;
+            }
+    }
+    float b = acc[0];
+    for (int j = 1; j < 8; j++) b = b + acc[j];
+    for (; n - d >= 4; d += 4)
+        for (int j = 0; j < 4; j++) {
+            float e = v != NULL ? x[d + j] - v[d + j] : x[d + j], p = e * e;
+            b = b + p;
+        }
+    for (; d < n; d++) {
+        float e = v != NULL ? x[d] - v[d] : x[d];
+        b = fmaf(e, e, b);
+    }
+    return sqrtf(b);
+}

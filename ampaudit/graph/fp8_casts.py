@@ -164,14 +164,15 @@ def _finite(amax: torch.Tensor) -> bool:
 
 def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | None = None,
          amax: torch.Tensor | None = None, count: bool = True, out: torch.Tensor | None = None,
-         dense: torch.Tensor | None = None) -> CastResult:
+         dense: torch.Tensor | None = None, keep_layout: bool = False) -> CastResult:
     """``x`` (2-D, fp32) cast as ``how`` says, scaled along ``dim`` (the GEMM's reduction dim).
     ``nonzero``: ``x``'s count of nonzero elements, when the caller knows it. ``amax``: the
     whole tensor's, for a per-tensor scale where ``x`` is a sample of its rows or columns (or
     ``x``'s own, known already): at least every ``|x|``.
     ``count=False``: the value only (flushed and nonzero left 0: two passes fewer). ``out``: a
     tensor of ``x``'s shape and layout the value may be written into (where the C pass casts);
-    ``dense``: a contiguous one MX's value of a transposed ``x`` may be copied into.
+    ``dense``: a contiguous one MX's value of a transposed ``x`` may be copied into;
+    ``keep_layout``: where the C pass casts, MX's value stays in ``x``'s layout (no copy).
 
     Tensor and row scales come from the amax, so nothing saturates (x * fmax/amax <= fmax; a
     power-of-two scale is rounded down): only MX's floor-rounded block scales clamp values."""
@@ -184,7 +185,7 @@ def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | Non
     given = float(amax) if how.granularity == TENSOR and amax is not None else None
     along = None if how.granularity == TENSOR else dim
     done = fp8_native.cast(x, fp8_native.FromAmax(along, pow2 and how.granularity != BLOCK, given), how.fmt,
-                           block=how.granularity == BLOCK, out=out, dense=dense)
+                           block=how.granularity == BLOCK, out=out, dense=dense, keep_layout=keep_layout)
     if done is not None:
         return _kernel_result(done[0], done, nonzero, count)
     if how.granularity == BLOCK:

@@ -218,10 +218,13 @@ def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ene
     where it has no outlier tokens or channels (then the rest is the whole); ``scratch``: where
     the error's buffer comes from and goes back to."""
     scratch = scratch or _Scratch()
-    error = scratch.sub(x, q.value)
-    whole = _db(energy, _norm(error))
-    rest_db = whole if rest is None else _db(_norm(x * rest), _norm(error.mul_(rest)))
-    scratch.give(error)
+    if rest is None:
+        whole = rest_db = _db(energy, _error_norm(x, q.value, scratch))
+    else:
+        error = scratch.sub(x, q.value)
+        whole = _db(energy, _norm(error))
+        rest_db = _db(_norm(x * rest), _norm(error.mul_(rest)))
+        scratch.give(error)
     total = max(q.nonzero, 1)
     return OperandStats(whole, rest_db, q.flushed / total, q.saturated / max(x.numel(), 1))
 
@@ -321,8 +324,18 @@ def _sqnr(reference: torch.Tensor, value: torch.Tensor, scratch: _Scratch | None
     """``sqnr_db``, its difference in a scratch tensor (where there is a scratch)."""
     if scratch is None:
         return sqnr_db(reference, value)
-    error = scratch.sub(reference, value)
-    found = _db(_norm(reference), _norm(error))
+    return _db(_norm(reference), _error_norm(reference, value, scratch))
+
+
+def _error_norm(a: torch.Tensor, b: torch.Tensor, scratch: _Scratch) -> float:
+    """``_norm(a - b)``: in one C pass where the kernel takes the two (one dense layout; the same
+    float as torch's norm of torch's difference), else by torch ops into a scratch tensor (and
+    where the kernel's sum is 0 or inf: ``_norm``'s float64 retry)."""
+    n = fp8_native.error_norm(a, b)
+    if n is not None and 0 < n < math.inf:
+        return n ** 2
+    error = scratch.sub(a, b)
+    found = _norm(error)
     scratch.give(error)
     return found
 
@@ -625,34 +638,54 @@ class _Casts:
         # nonzero: each operand's, where the caller counted them
         self.nonzero = nonzero or {op: int(torch.count_nonzero(t)) if self.count else 0 for op, t in tensors.items()}
         self.memo: dict[tuple, CastResult] = {}
+        self.raw: dict[tuple, CastResult] = {}  # MX casts of a transposed operand, in its layout (``get``)
 
-    def get(self, op: str, how: Any, dim: int, pow2: bool) -> CastResult:
+    def get(self, op: str, how: Any, dim: int, pow2: bool, any_layout: bool = False) -> CastResult:
+        """``any_layout``: the caller reads the value in any layout (a statistic of its elements
+        against the operand's, in the operand's layout): MX's value of a transposed operand is left
+        in that layout where the kernel writes it - the same values, without the contiguous copy a
+        GEMM reads (made where a later caller asks for it)."""
         key = (op, how, None if how.granularity == "tensor" else dim, pow2 and how.granularity != "block")
-        if key not in self.memo:
-            x = self.tensors[op]
-            # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
-            lend = self.scratch is not None and how.fmt is not None
-            out = self.scratch.take(x) if lend else None
-            dense = None
-            if out is not None and how.granularity == "block" and not x.is_contiguous():
-                dense = self.scratch.take_contiguous(x.shape)
-            self.memo[key] = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
-                                  count=self.count or how.granularity == "block", out=out, dense=dense)
-            value = self.memo[key].value
-            for t in (out, dense):  # the one holding the value is lent; the other is free again
-                if t is not None:
-                    if value is t:
-                        self.lent.append(t)
-                    else:
-                        self.scratch.give(t)
-        return self.memo[key]
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        raw = self.raw.get(key)
+        if raw is not None:
+            if any_layout:
+                return raw
+            # the value as the cast gives it otherwise: contiguous (the same copy _cast_from_amax makes)
+            dense = self.scratch.take_contiguous(raw.value.shape)
+            value = raw.value.contiguous() if dense is None else dense.copy_(raw.value)
+            if value is dense:
+                self.lent.append(dense)
+            self.memo[key] = replace(raw, value=value)
+            return self.memo[key]
+        x = self.tensors[op]
+        # the kernel writes into x's layout; MX's value of a transposed x is a contiguous copy
+        lend = self.scratch is not None and how.fmt is not None
+        keep = lend and any_layout and how.granularity == "block" and not x.is_contiguous()
+        out = self.scratch.take(x) if lend else None
+        dense = None
+        if out is not None and how.granularity == "block" and not x.is_contiguous() and not keep:
+            dense = self.scratch.take_contiguous(x.shape)
+        found = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
+                     count=self.count or how.granularity == "block", out=out, dense=dense, keep_layout=keep)
+        for t in (out, dense):  # the one holding the value is lent; the other is free again
+            if t is not None:
+                if found.value is t:
+                    self.lent.append(t)
+                else:
+                    self.scratch.give(t)
+        # kept in x's layout (where the torch ops cast, it is contiguous already: as any caller takes it)
+        (self.raw if keep and not found.value.is_contiguous() else self.memo)[key] = found
+        return found
 
     def release(self, kept: CastResult | None = None) -> None:
         """The casts' values back to the scratch: nothing reads them any more (but ``kept``'s)."""
         for t in self.lent:
             if kept is None or t is not kept.value:
                 self.scratch.give(t)
-        self.lent, self.memo = [], {}
+        self.lent, self.memo, self.raw = [], {}, {}
 
 
 def sample_index(amax: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -901,10 +934,19 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     ``scratch``: the temporaries of a layer measured whole come from it and go back to it;
     ``weight_cast``: gets the chosen recipe's cast of a weight measured whole, by module id."""
     x, g = rec.x, rec.grad
-    zero_grad = g is not None and not bool(g.any())  # a zero-initialised layer downstream: nothing to measure
+    w = rec.module.weight.detach().float()
+    # a small layer's operands summed up in one C pass each (its fixed cost is the small ops'); the
+    # output gradient's nonzero count says whether it is all zeros (any() is a slower pass here)
+    summaries = None
+    if x.numel() + w.numel() + (g.numel() if g is not None else 0) <= LARGE:
+        summaries = _summaries({"input": x, "weight": w, "grad_output": g})
+    zero_grad = False  # a zero-initialised layer downstream: nothing to measure
+    if g is not None:
+        zero_grad = summaries["grad_output"].nonzero == 0 if summaries is not None else not bool(g.any())
     if zero_grad:
         g = None
-    w = rec.module.weight.detach().float()
+        if summaries is not None:
+            del summaries["grad_output"]
     layer = Fp8Layer(name, rec.module.in_features, rec.module.out_features, x.shape[0], rec.file,
                      rec.line, {}, 0, 0, has_grad=g is not None, zero_grad=zero_grad, permuted_input=rec.permuted)
     if rec.own_difference is not None:
@@ -917,8 +959,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
     layer.computed_weight = computed_weight(rec.module)
     size = x.numel() + w.numel() + (g.numel() if g is not None else 0)
     sampled = size > LARGE
-    # a small layer's operands summed up in one C pass each (its fixed cost is the small ops')
-    summaries = None if sampled else _summaries({"input": x, "weight": w, "grad_output": g})
+    if summaries is None and not sampled:  # all-zero gradient the torch ops found: the others' summaries
+        summaries = _summaries({"input": x, "weight": w, "grad_output": g})
     if summaries is not None:
         row_amax, col_amax, x_amax = summaries["input"].row_amax, summaries["input"].col_amax, summaries["input"].amax
     else:
@@ -983,7 +1025,8 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         for op in ("input", "weight", "grad_output"):
             if op not in tensors:
                 continue
-            q = casts.get(op, *hows[op], r.pow2_scales)
+            # a layer measured whole: its statistics read the cast's values in the operand's layout
+            q = casts.get(op, *hows[op], r.pow2_scales, any_layout=not sampled)
             if id(q) not in done:
                 mask = rest if op == "input" else None
                 if sampled and op not in signals:

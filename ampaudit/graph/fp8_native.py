@@ -40,7 +40,10 @@ def _functions() -> tuple[ctypes._CFuncPtr, ...] | None:
     spread = lib.ampaudit_fp8_spread
     spread.argtypes = [p, i64, ctypes.c_float, p, p, p]
     spread.restype = ctypes.c_int
-    return fn, amax, summary, spread
+    norm = lib.ampaudit_fp8_error_norm
+    norm.argtypes = [p, p, i64]
+    norm.restype = ctypes.c_float
+    return fn, amax, summary, spread, norm
 
 
 def available() -> bool:
@@ -80,7 +83,7 @@ def _walk(x: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, block: bool = False,
-         out: torch.Tensor | None = None, dense: torch.Tensor | None = None
+         out: torch.Tensor | None = None, dense: torch.Tensor | None = None, keep_layout: bool = False
          ) -> tuple[torch.Tensor, int, int, int] | None:
     """``x`` (2-D float32, CPU) cast with ``scale`` (broadcastable to it, float32): the
     dequantized value (in ``x``'s layout), nonzero x, nonzero after the cast, saturated.
@@ -90,7 +93,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
     tensors, or declines an amax (not finite): the caller's torch ops do. ``out`` (with a
     ``FromAmax``): where the value goes, a tensor of x's shape and strides; ``dense``: where MX's
     value of a transposed ``x`` is copied (contiguous, as the torch ops give it) in place of a
-    new tensor."""
+    new tensor; ``keep_layout``: MX's value is left in x's layout (the same values, for a reader
+    that takes any layout)."""
     fns = _functions()
     walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
     if fns is None or walk is None:
@@ -101,7 +105,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
             out = None
         if dense is not None and (dense.shape != x.shape or not dense.is_contiguous() or dense.dtype != torch.float32):
             dense = None
-        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out, dense)
+        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out, dense, keep_layout)
     fn = fns[0]
     if scale.dtype != torch.float32 or scale.device.type != "cpu":
         return None
@@ -126,7 +130,8 @@ def _mx_emax(fmt: LowDtype) -> int:
 
 def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: int, dims: tuple[int, int],
                     how: FromAmax, fmt: LowDtype, block: bool, out: torch.Tensor | None = None,
-                    dense: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int] | None:
+                    dense: torch.Tensor | None = None, keep_layout: bool = False
+                    ) -> tuple[torch.Tensor, int, int, int] | None:
     if how.dim is None:
         if block:
             return None
@@ -143,7 +148,7 @@ def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: in
     if declined:
         return None
     # MX's torch ops give a contiguous value whatever x's layout (the GEMM reads that one)
-    if block and not out.is_contiguous():
+    if block and not keep_layout and not out.is_contiguous():
         out = out.contiguous() if dense is None else dense.copy_(out)
     return out, counts[0], counts[1], counts[2]
 
@@ -190,3 +195,54 @@ def spread(amax: torch.Tensor, ratio: float) -> tuple[float, int, float] | None:
     if fns[3](amax.data_ptr(), amax.numel(), ratio, ctypes.byref(median), ctypes.byref(over), ctypes.byref(least)):
         return None
     return median.value, over.value, least.value
+
+
+def _dense_start(t: torch.Tensor) -> bool:
+    """Whether ``t`` (float32, CPU) is dense - every element once, no gap: contiguous or a
+    permutation of it - so that its elements in memory order are one run from its data pointer."""
+    n = 1
+    for size, step in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] != 1), key=lambda d: d[1]):
+        if step != n:
+            return False
+        n *= size
+    return True
+
+
+def error_norm(x: torch.Tensor, v: torch.Tensor | None = None) -> float | None:
+    """``float(torch.linalg.vector_norm(x - v))`` (of ``x`` where ``v`` is None) in one C pass,
+    the same float: the kernel sums in torch's order, checked against torch's norm on first use
+    (per torch thread count). ``x`` and ``v``: float32 CPU tensors of one shape and strides,
+    dense; None where they are not, or where this torch sums otherwise (the caller's torch ops)."""
+    fns = _functions()
+    if fns is None or x.dtype is not torch.float32 or not x.is_cpu or not _agrees(torch.get_num_threads()):
+        return None
+    if v is not None and (v.dtype is not torch.float32 or not v.is_cpu or v.stride() != x.stride()
+                          or v.shape != x.shape):
+        return None
+    if not x.is_contiguous() and (x.dim() != 2 or _walk(x) is None) and not _dense_start(x):
+        return None
+    return fns[4](x.data_ptr(), 0 if v is None else v.data_ptr(), x.numel())
+
+
+@cache
+def _agrees(threads: int) -> bool:
+    """Whether the kernel's norm is torch's, bit for bit, on probes that tell summation orders
+    apart: six vectors of every length to 20 (each tail of the eight lanes and of the groups of
+    four, with and without a body: a tail's rounding shows in some of them), a long one with
+    elements over 30 decades and zeros, one past torch's grain, a transposed matrix; differences
+    of two tensors and single tensors. About 2 ms, once."""
+    fn = _functions()[4]
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(2, 40_003, generator=g)
+    x, v = noise[0], noise[0] + noise[1] * 1e-3
+    wide = x[:4099] * torch.full((4099,), 10.0).pow_(torch.randint(-15, 16, (4099,), generator=g))
+    wide[::11] = 0
+    probes = [(x[k * 20:k * 20 + n], v[k * 20:k * 20 + n]) for n in range(1, 21) for k in range(6)]
+    # past torch's grain (32768: where a reduction could be split across threads); dense, column-major
+    probes += [(wide, v[:4099]), (x, v), (x[:4096].view(64, 64).t(), v[:4096].view(64, 64).t())]
+    for a, b in probes:
+        for c in (b, None):
+            want = float(torch.linalg.vector_norm(a if c is None else a - c))
+            if fn(a.data_ptr(), 0 if c is None else c.data_ptr(), a.numel()) != want:
+                return False
+    return True
