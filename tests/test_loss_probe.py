@@ -455,3 +455,49 @@ def test_a_loss_function_compiled_with_fullgraph_trains_under_probe_loss_as_with
     _, watched = _train_unscaled(compiled, probe_loss=True)
     _, plain = _train_unscaled(compiled, watched=False)
     assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
+
+
+def _rmse(out, y, step):
+    target = y if step < 2 else out.detach()  # a perfect prediction from step 2: the error is exactly 0
+    return torch.sqrt(((out - target) ** 2).mean())  # probe: sqrt's slope at 0
+
+
+def test_a_loss_whose_value_is_finite_and_gradient_is_not_names_the_backward_of_its_call():
+    """RMSE at a perfect prediction: sqrt(0) = 0, but its backward is inf * 0 = NaN. No value
+    of the loss code is bad, so the calls' backward is replayed from the loss: the node that
+    made NaN of finite gradients is named with its call's line - at the step it happened
+    with probe_loss, and at the next one through a GradScaler (the weights stay finite)."""
+    source = f"{THIS}:{_line('probe: sqrt')}"
+    note = ("it came into the model already non-finite, made by the loss code: its backward made NaN or Inf of "
+            "finite gradients, its value finite (from torch.sqrt)")
+    monitor, weights = _train_unscaled(_rmse, probe_loss=True)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["phase"], first["op"], first["source"]) == (2, "backward", "SqrtBackward0", source)
+    assert first["note"] == note
+    _, plain = _train_unscaled(_rmse, watched=False)
+    for a, b in zip(weights, plain, strict=True):  # the replay changed nothing the run computed
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    monitor, _ = _train(_rmse)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "SqrtBackward0", source)
+    assert first["note"] == f"{note} (named at step 3, where it happened again)"
+
+
+def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
+    """``loss.backward()`` pauses the probe inside its own call: it was kept all the same, and a
+    replay ran it; calls such as ``torch._set_grad_enabled`` are torch's, not the loop's."""
+    seen = []
+    real = ampaudit.watch.monitor.Monitor._probe_loss
+
+    def spy(self, record):
+        if self.recorder.loss_probe is not None:
+            seen.append([name for func, *_ in self.recorder.loss_probe.calls
+                         for name in [getattr(func, "__name__", "")]])
+        return real(self, record)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(ampaudit.watch.monitor.Monitor, "_probe_loss", spy):
+        _train_unscaled(lambda out, y, step: ((out - y) ** 2).mean(), steps=3, probe_loss=True)
+    # from the watch's start: the helper's set-up (torch.ones) before the first step
+    assert seen == [["ones", "sub", "pow", "mean"], ["sub", "pow", "mean"], ["sub", "pow", "mean"]]

@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampaudit.core import native
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.tensors import iter_tensors
 from ampaudit.watch import backward_tap, compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
 from ampaudit.watch.events import INPUT_GRAD, LOSS, LOSS_MODULE, NO_ROW, event
@@ -684,6 +685,7 @@ class StepRecorder:
             return
         if self.loss_probe is not None:  # off the stack: the backward, the optimizer and the step's end run without it
             self.loss_probe.step_aside()
+            self.loss_probe.root = next(iter_tensors(roots), None)  # the loss: its backward may be replayed
         # no module of this watch ran forward in the step: another model's backward (a deep copy's); a
         # backward inside a backward (reentrant checkpointing's recomputed block): not the loss
         if not (self.active and self.logging and self.events) or self.paused or _compiling() or _in_backward():

@@ -42,11 +42,14 @@ def unnamed(first: dict[str, Any], why: str = TO_NAME_IT) -> dict[str, Any]:
     return first if note.endswith(why) else {**first, "note": note + why}
 
 
-def named(first: dict[str, Any], origin: Origin) -> dict[str, Any]:
+def named(first: dict[str, Any], origin: Origin, backward: bool = False) -> dict[str, Any]:
     """``first`` (from the loss) with the call of the loss code that made it: the one that
-    made -inf by arithmetic, where a later call turned that into NaN (``0 * log(0)``)."""
+    made -inf by arithmetic, where a later call turned that into NaN (``0 * log(0)``); with
+    ``backward``, the autograd node whose backward made NaN/Inf of finite gradients."""
     how = "NaN or Inf out of finite values"
-    if origin.minus_inf is not None:
+    if backward:
+        how = f"its backward made NaN or Inf of finite gradients, its value finite ({origin.note or origin.op})"
+    elif origin.minus_inf is not None:
         then = f"{origin.op} at {origin.file}:{origin.line}" if origin.file else origin.op
         how = f"-inf by arithmetic (a log of 0, say), which {then} turned into NaN or +inf"
         origin = origin.minus_inf

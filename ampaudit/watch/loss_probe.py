@@ -14,6 +14,9 @@ references freed at the step's end.
 At the step boundary, only when that step's NaN again came from the loss, the calls are
 judged in order as a forward replay judges aten ops (``provenance.FirstBadOp``): the first that
 made NaN/+inf out of finite values, or -inf by arithmetic (a log of 0), is named with its line.
+Where every value was finite and only the gradient into the model was not (a ``sqrt`` at 0),
+the calls are run again and backward from the loss (``backward_origin``), each autograd node
+checked as a module's backward replay checks them.
 
 Why only after such a step, and not on every step: a mode on the stack changes what
 ``torch.compile`` traces and costs each call of the loop some Python. A healthy run never arms it;
@@ -35,15 +38,25 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
+from ampaudit.core.tensors import iter_tensors
 from ampaudit.core.userframe import user_location
-from ampaudit.watch.provenance import FirstBadOp, Origin
+from ampaudit.watch.provenance import FirstBadOp, NodeScan, Origin
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
 # a script's setup before its first step under ``probe_loss``
 MAX_CALLS = 512
 _ACCESS = ("__get__", "__set__", "__delete__")
+
+
+def _computes(name: str) -> bool:
+    """Whether a call of this name is the loop's computation: not an attribute read or written
+    (``p.grad``, ``x.data``), nor torch's own machinery (``_set_grad_enabled``, the profiler's
+    ``_record_function_enter_new``: the optimizer's step code after the boundary), which a
+    replay must not run again."""
+    return name not in _ACCESS and not (name.startswith("_") and not name.startswith("__"))
 
 
 def _op_name(func: Any) -> str:
@@ -65,6 +78,7 @@ class LossProbe(TorchFunctionMode):
         super().__init__()
         self.recording = False
         self.on_stack = False
+        self.root: torch.Tensor | None = None  # the step's backward root, the loss (``backward_origin``)
         # func, line, args, kwargs, out
         self.calls: deque[tuple[Any, Any, tuple, dict | None, Any]] = deque(maxlen=MAX_CALLS)
 
@@ -74,8 +88,9 @@ class LossProbe(TorchFunctionMode):
         if not self.recording or torch.compiler.is_compiling():
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        # an attribute read or written (``p.grad``, ``x.data``) computes nothing: never the maker
-        if torch.is_grad_enabled() and getattr(func, "__name__", None) not in _ACCESS:
+        # the call paused it (``loss.backward()``: the backward is no loss code, and a replay of it
+        # would run it); one that computes nothing; torch's own machinery
+        if self.recording and torch.is_grad_enabled() and _computes(getattr(func, "__name__", "")):
             self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out))
         return out
 
@@ -116,6 +131,7 @@ class LossProbe(TorchFunctionMode):
         it on top. Returns whether it is off."""
         self.recording = False
         self.calls.clear()
+        self.root = None
         self._pop()
         return not self.on_stack
 
@@ -137,3 +153,42 @@ class LossProbe(TorchFunctionMode):
             if judge.found is not None:
                 break
         return judge.result()
+
+    def backward_origin(self) -> Origin | None:
+        """Where the loss code's backward made a finite gradient non-finite while its values
+        stayed finite - a ``sqrt`` at exactly 0, whose slope is infinite: the calls run again on
+        copies of what they read (with a gradient where the original had one), then a backward
+        from the loss, each autograd node checked as a module's backward replay checks them.
+        The replay computes what the step computed, but for its random calls. None: nothing
+        found, or the replay failed (the user's code: only the name is lost)."""
+        if self.root is None:
+            return None
+        copies: dict[int, torch.Tensor] = {}  # id of a tensor the step held -> its copy in the replay
+        leaves: list[torch.Tensor] = []
+        scan = NodeScan()
+
+        def take(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if id(value) not in copies:  # made before the loss code (the model's output, the labels)
+                copy = value.detach().clone()
+                if value.requires_grad and copy.is_floating_point():
+                    leaves.append(copy.requires_grad_())
+                copies[id(value)] = copy
+            return copies[id(value)]
+
+        try:
+            with torch.enable_grad():
+                for func, loc, args, kwargs, out in self.calls:
+                    args, kwargs = tree_map(take, (args, kwargs or {}))
+                    replayed = func(*args, **kwargs)
+                    scan.made(replayed, lambda func=func, loc=loc: (_op_name(func), loc))
+                    # the same structure: the same call on tensors of the same kinds
+                    copies.update((id(a), b) for a, b in zip(iter_tensors(out), iter_tensors(replayed), strict=False))
+                loss = copies.get(id(self.root))
+                if loss is None or not loss.requires_grad or not leaves:
+                    return None
+                scan.backward([loss], leaves, [torch.ones_like(loss)])
+        except Exception:  # the user's code, run again: a failed replay names nothing
+            return None
+        return scan.found

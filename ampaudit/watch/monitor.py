@@ -33,7 +33,7 @@ from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
-from ampaudit.watch.events import NO_ROW
+from ampaudit.watch.events import LOSS, NO_ROW
 from ampaudit.watch.fp8 import Fp8Recorder
 from ampaudit.watch.hooks import NotCopied, StepRecorder, compiled_anything, recomputed, transformed, unmeasurable
 from ampaudit.watch.launch import launched
@@ -362,12 +362,11 @@ class Monitor:
                 self.sink.write_line(line, step)
         self.step_index += 1
         probe = recorder.loss_probe
-        if probe is not None and probe.leave():  # this step's calls released
-            if self._probe_steps:
-                probe.start()  # the next step's loop code, from its start: a loss weighted before the model call
-            else:
-                recorder.loss_probe = None  # no longer armed
+        if probe is not None and probe.leave() and not self._probe_steps:  # this step's calls released
+            recorder.loss_probe = probe = None  # no longer armed
         recorder.end_step(logging_next=logging_next)
+        if probe is not None and not probe.on_stack:  # last: the step's end makes no call it would record
+            probe.start()  # the next step's loop code, from its start: a loss weighted before the model call
         if record is not None:
             self._check_stop(record)
 
@@ -441,8 +440,11 @@ class Monitor:
         if probe is not None and self._probe_steps:
             self._probe_steps -= not self.probe_loss
             origin = probe.origin() if from_the_loss(first) else None
+            backward = origin is None and from_the_loss(first) and first.get("phase") != LOSS
+            if backward:  # a finite loss whose gradient came into the model bad: made by its backward
+                origin = probe.backward_origin()
             if origin is not None:
-                record["first_nonfinite"] = named(first, origin)
+                record["first_nonfinite"] = named(first, origin, backward=backward)
                 self._probe_steps = 0
             elif self.probe_loss and compiled_anything():  # a mode would change what it traces
                 self._probe_steps, self._probe_why = 0, COMPILED

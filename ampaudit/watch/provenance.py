@@ -356,12 +356,36 @@ def synthetic_grad(like: torch.Tensor, spec: GradSpec | None, generator: torch.G
 
 
 @dataclass
-class _NodeScan:
+class NodeScan:
     """Autograd nodes created by the replayed forward, with the op and line that made each,
     and the first node whose finite incoming gradients came out non-finite."""
 
     made_by: dict = field(default_factory=dict)
     found: Origin | None = None
+
+    def made(self, out: Any, origin: Callable[[], tuple[str, Any]]) -> None:
+        """Every node a call's output ``out`` brings, down to those made before (linear's inner
+        Mm too), as the call's: ``origin()`` is its (op, user location)."""
+        made_by, known = self.made_by, None
+        stack = [t.grad_fn for t in iter_tensors(out)]
+        while stack:
+            node = stack.pop()
+            if node is None or node in made_by or (not node.next_functions and node.name() == "AccumulateGrad"):
+                continue
+            if hasattr(node, "_forward_cls"):  # a custom Function's apply, not this op, made it
+                continue
+            known = known or origin()
+            made_by[node] = known
+            stack.extend(next_node for next_node, _ in node.next_functions)
+
+    def backward(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], seeds: list[torch.Tensor]) -> None:
+        """``torch.autograd.grad`` from ``outputs``, each node of their graph checked (``found``)."""
+        handles = [node.register_hook(self.hook(node)) for node in _graph_nodes(outputs)]
+        try:
+            torch.autograd.grad(outputs, inputs, seeds, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def hook(self, node):
         def check(grad_inputs, grad_outputs):  # a gradient's -inf is an overflow, never a mask
@@ -377,23 +401,14 @@ class _NodeScan:
 class _NodeSources(torch.overrides.TorchFunctionMode):
     """Maps each autograd node the forward creates to the torch function and user line."""
 
-    def __init__(self, scan: _NodeScan) -> None:
+    def __init__(self, scan: NodeScan) -> None:
         super().__init__()
         self.scan = scan
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        made_by, origin = self.scan.made_by, None
-        stack = [t.grad_fn for t in iter_tensors(out)]
-        while stack:  # every node this call made, down to those made before (linear's inner Mm too)
-            node = stack.pop()
-            if node is None or node in made_by or (not node.next_functions and node.name() == "AccumulateGrad"):
-                continue
-            if hasattr(node, "_forward_cls"):  # a custom Function's apply, not this op, made it
-                continue
-            origin = origin or (getattr(func, "__name__", str(func)), user_location(sys._getframe(1)))
-            made_by[node] = origin
-            stack.extend(next_node for next_node, _ in node.next_functions)
+        frame = sys._getframe(1)
+        self.scan.made(out, lambda: (getattr(func, "__name__", str(func)), user_location(frame)))
         return out
 
 
@@ -419,7 +434,7 @@ def _created_at(node) -> tuple[str, int] | None:
 def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Origin:
     """Run ``call`` forward again with grad enabled, then backward from gradients shaped like
     the recorded ones; name the first autograd node that turned finite gradients non-finite."""
-    scan = _NodeScan()
+    scan = NodeScan()
     args, kwargs = _copy(call.args, grad=True), _copy(call.kwargs, grad=True)
     leaves = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
     params = [p for p in call.module.parameters() if p.requires_grad]
@@ -434,12 +449,7 @@ def replay_backward(call: Call, grads: Sequence[GradSpec], seed: int = 0) -> Ori
             by_output = {g.output: g for g in grads}
             generator = torch.Generator().manual_seed(seed)
             seeds = [synthetic_grad(t, by_output.get(i), generator) for i, t in enumerate(outputs)]
-            handles = [node.register_hook(scan.hook(node)) for node in _graph_nodes(outputs)]
-            try:
-                torch.autograd.grad(outputs, leaves + params, seeds, allow_unused=True)
-            finally:
-                for handle in handles:
-                    handle.remove()
+            scan.backward(outputs, leaves + params, seeds)
     except Exception as exc:  # the user's code: a failed replay only loses the node
         return Origin(note=_failed(exc))
     return scan.found or Origin(note="the replay's gradients stayed finite", cleared=True)
