@@ -421,8 +421,10 @@ def test_run_attaches_to_a_plain_script(tmp_path):
     first = summary["first_nonfinite"]
     assert {k: first[k] for k in ("step", "module", "phase", "tensor")} == {
         "step": 2, "module": "(loss)", "phase": "loss", "tensor": "loss"}
+    # the weights went NaN with it: the probe, armed by it, cannot name it later, and the note says how to
     assert first["note"] == ("the loss was non-finite, made by the loop's code outside every watched module; its "
-                             "gradients made the model's non-finite too")
+                             "gradients made the model's non-finite too (to name its line where it does not happen "
+                             "again: `ampaudit run --probe-loss`, watch(probe_loss=True))")
     assert "first non-finite" in proc.stderr
 
 
