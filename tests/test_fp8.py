@@ -1631,3 +1631,24 @@ def test_amp708s_layout_test_is_what_torchaos_rowwise_linear_takes(layout):
         ran = False
     assert ran is takes
     assert (permuted_rows(x) is None) is takes
+
+
+def test_massive_tokens_in_a_permuted_input_advise_per_row_scales_with_what_they_need(cli, tmp_path):
+    """AMP702's advice is per-row scales; for a Linear fed a permuted view (AMP708) torchao's
+    rowwise recipes fail, so the message says the input must be made contiguous first."""
+    model_file = tmp_path / "permuted_tokens.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc = nn.Linear(32, 32)\n\n    def forward(self, x):\n"
+        "        return self.fc(x.transpose(1, 2))\n\n\n"
+        "def example_inputs():\n    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))\n"
+        "    x[:, :, 0] *= 30000.0  # token 0 of the transposed input: a massive activation\n    return (x,)\n")
+    result = cli("check", model_file, "--dtype", "fp8", "--format", "json")
+    report = json.loads(result.out)
+    (finding,) = [f for f in report["findings"] if f["rule"] == "AMP702"]
+    assert finding["message"].endswith("use per-row scales (rowwise_with_gw_hp) or keep it in bf16; its input is a "
+                                       "permuted view, which torchao's rowwise recipes cannot take (AMP708): make it "
+                                       "contiguous before the layer")
+    rowwise = json.loads(cli("check", model_file, "--dtype", "fp8", "--fp8-recipe", "rowwise",
+                             "--format", "json").out)
+    assert [f["rule"] for f in rowwise["findings"]] == ["AMP708"]

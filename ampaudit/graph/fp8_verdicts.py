@@ -101,7 +101,11 @@ def layer_verdicts(layer: Fp8Layer, recipe: str) -> list[Verdict]:
     ops = layer.operands[recipe]
     rest = ops["input"].sqnr_rest_db
     tokens_input = bool(layer.outlier_tokens) and rest < rule("AMP702").params["min_sqnr_db"]
-    tokens = {"tokens": layer.outlier_tokens, "rows": layer.rows, "ratio": _ratio(layer.token_ratio), "recipe": recipe}
+    # per-row scales are the advice: where torchao's cannot take the input (AMP708), say what they need
+    permuted = ("; its input is a permuted view, which torchao's rowwise recipes cannot take (AMP708): make it "
+                "contiguous before the layer" if layer.permuted_input is not None else "")
+    tokens = {"tokens": layer.outlier_tokens, "rows": layer.rows, "ratio": _ratio(layer.token_ratio), "recipe": recipe,
+              "permuted": permuted}
     if tokens_input:
         rowwise = layer.operands["rowwise"]["input"].sqnr_rest_db
         found.append(Verdict("AMP702", {**tokens, "sqnr": _db(rest), "rowwise": _db(rowwise)},
