@@ -501,3 +501,13 @@ def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
         _train_unscaled(lambda out, y, step: ((out - y) ** 2).mean(), steps=3, probe_loss=True)
     # from the watch's start: the helper's set-up (torch.ones) before the first step
     assert seen == [["ones", "sub", "pow", "mean"], ["sub", "pow", "mean"], ["sub", "pow", "mean"]]
+
+
+def test_probe_loss_records_only_the_steps_the_watch_records():
+    """every=2: a step the watch does not record is not judged, so the probe is off the stack
+    through it (what it would keep is never read)."""
+    stack: list[int] = []
+    monitor, _ = _train_unscaled(_masked_mean, steps=6, probe_loss=True, stack=stack, every=2)
+    assert stack == [1, 0, 1, 0, 0, 0]  # off for good once step 2 named the call
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["op"]) == (2, "Tensor.div")

@@ -365,7 +365,8 @@ class Monitor:
         if probe is not None and probe.leave() and not self._probe_steps:  # this step's calls released
             recorder.loss_probe = probe = None  # no longer armed
         recorder.end_step(logging_next=logging_next)
-        if probe is not None and not probe.on_stack:  # last: the step's end makes no call it would record
+        # last: the step's end makes no call it would record; a step not recorded is not judged (every=N)
+        if probe is not None and not probe.on_stack and logging_next:
             probe.start()  # the next step's loop code, from its start: a loss weighted before the model call
         if record is not None:
             self._check_stop(record)
