@@ -4,7 +4,8 @@
 The corpus (fixtures/trainers/transparent/) is our own code shaped like real trainers: DataLoader
 workers, fork pools and os.fork, threads training at once, torch.func, activation checkpointing
 and a resumed checkpoint, optimizers that take closures, two optimizers with one GradScaler,
-Muon and AdamW stepping after one backward, torch.compile. Each script saves its weights to
+Muon and AdamW stepping after one backward, torch.compile - under ``run`` and under ``run
+--probe-loss`` (the loss probe on from the first step). Each script saves its weights to
 ./weights.pt; processes that share stdout print each line in one write (under PYTHONUNBUFFERED
 print writes its words one by one). The summary at exit says what the log says: its steps,
 eval forwards and each parameter's last norm."""
@@ -34,7 +35,10 @@ def test_a_script_trains_under_run_as_it_does_under_python(tmp_path, script):
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     runs = {"plain": [sys.executable, str(CORPUS / script)],
-            "watched": [sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", str(CORPUS / script)]}
+            "watched": [sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", str(CORPUS / script)],
+            # the loss probe on every step: a torch function mode over the loop's code
+            "probed": [sys.executable, "-m", "ampaudit", "run", "--probe-loss", "--log", "w.jsonl",
+                       str(CORPUS / script)]}
     procs = {}
     for name, command in runs.items():  # side by side: each starts an interpreter and imports torch
         (tmp_path / name).mkdir()
@@ -42,8 +46,8 @@ def test_a_script_trains_under_run_as_it_does_under_python(tmp_path, script):
                                        stderr=subprocess.PIPE, text=True)
     out = {name: proc.communicate(timeout=180) for name, proc in procs.items()}
     (plain_out, plain_err), (watched_out, watched_err) = out["plain"], out["watched"]
-    assert procs["watched"].returncode == procs["plain"].returncode, watched_err
-    assert watched_out == plain_out, watched_err
+    for name in ("watched", "probed"):
+        assert (procs[name].returncode, out[name][0]) == (procs["plain"].returncode, plain_out), out[name][1]
     # the summary, and no traceback but the script's own (one script fails on purpose)
     assert "ampaudit watch" in watched_err and watched_err.count("Traceback") == plain_err.count("Traceback")
     # and the log says what the summary at exit said (evaluation after the last step included)
@@ -59,7 +63,8 @@ def test_a_script_trains_under_run_as_it_does_under_python(tmp_path, script):
     assert {name: rows.get(name) for name in logged["params"]} == \
            {name: "" if s["norm"] is None else f"{s['norm']:.3g}" for name, s in logged["params"].items()}
     plain = torch.load(tmp_path / "plain" / "weights.pt")
-    watched = torch.load(tmp_path / "watched" / "weights.pt")
-    assert list(watched) == list(plain)
-    assert all(torch.equal(watched[k], plain[k]) for k in plain)
+    for name in ("watched", "probed"):
+        watched = torch.load(tmp_path / name / "weights.pt")
+        assert list(watched) == list(plain)
+        assert all(torch.equal(watched[k], plain[k]) for k in plain), name
 
