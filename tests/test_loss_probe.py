@@ -343,3 +343,45 @@ def test_the_backward_tap_comes_off_and_leaves_a_later_wrapper_in_place():
     finally:
         torch.autograd.backward = original
         backward_tap._wrapper = None
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x, pad):
+        return self.head(self.enc(x, src_key_padding_mask=pad))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("watched", [True, False])
+def test_an_eval_forward_between_steps_takes_torch_s_fast_path_as_without_watch(watched):
+    """nn.TransformerEncoder and MultiheadAttention take their fused path in eval only while no
+    torch function mode is on the stack; the armed probe sat there between steps, so an eval pass
+    after a step whose loss went NaN took the slow path: a padded position came out as the layer's
+    values instead of the fast path's 0 (the training loop printed other numbers under ampaudit run).
+    The probe steps off the stack while a module runs."""
+    torch.manual_seed(0)
+    model = _Encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(4, 3, 8), torch.rand(4, 3, 1)
+    pad = torch.tensor([[False, False, True]] * 2)
+    evals = []
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) if watched else nullcontext() as monitor:
+        for step in range(4):
+            model.train()
+            loss = _masked_mean(model(x, torch.zeros(4, 3, dtype=torch.bool)), y, step)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            model.eval()
+            with torch.no_grad():
+                evals.append(model.enc(x[:2], src_key_padding_mask=pad))
+    assert [e[:, 2].abs().sum().item() for e in evals] == [0.0] * 4  # the fast path's padding
+    if watched:
+        assert monitor.summary()["first_nonfinite"]["op"] == "Tensor.div"  # armed and named all the same

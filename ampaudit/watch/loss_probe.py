@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.userframe import user_location
@@ -58,6 +59,7 @@ class LossProbe(TorchFunctionMode):
         self.recording = False
         self.on_stack = False
         self.calls: list[tuple[Any, Any, tuple, dict | None, Any]] = []  # func, line, args, kwargs, out
+        self._aside: Any = None  # the global module pre-hook that takes it off the stack while a module runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -83,7 +85,25 @@ class LossProbe(TorchFunctionMode):
                 return
             self.__enter__()
             self.on_stack = True
+        if self._aside is None:
+            self._aside = register_module_forward_pre_hook(self._step_aside)
         self.recording = True
+
+    def _step_aside(self, module: Any, args: Any) -> None:
+        """A module's forward starts (any module, called from anywhere: an eval pass between
+        steps too): off the stack until ``start`` - a module is never the loss code, and torch's
+        modules change what they compute when any mode is on (``nn.MultiheadAttention``'s and
+        ``nn.TransformerEncoder``'s fused inference paths, whose padded positions are 0, are taken
+        only with none). Only where it is on top: on another thread, or below a mode the loop
+        pushed (which keeps those paths off itself), it stays."""
+        if self.on_stack and self._on_top():
+            self.recording = False
+            self.__exit__(None, None, None)
+            self.on_stack = False
+
+    def _on_top(self) -> bool:
+        depth = torch._C._len_torch_function_stack()
+        return bool(depth) and torch._C._get_function_stack_at(depth - 1) is self
 
     def pause(self) -> None:
         """A module runs (its hooks see it) or the backward started (any thread: a flag only)."""
@@ -95,8 +115,10 @@ class LossProbe(TorchFunctionMode):
         it on top. Returns whether it is off."""
         self.recording = False
         self.calls = []
-        if self.on_stack and torch._C._len_torch_function_stack() and \
-                torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is self:
+        if self._aside is not None:
+            self._aside.remove()
+            self._aside = None
+        if self.on_stack and self._on_top():
             self.__exit__(None, None, None)
             self.on_stack = False
         return not self.on_stack
