@@ -499,3 +499,28 @@ def test_the_log_stops_before_it_takes_the_disk_the_script_needs(tmp_path, capsy
     said = capsys.readouterr().err
     assert said.count("ampaudit: the log") == 1 and "stopped: 2 MB free on its disk, kept for the script" in said
     assert monitor.summary()["steps"] == 6
+
+
+def test_a_disk_that_reports_no_size_never_stops_the_log(tmp_path, capsys, monkeypatch):
+    """A file system with no size to report - a tmpfs mounted with size=0 (unlimited), a FUSE
+    file system without statfs - says 0 blocks, 0 free: the guard read that as a full disk and
+    stopped the log before its first step ("stopped: 0 MB free", the header alone; seen on a real
+    size=0 tmpfs). Such a disk is not guarded: every step is written."""
+    import torch
+
+    import ampaudit
+    from ampaudit.watch import log_file
+
+    class Unsized:
+        f_frsize, f_blocks, f_bavail = 4096, 0, 0
+
+    monkeypatch.setattr(log_file.os, "fstatvfs", lambda fd: Unsized())
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt, log=tmp_path / "w.jsonl") as monitor:
+        for _ in range(3):
+            model(torch.ones(3, 4)).pow(2).mean().backward()
+            opt.step()
+    lines = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:]]
+    assert [r.get("step") for r in lines] == [0, 1, 2, None] and "end" in lines[-1]
+    assert monitor.sink.failure is None and "ampaudit: the log" not in capsys.readouterr().err

@@ -105,6 +105,7 @@ class LogSink:
         self.last_step: int | None = None  # the last step written whole
         self._regular = False  # a regular file: no other writer may have touched it since (``_taken``)
         self._floor = 0  # the free bytes on its disk it never writes below (``_disk_nearly_full``)
+        self._guarded = False  # its disk reports its size: ``_floor`` applies
 
     @property
     def is_open(self) -> bool:
@@ -118,6 +119,9 @@ class LogSink:
             self._regular = stat.S_ISREG(os.fstat(self._handle.fileno()).st_mode)
             if self._regular:
                 disk = os.fstatvfs(self._handle.fileno())
+                # no blocks at all: a size=0 (unlimited) tmpfs, a FUSE file system without statfs -
+                # a disk that reports no size, not a full one: nothing to guard by
+                self._guarded = disk.f_blocks > 0
                 self._floor = int(disk.f_bavail * disk.f_frsize * (1 - LOG_SHARE))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -156,7 +160,7 @@ class LogSink:
     def _disk_nearly_full(self) -> bool:
         """Whether the log's file system is down to the free space it leaves to the script
         (``LOG_SHARE``): logging stops there, the file kept as written. (An fstatvfs a step.)"""
-        if not self._regular:
+        if not (self._regular and self._guarded):
             return False
         disk = os.fstatvfs(self._handle.fileno())
         free = disk.f_bavail * disk.f_frsize
