@@ -524,3 +524,21 @@ def test_a_disk_that_reports_no_size_never_stops_the_log(tmp_path, capsys, monke
     lines = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:]]
     assert [r.get("step") for r in lines] == [0, 1, 2, None] and "end" in lines[-1]
     assert monitor.sink.failure is None and "ampaudit: the log" not in capsys.readouterr().err
+
+
+def test_a_log_whose_header_cannot_be_written_is_not_left_behind(tmp_path):
+    """A full disk at the log's opening (a full 2 MB tmpfs; here a file size limit of 0, the same
+    write error) is one line, exit 2, before the script runs - and it left an empty file at the
+    log's path, which `ampaudit report` then called empty. The file it created is removed."""
+    code = ("import resource, sys\n"
+            "from ampaudit.core.errors import UsageError\n"
+            "from ampaudit.watch.log_file import create_log\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # python ignores SIGXFSZ: a write fails\n"
+            "try:\n"
+            "    create_log(sys.argv[1], {'dtype': 'float16'})\n"
+            "except UsageError as exc:\n"
+            "    print(exc)\n")
+    log = tmp_path / "w.jsonl"
+    done = subprocess.run([sys.executable, "-c", code, str(log)], cwd=ROOT, capture_output=True, text=True)
+    assert done.stdout == f"cannot write the log {log}: File too large\n", done.stderr
+    assert not log.exists()

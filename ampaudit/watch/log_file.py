@@ -71,10 +71,21 @@ def create_log(path: Path, header: dict[str, Any]) -> TextIO:
         handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header, "row": list(LOG_ROW)}) + "\n")
         handle.flush()
     except OSError as exc:
+        if output.kind in ("new", "file"):  # emptied by ``_claim``: an empty log would be all it left
+            _remove_own(handle.fileno(), output.target)
         with contextlib.suppress(OSError):
             handle.close()
         raise UsageError(f"cannot write the log {shown}: {exc.strerror or exc}") from None
     return handle
+
+
+def _remove_own(fd: int, target: Path) -> None:
+    """Remove the log this process created or emptied - still the file at ``target``, not one
+    put there since - whose header could not be written (a full disk)."""
+    with contextlib.suppress(OSError):
+        mine, there = os.fstat(fd), os.lstat(target)
+        if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+            os.unlink(target)
 
 
 def _claim(fd: int, target: Path, shown: Path | str) -> None:
