@@ -385,3 +385,28 @@ def test_an_eval_forward_between_steps_takes_torch_s_fast_path_as_without_watch(
     assert [e[:, 2].abs().sum().item() for e in evals] == [0.0] * 4  # the fast path's padding
     if watched:
         assert monitor.summary()["first_nonfinite"]["op"] == "Tensor.div"  # armed and named all the same
+
+
+def test_a_loss_whose_gradients_the_loop_replaced_is_not_said_to_have_finite_gradients():
+    """StyleGAN's loop (NVlabs/stylegan3 training_loop.py) runs nan_to_num over every .grad before
+    the optimizer step, and its R1 penalty reaches the weights through autograd.grad's double
+    backward, past every module hook: a NaN R1 term (a log of 0 times 0) left the parameters'
+    gradients finite by the time watch read them, and the note said the gradients "stayed finite",
+    which they had not. It names that case beside the mean over no elements."""
+    torch.manual_seed(0)
+    d = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LeakyReLU(0.2), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(d.parameters(), lr=1e-3)
+    grads = []
+    with ampaudit.watch(d, optimizer=opt) as monitor:
+        real = torch.randn(3, 4).requires_grad_(True)
+        logits = d(real)
+        r1_grads = torch.autograd.grad(outputs=[logits.sum()], inputs=[real], create_graph=True)[0]
+        r1_penalty = torch.log(r1_grads.square().sum(1) * 0) * 0  # NaN with NaN gradients
+        (torch.nn.functional.softplus(-logits).squeeze(1) + r1_penalty).mean().backward()
+        grads = [p.grad.isnan().any().item() for p in d.parameters()]
+        for p in d.parameters():
+            torch.nan_to_num(p.grad, nan=0, posinf=1e5, neginf=-1e5, out=p.grad)
+        opt.step()
+    first = monitor.summary()["first_nonfinite"]
+    assert any(grads) and (first["module"], first["step"]) == ("(loss)", 0)
+    assert "replaces non-finite gradients before the optimizer step (nan_to_num on .grad" in first["note"]
