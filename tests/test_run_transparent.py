@@ -217,6 +217,28 @@ def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
     assert watched.stderr.startswith(plain.stderr) and watched.stderr.count("Traceback") == 1
 
 
+def test_a_second_interrupt_during_run_s_own_end_still_ends_as_python_ends_it(tmp_path):
+    """Ctrl-C pressed twice: the first ends the script, the second lands in run's own end (the
+    watch stopping, the summary printed). It ended as `ampaudit: interrupted`, exit 130 - not
+    killed by SIGINT as the script's own interrupt would end it (seen on 8 of 12 runs that got a
+    second SIGINT 0-50 ms after the first). Here a thread interrupts the main thread again and
+    again once the script raised its own."""
+    (tmp_path / "s.py").write_text(
+        "import _thread, threading, time, torch\n"
+        "def again():\n"
+        "    for _ in range(40):  # the second Ctrl-C, until the process ends\n"
+        "        time.sleep(0.005)\n"
+        "        _thread.interrupt_main()\n"
+        "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
+        "threading.Thread(target=again, daemon=True).start()\n"
+        "raise KeyboardInterrupt\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert watched.returncode == -2, watched.stderr
+    assert "ampaudit: interrupted" not in watched.stderr
+
+
 def test_the_default_log_that_cannot_be_written_leaves_the_script_to_train(cli, tmp_path, monkeypatch):
     """`ampaudit run s.py` with no --log in a folder holding another ampaudit-watch.jsonl (or
     one not writable, or an earlier run still writing it) exited 2 before the script ran, where
