@@ -410,3 +410,18 @@ def test_a_loss_whose_gradients_the_loop_replaced_is_not_said_to_have_finite_gra
     first = monitor.summary()["first_nonfinite"]
     assert any(grads) and (first["module"], first["step"]) == ("(loss)", 0)
     assert "replaces non-finite gradients before the optimizer step (nan_to_num on .grad" in first["note"]
+
+
+def test_a_module_the_loss_code_calls_outside_the_watch_leaves_the_probe_recording():
+    """A perceptual loss - a frozen network of its own, not the watched model - called in the
+    loss code: the probe steps off the stack while it runs and comes back when it returns, so the
+    division after it is named."""
+    feature = torch.nn.Linear(1, 1).requires_grad_(False)
+
+    def loss_fn(out, y, step):
+        distance = (feature(out) - feature(y)).abs()
+        return _masked_mean(distance, y, step)
+
+    monitor, _ = _train(loss_fn)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["op"], first["source"]) == ("Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")

@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.userframe import user_location
@@ -59,7 +59,9 @@ class LossProbe(TorchFunctionMode):
         self.recording = False
         self.on_stack = False
         self.calls: list[tuple[Any, Any, tuple, dict | None, Any]] = []  # func, line, args, kwargs, out
-        self._aside: Any = None  # the global module pre-hook that takes it off the stack while a module runs
+        self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
+        self._aside_for: Any = None  # the module it stepped aside for, and whether it was recording then
+        self._was_recording = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -85,21 +87,33 @@ class LossProbe(TorchFunctionMode):
                 return
             self.__enter__()
             self.on_stack = True
+            self._aside_for = None
         if self._aside is None:
-            self._aside = register_module_forward_pre_hook(self._step_aside)
+            self._aside = (register_module_forward_pre_hook(self._step_aside),
+                           register_module_forward_hook(self._step_back, always_call=True))
         self.recording = True
 
     def _step_aside(self, module: Any, args: Any) -> None:
         """A module's forward starts (any module, called from anywhere: an eval pass between
-        steps too): off the stack until ``start`` - a module is never the loss code, and torch's
+        steps too): off the stack while it runs - a module is never the loss code, and torch's
         modules change what they compute when any mode is on (``nn.MultiheadAttention``'s and
         ``nn.TransformerEncoder``'s fused inference paths, whose padded positions are 0, are taken
         only with none). Only where it is on top: on another thread, or below a mode the loop
         pushed (which keeps those paths off itself), it stays."""
-        if self.on_stack and self._on_top():
+        if self.on_stack and self._aside_for is None and self._on_top():
+            self._aside_for, self._was_recording = module, self.recording
             self.recording = False
             self.__exit__(None, None, None)
             self.on_stack = False
+
+    def _step_back(self, module: Any, args: Any, output: Any) -> None:
+        """That module returned: back on the stack as it was - the loss code goes on after a
+        module of its own (a perceptual loss's frozen network, which no watch hook restarts it
+        after). The watch's own hooks restart it after the watched model's forward."""
+        if module is self._aside_for:
+            self._aside_for = None
+            if self._was_recording:
+                self.start()
 
     def _on_top(self) -> bool:
         depth = torch._C._len_torch_function_stack()
@@ -116,8 +130,9 @@ class LossProbe(TorchFunctionMode):
         self.recording = False
         self.calls = []
         if self._aside is not None:
-            self._aside.remove()
-            self._aside = None
+            for hook in self._aside:
+                hook.remove()
+            self._aside = self._aside_for = None
         if self.on_stack and self._on_top():
             self.__exit__(None, None, None)
             self.on_stack = False
