@@ -504,3 +504,22 @@ def test_the_train_mode_retry_leaves_the_models_batchnorm_statistics_as_they_wer
     with pytest.raises(LoadError, match="in train mode it runs"):
         check(net, example_inputs=(torch.randn(8, 4) * 5 + 3,), dtype=torch.float16)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_file_of_one_huge_line_is_refused_without_reading_it_whole(tmp_path):
+    """`ampaudit report` given a file that is no log and holds no newline - a sparse file of
+    zeros, a JSON dump - read its first line whole, and held it three times over while parsing:
+    a 2 GB file under a 1 GB address-space limit ended in "unexpected MemoryError" (without one,
+    swap or the OOM killer). A header longer than 1 MB is refused after reading 1 MB."""
+    zeros = tmp_path / "zeros.bin"
+    with open(zeros, "wb") as f:
+        f.truncate(2 * 2**30)  # sparse: no disk taken
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))\n"
+            "from ampaudit.cli.main import main\n"
+            "sys.exit(main(['report', sys.argv[1]]))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(zeros)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"ampaudit: error: {zeros} is not an ampaudit watch log (its first line runs past 1 MB; "
+                           "a log's header is a few hundred bytes)\n")

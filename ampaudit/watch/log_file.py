@@ -36,6 +36,11 @@ READS = (1, 2, 3)  # the versions read: 1 wrote each Stats as its dict
 # training fill a disk. It stops before it takes the space the script needs for its own
 # checkpoints: it takes at most this share of the space free on its disk when it opened.
 LOG_SHARE = 0.5
+# A line is read whole: a file that is no log (a checkpoint, a sparse file of zeros, a JSON dump
+# given by mistake) could be one line of gigabytes, held three times over while it is parsed. A
+# header is a few hundred bytes; a step line about half a kilobyte a module and parameter.
+MAX_HEADER = 2**20
+MAX_LINE = 2**28
 
 
 def create_log(path: Path, header: dict[str, Any]) -> TextIO:
@@ -292,7 +297,14 @@ def _lines(path: Path) -> Generator[tuple[dict[str, Any], Matched | None], None,
         header = False
         line_shapes: LineShapes | None = None
         ended: int | None = None  # the end record's line: the last
-        for number, raw in enumerate(handle, start=1):
+        number = 0
+        while raw := handle.readline((MAX_LINE if header else MAX_HEADER) + 1):
+            number += 1
+            if len(raw) > (MAX_LINE if header else MAX_HEADER):
+                if not header:
+                    raise UsageError(f"{path} is not an ampaudit watch log (its first line runs past "
+                                     f"{MAX_HEADER // 2**20} MB; a log's header is a few hundred bytes)")
+                raise UsageError(f"{path}:{number}: a line longer than {MAX_LINE // 2**20} MB: no log writes one")
             if not raw.strip():
                 continue
             if pending is not None:
