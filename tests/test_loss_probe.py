@@ -425,3 +425,31 @@ def test_a_module_the_loss_code_calls_outside_the_watch_leaves_the_probe_recordi
     monitor, _ = _train(loss_fn)
     first = monitor.summary()["first_nonfinite"]
     assert (first["op"], first["source"]) == ("Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")
+
+
+def test_another_thread_returning_from_the_same_module_leaves_the_probe_on_this_one():
+    """Hogwild-style threads share the model: another thread's call of the module the probe
+    stepped aside for, returning first, put the probe back on that thread's mode stack - the
+    training thread's loss code after it went unrecorded and the division unnamed."""
+    import threading
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 1).requires_grad_(False)
+
+        def forward(self, x):
+            if threading.current_thread() is threading.main_thread():
+                other = threading.Thread(target=self, args=(x.detach(),))  # the same module, elsewhere
+                other.start()
+                other.join()
+            return self.lin(x)
+
+    feature = Shared()
+
+    def loss_fn(out, y, step):
+        return _masked_mean((feature(out) - feature(y)).abs(), y, step)
+
+    monitor, _ = _train(loss_fn)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["op"], first["source"]) == ("Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")

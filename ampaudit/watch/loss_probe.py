@@ -25,6 +25,7 @@ went NaN after the first bad step blames the weights from then on, and the probe
 from __future__ import annotations
 
 import sys
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ class LossProbe(TorchFunctionMode):
         self.on_stack = False
         self.calls: list[tuple[Any, Any, tuple, dict | None, Any]] = []  # func, line, args, kwargs, out
         self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
-        self._aside_for: Any = None  # the module it stepped aside for, and whether it was recording then
+        self._aside_for: Any = None  # the module it stepped aside for (and thread), whether it was recording
         self._was_recording = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -101,7 +102,7 @@ class LossProbe(TorchFunctionMode):
         only with none). Only where it is on top: on another thread, or below a mode the loop
         pushed (which keeps those paths off itself), it stays."""
         if self.on_stack and self._aside_for is None and self._on_top():
-            self._aside_for, self._was_recording = module, self.recording
+            self._aside_for, self._was_recording = (module, get_ident()), self.recording
             self.recording = False
             self.__exit__(None, None, None)
             self.on_stack = False
@@ -110,7 +111,8 @@ class LossProbe(TorchFunctionMode):
         """That module returned: back on the stack as it was - the loss code goes on after a
         module of its own (a perceptual loss's frozen network, which no watch hook restarts it
         after). The watch's own hooks restart it after the watched model's forward."""
-        if module is self._aside_for:
+        aside = self._aside_for  # on this thread: another's call of the same module (Hogwild) is its own
+        if aside is not None and aside[0] is module and aside[1] == get_ident():
             self._aside_for = None
             if self._was_recording:
                 self.start()
