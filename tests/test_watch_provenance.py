@@ -1063,3 +1063,25 @@ def test_a_replay_leaves_the_module_s_attributes_as_the_training_had_them():
     plain = _counting_run(False)
     assert plain[1:] == (5, [1, 2, 3, 4, 5])
     assert str(_counting_run(True)) == str(plain)
+
+
+def test_a_nan_an_enclosing_module_s_own_code_made_but_did_not_make_again_is_blamed_on_it():
+    """`_Counting` makes the NaN in its own code (a log) before its Linear, on its third call only:
+    the Linear's inputs held NaN, and the enclosing module's replay (a fourth call) stayed finite.
+    The note said the inputs "came from outside the watched modules (the batch, or code between
+    modules)"; the enclosing module's inputs were finite, so its own code is named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Counting(), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as monitor:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["step"]) == ("0", "forward", 2)
+    assert first["note"].startswith("`0.lin`'s inputs already held NaN or +inf, made by `0`'s own code")
+    assert "outside the watched modules" not in first["note"]
