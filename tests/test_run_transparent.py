@@ -564,3 +564,28 @@ def test_a_log_whose_header_cannot_be_written_is_not_left_behind(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(log)], cwd=ROOT, capture_output=True, text=True)
     assert done.stdout == f"cannot write the log {log}: File too large\n", done.stderr
     assert not log.exists()
+
+
+def test_a_log_on_a_file_system_without_locks_is_written_unlocked(tmp_path, monkeypatch):
+    """flock on NFS without a lock manager fails with ENOLCK: the log's lock against a second
+    writer raised it, and `ampaudit run --log` on such a disk ended 'ampaudit: error: No locks
+    available' before the script ran. The log is written without the lock."""
+    import errno
+    import fcntl
+
+    import torch
+
+    import ampaudit
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt, log=tmp_path / "w.jsonl"):
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+    lines = (tmp_path / "w.jsonl").read_text().splitlines()[1:]
+    assert [json.loads(line).get("step") for line in lines] == [0, 1, None]

@@ -101,6 +101,9 @@ def _claim(fd: int, target: Path, shown: Path | str) -> None:
     except BlockingIOError:
         raise UsageError(f"the log {shown} is being written by another watch: refusing a second writer "
                          "(name another log)") from None
+    except OSError as exc:  # a file system without locks (NFS with no lock manager: ENOLCK): written unlocked
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
     info = os.fstat(fd)
     if not info.st_mode & 0o222:  # root may write anything: the mode still says no
         raise UsageError(f"the log {shown} is read-only: not rewritten (make it writable to allow it)")
