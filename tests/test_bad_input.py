@@ -402,6 +402,8 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         # json's int() refuses more than 4300 digits with a ValueError that is no JSONDecodeError
         "long-number": ({**header, "ampaudit_watch": 3}, '{"step": 0, "layers": {}, "params": {}, "scale": 1'
                         + "0" * 5000 + "}"),
+        # a log two runs wrote at once (a file system without locks), or two logs joined
+        "two-headers": ({**header, "ampaudit_watch": 3}, {**header, "ampaudit_watch": 3}),
     }
     for name, (head, first) in bent.items():
         lines = [head, first, record]
@@ -419,6 +421,7 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         "end-in-the-middle": "end-in-the-middle.jsonl:3: a record after the log's end (line 2)",
         "fp8-bigint": "fp8-bigint.jsonl:2: fp8.(model).input.underflow must be a number",
         "long-number": "long-number.jsonl:2: a number too long to be a log's",
+        "two-headers": "two-headers.jsonl:2: a second header: two runs wrote this log, or two logs were joined",
     }
 
 

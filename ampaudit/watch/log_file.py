@@ -345,6 +345,8 @@ def _lines(path: Path) -> Generator[tuple[dict[str, Any], Matched | None], None,
                     line_shapes = LineShapes(names)
                 yield record, None
                 continue
+            if "ampaudit_watch" in record and "step" not in record:  # two runs wrote it (no lock), or logs joined
+                raise UsageError(f"{path}:{number}: a second header: two runs wrote this log, or two logs were joined")
             if "step" not in record and ("end" in record or "final_scale" in record):
                 problem = end_problem(record)  # written at stop(): the run's end, the final loss scale
                 if problem:
