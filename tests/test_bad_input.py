@@ -402,6 +402,8 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         # json's int() refuses more than 4300 digits with a ValueError that is no JSONDecodeError
         "long-number": ({**header, "ampaudit_watch": 3}, '{"step": 0, "layers": {}, "params": {}, "scale": 1'
                         + "0" * 5000 + "}"),
+        # a log two runs wrote at once (a file system without locks), or two logs joined
+        "two-headers": ({**header, "ampaudit_watch": 3}, {**header, "ampaudit_watch": 3}),
     }
     for name, (head, first) in bent.items():
         lines = [head, first, record]
@@ -419,6 +421,7 @@ def _hostile_logs(tmp: Path) -> dict[str, str]:
         "end-in-the-middle": "end-in-the-middle.jsonl:3: a record after the log's end (line 2)",
         "fp8-bigint": "fp8-bigint.jsonl:2: fp8.(model).input.underflow must be a number",
         "long-number": "long-number.jsonl:2: a number too long to be a log's",
+        "two-headers": "two-headers.jsonl:2: a second header: two runs wrote this log, or two logs were joined",
     }
 
 
@@ -504,3 +507,22 @@ def test_the_train_mode_retry_leaves_the_models_batchnorm_statistics_as_they_wer
     with pytest.raises(LoadError, match="in train mode it runs"):
         check(net, example_inputs=(torch.randn(8, 4) * 5 + 3,), dtype=torch.float16)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_file_of_one_huge_line_is_refused_without_reading_it_whole(tmp_path):
+    """`ampaudit report` given a file that is no log and holds no newline - a sparse file of
+    zeros, a JSON dump - read its first line whole, and held it three times over while parsing:
+    a 2 GB file under a 1 GB address-space limit ended in "unexpected MemoryError" (without one,
+    swap or the OOM killer). A header longer than 1 MB is refused after reading 1 MB."""
+    zeros = tmp_path / "zeros.bin"
+    with open(zeros, "wb") as f:
+        f.truncate(2 * 2**30)  # sparse: no disk taken
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))\n"
+            "from ampaudit.cli.main import main\n"
+            "sys.exit(main(['report', sys.argv[1]]))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(zeros)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"ampaudit: error: {zeros} is not an ampaudit watch log (its first line runs past 1 MB; "
+                           "a log's header is a few hundred bytes)\n")

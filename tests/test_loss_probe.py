@@ -511,3 +511,113 @@ def test_probe_loss_records_only_the_steps_the_watch_records():
     assert stack == [1, 0, 1, 0, 0, 0]  # off for good once step 2 named the call
     first = monitor.summary()["first_nonfinite"]
     assert (first["step"], first["op"]) == (2, "Tensor.div")
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x, pad):
+        return self.head(self.enc(x, src_key_padding_mask=pad))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("watched", [True, False])
+def test_an_eval_forward_between_steps_takes_torch_s_fast_path_as_without_watch(watched):
+    """nn.TransformerEncoder and MultiheadAttention take their fused path in eval only while no
+    torch function mode is on the stack; the armed probe sat there between steps, so an eval pass
+    after a step whose loss went NaN took the slow path: a padded position came out as the layer's
+    values instead of the fast path's 0 (the training loop printed other numbers under ampaudit run).
+    The probe steps off the stack while a module runs."""
+    torch.manual_seed(0)
+    model = _Encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(4, 3, 8), torch.rand(4, 3, 1)
+    pad = torch.tensor([[False, False, True]] * 2)
+    evals = []
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) if watched else nullcontext() as monitor:
+        for step in range(4):
+            model.train()
+            loss = _masked_mean(model(x, torch.zeros(4, 3, dtype=torch.bool)), y, step)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            model.eval()
+            with torch.no_grad():
+                evals.append(model.enc(x[:2], src_key_padding_mask=pad))
+    assert [e[:, 2].abs().sum().item() for e in evals] == [0.0] * 4  # the fast path's padding
+    if watched:
+        assert monitor.summary()["first_nonfinite"]["op"] == "Tensor.div"  # armed and named all the same
+
+
+def test_a_loss_whose_gradients_the_loop_replaced_is_not_said_to_have_finite_gradients():
+    """StyleGAN's loop (NVlabs/stylegan3 training_loop.py) runs nan_to_num over every .grad before
+    the optimizer step, and its R1 penalty reaches the weights through autograd.grad's double
+    backward, past every module hook: a NaN R1 term (a log of 0 times 0) left the parameters'
+    gradients finite by the time watch read them, and the note said the gradients "stayed finite",
+    which they had not. It names that case beside the mean over no elements."""
+    torch.manual_seed(0)
+    d = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LeakyReLU(0.2), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(d.parameters(), lr=1e-3)
+    grads = []
+    with ampaudit.watch(d, optimizer=opt) as monitor:
+        real = torch.randn(3, 4).requires_grad_(True)
+        logits = d(real)
+        r1_grads = torch.autograd.grad(outputs=[logits.sum()], inputs=[real], create_graph=True)[0]
+        r1_penalty = torch.log(r1_grads.square().sum(1) * 0) * 0  # NaN with NaN gradients
+        (torch.nn.functional.softplus(-logits).squeeze(1) + r1_penalty).mean().backward()
+        grads = [p.grad.isnan().any().item() for p in d.parameters()]
+        for p in d.parameters():
+            torch.nan_to_num(p.grad, nan=0, posinf=1e5, neginf=-1e5, out=p.grad)
+        opt.step()
+    first = monitor.summary()["first_nonfinite"]
+    assert any(grads) and (first["module"], first["step"]) == ("(loss)", 0)
+    assert "replaces non-finite gradients before the optimizer step (nan_to_num on .grad" in first["note"]
+
+
+def test_a_module_the_loss_code_calls_outside_the_watch_leaves_the_probe_recording():
+    """A perceptual loss - a frozen network of its own, not the watched model - called in the
+    loss code: the probe steps off the stack while it runs and comes back when it returns, so the
+    division after it is named."""
+    feature = torch.nn.Linear(1, 1).requires_grad_(False)
+
+    def loss_fn(out, y, step):
+        distance = (feature(out) - feature(y)).abs()
+        return _masked_mean(distance, y, step)
+
+    monitor, _ = _train(loss_fn)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["op"], first["source"]) == ("Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")
+
+
+def test_another_thread_returning_from_the_same_module_leaves_the_probe_on_this_one():
+    """Hogwild-style threads share the model: another thread's call of the module the probe
+    stepped aside for, returning first, put the probe back on that thread's mode stack - the
+    training thread's loss code after it went unrecorded and the division unnamed."""
+    import threading
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 1).requires_grad_(False)
+
+        def forward(self, x):
+            if threading.current_thread() is threading.main_thread():
+                other = threading.Thread(target=self, args=(x.detach(),))  # the same module, elsewhere
+                other.start()
+                other.join()
+            return self.lin(x)
+
+    feature = Shared()
+
+    def loss_fn(out, y, step):
+        return _masked_mean((feature(out) - feature(y)).abs(), y, step)
+
+    monitor, _ = _train(loss_fn)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["op"], first["source"]) == ("Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")

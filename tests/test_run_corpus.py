@@ -45,7 +45,7 @@ def test_a_script_trains_under_run_as_it_does_under_python(tmp_path, script):
         procs[name] = subprocess.Popen(command, cwd=tmp_path / name, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
     out = {name: proc.communicate(timeout=180) for name, proc in procs.items()}
-    (plain_out, plain_err), (watched_out, watched_err) = out["plain"], out["watched"]
+    (plain_out, plain_err), watched_err = out["plain"], out["watched"][1]
     for name in ("watched", "probed"):
         assert (procs[name].returncode, out[name][0]) == (procs["plain"].returncode, plain_out), out[name][1]
     # the summary, and no traceback but the script's own (one script fails on purpose)

@@ -217,6 +217,28 @@ def test_a_script_interrupted_ends_as_python_ends_it(tmp_path, entry):
     assert watched.stderr.startswith(plain.stderr) and watched.stderr.count("Traceback") == 1
 
 
+def test_a_second_interrupt_during_run_s_own_end_still_ends_as_python_ends_it(tmp_path):
+    """Ctrl-C pressed twice: the first ends the script, the second lands in run's own end (the
+    watch stopping, the summary printed). It ended as `ampaudit: interrupted`, exit 130 - not
+    killed by SIGINT as the script's own interrupt would end it (seen on 8 of 12 runs that got a
+    second SIGINT 0-50 ms after the first). Here a thread interrupts the main thread again and
+    again once the script raised its own."""
+    (tmp_path / "s.py").write_text(
+        "import _thread, threading, time, torch\n"
+        "def again():\n"
+        "    for _ in range(40):  # the second Ctrl-C, until the process ends\n"
+        "        time.sleep(0.005)\n"
+        "        _thread.interrupt_main()\n"
+        "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
+        "threading.Thread(target=again, daemon=True).start()\n"
+        "raise KeyboardInterrupt\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    watched = subprocess.run([sys.executable, "-m", "ampaudit", "run", "--log", "w.jsonl", "s.py"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert watched.returncode == -2, watched.stderr
+    assert "ampaudit: interrupted" not in watched.stderr
+
+
 def test_the_default_log_that_cannot_be_written_leaves_the_script_to_train(cli, tmp_path, monkeypatch):
     """`ampaudit run s.py` with no --log in a folder holding another ampaudit-watch.jsonl (or
     one not writable, or an earlier run still writing it) exited 2 before the script ran, where
@@ -499,3 +521,71 @@ def test_the_log_stops_before_it_takes_the_disk_the_script_needs(tmp_path, capsy
     said = capsys.readouterr().err
     assert said.count("ampaudit: the log") == 1 and "stopped: 2 MB free on its disk, kept for the script" in said
     assert monitor.summary()["steps"] == 6
+
+
+def test_a_disk_that_reports_no_size_never_stops_the_log(tmp_path, capsys, monkeypatch):
+    """A file system with no size to report - a tmpfs mounted with size=0 (unlimited), a FUSE
+    file system without statfs - says 0 blocks, 0 free: the guard read that as a full disk and
+    stopped the log before its first step ("stopped: 0 MB free", the header alone; seen on a real
+    size=0 tmpfs). Such a disk is not guarded: every step is written."""
+    import torch
+
+    import ampaudit
+    from ampaudit.watch import log_file
+
+    class Unsized:
+        f_frsize, f_blocks, f_bavail = 4096, 0, 0
+
+    monkeypatch.setattr(log_file.os, "fstatvfs", lambda fd: Unsized())
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt, log=tmp_path / "w.jsonl") as monitor:
+        for _ in range(3):
+            model(torch.ones(3, 4)).pow(2).mean().backward()
+            opt.step()
+    lines = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:]]
+    assert [r.get("step") for r in lines] == [0, 1, 2, None] and "end" in lines[-1]
+    assert monitor.sink.failure is None and "ampaudit: the log" not in capsys.readouterr().err
+
+
+def test_a_log_whose_header_cannot_be_written_is_not_left_behind(tmp_path):
+    """A full disk at the log's opening (a full 2 MB tmpfs; here a file size limit of 0, the same
+    write error) is one line, exit 2, before the script runs - and it left an empty file at the
+    log's path, which `ampaudit report` then called empty. The file it created is removed."""
+    code = ("import resource, sys\n"
+            "from ampaudit.core.errors import UsageError\n"
+            "from ampaudit.watch.log_file import create_log\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # python ignores SIGXFSZ: a write fails\n"
+            "try:\n"
+            "    create_log(sys.argv[1], {'dtype': 'float16'})\n"
+            "except UsageError as exc:\n"
+            "    print(exc)\n")
+    log = tmp_path / "w.jsonl"
+    done = subprocess.run([sys.executable, "-c", code, str(log)], cwd=ROOT, capture_output=True, text=True)
+    assert done.stdout == f"cannot write the log {log}: File too large\n", done.stderr
+    assert not log.exists()
+
+
+def test_a_log_on_a_file_system_without_locks_is_written_unlocked(tmp_path, monkeypatch):
+    """flock on NFS without a lock manager fails with ENOLCK: the log's lock against a second
+    writer raised it, and `ampaudit run --log` on such a disk ended 'ampaudit: error: No locks
+    available' before the script ran. The log is written without the lock."""
+    import errno
+    import fcntl
+
+    import torch
+
+    import ampaudit
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampaudit.watch(model, optimizer=opt, log=tmp_path / "w.jsonl"):
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+    lines = (tmp_path / "w.jsonl").read_text().splitlines()[1:]
+    assert [json.loads(line).get("step") for line in lines] == [0, 1, None]

@@ -1635,6 +1635,17 @@ def test_a_report_of_a_log_cut_short_says_so(tmp_path, cli):
     assert "first non-finite none in the logged steps" in text
 
 
+def test_an_older_log_without_an_end_line_is_not_said_to_be_cut_short(cli):
+    """Formats 1 and 2 wrote a last line only with a GradScaler (its final scale): a whole log of
+    a run without one - the project's own AMP605 fixture - was reported "cut short: no end line
+    (the run was stopped, or its disk full)". Only format 3 ends every log with its end line."""
+    log = ROOT / "fixtures" / "watch" / "AMP605_invalid.jsonl"
+    assert json.loads(log.read_text().splitlines()[0])["ampaudit_watch"] == 1
+    assert "step" in json.loads(log.read_text().splitlines()[-1])  # no end line
+    assert read_log(log).summary()["cut_short"] is False
+    assert "cut short" not in cli("report", str(log)).out
+
+
 def test_a_script_that_sets_the_default_dtype_to_float64_is_measured_alike():
     """torch.set_default_dtype(torch.float64) (a scientific model in double): watch's float32
     rows were made in the default dtype, and the C kernel wrote float32 bits into float64 -

@@ -499,3 +499,37 @@ def test_a_float64_tensor_keeps_its_finite_and_nonzero_values(fill):
     assert (row["nan"], row["inf"], row["neginf"]) == (1000, 2000, 1000)
     assert (row["zero"], row["underflow"], row["overflow"]) == (1000, 2000, 4000)  # overflow: the infinities too
     assert row["absmax"] == float(torch.finfo(torch.float32).max)  # the finite max, as far as fp32 says
+
+
+def _without_cache_env(tmp_path) -> dict[str, str]:
+    """No cache folder named, a HOME that cannot hold one (under a file: even root cannot), the
+    temporary folder ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AMPAUDIT_CACHE_DIR", "XDG_CACHE_HOME")}
+    return {**env, "HOME": "/dev/null/home", "TMPDIR": str(tmp_path)}
+
+
+@needs_kernel
+def test_a_home_that_cannot_hold_the_cache_builds_in_a_temporary_folder_of_the_user_s_own(tmp_path):
+    """Run as a user whose HOME is not writable (a container's random uid; setpriv as nobody),
+    the kernels could not be built into ~/.cache and watch silently took the torch ops. They are
+    built in a folder of the user's own in the temporary folder, closed to others."""
+    proc = subprocess.run([sys.executable, "-c", "from ampaudit.watch import cpu_kernel\nprint(cpu_kernel.status())"],
+                          cwd=ROOT, env=_without_cache_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.stdout.startswith("C kernel"), proc.stdout + proc.stderr[-2000:]
+    own = tmp_path / f"ampaudit-{os.getuid()}"
+    assert own.stat().st_mode & 0o777 == 0o700 and list(own.glob("cpu_stats-*.so"))
+
+
+def test_a_temporary_cache_folder_open_to_others_is_not_loaded_from(tmp_path):
+    """Another user could have made that folder first, open to all, with a library of theirs in
+    it: a folder not closed to others is not used."""
+    from ampaudit.core import native
+
+    own = tmp_path / f"ampaudit-{os.getuid()}"
+    own.mkdir()
+    own.chmod(0o777)
+    env = _without_cache_env(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", "from ampaudit.core import native\nprint(native.build_dir())"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() != str(own) and proc.stdout.strip().startswith("/dev/null/home"), proc.stderr
+    assert native.build_dir() != own

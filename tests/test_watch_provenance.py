@@ -4,6 +4,7 @@ forward and backward - and masked -inf attention that is not an error."""
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -1019,3 +1020,70 @@ def test_a_gradient_made_non_finite_after_the_backward_says_no_modules_backward_
         "replayed, the backward of the module that holds it made no NaN or Inf: it went non-finite after the "
         "backward, in code that writes the gradients (a division, clipping, a hook), or from exact gradient "
         "values a replay does not have"), first
+
+
+class _Counting(nn.Module):
+    """A forward that counts its calls in a plain attribute (a warmup ramp), and goes NaN on its
+    third: its replay is a fourth call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(self.calls)
+        if self.calls == 3:
+            x = x.log()  # NaN where x < 0
+        return self.lin(x) * min(1.0, self.calls / 10)
+
+
+def _counting_run(watched: bool) -> tuple[list[float], int, list[int]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Counting(), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    losses = []
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) if watched else nullcontext():
+        for _ in range(5):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    return losses, model[0].calls, model[0].seen
+
+
+def test_a_replay_leaves_the_module_s_attributes_as_the_training_had_them():
+    """A replay runs the module's forward again: a forward that counts its calls in an attribute
+    counted the replays too (3 -> 5 after step 2's two), and the training went on with another
+    ramp - other losses than without watch from step 3 on. Every module's attributes under the
+    replayed one come back as the forward left them, lists filled in place included."""
+    plain = _counting_run(False)
+    assert plain[1:] == (5, [1, 2, 3, 4, 5])
+    assert str(_counting_run(True)) == str(plain)
+
+
+def test_a_nan_an_enclosing_module_s_own_code_made_but_did_not_make_again_is_blamed_on_it():
+    """`_Counting` makes the NaN in its own code (a log) before its Linear, on its third call only:
+    the Linear's inputs held NaN, and the enclosing module's replay (a fourth call) stayed finite.
+    The note said the inputs "came from outside the watched modules (the batch, or code between
+    modules)"; the enclosing module's inputs were finite, so its own code is named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Counting(), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as monitor:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["module"], first["phase"], first["step"]) == ("0", "forward", 2)
+    assert first["note"].startswith("`0.lin`'s inputs already held NaN or +inf, made by `0`'s own code")
+    assert "outside the watched modules" not in first["note"]

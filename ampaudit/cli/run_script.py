@@ -41,12 +41,23 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
             say_without_log(exc)
             options = replace(options, log=None)
             monitor = _monitor(script, options)
+    try:
+        code, interrupted = _summarized(script, argv, monitor, options)
+    except KeyboardInterrupt as exc:  # a second Ctrl-C in run's own end (the watch stopping, the summary):
+        if getattr(exc, "from_script", False):  # it ends the process as the script's first would
+            raise
+        raise _uncaught_interrupt() from None
+    if interrupted:  # as python ends then: killed by SIGINT after the atexit handlers (a shell loop stops)
+        raise _uncaught_interrupt()
+    return code
+
+
+def _summarized(script: Path, argv: list[str], monitor: Monitor, options: WatchOptions) -> tuple[int, bool]:
+    """``_run_watched``, then the summary on the kept stderr."""
     with _kept_stderr() as stderr:
         code, interrupted = _run_watched(script, argv, monitor, stderr)
         if monitor.forked_child:  # a fork that ran to the script's end: the parent reports
-            if interrupted:
-                raise _uncaught_interrupt()
-            return code
+            return code, interrupted
         from ampaudit.core.console import make_console
         from ampaudit.watch.render import render_summary
 
@@ -60,9 +71,7 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
             elif options.log is not None:
                 err.write(f"ampaudit run: log written to {display_path(str(options.log))}\n")
             err.flush()
-    if interrupted:  # as python ends then: killed by SIGINT after the atexit handlers (a shell loop stops)
-        raise _uncaught_interrupt()
-    return code
+    return code, interrupted
 
 
 def _monitor(script: Path, options: WatchOptions) -> Monitor:

@@ -17,8 +17,8 @@ from torch import fx
 
 from ampaudit.convert.plan import FP32, Decision
 from ampaudit.core.errors import LoadError
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.graph.forward import ExampleInputs, describe_exception
-from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.range_probe import placeholder_values
 
 MAX_PROBES = 16  # ops promoted one at a time; more than this is not a missing kernel

@@ -31,11 +31,11 @@ import torch
 from ampaudit.convert.low_weights import fp32_copy
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.errors import UsageError
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.paths import display_path
 from ampaudit.core.tensors import given_labels, iter_tensors, own_loss
 from ampaudit.core.userframe import traceback_location
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.model_copy import copy_model
 
 DEFAULT_STEPS = 20

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.range_probe import MEASURED, untrained_batch_norm
 
 Build = Callable[[dict[str, str]], fx.GraphModule]

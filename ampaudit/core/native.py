@@ -15,6 +15,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -43,6 +44,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ampaudit"
 
 
+def build_dir() -> Path:
+    """Where builds go: ``cache_dir()`` - or, where that cannot be made or written (a HOME that
+    is not writable: a container run as a user of no home, ``setpriv --reuid``), a folder of this
+    user's own in the temporary folder, which the kernels were silently not built without (watch
+    took the torch ops, slower). That folder is used only if it is this user's and closed to
+    others: a library is loaded from it."""
+    primary = cache_dir()
+    if os.environ.get("AMPAUDIT_CACHE_DIR") or not hasattr(os, "getuid"):
+        return primary
+    try:
+        primary.mkdir(parents=True, exist_ok=True)
+        if os.access(primary, os.W_OK | os.X_OK):
+            return primary
+    except OSError:
+        pass
+    own = Path(tempfile.gettempdir()) / f"ampaudit-{os.getuid()}"
+    try:
+        os.mkdir(own, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return primary
+    info = os.lstat(own)
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+        return own
+    return primary  # another user's, a link, or open to others: not a place to load code from
+
+
 def compiler() -> str | None:
     return os.environ.get("CC") or next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
 
@@ -55,7 +84,7 @@ def cached(source: Path, defines: list[str]) -> Path:
     suffix = ".dll" if sys.platform == "win32" else ".so"
     stamp = f"|{' '.join(defines)}|{platform.machine()}|{sys.platform}"
     key = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + stamp.encode()).hexdigest()[:16]
-    return cache_dir() / f"{source.stem}-{key}{suffix}"
+    return build_dir() / f"{source.stem}-{key}{suffix}"
 
 
 def build(source: Path, defines: list[str]) -> Path:

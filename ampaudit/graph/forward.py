@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.paths import display_path
 from ampaudit.core.tensors import has_tensor, iter_tensors
 from ampaudit.core.userframe import traceback_location
-from ampaudit.graph.kept_attributes import attributes_kept
 
 
 @dataclass

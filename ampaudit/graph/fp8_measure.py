@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.tensors import given_labels, iter_tensors, linear_input, own_loss
 from ampaudit.graph import fp8_native
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
-from ampaudit.graph.kept_attributes import attributes_kept
 
 OUTLIER_RATIO = 20.0  # a token (row) or channel (column) whose amax exceeds this x the median one's
 OPERANDS = ("input", "weight", "grad_output")

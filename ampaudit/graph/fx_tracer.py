@@ -17,8 +17,8 @@ from torch import fx
 
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.errors import USER_CODE_ERRORS
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.userframe import Loc, boundary, traceback_location, user_location
-from ampaudit.graph.kept_attributes import attributes_kept
 
 LOC = "ampaudit_loc"  # node.meta key: (file, line) of the user's source
 MODULE = "ampaudit_module"  # node.meta key: qualified module path or None

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.tensors import has_tensor
 from ampaudit.graph.forward import ExampleInputs
-from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.tree import map_tensors
 
 

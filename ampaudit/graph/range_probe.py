@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from ampaudit.core.catalog import Catalog, builtin_catalog
 from ampaudit.core.dtypes import LowDtype
-from ampaudit.graph.kept_attributes import attributes_kept
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.graph.tree import map_tensors
 
 MEASURED = "ampaudit_measured"  # node.meta key: Measured

@@ -27,11 +27,11 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.catalog import Catalog
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.tensors import has_tensor
 from ampaudit.core.userframe import Loc, boundary, user_location
 from ampaudit.graph.cast_source import dtype_written
 from ampaudit.graph.fx_tracer import LOC, MODULE, fill_missing_locations, is_leaf
-from ampaudit.graph.kept_attributes import attributes_kept
 from ampaudit.graph.module_calls import forwards_wrapped
 from ampaudit.graph.tree import is_namedtuple, map_tensors
 

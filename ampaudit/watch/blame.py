@@ -141,12 +141,20 @@ class _Trace:
             return None
         # made before this module: by an enclosing module's own code? (not if an ignored one made it)
         if origin.outside and not any(m == IGNORED and n for m, n in zip(self.modes, self.flags()[1], strict=True)):
+            unfound = None  # the innermost enclosing module whose inputs were finite: its own code made it
             for parent in self.enclosing(index):
                 found = replay_forward(self.recorder.calls[parent])
+                name = self.recorder.module_name(self.recorder.calls[parent].module)
                 if found.op is not None:
-                    name = self.recorder.module_name(self.recorder.calls[parent].module)
                     return {"step": first["step"], "module": name, "phase": "forward", "tensor": "output",
                             **found.to_dict()}
+                if unfound is None and not found.outside and found.state is None:
+                    unfound = name
+            if unfound is not None:  # not "from outside the watched modules": they were finite coming in
+                return {"step": first["step"], "module": unfound, "phase": "forward", "tensor": "output",
+                        "note": f"`{event.module}`'s inputs already held NaN or +inf, made by `{unfound}`'s own code "
+                                "(its inputs were finite), which stayed finite when replayed: it depends on state, "
+                                "random numbers or inputs changed in place since"}
         # NaN made of a -inf that came in: a -inf an enclosing module's own code made by arithmetic
         # (a log of 0 after a ReLU: Pytorch-UNet's head) was born there, not in this module
         if origin.masked_input:

@@ -521,6 +521,8 @@ class StepRecorder:
         if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)) \
                 or recomputed():  # recorded when it ran forward
             return
+        if self.loss_probe is not None and module is self._model:  # back on the stack as the model returned
+            self.loss_probe.pause()  # (its global hook runs first): not for this hook's own calls
         name = self._names.get(id(module))
         phase = "forward"
         if not torch.is_grad_enabled():  # eval, generation: not training-step data

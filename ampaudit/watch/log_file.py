@@ -36,6 +36,11 @@ READS = (1, 2, 3)  # the versions read: 1 wrote each Stats as its dict
 # training fill a disk. It stops before it takes the space the script needs for its own
 # checkpoints: it takes at most this share of the space free on its disk when it opened.
 LOG_SHARE = 0.5
+# A line is read whole: a file that is no log (a checkpoint, a sparse file of zeros, a JSON dump
+# given by mistake) could be one line of gigabytes, held three times over while it is parsed. A
+# header is a few hundred bytes; a step line about half a kilobyte a module and parameter.
+MAX_HEADER = 2**20
+MAX_LINE = 2**28
 
 
 def create_log(path: Path, header: dict[str, Any]) -> TextIO:
@@ -71,10 +76,21 @@ def create_log(path: Path, header: dict[str, Any]) -> TextIO:
         handle.write(json.dumps({"ampaudit_watch": FORMAT_VERSION, **header, "row": list(LOG_ROW)}) + "\n")
         handle.flush()
     except OSError as exc:
+        if output.kind in ("new", "file"):  # emptied by ``_claim``: an empty log would be all it left
+            _remove_own(handle.fileno(), output.target)
         with contextlib.suppress(OSError):
             handle.close()
         raise UsageError(f"cannot write the log {shown}: {exc.strerror or exc}") from None
     return handle
+
+
+def _remove_own(fd: int, target: Path) -> None:
+    """Remove the log this process created or emptied - still the file at ``target``, not one
+    put there since - whose header could not be written (a full disk)."""
+    with contextlib.suppress(OSError):
+        mine, there = os.fstat(fd), os.lstat(target)
+        if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+            os.unlink(target)
 
 
 def _claim(fd: int, target: Path, shown: Path | str) -> None:
@@ -85,6 +101,9 @@ def _claim(fd: int, target: Path, shown: Path | str) -> None:
     except BlockingIOError:
         raise UsageError(f"the log {shown} is being written by another watch: refusing a second writer "
                          "(name another log)") from None
+    except OSError as exc:  # a file system without locks (NFS with no lock manager: ENOLCK): written unlocked
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
     info = os.fstat(fd)
     if not info.st_mode & 0o222:  # root may write anything: the mode still says no
         raise UsageError(f"the log {shown} is read-only: not rewritten (make it writable to allow it)")
@@ -105,6 +124,7 @@ class LogSink:
         self.last_step: int | None = None  # the last step written whole
         self._regular = False  # a regular file: no other writer may have touched it since (``_taken``)
         self._floor = 0  # the free bytes on its disk it never writes below (``_disk_nearly_full``)
+        self._guarded = False  # its disk reports its size: ``_floor`` applies
 
     @property
     def is_open(self) -> bool:
@@ -118,6 +138,9 @@ class LogSink:
             self._regular = stat.S_ISREG(os.fstat(self._handle.fileno()).st_mode)
             if self._regular:
                 disk = os.fstatvfs(self._handle.fileno())
+                # no blocks at all: a size=0 (unlimited) tmpfs, a FUSE file system without statfs -
+                # a disk that reports no size, not a full one: nothing to guard by
+                self._guarded = disk.f_blocks > 0
                 self._floor = int(disk.f_bavail * disk.f_frsize * (1 - LOG_SHARE))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -156,7 +179,7 @@ class LogSink:
     def _disk_nearly_full(self) -> bool:
         """Whether the log's file system is down to the free space it leaves to the script
         (``LOG_SHARE``): logging stops there, the file kept as written. (An fstatvfs a step.)"""
-        if not self._regular:
+        if not (self._regular and self._guarded):
             return False
         disk = os.fstatvfs(self._handle.fileno())
         free = disk.f_bavail * disk.f_frsize
@@ -277,7 +300,14 @@ def _lines(path: Path) -> Generator[tuple[dict[str, Any], Matched | None], None,
         header = False
         line_shapes: LineShapes | None = None
         ended: int | None = None  # the end record's line: the last
-        for number, raw in enumerate(handle, start=1):
+        number = 0
+        while raw := handle.readline((MAX_LINE if header else MAX_HEADER) + 1):
+            number += 1
+            if len(raw) > (MAX_LINE if header else MAX_HEADER):
+                if not header:
+                    raise UsageError(f"{path} is not an ampaudit watch log (its first line runs past "
+                                     f"{MAX_HEADER // 2**20} MB; a log's header is a few hundred bytes)")
+                raise UsageError(f"{path}:{number}: a line longer than {MAX_LINE // 2**20} MB: no log writes one")
             if not raw.strip():
                 continue
             if pending is not None:
@@ -315,6 +345,8 @@ def _lines(path: Path) -> Generator[tuple[dict[str, Any], Matched | None], None,
                     line_shapes = LineShapes(names)
                 yield record, None
                 continue
+            if "ampaudit_watch" in record and "step" not in record:  # two runs wrote it (no lock), or logs joined
+                raise UsageError(f"{path}:{number}: a second header: two runs wrote this log, or two logs were joined")
             if "step" not in record and ("end" in record or "final_scale" in record):
                 problem = end_problem(record)  # written at stop(): the run's end, the final loss scale
                 if problem:

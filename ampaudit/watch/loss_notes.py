@@ -16,8 +16,9 @@ FROM_THE_LOSS = "it came into the model already non-finite: from the loss or the
 LOSS_ITSELF = "the loss was non-finite, made by the loop's code outside every watched module"
 LOSS_SCALED = ("the scaled loss was non-finite: a loss scale too high for it, or a loss non-finite before the "
                "scaling, made by the loop's code outside every watched module")
-LOSS_ALONE = ("; every gradient stayed finite - a mean over no elements does that (F.cross_entropy over a batch "
-              "whose every label is ignored: 0/0 = NaN, zero gradients)")
+LOSS_ALONE = ("; every gradient watch read stayed finite - a mean over no elements does that (F.cross_entropy over "
+              "a batch whose every label is ignored: 0/0 = NaN, zero gradients), and so does a loop that replaces "
+              "non-finite gradients before the optimizer step (nan_to_num on .grad, as StyleGAN's does)")
 LOSS_SPREAD = "; its gradients made the model's non-finite too"
 
 

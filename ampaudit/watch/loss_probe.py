@@ -26,17 +26,20 @@ went NaN after the first bad step (no GradScaler: fp32 and bf16 runs) blames the
 then on: there the probe can only be on from the first step (``watch(probe_loss=True)``,
 ``ampaudit run --probe-loss``), at that cost on every step.
 
-The mode steps off the stack while the model runs (its modules' hooks see that code, and a
-compiled model is traced without it) and back on when the model returns.
+The mode steps off the stack while any module runs (its hooks see that code; a compiled model
+is traced without it; torch's modules take their fused inference paths only with no mode on)
+and back on when the module returns, and at the step's end.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import deque
+from threading import get_ident
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -81,6 +84,9 @@ class LossProbe(TorchFunctionMode):
         self.root: torch.Tensor | None = None  # the step's backward root, the loss (``backward_origin``)
         # func, line, args, kwargs, out
         self.calls: deque[tuple[Any, Any, tuple, dict | None, Any]] = deque(maxlen=MAX_CALLS)
+        self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
+        self._aside_for: Any = None  # the module it stepped aside for (and thread), whether it was recording
+        self._was_recording = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # paused (the backward and the optimizer's unscaling run before the step's end takes it off
@@ -110,7 +116,37 @@ class LossProbe(TorchFunctionMode):
                 return
             self.__enter__()
             self.on_stack = True
+            self._aside_for = None
+        if self._aside is None:
+            self._aside = (register_module_forward_pre_hook(self._step_aside),
+                           register_module_forward_hook(self._step_back, always_call=True))
         self.recording = True
+
+    def _step_aside(self, module: Any, args: Any) -> None:
+        """A module's forward starts (any module, called from anywhere: an eval pass between
+        steps too): off the stack while it runs - a module is never the loss code, and torch's
+        modules change what they compute when any mode is on (``nn.MultiheadAttention``'s and
+        ``nn.TransformerEncoder``'s fused inference paths, whose padded positions are 0, are taken
+        only with none). Only where it is on top: on another thread, or below a mode the loop
+        pushed (which keeps those paths off itself), it stays."""
+        if self.on_stack and self._aside_for is None and self._on_top():
+            self._aside_for, self._was_recording = (module, get_ident()), self.recording
+            self.recording = False
+            self._pop()
+
+    def _step_back(self, module: Any, args: Any, output: Any) -> None:
+        """That module returned: back on the stack as it was - the loss code goes on after a
+        module of its own (a perceptual loss's frozen network, which no watch hook restarts it
+        after). The watch's own hooks restart it after the watched model's forward."""
+        aside = self._aside_for  # on this thread: another's call of the same module (Hogwild) is its own
+        if aside is not None and aside[0] is module and aside[1] == get_ident():
+            self._aside_for = None
+            if self._was_recording:
+                self.start()
+
+    def _on_top(self) -> bool:
+        depth = torch._C._len_torch_function_stack()
+        return bool(depth) and torch._C._get_function_stack_at(depth - 1) is self
 
     def pause(self) -> None:
         """A module runs (its hooks see it) or the backward started (any thread: a flag only)."""
@@ -132,13 +168,16 @@ class LossProbe(TorchFunctionMode):
         self.recording = False
         self.calls.clear()
         self.root = None
+        if self._aside is not None:
+            for hook in self._aside:
+                hook.remove()
+            self._aside = self._aside_for = None
         self._pop()
         return not self.on_stack
 
     def _pop(self) -> None:
         """Off this thread's mode stack, if it is on top of it."""
-        if self.on_stack and torch._C._len_torch_function_stack() and \
-                torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is self:
+        if self.on_stack and self._on_top():
             self.__exit__(None, None, None)
             self.on_stack = False
 

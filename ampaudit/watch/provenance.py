@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.core.userframe import boundary, classify, user_location
 
@@ -242,6 +243,10 @@ class _Isolated:
 
     def __enter__(self) -> None:
         module = self.call.module
+        # its modules' attributes too: a forward that counts its calls (a warmup ramp) would count
+        # the replay, and the training go on with another count
+        self._attributes = attributes_kept(module)
+        self._attributes.__enter__()
         self._buffers = [(b, b.detach().clone()) for b in module.buffers()]
         devices = sorted({b.device.index for b in (*module.parameters(), *module.buffers())
                           if b.device.type == "cuda" and b.device.index is not None})
@@ -267,6 +272,7 @@ class _Isolated:
         with torch.no_grad():
             for buffer, saved in self._buffers:
                 buffer.copy_(saved)
+        self._attributes.__exit__(None, None, None)
 
 
 @boundary  # source lines are the module's own: the walk stops here, not in the training loop

@@ -197,7 +197,9 @@ def read_log(path: Path) -> SummaryBuilder:
             and isinstance(source.get("line"), int)):
         source = {"file": str(path), "line": 0}  # a log that does not say: the findings point at it
     builder = SummaryBuilder(header["dtype"], source=source)
-    builder.cut_short = True
+    # only format 3 ends every log with its end line: a format 1 or 2 log of a run without a
+    # GradScaler has none, whole or not (its final_scale line was the scaler's)
+    builder.cut_short = header["ampaudit_watch"] >= 3
     names = header.get("row")
     for record, matched in records:
         if header["ampaudit_watch"] >= 2:

@@ -10,7 +10,8 @@ identity; a tensor's contents written in place are the forward's own business). 
 list attribute the forward fills in place is a cache: timm's LeViT keeps its gathered attention
 biases in ``attention_bias_cache`` in eval mode, where a run with autograd left a tensor of that
 run's graph for the next run's backward ("backward through the graph a second time"). Its
-entries are put back as they were too.
+entries are put back as they were too. Watch's replays of a module (``watch/provenance.py``) keep
+them the same way: a forward that counts its calls in an attribute must not count a replay.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # core imports no torch: the lint path stands on it
+    import torch
 
 _TABLES = ("_parameters", "_buffers", "_modules")
 
