@@ -517,7 +517,7 @@ class StepRecorder:
             return
         # the followed thread outside any torch.func transform - nearly every call - asks no more
         if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)) \
-                or recomputed():  # recorded when it ran forward
+                or (_graph_task() != -1 and recomputed()):  # recorded when it ran forward
             return
         name = self._names.get(id(module))
         phase = "forward"
@@ -804,7 +804,7 @@ class StepRecorder:
         generator's step, whose record it is then in."""
         for ref, _, added in self._grad_hooks.values():
             tensor = ref()
-            if tensor is not None and tensor.grad_fn is None:
+            if tensor is not None and tensor.is_leaf:  # no grad_fn (asked without making its Python object)
                 _remove_grad_hook(tensor, added)
 
     def _rearm(self, logging_next: bool) -> None:
