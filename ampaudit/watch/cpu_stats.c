@@ -264,6 +264,11 @@ enum { ZERO, LOW, NONFINITE, NAN_COUNT, OVER, NEG, TOTALS };
  * samples mostly share a bin, and increments of one bin wait on each other (the sample cost
  * 2.4 ns an element in one histogram). */
 #define SAMPLE_LANES 4
+/* The pass and the sample go a chunk at a time (8 KB of float32), the chunk's samples binned
+ * while it is in the L1 cache: taken after the whole piece's pass, they came from L2 or beyond.
+ * The same samples and bins; a 49,152-element float32 row 11.4 -> 9.7 us hot, its 4096 samples
+ * 6.4 -> 4.5 us of it. */
+#define SAMPLE_CHUNK (4 * BLOCK)
 
 /* |x| as fp32 bits, NaN left as it is (above +Inf): the vectoriser gives up on the counting
  * loop with the select that makes it quiet. The sample's bins use the *_abs loaders. */
@@ -278,12 +283,21 @@ static inline int32_t bf16_mag(int32_t r) {
 #define SAMPLED_PIECE(RAW, MAG, ABS, NEGINF)                                                   \
     int64_t t[TOTALS] = {0};                                                                   \
     int32_t zero = 0, low = 0, top = 0, small_top = 0; /* a piece's counts fit int32 */        \
-    for (int64_t i = lo; i < hi; i++) { /* one loop, vectorised */                            \
-        int32_t a = MAG(RAW(x, i)), small = a < low_at ? a : 0;                                \
-        zero += a == 0;                                                                        \
-        low += a < low_at;                                                                     \
-        small_top = small > small_top ? small : small_top;                                     \
-        top = a > top ? a : top;                                                               \
+    int64_t k = lo / stride + 1; /* the jitter: a hash of the sample's number, no chain */    \
+    int64_t next = lo + stride / 2; /* the next sample */                                     \
+    for (int64_t from = lo; from < hi; from += SAMPLE_CHUNK) {                                 \
+        int64_t to = hi - from < SAMPLE_CHUNK ? hi : from + SAMPLE_CHUNK;                      \
+        for (int64_t i = from; i < to; i++) { /* one loop, vectorised */                      \
+            int32_t a = MAG(RAW(x, i)), small = a < low_at ? a : 0;                            \
+            zero += a == 0;                                                                    \
+            low += a < low_at;                                                                 \
+            small_top = small > small_top ? small : small_top;                                 \
+            top = a > top ? a : top;                                                           \
+        }                                                                                      \
+        for (; next < to; k++) { /* this chunk's samples, while it is in the L1 cache */       \
+            sample[(k & (SAMPLE_LANES - 1)) * NBINS + key(ABS(RAW(x, next)))]++;               \
+            next += stride / 2 + 1 + (int64_t)(((uint64_t)((uint32_t)k * 2654435769u) * (uint64_t)stride) >> 32); \
+        }                                                                                      \
     }                                                                                          \
     if (top >= over_at) { /* rare: overflow or non-finite values, counted; the finite max */   \
         int32_t over = 0, bad = 0;                                                             \
@@ -299,11 +313,6 @@ static inline int32_t bf16_mag(int32_t r) {
         t[OVER] = over, t[NONFINITE] = bad;                                                    \
     }                                                                                          \
     t[ZERO] = zero, t[LOW] = low - zero;                                                       \
-    int64_t k = lo / stride + 1; /* the jitter: a hash of the sample's number, no chain */    \
-    for (int64_t i = lo + stride / 2; i < hi; k++) {                                           \
-        sample[(k & (SAMPLE_LANES - 1)) * NBINS + key(ABS(RAW(x, i)))]++;                       \
-        i += stride / 2 + 1 + (int64_t)(((uint64_t)((uint32_t)k * 2654435769u) * (uint64_t)stride) >> 32); \
-    }                                                                                          \
     for (int c = 0; c < TOTALS; c++) totals[c] += t[c];                                        \
     if (small_top > *low_peak) *low_peak = small_top;                                          \
     if (top > *peak) *peak = top;

@@ -519,7 +519,7 @@ class StepRecorder:
             return
         # the followed thread outside any torch.func transform - nearly every call - asks no more
         if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)) \
-                or recomputed():  # recorded when it ran forward
+                or (_graph_task() != -1 and recomputed()):  # recorded when it ran forward
             return
         if self.loss_probe is not None and module is self._model:  # back on the stack as the model returned
             self.loss_probe.pause()  # (its global hook runs first): not for this hook's own calls
@@ -809,7 +809,7 @@ class StepRecorder:
         generator's step, whose record it is then in."""
         for ref, _, added in self._grad_hooks.values():
             tensor = ref()
-            if tensor is not None and tensor.grad_fn is None:
+            if tensor is not None and tensor.is_leaf:  # no grad_fn (asked without making its Python object)
                 _remove_grad_hook(tensor, added)
 
     def _rearm(self, logging_next: bool) -> None:
