@@ -171,9 +171,6 @@ def fill_row(x: torch.Tensor, counts: torch.Tensor, extras: torch.Tensor, overfl
           native.float_bits(overflow_at), extra + _SUMSQ_AT if norm else None, torch.get_num_threads())
 
 
-_SAMPLE, _SAMPLE_ABOVE = LAYOUT.hist_sample, LAYOUT.hist_sample_above
-
-
 def sample_stride(n: int) -> int:
     """One element in how many a sampled row bins: 1 (all) up to ``LAYOUT.hist_sample_above``
     elements - below that binning a sample costs more than binning them all -, above it about
@@ -198,7 +195,7 @@ def fill_sampled_at(x: torch.Tensor, counts_at: int, extras_at: int, overflow_bi
     False, nothing written, where ``x`` is not dense or of a dtype the kernel reads: the
     caller copies (``fill_row``). A hook's hot path: no call it can skip."""
     n = x.numel()
-    stride = n // _SAMPLE if n > _SAMPLE_ABOVE else 1  # sample_stride(n), without a call
+    stride = sample_stride(n)
     library = _library()
     entry = (library.sampled if stride > 1 else library.rows).get(x.dtype)
     if entry is None or not (x.is_contiguous() or dense(x)):
