@@ -15,8 +15,7 @@ At the step boundary, only when that step's NaN again came from the loss, the ca
 judged in order as a forward replay judges aten ops (``provenance.FirstBadOp``): the first that
 made NaN/+inf out of finite values, or -inf by arithmetic (a log of 0), is named with its line.
 Where every value was finite and only the gradient into the model was not (a ``sqrt`` at 0),
-the calls are run again and backward from the loss (``backward_origin``), each autograd node
-checked as a module's backward replay checks them.
+the calls are run again and backward from the loss (``loss_replay``).
 
 Why only after such a step, and not on every step: a mode on the stack changes what
 ``torch.compile`` traces and costs each call of the loop some Python. A healthy run never arms it;
@@ -41,11 +40,10 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
-from ampaudit.core.tensors import iter_tensors
 from ampaudit.core.userframe import user_location
-from ampaudit.watch.provenance import FirstBadOp, NodeScan, Origin
+from ampaudit.watch.loss_replay import op_name, replay_backward
+from ampaudit.watch.provenance import FirstBadOp, Origin
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
@@ -60,17 +58,6 @@ def _computes(name: str) -> bool:
     ``_record_function_enter_new``: the optimizer's step code after the boundary), which a
     replay must not run again."""
     return name not in _ACCESS and not (name.startswith("_") and not name.startswith("__"))
-
-
-def _op_name(func: Any) -> str:
-    """``torch.log``, ``F.cross_entropy``, ``Tensor.div`` - how the user wrote the call."""
-    name = getattr(func, "__name__", None) or str(func)
-    module = getattr(func, "__module__", None)
-    if module == "torch.nn.functional":
-        return f"F.{name}"
-    if module and module.startswith("torch"):
-        return f"torch.{name}"
-    return f"Tensor.{name}"
 
 
 class LossProbe(TorchFunctionMode):
@@ -186,7 +173,7 @@ class LossProbe(TorchFunctionMode):
         line; None where the first bad value came in bad (the batch, the labels)."""
         judge = FirstBadOp()
         for func, loc, args, kwargs, out in self.calls:
-            name = _op_name(func)
+            name = op_name(func)
             judge.observe(name.rpartition(".")[2], args, kwargs, out,
                           lambda name=name, loc=loc: Origin.at(name, loc))
             if judge.found is not None:
@@ -195,39 +182,5 @@ class LossProbe(TorchFunctionMode):
 
     def backward_origin(self) -> Origin | None:
         """Where the loss code's backward made a finite gradient non-finite while its values
-        stayed finite - a ``sqrt`` at exactly 0, whose slope is infinite: the calls run again on
-        copies of what they read (with a gradient where the original had one), then a backward
-        from the loss, each autograd node checked as a module's backward replay checks them.
-        The replay computes what the step computed, but for its random calls. None: nothing
-        found, or the replay failed (the user's code: only the name is lost)."""
-        if self.root is None:
-            return None
-        copies: dict[int, torch.Tensor] = {}  # id of a tensor the step held -> its copy in the replay
-        leaves: list[torch.Tensor] = []
-        scan = NodeScan()
-
-        def take(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
-            if id(value) not in copies:  # made before the loss code (the model's output, the labels)
-                copy = value.detach().clone()
-                if value.requires_grad and copy.is_floating_point():
-                    leaves.append(copy.requires_grad_())
-                copies[id(value)] = copy
-            return copies[id(value)]
-
-        try:
-            with torch.enable_grad():
-                for func, loc, args, kwargs, out in self.calls:
-                    args, kwargs = tree_map(take, (args, kwargs or {}))
-                    replayed = func(*args, **kwargs)
-                    scan.made(replayed, lambda func=func, loc=loc: (_op_name(func), loc))
-                    # the same structure: the same call on tensors of the same kinds
-                    copies.update((id(a), b) for a, b in zip(iter_tensors(out), iter_tensors(replayed), strict=False))
-                loss = copies.get(id(self.root))
-                if loss is None or not loss.requires_grad or not leaves:
-                    return None
-                scan.backward([loss], leaves, [torch.ones_like(loss)])
-        except Exception:  # the user's code, run again: a failed replay names nothing
-            return None
-        return scan.found
+        stayed finite (``loss_replay``); None: nothing found, or no backward kept."""
+        return None if self.root is None else replay_backward(list(self.calls), self.root)
