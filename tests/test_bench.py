@@ -29,7 +29,7 @@ def test_cpu_watch_benchmark_runs_every_variant():
     assert "rows: C kernel" in out or "rows: torch ops" in out
     ratios = _ratios(out)
     assert set(ratios) == {"plain", "watch", "watch + log", "watch, provenance=False", "watch every=10",
-                           "watch, torch-op rows", "naive .item() hooks", "detect_anomaly"}
+                           "watch, probe_loss", "watch, torch-op rows", "naive .item() hooks", "detect_anomaly"}
     assert ratios["plain"] == 1.0
 
 
