@@ -164,6 +164,42 @@ def test_a_master_weight_optimizer_covers_its_own_model_only():
     assert [c for c in _codes(lint_source("t.py", _FAIRSEQ + _PLAIN)) if c[1] == "AMP411"] == [(11, "AMP411")]
 
 
+# I-JEPA's train.py (facebookresearch/ijepa): the scaler comes out of a helper module with the
+# optimizer, and the only autocast is bf16 - the file never builds the GradScaler AMP409 asks of
+_HELPER_SCALER = """\
+import torch
+from src.helper import init_opt
+
+
+def main(encoder, loader, use_bfloat16=True):
+    optimizer, scaler = init_opt(encoder, use_bfloat16=use_bfloat16)
+    for imgs in loader:
+        def train_step():
+            with torch.cuda.amp.autocast(dtype=AMP_DTYPE, enabled=use_bfloat16):
+                loss = encoder(imgs).mean()
+            if use_bfloat16:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+        train_step()
+"""
+
+
+def test_a_scaler_built_in_another_module_is_heard_with_bf16_autocast():
+    bf16 = lint_source("t.py", _HELPER_SCALER.replace("AMP_DTYPE", "torch.bfloat16"))
+    assert [(f.line, f.column, f.rule) for f in bf16 if f.rule == "AMP409"] == [(12, 17, "AMP409")]
+    # V-JEPA's variant: the dtype is a variable that can be float16 - the scaler may be needed
+    variable = lint_source("t.py", _HELPER_SCALER.replace("AMP_DTYPE", "dtype"))
+    assert [f for f in variable if f.rule == "AMP409"] == []
+    # no autocast in the scaling function: its loss may come from another module's fp16 autocast
+    elsewhere = _HELPER_SCALER.replace("AMP_DTYPE", "torch.bfloat16") + (
+        "\n\ndef step(loss, scaler, optimizer):\n    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n")
+    assert [(f.line, f.rule) for f in lint_source("t.py", elsewhere) if f.rule == "AMP409"] == [(12, "AMP409")]
+
+
 def _copy(tmp_path, name):
     target = tmp_path / name
     shutil.copy(RULE_FIXTURES / name, target)

@@ -1,4 +1,8 @@
-"""AMP409 / AMP410: a GradScaler that cannot help - with bf16 autocast, or fp16 parameters."""
+"""AMP409 / AMP410: a GradScaler that cannot help - with bf16 autocast, or fp16 parameters.
+
+AMP409 also hears a scaler the file does not build (I-JEPA: ``optimizer, scaler = init_opt(...)``
+from a helper module) when the function that scales its loss autocasts only to bf16: said at
+the ``scaler.scale(loss)`` there, since the construction is out of sight."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import GRAD_SCALERS, ScriptFacts
 from ampaudit.check.lint.masters import READS, handled, unscales
-from ampaudit.check.lint.protocol import finding, half_casts
+from ampaudit.check.lint.protocol import backward_scaler, finding, half_casts
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.dtypes import BFLOAT16
 from ampaudit.core.findings import Finding
@@ -14,10 +18,12 @@ from ampaudit.core.findings import Finding
 
 @lint_rule("AMP409", "AMP410", reads=("GradScaler", "autocast", "bfloat16", "half", "float16", *READS))
 def useless_scaler(facts: ScriptFacts) -> Iterator[Finding]:
-    creations = [c for c in facts.calls_to(GRAD_SCALERS) if not c.disabled]
-    if not creations:
-        return
     dtypes = {block.dtype for block in facts.autocasts if block.enabled}
+    if not any(facts.calls_to(GRAD_SCALERS)):
+        if dtypes == {BFLOAT16}:
+            yield from _foreign_scalers(facts)
+        return
+    creations = [c for c in facts.calls_to(GRAD_SCALERS) if not c.disabled]
     # GradScaler.step() leaves an optimizer that does its own scaling to it: no unscale_(), no
     # crash - unless the script unscales it itself
     halves = [(model, cast) for model, cast in half_casts(facts)
@@ -28,3 +34,20 @@ def useless_scaler(facts: ScriptFacts) -> Iterator[Finding]:
         elif halves:
             yield finding(facts, "AMP410", scaler, model=halves[0][0],
                           fix="keep the model in fp32 and use torch.autocast, or use ampaudit.convert")
+
+
+def _foreign_scalers(facts: ScriptFacts) -> Iterator[Finding]:
+    """AMP409 at the first ``scaler.scale(loss)`` of each scaler built outside the file, in a
+    function whose own autocast blocks are bf16 (the file's are all bf16: the caller asks)."""
+    said: set[str] = set()
+    for scope in facts.scopes():
+        if not any(b.enabled and b.scope is scope for b in facts.autocasts):
+            continue  # the loss may come from another file's autocast, of another dtype
+        scalers = facts.scalers(scope)
+        for call in facts.calls_in(scope):
+            scaler = backward_scaler(facts, call, scalers)
+            if scaler is None or scaler in said:
+                continue
+            said.add(scaler)
+            scale = next((c for c in facts.calls_in(scope) if c.method == "scale" and c.receiver == scaler), call)
+            yield finding(facts, "AMP409", scale, fix="drop the GradScaler: bf16 has fp32's exponent range")
