@@ -164,6 +164,38 @@ def test_a_master_weight_optimizer_covers_its_own_model_only():
     assert [c for c in _codes(lint_source("t.py", _FAIRSEQ + _PLAIN)) if c[1] == "AMP411"] == [(11, "AMP411")]
 
 
+# NVIDIA DeepLearningExamples' wav2vec2 train.py: the fp16 model's optimizer comes from a helper
+# module (fairseq's FP16Optimizer, fp32 masters inside) and is used as one: optim.backward(loss)
+_HELPER_FP16_OPTIMIZER = """\
+import torch
+from common.optimizers import get_optimizer
+
+
+def main(args, model, loader):
+    if args.fp16:
+        model.half()
+    optim = get_optimizer(model, args)
+    model.train()
+    for batch in loader:
+        loss = model(batch).sum()
+        if args.fp16:
+            BACKWARD
+        else:
+            loss.backward()
+        optim.step()
+        optim.zero_grad()
+"""
+
+
+def test_an_optimizer_that_takes_the_loss_in_backward_keeps_fp32_masters():
+    wrapper = _HELPER_FP16_OPTIMIZER.replace("BACKWARD", "optim.backward(loss)")
+    assert [f for f in lint_source("t.py", wrapper) if f.rule == "AMP411"] == []
+    # only an optimizer has that interface: accelerate's backward(loss) keeps no fp16 model's masters
+    for backward in ("accelerator.backward(loss)", "loss.backward()"):
+        plain = _HELPER_FP16_OPTIMIZER.replace("BACKWARD", backward)
+        assert [(f.line, f.rule) for f in lint_source("t.py", plain) if f.rule == "AMP411"] == [(7, "AMP411")]
+
+
 # I-JEPA's train.py (facebookresearch/ijepa): the scaler comes out of a helper module with the
 # optimizer, and the only autocast is bf16 - the file never builds the GradScaler AMP409 asks of
 _HELPER_SCALER = """\
