@@ -230,6 +230,38 @@ def test_a_scaler_built_in_another_module_is_heard_with_bf16_autocast():
     elsewhere = _HELPER_SCALER.replace("AMP_DTYPE", "torch.bfloat16") + (
         "\n\ndef step(loss, scaler, optimizer):\n    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n")
     assert [(f.line, f.rule) for f in lint_source("t.py", elsewhere) if f.rule == "AMP409"] == [(12, "AMP409")]
+    # accelerate's MS-AMP benchmarks: the helper's scaler scales FP8 gradients under bf16 autocast
+    fp8 = "import msamp\n" + _HELPER_SCALER.replace("AMP_DTYPE", "torch.bfloat16")
+    assert [f for f in lint_source("t.py", fp8) if f.rule == "AMP409"] == []
+
+
+# VideoMAEv2's engine_for_finetuning.py: timm's NativeScaler, built in run_class_finetuning.py,
+# called as loss_scaler(loss, optimizer, ...) under bf16; the file's fp16 autocasts are eval-only
+_HELPER_LOSS_SCALER = """\
+import torch
+
+
+def train_one_epoch(model, criterion, loader, optimizer, loss_scaler, max_norm=None):
+    for samples, targets in loader:
+        with torch.cuda.amp.autocast(dtype=torch.bfloat16):
+            loss = criterion(model(samples), targets)
+        grad_norm = loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters())
+        optimizer.zero_grad()
+
+
+@torch.no_grad()
+def validation_one_epoch(model, loader):
+    for samples, _ in loader:
+        with torch.cuda.amp.autocast():
+            model(samples)
+"""
+
+
+def test_a_timm_loss_scaler_built_in_another_module_is_heard_with_bf16_autocast():
+    found = [(f.line, f.column, f.rule) for f in lint_source("t.py", _HELPER_LOSS_SCALER) if f.rule == "AMP409"]
+    assert found == [(8, 21, "AMP409")]
+    fp16 = _HELPER_LOSS_SCALER.replace("autocast(dtype=torch.bfloat16)", "autocast()")
+    assert [f for f in lint_source("t.py", fp16) if f.rule == "AMP409"] == []
 
 
 def _copy(tmp_path, name):
