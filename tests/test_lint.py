@@ -164,6 +164,106 @@ def test_a_master_weight_optimizer_covers_its_own_model_only():
     assert [c for c in _codes(lint_source("t.py", _FAIRSEQ + _PLAIN)) if c[1] == "AMP411"] == [(11, "AMP411")]
 
 
+# NVIDIA DeepLearningExamples' wav2vec2 train.py: the fp16 model's optimizer comes from a helper
+# module (fairseq's FP16Optimizer, fp32 masters inside) and is used as one: optim.backward(loss)
+_HELPER_FP16_OPTIMIZER = """\
+import torch
+from common.optimizers import get_optimizer
+
+
+def main(args, model, loader):
+    if args.fp16:
+        model.half()
+    optim = get_optimizer(model, args)
+    model.train()
+    for batch in loader:
+        loss = model(batch).sum()
+        if args.fp16:
+            BACKWARD
+        else:
+            loss.backward()
+        optim.step()
+        optim.zero_grad()
+"""
+
+
+def test_an_optimizer_that_takes_the_loss_in_backward_keeps_fp32_masters():
+    wrapper = _HELPER_FP16_OPTIMIZER.replace("BACKWARD", "optim.backward(loss)")
+    assert [f for f in lint_source("t.py", wrapper) if f.rule == "AMP411"] == []
+    # only an optimizer has that interface: accelerate's backward(loss) keeps no fp16 model's masters
+    for backward in ("accelerator.backward(loss)", "loss.backward()"):
+        plain = _HELPER_FP16_OPTIMIZER.replace("BACKWARD", backward)
+        assert [(f.line, f.rule) for f in lint_source("t.py", plain) if f.rule == "AMP411"] == [(7, "AMP411")]
+
+
+# I-JEPA's train.py (facebookresearch/ijepa): the scaler comes out of a helper module with the
+# optimizer, and the only autocast is bf16 - the file never builds the GradScaler AMP409 asks of
+_HELPER_SCALER = """\
+import torch
+from src.helper import init_opt
+
+
+def main(encoder, loader, use_bfloat16=True):
+    optimizer, scaler = init_opt(encoder, use_bfloat16=use_bfloat16)
+    for imgs in loader:
+        def train_step():
+            with torch.cuda.amp.autocast(dtype=AMP_DTYPE, enabled=use_bfloat16):
+                loss = encoder(imgs).mean()
+            if use_bfloat16:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+        train_step()
+"""
+
+
+def test_a_scaler_built_in_another_module_is_heard_with_bf16_autocast():
+    bf16 = lint_source("t.py", _HELPER_SCALER.replace("AMP_DTYPE", "torch.bfloat16"))
+    assert [(f.line, f.column, f.rule) for f in bf16 if f.rule == "AMP409"] == [(12, 17, "AMP409")]
+    # V-JEPA's variant: the dtype is a variable that can be float16 - the scaler may be needed
+    variable = lint_source("t.py", _HELPER_SCALER.replace("AMP_DTYPE", "dtype"))
+    assert [f for f in variable if f.rule == "AMP409"] == []
+    # no autocast in the scaling function: its loss may come from another module's fp16 autocast
+    elsewhere = _HELPER_SCALER.replace("AMP_DTYPE", "torch.bfloat16") + (
+        "\n\ndef step(loss, scaler, optimizer):\n    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n")
+    assert [(f.line, f.rule) for f in lint_source("t.py", elsewhere) if f.rule == "AMP409"] == [(12, "AMP409")]
+    # accelerate's MS-AMP benchmarks: the helper's scaler scales FP8 gradients under bf16 autocast
+    fp8 = "import msamp\n" + _HELPER_SCALER.replace("AMP_DTYPE", "torch.bfloat16")
+    assert [f for f in lint_source("t.py", fp8) if f.rule == "AMP409"] == []
+
+
+# VideoMAEv2's engine_for_finetuning.py: timm's NativeScaler, built in run_class_finetuning.py,
+# called as loss_scaler(loss, optimizer, ...) under bf16; the file's fp16 autocasts are eval-only
+_HELPER_LOSS_SCALER = """\
+import torch
+
+
+def train_one_epoch(model, criterion, loader, optimizer, loss_scaler, max_norm=None):
+    for samples, targets in loader:
+        with torch.cuda.amp.autocast(dtype=torch.bfloat16):
+            loss = criterion(model(samples), targets)
+        grad_norm = loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters())
+        optimizer.zero_grad()
+
+
+@torch.no_grad()
+def validation_one_epoch(model, loader):
+    for samples, _ in loader:
+        with torch.cuda.amp.autocast():
+            model(samples)
+"""
+
+
+def test_a_timm_loss_scaler_built_in_another_module_is_heard_with_bf16_autocast():
+    found = [(f.line, f.column, f.rule) for f in lint_source("t.py", _HELPER_LOSS_SCALER) if f.rule == "AMP409"]
+    assert found == [(8, 21, "AMP409")]
+    fp16 = _HELPER_LOSS_SCALER.replace("autocast(dtype=torch.bfloat16)", "autocast()")
+    assert [f for f in lint_source("t.py", fp16) if f.rule == "AMP409"] == []
+
+
 def _copy(tmp_path, name):
     target = tmp_path / name
     shutil.copy(RULE_FIXTURES / name, target)

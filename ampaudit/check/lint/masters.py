@@ -1,7 +1,8 @@
 """Optimizers that handle fp16 parameters themselves: they keep fp32 master copies and do their
 own loss scaling (NVIDIA's FusedLAMBAMP, apex's FP16_Optimizer, fairseq's and Megatron's fp16
 optimizers, DeepSpeed's engine, apex FusedAdam/FusedLAMB with ``master_weights=True``, a class
-of the file that sets ``_step_supports_amp_scaling = True``), or at least step through a
+of the file that sets ``_step_supports_amp_scaling = True``, an optimizer the script hands the
+loss with ``optimizer.backward(loss)``), or at least step through a
 GradScaler without unscaling (torch's ``fused=True`` optimizers).
 
 A model cast to fp16 whose parameters go to one of them is trained the way those libraries
@@ -19,7 +20,7 @@ from typing import NamedTuple
 from ampaudit.check.lint.facts import Call, ScriptFacts
 from ampaudit.check.lint.memo import per_file
 from ampaudit.check.lint.nodes import arguments, dotted
-from ampaudit.check.lint.protocol import is_optimizer, parameters_of
+from ampaudit.check.lint.protocol import is_optimizer, named_like_optimizer, parameters_of
 from ampaudit.core.rulebook import rule
 
 # the source text that names such an optimizer: rules that ask `handled` read it
@@ -120,6 +121,14 @@ def special_optimizers(facts: ScriptFacts) -> tuple[Special, ...]:
     for owner in supporting:  # `optimizer._step_supports_amp_scaling = True`
         for call in by_target.get(owner, ()):
             add(call, True)
+    # `optim.backward(loss)`: torch's optimizers have no backward - the fp16 wrappers do (apex
+    # FP16_Optimizer, fairseq's FP16Optimizer), which scale the loss and keep fp32 masters; a
+    # helper of another module may build one (NVIDIA's wav2vec2: `optim = get_optimizer(model, args)`)
+    built = {a.target: a.call for a in facts.assignments}
+    for call in facts.method_calls("backward"):
+        owner = call.receiver
+        if owner and call.arg(0) is not None and named_like_optimizer(owner) and owner in built:
+            add(built[owner], True)
     return tuple(found.values())
 
 

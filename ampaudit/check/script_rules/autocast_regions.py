@@ -1,4 +1,4 @@
-"""AMP421 / AMP422: autocast regions that do not cover what they are meant to.
+"""AMP421 / AMP422 / AMP425: autocast regions that do not cover what they are meant to.
 
 AMP421: a GradScaler scales a loss whose model forward runs outside every autocast region of
 the function (only the loss is autocast): the model never runs in low precision.
@@ -6,18 +6,23 @@ AMP422: an ``autocast(enabled=False)`` region - the usual way to run a loss or a
 fp32 - whose torch functions or loss modules take values computed under autocast (or
 ``.half()``-ed) without ``.float()``: disabling autocast does not cast its inputs, so the
 region still computes in fp16.
+AMP425: a script that builds a GradScaler and scales a loss its model forward computes, with no
+autocast anywhere (Swin Transformer's main_simmim_ft.py, an `--enable-amp` flag no code reads):
+the model trains in fp32.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from collections.abc import Iterator
 
-from ampaudit.check.lint.facts import Autocast, Call, Scope, ScriptFacts
+from ampaudit.check.lint.facts import GRAD_SCALERS, Autocast, Call, Scope, ScriptFacts
 from ampaudit.check.lint.inference import LOW, Inference, widest
 from ampaudit.check.lint.nodes import Arg, arguments, dotted
-from ampaudit.check.lint.protocol import amp_path, finding, scaled_backward
+from ampaudit.check.lint.protocol import amp_path, backward_scaler, finding, scaled_backward
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.catalog import builtin_catalog
 from ampaudit.core.findings import Finding
@@ -45,6 +50,61 @@ def forward_outside_autocast(facts: ScriptFacts) -> Iterator[Finding]:
             call = models[0]
             yield finding(facts, "AMP421", call, model=facts.text(call.node.func), block_line=blocks[0].line,
                           fix=f"run {facts.text(call.node.func)}(...) inside the `with` autocast block")
+
+
+# Text that says low precision may come from somewhere the lint does not follow: an autocast
+# built or entered elsewhere (`amp_autocast`, a decorator), a cast, a precision flag a helper reads
+_LOW_PRECISION_TEXT = re.compile(r"autocast|float16|bfloat16|half|fp16|bf16|precision", re.IGNORECASE)
+
+
+@lint_rule("AMP425", reads=("GradScaler", r"\.scale\("))
+def scaler_without_autocast(facts: ScriptFacts) -> Iterator[Finding]:
+    if facts.autocasts or all(c.disabled for c in facts.calls_to(GRAD_SCALERS)):
+        return  # no scaler built here (none, or enabled=False): it and the autocast may be elsewhere
+    if _LOW_PRECISION_TEXT.search(_code(facts.source)):
+        return
+    withs: list[tuple[int, int]] | None = None
+    for scope in facts.scopes():
+        scalers = facts.scalers(scope)
+        backwards = [(c, backward_scaler(facts, c, scalers)) for c in facts.calls_in(scope)]
+        backwards = [(c, s) for c, s in backwards if s is not None]
+        if not backwards:
+            continue
+        first, scaler = min(backwards, key=lambda b: b[0].line)
+        models = [c for c in facts.calls_in(scope) if c.line < first.line
+                  and _MODEL.search(dotted(c.node.func) or "") and not _constructor(c)]
+        if not models:
+            continue  # a scaler wrapper (NativeScaler(loss, optimizer)): the forward is the caller's
+        if withs is None:
+            withs = _with_spans(facts.source)
+        # `with ctx:` around the forward may be an autocast made elsewhere
+        models = [c for c in models if not any(start <= c.line <= end for start, end in withs)]
+        if models:
+            model = facts.text(models[0].node.func)
+            yield finding(facts, "AMP425", models[0], model=model, scaler=scaler,
+                          fix=f'run {model}(...) and the loss under `with torch.autocast("cuda"):`')
+
+
+def _code(source: str) -> str:
+    """The source without its comments and docstrings: prose about mixed precision is no cast."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    kept, previous = [], tokenize.NEWLINE
+    for token in tokens:
+        if token.type == tokenize.COMMENT:
+            continue
+        # a string that starts a statement (not one continuing a bracketed expression: NL)
+        docstring = token.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+        if token.type not in (tokenize.NL, tokenize.COMMENT):
+            previous = token.type
+        if not docstring:
+            kept.append(token.string)
+    return " ".join(kept)
+
+
+def _with_spans(source: str) -> list[tuple[int, int]]:
+    """The lines of every ``with`` block's body in the file."""
+    return [(node.body[0].lineno, node.end_lineno or node.lineno) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.With, ast.AsyncWith))]
 
 
 @lint_rule("AMP422", reads=("autocast",))
