@@ -483,6 +483,23 @@ def test_a_loss_whose_value_is_finite_and_gradient_is_not_names_the_backward_of_
     assert first["note"] == f"{note} (named at step 3, where it happened again)"
 
 
+def _rmse_of_noisy_targets(out, y, step):
+    noise = torch.randn_like(y)  # the loss code's own draw: the replay of step 2 makes it again
+    target = out.detach() if step == 2 else y + 0.1 * noise  # a perfect prediction at step 2: sqrt(0)
+    return torch.sqrt(((out - target) ** 2).mean())
+
+
+def test_the_backward_replay_leaves_the_random_generators_as_the_run_left_them():
+    """The replay of step 2's loss code draws its noise again: the run went on from step 3 with
+    other draws than without watch (the losses of steps 3 and 4 differed)."""
+    monitor, watched = _train(_rmse_of_noisy_targets, probe_loss=True)
+    assert monitor.summary()["first_nonfinite"]["op"] == "SqrtBackward0"  # replayed
+    after = torch.rand(1)
+    _, plain = _train(_rmse_of_noisy_targets, watched=False)
+    assert watched == plain
+    assert torch.equal(after, torch.rand(1))
+
+
 def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
     """``loss.backward()`` pauses the probe inside its own call: it was kept all the same, and a
     replay ran it; calls such as ``torch._set_grad_enabled`` are torch's, not the loop's."""

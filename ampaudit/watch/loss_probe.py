@@ -198,8 +198,8 @@ class LossProbe(TorchFunctionMode):
         stayed finite - a ``sqrt`` at exactly 0, whose slope is infinite: the calls run again on
         copies of what they read (with a gradient where the original had one), then a backward
         from the loss, each autograd node checked as a module's backward replay checks them.
-        The replay computes what the step computed, but for its random calls. None: nothing
-        found, or the replay failed (the user's code: only the name is lost)."""
+        The replay computes what the step computed, but for its random calls, whose generators it
+        leaves as they were. None: nothing found, or the replay failed (the user's code: only the name is lost)."""
         if self.root is None:
             return None
         copies: dict[int, torch.Tensor] = {}  # id of a tensor the step held -> its copy in the replay
@@ -216,8 +216,12 @@ class LossProbe(TorchFunctionMode):
                 copies[id(value)] = copy
             return copies[id(value)]
 
+        # the replay's random calls draw from forked generators: a noise the loss code samples
+        # (a diffusion loss's) would advance them, and the run go on with other draws than without watch
+        devices = sorted({t.device.index for call in self.calls for t in iter_tensors(call[4])
+                          if t.device.type == "cuda" and t.device.index is not None})
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.random.fork_rng(devices=devices):
                 for func, loc, args, kwargs, out in self.calls:
                     args, kwargs = tree_map(take, (args, kwargs or {}))
                     replayed = func(*args, **kwargs)
