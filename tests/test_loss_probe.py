@@ -500,6 +500,45 @@ def test_the_backward_replay_leaves_the_random_generators_as_the_run_left_them()
     assert torch.equal(after, torch.rand(1))
 
 
+class _RMSELoss(torch.nn.Module):
+    """A criterion as a module, as training scripts write RMSE: no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse = torch.nn.MSELoss()
+
+    def forward(self, out, target):
+        return torch.sqrt(self.mse(out, target))  # probe: a criterion module's sqrt
+
+
+_CROSS_ENTROPY = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+
+
+def _rmse_module(out, y, step):
+    return _RMSELoss()(out, y if step < 2 else out.detach())
+
+
+def _smoothed_cross_entropy_of_a_banned_class(out, y, step):
+    logits = torch.cat([out, -out], dim=1)
+    banned = torch.tensor([False, step >= 2])  # from step 2 a class is banned: -inf, which smoothing reads
+    return _CROSS_ENTROPY(logits.masked_fill(banned, float("-inf")), (y[:, 0] > 0.5).long())  # probe: CE module
+
+
+@pytest.mark.parametrize(("loss_fn", "op", "marker"), [
+    (_rmse_module, "SqrtBackward0", "probe: a criterion module's sqrt"),
+    (_smoothed_cross_entropy_of_a_banned_class, "F.cross_entropy", "probe: CE module"),
+])
+def test_a_criterion_module_s_calls_are_the_loss_code(loss_fn, op, marker):
+    """A module of no parameters (``nn.CrossEntropyLoss()``, a user's RMSELoss) is the loss
+    code, not a network: the probe stepped off the stack for it as for the model, and its NaN
+    went unnamed."""
+    monitor, losses = _train(loss_fn, probe_loss=True)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first.get("op"), first.get("source")) == (2, op, f"{THIS}:{_line(marker)}")
+    _, plain = _train(loss_fn, watched=False)  # recorded, it computes what it computes without watch
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=0, atol=0, equal_nan=True)
+
+
 def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
     """``loss.backward()`` pauses the probe inside its own call: it was kept all the same, and a
     replay ran it; calls such as ``torch._set_grad_enabled`` are torch's, not the loop's."""

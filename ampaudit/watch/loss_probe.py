@@ -26,7 +26,7 @@ went NaN after the first bad step (no GradScaler: fp32 and bf16 runs) blames the
 then on: there the probe can only be on from the first step (``watch(probe_loss=True)``,
 ``ampaudit run --probe-loss``), at that cost on every step.
 
-The mode steps off the stack while any module runs (its hooks see that code; a compiled model
+The mode steps off the stack while any module of parameters runs (its hooks see that code; a compiled model
 is traced without it; torch's modules take their fused inference paths only with no mode on)
 and back on when the module returns, and at the step's end.
 """
@@ -71,6 +71,12 @@ def _op_name(func: Any) -> str:
     if module and module.startswith("torch"):
         return f"torch.{name}"
     return f"Tensor.{name}"
+
+
+def _a_network(module: Any) -> bool:
+    """Whether a module is a network - the model, a perceptual loss's frozen one - and not a
+    criterion: whether it or a module under it has a parameter."""
+    return next(module.parameters(), None) is not None
 
 
 class LossProbe(TorchFunctionMode):
@@ -128,8 +134,10 @@ class LossProbe(TorchFunctionMode):
         modules change what they compute when any mode is on (``nn.MultiheadAttention``'s and
         ``nn.TransformerEncoder``'s fused inference paths, whose padded positions are 0, are taken
         only with none). Only where it is on top: on another thread, or below a mode the loop
-        pushed (which keeps those paths off itself), it stays."""
-        if self.on_stack and self._aside_for is None and self._on_top():
+        pushed (which keeps those paths off itself), it stays. A module of no parameters is the
+        loss code: a criterion (``nn.CrossEntropyLoss()``, a user's ``RMSELoss`` module) records
+        its calls as the loop's own."""
+        if self.on_stack and self._aside_for is None and self._on_top() and _a_network(module):
             self._aside_for, self._was_recording = (module, get_ident()), self.recording
             self.recording = False
             self._pop()
