@@ -55,9 +55,48 @@ def copied_whole(module: torch.nn.Module) -> None:
     """Have ``copy.deepcopy(module)`` - the user's: an EMA of the converted model - be
     ``copy_model``'s, for a module given a method bound to itself: an instance ``__deepcopy__``
     (itself bound, so taken off and bound again like the others). Without it a persistent
-    class's copy recursed, as above."""
+    class's copy recursed, as above. And a pickle of it (``torch.save(model)``, EDM2's network
+    snapshots) ``_pickled``'s: a bound method pickles as ``getattr(module, name)``, which the
+    load runs before the module has its attributes (AttributeError), and inside a persistent
+    class's state it recursed."""
     module.__deepcopy__ = types.MethodType(_deepcopy, module)
+    module.__reduce_ex__ = types.MethodType(_pickled, module)
 
 
 def _deepcopy(self: torch.nn.Module, memo: dict[int, object]) -> torch.nn.Module:
     return copy_model(self, memo)
+
+
+def _self_bound(module: torch.nn.Module) -> dict[str, types.MethodType]:
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, types.MethodType) and value.__self__ is module}
+
+
+def _pickled(self: torch.nn.Module, protocol: int) -> tuple:
+    """The class's own pickle of the module (a persistent class's too) made with its methods
+    bound to itself taken off; the load binds their functions (module-level: pickled by name)
+    to the loaded module once its state is set."""
+    bound = _self_bound(self)
+    for name in bound:
+        del self.__dict__[name]
+    try:  # the class's: nn.Module's state is a copy of the attributes, without them
+        fields = list(type(self).__reduce_ex__(self, protocol))
+    finally:
+        self.__dict__.update(bound)
+    fields += [None] * (5 - len(fields))
+    state = fields[2]
+    fields[2] = (state, [(name, method.__func__) for name, method in bound.items()])
+    return (*fields[:5], _state_and_bound)
+
+
+def _state_and_bound(module: torch.nn.Module, state: tuple) -> None:
+    """What pickle's BUILD does with the class's state, then the methods bound again."""
+    own, bound = state
+    if own is not None:
+        setstate = getattr(module, "__setstate__", None)
+        if setstate is not None:
+            setstate(own)
+        else:
+            module.__dict__.update(own)
+    for name, function in bound:
+        module.__dict__[name] = types.MethodType(function, module)
