@@ -119,6 +119,8 @@ def test_a_converted_model_pickles_whole_and_loads_as_a_converted_model(tmp_path
     assert twin.forward.__self__ is twin
     torch.save(twin, tmp_path / "again.pt")
     assert torch.load(tmp_path / "again.pt", weights_only=False).forward.__func__ is converted.forward.__func__
+    shallow = copy.copy(converted)  # asks the same __reduce_ex__, and takes five fields at most
+    assert shallow.forward.__self__ is shallow
 
 
 def test_the_fx_backend_runs_a_graph_holding_numpy_scalars():

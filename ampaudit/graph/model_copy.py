@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import types
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,28 +75,22 @@ def _self_bound(module: torch.nn.Module) -> dict[str, types.MethodType]:
 def _pickled(self: torch.nn.Module, protocol: int) -> tuple:
     """The class's own pickle of the module (a persistent class's too) made with its methods
     bound to itself taken off; the load binds their functions (module-level: pickled by name)
-    to the loaded module once its state is set."""
+    to the module as soon as it is made - before its state, which does not hold them. No
+    state setter: ``copy.copy`` asks this too, and takes at most five fields."""
     bound = _self_bound(self)
     for name in bound:
         del self.__dict__[name]
     try:  # the class's: nn.Module's state is a copy of the attributes, without them
-        fields = list(type(self).__reduce_ex__(self, protocol))
+        fields = type(self).__reduce_ex__(self, protocol)
     finally:
         self.__dict__.update(bound)
-    fields += [None] * (5 - len(fields))
-    state = fields[2]
-    fields[2] = (state, [(name, method.__func__) for name, method in bound.items()])
-    return (*fields[:5], _state_and_bound)
+    functions = [(name, method.__func__) for name, method in bound.items()]
+    return (_made_and_bound, (fields[0], fields[1], functions), *fields[2:])
 
 
-def _state_and_bound(module: torch.nn.Module, state: tuple) -> None:
-    """What pickle's BUILD does with the class's state, then the methods bound again."""
-    own, bound = state
-    if own is not None:
-        setstate = getattr(module, "__setstate__", None)
-        if setstate is not None:
-            setstate(own)
-        else:
-            module.__dict__.update(own)
-    for name, function in bound:
+def _made_and_bound(make: Any, args: tuple, functions: list[tuple[str, Any]]) -> torch.nn.Module:
+    """The class's reconstructor's module, given its methods bound to itself again."""
+    module = make(*args)
+    for name, function in functions:
         module.__dict__[name] = types.MethodType(function, module)
+    return module
