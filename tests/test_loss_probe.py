@@ -539,6 +539,22 @@ def test_a_criterion_module_s_calls_are_the_loss_code(loss_fn, op, marker):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=0, atol=0, equal_nan=True)
 
 
+def _energy_under_fp16_autocast(out, y, step):
+    scale = 1.0 if step < 2 else 1e-5
+    with torch.autocast("cpu", dtype=torch.float16):
+        energy = (out * scale) @ (out * scale).T  # fp16 under autocast: from step 2 about 1e-10, which is 0
+    return torch.sqrt(energy.float().diagonal()).mean()  # probe: sqrt of an fp16 underflow
+
+
+def test_the_backward_replay_runs_each_call_under_the_autocast_it_ran_under():
+    """Replayed without autocast, the matmul ran in fp32 (1e-10, not 0): the sqrt's backward
+    stayed finite and the NaN went unnamed."""
+    monitor, _ = _train(_energy_under_fp16_autocast, probe_loss=True)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first.get("op"), first.get("source")) == \
+        (2, "SqrtBackward0", f"{THIS}:{_line('probe: sqrt of an fp16 underflow')}")
+
+
 def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
     """``loss.backward()`` pauses the probe inside its own call: it was kept all the same, and a
     replay ran it; calls such as ``torch._set_grad_enabled`` are torch's, not the loop's."""

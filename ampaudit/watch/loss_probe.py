@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from contextlib import ExitStack
 from threading import get_ident
 from typing import Any
 
@@ -45,7 +46,7 @@ from torch.utils._pytree import tree_map
 
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.core.userframe import user_location
-from ampaudit.watch.provenance import FirstBadOp, NodeScan, Origin
+from ampaudit.watch.provenance import _DEVICE_TYPES, FirstBadOp, NodeScan, Origin, autocast_state
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
@@ -60,6 +61,15 @@ def _computes(name: str) -> bool:
     ``_record_function_enter_new``: the optimizer's step code after the boundary), which a
     replay must not run again."""
     return name not in _ACCESS and not (name.startswith("_") and not name.startswith("__"))
+
+
+def _under(autocast: tuple) -> ExitStack:
+    """The autocast a call ran under (``provenance.autocast_state``), entered for its replay."""
+    stack = ExitStack()
+    for device, (enabled, dtype) in zip(_DEVICE_TYPES, autocast, strict=True):
+        if enabled or torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    return stack
 
 
 def _op_name(func: Any) -> str:
@@ -88,8 +98,8 @@ class LossProbe(TorchFunctionMode):
         self.recording = False
         self.on_stack = False
         self.root: torch.Tensor | None = None  # the step's backward root, the loss (``backward_origin``)
-        # func, line, args, kwargs, out
-        self.calls: deque[tuple[Any, Any, tuple, dict | None, Any]] = deque(maxlen=MAX_CALLS)
+        # func, line, args, kwargs, out, the autocast it ran under
+        self.calls: deque[tuple[Any, Any, tuple, dict | None, Any, tuple]] = deque(maxlen=MAX_CALLS)
         self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
         self._aside_for: Any = None  # the module it stepped aside for (and thread), whether it was recording
         self._was_recording = False
@@ -103,7 +113,7 @@ class LossProbe(TorchFunctionMode):
         # the call paused it (``loss.backward()``: the backward is no loss code, and a replay of it
         # would run it); one that computes nothing; torch's own machinery
         if self.recording and torch.is_grad_enabled() and _computes(getattr(func, "__name__", "")):
-            self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out))
+            self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
         return out
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -193,7 +203,7 @@ class LossProbe(TorchFunctionMode):
         """The first call that made NaN/+inf of finite values (or -inf by arithmetic), with its
         line; None where the first bad value came in bad (the batch, the labels)."""
         judge = FirstBadOp()
-        for func, loc, args, kwargs, out in self.calls:
+        for func, loc, args, kwargs, out, _ in self.calls:
             name = _op_name(func)
             judge.observe(name.rpartition(".")[2], args, kwargs, out,
                           lambda name=name, loc=loc: Origin.at(name, loc))
@@ -230,9 +240,10 @@ class LossProbe(TorchFunctionMode):
                           if t.device.type == "cuda" and t.device.index is not None})
         try:
             with torch.enable_grad(), torch.random.fork_rng(devices=devices):
-                for func, loc, args, kwargs, out in self.calls:
+                for func, loc, args, kwargs, out, autocast in self.calls:
                     args, kwargs = tree_map(take, (args, kwargs or {}))
-                    replayed = func(*args, **kwargs)
+                    with _under(autocast):  # a matmul the loop ran in fp16 underflows as it did
+                        replayed = func(*args, **kwargs)
                     scan.made(replayed, lambda func=func, loc=loc: (_op_name(func), loc))
                     # the same structure: the same call on tensors of the same kinds
                     copies.update((id(a), b) for a, b in zip(iter_tensors(out), iter_tensors(replayed), strict=False))
