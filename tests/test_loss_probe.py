@@ -555,6 +555,21 @@ def test_the_backward_replay_runs_each_call_under_the_autocast_it_ran_under():
         (2, "SqrtBackward0", f"{THIS}:{_line('probe: sqrt of an fp16 underflow')}")
 
 
+def test_the_backward_replay_runs_no_hook_the_loss_code_registered():
+    """A loop that logs its loss gradient from a tensor hook: the replay registered the hook on
+    its copy and its backward ran it again - step 2 logged twice."""
+    logged = []
+
+    def rmse_logging_its_gradient(out, y, step):
+        error = out - (y if step != 2 else out.detach())
+        error.register_hook(lambda grad: logged.append(step))
+        return torch.sqrt((error ** 2).mean())
+
+    monitor, _ = _train(rmse_logging_its_gradient, steps=4, probe_loss=True)
+    assert monitor.summary()["first_nonfinite"]["op"] == "SqrtBackward0"  # replayed
+    assert logged == [0, 1, 2, 3]
+
+
 def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
     """``loss.backward()`` pauses the probe inside its own call: it was kept all the same, and a
     replay ran it; calls such as ``torch._set_grad_enabled`` are torch's, not the loop's."""

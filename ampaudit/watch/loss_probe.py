@@ -53,14 +53,17 @@ ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a script's setup before its first step under ``probe_loss``
 MAX_CALLS = 512
 _ACCESS = ("__get__", "__set__", "__delete__")
+# calls that compute nothing and give the user's code a way into the backward: a replay of
+# ``d.register_hook(log)`` ran the user's hook again in the replay's backward
+_HOOKS = ("register_hook", "register_post_accumulate_grad_hook", "retain_grad")
 
 
 def _computes(name: str) -> bool:
     """Whether a call of this name is the loop's computation: not an attribute read or written
     (``p.grad``, ``x.data``), nor torch's own machinery (``_set_grad_enabled``, the profiler's
-    ``_record_function_enter_new``: the optimizer's step code after the boundary), which a
-    replay must not run again."""
-    return name not in _ACCESS and not (name.startswith("_") and not name.startswith("__"))
+    ``_record_function_enter_new``: the optimizer's step code after the boundary), nor a hook
+    registered on a tensor, which a replay must not run again."""
+    return name not in _ACCESS and name not in _HOOKS and not (name.startswith("_") and not name.startswith("__"))
 
 
 def _under(autocast: tuple) -> ExitStack:
