@@ -570,6 +570,31 @@ def test_the_backward_replay_runs_no_hook_the_loss_code_registered():
     assert logged == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("bad_micro_batch", [0, 1])
+def test_the_backward_replay_runs_every_backward_of_a_step_of_gradient_accumulation(bad_micro_batch):
+    """Two micro-batches a step: the replay ran backward from the last one's loss only, and a
+    sqrt at 0 in the first went unnamed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, probe_loss=True) as monitor:
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                out = model(x[micro * 8:(micro + 1) * 8])
+                perfect = step == 2 and micro == bad_micro_batch
+                target = out.detach() if perfect else y[micro * 8:(micro + 1) * 8]
+                loss = torch.sqrt(((out - target) ** 2).mean()) / 2  # probe: a micro-batch's sqrt
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first.get("op"), first.get("source")) == \
+        (2, "SqrtBackward0", f"{THIS}:{_line('probe: a micro-batch')}")
+
+
 def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
     """``loss.backward()`` pauses the probe inside its own call: it was kept all the same, and a
     replay ran it; calls such as ``torch._set_grad_enabled`` are torch's, not the loop's."""

@@ -100,7 +100,9 @@ class LossProbe(TorchFunctionMode):
         super().__init__()
         self.recording = False
         self.on_stack = False
-        self.root: torch.Tensor | None = None  # the step's backward root, the loss (``backward_origin``)
+        # the step's backward roots, the losses (``backward_origin``): one per micro-batch under
+        # gradient accumulation, the discriminator's and the generator's in a GAN
+        self.roots: list[torch.Tensor] = []
         # func, line, args, kwargs, out, the autocast it ran under
         self.calls: deque[tuple[Any, Any, tuple, dict | None, Any, tuple]] = deque(maxlen=MAX_CALLS)
         self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
@@ -188,7 +190,7 @@ class LossProbe(TorchFunctionMode):
         it on top. Returns whether it is off."""
         self.recording = False
         self.calls.clear()
-        self.root = None
+        self.roots = []
         if self._aside is not None:
             for hook in self._aside:
                 hook.remove()
@@ -218,10 +220,11 @@ class LossProbe(TorchFunctionMode):
         """Where the loss code's backward made a finite gradient non-finite while its values
         stayed finite - a ``sqrt`` at exactly 0, whose slope is infinite: the calls run again on
         copies of what they read (with a gradient where the original had one), then a backward
-        from the loss, each autograd node checked as a module's backward replay checks them.
+        from every loss the step ran backward from, each autograd node checked as a module's
+        backward replay checks them.
         The replay computes what the step computed, but for its random calls, whose generators it
         leaves as they were. None: nothing found, or the replay failed (the user's code: only the name is lost)."""
-        if self.root is None:
+        if not self.roots:
             return None
         copies: dict[int, torch.Tensor] = {}  # id of a tensor the step held -> its copy in the replay
         leaves: list[torch.Tensor] = []
@@ -250,10 +253,12 @@ class LossProbe(TorchFunctionMode):
                     scan.made(replayed, lambda func=func, loc=loc: (_op_name(func), loc))
                     # the same structure: the same call on tensors of the same kinds
                     copies.update((id(a), b) for a, b in zip(iter_tensors(out), iter_tensors(replayed), strict=False))
-                loss = copies.get(id(self.root))
-                if loss is None or not loss.requires_grad or not leaves:
+                # every backward of the step: a micro-batch's sqrt at 0 is not behind the last one's loss
+                losses = list({id(loss): loss for root in self.roots
+                               if (loss := copies.get(id(root))) is not None and loss.requires_grad}.values())
+                if not losses or not leaves:
                     return None
-                scan.backward([loss], leaves, [torch.ones_like(loss)])
+                scan.backward(losses, leaves, [torch.ones_like(loss) for loss in losses])
         except Exception:  # the user's code, run again: a failed replay names nothing
             return None
         return scan.found
