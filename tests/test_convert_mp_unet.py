@@ -123,6 +123,23 @@ def test_a_converted_model_pickles_whole_and_loads_as_a_converted_model(tmp_path
     assert shallow.forward.__self__ is shallow
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["traced whole", "traced in parts"])
+def test_the_fx_backend_s_converted_model_pickles_whole(tmp_path, whole):
+    """A GraphModule's pickle traces its code again on load with the class that traced it:
+    the audit tracer, which takes a catalog (TypeError on load); a plain tracer traced through
+    the casts and fed fp32 to fp16 weights."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    model, inputs = (net, (torch.randn(3, 4),)) if whole else \
+        (mp_unet.get_model(zero_gain=False), mp_unet.example_inputs())
+    converted = ampaudit.convert(model, inputs, train_steps=0, backend="fx")
+    assert any(isinstance(m, torch.fx.GraphModule) for m in converted.modules())
+    torch.save(converted, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(*inputs), converted(*inputs))
+
+
 def test_the_fx_backend_runs_a_graph_holding_numpy_scalars():
     converted = _convert(backend="fx")  # np.sqrt(...) constants: NameError 'np' when the graph ran
     assert "np." not in converted.code
