@@ -103,6 +103,43 @@ def test_the_users_deepcopy_of_the_converted_model_is_a_converted_model_of_its_o
     assert all(a is b for a, b in zip(state["params"], state["net"].parameters(), strict=True))
 
 
+def test_a_converted_model_pickles_whole_and_loads_as_a_converted_model(tmp_path):
+    """``torch.save(model)`` and EDM2's network snapshots (a pickle of its EMA): a forward bound
+    to its module pickled as ``getattr(module, "forward")``, which the load ran before the module
+    had its attributes (AttributeError for an nn.Module, RecursionError in a persistent class's
+    state), and the fp32 ops' cache held TensorBase.pow (PicklingError)."""
+    converted = _convert()
+    torch.save({"ema": converted}, tmp_path / "snapshot.pt")
+    loaded = torch.load(tmp_path / "snapshot.pt", weights_only=False)["ema"]
+    bound = [m for m in loaded.modules() if "forward" in vars(m)]
+    assert bound and all(m.forward.__self__ is m and m.__deepcopy__.__self__ is m for m in bound)
+    with torch.no_grad():
+        assert torch.equal(loaded(*mp_unet.example_inputs()), converted(*mp_unet.example_inputs()))
+    twin = copy.deepcopy(loaded)  # the loaded model is a converted one: its copy and its pickle work
+    assert twin.forward.__self__ is twin
+    torch.save(twin, tmp_path / "again.pt")
+    assert torch.load(tmp_path / "again.pt", weights_only=False).forward.__func__ is converted.forward.__func__
+    shallow = copy.copy(converted)  # asks the same __reduce_ex__, and takes five fields at most
+    assert shallow.forward.__self__ is shallow
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["traced whole", "traced in parts"])
+def test_the_fx_backend_s_converted_model_pickles_whole(tmp_path, whole):
+    """A GraphModule's pickle traces its code again on load with the class that traced it:
+    the audit tracer, which takes a catalog (TypeError on load); a plain tracer traced through
+    the casts and fed fp32 to fp16 weights."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    model, inputs = (net, (torch.randn(3, 4),)) if whole else \
+        (mp_unet.get_model(zero_gain=False), mp_unet.example_inputs())
+    converted = ampaudit.convert(model, inputs, train_steps=0, backend="fx")
+    assert any(isinstance(m, torch.fx.GraphModule) for m in converted.modules())
+    torch.save(converted, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(*inputs), converted(*inputs))
+
+
 def test_the_fx_backend_runs_a_graph_holding_numpy_scalars():
     converted = _convert(backend="fx")  # np.sqrt(...) constants: NameError 'np' when the graph ran
     assert "np." not in converted.code

@@ -483,6 +483,118 @@ def test_a_loss_whose_value_is_finite_and_gradient_is_not_names_the_backward_of_
     assert first["note"] == f"{note} (named at step 3, where it happened again)"
 
 
+def _rmse_of_noisy_targets(out, y, step):
+    noise = torch.randn_like(y)  # the loss code's own draw: the replay of step 2 makes it again
+    target = out.detach() if step == 2 else y + 0.1 * noise  # a perfect prediction at step 2: sqrt(0)
+    return torch.sqrt(((out - target) ** 2).mean())
+
+
+def test_the_backward_replay_leaves_the_random_generators_as_the_run_left_them():
+    """The replay of step 2's loss code draws its noise again: the run went on from step 3 with
+    other draws than without watch (the losses of steps 3 and 4 differed)."""
+    monitor, watched = _train(_rmse_of_noisy_targets, probe_loss=True)
+    assert monitor.summary()["first_nonfinite"]["op"] == "SqrtBackward0"  # replayed
+    after = torch.rand(1)
+    _, plain = _train(_rmse_of_noisy_targets, watched=False)
+    assert watched == plain
+    assert torch.equal(after, torch.rand(1))
+
+
+class _RMSELoss(torch.nn.Module):
+    """A criterion as a module, as training scripts write RMSE: no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse = torch.nn.MSELoss()
+
+    def forward(self, out, target):
+        return torch.sqrt(self.mse(out, target))  # probe: a criterion module's sqrt
+
+
+_CROSS_ENTROPY = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+
+
+def _rmse_module(out, y, step):
+    return _RMSELoss()(out, y if step < 2 else out.detach())
+
+
+def _smoothed_cross_entropy_of_a_banned_class(out, y, step):
+    logits = torch.cat([out, -out], dim=1)
+    banned = torch.tensor([False, step >= 2])  # from step 2 a class is banned: -inf, which smoothing reads
+    return _CROSS_ENTROPY(logits.masked_fill(banned, float("-inf")), (y[:, 0] > 0.5).long())  # probe: CE module
+
+
+@pytest.mark.parametrize(("loss_fn", "op", "marker"), [
+    (_rmse_module, "SqrtBackward0", "probe: a criterion module's sqrt"),
+    (_smoothed_cross_entropy_of_a_banned_class, "F.cross_entropy", "probe: CE module"),
+])
+def test_a_criterion_module_s_calls_are_the_loss_code(loss_fn, op, marker):
+    """A module of no parameters (``nn.CrossEntropyLoss()``, a user's RMSELoss) is the loss
+    code, not a network: the probe stepped off the stack for it as for the model, and its NaN
+    went unnamed."""
+    monitor, losses = _train(loss_fn, probe_loss=True)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first.get("op"), first.get("source")) == (2, op, f"{THIS}:{_line(marker)}")
+    _, plain = _train(loss_fn, watched=False)  # recorded, it computes what it computes without watch
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=0, atol=0, equal_nan=True)
+
+
+def _energy_under_fp16_autocast(out, y, step):
+    scale = 1.0 if step < 2 else 1e-5
+    with torch.autocast("cpu", dtype=torch.float16):
+        energy = (out * scale) @ (out * scale).T  # fp16 under autocast: from step 2 about 1e-10, which is 0
+    return torch.sqrt(energy.float().diagonal()).mean()  # probe: sqrt of an fp16 underflow
+
+
+def test_the_backward_replay_runs_each_call_under_the_autocast_it_ran_under():
+    """Replayed without autocast, the matmul ran in fp32 (1e-10, not 0): the sqrt's backward
+    stayed finite and the NaN went unnamed."""
+    monitor, _ = _train(_energy_under_fp16_autocast, probe_loss=True)
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first.get("op"), first.get("source")) == \
+        (2, "SqrtBackward0", f"{THIS}:{_line('probe: sqrt of an fp16 underflow')}")
+
+
+def test_the_backward_replay_runs_no_hook_the_loss_code_registered():
+    """A loop that logs its loss gradient from a tensor hook: the replay registered the hook on
+    its copy and its backward ran it again - step 2 logged twice."""
+    logged = []
+
+    def rmse_logging_its_gradient(out, y, step):
+        error = out - (y if step != 2 else out.detach())
+        error.register_hook(lambda grad: logged.append(step))
+        return torch.sqrt((error ** 2).mean())
+
+    monitor, _ = _train(rmse_logging_its_gradient, steps=4, probe_loss=True)
+    assert monitor.summary()["first_nonfinite"]["op"] == "SqrtBackward0"  # replayed
+    assert logged == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("bad_micro_batch", [0, 1])
+def test_the_backward_replay_runs_every_backward_of_a_step_of_gradient_accumulation(bad_micro_batch):
+    """Two micro-batches a step: the replay ran backward from the last one's loss only, and a
+    sqrt at 0 in the first went unnamed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    with ampaudit.watch(model, optimizer=opt, scaler=scaler, probe_loss=True) as monitor:
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                out = model(x[micro * 8:(micro + 1) * 8])
+                perfect = step == 2 and micro == bad_micro_batch
+                target = out.detach() if perfect else y[micro * 8:(micro + 1) * 8]
+                loss = torch.sqrt(((out - target) ** 2).mean()) / 2  # probe: a micro-batch's sqrt
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first.get("op"), first.get("source")) == \
+        (2, "SqrtBackward0", f"{THIS}:{_line('probe: a micro-batch')}")
+
+
 def test_the_probe_keeps_neither_the_backward_call_nor_torchs_own_machinery():
     """``loss.backward()`` pauses the probe inside its own call: it was kept all the same, and a
     replay ran it; calls such as ``torch._set_grad_enabled`` are torch's, not the loop's."""

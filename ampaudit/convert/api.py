@@ -18,6 +18,7 @@ from ampaudit.convert.low_weights import fp32_copy, fp32_inputs, low_weight_dtyp
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
 from ampaudit.convert.rewrite import cast_module_weights_at_use, rewrite
+from ampaudit.convert.runtime import Retracer
 from ampaudit.convert.train_check import DEFAULT_STEPS, train_check
 from ampaudit.convert.verify import output_error, record_error, search_promotions
 from ampaudit.core.arguments import require_module
@@ -404,6 +405,7 @@ def _convert_tree(module: torch.nn.Module, prefix: str, inputs: ExampleInputs | 
     keep = run.keep_low_outputs if keep_low_outputs is None else keep_low_outputs
     stats = rewrite(gm, plan, run.low.torch, keep_low_outputs=keep, weights=run.weights,
                     non_float=non_float_in_code(gm, view.kinds, run.catalog, python=view.python))
+    gm._tracer_cls = Retracer  # torch.save(model): the load traces the code again, with this
     run.records += plan_records(view, plan, stats.produced)
     if run.weights == "fp32":
         cast_module_weights_at_use(gm, plan, run.low.torch)

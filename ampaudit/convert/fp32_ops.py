@@ -56,6 +56,11 @@ class Fp32Ops:
     def __deepcopy__(self, memo: dict) -> Fp32Ops:
         return self  # read-only once built: copies of the converted model share it
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a pickle of the converted model (torch.save(model)): the cache is keyed by torch's
+        # functions, some of which pickle by no name (TensorBase.pow); no forward is in flight
+        return {**self.__dict__, "_kind_of": {}, "_depth": 0}
+
     @contextlib.contextmanager
     def entered(self, device_type: str) -> Iterator[None]:
         """The mode, for a forward on ``device_type``, unless an outer forward entered it. Each

@@ -54,3 +54,14 @@ def checkpointed(part: CheckpointedCall, *inputs: Any) -> Any:
     """``part(*inputs)`` under ``torch.utils.checkpoint.checkpoint``: what a converted graph calls
     where the model called checkpoint (the generated code reads ``checkpointed(self.ampaudit_checkpoint_0, x)``)."""
     return part(*inputs)
+
+
+class Retracer(torch.fx.Tracer):
+    """What a pickled converted GraphModule (``torch.save(model)``) is traced with again on
+    load - ``GraphModule.__reduce__`` keeps the class that traced it, and ampaudit's audit
+    tracer takes arguments (TypeError on load): these functions stay calls, not traced
+    through (a ``cast`` traced through on a Proxy dropped, and the loaded model fed fp32 to
+    fp16 weights)."""
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=(cast, call_with, checkpointed))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import types
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -55,9 +55,42 @@ def copied_whole(module: torch.nn.Module) -> None:
     """Have ``copy.deepcopy(module)`` - the user's: an EMA of the converted model - be
     ``copy_model``'s, for a module given a method bound to itself: an instance ``__deepcopy__``
     (itself bound, so taken off and bound again like the others). Without it a persistent
-    class's copy recursed, as above."""
+    class's copy recursed, as above. And a pickle of it (``torch.save(model)``, EDM2's network
+    snapshots) ``_pickled``'s: a bound method pickles as ``getattr(module, name)``, which the
+    load runs before the module has its attributes (AttributeError), and inside a persistent
+    class's state it recursed."""
     module.__deepcopy__ = types.MethodType(_deepcopy, module)
+    module.__reduce_ex__ = types.MethodType(_pickled, module)
 
 
 def _deepcopy(self: torch.nn.Module, memo: dict[int, object]) -> torch.nn.Module:
     return copy_model(self, memo)
+
+
+def _self_bound(module: torch.nn.Module) -> dict[str, types.MethodType]:
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, types.MethodType) and value.__self__ is module}
+
+
+def _pickled(self: torch.nn.Module, protocol: int) -> tuple:
+    """The class's own pickle of the module (a persistent class's too) made with its methods
+    bound to itself taken off; the load binds their functions (module-level: pickled by name)
+    to the module as soon as it is made - before its state, which does not hold them. No
+    state setter: ``copy.copy`` asks this too, and takes at most five fields."""
+    bound = _self_bound(self)
+    for name in bound:
+        del self.__dict__[name]
+    try:  # the class's: nn.Module's state is a copy of the attributes, without them
+        fields = type(self).__reduce_ex__(self, protocol)
+    finally:
+        self.__dict__.update(bound)
+    functions = [(name, method.__func__) for name, method in bound.items()]
+    return (_made_and_bound, (fields[0], fields[1], functions), *fields[2:])
+
+
+def _made_and_bound(make: Any, args: tuple, functions: list[tuple[str, Any]]) -> torch.nn.Module:
+    """The class's reconstructor's module, given its methods bound to itself again."""
+    module = make(*args)
+    for name, function in functions:
+        module.__dict__[name] = types.MethodType(function, module)
+    return module

@@ -687,7 +687,8 @@ class StepRecorder:
             return
         if self.loss_probe is not None:  # off the stack: the backward, the optimizer and the step's end run without it
             self.loss_probe.step_aside()
-            self.loss_probe.root = next(iter_tensors(roots), None)  # the loss: its backward may be replayed
+            # the loss: its backward may be replayed, with the step's other backwards (gradient accumulation)
+            self.loss_probe.roots.extend(iter_tensors(roots))
         # no module of this watch ran forward in the step: another model's backward (a deep copy's); a
         # backward inside a backward (reentrant checkpointing's recomputed block): not the loss
         if not (self.active and self.logging and self.events) or self.paused or _compiling() or _in_backward():

@@ -25,7 +25,7 @@ went NaN after the first bad step (no GradScaler: fp32 and bf16 runs) blames the
 then on: there the probe can only be on from the first step (``watch(probe_loss=True)``,
 ``ampaudit run --probe-loss``), at that cost on every step.
 
-The mode steps off the stack while any module runs (its hooks see that code; a compiled model
+The mode steps off the stack while any module of parameters runs (its hooks see that code; a compiled model
 is traced without it; torch's modules take their fused inference paths only with no mode on)
 and back on when the module returns, and at the step's end.
 """
@@ -43,21 +43,30 @@ from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.userframe import user_location
 from ampaudit.watch.loss_replay import op_name, replay_backward
-from ampaudit.watch.provenance import FirstBadOp, Origin
+from ampaudit.watch.provenance import FirstBadOp, Origin, autocast_state
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
 # a script's setup before its first step under ``probe_loss``
 MAX_CALLS = 512
 _ACCESS = ("__get__", "__set__", "__delete__")
+# calls that compute nothing and give the user's code a way into the backward: a replay of
+# ``d.register_hook(log)`` ran the user's hook again in the replay's backward
+_HOOKS = ("register_hook", "register_post_accumulate_grad_hook", "retain_grad")
 
 
 def _computes(name: str) -> bool:
     """Whether a call of this name is the loop's computation: not an attribute read or written
     (``p.grad``, ``x.data``), nor torch's own machinery (``_set_grad_enabled``, the profiler's
-    ``_record_function_enter_new``: the optimizer's step code after the boundary), which a
-    replay must not run again."""
-    return name not in _ACCESS and not (name.startswith("_") and not name.startswith("__"))
+    ``_record_function_enter_new``: the optimizer's step code after the boundary), nor a hook
+    registered on a tensor, which a replay must not run again."""
+    return name not in _ACCESS and name not in _HOOKS and not (name.startswith("_") and not name.startswith("__"))
+
+
+def _a_network(module: Any) -> bool:
+    """Whether a module is a network - the model, a perceptual loss's frozen one - and not a
+    criterion: whether it or a module under it has a parameter."""
+    return next(module.parameters(), None) is not None
 
 
 class LossProbe(TorchFunctionMode):
@@ -68,9 +77,11 @@ class LossProbe(TorchFunctionMode):
         super().__init__()
         self.recording = False
         self.on_stack = False
-        self.root: torch.Tensor | None = None  # the step's backward root, the loss (``backward_origin``)
-        # func, line, args, kwargs, out
-        self.calls: deque[tuple[Any, Any, tuple, dict | None, Any]] = deque(maxlen=MAX_CALLS)
+        # the step's backward roots, the losses (``backward_origin``): one per micro-batch under
+        # gradient accumulation, the discriminator's and the generator's in a GAN
+        self.roots: list[torch.Tensor] = []
+        # func, line, args, kwargs, out, the autocast it ran under
+        self.calls: deque[tuple[Any, Any, tuple, dict | None, Any, tuple]] = deque(maxlen=MAX_CALLS)
         self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
         self._aside_for: Any = None  # the module it stepped aside for (and thread), whether it was recording
         self._was_recording = False
@@ -84,7 +95,7 @@ class LossProbe(TorchFunctionMode):
         # the call paused it (``loss.backward()``: the backward is no loss code, and a replay of it
         # would run it); one that computes nothing; torch's own machinery
         if self.recording and torch.is_grad_enabled() and _computes(getattr(func, "__name__", "")):
-            self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out))
+            self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
         return out
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -115,8 +126,10 @@ class LossProbe(TorchFunctionMode):
         modules change what they compute when any mode is on (``nn.MultiheadAttention``'s and
         ``nn.TransformerEncoder``'s fused inference paths, whose padded positions are 0, are taken
         only with none). Only where it is on top: on another thread, or below a mode the loop
-        pushed (which keeps those paths off itself), it stays."""
-        if self.on_stack and self._aside_for is None and self._on_top():
+        pushed (which keeps those paths off itself), it stays. A module of no parameters is the
+        loss code: a criterion (``nn.CrossEntropyLoss()``, a user's ``RMSELoss`` module) records
+        its calls as the loop's own."""
+        if self.on_stack and self._aside_for is None and self._on_top() and _a_network(module):
             self._aside_for, self._was_recording = (module, get_ident()), self.recording
             self.recording = False
             self._pop()
@@ -154,7 +167,7 @@ class LossProbe(TorchFunctionMode):
         it on top. Returns whether it is off."""
         self.recording = False
         self.calls.clear()
-        self.root = None
+        self.roots = []
         if self._aside is not None:
             for hook in self._aside:
                 hook.remove()
@@ -172,7 +185,7 @@ class LossProbe(TorchFunctionMode):
         """The first call that made NaN/+inf of finite values (or -inf by arithmetic), with its
         line; None where the first bad value came in bad (the batch, the labels)."""
         judge = FirstBadOp()
-        for func, loc, args, kwargs, out in self.calls:
+        for func, loc, args, kwargs, out, _ in self.calls:
             name = op_name(func)
             judge.observe(name.rpartition(".")[2], args, kwargs, out,
                           lambda name=name, loc=loc: Origin.at(name, loc))
@@ -183,4 +196,4 @@ class LossProbe(TorchFunctionMode):
     def backward_origin(self) -> Origin | None:
         """Where the loss code's backward made a finite gradient non-finite while its values
         stayed finite (``loss_replay``); None: nothing found, or no backward kept."""
-        return None if self.root is None else replay_backward(list(self.calls), self.root)
+        return replay_backward(list(self.calls), self.roots) if self.roots else None

@@ -2,20 +2,25 @@
 by a backward whose forward values were all finite - a ``sqrt`` at exactly 0, whose slope is
 infinite (RMSE at a perfect prediction: sqrt(0) = 0, its backward inf * 0 = NaN). The calls the
 loss probe kept (``loss_probe``) run again on copies of what they read, with a gradient where
-the original had one, then a backward from the loss; each autograd node is checked as a
-module's backward replay checks them (``provenance.NodeScan``) and named with its call's line.
-The replay computes what the step computed, but for its random calls."""
+the original had one and under the autocast each ran under, then a backward from every loss the
+step ran backward from; each autograd node is checked as a module's backward replay checks them
+(``provenance.NodeScan``) and named with its call's line. The replay computes what the step
+computed, but for its random calls, whose generators it leaves as they were."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from ampaudit.core.tensors import iter_tensors
-from ampaudit.watch.provenance import NodeScan, Origin
+from ampaudit.watch.provenance import DEVICE_TYPES, NodeScan, Origin
+
+# a kept call: func, the user's line, args, kwargs, output, the autocast it ran under
+Kept = tuple[Any, Any, tuple, "dict | None", Any, tuple]
 
 
 def op_name(func: Any) -> str:
@@ -29,10 +34,20 @@ def op_name(func: Any) -> str:
     return f"Tensor.{name}"
 
 
-def replay_backward(calls: Sequence[tuple[Any, Any, tuple, dict | None, Any]], root: torch.Tensor) -> Origin | None:
-    """The node whose backward made NaN or Inf of finite gradients in ``calls`` (the probe's:
-    func, line, args, kwargs, output) run again and backward from the copy of ``root``; None:
-    nothing found, or the replay failed (the user's code: only the name is lost)."""
+def _under(autocast: tuple) -> ExitStack:
+    """The autocast a call ran under (``provenance.autocast_state``), entered for its replay."""
+    stack = ExitStack()
+    for device, (enabled, dtype) in zip(DEVICE_TYPES, autocast, strict=True):
+        if enabled or torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    return stack
+
+
+def replay_backward(calls: Sequence[Kept], roots: Sequence[torch.Tensor]) -> Origin | None:
+    """The node whose backward made NaN or Inf of finite gradients in ``calls`` run again and
+    backward from the copies of ``roots`` (the step's losses: one per micro-batch under gradient
+    accumulation); None: nothing found, or the replay failed (the user's code: only the name is
+    lost)."""
     copies: dict[int, torch.Tensor] = {}  # id of a tensor the step held -> its copy in the replay
     leaves: list[torch.Tensor] = []
     scan = NodeScan()
@@ -47,18 +62,25 @@ def replay_backward(calls: Sequence[tuple[Any, Any, tuple, dict | None, Any]], r
             copies[id(value)] = copy
         return copies[id(value)]
 
+    # the replay's random calls draw from forked generators: a noise the loss code samples
+    # (a diffusion loss's) would advance them, and the run go on with other draws than without watch
+    devices = sorted({t.device.index for call in calls for t in iter_tensors(call[4])
+                      if t.device.type == "cuda" and t.device.index is not None})
     try:
-        with torch.enable_grad():
-            for func, loc, args, kwargs, out in calls:
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            for func, loc, args, kwargs, out, autocast in calls:
                 args, kwargs = tree_map(take, (args, kwargs or {}))
-                replayed = func(*args, **kwargs)
+                with _under(autocast):  # a matmul the loop ran in fp16 underflows as it did
+                    replayed = func(*args, **kwargs)
                 scan.made(replayed, lambda func=func, loc=loc: (op_name(func), loc))
                 # the same structure: the same call on tensors of the same kinds
                 copies.update((id(a), b) for a, b in zip(iter_tensors(out), iter_tensors(replayed), strict=False))
-            loss = copies.get(id(root))
-            if loss is None or not loss.requires_grad or not leaves:
+            # every backward of the step: a micro-batch's sqrt at 0 is not behind the last one's loss
+            losses = list({id(loss): loss for root in roots
+                           if (loss := copies.get(id(root))) is not None and loss.requires_grad}.values())
+            if not losses or not leaves:
                 return None
-            scan.backward([loss], leaves, [torch.ones_like(loss)])
+            scan.backward(losses, leaves, [torch.ones_like(loss) for loss in losses])
     except Exception:  # the user's code, run again: a failed replay names nothing
         return None
     return scan.found

@@ -45,7 +45,7 @@ _WRITERS = {"masked_fill", "masked_fill_", "where", "full", "full_like", "fill",
 # are not values any op made.
 _UNWRITTEN = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "empty_permuted"}
 _SENTINEL = 1e8  # a cast that turns values this large into -inf casts a mask (-1e9, finfo.min): not an overflow
-_DEVICE_TYPES = ("cpu", "cuda")
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Call:
     module: torch.nn.Module
     args: tuple
     kwargs: dict
-    autocast: tuple  # per device type in _DEVICE_TYPES: (enabled, dtype)
+    autocast: tuple  # per device type in DEVICE_TYPES: (enabled, dtype)
 
     def __deepcopy__(self, memo: dict) -> None:
         # a deep copy of the watched model made mid-step (an EMA created after the forward) copies
@@ -66,12 +66,12 @@ class Call:
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 # autocast off everywhere (an fp32 or .half() run): the dtype is not used by a replay then
-_OFF = tuple((False, torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES)
+_OFF = tuple((False, torch.get_autocast_dtype(d)) for d in DEVICE_TYPES)
 
 
 def autocast_state() -> tuple:
     """The autocast state in force now, to replay a call under it (per device type in
-    _DEVICE_TYPES; written out: it runs at every module call of a recorded step)."""
+    DEVICE_TYPES; written out: it runs at every module call of a recorded step)."""
     if _any_autocast is not None and not _any_autocast():
         return _OFF
     enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
@@ -253,7 +253,7 @@ class _Isolated:
         self._rng = torch.random.fork_rng(devices=devices)
         self._rng.__enter__()
         self._autocast = [torch.autocast(d, dtype=dtype, enabled=enabled)
-                          for d, (enabled, dtype) in zip(_DEVICE_TYPES, self.call.autocast, strict=True)
+                          for d, (enabled, dtype) in zip(DEVICE_TYPES, self.call.autocast, strict=True)
                           if enabled or torch.is_autocast_enabled(d)]
         for ctx in self._autocast:
             ctx.__enter__()
