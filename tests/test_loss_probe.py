@@ -733,3 +733,24 @@ def test_another_thread_returning_from_the_same_module_leaves_the_probe_on_this_
     monitor, _ = _train(loss_fn)
     first = monitor.summary()["first_nonfinite"]
     assert (first["op"], first["source"]) == ("Tensor.div", f"{THIS}:{_line('probe: 0 / 0')}")
+
+
+def test_probe_loss_in_a_distributed_run_says_why_it_names_nothing():
+    """Each rank's loss code is its own: the probe never starts across processes, and a NaN
+    from the loss says so instead of how to name it."""
+    from ampaudit.watch.loss_notes import ACROSS_RANKS, unnamed
+
+    model = torch.nn.Linear(2, 2)
+    monitor = ampaudit.watch(model, probe_loss=True)
+    monitor.reducer.world = 2  # as a process group of two would have it
+    with monitor:
+        assert monitor.recorder.loss_probe is None and torch._C._len_torch_function_stack() == 0
+    assert monitor._probe_why == ACROSS_RANKS
+    plain = ampaudit.watch(model)
+    plain.reducer.world = 2
+    with plain:  # nor is --probe-loss offered there
+        pass
+    assert plain._probe_why == ""
+    first = unnamed({"note": "the loss was non-finite"}, monitor._probe_why)
+    assert first["note"] == ("the loss was non-finite (probe_loss does not run across processes: each rank's loss "
+                             "code is its own)")

@@ -35,6 +35,8 @@ def from_the_loss(first: dict[str, Any] | None) -> bool:
 
 # said instead under ``probe_loss`` once torch.compile stopped the probe
 COMPILED = " (the loss probe stopped when torch.compile compiled a graph: its mode would change what dynamo traces)"
+# and in a distributed run, where it never starts: each rank's loss code is its own
+ACROSS_RANKS = " (probe_loss does not run across processes: each rank's loss code is its own)"
 
 
 def unnamed(first: dict[str, Any], why: str = TO_NAME_IT) -> dict[str, Any]:

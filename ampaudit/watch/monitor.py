@@ -39,7 +39,7 @@ from ampaudit.watch.hooks import NotCopied, StepRecorder, compiled_anything, rec
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
-from ampaudit.watch.loss_notes import COMPILED, TO_NAME_IT, from_the_loss, named, unnamed
+from ampaudit.watch.loss_notes import ACROSS_RANKS, COMPILED, TO_NAME_IT, from_the_loss, named, unnamed
 from ampaudit.watch.loss_probe import ARMED_STEPS, LossProbe
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
@@ -219,7 +219,9 @@ class Monitor:
             self._model_params = [(self.recorder.param_name(p, n), p) for n, p in self.model.named_parameters()]
         if self.guard is not None:
             self.guard.start()
-        if self.probe_loss and self.reducer.world <= 1:
+        if self.reducer.world > 1:  # the probe never arms across processes: no way to name it to offer
+            self._probe_why = ACROSS_RANKS if self.probe_loss else ""
+        elif self.probe_loss:
             if compiled_anything():
                 self._probe_why = COMPILED
             else:
