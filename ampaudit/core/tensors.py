@@ -4,7 +4,7 @@ them. torch is imported when a walk starts, not with this module, as core/ impor
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,6 +16,20 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     from torch import Tensor
 
     return _walk(value, Tensor)
+
+
+def dense_numel(shape: Sequence[int], stride: Sequence[int]) -> int | None:
+    """The elements of a dense layout - every element once, no gap, in some order: contiguous,
+    channels_last, a transpose - so that they are one run of memory from the data pointer;
+    None for any other layout. watch's row kernels and graph's fp8 passes read such a tensor
+    where it lies."""
+    n = 1
+    for size, step in sorted(((size, step) for size, step in zip(shape, stride, strict=True) if size != 1),
+                             key=lambda d: d[1]):
+        if step != n:
+            return None
+        n *= size
+    return n
 
 
 LABEL_NAMES = ("targets", "target", "labels", "label")  # a forward's arguments that are training targets

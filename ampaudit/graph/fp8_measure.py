@@ -28,7 +28,7 @@ from torch import nn
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.kept_attributes import attributes_kept
-from ampaudit.core.tensors import given_labels, iter_tensors, linear_input, own_loss
+from ampaudit.core.tensors import dense_numel, given_labels, iter_tensors, linear_input, own_loss
 from ampaudit.graph import fp8_native
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
@@ -309,15 +309,9 @@ def _difference_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Size, tu
 
 
 def _dense_size(shape: torch.Size, stride: tuple[int, ...]) -> int | None:
-    """The elements of a dense layout (every element once, no gap: contiguous or a permutation
-    of it); None for any other."""
-    n = 1
-    for size, step in sorted(((size, step) for size, step in zip(shape, stride, strict=True) if size != 1),
-                             key=lambda d: d[1]):
-        if step != n:
-            return None
-        n *= size
-    return n if all(shape) else None
+    """The elements of a dense layout (``dense_numel``) of no empty dim; None for any other."""
+    n = dense_numel(shape, stride)
+    return n if n is not None and all(shape) else None
 
 
 def _sqnr(reference: torch.Tensor, value: torch.Tensor, scratch: _Scratch | None) -> float:

@@ -16,6 +16,7 @@ import torch
 
 from ampaudit.core import native
 from ampaudit.core.dtypes import LowDtype
+from ampaudit.core.tensors import dense_numel
 
 SOURCE = Path(__file__).with_name("fp8_cast.c")
 
@@ -197,17 +198,6 @@ def spread(amax: torch.Tensor, ratio: float) -> tuple[float, int, float] | None:
     return median.value, over.value, least.value
 
 
-def _dense_start(t: torch.Tensor) -> bool:
-    """Whether ``t`` (float32, CPU) is dense - every element once, no gap: contiguous or a
-    permutation of it - so that its elements in memory order are one run from its data pointer."""
-    n = 1
-    for size, step in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] != 1), key=lambda d: d[1]):
-        if step != n:
-            return False
-        n *= size
-    return True
-
-
 def error_norm(x: torch.Tensor, v: torch.Tensor | None = None) -> float | None:
     """``float(torch.linalg.vector_norm(x - v))`` (of ``x`` where ``v`` is None) in one C pass,
     the same float: the kernel sums in torch's order, checked against torch's norm on first use
@@ -219,7 +209,7 @@ def error_norm(x: torch.Tensor, v: torch.Tensor | None = None) -> float | None:
     if v is not None and (v.dtype is not torch.float32 or not v.is_cpu or v.stride() != x.stride()
                           or v.shape != x.shape):
         return None
-    if not x.is_contiguous() and (x.dim() != 2 or _walk(x) is None) and not _dense_start(x):
+    if not x.is_contiguous() and (x.dim() != 2 or _walk(x) is None) and dense_numel(x.shape, x.stride()) is None:
         return None
     return fns[4](x.data_ptr(), 0 if v is None else v.data_ptr(), x.numel())
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ampaudit.core import native
+from ampaudit.core.tensors import dense_numel
 from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.rule_api import COLUMNS
 
@@ -125,15 +126,7 @@ def dense(x: torch.Tensor) -> bool:
     """Whether ``x``'s elements fill one block of memory, each once, in some order (contiguous,
     channels_last, a transpose): a row's counts do not depend on the order, so the kernels read
     such a tensor where it lies, without a copy."""
-    if x.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda pair: pair[1]):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
+    return x.is_contiguous() or dense_numel(x.shape, x.stride()) is not None
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:
