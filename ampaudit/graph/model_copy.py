@@ -32,8 +32,7 @@ def copy_model(model: M, memo: dict[int, object] | None = None) -> M:
     modules = list(model.modules())
     held = [(module, name, value) for module in modules for name, value in vars(module).items()
             if isinstance(value, torch.Tensor) and value.grad_fn is not None]
-    bound = [(i, name, value) for i, module in enumerate(modules) for name, value in vars(module).items()
-             if isinstance(value, types.MethodType) and value.__self__ is module]
+    bound = [(i, name, value) for i, module in enumerate(modules) for name, value in _self_bound(module).items()]
     try:
         for module, name, value in held:
             module.__dict__[name] = value.detach()
@@ -68,6 +67,7 @@ def _deepcopy(self: torch.nn.Module, memo: dict[int, object]) -> torch.nn.Module
 
 
 def _self_bound(module: torch.nn.Module) -> dict[str, types.MethodType]:
+    """The methods bound to ``module`` itself that its instance holds, by attribute name."""
     return {name: value for name, value in vars(module).items()
             if isinstance(value, types.MethodType) and value.__self__ is module}
 
