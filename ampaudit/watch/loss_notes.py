@@ -58,7 +58,7 @@ def named(first: dict[str, Any], origin: Origin, backward: bool = False) -> dict
         origin = origin.minus_inf
     if first.get("phase") == LOSS:  # the loss event's note: LOSS_ITSELF or LOSS_SCALED, then what its gradients did
         # named, the call says which it was (a GradScaler's multiplication is a call at scaler.scale's line)
-        said = str(first.get("note", LOSS_ITSELF)).removesuffix(TO_NAME_IT)  # named at last
+        said = str(first.get("note", LOSS_ITSELF))
         rest = said[len(LOSS_SCALED if said.startswith(LOSS_SCALED) else LOSS_ITSELF):]
         note = f"{LOSS_ITSELF} ({how}){rest}"
     else:
@@ -68,6 +68,5 @@ def named(first: dict[str, Any], origin: Origin, backward: bool = False) -> dict
 
 def named_later(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     """The run's first non-finite, from the loss, named by a later step's probe (``later``)."""
-    first = {**first, "note": str(first.get("note", "")).removesuffix(TO_NAME_IT)}
     return {**first, "op": later["op"], **({"source": later["source"]} if "source" in later else {}),
             "note": f"{later['note']} (named at step {later['step']}, where it happened again)"}
