@@ -578,9 +578,7 @@ class StepRecorder:
             return
         if transformed() or not self.thread.here(claim=torch.is_grad_enabled() or self.record_eval):
             return  # counted when the call returns
-        if self._depth == 0:
-            if self.loss_probe is not None:
-                self.loss_probe.step_aside()
+        if self._depth == 0:  # (_root_forward takes the loss probe off the stack)
             if id(module) not in self._names:
                 self._name_tree(module, self._root_prefix(module))
             self._root_forward(module, args)

@@ -42,7 +42,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.userframe import user_location
-from ampaudit.watch.loss_replay import op_name, replay_backward
+from ampaudit.watch.loss_replay import Kept, op_name, replay_backward
 from ampaudit.watch.provenance import FirstBadOp, Origin, autocast_state
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
@@ -80,8 +80,7 @@ class LossProbe(TorchFunctionMode):
         # the step's backward roots, the losses (``backward_origin``): one per micro-batch under
         # gradient accumulation, the discriminator's and the generator's in a GAN
         self.roots: list[torch.Tensor] = []
-        # func, line, args, kwargs, out, the autocast it ran under
-        self.calls: deque[tuple[Any, Any, tuple, dict | None, Any, tuple]] = deque(maxlen=MAX_CALLS)
+        self.calls: deque[Kept] = deque(maxlen=MAX_CALLS)
         self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
         self._aside_for: Any = None  # the module it stepped aside for (and thread), whether it was recording
         self._was_recording = False
