@@ -1720,7 +1720,7 @@ def test_run_names_a_module_at_a_dead_ones_address_by_itself():
                 opt.zero_grad()
             del model, opt, out, loss
             gc.collect()
-        assert mon.recorder._names == {} and mon.recorder._param_names == {}  # nothing named is alive
+        assert len(mon.recorder.names) == 0 and mon.recorder.names.by_id == {}  # nothing named is alive
     summary = mon.summary()
     assert sorted(summary["layers"]) == ["(model)", "0", "CrossEntropyLoss", "MSELoss", "proj"]
     assert sorted(summary["params"]) == ["0.bias", "0.weight", "proj.bias", "proj.weight"]
@@ -1733,18 +1733,18 @@ def test_run_names_a_module_at_a_dead_ones_address_by_itself():
 
 @pytest.mark.parametrize("leaf", [False, True])
 def test_a_gradient_hook_of_watchs_runs_where_register_hook_would_put_it(leaf):
-    """``_add_grad_hook`` writes torch's own hook dict: each hook runs in the order it was
+    """``add_grad_hook`` writes torch's own hook dict: each hook runs in the order it was
     added, ours seeing what the hooks before it returned, and a user's handle still works."""
-    from ampaudit.watch.hooks import _add_grad_hook
+    from ampaudit.watch.grad_hooks import add_grad_hook
 
     x = torch.ones(3, requires_grad=True)
     y = x if leaf else x * 2
     seen = []
     removed = y.register_hook(lambda g: seen.append("removed"))
     y.register_hook(lambda g: g * 10)  # the user's, before ours: we see its gradient
-    _add_grad_hook(y, lambda g: seen.append(("first", g.sum().item())))
+    add_grad_hook(y, lambda g: seen.append(("first", g.sum().item())))
     y.register_hook(lambda g: g + 1)  # after ours: we do not
-    _add_grad_hook(y, lambda g: seen.append(("second", g.sum().item())))
+    add_grad_hook(y, lambda g: seen.append(("second", g.sum().item())))
     removed.remove()
     y.sum().backward()
     scale = 1 if leaf else 2
@@ -1753,12 +1753,12 @@ def test_a_gradient_hook_of_watchs_runs_where_register_hook_would_put_it(leaf):
 
 
 def test_a_gradient_hook_on_a_fresh_tensor_is_its_first():
-    from ampaudit.watch.hooks import _add_grad_hook
+    from ampaudit.watch.grad_hooks import add_grad_hook
 
     x = torch.ones(2, requires_grad=True)
     y = x * 3
     seen = []
-    _add_grad_hook(y, lambda g: seen.append(g.tolist()))
+    add_grad_hook(y, lambda g: seen.append(g.tolist()))
     y.register_hook(lambda g: g * 0)
     y.sum().backward()
     assert seen == [[1.0, 1.0]] and x.grad.tolist() == [0.0, 0.0]
@@ -1930,7 +1930,7 @@ def test_run_counts_a_forward_that_raised_as_ended():
     ``every`` the module hooks never came off between recorded steps."""
     from torch.nn.modules import module as module_hooks
 
-    from ampaudit.watch.hooks import compiled_anything
+    from ampaudit.watch.call_context import compiled_anything
     from ampaudit.watch.monitor import Monitor
 
     class Flaky(nn.Module):

@@ -20,24 +20,34 @@ Everything else waits for the step boundary (``reducer``).
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from threading import get_ident
 from typing import Any
 
 import torch
 from torch.nn.modules import module as module_hooks
-from torch.utils.hooks import RemovableHandle
 
 from ampaudit.core import native
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.tensors import iter_tensors
 from ampaudit.watch import backward_tap, compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
+from ampaudit.watch.call_context import (
+    compiled_anything,
+    compiling,
+    functorch_level,
+    graph_task,
+    in_backward,
+    recomputed,
+    transformed,
+)
 from ampaudit.watch.events import INPUT_GRAD, LOSS, LOSS_MODULE, NO_ROW, event
+from ampaudit.watch.grad_hooks import add_grad_hook, last_hook, remove_grad_hook
 from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.loss_probe import LossProbe
+from ampaudit.watch.measurable import measurable_tensors, positional, unmeasurable
+from ampaudit.watch.module_names import ModuleNames
 from ampaudit.watch.provenance import Call, autocast_state
 from ampaudit.watch.threads import FollowedThread
 
@@ -48,75 +58,6 @@ EARLIER = -2  # the call of a gradient's event whose forward ran before an earli
 # word_language_model) steps no optimizer, and its one step grew 2.7 MB an iteration (nanoGPT)
 OVERDUE_ROWS = 8192
 _RAISED = object()  # what ``_global_after_forward`` is called without when the forward raised
-
-
-_functorch = getattr(torch._C, "_functorch", None)
-_level = _functorch.maybe_current_level if _functorch is not None else lambda: None
-# Inside a torch.compile'd region the hooks are traced, not run. By default they record nothing
-# there (a branch dynamo does not take: no graph break, the compiled graph is the one without
-# watch); with ``inside_compile`` the forward hook of a watched model's module puts the recording
-# op in the graph (``compiled``). Dynamo knows the function, not the name: bound once.
-_compiling = torch.compiler.is_compiling
-_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward pass runs
-_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a checkpointed block recomputed)."""
-    return _graph_task() != -1
-
-
-def recomputed() -> bool:
-    """Whether this module call is non-reentrant activation checkpointing recomputing, in
-    backward, a call its forward already made (and watch recorded): its saved-tensor hooks are
-    on top. Reentrant checkpointing's forward runs without grad, its recomputation is the one
-    call to record."""
-    if not _in_backward():  # the forward: nearly every call, one C call
-        return False
-    top = _top_saved_hooks(False)
-    return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
-
-
-def transformed() -> bool:
-    """Inside a ``torch.func`` transform (vmap, grad, jacrev, ...): its tensors are wrappers
-    with no storage of their own, and a tensor made there (an arena row) would be one too."""
-    return _level() is not None
-
-
-def unmeasurable(t: torch.Tensor, wrapped: bool = True) -> str | None:
-    """Why watch cannot measure a float tensor (its kind), or None: the row kernels read a
-    dense, strided buffer with values. ``wrapped=False``: no torch.func transform is active
-    (``transformed``), so no tensor is a functorch wrapper - the hooks' hot path skips asking."""
-    # not traced by dynamo (a C function it cannot trace): a compiled graph's tensors are no wrappers
-    if wrapped and _functorch is not None and not _compiling() and _functorch.is_functorch_wrapped_tensor(t):
-        return "functorch"
-    if t.is_nested:
-        return "nested"
-    if t.layout != torch.strided:
-        return "sparse"
-    if t.is_meta:
-        return "meta"
-    return None
-
-
-def measurable_tensors(value: Any, limit: int = 8, skipped: Counter | None = None,
-                       wrapped: bool = True) -> list[torch.Tensor]:
-    """Measurable float tensors in a module's output or inputs (a tensor, or a tuple/list/dict
-    of them); the others are counted in ``skipped`` by kind, never measured (complex and
-    quantized tensors are not floating point: not counted). ``wrapped``: as ``unmeasurable``."""
-    items = [value] if isinstance(value, torch.Tensor) else \
-        value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
-    found = []
-    for item in items:
-        if isinstance(item, torch.Tensor) and item.is_floating_point():
-            kind = unmeasurable(item, wrapped)
-            if kind is None:
-                found.append(item)
-            elif skipped is not None:
-                skipped[kind] += 1
-        if len(found) >= limit:
-            break
-    return found
 
 
 def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
@@ -133,70 +74,6 @@ def detect_dtype(outputs: list[torch.Tensor]) -> tuple[LowDtype, str]:
     if dtype not in (torch.float16, torch.bfloat16):  # autocast to something else: audit for fp16
         dtype, source = torch.float16, f"default (autocast to {dtype})"
     return LowDtype.parse(dtype), source
-
-
-
-def compiled_anything() -> bool:
-    """Whether torch.compile has compiled a graph in this process (dynamo counts them)."""
-    dynamo = sys.modules.get("torch._dynamo.utils")
-    return dynamo is not None and bool(dynamo.counters["stats"]["unique_graphs"])
-
-
-def _user_name(name: str) -> str:
-    """A module's name as the user wrote the model: torch.compile's wrapper adds ``_orig_mod`` -
-    around the model, or around a block the script compiled (``blocks[i] = torch.compile(b)``)."""
-    if "_orig_mod" not in name:
-        return name
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
-def _positional(args: Any, skipped: Counter | None = None, wrapped: bool = True) -> list[tuple[int, torch.Tensor]]:
-    """The measurable float tensors among a call's positional arguments, with their position;
-    the others counted in ``skipped`` by kind (``measurable_tensors``)."""
-    found = []
-    for i, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor) and arg.is_floating_point():
-            kind = unmeasurable(arg, wrapped)
-            if kind is None:
-                found.append((i, arg))
-            elif skipped is not None:
-                skipped[kind] += 1
-    return found
-
-
-def _add_grad_hook(tensor: torch.Tensor, hook: Any) -> Any:
-    """``tensor.register_hook(hook)``: the same dict entry, in the same order, without torch's
-    Python wrapper, which cost more than the rest of a module's hook. Returns what
-    ``_remove_grad_hook`` takes. A subclass (or a torch version without the dict) takes the
-    public way."""
-    if type(tensor) is not torch.Tensor:
-        return tensor.register_hook(hook)
-    hooks = tensor._backward_hooks
-    if hooks is None:
-        grad_fn = tensor.grad_fn
-        if grad_fn is not None and not hasattr(grad_fn, "_register_hook_dict"):
-            return tensor.register_hook(hook)
-        tensor._backward_hooks = hooks = OrderedDict()
-        if grad_fn is not None:
-            grad_fn._register_hook_dict(tensor)
-    key = RemovableHandle.next_id
-    RemovableHandle.next_id += 1
-    hooks[key] = hook
-    return key
-
-
-def _remove_grad_hook(tensor: torch.Tensor, added: Any) -> None:
-    """Take off a hook ``_add_grad_hook`` put on ``tensor`` (it returned ``added``)."""
-    if isinstance(added, RemovableHandle):
-        added.remove()
-    elif tensor._backward_hooks is not None:
-        tensor._backward_hooks.pop(added, None)
-
-
-def _last_hook(tensor: torch.Tensor) -> Any:
-    """The gradient hook registered last on ``tensor``, or None."""
-    hooks = tensor._backward_hooks
-    return next(reversed(hooks.values())) if hooks else None
 
 
 class _GradEvents:
@@ -218,7 +95,7 @@ class _GradEvents:
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
             recorder._backward_since = True  # a new forward from now on is another micro-batch's
-            if _level() is not None:  # a torch.func transform's backward through a watched tensor
+            if functorch_level() is not None:  # a torch.func transform's backward through a watched tensor
                 with recorder.thread.lock:
                     recorder.unmeasured["functorch"] += len(self.events)
                 return
@@ -227,12 +104,6 @@ class _GradEvents:
             earlier = self.step != recorder.steps_ended
             for module, phase, label, call in self.events:
                 recorder.record(module, phase, grad, label, EARLIER if earlier else call)
-
-
-def _forget(key: int, tables: tuple[dict, ...], _: weakref.ref) -> None:
-    """A named module or parameter died: its id leaves the tables that name it."""
-    for table in tables:
-        table.pop(key, None)
 
 
 class NotCopied:
@@ -301,18 +172,9 @@ class StepRecorder:
         self._seen: dict[tuple[int, int], tuple[weakref.ref, Handle, bool]] = {}
         # this step's gradient hooks, by tensor id: (the tensor, the hook, what takes it off)
         self._grad_hooks: dict[int, tuple[weakref.ref, _GradEvents, Any]] = {}
-        self._names: dict[int, str] = {}  # id(module) -> qualified name
-        self._roots: dict[str, weakref.ref] = {}  # a further root's name -> that root (``_root_name``)
-        self._main: weakref.ref | None = None  # global mode: the root named "(model)" (``_root_prefix``)
-        self._index: dict[int, int] = {}  # id(module) -> its place in _modules: what a compiled graph records by
-        self._modules: list[str] = []
-        self._module_at: dict[str, int] = {}  # a name's place in _modules: a module named as a dead one shares it
+        self.names = ModuleNames()
+        self._names = self.names.by_id  # id(module) -> qualified name: the hot path's one lookup
         self._token = compiled.register(self.record_traced)  # how the op in a compiled graph finds this recorder
-        self._param_names: dict[int, str] = {}
-        self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
-        # id(module or parameter) named above -> a weak reference that forgets the id when it dies
-        # (``_named``): its address is then another object's, which must not take its name
-        self._named: dict[int, weakref.ref] = {}
         self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
@@ -341,7 +203,7 @@ class StepRecorder:
     def attach(self, model: torch.nn.Module | None) -> None:
         self._model = model
         if model is not None:
-            self._name_tree(model, "")
+            self.names.name_tree(model, "")
         else:
             self._follow_compile()
         self._arm()
@@ -415,63 +277,6 @@ class StepRecorder:
             self._compile_wrapper = None
 
     # -- names ----------------------------------------------------------------------------------
-    def _root_prefix(self, module: torch.nn.Module) -> str:
-        """A root's prefix: "" - it is "(model)" - for the first that has a parameter to train
-        while no other "(model)" lives, else ``_root_name``. A frozen EMA teacher that runs
-        before its student (DINO, MoCo) or an augmentation module called on the batch is no
-        more "(model)", its student's modules no more named by class - nor the teacher's
-        grad-disabled calls counted as the model's eval forwards."""
-        if (self._main is None or self._main() is None) and any(p.requires_grad for p in module.parameters()):
-            self._main = weakref.ref(module)
-            return ""
-        return self._root_name(module)
-
-    def _root_name(self, module: torch.nn.Module) -> str:
-        """A further root's name: its class's, numbered (``Sequential#2``) while another root
-        of that name is alive - a GAN's two ``nn.Sequential`` were one module. A loss module
-        made anew each step takes its dead predecessor's name."""
-        base = name = type(module).__name__
-        while (known := self._roots.get(name)) is not None and known() not in (None, module):
-            name = f"{base}#{int(name.rpartition('#')[2]) + 1 if name != base else 2}"
-        self._roots[name] = weakref.ref(module)
-        return name
-
-    def _name_tree(self, root: torch.nn.Module, prefix: str) -> None:
-        """Qualified names relative to ``root`` ("blocks.2.proj"); the root itself is
-        "(model)", or ``prefix`` for further roots (a loss module called on its own)."""
-        for raw, module in root.named_modules(remove_duplicate=False):
-            if raw == "_orig_mod" or raw.endswith("._orig_mod"):
-                # torch.compile's inner copy of a compiled module (the root, or a block compiled on
-                # its own) returns the wrapper's own output, which the wrapper records: named, it
-                # would count it twice wherever it runs outside the graph (dynamo falling back to
-                # eager for the module's frame)
-                continue
-            name = _user_name(raw)
-            label = f"{prefix}.{name}" if prefix and name else name or prefix or "(model)"
-            self._named_while_alive(module)
-            label = self._names.setdefault(id(module), label)
-            if id(module) not in self._index:  # numbered for a compiled graph
-                self._index[id(module)] = index = self._module_at.setdefault(label, len(self._modules))
-                if index == len(self._modules):
-                    self._modules.append(label)
-        for name, param in root.named_parameters(remove_duplicate=False):
-            name = _user_name(name)
-            self._named_while_alive(param)
-            self._param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
-            owner = name.rpartition(".")[0]
-            owner = f"{prefix}.{owner}" if prefix and owner else owner or prefix or "(model)"
-            if owner not in self._param_owners.setdefault(id(param), []):
-                self._param_owners[id(param)].append(owner)
-
-    def _named_while_alive(self, obj: Any) -> None:
-        """``obj``'s id keeps the name given to it only while ``obj`` lives: once it dies its
-        address is reused - a loss module made anew each step, a model built again for the next
-        trial - and the new object there would take its name (or, a root, never be named)."""
-        key = id(obj)
-        if key not in self._named:
-            self._named[key] = weakref.ref(obj, functools.partial(
-                _forget, key, (self._named, self._names, self._index, self._param_names, self._param_owners)))
-
     def name_compiled(self) -> None:
         """Name the modules compiled in place that no forward named, as roots: asked at a step's
         end, when a module around one (a model whose blocks alone are compiled) has run and named
@@ -479,17 +284,14 @@ class StepRecorder:
         while self._compiled:
             module = self._compiled.pop(0)()
             if module is not None and id(module) not in self._names:
-                self._name_tree(module, self._root_prefix(module))
+                self.names.name_root(module)
 
     def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:
-        return self._param_names.get(id(param), fallback)
+        return self.names.param(param, fallback)
 
     def param_owners(self, name: str) -> list[str]:
         """The modules that hold the parameter called ``name`` (a tied weight: each of them)."""
-        for key, known in list(self._param_names.items()):  # a dead parameter's callback may pop one
-            if known == name:
-                return self._param_owners.get(key, [])
-        return []
+        return self.names.param_owners(name)
 
     def module_name(self, module: torch.nn.Module) -> str | None:
         return self._names.get(id(module))
@@ -497,7 +299,7 @@ class StepRecorder:
     # -- module hooks ---------------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """The forward pre-hook: the module's inputs, before it runs."""
-        if self.paused or _compiling() or (not torch.is_grad_enabled() and not self.record_eval) or recomputed():
+        if self.paused or compiling() or (not torch.is_grad_enabled() and not self.record_eval) or recomputed():
             return
         if transformed() or not self.thread.here():  # counted in after_forward
             return
@@ -505,21 +307,22 @@ class StepRecorder:
             self._detect_dtype(measurable_tensors(args))
         if self.record_inputs and self.logging:
             name = self._names.get(id(module))
-            for i, t in _positional(args, self.unmeasured):
+            for i, t in positional(args, self.unmeasured):
                 if name is not None:
                     self.record(name, "input", t, f"input[{i}]")
 
     def after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """The forward hook: the module's inputs and its output, after it ran."""
-        if _compiling():  # traced: what changes between steps is read when the graph runs
-            index = self._index.get(id(module)) if self.inside_compile else None
+        if compiling():  # traced: what changes between steps is read when the graph runs
+            index = self.names.numbers.get(id(module)) if self.inside_compile else None
             if index is not None:
                 compiled.trace_forward(self._token, index, output, measurable_tensors(output),
-                                       _positional(args) if self.provenance else [], record_eval=self.record_eval)
+                                       positional(args) if self.provenance else [], record_eval=self.record_eval)
             return
         # the followed thread outside any torch.func transform - nearly every call - asks no more
-        if self.paused or (not (_level() is None and get_ident() == self.thread.ident) and self._elsewhere(output)) \
-                or (_graph_task() != -1 and recomputed()):  # recorded when it ran forward
+        here = functorch_level() is None and get_ident() == self.thread.ident
+        if self.paused or (not here and self._elsewhere(output)) \
+                or (graph_task() != -1 and recomputed()):  # recorded when it ran forward
             return
         if self.loss_probe is not None and module is self._model:  # back on the stack as the model returned
             self.loss_probe.pause()  # (its global hook runs first): not for this hook's own calls
@@ -538,7 +341,7 @@ class StepRecorder:
         if self.provenance and phase == "forward" and not self.calls_frozen:
             self._call = len(self.calls)
             self.calls.append(Call(module, args, kwargs, autocast_state()))
-            for i, t in _positional(args, wrapped=False):  # no transform active: asked above
+            for i, t in positional(args, wrapped=False):  # no transform active: asked above
                 if t.requires_grad:
                     self.hook_grad(t, name, f"grad of input[{i}]", INPUT_GRAD)
             for key, value in kwargs.items():  # transformers passes hidden_states by keyword
@@ -574,13 +377,13 @@ class StepRecorder:
     def _global_before_forward(self, module: torch.nn.Module, args: Any) -> None:
         # a call recomputed in backward: non-reentrant checkpointing stops its recomputation inside
         # a module, whose forward hook never runs - counted, the depth of calls grew each step
-        if self.paused or _compiling() or recomputed():
+        if self.paused or compiling() or recomputed():
             return
         if transformed() or not self.thread.here(claim=torch.is_grad_enabled() or self.record_eval):
             return  # counted when the call returns
         if self._depth == 0:  # (_root_forward takes the loss probe off the stack)
             if id(module) not in self._names:
-                self._name_tree(module, self._root_prefix(module))
+                self.names.name_root(module)
             self._root_forward(module, args)
             if not self._armed:  # it ended an overdue step, the next not recorded: the idle hooks count no depth
                 return
@@ -592,10 +395,10 @@ class StepRecorder:
         if output is _RAISED:  # the forward raised: torch calls an always_call hook as (module, args, None)
             # the depth its pre-hook counted comes off, or it stayed above 0 for good - no root named
             # again, no module hook taken off between recorded steps
-            if not (self.paused or _compiling() or recomputed() or transformed()) and self.thread.here(claim=False):
+            if not (self.paused or compiling() or recomputed() or transformed()) and self.thread.here(claim=False):
                 self._depth = max(0, self._depth - 1)
             return
-        if _compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
+        if compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
             self.after_forward(module, args, kwargs, output)
             return
         if self.paused or recomputed() or self._elsewhere(output):
@@ -608,7 +411,7 @@ class StepRecorder:
     def _global_idle_after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """The global hook between recorded steps: the model's eval calls, counted as
         ``after_forward`` counts them."""
-        if torch.is_grad_enabled() or self.paused or _compiling() or transformed():
+        if torch.is_grad_enabled() or self.paused or compiling() or transformed():
             return
         if self._names.get(id(module)) == "(model)" and self.thread.here(claim=self.record_eval):
             self.eval_forwards += 1
@@ -628,7 +431,7 @@ class StepRecorder:
             return
         if self.paused or not torch.is_grad_enabled():
             return
-        if not self._backward_since or _in_backward() or transformed() or not self.thread.here():
+        if not self._backward_since or in_backward() or transformed() or not self.thread.here():
             return
         self._backward_since = False
         self._forwards += 1  # forwards after a backward: the step's first is not one
@@ -654,7 +457,7 @@ class StepRecorder:
         recorded again."""
         if self.overdue_forwards is None or self.on_overdue is None or self.paused or not torch.is_grad_enabled():
             return
-        if _compiling() or _in_backward() or transformed() or not self.thread.here():
+        if compiling() or in_backward() or transformed() or not self.thread.here():
             return
         if self._model is None and self._names.get(id(module)) != "(model)":
             return
@@ -689,7 +492,7 @@ class StepRecorder:
             self.loss_probe.roots.extend(iter_tensors(roots))
         # no module of this watch ran forward in the step: another model's backward (a deep copy's); a
         # backward inside a backward (reentrant checkpointing's recomputed block): not the loss
-        if not (self.active and self.logging and self.events) or self.paused or _compiling() or _in_backward():
+        if not (self.active and self.logging and self.events) or self.paused or compiling() or in_backward():
             return
         for t in measurable_tensors(roots, skipped=self.unmeasured, wrapped=False):
             self.record(LOSS_MODULE, LOSS, t, "loss")
@@ -703,7 +506,7 @@ class StepRecorder:
         fire in the same order as with a hook each, at one Python call from autograd."""
         entry = (module, phase, label, self._call)
         known = self._grad_hooks.get(id(tensor))
-        if known is not None and known[0]() is tensor and _last_hook(tensor) is known[1]:
+        if known is not None and known[0]() is tensor and last_hook(tensor) is known[1]:
             hook = known[1]
             if hook.fired:  # a tensor that outlives a forward (a parameter passed as an input, under
                 # gradient accumulation): the last micro-batch's backward recorded its events - kept,
@@ -713,7 +516,7 @@ class StepRecorder:
                 hook.events.append(entry)
             return
         hook = _GradEvents(self, entry)
-        self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook, _add_grad_hook(tensor, hook))
+        self._grad_hooks[id(tensor)] = (weakref.ref(tensor), hook, add_grad_hook(tensor, hook))
 
     def record(self, module: str, phase: str, tensor: torch.Tensor, label: str, call: int | None = None) -> None:
         """One event. Hot path: one raw row per tensor; everything else waits for the step
@@ -751,7 +554,7 @@ class StepRecorder:
         phase, label = event(kind, index)
         if self._dtype_open and phase == "forward":
             self._detect_dtype([tensor])
-        self.record(self._modules[module], phase, tensor, label, COMPILED)
+        self.record(self.names.numbered[module], phase, tensor, label, COMPILED)
 
     def record_params(self, params: list[tuple[str, torch.nn.Parameter]], scale: torch.Tensor | None) -> None:
         """A row per parameter gradient, at the step boundary: with its norm, and with a
@@ -759,7 +562,7 @@ class StepRecorder:
         one C call for all, at their rows' addresses (``cpu_kernel.fill_param_rows``)."""
         self.param_rows = rows_of = {}
         # a plain CPU gradient outside a transform is measurable: no question asked (``unmeasurable``)
-        plain_cpu = cpu_kernel.available() and _level() is None
+        plain_cpu = cpu_kernel.available() and functorch_level() is None
         grads: list[torch.Tensor] = []
         addresses: list[tuple[int, int]] = []
         for name, p in params:
@@ -809,7 +612,7 @@ class StepRecorder:
         for ref, _, added in self._grad_hooks.values():
             tensor = ref()
             if tensor is not None and tensor.is_leaf:  # no grad_fn (asked without making its Python object)
-                _remove_grad_hook(tensor, added)
+                remove_grad_hook(tensor, added)
 
     def _rearm(self, logging_next: bool) -> None:
         """The module hooks come off for steps not recorded (``_disarm``) and on again for the

@@ -31,16 +31,18 @@ from ampaudit.core.errors import AmpauditError
 from ampaudit.watch import compiled, forks
 from ampaudit.watch.blame import trace_first, trace_parameter
 from ampaudit.watch.boundary import OptimizerTap, ScalerTap, unwrap_optimizer
+from ampaudit.watch.call_context import compiled_anything, recomputed, transformed
 from ampaudit.watch.conditions import DeviceConditions
 from ampaudit.watch.decode import step_record
 from ampaudit.watch.events import LOSS, NO_ROW
 from ampaudit.watch.fp8 import Fp8Recorder
-from ampaudit.watch.hooks import NotCopied, StepRecorder, compiled_anything, recomputed, transformed, unmeasurable
+from ampaudit.watch.hooks import NotCopied, StepRecorder
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
 from ampaudit.watch.loss_notes import ACROSS_RANKS, COMPILED, TO_NAME_IT, from_the_loss, named, unnamed
 from ampaudit.watch.loss_probe import ARMED_STEPS, LossProbe
+from ampaudit.watch.measurable import unmeasurable
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
 from ampaudit.watch.schedule import EverySchedule
