@@ -1421,6 +1421,38 @@ def test_a_linear_no_hook_runs_around_records_itself_what_the_hooks_recorded():
     assert direct["a"].line and direct["a"].file == __file__
 
 
+def test_a_high_precision_grad_weight_gemm_is_its_own_reference():
+    """Under rowwise_with_gw_hp the grad-weight GEMM runs in high precision: its product is the
+    fp32 reference's (the same operands, the same mm), so the measurement multiplies once, not
+    twice, and the SQNR is inf as before; the other recipes compute the reference."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import measure_fp8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16))
+    inputs = ExampleInputs.coerce((torch.randn(64, 32),), "x")
+    calls = {}
+    mm = torch.mm
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        count = [0]
+
+        def counted(*args, count=count, **kwargs):
+            count[0] += 1
+            return mm(*args, **kwargs)
+
+        torch.mm = counted
+        try:
+            m = measure_fp8(model, inputs, recipe)
+        finally:
+            torch.mm = mm
+        calls[recipe] = count[0]
+        gw = [layer.gemms["grad_weight"] for layer in m.layers]
+        assert all(math.isfinite(v) for v in gw) if recipe == "rowwise" else gw == [math.inf, math.inf]
+    # per layer: output, grad-input, grad-weight, and rowwise's grad-weight reference (the
+    # grad-input reference is the recording's own product)
+    assert calls == {"rowwise": 8, "rowwise_with_gw_hp": 6}
+
+
 def test_the_measurements_scratch_lends_a_larger_buffer_in_the_layout_torch_gives():
     """A buffer given back serves a smaller tensor of another shape (viewed from its start); a
     difference of two tensors of different layouts is written in the layout ``a - b`` has - the

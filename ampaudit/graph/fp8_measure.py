@@ -1142,6 +1142,10 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         made.append(grad_weight)
         if once and rec.grad_weight is not None:
             ref_gw = k_ax.take(n_ax.take(rec.grad_weight, 0), 1)
+        elif go_gw.value is tensors[views["grad_output_cols"]] and x_gw.value is tensors[views["input_cols"]]:
+            # a grad-weight GEMM in high precision (rowwise_with_gw_hp): the product just made is
+            # the reference's own - the same operands, the same mm, the same bits
+            ref_gw = grad_weight
         else:
             ref_gw = mm(tensors[views["grad_output_cols"]].t(), tensors[views["input_cols"]])
             made.append(ref_gw)
