@@ -219,7 +219,7 @@ def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ene
     the error's buffer comes from and goes back to."""
     scratch = scratch or _Scratch()
     if rest is None:
-        whole = rest_db = _db(energy, _error_norm(x, q.value, scratch))
+        whole = rest_db = _db(energy, _cast_error_norm(x, q, scratch))
     else:
         error = scratch.sub(x, q.value)
         whole = _db(energy, _norm(error))
@@ -332,6 +332,15 @@ def _error_norm(a: torch.Tensor, b: torch.Tensor, scratch: _Scratch) -> float:
     found = _norm(error)
     scratch.give(error)
     return found
+
+
+def _cast_error_norm(x: torch.Tensor, q: CastResult, scratch: _Scratch) -> float:
+    """``_error_norm(x, q.value)``: the one the cast's C pass measured where it cast ``x`` into
+    this value's layout (the same kernel on the same elements: the same float), else anew."""
+    kept = q.error_norm
+    if kept is not None and kept[0] is x and q.value.stride() == x.stride() and 0 < kept[1] < math.inf:
+        return kept[1] ** 2
+    return _error_norm(x, q.value, scratch)
 
 
 @dataclass
@@ -723,8 +732,10 @@ class _Casts:
         dense = None
         if out is not None and how.granularity == "block" and not x.is_contiguous() and not keep:
             dense = self.scratch.take_contiguous(x.shape)
+        # a statistic's cast (any_layout) measures its error in the same C call
         found = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
-                     count=self.count or how.granularity == "block", out=out, dense=dense, keep_layout=keep)
+                     count=self.count or how.granularity == "block", out=out, dense=dense, keep_layout=keep,
+                     norm=any_layout)
         for t in (out, dense):  # the one holding the value is lent; the other is free again
             if t is not None:
                 if found.value is t:
