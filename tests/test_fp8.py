@@ -1377,6 +1377,82 @@ def test_the_recording_keeps_each_layers_grad_input_product_only_for_the_gradien
     assert kept is not None and torch.equal(kept.view(torch.int32), fresh.view(torch.int32))
 
 
+def test_a_linear_no_hook_runs_around_records_itself_what_the_hooks_recorded():
+    """A plain Linear with no hook of its own (and no global module hook) is recorded by its
+    recording forward and backward, not by module and tensor hooks (which put every call on
+    nn.Module's slow path): the same calls counted, the same input, output and line kept - the
+    first call with a gradient, else the first without -, the same permuted-view note, the same
+    output gradient (the very tensor autograd gave) and grad-input product, bit for bit."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import record
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(8, 8), nn.Linear(16, 16)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.c(x)  # a first call without a gradient: replaced by the one with it
+            y = self.a(torch.tanh(self.a(input=x)))  # called twice, by keyword first
+            z = self.b(y.transpose(1, 2))  # a permuted view (2, 16, 8)
+            return self.c(y) + z.sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    inputs = ExampleInputs.coerce((torch.randn(2, 8, 16),), "x")
+    direct, ref_direct, _ = record(net, inputs)
+    handles = [m.register_forward_hook(lambda *_: None) for m in (net.a, net.b, net.c)]
+    hooked, ref_hooked, _ = record(net, inputs)
+    for h in handles:
+        h.remove()
+    assert torch.equal(ref_direct, ref_hooked)
+    same = ("calls", "file", "line", "permuted", "with_grad", "own_difference", "out_version")
+    for name in ("a", "b", "c"):
+        d, h = direct[name], hooked[name]
+        assert [getattr(d, k) for k in same] == [getattr(h, k) for k in same], name
+        for k in ("x", "out", "grad"):
+            assert torch.equal(getattr(d, k).view(torch.int32), getattr(h, k).view(torch.int32)), (name, k)
+        assert (d.grad_input is None) == (h.grad_input is None), name
+        if d.grad_input is not None:
+            assert torch.equal(d.grad_input.view(torch.int32), h.grad_input.view(torch.int32)), name
+    assert (direct["a"].calls, direct["c"].calls, direct["c"].with_grad) == (2, 2, True)
+    assert direct["b"].permuted == "shape (2, 16, 8), strides (128, 1, 16)" and direct["a"].permuted is None
+    assert direct["a"].line and direct["a"].file == __file__
+
+
+def test_a_high_precision_grad_weight_gemm_is_its_own_reference():
+    """Under rowwise_with_gw_hp the grad-weight GEMM runs in high precision: its product is the
+    fp32 reference's (the same operands, the same mm), so the measurement multiplies once, not
+    twice, and the SQNR is inf as before; the other recipes compute the reference."""
+    from ampaudit.graph.forward import ExampleInputs
+    from ampaudit.graph.fp8_measure import measure_fp8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16))
+    inputs = ExampleInputs.coerce((torch.randn(64, 32),), "x")
+    calls = {}
+    mm = torch.mm
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        count = [0]
+
+        def counted(*args, count=count, **kwargs):
+            count[0] += 1
+            return mm(*args, **kwargs)
+
+        torch.mm = counted
+        try:
+            m = measure_fp8(model, inputs, recipe)
+        finally:
+            torch.mm = mm
+        calls[recipe] = count[0]
+        gw = [layer.gemms["grad_weight"] for layer in m.layers]
+        assert all(math.isfinite(v) for v in gw) if recipe == "rowwise" else gw == [math.inf, math.inf]
+    # per layer: output, grad-input, grad-weight, and rowwise's grad-weight reference (the
+    # grad-input reference is the recording's own product)
+    assert calls == {"rowwise": 8, "rowwise_with_gw_hp": 6}
+
+
 def test_the_measurements_scratch_lends_a_larger_buffer_in_the_layout_torch_gives():
     """A buffer given back serves a smaller tensor of another shape (viewed from its start); a
     difference of two tensors of different layouts is written in the layout ``a - b`` has - the

@@ -120,6 +120,33 @@ def test_the_kernel_computes_a_per_tensor_scale_from_the_amax_it_is_given():
     assert fp8_native.cast(x, fp8_native.FromAmax(None, amax=float("nan")), E4M3) is None
 
 
+def test_a_casts_error_norm_measured_in_its_c_call_is_error_norms_float():
+    """``cast(norm=True)`` measures ||x - value|| in the cast's own C call: the float
+    ``fp8_native.error_norm`` gives for that tensor and value, for every granularity, both
+    layouts, dims that leave a tail of the eight lanes; none where MX's value of a transposed x
+    is copied to a contiguous one (x - value is two layouts then: error_norm declines it), none
+    without ``norm``."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 83, generator=g) * torch.logspace(-6, 6, 83)
+    x[5] = 0.0
+    hows = [fp8_casts.Cast(E4M3, fp8_casts.TENSOR), fp8_casts.Cast(E5M2, fp8_casts.TENSOR),
+            fp8_casts.Cast(E4M3, fp8_casts.ROW), fp8_casts.Cast(E4M3, fp8_casts.BLOCK)]
+    measured = 0
+    for t in (x, x.t().contiguous().t(), x.t()):  # contiguous, transposed, transposed (83, 37)
+        for how in hows:
+            for dim in (0, -1):
+                for keep in (False, True):
+                    q = cast(t, how, dim, pow2=how.granularity != fp8_casts.TENSOR, norm=True, keep_layout=keep)
+                    if q.value.stride() != t.stride():
+                        assert q.error_norm is None
+                        continue
+                    want = fp8_native.error_norm(t, q.value)
+                    assert q.error_norm is not None and q.error_norm[0] is t and q.error_norm[1] == want
+                    measured += 1
+    assert measured == 44  # all but MX's copied value of a transposed tensor (2 dims x 2 tensors)
+    assert cast(x, hows[0], -1, pow2=False).error_norm is None
+
+
 def test_an_operands_summary_equals_the_torch_ops():
     # amax per row, per column and in all, nonzero elements, the 99.9th percentile of |x| (the
     # k-th smallest, as topk finds it): on spreads, ties, zeros, one element, transposed

@@ -241,9 +241,14 @@ SIMD_CLONES static void cast_blocks(const float *x, float *out, int64_t outer, i
     counts[2] += sat;
 }
 
+float ampaudit_fp8_error_norm(const float *x, const float *v, int64_t n);
+
+/* `norm` (where not NULL): the 2-norm of x - out once cast, as ampaudit_fp8_error_norm gives it
+ * (the same call: x and out share one dense layout), while both are in the cache - the fp8
+ * measurement's error of each cast, without a call of its own. */
 int ampaudit_fp8_cast_amax(const float *x, float *out, int64_t outer, int64_t inner, int gran, float amax,
                            int pow2, int emax, uint32_t shift, uint32_t min_normal, float magic, uint32_t max_bits,
-                           uint32_t over_bits, float fmax, int64_t *counts, int threads) {
+                           uint32_t over_bits, float fmax, int64_t *counts, int threads, float *norm) {
     Format f = {shift, min_normal, magic, max_bits, over_bits, fmax, gran >= 3};
     int64_t n = outer * inner, blocks_in = (inner + 31) / 32, groups = (outer + 31) / 32;
     int64_t size = gran == 0 ? 1 : gran == 1 ? outer : gran == 2 ? inner : gran == 3 ? outer * blocks_in
@@ -294,6 +299,7 @@ int ampaudit_fp8_cast_amax(const float *x, float *out, int64_t outer, int64_t in
         counts[0] += local[0];
         counts[1] += local[1];
         counts[2] += local[2];
+        if (norm != NULL) *norm = ampaudit_fp8_error_norm(x, out, n);
     }
     if (scale != &one) free(scale);
     free(m);

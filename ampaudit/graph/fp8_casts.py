@@ -92,6 +92,9 @@ class CastResult:
     flushed: int  # nonzero elements that became 0
     saturated: int  # elements clamped to the format's max after scaling
     nonzero: int
+    # where the C pass measured it (``cast(norm=True)``): the tensor cast, and the 2-norm of its
+    # difference from ``value`` as ``fp8_native.error_norm`` gives it - for that tensor only
+    error_norm: tuple[torch.Tensor, float] | None = None
 
 
 def _scale(amax: torch.Tensor, fmt: LowDtype, pow2: bool) -> torch.Tensor:
@@ -164,7 +167,7 @@ def _finite(amax: torch.Tensor) -> bool:
 
 def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | None = None,
          amax: torch.Tensor | None = None, count: bool = True, out: torch.Tensor | None = None,
-         dense: torch.Tensor | None = None, keep_layout: bool = False) -> CastResult:
+         dense: torch.Tensor | None = None, keep_layout: bool = False, norm: bool = False) -> CastResult:
     """``x`` (2-D, fp32) cast as ``how`` says, scaled along ``dim`` (the GEMM's reduction dim).
     ``nonzero``: ``x``'s count of nonzero elements, when the caller knows it. ``amax``: the
     whole tensor's, for a per-tensor scale where ``x`` is a sample of its rows or columns (or
@@ -173,6 +176,7 @@ def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | Non
     tensor of ``x``'s shape and layout the value may be written into (where the C pass casts);
     ``dense``: a contiguous one MX's value of a transposed ``x`` may be copied into;
     ``keep_layout``: where the C pass casts, MX's value stays in ``x``'s layout (no copy).
+    ``norm``: where the C pass casts, it measures the error's norm too (``CastResult.error_norm``).
 
     Tensor and row scales come from the amax, so nothing saturates (x * fmax/amax <= fmax; a
     power-of-two scale is rounded down): only MX's floor-rounded block scales clamp values."""
@@ -184,10 +188,14 @@ def cast(x: torch.Tensor, how: Cast, dim: int, *, pow2: bool, nonzero: int | Non
     # one C pass with the scales computed in it (the torch ops below give the same bits)
     given = float(amax) if how.granularity == TENSOR and amax is not None else None
     along = None if how.granularity == TENSOR else dim
+    found: list[float] | None = [] if norm else None
     done = fp8_native.cast(x, fp8_native.FromAmax(along, pow2 and how.granularity != BLOCK, given), how.fmt,
-                           block=how.granularity == BLOCK, out=out, dense=dense, keep_layout=keep_layout)
+                           block=how.granularity == BLOCK, out=out, dense=dense, keep_layout=keep_layout, norm=found)
     if done is not None:
-        return _kernel_result(done[0], done, nonzero, count)
+        result = _kernel_result(done[0], done, nonzero, count)
+        if found:
+            result.error_norm = (x, found[0])
+        return result
     if how.granularity == BLOCK:
         return _mx_cast(x, how.fmt, dim, nonzero, count)
     if how.granularity != TENSOR or amax is None:

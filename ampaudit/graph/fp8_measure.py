@@ -219,7 +219,7 @@ def operand_stats(x: torch.Tensor, q: CastResult, rest: torch.Tensor | None, ene
     the error's buffer comes from and goes back to."""
     scratch = scratch or _Scratch()
     if rest is None:
-        whole = rest_db = _db(energy, _error_norm(x, q.value, scratch))
+        whole = rest_db = _db(energy, _cast_error_norm(x, q, scratch))
     else:
         error = scratch.sub(x, q.value)
         whole = _db(energy, _norm(error))
@@ -334,6 +334,15 @@ def _error_norm(a: torch.Tensor, b: torch.Tensor, scratch: _Scratch) -> float:
     return found
 
 
+def _cast_error_norm(x: torch.Tensor, q: CastResult, scratch: _Scratch) -> float:
+    """``_error_norm(x, q.value)``: the one the cast's C pass measured where it cast ``x`` into
+    this value's layout (the same kernel on the same elements: the same float), else anew."""
+    kept = q.error_norm
+    if kept is not None and kept[0] is x and q.value.stride() == x.stride() and 0 < kept[1] < math.inf:
+        return kept[1] ** 2
+    return _error_norm(x, q.value, scratch)
+
+
 @dataclass
 class _Record:
     module: nn.Linear
@@ -362,7 +371,7 @@ def permuted_rows(x: torch.Tensor) -> str | None:
     elementwise op's output follows its strides) and then reshape it to (-1, in_features): on a
     permuted layout that reshape is a copy, which its Float8TrainingTensor refuses with axiswise
     scales ("aten.clone.default with axiswise scaling is not supported yet"). None: it can."""
-    if x.dim() <= 2:
+    if x.dim() <= 2 or x.is_contiguous():  # a contiguous tensor views as any shape of its size
         return None
     try:  # empty_like keeps a dense layout's strides, as the cast's output does; no data is touched
         torch.empty_like(x, device="meta").view(-1, x.shape[-1])
@@ -423,13 +432,15 @@ class _InputGradLinear(torch.autograd.Function):
     as autograd computes it for ``linear`` (``mm_mat1_backward``: ``grad @ W``, or its transpose
     for a column-major input), bit for bit, so every gradient upstream is unchanged. ``rec``:
     where ``grad @ W`` is kept when ``grad`` is the output gradient it recorded (the same tensor):
-    the measurement's grad-input reference of a layer measured whole (the same product)."""
+    the measurement's grad-input reference of a layer measured whole (the same product).
+    ``call``: the call a hook-free recording forward measures (``_recording_forward``): its
+    backward records the output gradient itself - the one a tensor hook on the output would see."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                rec: _Record | None = None) -> torch.Tensor:
+                rec: _Record | None = None, call: _Call | None = None) -> torch.Tensor:
         ctx.save_for_backward(weight)
-        ctx.rec = rec
+        ctx.rec, ctx.call = rec, call
         ctx.column_major = x.dim() == 2 and x.shape[1] > 1 and x.stride(0) == 1 and x.stride(1) == x.shape[0]
         out = nn.functional.linear(x, weight, bias)
         if out._is_view():  # a flattened input's 2-D product viewed back: autograd would forbid an
@@ -439,15 +450,27 @@ class _InputGradLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         (weight,) = ctx.saved_tensors
+        rec, ctx.rec = ctx.rec, None
+        if rec is not None and ctx.call is not None and ctx.call.measured and rec.grad is None:
+            # the measured call's output gradient, as the tensor hook of the hooked path keeps it
+            rec.grad = grad.detach().float().reshape(-1, grad.shape[-1])
+            rec.grad_seen = grad
         g = grad.reshape(-1, grad.shape[-1])
         gi = weight.t().mm(g.t()).t() if ctx.column_major else g.mm(weight)
-        rec, ctx.rec = ctx.rec, None
         if rec is not None and not ctx.column_major and _same_tensor(grad, rec.grad_seen) and \
                 weight.dtype == gi.dtype == torch.float32 and g.numel() + weight.numel() + gi.numel() <= LARGE:
             rec.grad_input = gi
-        return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+        return gi.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None, None
+
+
+@dataclass
+class _Call:
+    """One call of a hook-free recording forward: whether it is the call measured (its output
+    needs a gradient), which its backward then records."""
+
+    measured: bool = False
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -486,6 +509,54 @@ def _input_grad_only(module: nn.Linear, rec: _Record | None = None) -> Callable[
     return forward
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs hooks (its own or every module's): they may replace its
+    input or output, or wrap them for a backward hook - then what the recording keeps is what the
+    hooks saw, and only hooks of its own see it."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks
+                or any(getattr(torch_module, name, None) for name in (
+                    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                    "_global_backward_pre_hooks")))
+
+
+def _recording_forward(module: nn.Linear, rec: _Record) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A plain Linear's forward in the recording, where no hook runs around it: it records what
+    ``record``'s pre- and post-hooks and its output's tensor hook would (the same tensors, the
+    same calls: its output is the module's), without them - hooks put every call of the module
+    on nn.Module's slow path (with the tensor hook, about 0.1 ms a Linear here)."""
+    import sys
+
+    from ampaudit.core.userframe import user_location
+
+    def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature: fc(input=x) too
+        rec.calls += 1
+        measure = not rec.with_grad and isinstance(input, torch.Tensor)
+        loc = user_location(sys._getframe(1)) if measure else None
+        call = _Call() if measure else None
+        output = _InputGradLinear.apply(input, module.weight, module.bias, rec, call)
+        if measure and (rec.x is None or output.requires_grad):  # else: measured without a gradient already
+            _keep_call(rec, input, output, loc)
+            call.measured = output.requires_grad
+        return output
+
+    return forward
+
+
+def _keep_call(rec: _Record, x: torch.Tensor, output: torch.Tensor, loc: Any) -> None:
+    """A measured call's input, output and line, kept in ``rec`` (its gradient comes later)."""
+    rec.permuted = permuted_rows(x)
+    rec.x = x.detach().float().reshape(-1, x.shape[-1])
+    rec.file, rec.line = (loc.file, loc.line) if loc is not None else (None, 0)
+    # not copied (a pass over every output): kept with its version, it is known unchanged or not
+    rec.out = output.detach().float().reshape(-1, output.shape[-1])
+    rec.out_version = _version(rec.out)
+    if output.requires_grad:
+        rec.with_grad = True
+
+
 def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record], torch.Tensor, tuple[bool, ...]]:
     """One fp32 forward and backward: each Linear's input and output gradient, on its first call
     that computes a gradient (its first call, where none does): under reentrant activation
@@ -513,16 +584,10 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
         if rec.x is not None and not output.requires_grad:  # measured without a gradient already
             return
         x, loc = pending
-        rec.permuted = permuted_rows(x)
-        rec.x = x.detach().float().reshape(-1, x.shape[-1])
-        rec.file, rec.line = (loc.file, loc.line) if loc is not None else (None, 0)
-        # not copied (a pass over every output): kept with its version, it is known unchanged or not
-        rec.out = output.detach().float().reshape(-1, output.shape[-1])
-        rec.out_version = _version(rec.out)
+        _keep_call(rec, x, output, loc)
         if id(module) not in plain and rec.x is not None:
             rec.own_difference = _own_difference(module, rec.x, rec.out)
         if output.requires_grad:
-            rec.with_grad = True
 
             def keep(g: torch.Tensor, rec: _Record = rec) -> None:
                 if rec.grad is None:
@@ -530,9 +595,6 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
                     rec.grad_seen = g
             output.register_hook(keep)
 
-    for rec in records.values():
-        handles.append(rec.module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(rec.module.register_forward_hook(post))
     params = list(model.parameters())
     saved = [p.grad for p in params]  # the user's gradients stay as they were
     for p in params:
@@ -544,10 +606,18 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     plain = {id(rec.module) for rec in records.values()
              if (type(rec.module).forward is nn.Linear.forward or _is_float8_linear(rec.module))
              and "forward" not in vars(rec.module)}
+    # of those, the ones no hook runs around record themselves, in their forward and backward
+    direct = {i for i in plain if not _hooked(by_id[i].module)}
+    for rec in records.values():
+        if id(rec.module) not in direct:
+            handles.append(rec.module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(rec.module.register_forward_hook(post))
     try:
         with attributes_kept(model), torch.enable_grad(), _modules_called():
             for rec in records.values():
-                if id(rec.module) in plain:
+                if id(rec.module) in direct:
+                    rec.module.forward = _recording_forward(rec.module, rec)
+                elif id(rec.module) in plain:
                     rec.module.forward = _input_grad_only(rec.module, rec)
             try:
                 output = model(*inputs.args, **inputs.kwargs)
@@ -662,8 +732,10 @@ class _Casts:
         dense = None
         if out is not None and how.granularity == "block" and not x.is_contiguous() and not keep:
             dense = self.scratch.take_contiguous(x.shape)
+        # a statistic's cast (any_layout) measures its error in the same C call
         found = cast(x, how, dim, pow2=pow2, nonzero=self.nonzero[op], amax=self.amax.get(op),
-                     count=self.count or how.granularity == "block", out=out, dense=dense, keep_layout=keep)
+                     count=self.count or how.granularity == "block", out=out, dense=dense, keep_layout=keep,
+                     norm=any_layout)
         for t in (out, dense):  # the one holding the value is lent; the other is free again
             if t is not None:
                 if found.value is t:
@@ -1081,6 +1153,10 @@ def _measure_layer(name: str, rec: _Record, chosen: Recipe, weight_amax: dict[in
         made.append(grad_weight)
         if once and rec.grad_weight is not None:
             ref_gw = k_ax.take(n_ax.take(rec.grad_weight, 0), 1)
+        elif go_gw.value is tensors[views["grad_output_cols"]] and x_gw.value is tensors[views["input_cols"]]:
+            # a grad-weight GEMM in high precision (rowwise_with_gw_hp): the product just made is
+            # the reference's own - the same operands, the same mm, the same bits
+            ref_gw = grad_weight
         else:
             ref_gw = mm(tensors[views["grad_output_cols"]].t(), tensors[views["input_cols"]])
             made.append(ref_gw)

@@ -33,7 +33,7 @@ def _functions() -> tuple[ctypes._CFuncPtr, ...] | None:
     fn.restype = None
     amax = lib.ampaudit_fp8_cast_amax
     amax.argtypes = [p, p, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, u32, u32,
-                     ctypes.c_float, u32, u32, ctypes.c_float, p, ctypes.c_int]
+                     ctypes.c_float, u32, u32, ctypes.c_float, p, ctypes.c_int, p]
     amax.restype = ctypes.c_int
     summary = lib.ampaudit_fp8_summary
     summary.argtypes = [p, i64, i64, p, p, i64, p, p, p]
@@ -84,8 +84,8 @@ def _walk(x: torch.Tensor) -> tuple[int, int, tuple[int, int]] | None:
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, block: bool = False,
-         out: torch.Tensor | None = None, dense: torch.Tensor | None = None, keep_layout: bool = False
-         ) -> tuple[torch.Tensor, int, int, int] | None:
+         out: torch.Tensor | None = None, dense: torch.Tensor | None = None, keep_layout: bool = False,
+         norm: list[float] | None = None) -> tuple[torch.Tensor, int, int, int] | None:
     """``x`` (2-D float32, CPU) cast with ``scale`` (broadcastable to it, float32): the
     dequantized value (in ``x``'s layout), nonzero x, nonzero after the cast, saturated.
     ``block``: MX (divide by the scale, clamp to the max, multiply back); else multiply, and
@@ -95,7 +95,9 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
     ``FromAmax``): where the value goes, a tensor of x's shape and strides; ``dense``: where MX's
     value of a transposed ``x`` is copied (contiguous, as the torch ops give it) in place of a
     new tensor; ``keep_layout``: MX's value is left in x's layout (the same values, for a reader
-    that takes any layout)."""
+    that takes any layout). ``norm`` (with a ``FromAmax``): a list that gets ``error_norm(x, value)``
+    - computed in the same call, the same float - where the value keeps x's layout and the
+    kernel's norm is torch's (``_agrees``); left empty otherwise."""
     fns = _functions()
     walk = _walk(x) if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" else None
     if fns is None or walk is None:
@@ -106,7 +108,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor | FromAmax, fmt: LowDtype, *, bloc
             out = None
         if dense is not None and (dense.shape != x.shape or not dense.is_contiguous() or dense.dtype != torch.float32):
             dense = None
-        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out, dense, keep_layout)
+        return _cast_from_amax(fns[1], x, outer, inner, dims, scale, fmt, block, out, dense, keep_layout, norm)
     fn = fns[0]
     if scale.dtype != torch.float32 or scale.device.type != "cpu":
         return None
@@ -131,7 +133,7 @@ def _mx_emax(fmt: LowDtype) -> int:
 
 def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: int, dims: tuple[int, int],
                     how: FromAmax, fmt: LowDtype, block: bool, out: torch.Tensor | None = None,
-                    dense: torch.Tensor | None = None, keep_layout: bool = False
+                    dense: torch.Tensor | None = None, keep_layout: bool = False, norm: list[float] | None = None
                     ) -> tuple[torch.Tensor, int, int, int] | None:
     if how.dim is None:
         if block:
@@ -144,12 +146,17 @@ def _cast_from_amax(fn: ctypes._CFuncPtr, x: torch.Tensor, outer: int, inner: in
         gran, amax = (3 if along_inner else 4) if block else (1 if along_inner else 2), -1.0
     out = torch.empty_like(x) if out is None else out
     counts = (ctypes.c_int64 * 3)()
+    # MX's torch ops give a contiguous value whatever x's layout (the GEMM reads that one): then
+    # x - value is no longer one layout, and error_norm would have declined it
+    copied = block and not keep_layout and not out.is_contiguous()
+    found = ctypes.c_float() if norm is not None and not copied and _agrees(torch.get_num_threads()) else None
     declined = fn(x.data_ptr(), out.data_ptr(), outer, inner, gran, amax, int(how.pow2), _mx_emax(fmt) if block else 0,
-                  *_format(fmt), counts, torch.get_num_threads())
+                  *_format(fmt), counts, torch.get_num_threads(), None if found is None else ctypes.byref(found))
     if declined:
         return None
-    # MX's torch ops give a contiguous value whatever x's layout (the GEMM reads that one)
-    if block and not keep_layout and not out.is_contiguous():
+    if found is not None:
+        norm.append(found.value)
+    if copied:
         out = out.contiguous() if dense is None else dense.copy_(out)
     return out, counts[0], counts[1], counts[2]
 
