@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.nn.utils import parametrize
 
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError
 from ampaudit.core.kept_attributes import attributes_kept
 from ampaudit.core.tensors import dense_numel, given_labels, iter_tensors, linear_input, own_loss
+from ampaudit.core.userframe import user_location
 from ampaudit.graph import fp8_native
 from ampaudit.graph.forward import ExampleInputs, describe_exception
 from ampaudit.graph.fp8_casts import BLOCK, EPS, RECIPES, ROW, CastResult, Recipe, amax_of, cast, output_gemm
@@ -513,8 +518,6 @@ def _hooked(module: nn.Module) -> bool:
     """Whether a call of ``module`` runs hooks (its own or every module's): they may replace its
     input or output, or wrap them for a backward hook - then what the recording keeps is what the
     hooks saw, and only hooks of its own see it."""
-    from torch.nn.modules import module as torch_module
-
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks
                 or any(getattr(torch_module, name, None) for name in (
@@ -527,10 +530,6 @@ def _recording_forward(module: nn.Linear, rec: _Record) -> Callable[[torch.Tenso
     ``record``'s pre- and post-hooks and its output's tensor hook would (the same tensors, the
     same calls: its output is the module's), without them - hooks put every call of the module
     on nn.Module's slow path (with the tensor hook, about 0.1 ms a Linear here)."""
-    import sys
-
-    from ampaudit.core.userframe import user_location
-
     def forward(input: torch.Tensor) -> torch.Tensor:  # nn.Linear.forward's signature: fc(input=x) too
         rec.calls += 1
         measure = not rec.with_grad and isinstance(input, torch.Tensor)
@@ -562,10 +561,6 @@ def record(model: nn.Module, inputs: ExampleInputs) -> tuple[dict[str, _Record],
     that computes a gradient (its first call, where none does): under reentrant activation
     checkpointing a Linear's first call runs without grad and its recomputation in the backward
     with it."""
-    import sys
-
-    from ampaudit.core.userframe import user_location
-
     records = {name: _Record(module) for name, module in linears(model)}
     by_id = {id(r.module): r for r in records.values()}
     handles = []
@@ -659,7 +654,6 @@ def _tied(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 def measure_fp8(model: nn.Module, inputs: ExampleInputs, recipe: str) -> Fp8Measurement:
     """Every Linear of ``model`` under every recipe; the GEMMs under ``recipe``."""
-    import time
 
     start = time.perf_counter()
     records, reference, kept = record(model, inputs)
@@ -974,7 +968,6 @@ def computed_weight(linear: nn.Module) -> str | None:
     (``torch.nn.utils.parametrizations.weight_norm``, ``orthogonal``) - or None."""
     if isinstance(linear._parameters.get("weight"), nn.Parameter):
         return None
-    from torch.nn.utils import parametrize
 
     if parametrize.is_parametrized(linear, "weight"):
         names = [type(p).__name__.lstrip("_") for p in linear.parametrizations.weight]
@@ -1307,7 +1300,6 @@ def dominance(model: nn.Module, inputs: ExampleInputs, measurement: Fp8Measureme
               min_layers: int = 2) -> None:
     """Whether one of ``candidates``' fp8 error dominates the model output: the output SQNR
     with every candidate in fp8, and without the one whose own GEMM output is the worst."""
-    import time
 
     reference = measurement.reference
     # both forwards cast the same weights; those measured whole, the measurement cast already
