@@ -754,3 +754,26 @@ def test_probe_loss_in_a_distributed_run_says_why_it_names_nothing():
     first = unnamed({"note": "the loss was non-finite"}, monitor._probe_why)
     assert first["note"] == ("the loss was non-finite (probe_loss does not run across processes: each rank's loss "
                              "code is its own)")
+
+
+def _warning_loss(out, y, step):
+    copied = torch.tensor(out)  # warns: torch.tensor of a tensor (in C++)
+    p = torch.nn.functional.softmax(out)  # warns: implicit dim (in Python, with a stacklevel)
+    _ = (out * 2).grad  # warns: .grad of a non-leaf (an attribute read)
+    return ((p - y) ** 2).mean() + 0 * copied.sum()
+
+
+def test_a_warning_torch_raises_in_the_loss_code_names_the_same_line_as_without_the_probe():
+    """Python's ``warnings`` named the probe's frame (``loss_probe.py``) for a warning torch
+    raised inside a call the mode handled: C++'s innermost Python frame, or one level of a
+    Python warning's stacklevel. Each names the loss code's own line with the probe on, as without it."""
+    seen = {}
+    for watched, options in ((False, {}), (True, {"probe_loss": True})):
+        with pytest.warns(UserWarning) as caught:
+            _train(_warning_loss, steps=2, watched=watched, **options)
+        seen[watched] = [(w.filename, w.lineno, str(w.message)[:30]) for w in caught
+                         if "copy construct" in str(w.message) or "Implicit dimension" in str(w.message)
+                         or ".grad attribute" in str(w.message)]
+    lines = [_line("warns: torch.tensor"), _line("warns: implicit dim"), _line("warns: .grad of")]
+    assert [(f, n) for f, n, _ in seen[False]] == [(THIS, n) for n in lines] * 2
+    assert seen[True] == seen[False]

@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from ampaudit.core.userframe import user_location
 from ampaudit.watch.loss_replay import Kept, op_name, replay_backward
 from ampaudit.watch.provenance import FirstBadOp, Origin, autocast_state
+from ampaudit.watch.warn_frame import call_for
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
@@ -88,9 +89,14 @@ class LossProbe(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # paused (the backward and the optimizer's unscaling run before the step's end takes it off
         # the stack: inside this method it cannot); compiling: dynamo traces the mode's code - the call alone
-        if not self.recording or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        recording = self.recording
+        # run as from the caller's line: a warning torch raises names the user's line, not this one
+        # (``warn_frame``)
+        out = call_for(func, args, kwargs)
+        if not recording:
+            return out
         # the call paused it (``loss.backward()``: the backward is no loss code, and a replay of it
         # would run it); one that computes nothing; torch's own machinery
         if self.recording and torch.is_grad_enabled() and _computes(getattr(func, "__name__", "")):
