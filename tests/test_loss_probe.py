@@ -777,3 +777,61 @@ def test_a_warning_torch_raises_in_the_loss_code_names_the_same_line_as_without_
     lines = [_line("warns: torch.tensor"), _line("warns: implicit dim"), _line("warns: .grad of")]
     assert [(f, n) for f, n, _ in seen[False]] == [(THIS, n) for n in lines] * 2
     assert seen[True] == seen[False]
+
+
+def test_the_probe_keeps_at_most_its_budget_of_what_the_loss_code_made():
+    """The kept calls hold what they made until the step's end: bounded in bytes, not only in
+    count. Counted once per storage, however many kept calls hold it; what was there before the
+    loss code (``x``, a view of it) is not counted; a storage a dropped call made that a kept call
+    read still is. Over the budget, the oldest calls go."""
+    from ampaudit.watch.loss_probe import LossProbe
+    from ampaudit.watch.loss_replay import op_name
+    from ampaudit.watch.probe_budget import MB
+
+    x = torch.randn(512, 512, requires_grad=True)  # 1 MiB, made before the loss code
+    probe = LossProbe(budget_mb=3)
+    probe.start()
+    try:
+        flat = x.view(-1)  # a view of x: nothing made
+        a = x * 2  # 1 MiB each
+        b = a + 1
+        assert probe.budget.held == 2 * MB and probe.dropped == 0
+        c = b.exp()
+        d = c.sum()  # 4 bytes: 3 MiB + 4 in all, over: the view, then x * 2 go; a, which a + 1 read, is held
+        # until a + 1 goes too
+        assert [op_name(call[0]) for call in probe.calls] == ["Tensor.exp", "Tensor.sum"]
+        assert probe.budget.held == 2 * MB + 4 and probe.dropped == 3
+        e = d * x  # reads x (not counted) and d; makes 1 MiB: exp goes, and b with it
+        assert [op_name(call[0]) for call in probe.calls] == ["Tensor.sum", "Tensor.mul"]
+        assert probe.budget.held == 2 * MB + 4 and probe.dropped == 4
+        big = torch.ones(4 * MB // 4, requires_grad=True).mul(1.0)  # 4 MiB alone: not kept at all
+        assert [op_name(call[0]) for call in probe.calls] == [] and probe.budget.held == 0
+    finally:
+        probe.leave()
+    assert probe.budget.held == 0 and probe.dropped == 0 and not probe.calls
+    del flat, e, big
+
+
+def _long_tail(out, y, step):
+    mask = torch.ones_like(y) if step < 2 else torch.zeros_like(y)
+    loss = ((out - y) ** 2 * mask).sum() / mask.sum()  # probe: tail 0 / 0
+    big = out.expand(16, 65536)  # a view of the model's output: nothing made
+    for _ in range(4):
+        big = big * 1.0  # 4 MiB each
+    return loss + 0 * big.mean()
+
+
+def test_a_nan_made_by_a_call_the_budget_dropped_is_not_named_and_the_note_says_why():
+    small, _ = _train(_long_tail, steps=3, probe_loss=True, probe_loss_mb=8)
+    first = small.summary()["first_nonfinite"]
+    assert first["step"] == 2 and "op" not in first
+    # 19 calls: the last step's loss.item(), then zeros_like, sub, pow, mul, sum, div, expand, 4 muls
+    # (4 MiB each), mean, mul, add and the GradScaler's to and mul; the 4th mul's 8 MiB (what it read
+    # and made) are over the budget, and the mean keeps its 4 MiB: mean, mul, add, to and mul are kept
+    assert first["note"].endswith(
+        " (the loss probe kept only the step's latest 5 calls of the loss code, 14 dropped over 8 MiB of what they "
+        "made or 512 calls: the call that made it may be one of those; a larger probe_loss_mb, `--probe-loss-mb`, "
+        "keeps more)")
+    default, _ = _train(_long_tail, steps=3, probe_loss=True)
+    first = default.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{THIS}:{_line('probe: tail 0 / 0')}")

@@ -39,6 +39,15 @@ COMPILED = " (the loss probe stopped when torch.compile compiled a graph: its mo
 ACROSS_RANKS = " (probe_loss does not run across processes: each rank's loss code is its own)"
 
 
+
+def dropped_calls(dropped: int, kept: int, mb: int) -> str:
+    """Said of a NaN from the loss the probe did not name on a step where it dropped calls: the one
+    that made it may be among them (``probe_budget``)."""
+    return (f" (the loss probe kept only the step's latest {kept} calls of the loss code, {dropped} dropped over "
+            f"{mb} MiB of what they made or 512 calls: the call that made it may be one of those; "
+            "a larger probe_loss_mb, `--probe-loss-mb`, keeps more)")
+
+
 def unnamed(first: dict[str, Any], why: str = TO_NAME_IT) -> dict[str, Any]:
     """``first``, not named by the probe, with why (once): how to name it, or why it was not."""
     note = str(first.get("note", ""))

@@ -43,12 +43,15 @@ from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.userframe import user_location
 from ampaudit.watch.loss_replay import Kept, op_name, replay_backward
+from ampaudit.watch.options import PROBE_LOSS_MB
+from ampaudit.watch.probe_budget import MB, ByteBudget
 from ampaudit.watch.provenance import FirstBadOp, Origin, autocast_state
 from ampaudit.watch.warn_frame import call_for
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
-# a script's setup before its first step under ``probe_loss``
+# a script's setup before its first step under ``probe_loss``; and the bytes of what they made that
+# they hold (``probe_budget``), at most ``probe_loss_mb`` (WatchOptions)
 MAX_CALLS = 512
 _ACCESS = ("__get__", "__set__", "__delete__")
 # calls that compute nothing and give the user's code a way into the backward: a replay of
@@ -74,14 +77,17 @@ class LossProbe(TorchFunctionMode):
     """The torch calls of one step's loss code (``recording``: between a model's return and the
     backward), to judge at the step's end."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_mb: int = PROBE_LOSS_MB) -> None:
         super().__init__()
         self.recording = False
         self.on_stack = False
         # the step's backward roots, the losses (``backward_origin``): one per micro-batch under
         # gradient accumulation, the discriminator's and the generator's in a GAN
         self.roots: list[torch.Tensor] = []
-        self.calls: deque[Kept] = deque(maxlen=MAX_CALLS)
+        self.calls: deque[Kept] = deque()
+        self.budget = ByteBudget(budget_mb * MB)
+        self._counted: deque[tuple] = deque()  # per kept call, the storages the budget counted for it
+        self.dropped = 0  # calls of this step dropped, the oldest first, for the count or the bytes
         self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
         self._aside_for: Any = None  # the module it stepped aside for (and thread), whether it was recording
         self._was_recording = False
@@ -100,8 +106,17 @@ class LossProbe(TorchFunctionMode):
         # the call paused it (``loss.backward()``: the backward is no loss code, and a replay of it
         # would run it); one that computes nothing; torch's own machinery
         if self.recording and torch.is_grad_enabled() and _computes(getattr(func, "__name__", "")):
-            self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
+            self._keep((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
         return out
+
+    def _keep(self, call: Kept) -> None:
+        """``call`` kept, and the oldest dropped while over the count or the bytes."""
+        self.calls.append(call)
+        self._counted.append(self.budget.add((call[2], call[3]), call[4]))
+        while self.calls and (len(self.calls) > MAX_CALLS or self.budget.over()):
+            self.calls.popleft()
+            self.budget.drop(self._counted.popleft())
+            self.dropped += 1
 
     def __deepcopy__(self, memo: dict) -> None:
         # a deep copy of the watched model (an EMA made mid-step) copies the recorder: the calls
@@ -172,6 +187,9 @@ class LossProbe(TorchFunctionMode):
         it on top. Returns whether it is off."""
         self.recording = False
         self.calls.clear()
+        self._counted.clear()
+        self.budget.clear()
+        self.dropped = 0
         self.roots = []
         if self._aside is not None:
             for hook in self._aside:
