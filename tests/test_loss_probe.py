@@ -835,3 +835,58 @@ def test_a_nan_made_by_a_call_the_budget_dropped_is_not_named_and_the_note_says_
     default, _ = _train(_long_tail, steps=3, probe_loss=True)
     first = default.summary()["first_nonfinite"]
     assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{THIS}:{_line('probe: tail 0 / 0')}")
+
+
+def _wgan_gp(steps: int = 4, scaler: bool = False, **options):
+    """WGAN-GP's critic step (pytorch/examples' and the improved-WGAN papers' shape): the gradient
+    penalty takes the critic's gradient at interpolates with create_graph=True, and the loss's
+    backward runs through that gradient's graph. From step 2 every tanh saturates: the critic's
+    gradient is exactly 0, and the penalty's sqrt at 0 has an infinite slope."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
+    real, fake = torch.randn(64, 16), torch.randn(64, 16)
+    with ampaudit.watch(critic, optimizer=opt, scaler=grad_scaler, **options) as monitor:
+        for step in range(steps):
+            alpha = torch.rand(64, 1)
+            interp = (alpha * real + (1 - alpha) * fake) * (1e4 if step >= 2 else 1.0)
+            interp.requires_grad_(True)
+            out = critic(interp)
+            grads = torch.autograd.grad(out, interp, torch.ones_like(out), create_graph=True)[0]  # gp: grad
+            penalty = ((torch.sqrt((grads ** 2).sum(dim=1)) - 1) ** 2).mean()  # gp: sqrt at 0
+            loss = critic(fake).mean() - critic(real).mean() + 10 * penalty
+            opt.zero_grad()
+            if grad_scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.step(opt)
+                grad_scaler.update()
+    return monitor.summary()["first_nonfinite"]
+
+
+def test_a_nan_born_in_the_backward_of_a_gradient_penalty_is_named():
+    """The penalty's backward runs through the gradient's own graph, which reads the critic's
+    activations: the NaN arrived at the tanh's output from there, not from its consumer, and was
+    said to be made "between modules, in the code of `(model)`'s forward". The step's
+    create_graph gradient says where it came from; the probe's replay starts from that gradient
+    (run again, it would differentiate a copy cut from its inputs) and names the sqrt."""
+    grad_line, sqrt_line = _line("gp: grad"), _line("gp: sqrt at 0")
+    lead = (f"it came into the model from the backward of a gradient the loop took with create_graph=True "
+            f"({THIS}:{grad_line}: a gradient penalty)")
+    first = _wgan_gp(probe_loss=True)
+    assert (first["step"], first["module"], first["phase"], first["made_in"]) == (2, "1", "backward", "loss")
+    assert (first["op"], first["source"]) == ("SqrtBackward0", f"{THIS}:{sqrt_line}")
+    assert first["note"] == (f"{lead}, made by the loss code: its backward made NaN or Inf of finite gradients, "
+                             "its value finite (from torch.sqrt)")
+    # without the probe: where it came from, and how to name it; with a GradScaler it recurs and is named
+    first = _wgan_gp()
+    assert "op" not in first and first["note"] == (
+        f"{lead} - the loss code's backward, which runs through that gradient's own graph and brings the model's "
+        "activations gradients their consumers did not make (to name its line where it does not happen again: "
+        "`ampaudit run --probe-loss`, watch(probe_loss=True))")
+    first = _wgan_gp(steps=5, scaler=True)
+    assert (first["step"], first["op"], first["source"]) == (2, "SqrtBackward0", f"{THIS}:{sqrt_line}")
+    assert first["note"].endswith("(named at step 3, where it happened again)")

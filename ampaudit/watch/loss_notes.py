@@ -27,6 +27,17 @@ LOSS_SPREAD = "; its gradients made the model's non-finite too"
 TO_NAME_IT = " (to name its line where it does not happen again: `ampaudit run --probe-loss`, watch(probe_loss=True))"
 
 
+
+PENALTY = "it came into the model from the backward of a gradient the loop took with create_graph=True"
+
+
+def double_backward(loc: Any) -> str:
+    """Said of a bad gradient that arrived at a module's output, not made by any module, on a step
+    that took a gradient with create_graph=True (``loc``: its line)."""
+    return (f"{PENALTY} ({loc[0]}:{loc[1]}: a gradient penalty) - the loss code's backward, which runs through "
+            "that gradient's own graph and brings the model's activations gradients their consumers did not make")
+
+
 def from_the_loss(first: dict[str, Any] | None) -> bool:
     """Whether a step's first non-finite was made by the loop's code - the loss itself, or what
     the blame traced to it (``made_in``: not without provenance) -, its op not named yet."""
@@ -70,6 +81,8 @@ def named(first: dict[str, Any], origin: Origin, backward: bool = False) -> dict
         said = str(first.get("note", LOSS_ITSELF))
         rest = said[len(LOSS_SCALED if said.startswith(LOSS_SCALED) else LOSS_ITSELF):]
         note = f"{LOSS_ITSELF} ({how}){rest}"
+    elif str(first.get("note", "")).startswith(PENALTY):  # through a gradient penalty's graph: said so
+        note = f"{str(first['note']).partition(' - ')[0]}, made by the loss code: {how}"
     else:
         note = f"it came into the model already non-finite, made by the loss code: {how}"
     return {**first, **origin.to_dict(), "note": note}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
@@ -171,6 +172,18 @@ class LossProbe(TorchFunctionMode):
     def pause(self) -> None:
         """A module runs (its hooks see it) or the backward started (any thread: a flag only)."""
         self.recording = False
+
+    def resumer(self) -> Callable[[], None] | None:
+        """Around a gradient the loss code takes (``torch.autograd.grad(..., create_graph=True)``:
+        a gradient penalty), whose backward's hooks pause it: what records again after it, if it
+        was recording."""
+        if not self.recording:
+            return None
+
+        def resume() -> None:
+            if self.on_stack:
+                self.recording = True
+        return resume
 
     def step_aside(self) -> None:
         """The model's forward, the loop's backward or the step's end starts, on the training
