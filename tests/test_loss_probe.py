@@ -874,6 +874,7 @@ def test_a_nan_born_in_the_backward_of_a_gradient_penalty_is_named():
     create_graph gradient says where it came from; the probe's replay starts from that gradient
     (run again, it would differentiate a copy cut from its inputs) and names the sqrt."""
     grad_line, sqrt_line = _line("gp: grad"), _line("gp: sqrt at 0")
+    original = torch.autograd.grad
     lead = (f"it came into the model from the backward of a gradient the loop took with create_graph=True "
             f"({THIS}:{grad_line}: a gradient penalty)")
     first = _wgan_gp(probe_loss=True)
@@ -890,3 +891,4 @@ def test_a_nan_born_in_the_backward_of_a_gradient_penalty_is_named():
     first = _wgan_gp(steps=5, scaler=True)
     assert (first["step"], first["op"], first["source"]) == (2, "SqrtBackward0", f"{THIS}:{sqrt_line}")
     assert first["note"].endswith("(named at step 3, where it happened again)")
+    assert torch.autograd.grad is original  # the tap came off with the last watch

@@ -10,7 +10,8 @@ step has said that (``loss_notes.from_the_loss``), the probe is armed for the ne
 model - from the step's start to its backward, less the model's forward (under ``ampaudit run``,
 that of any module called outside all others): the loss code before the model call too, as
 EDM2's loss weights its noise levels - with the user's line and the tensors it read and made,
-references freed at the step's end.
+references freed at the step's end - the latest calls, at most ``MAX_CALLS`` of them holding at
+most ``probe_loss_mb`` of what the loss code made (``probe_budget``).
 At the step boundary, only when that step's NaN again came from the loss, the calls are
 judged in order as a forward replay judges aten ops (``provenance.FirstBadOp``): the first that
 made NaN/+inf out of finite values, or -inf by arithmetic (a log of 0), is named with its line.
@@ -94,8 +95,9 @@ class LossProbe(TorchFunctionMode):
         self._was_recording = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # paused (the backward and the optimizer's unscaling run before the step's end takes it off
-        # the stack: inside this method it cannot); compiling: dynamo traces the mode's code - the call alone
+        # compiling: dynamo traces the mode's code - the call alone; paused (the backward and the
+        # optimizer's unscaling run before the step's end takes it off the stack: inside this method
+        # it cannot): the call, recorded by no one
         if torch.compiler.is_compiling():
             return func(*args, **(kwargs or {}))
         recording = self.recording
