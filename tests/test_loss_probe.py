@@ -892,3 +892,50 @@ def test_a_nan_born_in_the_backward_of_a_gradient_penalty_is_named():
     assert (first["step"], first["op"], first["source"]) == (2, "SqrtBackward0", f"{THIS}:{sqrt_line}")
     assert first["note"].endswith("(named at step 3, where it happened again)")
     assert torch.autograd.grad is original  # the tap came off with the last watch
+
+
+class _SqrtInItsBackward(torch.autograd.Function):
+    """Its backward is finite (0) but has a NaN backward of its own: sqrt at 0, times 0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.sqrt(x * 0)
+
+
+class _Act(torch.nn.Module):
+    def forward(self, h):
+        return _SqrtInItsBackward.apply(h)
+
+
+def test_a_nan_born_in_the_double_backward_inside_the_model_says_why_it_is_not_named():
+    """The penalty's backward through the critic's own second-order nodes: no replay runs them
+    (the probe's starts from the gradient, the modules' run their first-order backward), and the
+    note says so."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(16, 32), _Act(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+    real, fake = torch.randn(64, 16), torch.randn(64, 16)
+    with ampaudit.watch(critic, optimizer=opt, probe_loss=True) as monitor:
+        alpha = torch.rand(64, 1)
+        interp = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        out = critic(interp)
+        grads = torch.autograd.grad(out, interp, torch.ones_like(out), create_graph=True)[0]  # inside: grad
+        loss = critic(fake).mean() - critic(real).mean() + 10 * ((grads.norm(2, dim=1) - 1) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["module"], first["made_in"]) == (0, "0", "loss") and "op" not in first
+    assert first["note"] == (
+        "it came into the model from the backward of a gradient the loop took with create_graph=True "
+        f"({THIS}:{_line('inside: grad')}: a gradient penalty) - the loss code's backward, which runs through that "
+        "gradient's own graph and brings the model's activations gradients their consumers did not make (replayed "
+        "from that gradient, the loss code's own backward made no NaN or Inf: it was made in the double backward "
+        "inside the model - that gradient's graph through the model's modules -, which no replay runs, so the op is "
+        "not known)")

@@ -29,6 +29,10 @@ TO_NAME_IT = " (to name its line where it does not happen again: `ampaudit run -
 
 
 PENALTY = "it came into the model from the backward of a gradient the loop took with create_graph=True"
+# said of it where the probe replayed the loss code's backward from that gradient and it stayed finite
+INSIDE_THE_PENALTY = (" (replayed from that gradient, the loss code's own backward made no NaN or Inf: it was made in "
+                      "the double backward inside the model - that gradient's graph through the model's modules -, "
+                      "which no replay runs, so the op is not known)")
 
 
 def double_backward(loc: Any) -> str:

@@ -39,7 +39,17 @@ from ampaudit.watch.hooks import NotCopied, StepRecorder, compiled_anything, rec
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
-from ampaudit.watch.loss_notes import ACROSS_RANKS, COMPILED, TO_NAME_IT, dropped_calls, from_the_loss, named, unnamed
+from ampaudit.watch.loss_notes import (
+    ACROSS_RANKS,
+    COMPILED,
+    INSIDE_THE_PENALTY,
+    PENALTY,
+    TO_NAME_IT,
+    dropped_calls,
+    from_the_loss,
+    named,
+    unnamed,
+)
 from ampaudit.watch.loss_probe import ARMED_STEPS, LossProbe
 from ampaudit.watch.options import WatchOptions, resolve
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED, StepReducer
@@ -453,6 +463,8 @@ class Monitor:
             elif from_the_loss(first) and probe.dropped:  # the call that made it may be one it let go
                 record["first_nonfinite"] = unnamed(first, dropped_calls(probe.dropped, len(probe.calls),
                                                                          self.probe_loss_mb))
+            elif backward and probe.roots and str(first.get("note", "")).startswith(PENALTY):
+                record["first_nonfinite"] = unnamed(first, INSIDE_THE_PENALTY)  # replayed: not the loss code's part
             elif self.probe_loss and compiled_anything():  # a mode would change what it traces
                 self._probe_steps, self._probe_why = 0, COMPILED
         elif self._probe_steps is None and from_the_loss(first) and recorder.provenance and self.reducer.world <= 1 \
