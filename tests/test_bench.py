@@ -104,3 +104,9 @@ def test_fp8_predict_benchmark_trains_every_configuration():
     for label in ("null: reference", "'keep' layers in fp8", "as many 'fp8' layers", "policy (all but 'keep')",
                   "'keep' layers, rowwise ", "'keep' layers, rowwise_with_gw_hp", "every layer", "Spearman"):
         assert label in out, label
+
+
+def test_probe_memory_benchmark_runs_every_variant():
+    out = _run("bench/probe_memory.py", "--ops", "4", "--vocab", "64", "--steps", "1")
+    peaks = re.findall(r"^  (\S.*?)\s+peak RSS\s+(\d+) MB$", out, re.M)
+    assert [name for name, _ in peaks] == ["no watch", "watch", "watch, probe_loss"]

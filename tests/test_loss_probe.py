@@ -754,3 +754,188 @@ def test_probe_loss_in_a_distributed_run_says_why_it_names_nothing():
     first = unnamed({"note": "the loss was non-finite"}, monitor._probe_why)
     assert first["note"] == ("the loss was non-finite (probe_loss does not run across processes: each rank's loss "
                              "code is its own)")
+
+
+def _warning_loss(out, y, step):
+    copied = torch.tensor(out)  # warns: torch.tensor of a tensor (in C++)
+    p = torch.nn.functional.softmax(out)  # warns: implicit dim (in Python, with a stacklevel)
+    _ = (out * 2).grad  # warns: .grad of a non-leaf (an attribute read)
+    return ((p - y) ** 2).mean() + 0 * copied.sum()
+
+
+def test_a_warning_torch_raises_in_the_loss_code_names_the_same_line_as_without_the_probe():
+    """Python's ``warnings`` named the probe's frame (``loss_probe.py``) for a warning torch
+    raised inside a call the mode handled: C++'s innermost Python frame, or one level of a
+    Python warning's stacklevel. Each names the loss code's own line with the probe on, as without it."""
+    seen = {}
+    for watched, options in ((False, {}), (True, {"probe_loss": True})):
+        with pytest.warns(UserWarning) as caught:
+            _train(_warning_loss, steps=2, watched=watched, **options)
+        seen[watched] = [(w.filename, w.lineno, str(w.message)[:30]) for w in caught
+                         if "copy construct" in str(w.message) or "Implicit dimension" in str(w.message)
+                         or ".grad attribute" in str(w.message)]
+    lines = [_line("warns: torch.tensor"), _line("warns: implicit dim"), _line("warns: .grad of")]
+    assert [(f, n) for f, n, _ in seen[False]] == [(THIS, n) for n in lines] * 2
+    assert seen[True] == seen[False]
+
+
+def test_the_probe_keeps_at_most_its_budget_of_what_the_loss_code_made():
+    """The kept calls hold what they made until the step's end: bounded in bytes, not only in
+    count. Counted once per storage, however many kept calls hold it; what was there before the
+    loss code (``x``, a view of it) is not counted; a storage a dropped call made that a kept call
+    read still is. Over the budget, the oldest calls go."""
+    from ampaudit.watch.loss_probe import LossProbe
+    from ampaudit.watch.loss_replay import op_name
+    from ampaudit.watch.probe_budget import MB
+
+    x = torch.randn(512, 512, requires_grad=True)  # 1 MiB, made before the loss code
+    probe = LossProbe(budget_mb=3)
+    probe.start()
+    try:
+        flat = x.view(-1)  # a view of x: nothing made
+        a = x * 2  # 1 MiB each
+        b = a + 1
+        assert probe.budget.held == 2 * MB and probe.dropped == 0
+        c = b.exp()
+        d = c.sum()  # 4 bytes: 3 MiB + 4 in all, over: the view, then x * 2 go; a, which a + 1 read, is held
+        # until a + 1 goes too
+        assert [op_name(call[0]) for call in probe.calls] == ["Tensor.exp", "Tensor.sum"]
+        assert probe.budget.held == 2 * MB + 4 and probe.dropped == 3
+        e = d * x  # reads x (not counted) and d; makes 1 MiB: exp goes, and b with it
+        assert [op_name(call[0]) for call in probe.calls] == ["Tensor.sum", "Tensor.mul"]
+        assert probe.budget.held == 2 * MB + 4 and probe.dropped == 4
+        big = torch.ones(4 * MB // 4, requires_grad=True).mul(1.0)  # 4 MiB alone: not kept at all
+        assert [op_name(call[0]) for call in probe.calls] == [] and probe.budget.held == 0
+    finally:
+        probe.leave()
+    assert probe.budget.held == 0 and probe.dropped == 0 and not probe.calls
+    del flat, e, big
+
+
+def _long_tail(out, y, step):
+    mask = torch.ones_like(y) if step < 2 else torch.zeros_like(y)
+    loss = ((out - y) ** 2 * mask).sum() / mask.sum()  # probe: tail 0 / 0
+    big = out.expand(16, 65536)  # a view of the model's output: nothing made
+    for _ in range(4):
+        big = big * 1.0  # 4 MiB each
+    return loss + 0 * big.mean()
+
+
+def test_a_nan_made_by_a_call_the_budget_dropped_is_not_named_and_the_note_says_why():
+    small, _ = _train(_long_tail, steps=3, probe_loss=True, probe_loss_mb=8)
+    first = small.summary()["first_nonfinite"]
+    assert first["step"] == 2 and "op" not in first
+    # 19 calls: the last step's loss.item(), then zeros_like, sub, pow, mul, sum, div, expand, 4 muls
+    # (4 MiB each), mean, mul, add and the GradScaler's to and mul; the 4th mul's 8 MiB (what it read
+    # and made) are over the budget, and the mean keeps its 4 MiB: mean, mul, add, to and mul are kept
+    assert first["note"].endswith(
+        " (the loss probe kept only the step's latest 5 calls of the loss code, 14 dropped over 8 MiB of what they "
+        "made or 512 calls: the call that made it may be one of those; a larger probe_loss_mb, `--probe-loss-mb`, "
+        "keeps more)")
+    default, _ = _train(_long_tail, steps=3, probe_loss=True)
+    first = default.summary()["first_nonfinite"]
+    assert (first["step"], first["op"], first["source"]) == (2, "Tensor.div", f"{THIS}:{_line('probe: tail 0 / 0')}")
+
+
+def _wgan_gp(steps: int = 4, scaler: bool = False, **options):
+    """WGAN-GP's critic step (pytorch/examples' and the improved-WGAN papers' shape): the gradient
+    penalty takes the critic's gradient at interpolates with create_graph=True, and the loss's
+    backward runs through that gradient's graph. From step 2 every tanh saturates: the critic's
+    gradient is exactly 0, and the penalty's sqrt at 0 has an infinite slope."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
+    real, fake = torch.randn(64, 16), torch.randn(64, 16)
+    with ampaudit.watch(critic, optimizer=opt, scaler=grad_scaler, **options) as monitor:
+        for step in range(steps):
+            alpha = torch.rand(64, 1)
+            interp = (alpha * real + (1 - alpha) * fake) * (1e4 if step >= 2 else 1.0)
+            interp.requires_grad_(True)
+            out = critic(interp)
+            grads = torch.autograd.grad(out, interp, torch.ones_like(out), create_graph=True)[0]  # gp: grad
+            penalty = ((torch.sqrt((grads ** 2).sum(dim=1)) - 1) ** 2).mean()  # gp: sqrt at 0
+            loss = critic(fake).mean() - critic(real).mean() + 10 * penalty
+            opt.zero_grad()
+            if grad_scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.step(opt)
+                grad_scaler.update()
+    return monitor.summary()["first_nonfinite"]
+
+
+def test_a_nan_born_in_the_backward_of_a_gradient_penalty_is_named():
+    """The penalty's backward runs through the gradient's own graph, which reads the critic's
+    activations: the NaN arrived at the tanh's output from there, not from its consumer, and was
+    said to be made "between modules, in the code of `(model)`'s forward". The step's
+    create_graph gradient says where it came from; the probe's replay starts from that gradient
+    (run again, it would differentiate a copy cut from its inputs) and names the sqrt."""
+    grad_line, sqrt_line = _line("gp: grad"), _line("gp: sqrt at 0")
+    original = torch.autograd.grad
+    lead = (f"it came into the model from the backward of a gradient the loop took with create_graph=True "
+            f"({THIS}:{grad_line}: a gradient penalty)")
+    first = _wgan_gp(probe_loss=True)
+    assert (first["step"], first["module"], first["phase"], first["made_in"]) == (2, "1", "backward", "loss")
+    assert (first["op"], first["source"]) == ("SqrtBackward0", f"{THIS}:{sqrt_line}")
+    assert first["note"] == (f"{lead}, made by the loss code: its backward made NaN or Inf of finite gradients, "
+                             "its value finite (from torch.sqrt)")
+    # without the probe: where it came from, and how to name it; with a GradScaler it recurs and is named
+    first = _wgan_gp()
+    assert "op" not in first and first["note"] == (
+        f"{lead} - the loss code's backward, which runs through that gradient's own graph and brings the model's "
+        "activations gradients their consumers did not make (to name its line where it does not happen again: "
+        "`ampaudit run --probe-loss`, watch(probe_loss=True))")
+    first = _wgan_gp(steps=5, scaler=True)
+    assert (first["step"], first["op"], first["source"]) == (2, "SqrtBackward0", f"{THIS}:{sqrt_line}")
+    assert first["note"].endswith("(named at step 3, where it happened again)")
+    assert torch.autograd.grad is original  # the tap came off with the last watch
+
+
+class _SqrtInItsBackward(torch.autograd.Function):
+    """Its backward is finite (0) but has a NaN backward of its own: sqrt at 0, times 0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.sqrt(x * 0)
+
+
+class _Act(torch.nn.Module):
+    def forward(self, h):
+        return _SqrtInItsBackward.apply(h)
+
+
+def test_a_nan_born_in_the_double_backward_inside_the_model_says_why_it_is_not_named():
+    """The penalty's backward through the critic's own second-order nodes: no replay runs them
+    (the probe's starts from the gradient, the modules' run their first-order backward), and the
+    note says so."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(16, 32), _Act(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+    real, fake = torch.randn(64, 16), torch.randn(64, 16)
+    with ampaudit.watch(critic, optimizer=opt, probe_loss=True) as monitor:
+        alpha = torch.rand(64, 1)
+        interp = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        out = critic(interp)
+        grads = torch.autograd.grad(out, interp, torch.ones_like(out), create_graph=True)[0]  # inside: grad
+        loss = critic(fake).mean() - critic(real).mean() + 10 * ((grads.norm(2, dim=1) - 1) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    first = monitor.summary()["first_nonfinite"]
+    assert (first["step"], first["module"], first["made_in"]) == (0, "0", "loss") and "op" not in first
+    assert first["note"] == (
+        "it came into the model from the backward of a gradient the loop took with create_graph=True "
+        f"({THIS}:{_line('inside: grad')}: a gradient penalty) - the loss code's backward, which runs through that "
+        "gradient's own graph and brings the model's activations gradients their consumers did not make (replayed "
+        "from that gradient, the loss code's own backward made no NaN or Inf: it was made in the double backward "
+        "inside the model - that gradient's graph through the model's modules -, which no replay runs, so the op is "
+        "not known)")

@@ -31,6 +31,7 @@ SAMPLES: dict[str, Any] = {
     "log": Path("watch-run.jsonl"), "every": 3, "dtype": "bfloat16", "stop_on_nonfinite": True, "inputs": True,
     "stop_after_skips": 4, "eval": True, "provenance": False, "ignore": ("blocks.*.mask",), "guard": True,
     "inside_compile": True, "exact_histograms": True, "fp8": True, "fp8_history": 4, "probe_loss": True,
+    "probe_loss_mb": 64,
 }
 # Per option, what a Monitor made of it.
 EFFECTS = {
@@ -49,6 +50,7 @@ EFFECTS = {
     "fp8": lambda m: m.fp8 is not None,
     "fp8_history": lambda m: m.fp8_history,
     "probe_loss": lambda m: m.probe_loss,
+    "probe_loss_mb": lambda m: m.probe_loss_mb,
 }
 EXPECTED = {**SAMPLES, "dtype": ("bfloat16", "given")}
 # Per option with a flag, the command line that sets it to its sample.
@@ -59,6 +61,7 @@ FLAGS = {
     "eval": ["--eval"], "provenance": ["--no-provenance"], "ignore": ["--ignore", "blocks.*.mask"],
     "inside_compile": ["--inside-compile"], "exact_histograms": ["--exact-histograms"], "fp8": ["--fp8"],
     "fp8_history": ["--fp8-history", "4"], "probe_loss": ["--probe-loss"],
+    "probe_loss_mb": ["--probe-loss-mb", "64"],
     "guard": ["--guard"],
 }
 NO_FLAG = {f.name for f in dataclasses.fields(WatchOptions) if f.metadata["flag"] is None}

@@ -15,6 +15,8 @@ import operator
 import warnings
 
 from torch import fx
+from torch.fx.graph_module import _format_import_block
+from torch.package import sys_importer
 
 from ampaudit.convert.runtime import CheckpointedCall, cast, checkpointed
 from ampaudit.graph.fx_tracer import Checkpoint, checkpoint_of
@@ -77,7 +79,9 @@ def _outline(gm: fx.GraphModule, name: str, checkpoint: Checkpoint, nodes: list[
         env[node] = part.node_copy(node, lambda value: env[value])
     part.output(tuple(env[node] for node in outputs))
     code = fx.GraphModule(gm, part, f"{type(gm).__name__}Checkpointed")
-    setattr(gm, name, CheckpointedCall(gm, type(code).forward, dict(checkpoint.kwargs), code.code))
+    # what a pickle keeps of the part: its code after the imports of what it calls (GraphModule's own way)
+    source = _format_import_block(code.recompile().globals, sys_importer) + code.code
+    setattr(gm, name, CheckpointedCall(gm, type(code).forward, dict(checkpoint.kwargs), code.code, source))
 
     graph = gm.graph
     with graph.inserting_after(nodes[-1]), warnings.catch_warnings():

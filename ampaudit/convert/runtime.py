@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.fx
 import torch.utils.checkpoint
 from torch import nn
+from torch.fx.graph_module import _forward_from_src
 
 
 @torch.fx.wrap
@@ -37,16 +39,35 @@ class CheckpointedCall:
     recomputed in backward instead of kept. ``forward`` is the part's generated code, run with
     ``owner`` (the converted GraphModule) as ``self``, so it reads the owner's own parameters and
     modules. Not an nn.Module: the state stays the owner's, under the model's state_dict keys; a
-    deep copy of the owner copies this with it and points it at the copy."""
+    deep copy of the owner copies this with it and points it at the copy.
 
-    def __init__(self, owner: nn.Module, forward: Any, kwargs: dict[str, Any], code: str) -> None:
-        self.owner, self.forward, self.kwargs, self.code = owner, forward, kwargs, code
+    A pickle (``torch.save(model)``) holds ``source`` - the part's code after the imports of
+    what it calls, as fx pickles a GraphModule's own code - and not ``forward``, a function fx
+    compiled from it, which pickle cannot name; the load compiles it again. ``owner`` pickles as
+    the part's state, after the part: pickling the owner reaches the part inside its own
+    ``__reduce__``, and pickle, finding the owner made when its state comes, keeps that one."""
+
+    def __init__(self, owner: nn.Module, forward: Any, kwargs: dict[str, Any], code: str, source: str) -> None:
+        self.owner, self.forward, self.kwargs, self.code, self.source = owner, forward, kwargs, code, source
+
+    def __reduce__(self) -> tuple:
+        return (_part_from_source, (self.source, self.kwargs, self.code), {"owner": self.owner})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointedCall:
+        # the same compiled function: a copy need not compile the part's code again (the pickle's way)
+        return CheckpointedCall(copy.deepcopy(self.owner, memo), self.forward, copy.deepcopy(self.kwargs, memo),
+                                self.code, self.source)
 
     def __call__(self, *inputs: Any) -> Any:
         return torch.utils.checkpoint.checkpoint(self._run, *inputs, **self.kwargs)
 
     def _run(self, *inputs: Any) -> Any:
         return self.forward(self.owner, *inputs)
+
+
+def _part_from_source(source: str, kwargs: dict[str, Any], code: str) -> CheckpointedCall:
+    """A pickled part, its ``forward`` compiled again from its source; its owner comes after."""
+    return CheckpointedCall(None, _forward_from_src(source, {}), kwargs, code, source)  # type: ignore[arg-type]
 
 
 @torch.fx.wrap
@@ -65,3 +86,15 @@ class Retracer(torch.fx.Tracer):
 
     def __init__(self) -> None:
         super().__init__(autowrap_functions=(cast, call_with, checkpointed))
+        # a buffer the code reads (``attn.bias[:, :, :T, :T]``, T from a traced size) is a Proxy, as
+        # it was in the first trace: a plain tensor sliced by a Proxy (TypeError on load)
+        self.proxy_buffer_attributes = True
+
+    def create_arg(self, a: Any) -> Any:
+        # ``self.ampaudit_checkpoint_0`` read by the code is the part itself, no Proxy: a
+        # reference to the attribute again, as ``keep_checkpoints`` wrote it - fx takes no constant of its type
+        if isinstance(a, CheckpointedCall):
+            name = next((k for k, v in vars(self.root).items() if v is a), None)
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)

@@ -20,7 +20,7 @@ import torch
 from ampaudit.watch import stats
 from ampaudit.watch.events import INPUT_GRAD, LOSS
 from ampaudit.watch.hooks import COMPILED, EARLIER, StepRecorder
-from ampaudit.watch.loss_notes import FROM_THE_LOSS, LOSS_ALONE, LOSS_ITSELF, LOSS_SCALED, LOSS_SPREAD
+from ampaudit.watch.loss_notes import FROM_THE_LOSS, LOSS_ALONE, LOSS_ITSELF, LOSS_SCALED, LOSS_SPREAD, double_backward
 from ampaudit.watch.provenance import Call, GradSpec, call_site, replay_backward, replay_forward
 from ampaudit.watch.reducer import ANY, HARMFUL, IGNORED
 
@@ -180,6 +180,11 @@ class _Trace:
                 shared = self.also_output(index)
             fallback = fallback or {**found, **(origin.to_dict() if origin else {"note": _no_replay(event.call)})}
         found = self.enclosing_code(first)
+        if found is not None and found.get("op") is not None:
+            return found
+        if self.recorder.graph_grads:  # a penalty's backward brought it: the loss code's, which the probe replays
+            return {**first, "phase": "backward", "note": double_backward(self.recorder.graph_grads[0]),
+                    "made_in": "loss"}
         if found is not None:
             return found
         if shared is not None:  # its replay clears the module: the output's other users made it

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.nn.modules import module as module_hooks
 from ampaudit.core import native
 from ampaudit.core.dtypes import LowDtype
 from ampaudit.core.tensors import iter_tensors
+from ampaudit.core.userframe import Loc, user_location
 from ampaudit.watch import backward_tap, compiled, cpu_kernel, stats
 from ampaudit.watch.arena import Handle, RowArena
 from ampaudit.watch.call_context import (
@@ -151,6 +153,8 @@ class StepRecorder:
         self.event_calls: list[int | None] = []  # each event's module call, in ``calls`` (provenance)
         # armed by the monitor after a NaN from the loss, or from the start (probe_loss)
         self.loss_probe: LossProbe | None = None
+        # the step's gradients taken with create_graph=True (a gradient penalty), by their user's line
+        self.graph_grads: list[Loc] = []
         self.calls: list[Call | None] = []  # this step's module calls (None: released)
         self.calls_frozen = False  # a micro-batch before this one went non-finite: keep its calls
         self._backward_since = False  # a gradient hook ran since the calls' micro-batch began (``_root_forward``)
@@ -208,6 +212,7 @@ class StepRecorder:
             self._follow_compile()
         self._arm()
         backward_tap.listen(self.on_backward)
+        backward_tap.listen_graph_grads(self.on_graph_grad)
         self.active = True
 
     def _follow_compile(self) -> None:
@@ -269,6 +274,7 @@ class StepRecorder:
     def detach(self) -> None:
         self._remove_handles()
         backward_tap.unlisten(self.on_backward)
+        backward_tap.unlisten_graph_grads(self.on_graph_grad)
         self._unhook()
         self.active = False
         if self._compile_wrapper is not None:
@@ -480,6 +486,19 @@ class StepRecorder:
             self.limits, self.dtype_source = limits, source
         self._dtype_open = source.startswith("default")
 
+    def on_graph_grad(self, frame: Any) -> Callable[[], None] | None:
+        """The loop takes a gradient with create_graph=True (``backward_tap``): on a recorded step,
+        its line - a later backward through it may bring a module a gradient its consumers did not
+        (``blame``). It is loss code (a gradient penalty's): an armed probe, paused by the hooks
+        it runs, records again after it."""
+        if not (self.active and self.logging and not self.paused and self.thread.here(claim=False)):
+            return None
+        loc = user_location(frame)
+        if loc is not None:
+            self.graph_grads.append(loc)
+        probe = self.loss_probe
+        return probe.resumer() if probe is not None else None
+
     def on_backward(self, roots: Any) -> None:
         """A backward starts from ``roots`` (``backward_tap``): the loss, made outside every
         module, is an event of its own (flags only) on a recorded step; the loss probe, if
@@ -596,6 +615,7 @@ class StepRecorder:
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen, self._backward_since = [], [], False, False
         self._checked, self._forwards = 0, 0
+        self.graph_grads = []
         self.steps_ended += 1
         self.arena.reset()
         self._dtype_open = self.dtype_source is None

@@ -27,6 +27,21 @@ LOSS_SPREAD = "; its gradients made the model's non-finite too"
 TO_NAME_IT = " (to name its line where it does not happen again: `ampaudit run --probe-loss`, watch(probe_loss=True))"
 
 
+
+PENALTY = "it came into the model from the backward of a gradient the loop took with create_graph=True"
+# said of it where the probe replayed the loss code's backward from that gradient and it stayed finite
+INSIDE_THE_PENALTY = (" (replayed from that gradient, the loss code's own backward made no NaN or Inf: it was made in "
+                      "the double backward inside the model - that gradient's graph through the model's modules -, "
+                      "which no replay runs, so the op is not known)")
+
+
+def double_backward(loc: Any) -> str:
+    """Said of a bad gradient that arrived at a module's output, not made by any module, on a step
+    that took a gradient with create_graph=True (``loc``: its line)."""
+    return (f"{PENALTY} ({loc[0]}:{loc[1]}: a gradient penalty) - the loss code's backward, which runs through "
+            "that gradient's own graph and brings the model's activations gradients their consumers did not make")
+
+
 def from_the_loss(first: dict[str, Any] | None) -> bool:
     """Whether a step's first non-finite was made by the loop's code - the loss itself, or what
     the blame traced to it (``made_in``: not without provenance) -, its op not named yet."""
@@ -37,6 +52,15 @@ def from_the_loss(first: dict[str, Any] | None) -> bool:
 COMPILED = " (the loss probe stopped when torch.compile compiled a graph: its mode would change what dynamo traces)"
 # and in a distributed run, where it never starts: each rank's loss code is its own
 ACROSS_RANKS = " (probe_loss does not run across processes: each rank's loss code is its own)"
+
+
+
+def dropped_calls(dropped: int, kept: int, mb: int) -> str:
+    """Said of a NaN from the loss the probe did not name on a step where it dropped calls: the one
+    that made it may be among them (``probe_budget``)."""
+    return (f" (the loss probe kept only the step's latest {kept} calls of the loss code, {dropped} dropped over "
+            f"{mb} MiB of what they made or 512 calls: the call that made it may be one of those; "
+            "a larger probe_loss_mb, `--probe-loss-mb`, keeps more)")
 
 
 def unnamed(first: dict[str, Any], why: str = TO_NAME_IT) -> dict[str, Any]:
@@ -61,6 +85,8 @@ def named(first: dict[str, Any], origin: Origin, backward: bool = False) -> dict
         said = str(first.get("note", LOSS_ITSELF))
         rest = said[len(LOSS_SCALED if said.startswith(LOSS_SCALED) else LOSS_ITSELF):]
         note = f"{LOSS_ITSELF} ({how}){rest}"
+    elif str(first.get("note", "")).startswith(PENALTY):  # through a gradient penalty's graph: said so
+        note = f"{str(first['note']).partition(' - ')[0]}, made by the loss code: {how}"
     else:
         note = f"it came into the model already non-finite, made by the loss code: {how}"
     return {**first, **origin.to_dict(), "note": note}

@@ -10,7 +10,8 @@ step has said that (``loss_notes.from_the_loss``), the probe is armed for the ne
 model - from the step's start to its backward, less the model's forward (under ``ampaudit run``,
 that of any module called outside all others): the loss code before the model call too, as
 EDM2's loss weights its noise levels - with the user's line and the tensors it read and made,
-references freed at the step's end.
+references freed at the step's end - the latest calls, at most ``MAX_CALLS`` of them holding at
+most ``probe_loss_mb`` of what the loss code made (``probe_budget``).
 At the step boundary, only when that step's NaN again came from the loss, the calls are
 judged in order as a forward replay judges aten ops (``provenance.FirstBadOp``): the first that
 made NaN/+inf out of finite values, or -inf by arithmetic (a log of 0), is named with its line.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
@@ -43,11 +45,15 @@ from torch.overrides import TorchFunctionMode
 
 from ampaudit.core.userframe import user_location
 from ampaudit.watch.loss_replay import Kept, op_name, replay_backward
+from ampaudit.watch.options import PROBE_LOSS_MB
+from ampaudit.watch.probe_budget import MB, ByteBudget
 from ampaudit.watch.provenance import FirstBadOp, Origin, autocast_state
+from ampaudit.watch.warn_frame import call_for
 
 ARMED_STEPS = 3  # recorded steps a probe stays armed for when it finds nothing
 # a step's calls kept at most, the latest: a loop that evaluates between forward and backward, or
-# a script's setup before its first step under ``probe_loss``
+# a script's setup before its first step under ``probe_loss``; and the bytes of what they made that
+# they hold (``probe_budget``), at most ``probe_loss_mb`` (WatchOptions)
 MAX_CALLS = 512
 _ACCESS = ("__get__", "__set__", "__delete__")
 # calls that compute nothing and give the user's code a way into the backward: a replay of
@@ -73,29 +79,47 @@ class LossProbe(TorchFunctionMode):
     """The torch calls of one step's loss code (``recording``: between a model's return and the
     backward), to judge at the step's end."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_mb: int = PROBE_LOSS_MB) -> None:
         super().__init__()
         self.recording = False
         self.on_stack = False
         # the step's backward roots, the losses (``backward_origin``): one per micro-batch under
         # gradient accumulation, the discriminator's and the generator's in a GAN
         self.roots: list[torch.Tensor] = []
-        self.calls: deque[Kept] = deque(maxlen=MAX_CALLS)
+        self.calls: deque[Kept] = deque()
+        self.budget = ByteBudget(budget_mb * MB)
+        self._counted: deque[tuple] = deque()  # per kept call, the storages the budget counted for it
+        self.dropped = 0  # calls of this step dropped, the oldest first, for the count or the bytes
         self._aside: Any = None  # global module hooks: off the stack while a module runs, back after
         self._aside_for: Any = None  # the module it stepped aside for (and thread), whether it was recording
         self._was_recording = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # paused (the backward and the optimizer's unscaling run before the step's end takes it off
-        # the stack: inside this method it cannot); compiling: dynamo traces the mode's code - the call alone
-        if not self.recording or torch.compiler.is_compiling():
+        # compiling: dynamo traces the mode's code - the call alone; paused (the backward and the
+        # optimizer's unscaling run before the step's end takes it off the stack: inside this method
+        # it cannot): the call, recorded by no one
+        if torch.compiler.is_compiling():
             return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        recording = self.recording
+        # run as from the caller's line: a warning torch raises names the user's line, not this one
+        # (``warn_frame``)
+        out = call_for(func, args, kwargs)
+        if not recording:
+            return out
         # the call paused it (``loss.backward()``: the backward is no loss code, and a replay of it
         # would run it); one that computes nothing; torch's own machinery
         if self.recording and torch.is_grad_enabled() and _computes(getattr(func, "__name__", "")):
-            self.calls.append((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
+            self._keep((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
         return out
+
+    def _keep(self, call: Kept) -> None:
+        """``call`` kept, and the oldest dropped while over the count or the bytes."""
+        self.calls.append(call)
+        self._counted.append(self.budget.add((call[2], call[3]), call[4]))
+        while self.calls and (len(self.calls) > MAX_CALLS or self.budget.over()):
+            self.calls.popleft()
+            self.budget.drop(self._counted.popleft())
+            self.dropped += 1
 
     def __deepcopy__(self, memo: dict) -> None:
         # a deep copy of the watched model (an EMA made mid-step) copies the recorder: the calls
@@ -151,6 +175,18 @@ class LossProbe(TorchFunctionMode):
         """A module runs (its hooks see it) or the backward started (any thread: a flag only)."""
         self.recording = False
 
+    def resumer(self) -> Callable[[], None] | None:
+        """Around a gradient the loss code takes (``torch.autograd.grad(..., create_graph=True)``:
+        a gradient penalty), whose backward's hooks pause it: what records again after it, if it
+        was recording."""
+        if not self.recording:
+            return None
+
+        def resume() -> None:
+            if self.on_stack:
+                self.recording = True
+        return resume
+
     def step_aside(self) -> None:
         """The model's forward, the loop's backward or the step's end starts, on the training
         thread: off the stack until the model returns or the next step starts (``start``) -
@@ -166,6 +202,9 @@ class LossProbe(TorchFunctionMode):
         it on top. Returns whether it is off."""
         self.recording = False
         self.calls.clear()
+        self._counted.clear()
+        self.budget.clear()
+        self.dropped = 0
         self.roots = []
         if self._aside is not None:
             for hook in self._aside:

@@ -34,6 +34,15 @@ def op_name(func: Any) -> str:
     return f"Tensor.{name}"
 
 
+def _takes_a_gradient(func: Any) -> bool:
+    """``torch.autograd.grad``: a gradient penalty's (WGAN-GP's ``create_graph=True``), which torch
+    hands to a mode. Run again on copies it fails - the copy of the output it differentiates is
+    a leaf, cut from the copied inputs -, and its graph is the model's (its double backward, which
+    no replay of the loss code runs): its gradients are where the replay starts. A NaN made in that
+    double backward, inside the model, is not named here."""
+    return getattr(func, "__name__", None) == "grad" and getattr(func, "__module__", None) == "torch.autograd"
+
+
 def _under(autocast: tuple) -> ExitStack:
     """The autocast a call ran under (``provenance.autocast_state``), entered for its replay."""
     stack = ExitStack()
@@ -69,6 +78,9 @@ def replay_backward(calls: Sequence[Kept], roots: Sequence[torch.Tensor]) -> Ori
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             for func, loc, args, kwargs, out, autocast in calls:
+                if _takes_a_gradient(func):  # its gradients start the replay, as a tensor made before it would
+                    tree_map(take, out)
+                    continue
                 args, kwargs = tree_map(take, (args, kwargs or {}))
                 with _under(autocast):  # a matmul the loop ran in fp16 underflows as it did
                     replayed = func(*args, **kwargs)

@@ -40,7 +40,17 @@ from ampaudit.watch.hooks import NotCopied, StepRecorder
 from ampaudit.watch.launch import launched
 from ampaudit.watch.log_file import LogSink
 from ampaudit.watch.log_text import LogLines
-from ampaudit.watch.loss_notes import ACROSS_RANKS, COMPILED, TO_NAME_IT, from_the_loss, named, unnamed
+from ampaudit.watch.loss_notes import (
+    ACROSS_RANKS,
+    COMPILED,
+    INSIDE_THE_PENALTY,
+    PENALTY,
+    TO_NAME_IT,
+    dropped_calls,
+    from_the_loss,
+    named,
+    unnamed,
+)
 from ampaudit.watch.loss_probe import ARMED_STEPS, LossProbe
 from ampaudit.watch.measurable import unmeasurable
 from ampaudit.watch.options import WatchOptions, resolve
@@ -153,6 +163,7 @@ class Monitor:
         # recorded steps the loss probe stays armed for (``_probe_loss``); None: never armed, 0: done
         self._probe_steps: int | None = None
         self.probe_loss = options.probe_loss  # the loss probe armed from the first step, for good
+        self.probe_loss_mb = options.probe_loss_mb  # what its kept calls may hold (``probe_budget``)
         # what a NaN from the loss the probe did not name says of that (``loss_notes``)
         self._probe_why = "" if options.probe_loss else TO_NAME_IT
         self.forks = 0  # processes forked while watching: not watched (watch/forks.py)
@@ -227,7 +238,7 @@ class Monitor:
             if compiled_anything():
                 self._probe_why = COMPILED
             else:
-                self.recorder.loss_probe, self._probe_steps = LossProbe(), ARMED_STEPS
+                self.recorder.loss_probe, self._probe_steps = LossProbe(self.probe_loss_mb), ARMED_STEPS
                 self.recorder.loss_probe.start()  # the first step's loss code, from here
         # a disabled GradScaler (``enabled=amp`` with amp off) steps the optimizer as it is: that
         # step ends the step, before the update a replay must not see (its update() comes after)
@@ -451,11 +462,16 @@ class Monitor:
             if origin is not None:
                 record["first_nonfinite"] = named(first, origin, backward=backward)
                 self._probe_steps = 0
+            elif from_the_loss(first) and probe.dropped:  # the call that made it may be one it let go
+                record["first_nonfinite"] = unnamed(first, dropped_calls(probe.dropped, len(probe.calls),
+                                                                         self.probe_loss_mb))
+            elif backward and probe.roots and str(first.get("note", "")).startswith(PENALTY):
+                record["first_nonfinite"] = unnamed(first, INSIDE_THE_PENALTY)  # replayed: not the loss code's part
             elif self.probe_loss and compiled_anything():  # a mode would change what it traces
                 self._probe_steps, self._probe_why = 0, COMPILED
         elif self._probe_steps is None and from_the_loss(first) and recorder.provenance and self.reducer.world <= 1 \
                 and not compiled_anything():
-            recorder.loss_probe, self._probe_steps = LossProbe(), ARMED_STEPS
+            recorder.loss_probe, self._probe_steps = LossProbe(self.probe_loss_mb), ARMED_STEPS
         if from_the_loss(record["first_nonfinite"]) and self._probe_why:
             record["first_nonfinite"] = unnamed(record["first_nonfinite"], self._probe_why)
 

@@ -23,6 +23,9 @@ from ampaudit.watch.layout import LAYOUT
 # 16 to 1024. 1e9 allocated 4 GB a row and hung the run.
 FP8_HISTORY_MAX = 4096
 _SAMPLE, _ABOVE = LAYOUT.hist_sample, LAYOUT.hist_sample_above
+# the loss probe's kept calls hold at most this many MiB of what the loss code made (``probe_budget``):
+# 300 elementwise ops over 64 x 16384 fp32 logits held 1.2 GB past the backward with no bound but the count
+PROBE_LOSS_MB = 256
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +98,12 @@ class WatchOptions:
         Flag(help="record the loop's own torch calls (the loss code) on every step from the first, to name the line "
              "of a NaN made there even when it never recurs (no GradScaler: the weights go NaN after it); costs "
              "each such call some Python")))
+    probe_loss_mb: int = field(default=PROBE_LOSS_MB, metadata=_about(
+        "the loss probe's memory: the tensors its kept calls made (held until the step's end, past the "
+        "backward) in MiB at most; over it, the oldest calls are dropped, and a NaN made by a dropped call is "
+        "not named (the note says so)",
+        Flag(least=1, metavar="MB", help=f"the loss probe's memory, in MiB (default {PROBE_LOSS_MB}): over it, "
+             "its oldest calls are dropped, and a NaN one of them made is not named")))
     ignore: Sequence[str] = field(default=(), metadata=_about(
         "modules (fnmatch on their names, e.g. 'blocks.*.attn.mask') never reported as where a NaN/Inf was born",
         Flag(repeat=True, metavar="PATTERN")))
@@ -126,6 +135,9 @@ class WatchOptions:
         every = self.every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a whole number >= 1 (got {every!r})")
+        mb = self.probe_loss_mb
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ValueError(f"probe_loss_mb must be a whole number >= 1 (got {mb!r})")
         history = self.fp8_history
         if isinstance(history, bool) or not isinstance(history, int) or not 1 <= history <= FP8_HISTORY_MAX:
             raise ValueError(f"fp8_history must be a whole number from 1 to {FP8_HISTORY_MAX} (got {history!r})")

@@ -1,0 +1,95 @@
+"""A torch call a torch function mode makes for the user, whose warnings name the user's line.
+
+A mode's ``__torch_function__`` is a Python frame between the user's call and torch's code:
+Python's ``warnings`` takes the innermost Python frame for a warning torch raises in C++
+(``torch.tensor(t)``: "To copy construct from a tensor..."), and counts the mode's frame in a
+Python warning's ``stacklevel`` (``F.softmax(x)``'s "Implicit dimension choice"). Either named
+the mode's file and line, and filed the warning in the mode's module - its "once per line"
+registry and its ``module=`` filters, not the user's. Here the call runs through a one-line
+function compiled as the caller's line - its file, line, columns, function name and module
+globals -, so every warning lands where it lands without the mode: the same file, line, module and
+registry. An exception's traceback shows that line, and the call marked in it, once more, as a
+frame of the user's function.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch.overrides
+
+# the frames torch puts between a Python function (F.softmax) and the mode: its handle_torch_function
+_OVERRIDES = torch.overrides.__file__
+_CALL = "f(*a, **k)"
+_MAX_SITES = 4096  # call sites compiled at most, then compiled again as they come
+_sites: dict[tuple[types.CodeType, int], tuple[dict, types.FunctionType]] = {}
+
+
+def caller(func: Any, frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame whose warnings ``func``'s call makes without the mode, from ``frame``, the
+    one that called the mode's ``__torch_function__``: for a function torch implements in C
+    (``torch.log``, ``Tensor.grad``), that frame; for one in Python (``F.softmax``), which asked
+    for the mode through ``handle_torch_function``, the frame that called the function."""
+    if frame is None or frame.f_code.co_filename != _OVERRIDES:
+        return frame
+    while frame is not None and frame.f_code.co_filename == _OVERRIDES:
+        frame = frame.f_back
+    # the function's own frame - or, under a decorator that dispatches (``boolean_dispatch``:
+    # F.max_pool2d), a frame of what it called - within a few frames of handle_torch_function
+    code, probe = getattr(func, "__code__", None), frame
+    for _ in range(3):
+        if probe is None or probe.f_code is code:
+            break
+        probe = probe.f_back
+    if probe is not None and probe.f_code is code:
+        frame = probe
+    return frame.f_back if frame is not None else None
+
+
+def call_as(frame: types.FrameType | None, func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """``func(*args, **kwargs)``, run from a function compiled as ``frame``'s line."""
+    line = frame.f_lineno if frame is not None else None
+    if line is None:
+        return func(*args, **(kwargs or {}))
+    key = (frame.f_code, frame.f_lasti)
+    site = _sites.get(key)
+    if site is None or site[0] is not frame.f_globals:  # one code run under other globals: rare
+        if len(_sites) >= _MAX_SITES:
+            _sites.clear()
+        site = _sites[key] = (frame.f_globals, types.FunctionType(_site_code(frame, line), frame.f_globals))
+    return site[1](func, args, kwargs or {})
+
+
+def _site_code(frame: types.FrameType, line: int) -> types.CodeType:
+    """A ``lambda f, a, k: f(*a, **k)`` whose call is at ``frame``'s file and line - and, where
+    Python keeps columns (3.11+), at its call's columns: a traceback through it marks the user's
+    expression, not the lambda's."""
+    columns = _columns(frame, line)
+    if columns is None or line < 2:
+        source = f"lambda f, a, k: {_CALL}"
+        first = line
+    else:  # the call on the second line, from the user's column, padded to end where the user's does
+        start, end = columns
+        source = f"lambda f, a, k: (\n{' ' * start}{_CALL[:-1]}{' ' * max(0, end - start - len(_CALL))}))"
+        first = line - 1
+    code = compile(source, frame.f_code.co_filename, "eval").co_consts[0]
+    return code.replace(co_firstlineno=first, co_name=frame.f_code.co_name)
+
+
+def _columns(frame: types.FrameType, line: int) -> tuple[int, int] | None:
+    """The columns of the expression ``frame`` is running, where it is on one line."""
+    positions = getattr(frame.f_code, "co_positions", None)
+    if positions is None or frame.f_lasti < 0:
+        return None
+    found = next(iter(list(positions())[frame.f_lasti // 2:]), None)
+    if found is None or found[0] != line or found[1] != line or found[2] is None or found[3] is None:
+        return None
+    return found[2], found[3]
+
+
+def call_for(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """``func(*args, **kwargs)`` for a mode's ``__torch_function__`` (which calls this directly):
+    its warnings where they are without the mode."""
+    return call_as(caller(func, sys._getframe(2)), func, args, kwargs)
