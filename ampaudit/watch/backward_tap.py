@@ -24,65 +24,78 @@ from typing import Any
 import torch
 
 Listener = Callable[[Any], Any]
-_listeners: list[Listener] = []
-_wrapper: Callable[..., Any] | None = None  # the newest wrapper: the one that tells the listeners
+
+
+class _Tap:
+    """One wrapper of ``torch.autograd.<name>`` for every listener, made by ``wrap(original,
+    tap)``; taken off when the last listener leaves, unless something wrapped it since."""
+
+    def __init__(self, name: str, wrap: Callable[[Callable[..., Any], _Tap], Callable[..., Any]]) -> None:
+        self.name, self._wrap = name, wrap
+        self.listeners: list[Listener] = []
+        self.wrapper: Callable[..., Any] | None = None  # the newest wrapper: the one that tells the listeners
+
+    def listen(self, listener: Listener) -> None:
+        current = getattr(torch.autograd, self.name)
+        if self.wrapper is None or (current is not self.wrapper and not self.listeners):
+            self.wrapper = self._wrap(current, self)
+            setattr(torch.autograd, self.name, self.wrapper)
+        self.listeners.append(listener)
+
+    def unlisten(self, listener: Listener) -> None:
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+        if not self.listeners and self.wrapper is not None and getattr(torch.autograd, self.name) is self.wrapper:
+            setattr(torch.autograd, self.name, self.wrapper.__wrapped__)
+            self.wrapper = None
+
+
+def _backward(original: Callable[..., Any], tap: _Tap) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if backward is tap.wrapper:
+            for each in list(tap.listeners):
+                each(tensors)
+        return original(tensors, *args, **kwargs)
+
+    return backward
+
+
+def _grad(original: Callable[..., Any], tap: _Tap) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        if grad is not tap.wrapper or not kwargs.get("create_graph", args[4] if len(args) > 4 else False):
+            return original(*args, **kwargs)
+        frame = sys._getframe(1)
+        after = [each(frame) for each in list(tap.listeners)]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for each in after:
+                if each is not None:
+                    each()
+
+    return grad
+
+
+_backward_tap = _Tap("backward", _backward)
+_grad_tap = _Tap("grad", _grad)
 
 
 def listen(listener: Listener) -> None:
-    global _wrapper
-    if _wrapper is None or (torch.autograd.backward is not _wrapper and not _listeners):
-        original = torch.autograd.backward
-
-        @functools.wraps(original)
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if backward is _wrapper:
-                for each in list(_listeners):
-                    each(tensors)
-            return original(tensors, *args, **kwargs)
-
-        _wrapper = torch.autograd.backward = backward
-    _listeners.append(listener)
+    """``listener(roots)`` before each ``torch.autograd.backward`` (``loss.backward()`` too)."""
+    _backward_tap.listen(listener)
 
 
-_graph_listeners: list[Listener] = []
-_grad_wrapper: Callable[..., Any] | None = None
+def unlisten(listener: Listener) -> None:
+    _backward_tap.unlisten(listener)
 
 
 def listen_graph_grads(listener: Listener) -> None:
     """``listener(frame)`` before each ``torch.autograd.grad(..., create_graph=True)``, ``frame`` its
     caller's; what it returns, if not None, is called after the gradient is taken."""
-    global _grad_wrapper
-    if _grad_wrapper is None or (torch.autograd.grad is not _grad_wrapper and not _graph_listeners):
-        original = torch.autograd.grad
-
-        @functools.wraps(original)
-        def grad(*args: Any, **kwargs: Any) -> Any:
-            if grad is not _grad_wrapper or not kwargs.get("create_graph", args[4] if len(args) > 4 else False):
-                return original(*args, **kwargs)
-            frame = sys._getframe(1)
-            after = [each(frame) for each in list(_graph_listeners)]
-            try:
-                return original(*args, **kwargs)
-            finally:
-                for each in after:
-                    if each is not None:
-                        each()
-
-        _grad_wrapper = torch.autograd.grad = grad
-    _graph_listeners.append(listener)
+    _grad_tap.listen(listener)
 
 
 def unlisten_graph_grads(listener: Listener) -> None:
-    global _grad_wrapper
-    if listener in _graph_listeners:
-        _graph_listeners.remove(listener)
-    if not _graph_listeners and _grad_wrapper is not None and torch.autograd.grad is _grad_wrapper:
-        torch.autograd.grad, _grad_wrapper = _grad_wrapper.__wrapped__, None
-
-
-def unlisten(listener: Listener) -> None:
-    global _wrapper
-    if listener in _listeners:
-        _listeners.remove(listener)
-    if not _listeners and _wrapper is not None and torch.autograd.backward is _wrapper:
-        torch.autograd.backward, _wrapper = _wrapper.__wrapped__, None
+    _grad_tap.unlisten(listener)
