@@ -19,7 +19,7 @@ from torch import fx
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.findings import Precision
 from ampaudit.graph.range_probe import DTYPE, writes_in_place
-from ampaudit.graph.recorder import DYNAMIC
+from ampaudit.graph.recorder import AUTOCAST_OFF, DYNAMIC
 
 LOW = "low"  # the target low-precision dtype (float16 or bfloat16)
 FP32 = "fp32"
@@ -145,7 +145,8 @@ def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *,
             flow[node] = flow[target]
             continue
         policy = catalog.lookup(kind)
-        behaviour = policy.autocast if policy and autocast else "none"
+        # inside the model's own torch.autocast(enabled=False), autocast casts nothing
+        behaviour = policy.autocast if policy and autocast and not node.meta.get(AUTOCAST_OFF) else "none"
         if behaviour == "fp16":
             flow[node] = LOW
         elif behaviour in ("fp32", "banned"):
