@@ -31,6 +31,10 @@ SMALL = {
     "image_size": 32, "patch_size": 8, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 16,
     "rotary_dim": 8,  # GPT-J, CodeGen: rotary dims within a 16-dim head (their default 64 is not)
     "window_size": 1,  # Swin: its default 7 is wider than a small image's 4x4 patches, which it cannot take
+    # DeepSeek-V3's attention: its rotary dims are the head's (16, not 64: the default inputs
+    # failed on a shape mismatch), low-rank q and kv, and 8 routed experts of width 32 (256 x 2048)
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 16,
+    "n_routed_experts": 8, "moe_intermediate_size": 32,
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id")
