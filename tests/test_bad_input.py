@@ -458,7 +458,8 @@ def test_hostile_logs_are_one_line_naming_the_line(tmp_path, monkeypatch, capsys
 @pytest.mark.parametrize(("name", "code", "expected"), [
     ("no_parameters.py", 0, None),
     ("complex_parameter.py", 2, "w is a complex parameter: ampaudit converts real floating-point models"),
-    ("broken_backward.py", 2, "the training check failed in the model's own backward (in fp32): RuntimeError: my "
+    ("broken_backward.py", 2, "the training check failed in the model's own backward (in fp32, in eval mode, as "
+                              "the check trains): RuntimeError: my "
                               "backward is broken (fixtures/unconvertible/broken_backward.py:9); pass --train-steps 0"),
 ])
 def test_convert_on_a_model_it_cannot_handle_is_one_line(cli, tmp_path, name, code, expected):

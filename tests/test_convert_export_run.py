@@ -124,3 +124,43 @@ def test_an_export_holding_a_non_persistent_buffer_still_applies(cli, tmp_path):
     save_file(tensors, str(weights), metadata=metadata)
     applied = ampaudit.apply(net, out)
     assert list(applied.state_dict()) == list(net.state_dict())
+
+
+_FIXED_LENGTH = '''import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, idx):
+        if idx.shape[1] != 16:
+            raise ValueError(f"expects 16 tokens, got {idx.shape[1]}")
+        return self.fc(self.emb(idx))
+'''
+
+
+def test_convert_says_why_the_default_inputs_did_not_run(cli, tmp_path):
+    # a model named by an expression gets default inputs from its type (token ids 2x8 here);
+    # where they fail, check said why in a note and convert dropped it: its summary said only
+    # "export run NOT RUN: no example inputs (define example_inputs() or give --input-shape ...)"
+    # (hf:mamba2 --config num_heads=4: its 8 groups of 4 heads fail on repeat_interleave)
+    (tmp_path / "m.py").write_text(_FIXED_LENGTH)
+    out = tmp_path / "out"
+    result = cli("convert", f"{tmp_path / 'm.py'}:Net()", "-o", out)
+    assert result.code == 0
+    note = ("note the default example inputs (token ids 2x8, the default for a model that starts with an Embedding) "
+            "fail to run the model (ValueError: expects 16 tokens, got 8")
+    assert note in _text(result.out)
+    plan = __import__("json").loads((out / "plan.json").read_text())
+    assert plan["summary"]["notes"][0].startswith("the default example inputs (token ids 2x8, the default for a "
+                                                  "model that starts with an Embedding) fail to run the model "
+                                                  "(ValueError: expects 16 tokens, got 8 (")
+    fp8 = cli("convert", f"{tmp_path / 'm.py'}:Net()", "-o", tmp_path / "fp8", "--dtype", "fp8", "--emit", "torchao")
+    assert fp8.code == 2 and fp8.err.startswith(
+        "ampaudit: error: an fp8 policy is measured on the model's example inputs: define example_inputs() or give "
+        "--input-shape (the default example inputs (token ids 2x8, the default for a model that starts with an "
+        "Embedding) fail to run the model (ValueError: expects 16 tokens, got 8 (")

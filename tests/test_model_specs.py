@@ -176,7 +176,13 @@ def test_hf_gpt2_with_config_overrides(cli):
     ("llama", "LlamaForCausalLM"), ("bert", "BertForMaskedLM"), ("t5", "T5ForConditionalGeneration"),
     # GPT-J's rotary dims (default 64) exceeded the small 16-dim heads: its default inputs failed to
     # run; Falcon's head_dim is a read-only property: setting it raised before the model was built
-    ("gptj", "GPTJForCausalLM"), ("falcon", "FalconForCausalLM")])
+    ("gptj", "GPTJForCausalLM"), ("falcon", "FalconForCausalLM"),
+    # XLNet's max_position_embeddings has a setter that refuses any value (NotImplementedError):
+    # "hf:xlnet: building XLNetConfig(...) raised NotImplementedError"; its d_inner was 4096
+    ("xlnet", "XLNetLMHeadModel"),
+    # DeepSeek-V3's rotary dims (qk_rope_head_dim 64) disagreed with the small head_dim 16: its
+    # default inputs failed to run ("no inputs"), and it had 256 experts of width 2048
+    ("deepseek_v3", "DeepseekV3ForCausalLM")])
 def test_hf_types_build_small_with_inputs_that_run(model_type, head):
     loaded = load_target(f"hf:{model_type}")
     assert loaded.entry.startswith(head + "(")
@@ -185,6 +191,14 @@ def test_hf_types_build_small_with_inputs_that_run(model_type, head):
     if model_type == "t5":
         assert "decoder_input_ids" in loaded.inputs.kwargs
     assert not loaded.model.training
+
+
+@needs_transformers
+def test_funnel_builds_though_its_layer_count_cannot_be_set():
+    # Funnel's num_hidden_layers is the sum of its block_sizes, and its setter refuses any value
+    loaded = load_target("hf:funnel")
+    assert loaded.entry.startswith("FunnelForMaskedLM(FunnelConfig(d_inner=64, d_model=32, n_head=2, ")
+    assert "num_hidden_layers" not in loaded.entry and loaded.inputs is not None and not loaded.notes
 
 
 @needs_transformers

@@ -65,6 +65,9 @@ def convert_job(args: argparse.Namespace, staging: str, model_file: str | None) 
             model_mp.summary.train = train_check(loaded.model, model_mp, optimizer, loaded.inputs,
                                                  dtype=LowDtype.parse(args.dtype), steps=args.train_steps,
                                                  budget=CLI_SECONDS).to_dict()
+    # what the loader said (the default inputs failed to run the model, a torch.compile'd model's
+    # wrapped module, spectral_norm iterated): check shows these notes, and convert dropped them
+    model_mp.summary.notes[:0] = loaded.notes
     summary = model_mp.summary.to_dict()
     names = stage(model_mp, Path(staging), args.output, summary=summary, emit=dict.fromkeys(args.emit))
     if loaded.inputs is not None:
@@ -105,7 +108,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
                          "import (pass --exec to import it anyway)")
     if loaded.inputs is None:
         raise UsageError("an fp8 policy is measured on the model's example inputs: define example_inputs() or "
-                         "give --input-shape")
+                         "give --input-shape" + "".join(f" ({note})" for note in loaded.notes))
     require_unconverted(loaded.model)
     steps = args.train_steps
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE
@@ -129,7 +132,7 @@ def fp8_job(args: argparse.Namespace, staging: str, model_file: str | None) -> C
     other = other_gemms_note(other_gemms(loaded.model))  # GPT-2's Conv1D projections: why "0 nn.Linear"
     zero = [layer["name"] for layer in policy.table.get("layers", []) if layer.get("grad_all_zero")]
     unrun = unrun_linears_note(unrun_linears(loaded.model, [layer["name"] for layer in policy.table.get("layers", [])]))
-    notes = ([zero_grad_note(zero)] if zero else []) + [note for note in (other, unrun) if note]
+    notes = [*loaded.notes, *([zero_grad_note(zero)] if zero else []), *[note for note in (other, unrun) if note]]
     summary = {"dtype": "fp8", **policy.to_dict(), "table": policy.table, "train": train, "notes": notes}
     return Converted(summary, loaded.label, loaded.entry, names, list(_model_files(model_file)), tolerance,
                      export_ran=False)

@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ampaudit.convert.checkpoints import keep_checkpoints
-from ampaudit.convert.kernel_probe import promote_missing_kernels
+from ampaudit.convert.kernel_probe import low_sites_without_kernel, promote_missing_kernels
 from ampaudit.convert.low_weights import fp32_copy, fp32_inputs, low_weight_dtypes, low_weight_notes
 from ampaudit.convert.module_backend import ModulePlanner, apply_module_plan
 from ampaudit.convert.plan import FP32, LOW, Decision, decide, plan_records
@@ -241,7 +241,10 @@ def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, in
     try:
         planner = ModulePlanner(model, catalog, low, inputs, constants=constants)
 
+        kernels: dict[str, Decision] = {}  # ops whose low call has no kernel here: fp32 in every build
+
         def build(promoted: Mapping[str, str | Decision]) -> torch.nn.Module:
+            promoted = {**promoted, **kernels}
             records = planner.records(promoted)
             built = apply_module_plan(model, records, low, keep_low_outputs=keep_low_outputs, weights=weights,
                                       catalog=catalog)
@@ -251,7 +254,8 @@ def _convert_modules(model: torch.nn.Module, catalog: Catalog, low: LowDtype, in
                               notes=["modules backend: the model's own forward under autocast, the plan applied "
                                      "per module"])
 
-        model_mp = build({})
+        model_mp, moved = low_sites_without_kernel(build, inputs, low.name)
+        kernels.update(moved)
         if verify:
             model_mp = search_promotions(model, model_mp, build, inputs, tolerance)
     finally:

@@ -6,7 +6,9 @@ norms in float16, and no device upcasts ``mean``, ``var``, ``sin`` or ``cos``. S
 converted forward runs under autocast, a ``TorchFunctionMode`` gives each op the plan
 computes in fp32 fp32 inputs - matched by its kind and the user's line (plan records name
 both), so one ``pow`` the plan keeps low is not upcast with another. Ops autocast upcasts on
-the device itself are left to it (on CUDA the mode is usually not installed at all).
+the device itself are left to it (on CUDA the mode is usually not installed at all). The other
+way round, the plan's low ops that no autocast lowers (``torch._grouped_mm``, MoE experts) get
+their fp32 inputs cast down at their sites.
 """
 
 from __future__ import annotations
@@ -24,19 +26,34 @@ from ampaudit.core.catalog import Catalog
 from ampaudit.core.userframe import user_location
 
 _LOW = (torch.float16, torch.bfloat16)
+_LOW_NAMES = {str(d).removeprefix("torch."): d for d in _LOW}
 _CALLS = ("call_function", "call_method")
 
 
 class Fp32Ops:
-    """Where the plan computes a catalog fp32 op in fp32: (kind, file name, line) sites."""
+    """Where the plan computes a catalog fp32 op in fp32, or a low op autocast leaves alone in
+    the low dtype: (kind, file name, line) sites."""
 
     def __init__(self, records: Iterable[Mapping[str, Any]], catalog: Catalog, ran: Iterable[str] = ()) -> None:
         # the caller passes the records its sites come from (the modules backend: unruled ones
         # and the overrides it upcasts at their own op); ``ran``: the kinds of every op the plan
         # holds, whose kernels that refuse mixed float dtypes get their inputs cast to the widest
+        records = list(records)
         sites = [r for r in records if r.get("op") in _CALLS and r.get("compute") == "float32"]
         self.sites = frozenset((r["kind"], os.path.basename(str(r["file"])), r["line"]) for r in sites)
-        self._modules = frozenset(str(r["module"]) for r in sites if r.get("module") is not None)
+        # the plan's low ops that no device's autocast lowers (``torch._grouped_mm``, the MoE
+        # experts' matmul: transformers casts its input to the fp32 weights' dtype): their fp32
+        # inputs are cast down here, or the experts compute in fp32 while the plan says low
+        low = [r for r in records if r.get("op") in _CALLS and r.get("compute") in _LOW_NAMES
+               and (p := catalog.lookup(str(r["kind"]))) is not None and p.precision.value == "fp16"
+               and p.autocast == "none"]
+        self.low_sites = {(r["kind"], os.path.basename(str(r["file"])), r["line"]): _LOW_NAMES[r["compute"]]
+                          for r in low}
+        self.low_kinds = frozenset(kind for kind, _, _ in self.low_sites)
+        # the low sites whose cast-down call raised (no kernel for these shapes in the low dtype:
+        # CPU's fp16 grouped_mm wants strides of whole 16 bytes): convert keeps them in fp32
+        self.failed: set[tuple[str, str, int]] = set()
+        self._modules = frozenset(str(r["module"]) for r in [*sites, *low] if r.get("module") is not None)
         kinds = {kind for kind, _, _ in self.sites}
         # CUDA autocast upcasts these itself (the catalog's autocast column)
         upcast_by_cuda = {k for k in kinds if (p := catalog.lookup(k)) is not None
@@ -59,7 +76,7 @@ class Fp32Ops:
     def __getstate__(self) -> dict[str, Any]:
         # a pickle of the converted model (torch.save(model)): the cache is keyed by torch's
         # functions, some of which pickle by no name (TensorBase.pow); no forward is in flight
-        return {**self.__dict__, "_kind_of": {}, "_depth": 0}
+        return {**self.__dict__, "_kind_of": {}, "_depth": 0, "failed": set()}
 
     @contextlib.contextmanager
     def entered(self, device_type: str) -> Iterator[None]:
@@ -68,7 +85,7 @@ class Fp32Ops:
         runs a block's forward again in backward, outside the model's forward."""
         kinds = self.kinds.get(device_type, self.kinds[None])
         same = self.same_dtype.get(device_type, self.same_dtype[None])
-        if self._depth or not (kinds or same):
+        if self._depth or not (kinds or same or self.low_kinds):
             yield
             return
         self._depth += 1
@@ -105,6 +122,17 @@ class _Upcast(TorchFunctionMode):
                 # autocast too, whose CPU policy casts the norm down again: off for the site
                 with _autocast_off(_device_type(args, kwargs)):
                     return func(*args, **kwargs)
+        if kind in self.ops.low_kinds and kwargs.get("out") is None:
+            loc = user_location(sys._getframe(1))
+            site = None if loc is None else (kind, os.path.basename(loc.file), loc.line)
+            low = self.ops.low_sites.get(site) if site is not None else None
+            if low is not None:
+                args, kwargs = _to(args, low, (torch.float32,)), _to(kwargs, low, (torch.float32,))
+                try:
+                    return func(*args, **kwargs)
+                except RuntimeError:
+                    self.ops.failed.add(site)
+                    raise
         if kind in self.same_dtype and kwargs.get("out") is None:
             # an fp32 op's output meeting a low one where the kernel wants one dtype (EDM2's
             # ``a.lerp(b, t)``): what type promotion would give, the widest

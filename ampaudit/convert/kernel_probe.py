@@ -9,6 +9,7 @@ fails with anything but a RuntimeError, is not a kernel problem: that error is r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -89,3 +90,34 @@ def promote_missing_kernels(build: Callable[[Mapping[str, Decision]], torch.nn.M
 def _device(model: torch.nn.Module) -> str:
     first = next(model.parameters(), None)
     return first.device.type if first is not None else "cpu"
+
+
+def low_sites_without_kernel(build: Callable[[Mapping[str, Decision]], torch.nn.Module], inputs: ExampleInputs,
+                             dtype: str) -> tuple[torch.nn.Module, dict[str, Decision]]:
+    """The modules backend's ops that it casts down itself (no autocast lowers them:
+    ``torch._grouped_mm``): build, run, and move the sites whose low call raised to fp32 until
+    the model runs or fails elsewhere (that error is verification's to report). Returns the
+    model and the ops moved (node -> its fp32 decision)."""
+    moved: dict[str, Decision] = {}
+    model = build(moved)
+    for _ in range(MAX_PROBES):
+        ops = getattr(model, "ampaudit_fp32_ops", None)
+        if ops is None or not ops.low_sites:
+            break
+        ops.failed.clear()
+        error: BaseException | None = None
+        try:
+            with torch.no_grad(), attributes_kept(model):
+                model(*inputs.args, **inputs.kwargs)
+        except RuntimeError as exc:
+            error = exc
+        failed, ops.failed = set(ops.failed), set()
+        new = {str(r["node"]): Decision(FP32, f"no {dtype} kernel for this op on {_device(model)} "
+                                              f"({describe_exception(error)}): kept in fp32", "kernel")
+               for r in model.plan if (r.get("kind"), os.path.basename(str(r.get("file"))), r.get("line")) in failed
+               and str(r["node"]) not in moved}
+        if error is None or not new:
+            break
+        moved.update(new)
+        model = build(moved)
+    return model, moved

@@ -160,7 +160,9 @@ class _Runs:
         with attributes_kept(self.reference), _batch_statistics(self.reference):
             loss = _loss(self.reference(*self.inputs.args, **self.inputs.kwargs), self.target, self.labelled)
         self.reference_opt.zero_grad()
-        _backward(torch.Tensor.backward, "the model's own backward (in fp32)", loss)
+        # eval mode said: HF's RWKV caches its recurrent state in place in eval mode, and that
+        # backward fails where training (train mode) would not
+        _backward(torch.Tensor.backward, "the model's own backward (in fp32, in eval mode, as the check trains)", loss)
         self.reference_opt.step()
         self.fp32.append(float(loss.detach()))
 

@@ -18,8 +18,8 @@ from torch import fx
 
 from ampaudit.core.catalog import Catalog
 from ampaudit.core.findings import Precision
-from ampaudit.graph.range_probe import DTYPE
-from ampaudit.graph.recorder import DYNAMIC
+from ampaudit.graph.range_probe import DTYPE, writes_in_place
+from ampaudit.graph.recorder import AUTOCAST_OFF, DYNAMIC
 
 LOW = "low"  # the target low-precision dtype (float16 or bfloat16)
 FP32 = "fp32"
@@ -137,8 +137,16 @@ def _flow(gm: fx.GraphModule, kinds: Mapping[fx.Node, str], catalog: Catalog, *,
         if kind in non_float:
             flow[node] = None
             continue
+        target = node.args[0] if node.args else None
+        if node.op != "call_module" and isinstance(target, fx.Node) and flow.get(target) is not None \
+                and writes_in_place(node, gm):
+            # an in-place op keeps its target's dtype, whatever its other inputs: LongT5's
+            # ``scores += position_bias`` writes a -1e10 fp32 bias into fp16 scores (-inf)
+            flow[node] = flow[target]
+            continue
         policy = catalog.lookup(kind)
-        behaviour = policy.autocast if policy and autocast else "none"
+        # inside the model's own torch.autocast(enabled=False), autocast casts nothing
+        behaviour = policy.autocast if policy and autocast and not node.meta.get(AUTOCAST_OFF) else "none"
         if behaviour == "fp16":
             flow[node] = LOW
         elif behaviour in ("fp32", "banned"):

@@ -13,6 +13,11 @@ wrapper, accelerate's hooks) is taken off while the copy is made and bound to th
 module after: a class whose ``__reduce__`` passes its state as the reconstructor's arguments
 (StyleGAN's and EDM2's ``persistence.persistent_class``) copies that state before the copy
 exists, so the method's ``__self__`` led back to the module without end (RecursionError).
+
+What convert sets on a module (``ampaudit_fp32_ops``, ...) goes with it into the copy and the
+pickle even where the class's state leaves it out: einops' ``Rearrange`` and ``Reduce`` layers
+pickle their pattern alone and run ``__init__`` again on load, so a copy of a converted MaxViT
+lost its leaves' ``ampaudit_fp32_ops`` while keeping the forward that reads it (AttributeError).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def copy_model(model: M, memo: dict[int, object] | None = None) -> M:
     held = [(module, name, value) for module in modules for name, value in vars(module).items()
             if isinstance(value, torch.Tensor) and value.grad_fn is not None]
     bound = [(i, name, value) for i, module in enumerate(modules) for name, value in _self_bound(module).items()]
+    memo = {} if memo is None else memo
     try:
         for module, name, value in held:
             module.__dict__[name] = value.detach()
@@ -47,6 +53,10 @@ def copy_model(model: M, memo: dict[int, object] | None = None) -> M:
     copies = list(copied.modules())
     for i, name, value in bound:
         copies[i].__dict__[name] = types.MethodType(value.__func__, copies[i])
+    for module, twin in zip(modules, copies, strict=True):
+        for name, value in _carried(module).items():
+            if name not in twin.__dict__:  # the class's own state left it out
+                twin.__dict__[name] = copy.deepcopy(value, memo)
     return copied
 
 
@@ -72,6 +82,13 @@ def _self_bound(module: torch.nn.Module) -> dict[str, types.MethodType]:
             if isinstance(value, types.MethodType) and value.__self__ is module}
 
 
+def _carried(module: torch.nn.Module) -> dict[str, Any]:
+    """What convert set on ``module`` (``ampaudit_`` names), but for methods bound to it."""
+    return {name: value for name, value in vars(module).items()
+            if name.lstrip("_").startswith("ampaudit_")
+            and not (isinstance(value, types.MethodType) and value.__self__ is module)}
+
+
 def _pickled(self: torch.nn.Module, protocol: int) -> tuple:
     """The class's own pickle of the module (a persistent class's too) made with its methods
     bound to itself taken off; the load binds their functions (module-level: pickled by name)
@@ -85,12 +102,15 @@ def _pickled(self: torch.nn.Module, protocol: int) -> tuple:
     finally:
         self.__dict__.update(bound)
     functions = [(name, method.__func__) for name, method in bound.items()]
-    return (_made_and_bound, (fields[0], fields[1], functions), *fields[2:])
+    return (_made_and_bound, (fields[0], fields[1], functions, _carried(self)), *fields[2:])
 
 
-def _made_and_bound(make: Any, args: tuple, functions: list[tuple[str, Any]]) -> torch.nn.Module:
-    """The class's reconstructor's module, given its methods bound to itself again."""
+def _made_and_bound(make: Any, args: tuple, functions: list[tuple[str, Any]],
+                    carried: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The class's reconstructor's module, given its methods bound to itself again and what
+    convert set on it (before its state, which may hold them too, or not)."""
     module = make(*args)
+    module.__dict__.update(carried or {})
     for name, function in functions:
         module.__dict__[name] = types.MethodType(function, module)
     return module

@@ -64,6 +64,7 @@ class _GraphBuilder:
         self._params.update({id(t): name for name, t in root.named_buffers(remove_duplicate=False)})
         self._constants = 0
         self.module_path: list[str] = []
+        self.autocast: list[bool] = []  # each torch.autocast the model entered, innermost last: enabled=?
 
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
         self._producers[id(tensor)] = (weakref.ref(tensor), node)
@@ -97,6 +98,8 @@ class _GraphBuilder:
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, loc: Loc | None) -> fx.Node:
         node = self.graph.create_node(op, target, args, kwargs)
         node.meta[LOC] = loc
+        if self.autocast and not self.autocast[-1]:
+            node.meta[AUTOCAST_OFF] = True
         if op == "call_module":
             node.meta[MODULE] = target
         else:
@@ -176,6 +179,43 @@ class _RecordingMode(TorchFunctionMode):
 
 
 DYNAMIC = "ampaudit_dynamic_dtype"  # node.meta key: a dtype or dtype limit that followed a tensor
+# node.meta key: recorded inside the model's own ``torch.autocast(..., enabled=False)`` (a
+# block or a decorator: x-transformers' ``@autocast('cuda', enabled=False)`` on its rotary
+# embedding), where autocast casts nothing
+AUTOCAST_OFF = "ampaudit_autocast_off"
+
+
+@contextlib.contextmanager
+def _autocast_regions(stack: list[bool]) -> Iterator[None]:
+    """While recording, each ``torch.autocast`` the model enters pushes the ``enabled`` it asked
+    for (not what a CPU-only build makes of ``"cuda"``) onto ``stack``, and pops it on exit."""
+    cls = torch.amp.autocast_mode.autocast
+    init, enter, leave = cls.__init__, cls.__enter__, cls.__exit__
+    signature = inspect.signature(init)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            asked = signature.bind(self, *args, **kwargs).arguments.get("enabled", True)
+        except TypeError:
+            asked = True
+        init(self, *args, **kwargs)
+        self._ampaudit_enabled = asked is not False
+
+    def __enter__(self: Any) -> Any:
+        # a decorator's autocast was made at import, before the recording: what torch kept of it
+        stack.append(self.__dict__.get("_ampaudit_enabled", getattr(self, "_enabled", True) is not False))
+        return enter(self)
+
+    def __exit__(self: Any, *exc: Any) -> Any:
+        if stack:
+            stack.pop()
+        return leave(self, *exc)
+
+    cls.__init__, cls.__enter__, cls.__exit__ = __init__, __enter__, __exit__
+    try:
+        yield
+    finally:
+        cls.__init__, cls.__enter__, cls.__exit__ = init, enter, leave
 
 _WIDE, _NARROW = torch.finfo(torch.float64), torch.finfo(torch.float32)
 _LIMITS = {_WIDE.max: _NARROW.max, -_WIDE.max: -_NARROW.max, _WIDE.eps: _NARROW.eps,
@@ -305,7 +345,7 @@ def _record(root: torch.nn.Module, args: tuple, kwargs: dict, catalog: Catalog) 
         bound = inspect.signature(root.forward).bind(*args, **kwargs)
         for name, value in bound.arguments.items():
             builder.placeholder(name, value)
-        with mode:
+        with mode, _autocast_regions(builder.autocast):
             out = root(*args, **kwargs)
         builder.output(out)
     fill_missing_locations(builder.graph, root)

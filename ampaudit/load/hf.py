@@ -10,6 +10,7 @@ not for a model with a text tower, such as CLIP, trained whole), else the bare m
 from __future__ import annotations
 
 import ast
+import copy
 import difflib
 from collections.abc import Sequence
 from typing import Any
@@ -25,11 +26,15 @@ SMALL = {
     "num_hidden_layers": 2, "num_decoder_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
     "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
     "encoder_attention_heads": 2, "decoder_attention_heads": 2,
-    "intermediate_size": 64, "d_ff": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+    "intermediate_size": 64, "d_ff": 64, "d_inner": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
     "vocab_size": 100, "max_position_embeddings": 64, "relative_attention_num_buckets": 8,
     "image_size": 32, "patch_size": 8, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 16,
     "rotary_dim": 8,  # GPT-J, CodeGen: rotary dims within a 16-dim head (their default 64 is not)
     "window_size": 1,  # Swin: its default 7 is wider than a small image's 4x4 patches, which it cannot take
+    # DeepSeek-V3's attention: its rotary dims are the head's (16, not 64: the default inputs
+    # failed on a shape mismatch), low-rank q and kv, and 8 routed experts of width 32 (256 x 2048)
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 16,
+    "n_routed_experts": 8, "moe_intermediate_size": 32,
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id")
@@ -85,9 +90,20 @@ def _head(config) -> type[torch.nn.Module]:
 
 def _settable(config: Any, name: str) -> bool:
     """Whether ``config`` has a field ``name`` a constructor may set: Falcon's ``head_dim`` is
-    a property computed from the others, and setting it raised."""
+    a property computed from the others, and setting it raised; XLNet's
+    ``max_position_embeddings`` and Funnel's ``num_hidden_layers`` have setters that refuse any
+    value (NotImplementedError), so hf:xlnet and hf:funnel did not build."""
     attribute = getattr(type(config), name, None)
-    return hasattr(config, name) and not (isinstance(attribute, property) and attribute.fset is None)
+    if not hasattr(config, name):
+        return False
+    if isinstance(attribute, property):
+        if attribute.fset is None:
+            return False
+        try:  # its own value, on a copy: a setter that refuses it refuses any
+            attribute.fset(copy.copy(config), getattr(config, name))
+        except Exception:
+            return False
+    return True
 
 
 def _small_fields(default: Any, aliases: dict[str, str], stages: bool = False) -> dict[str, Any]:

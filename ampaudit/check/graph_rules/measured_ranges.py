@@ -45,9 +45,12 @@ def _limit_only(view: GraphView, node: fx.Node, m: Measured) -> bool:
     return m.absmax >= _FP32_MAX and holds_dtype_limit(view, node)
 
 
-def _overflows(node: fx.Node) -> bool:
+def _overflows(view: GraphView, node: fx.Node) -> bool:
+    """An input that overflowed the low dtype already. Values that stay in fp32 (LongT5's -1e10
+    mask bias) overflow nothing until an op stores them low (``scores += position_bias``, into
+    fp16 scores): that op is the origin."""
     m = _measured(node)
-    return m is not None and m.overflow > 0
+    return m is not None and m.overflow > 0 and view.runs_low(node)
 
 
 @graph_rule("AMP301", "AMP302", "AMP303")
@@ -59,7 +62,8 @@ def measured_ranges(view: GraphView) -> Iterator[Finding]:
         m = _measured(node)
         if m is None or not view.runs_low(node):
             continue
-        if m.overflow > 0 and not any(_overflows(i) for i in node.all_input_nodes) and not _limit_only(view, node, m):
+        if m.overflow > 0 and not any(_overflows(view, i) for i in node.all_input_nodes) \
+                and not _limit_only(view, node, m):
             yield view.finding("AMP301", node, absmax=f"{m.absmax:.3g}", dtype=view.dtype, limit=f"{limit:.6g}",
                                percent=_percent(m.overflow),
                                fix="run this op in fp32 (keep it out of autocast, or upcast its input)")
