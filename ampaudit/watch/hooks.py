@@ -41,6 +41,7 @@ from ampaudit.watch.call_context import (
     functorch_level,
     graph_task,
     in_backward,
+    legacy_batched,
     recomputed,
     transformed,
 )
@@ -97,7 +98,8 @@ class _GradEvents:
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
             recorder._backward_since = True  # a new forward from now on is another micro-batch's
-            if functorch_level() is not None:  # a torch.func transform's backward through a watched tensor
+            # a torch.func transform's backward through a watched tensor, or autograd's batched one
+            if functorch_level() is not None or legacy_batched(grad):
                 with recorder.thread.lock:
                     recorder.unmeasured["functorch"] += len(self.events)
                 return
