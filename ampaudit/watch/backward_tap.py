@@ -57,7 +57,10 @@ def listen_graph_grads(listener: Listener) -> None:
 
         @functools.wraps(original)
         def grad(*args: Any, **kwargs: Any) -> Any:
-            if grad is not _grad_wrapper or not kwargs.get("create_graph", args[4] if len(args) > 4 else False):
+            # traced by torch.compile: the call alone - dynamo would break the graph at the frame
+            # asked for below, and trace the listeners' own code (warnings of builtins it cannot trace)
+            if grad is not _grad_wrapper or torch.compiler.is_compiling() or \
+                    not kwargs.get("create_graph", args[4] if len(args) > 4 else False):
                 return original(*args, **kwargs)
             frame = sys._getframe(1)
             after = [each(frame) for each in list(_graph_listeners)]

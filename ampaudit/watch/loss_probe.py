@@ -152,6 +152,8 @@ class LossProbe(TorchFunctionMode):
         pushed (which keeps those paths off itself), it stays. A module of no parameters is the
         loss code: a criterion (``nn.CrossEntropyLoss()``, a user's ``RMSELoss`` module) records
         its calls as the loop's own."""
+        if torch.compiler.is_compiling():  # traced into a compiled graph: nothing to step off (nor get_ident to trace)
+            return
         if self.on_stack and self._aside_for is None and self._on_top() and _a_network(module):
             self._aside_for, self._was_recording = (module, get_ident()), self.recording
             self.recording = False
@@ -162,7 +164,7 @@ class LossProbe(TorchFunctionMode):
         module of its own (a perceptual loss's frozen network, which no watch hook restarts it
         after). The watch's own hooks restart it after the watched model's forward."""
         aside = self._aside_for  # on this thread: another's call of the same module (Hogwild) is its own
-        if aside is not None and aside[0] is module and aside[1] == get_ident():
+        if aside is not None and not torch.compiler.is_compiling() and aside[0] is module and aside[1] == get_ident():
             self._aside_for = None
             if self._was_recording:
                 self.start()
