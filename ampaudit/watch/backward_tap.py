@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ampaudit.watch.own_frames import passes_through
+
 Listener = Callable[[Any], Any]
 _listeners: list[Listener] = []
 _wrapper: Callable[..., Any] | None = None  # the newest wrapper: the one that tells the listeners
@@ -40,7 +42,7 @@ def listen(listener: Listener) -> None:
                     each(tensors)
             return original(tensors, *args, **kwargs)
 
-        _wrapper = torch.autograd.backward = backward
+        _wrapper = torch.autograd.backward = passes_through(backward)
     _listeners.append(listener)
 
 
@@ -71,7 +73,7 @@ def listen_graph_grads(listener: Listener) -> None:
                     if each is not None:
                         each()
 
-        _grad_wrapper = torch.autograd.grad = grad
+        _grad_wrapper = torch.autograd.grad = passes_through(grad)
     _graph_listeners.append(listener)
 
 

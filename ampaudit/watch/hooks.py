@@ -51,6 +51,7 @@ from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.loss_probe import LossProbe
 from ampaudit.watch.measurable import measurable_tensors, positional, unmeasurable
 from ampaudit.watch.module_names import ModuleNames
+from ampaudit.watch.own_frames import passes_through
 from ampaudit.watch.provenance import Call, autocast_state
 from ampaudit.watch.threads import FollowedThread
 
@@ -229,6 +230,7 @@ class StepRecorder:
             noted.append(weakref.ref(module))
             return original(module, *args, **kwargs)
 
+        passes_through(compile)
         compile.ampaudit_wraps = original  # type: ignore[attr-defined]
         torch.nn.Module.compile = compile
         self._compile_wrapper = compile

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from ampaudit.core.userframe import user_location
 from ampaudit.watch.loss_replay import Kept, op_name, replay_backward
 from ampaudit.watch.options import PROBE_LOSS_MB
+from ampaudit.watch.own_frames import passes_through
 from ampaudit.watch.probe_budget import MB, ByteBudget
 from ampaudit.watch.provenance import FirstBadOp, Origin, autocast_state
 from ampaudit.watch.warn_frame import call_for
@@ -111,6 +112,8 @@ class LossProbe(TorchFunctionMode):
         if self.recording and torch.is_grad_enabled() and _computes(getattr(func, "__name__", "")):
             self._keep((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
         return out
+
+    passes_through(__torch_function__, mode_entry=True)  # not in the script's traceback (``own_frames``)
 
     def _keep(self, call: Kept) -> None:
         """``call`` kept, and the oldest dropped while over the count or the bytes."""

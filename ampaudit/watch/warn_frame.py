@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.overrides
 
+from ampaudit.watch.own_frames import passes_through, site
+
 # the frames torch puts between a Python function (F.softmax) and the mode: its handle_torch_function
 _OVERRIDES = torch.overrides.__file__
 _CALL = "f(*a, **k)"
@@ -75,7 +77,7 @@ def _site_code(frame: types.FrameType, line: int) -> types.CodeType:
         source = f"lambda f, a, k: (\n{' ' * start}{_CALL[:-1]}{' ' * max(0, end - start - len(_CALL))}))"
         first = line - 1
     code = compile(source, frame.f_code.co_filename, "eval").co_consts[0]
-    return code.replace(co_firstlineno=first, co_name=frame.f_code.co_name)
+    return site(code.replace(co_firstlineno=first, co_name=frame.f_code.co_name))
 
 
 def _columns(frame: types.FrameType, line: int) -> tuple[int, int] | None:
@@ -93,3 +95,8 @@ def call_for(func: Any, args: tuple, kwargs: dict | None) -> Any:
     """``func(*args, **kwargs)`` for a mode's ``__torch_function__`` (which calls this directly):
     its warnings where they are without the mode."""
     return call_as(caller(func, sys._getframe(2)), func, args, kwargs)
+
+
+# a traceback python prints at the script's death leaves the call's own frames out (``own_frames``)
+passes_through(call_as)
+passes_through(call_for)
