@@ -51,3 +51,31 @@ def test_warnings_and_the_traceback_name_the_user_s_line_and_call():
     call = plain_frames[-1]
     assert call == ("_code", 30, 19, 37)  # torch.matmul(a, b)
     assert moded_frames == [call, call]  # the user's frame, and the call made as from it
+
+
+def test_a_torch_function_the_script_wrapped_runs_once_its_warning_at_the_wrapper_s_line(monkeypatch):
+    """``F.softmax`` replaced by a ``functools.wraps`` wrapper (as a script patches
+    ``torch.autograd.grad``; as backward_tap does): torch's softmax asks the mode with what its
+    module's name holds now, the wrapper - called again by the mode, it ran twice."""
+    import functools
+
+    original = torch.nn.functional.softmax
+    calls = []
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)  # the wrapper's line: the warning's, without the mode
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", counted)
+    seen = {}
+    for mode in (False, True):
+        calls.clear()
+        with warnings.catch_warnings(record=True) as caught, _Mode() if mode else contextlib.nullcontext():
+            warnings.simplefilter("always")
+            torch.nn.functional.softmax(torch.ones(2, 3))
+        seen[mode] = (len(calls), [(w.filename, w.lineno) for w in caught])
+    with open(THIS) as f:
+        wrapper_line = next(i for i, text in enumerate(f, 1) if "# the wrapper's line" in text)
+    assert seen[False] == (1, [(THIS, wrapper_line)])
+    assert seen[True] == seen[False]

@@ -20,6 +20,7 @@ from ampaudit.core.errors import UsageError
 from ampaudit.core.paths import display_path
 from ampaudit.watch.monitor import Monitor, NonFiniteError
 from ampaudit.watch.options import WatchOptions
+from ampaudit.watch.own_frames import without_own_frames
 
 
 def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional_log: bool = False) -> int:
@@ -172,6 +173,7 @@ def _script_traceback(exc: BaseException, out: TextIO) -> None:
     """The script's uncaught exception as python prints it: its traceback from the script's own
     module frame on, without runpy's frames and ours before it; none where the script never ran
     (a SyntaxError: its file, line and caret only, as python prints it)."""
+    without_own_frames(exc)  # watch's wrappers and the loss probe's frames: python has none
     tb = exc.__traceback__
     while tb is not None and not (tb.tb_frame.f_code.co_name == "<module>"
                                   and tb.tb_frame.f_globals.get("__name__") == "__main__"):

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ampaudit.watch.own_frames import passes_through
+
 Listener = Callable[[Any], Any]
 
 
@@ -38,7 +40,7 @@ class _Tap:
     def listen(self, listener: Listener) -> None:
         current = getattr(torch.autograd, self.name)
         if self.wrapper is None or (current is not self.wrapper and not self.listeners):
-            self.wrapper = self._wrap(current, self)
+            self.wrapper = passes_through(self._wrap(current, self))
             setattr(torch.autograd, self.name, self.wrapper)
         self.listeners.append(listener)
 
@@ -64,7 +66,10 @@ def _backward(original: Callable[..., Any], tap: _Tap) -> Callable[..., Any]:
 def _grad(original: Callable[..., Any], tap: _Tap) -> Callable[..., Any]:
     @functools.wraps(original)
     def grad(*args: Any, **kwargs: Any) -> Any:
-        if grad is not tap.wrapper or not kwargs.get("create_graph", args[4] if len(args) > 4 else False):
+        # traced by torch.compile: the call alone - dynamo would break the graph at the frame
+        # asked for below, and trace the listeners' own code (warnings of builtins it cannot trace)
+        if grad is not tap.wrapper or torch.compiler.is_compiling() or \
+                not kwargs.get("create_graph", args[4] if len(args) > 4 else False):
             return original(*args, **kwargs)
         frame = sys._getframe(1)
         after = [each(frame) for each in list(tap.listeners)]

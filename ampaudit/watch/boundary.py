@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optimizer_hooks
 
+from ampaudit.watch.own_frames import passes_through
+
 Boundary = Callable[..., None]  # on_boundary(scaler=None)
 Here = Callable[[], bool]  # whether the calling thread is the one the watch follows (watch/threads.py)
 
@@ -171,6 +173,7 @@ class ScalerTap:
                 tap.on_boundary(scaler=scaler)
             original(new_scale)
 
+        passes_through(update)
         update.ampaudit_wraps = (tap, original)  # for unwrapping past detached taps
         scaler.update = update  # instance attribute: unwrapped in detach()
         self._original = (scaler, (update, original))
@@ -198,7 +201,7 @@ class ScalerTap:
                 tap.on_boundary(scaler=self_scaler)
             return original_update(self_scaler, new_scale)
 
-        cls.update, cls.step = update, step
+        cls.update, cls.step = passes_through(update), passes_through(step)
         self._original = (cls, (original_update, original_step))
         self.active = True
 

@@ -21,10 +21,17 @@ graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no b
 _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
 
 
+# autograd's own vmap prototype (``torch.autograd.grad(..., is_grads_batched=True)``,
+# ``torch.autograd.functional.jacobian(..., vectorize=True)``) runs the backward on batched
+# gradients with no storage, outside any torch.func level: a gradient hook gets one
+legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", lambda _: False)
+
+
 def functorch_wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is a torch.func wrapper (no storage of its own). Not traced by dynamo (a
     C function it cannot trace): a compiled graph's tensors are no wrappers."""
-    return _functorch is not None and not compiling() and _functorch.is_functorch_wrapped_tensor(t)
+    return _functorch is not None and not compiling() and (_functorch.is_functorch_wrapped_tensor(t)
+                                                           or legacy_batched(t))
 
 
 def in_backward() -> bool:

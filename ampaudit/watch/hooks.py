@@ -41,6 +41,7 @@ from ampaudit.watch.call_context import (
     functorch_level,
     graph_task,
     in_backward,
+    legacy_batched,
     recomputed,
     transformed,
 )
@@ -50,6 +51,7 @@ from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.loss_probe import LossProbe
 from ampaudit.watch.measurable import measurable_tensors, positional, unmeasurable
 from ampaudit.watch.module_names import ModuleNames
+from ampaudit.watch.own_frames import passes_through
 from ampaudit.watch.provenance import Call, autocast_state
 from ampaudit.watch.threads import FollowedThread
 
@@ -97,7 +99,8 @@ class _GradEvents:
         # None: an output no loss depends on, of a compiled graph (nanoGPT's logits beside its loss)
         if recorder.logging and recorder.active and not recorder.paused and grad is not None:
             recorder._backward_since = True  # a new forward from now on is another micro-batch's
-            if functorch_level() is not None:  # a torch.func transform's backward through a watched tensor
+            # a torch.func transform's backward through a watched tensor, or autograd's batched one
+            if functorch_level() is not None or legacy_batched(grad):
                 with recorder.thread.lock:
                     recorder.unmeasured["functorch"] += len(self.events)
                 return
@@ -227,6 +230,7 @@ class StepRecorder:
             noted.append(weakref.ref(module))
             return original(module, *args, **kwargs)
 
+        passes_through(compile)
         compile.ampaudit_wraps = original  # type: ignore[attr-defined]
         torch.nn.Module.compile = compile
         self._compile_wrapper = compile

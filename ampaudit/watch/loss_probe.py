@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from ampaudit.core.userframe import user_location
 from ampaudit.watch.loss_replay import Kept, op_name, replay_backward
 from ampaudit.watch.options import PROBE_LOSS_MB
+from ampaudit.watch.own_frames import passes_through
 from ampaudit.watch.probe_budget import MB, ByteBudget
 from ampaudit.watch.provenance import FirstBadOp, Origin, autocast_state
 from ampaudit.watch.warn_frame import call_for
@@ -112,6 +113,8 @@ class LossProbe(TorchFunctionMode):
             self._keep((func, user_location(sys._getframe(1)), args, kwargs, out, autocast_state()))
         return out
 
+    passes_through(__torch_function__, mode_entry=True)  # not in the script's traceback (``own_frames``)
+
     def _keep(self, call: Kept) -> None:
         """``call`` kept, and the oldest dropped while over the count or the bytes."""
         self.calls.append(call)
@@ -152,6 +155,8 @@ class LossProbe(TorchFunctionMode):
         pushed (which keeps those paths off itself), it stays. A module of no parameters is the
         loss code: a criterion (``nn.CrossEntropyLoss()``, a user's ``RMSELoss`` module) records
         its calls as the loop's own."""
+        if torch.compiler.is_compiling():  # traced into a compiled graph: nothing to step off (nor get_ident to trace)
+            return
         if self.on_stack and self._aside_for is None and self._on_top() and _a_network(module):
             self._aside_for, self._was_recording = (module, get_ident()), self.recording
             self.recording = False
@@ -162,7 +167,7 @@ class LossProbe(TorchFunctionMode):
         module of its own (a perceptual loss's frozen network, which no watch hook restarts it
         after). The watch's own hooks restart it after the watched model's forward."""
         aside = self._aside_for  # on this thread: another's call of the same module (Hogwild) is its own
-        if aside is not None and aside[0] is module and aside[1] == get_ident():
+        if aside is not None and not torch.compiler.is_compiling() and aside[0] is module and aside[1] == get_ident():
             self._aside_for = None
             if self._was_recording:
                 self.start()

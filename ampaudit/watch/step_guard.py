@@ -28,6 +28,8 @@ import torch
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from ampaudit.watch.own_frames import passes_through
+
 _EMA_METHODS = ("update_parameters", "update")  # torch's AveragedModel, timm's ModelEmaV2 and most others
 
 
@@ -184,8 +186,7 @@ class StepGuard:
                     return original(*args, **kwargs)
                 finally:
                     self._inside.on = False
-
-            return call
+            return passes_through(call)
 
         return wrap
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.overrides
 
+from ampaudit.watch.own_frames import passes_through, site
+
 # the frames torch puts between a Python function (F.softmax) and the mode: its handle_torch_function
 _OVERRIDES = torch.overrides.__file__
 _CALL = "f(*a, **k)"
@@ -75,7 +77,7 @@ def _site_code(frame: types.FrameType, line: int) -> types.CodeType:
         source = f"lambda f, a, k: (\n{' ' * start}{_CALL[:-1]}{' ' * max(0, end - start - len(_CALL))}))"
         first = line - 1
     code = compile(source, frame.f_code.co_filename, "eval").co_consts[0]
-    return code.replace(co_firstlineno=first, co_name=frame.f_code.co_name)
+    return site(code.replace(co_firstlineno=first, co_name=frame.f_code.co_name))
 
 
 def _columns(frame: types.FrameType, line: int) -> tuple[int, int] | None:
@@ -91,5 +93,38 @@ def _columns(frame: types.FrameType, line: int) -> tuple[int, int] | None:
 
 def call_for(func: Any, args: tuple, kwargs: dict | None) -> Any:
     """``func(*args, **kwargs)`` for a mode's ``__torch_function__`` (which calls this directly):
-    its warnings where they are without the mode."""
-    return call_as(caller(func, sys._getframe(2)), func, args, kwargs)
+    its warnings where they are without the mode. A torch function in Python that asked for the
+    mode is handed what its module's name holds now - a wrapper the script (or watch:
+    ``backward_tap``) put there, which called it: the function that asked is called, from the
+    wrapper's line, else the wrapper ran twice (a script counting its ``autograd.grad`` calls
+    counted two)."""
+    frame = sys._getframe(2)
+    asked = _asked(func, frame)
+    if asked is not None:
+        return call_as(asked[1], asked[0], args, kwargs)
+    return call_as(caller(func, frame), func, args, kwargs)
+
+
+def _asked(func: Any, frame: types.FrameType | None) -> tuple[Any, types.FrameType | None] | None:
+    """Where ``func`` wraps (``__wrapped__``, as ``functools.wraps`` sets it) the torch function
+    whose frame called ``handle_torch_function`` - frame being torch's overrides' frame -: that
+    function and its caller's frame; None otherwise."""
+    if frame is None or frame.f_code.co_filename != _OVERRIDES:
+        return None
+    while frame is not None and frame.f_code.co_filename == _OVERRIDES:
+        frame = frame.f_back
+    if frame is None or getattr(func, "__code__", None) is frame.f_code:
+        return None
+    inner = getattr(func, "__wrapped__", None)
+    for _ in range(8):  # a chain of wrappers, bounded: a __wrapped__ cycle ends too
+        if inner is None:
+            return None
+        if getattr(inner, "__code__", None) is frame.f_code:
+            return inner, frame.f_back
+        inner = getattr(inner, "__wrapped__", None)
+    return None
+
+
+# a traceback python prints at the script's death leaves the call's own frames out (``own_frames``)
+passes_through(call_as)
+passes_through(call_for)
