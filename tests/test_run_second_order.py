@@ -82,3 +82,43 @@ def test_a_gradient_penalty_inside_torch_compile_trains_as_under_python(tmp_path
     builtins it cannot trace (``get_ident``), and under --probe-loss a TypeError from a frame
     dynamo handed over."""
     _same_as_python(tmp_path, COMPILED_PENALTY, *probe)
+
+
+def test_watch_of_a_model_counts_autograd_s_batched_gradients_as_unmeasured():
+    """The same batched gradients under ``ampaudit.watch(model)``, in process: each gradient hook
+    that autograd's own vmap hands a batched gradient counts it (``unmeasured["functorch"]``),
+    the step's other rows are as without it, and the gradients are python's, bit for bit."""
+    import torch
+    from torch import nn
+
+    import ampaudit
+
+    def run(watched: bool) -> tuple[list[torch.Tensor], dict, dict]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(5, 3, requires_grad=True)
+        mon = ampaudit.watch(model, optimizer=opt) if watched else None
+        if mon is not None:
+            mon.start()
+        out = model(x)
+        rows = torch.eye(out.numel()).reshape(out.numel(), *out.shape)
+        (jac,) = torch.autograd.grad(out, x, rows, retain_graph=True, is_grads_batched=True)
+        out.pow(2).mean().backward()
+        opt.step()
+        summary = {}
+        if mon is not None:
+            mon.stop()
+            summary = mon.summary()
+        return [jac, *(p.detach().clone() for p in model.parameters())], summary.get("unmeasured", {}), \
+            summary.get("layers", {})
+
+    plain, _, _ = run(False)
+    watched, unmeasured, layers = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    # the batched backward reaches every gradient hook - four tensors, two events each - none
+    # measured, each event counted; the plain backward's rows are all there
+    # (x: the first Linear's and the model's input; each output: its module's and the next one's
+    # input; the last Linear's output is the model's) - 8 events, all in the batched backward
+    assert unmeasured == {"functorch": 8}
+    assert layers["0"]["backward"]["numel"] == 5 * 4 and layers["2"]["forward"]["numel"] == 5 * 2
