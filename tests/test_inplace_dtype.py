@@ -23,6 +23,18 @@ def test_check_reports_the_overflow_where_the_in_place_add_stores_it_low():
                       "inputs)")]
 
 
+def test_check_reports_the_overflow_where_autocast_runs_the_add_low_behind_a_t5_norm():
+    """LongT5's norm returns fp32 in an fp32 recording (its cast back to the weight's dtype is a
+    branch on that dtype), so a model cast to float16 would run the attention in fp32 and the
+    in-place add with it: the overflow was nobody's in that view, and ``check hf:longt5`` said
+    nothing. Autocast runs the projections, the einsum and so the add low all the same: an
+    overflow measured where autocast computes low is reported there too."""
+    report = ampaudit.check(inplace_mask_bias.get_normed_model(), inplace_mask_bias.example_inputs(),
+                            config=Config(fail_on="never"))
+    found = [(f.rule, f.line, f.module) for f in report.findings if f.rule.startswith("AMP3")]
+    assert found == [("AMP301", line_of(FIXTURE, "scores += position_bias"), "attn")]
+
+
 def test_convert_keeps_the_in_place_add_in_fp32_and_trains():
     net, inputs = inplace_mask_bias.get_model(), inplace_mask_bias.example_inputs()
     # plain autocast: the forward is finite, every gradient of the attention NaN

@@ -18,6 +18,7 @@ from ampaudit.check.graph_rules import graph_rule
 from ampaudit.core.findings import Finding, Precision
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.constants import holds_dtype_limit
+from ampaudit.graph.dtype_flow import LOW
 from ampaudit.graph.range_probe import MEASURED, Measured
 from ampaudit.graph.view import GraphView
 
@@ -39,6 +40,16 @@ def _flushed_before(view: GraphView, node: fx.Node, min_flush: float) -> bool:
     return False
 
 
+def _low_under_autocast(view: GraphView, node: fx.Node, m: Measured) -> bool:
+    """An op the fp32 recording computes in fp32 (the code upcasts, or a branch on a weight's
+    dtype did not run: LongT5's norm returns fp32 to its projections there) that autocast runs
+    in the low dtype - where an overflow it measured is one too (LongT5's ``scores +=
+    position_bias``). Not a value at fp32's own limit: a ``torch.finfo(x.dtype).min`` fill of a
+    tensor the code made fp32 (GPT-Neo's mask), which under autocast follows the low dtype; nor
+    an op of a module the model declares fp32 (``_keep_in_fp32_modules``), taken as fp32."""
+    return view.flow.get(node) == LOW and m.absmax < _FP32_MAX and node not in view.fp32_declared
+
+
 def _limit_only(view: GraphView, node: fx.Node, m: Measured) -> bool:
     """The overflow is a ``torch.finfo(x.dtype).min`` fill measured in fp32: in the low dtype it
     would be that dtype's own limit."""
@@ -50,7 +61,7 @@ def _overflows(view: GraphView, node: fx.Node) -> bool:
     mask bias) overflow nothing until an op stores them low (``scores += position_bias``, into
     fp16 scores): that op is the origin."""
     m = _measured(node)
-    return m is not None and m.overflow > 0 and view.runs_low(node)
+    return m is not None and m.overflow > 0 and (view.runs_low(node) or _low_under_autocast(view, node, m))
 
 
 @graph_rule("AMP301", "AMP302", "AMP303")
@@ -60,13 +71,15 @@ def measured_ranges(view: GraphView) -> Iterator[Finding]:
     min_lost = rule("AMP303").params["min_bits_lost"]
     for node in view.ops():
         m = _measured(node)
-        if m is None or not view.runs_low(node):
+        if m is None or not (view.runs_low(node) or _low_under_autocast(view, node, m)):
             continue
         if m.overflow > 0 and not any(_overflows(view, i) for i in node.all_input_nodes) \
                 and not _limit_only(view, node, m):
             yield view.finding("AMP301", node, absmax=f"{m.absmax:.3g}", dtype=view.dtype, limit=f"{limit:.6g}",
                                percent=_percent(m.overflow),
                                fix="run this op in fp32 (keep it out of autocast, or upcast its input)")
+        elif not view.runs_low(node):
+            continue
         elif _flushed_before(view, node, min_flush):
             continue  # its inputs vanished already: their op is the one to fix
         elif m.flush >= min_flush:
