@@ -22,7 +22,8 @@ from typing import Any
 
 import torch.overrides
 
-_OVERRIDES = torch.overrides.__file__
+# the frames torch puts between a Python function (F.softmax) and a mode: its handle_torch_function
+OVERRIDES = torch.overrides.__file__
 _passing: set[types.CodeType] = set()  # code of wrappers and of the probe's own call path
 _probe_entry: set[types.CodeType] = set()  # the probe's __torch_function__: torch's override frames before it go
 _sites: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # warn_frame's calls made as from a user's line
@@ -67,7 +68,7 @@ def _strip(tb: types.TracebackType | None) -> types.TracebackType | None:
         code = entry.tb_frame.f_code
         if code in _probe_entry:  # torch's overrides frames before it, and the function that asked them
             asked = False
-            while kept and kept[-1].tb_frame.f_code.co_filename == _OVERRIDES:
+            while kept and kept[-1].tb_frame.f_code.co_filename == OVERRIDES:
                 kept.pop()
                 asked = True
             if asked and kept:

@@ -18,29 +18,20 @@ import sys
 import types
 from typing import Any
 
-import torch.overrides
+from ampaudit.watch.own_frames import OVERRIDES, passes_through, site
 
-from ampaudit.watch.own_frames import passes_through, site
-
-# the frames torch puts between a Python function (F.softmax) and the mode: its handle_torch_function
-_OVERRIDES = torch.overrides.__file__
 _CALL = "f(*a, **k)"
 _MAX_SITES = 4096  # call sites compiled at most, then compiled again as they come
 _sites: dict[tuple[types.CodeType, int], tuple[dict, types.FunctionType]] = {}
 
 
-def caller(func: Any, frame: types.FrameType | None) -> types.FrameType | None:
-    """The frame whose warnings ``func``'s call makes without the mode, from ``frame``, the
-    one that called the mode's ``__torch_function__``: for a function torch implements in C
-    (``torch.log``, ``Tensor.grad``), that frame; for one in Python (``F.softmax``), which asked
-    for the mode through ``handle_torch_function``, the frame that called the function."""
-    if frame is None or frame.f_code.co_filename != _OVERRIDES:
-        return frame
-    while frame is not None and frame.f_code.co_filename == _OVERRIDES:
-        frame = frame.f_back
+def _caller(func: Any, above: types.FrameType | None) -> types.FrameType | None:
+    """The frame whose warnings a torch function in Python (``F.softmax``) makes without the
+    mode, from ``above``, the first frame above torch's overrides (``handle_torch_function``,
+    which asked for the mode): the frame that called the function."""
     # the function's own frame - or, under a decorator that dispatches (``boolean_dispatch``:
     # F.max_pool2d), a frame of what it called - within a few frames of handle_torch_function
-    code, probe = getattr(func, "__code__", None), frame
+    code, probe, frame = getattr(func, "__code__", None), above, above
     for _ in range(3):
         if probe is None or probe.f_code is code:
             break
@@ -99,28 +90,29 @@ def call_for(func: Any, args: tuple, kwargs: dict | None) -> Any:
     wrapper's line, else the wrapper ran twice (a script counting its ``autograd.grad`` calls
     counted two)."""
     frame = sys._getframe(2)
-    asked = _asked(func, frame)
+    if frame is None or frame.f_code.co_filename != OVERRIDES:  # a torch function in C: its caller's line
+        return call_as(frame, func, args, kwargs)
+    above = frame
+    while above is not None and above.f_code.co_filename == OVERRIDES:
+        above = above.f_back
+    asked = _asked(func, above)
     if asked is not None:
         return call_as(asked[1], asked[0], args, kwargs)
-    return call_as(caller(func, frame), func, args, kwargs)
+    return call_as(_caller(func, above), func, args, kwargs)
 
 
-def _asked(func: Any, frame: types.FrameType | None) -> tuple[Any, types.FrameType | None] | None:
+def _asked(func: Any, above: types.FrameType | None) -> tuple[Any, types.FrameType | None] | None:
     """Where ``func`` wraps (``__wrapped__``, as ``functools.wraps`` sets it) the torch function
-    whose frame called ``handle_torch_function`` - frame being torch's overrides' frame -: that
-    function and its caller's frame; None otherwise."""
-    if frame is None or frame.f_code.co_filename != _OVERRIDES:
-        return None
-    while frame is not None and frame.f_code.co_filename == _OVERRIDES:
-        frame = frame.f_back
-    if frame is None or getattr(func, "__code__", None) is frame.f_code:
+    whose frame - ``above``, the first above torch's overrides - called ``handle_torch_function``:
+    that function and its caller's frame; None otherwise."""
+    if above is None or getattr(func, "__code__", None) is above.f_code:
         return None
     inner = getattr(func, "__wrapped__", None)
     for _ in range(8):  # a chain of wrappers, bounded: a __wrapped__ cycle ends too
         if inner is None:
             return None
-        if getattr(inner, "__code__", None) is frame.f_code:
-            return inner, frame.f_back
+        if getattr(inner, "__code__", None) is above.f_code:
+            return inner, above.f_back
         inner = getattr(inner, "__wrapped__", None)
     return None
 
