@@ -50,6 +50,11 @@ def _low_under_autocast(view: GraphView, node: fx.Node, m: Measured) -> bool:
     return view.flow.get(node) == LOW and m.absmax < _FP32_MAX and node not in view.fp32_declared
 
 
+def _computes_low(view: GraphView, node: fx.Node, m: Measured) -> bool:
+    """Where an overflow the op measured is one: in a model cast down, or under autocast."""
+    return view.runs_low(node) or _low_under_autocast(view, node, m)
+
+
 def _limit_only(view: GraphView, node: fx.Node, m: Measured) -> bool:
     """The overflow is a ``torch.finfo(x.dtype).min`` fill measured in fp32: in the low dtype it
     would be that dtype's own limit."""
@@ -61,7 +66,7 @@ def _overflows(view: GraphView, node: fx.Node) -> bool:
     mask bias) overflow nothing until an op stores them low (``scores += position_bias``, into
     fp16 scores): that op is the origin."""
     m = _measured(node)
-    return m is not None and m.overflow > 0 and (view.runs_low(node) or _low_under_autocast(view, node, m))
+    return m is not None and m.overflow > 0 and _computes_low(view, node, m)
 
 
 @graph_rule("AMP301", "AMP302", "AMP303")
@@ -71,14 +76,14 @@ def measured_ranges(view: GraphView) -> Iterator[Finding]:
     min_lost = rule("AMP303").params["min_bits_lost"]
     for node in view.ops():
         m = _measured(node)
-        if m is None or not (view.runs_low(node) or _low_under_autocast(view, node, m)):
+        if m is None:
             continue
-        if m.overflow > 0 and not any(_overflows(view, i) for i in node.all_input_nodes) \
-                and not _limit_only(view, node, m):
+        if m.overflow > 0 and _computes_low(view, node, m) \
+                and not any(_overflows(view, i) for i in node.all_input_nodes) and not _limit_only(view, node, m):
             yield view.finding("AMP301", node, absmax=f"{m.absmax:.3g}", dtype=view.dtype, limit=f"{limit:.6g}",
                                percent=_percent(m.overflow),
                                fix="run this op in fp32 (keep it out of autocast, or upcast its input)")
-        elif not view.runs_low(node):
+        elif not view.runs_low(node):  # flushing and lost bits: in a model cast down only
             continue
         elif _flushed_before(view, node, min_flush):
             continue  # its inputs vanished already: their op is the one to fix
