@@ -14,7 +14,7 @@ from torch import nn
 import ampaudit
 from ampaudit.watch.blame import Event, blame_backward
 from ampaudit.watch.events import LOSS_MODULE
-from ampaudit.watch.monitor import NonFiniteError
+from ampaudit.watch.monitor import Monitor, NonFiniteError
 from ampaudit.watch.provenance import (
     BAD,
     FINITE,
@@ -1040,20 +1040,27 @@ class _Counting(nn.Module):
         return self.lin(x) * min(1.0, self.calls / 10)
 
 
-def _counting_run(watched: bool) -> tuple[list[float], int, list[int]]:
+def _train_counting(steps: int, watched: bool) -> tuple[nn.Module, Monitor | None, list[float]]:
+    """``steps`` GradScaler steps of a model whose first module is a ``_Counting``."""
     torch.manual_seed(0)
     model = nn.Sequential(_Counting(), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     losses = []
-    with ampaudit.watch(model, optimizer=opt, scaler=scaler) if watched else nullcontext():
-        for _ in range(5):
+    monitor = ampaudit.watch(model, optimizer=opt, scaler=scaler) if watched else None
+    with monitor if monitor is not None else nullcontext():
+        for _ in range(steps):
             loss = model(torch.randn(8, 4)).pow(2).mean()
             opt.zero_grad()
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
             losses.append(loss.item())
+    return model, monitor, losses
+
+
+def _counting_run(watched: bool) -> tuple[list[float], int, list[int]]:
+    model, _, losses = _train_counting(5, watched)
     return losses, model[0].calls, model[0].seen
 
 
@@ -1072,17 +1079,7 @@ def test_a_nan_an_enclosing_module_s_own_code_made_but_did_not_make_again_is_bla
     the Linear's inputs held NaN, and the enclosing module's replay (a fourth call) stayed finite.
     The note said the inputs "came from outside the watched modules (the batch, or code between
     modules)"; the enclosing module's inputs were finite, so its own code is named."""
-    torch.manual_seed(0)
-    model = nn.Sequential(_Counting(), nn.ReLU(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
-    with ampaudit.watch(model, optimizer=opt, scaler=scaler) as monitor:
-        for _ in range(3):
-            loss = model(torch.randn(8, 4)).pow(2).mean()
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+    _, monitor, _ = _train_counting(3, watched=True)
     first = monitor.summary()["first_nonfinite"]
     assert (first["module"], first["phase"], first["step"]) == ("0", "forward", 2)
     assert first["note"].startswith("`0.lin`'s inputs already held NaN or +inf, made by `0`'s own code")
