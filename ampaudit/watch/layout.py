@@ -106,7 +106,7 @@ class StepLayout:
         # A CPU activation or gradient over hist_sample_above elements has its histogram estimated
         # from about hist_sample of them (every count exact: cpu_stats.c; below, binning a sample
         # costs more than binning all); watch(exact_histograms=True) bins all.
-        self.hist_sample, self.hist_sample_above = 4096, 16384
+        self.hist_sample, self.hist_sample_above = 2048, 16384
 
     def step_buffer(self, n_rows: int, n_params: int, sharded: tuple[int, ...] = ()) -> StepBuffer:
         """The flat buffer one logged step reads back, for ``n_rows`` (module, phase) rows and
