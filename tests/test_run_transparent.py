@@ -325,6 +325,56 @@ def test_the_script_sees_its_names_as_under_python(tmp_path, typed):
     assert (watched.returncode, watched.stdout) == (0, plain.stdout), watched.stderr
 
 
+RECURSION_SCRIPT = """
+import sys, threading
+def depth(n=0):
+    try:
+        return depth(n + 1)
+    except RecursionError:
+        return n
+print(sys.getrecursionlimit(), depth())
+sys.setrecursionlimit(1500)
+print(sys.getrecursionlimit(), depth())
+room = []
+thread = threading.Thread(target=lambda: room.append(depth()))
+thread.start(), thread.join()
+print(room[0] >= 1495)  # python: 1495 (the thread starts on threading's frames)
+for bad in (0, 1.5):
+    try:
+        sys.setrecursionlimit(bad)
+    except (TypeError, ValueError) as e:
+        print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("typed", ["s.py", "deep"])
+def test_the_script_recurses_as_deep_as_under_python(cli, tmp_path, monkeypatch, typed):
+    """run's frames (and pytest's, here) sit below the script's: a script recursing near its
+    limit got 9-12 frames less and raised RecursionError where python did not. Its limit, as it
+    reads and sets it, and how deep it goes are python's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deep").mkdir()  # not "app": another test ran one in this process
+    (tmp_path / "s.py").write_text(RECURSION_SCRIPT)
+    (tmp_path / "deep" / "__main__.py").write_text(RECURSION_SCRIPT)
+    plain = subprocess.run([sys.executable, typed], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and plain.stdout.splitlines()[2] == "True", plain.stderr
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # python's default, as the plain run had it
+    try:
+        result = cli("run", "--log", "w.jsonl", typed)
+        assert sys.getrecursionlimit() == 1000  # run's own limit again after the script
+    finally:
+        sys.setrecursionlimit(limit)
+    if typed == "s.py":
+        assert (result.code, result.out) == (0, plain.stdout), result.err
+    else:  # a folder's __main__ runs on runpy's frames, whose depth varies by one here: never less room
+        assert result.code == 0, result.err
+        for ours, python in zip(result.out.splitlines(), plain.stdout.splitlines(), strict=True):
+            if ours != python:
+                (limit, depth), (python_limit, python_depth) = map(str.split, (ours, python))
+                assert limit == python_limit and int(python_depth) <= int(depth) <= int(python_depth) + 1
+
+
 def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_path):
     """A SyntaxError is the script's, printed as python prints it (the file, line and caret,
     no traceback): run printed its own frames above it, compile() in run_script."""

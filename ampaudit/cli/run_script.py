@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
+from ampaudit.cli import script_stack
 from ampaudit.core.errors import UsageError
 from ampaudit.core.paths import display_path
 from ampaudit.watch.monitor import Monitor, NonFiniteError
@@ -150,8 +151,9 @@ def _run_main(script: Path) -> None:
     ``sys.argv[0]`` to the path it is given, so a file runs here (compiled without this
     module's ``from __future__`` flags); a folder's ``__main__.py`` through run_path, given the
     folder as typed (its importer makes ``__file__`` absolute)."""
-    if script.is_dir():
-        runpy.run_path(sys.argv[0], run_name="__main__")
+    if script.is_dir():  # runpy's frames under python too; their depth here varies by one: the room errs high
+        with script_stack.as_python(script_stack.frames_below()):
+            runpy.run_path(sys.argv[0], run_name="__main__")
         return
     path = os.path.join(os.getcwd(), sys.argv[0])  # python's own absolute path: ./s.py gives /cwd/./s.py
     with io.open_code(path) as f:
@@ -164,7 +166,8 @@ def _run_main(script: Path) -> None:
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = main  # pickle and multiprocessing's spawn look the script up there
     try:
-        exec(code, main.__dict__)
+        with script_stack.as_python(script_stack.frames_below()):
+            exec(code, main.__dict__)
     finally:
         sys.modules["__main__"] = saved
 
