@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ampaudit.core.tensors import iter_tensors
-from ampaudit.watch.provenance import DEVICE_TYPES, NodeScan, Origin
+from ampaudit.watch.provenance import NodeScan, Origin, autocast_contexts
 
 # a kept call: func, the user's line, args, kwargs, output, the autocast it ran under
 Kept = tuple[Any, Any, tuple, "dict | None", Any, tuple]
@@ -46,9 +46,8 @@ def _takes_a_gradient(func: Any) -> bool:
 def _under(autocast: tuple) -> ExitStack:
     """The autocast a call ran under (``provenance.autocast_state``), entered for its replay."""
     stack = ExitStack()
-    for device, (enabled, dtype) in zip(DEVICE_TYPES, autocast, strict=True):
-        if enabled or torch.is_autocast_enabled(device):
-            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    for context in autocast_contexts(autocast):
+        stack.enter_context(context)
     return stack
 
 

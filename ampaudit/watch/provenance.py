@@ -78,6 +78,14 @@ def autocast_state() -> tuple:
     return (enabled("cpu"), dtype("cpu")), (enabled("cuda"), dtype("cuda"))
 
 
+def autocast_contexts(state: tuple) -> list[torch.autocast]:
+    """The autocast contexts that put ``state`` (``autocast_state``'s) back in force, to enter
+    in order: one per device type it enables, or that is enabled now and it disables."""
+    return [torch.autocast(d, dtype=dtype, enabled=enabled)
+            for d, (enabled, dtype) in zip(DEVICE_TYPES, state, strict=True)
+            if enabled or torch.is_autocast_enabled(d)]
+
+
 @dataclass
 class Origin:
     """The op a non-finite value came from. ``op``: the aten op (forward) or the autograd
@@ -252,9 +260,7 @@ class _Isolated:
                           if b.device.type == "cuda" and b.device.index is not None})
         self._rng = torch.random.fork_rng(devices=devices)
         self._rng.__enter__()
-        self._autocast = [torch.autocast(d, dtype=dtype, enabled=enabled)
-                          for d, (enabled, dtype) in zip(DEVICE_TYPES, self.call.autocast, strict=True)
-                          if enabled or torch.is_autocast_enabled(d)]
+        self._autocast = autocast_contexts(self.call.autocast)
         for ctx in self._autocast:
             ctx.__enter__()
         # compiled code inside the module runs eagerly: a replay never compiles (under a dispatch
