@@ -47,6 +47,7 @@ from ampaudit.watch.call_context import (
 )
 from ampaudit.watch.events import INPUT_GRAD, LOSS, LOSS_MODULE, NO_ROW, event
 from ampaudit.watch.grad_hooks import add_grad_hook, last_hook, remove_grad_hook
+from ampaudit.watch.hook_set import HookSet
 from ampaudit.watch.layout import LAYOUT
 from ampaudit.watch.loss_probe import LossProbe
 from ampaudit.watch.measurable import measurable_tensors, positional, unmeasurable
@@ -185,6 +186,8 @@ class StepRecorder:
         self.sharded_params: set[str] = set()  # parameters whose gradients are DTensor shards (FSDP2)
         self._depth = 0  # module calls in flight (global mode: depth 0 is a root)
         self._handles: list[Any] = []
+        self._module_hooks: HookSet | None = None  # the model's per-module hooks, once registered (``_arm``)
+        self._idle_hooks: HookSet | None = None  # its root's hook between recorded steps (``_disarm``)
         self._armed = False  # a hook on every module of the model (else on its root only: ``_rearm``)
         self._compiled: list[weakref.ref] = []  # modules compiled in place, not named yet (``name_compiled``)
         self._compile_wrapper: Any = None  # nn.Module.compile as ``_follow_compile`` wrapped it
@@ -245,13 +248,21 @@ class StepRecorder:
             self._handles.append(module_hooks.register_module_forward_hook(self._global_after_forward,
                                                                            with_kwargs=True, always_call=True))
         else:
-            # a new forward of the model: an earlier micro-batch's calls may go, an overdue step end
-            self._handles.append(model.register_forward_pre_hook(self._root_forward))
-            for module in model.modules():
-                self._handles.append(module.register_forward_hook(self.after_forward, with_kwargs=True))
-                if self.record_inputs:  # the pre-hook costs a call per module: only when it records
-                    self._handles.append(module.register_forward_pre_hook(self.before_forward))
+            if self._module_hooks is None:  # registered once; switched off and on after (``HookSet``)
+                self._module_hooks = self._register_module_hooks(model)
+            self._module_hooks.on()
         self._armed = True
+
+    def _register_module_hooks(self, model: torch.nn.Module) -> HookSet:
+        """The hooks of a recorded step on the modules named at attach (one added since has no
+        name, and would record nothing)."""
+        # a new forward of the model: an earlier micro-batch's calls may go, an overdue step end
+        handles = [model.register_forward_pre_hook(self._root_forward)]
+        for module in model.modules():
+            handles.append(module.register_forward_hook(self.after_forward, with_kwargs=True))
+            if self.record_inputs:  # the pre-hook costs a call per module: only when it records
+                handles.append(module.register_forward_pre_hook(self.before_forward))
+        return HookSet(handles)
 
     def _disarm(self) -> None:
         """Between recorded steps (``every`` > 1) one hook that counts the model's eval calls:
@@ -264,7 +275,9 @@ class StepRecorder:
             self._handles.append(module_hooks.register_module_forward_hook(self._global_idle_after_forward,
                                                                            with_kwargs=True))
         else:
-            self._handles.append(model.register_forward_hook(self.after_forward, with_kwargs=True))
+            if self._idle_hooks is None:
+                self._idle_hooks = HookSet([model.register_forward_hook(self.after_forward, with_kwargs=True)])
+            self._idle_hooks.on()
         if self.overdue_forwards is not None:  # a loop updating by hand: the step's forwards end it
             self._handles.append(model.register_forward_pre_hook(self._idle_forward) if model is not None
                                  else module_hooks.register_module_forward_pre_hook(self._idle_forward))
@@ -274,9 +287,13 @@ class StepRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for hooks in (self._module_hooks, self._idle_hooks):
+            if hooks is not None:
+                hooks.off()
 
     def detach(self) -> None:
         self._remove_handles()
+        self._module_hooks = self._idle_hooks = None
         backward_tap.unlisten(self.on_backward)
         backward_tap.unlisten_graph_grads(self.on_graph_grad)
         self._unhook()
@@ -323,17 +340,28 @@ class StepRecorder:
 
     def after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """The forward hook: the module's inputs and its output, after it ran."""
-        if compiling():  # traced: what changes between steps is read when the graph runs
-            index = self.names.numbers.get(id(module)) if self.inside_compile else None
-            if index is not None:
-                compiled.trace_forward(self._token, index, output, measurable_tensors(output),
-                                       positional(args) if self.provenance else [], record_eval=self.record_eval)
-            return
+        if compiling():
+            self._trace_forward(module, args, output)
+        elif not self._left_alone(output):
+            self._record_call(module, args, kwargs, output)
+
+    def _trace_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A call traced by torch.compile: what changes between steps is read when the graph runs."""
+        index = self.names.numbers.get(id(module)) if self.inside_compile else None
+        if index is not None:
+            compiled.trace_forward(self._token, index, output, measurable_tensors(output),
+                                   positional(args) if self.provenance else [], record_eval=self.record_eval)
+
+    def _left_alone(self, output: Any) -> bool:
+        """Whether a call that ran is none of this recorder's: during a replay (``paused``), on
+        another thread or in a torch.func transform (its outputs counted), or a checkpointed call
+        recomputed in backward (recorded when it ran forward)."""
         # the followed thread outside any torch.func transform - nearly every call - asks no more
         here = functorch_level() is None and get_ident() == self.thread.ident
-        if self.paused or (not here and self._elsewhere(output)) \
-                or (graph_task() != -1 and recomputed()):  # recorded when it ran forward
-            return
+        return self.paused or (not here and self._elsewhere(output)) or (graph_task() != -1 and recomputed())
+
+    def _record_call(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """A module call of the followed thread, run (not traced): its events and gradient hooks."""
         if self.loss_probe is not None and module is self._model:  # back on the stack as the model returned
             self.loss_probe.pause()  # (its global hook runs first): not for this hook's own calls
         name = self._names.get(id(module))
@@ -409,12 +437,12 @@ class StepRecorder:
                 self._depth = max(0, self._depth - 1)
             return
         if compiling():  # traced: only the recording op (inside_compile), no bookkeeping dynamo would guard on
-            self.after_forward(module, args, kwargs, output)
+            self._trace_forward(module, args, output)
             return
-        if self.paused or recomputed() or self._elsewhere(output):
+        if self._left_alone(output):
             return
         self._depth = max(0, self._depth - 1)
-        self.after_forward(module, args, kwargs, output)
+        self._record_call(module, args, kwargs, output)
         if self._depth == 0 and self.loss_probe is not None and self.logging and torch.is_grad_enabled():
             self.loss_probe.start()  # a module called outside all others returned: the loop's code follows
 
