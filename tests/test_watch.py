@@ -2054,6 +2054,34 @@ def test_a_loop_that_updates_by_hand_gets_steps_of_bounded_size(monkeypatch, cap
 
 
 @pytest.mark.parametrize("global_hooks", [False, True], ids=["watch", "run"])
+def test_each_micro_batch_s_check_reads_only_its_own_rows(monkeypatch, global_hooks):
+    """A forward after a backward within a step checks the rows since the last check (a
+    micro-batch gone non-finite keeps its calls for a replay). It used to gather every row the
+    step had used to pick those out: a hand-updated loop, whose step ends only at OVERDUE_ROWS
+    rows, went quadratic - pytorch/examples' regression shape, 2000 iterations, 38.8 s under
+    `ampaudit run` against 2.1 s under python. Each row is checked once, the step's rows never
+    gathered before its end."""
+    from ampaudit.watch.arena import RowArena
+    from ampaudit.watch.monitor import Monitor
+
+    checked, gathered = [], []
+    matrix, used = RowArena.matrix, RowArena.used
+    monkeypatch.setattr(RowArena, "matrix", lambda self, handles, device: (
+        checked.append(len(handles)), matrix(self, handles, device))[1])
+    monkeypatch.setattr(RowArena, "used", lambda self, handles, device: (
+        gathered.append(len(handles)), used(self, handles, device))[1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    mon = Monitor(None if global_hooks else model).start()
+    for _ in range(40):
+        _sgd_by_hand(model)
+    rows = len(mon.recorder.event_rows)
+    mon.stop()
+    assert gathered == [rows]  # once, at the step's end
+    assert len(checked) == 39 and sum(checked) == rows - rows // 40  # the last micro-batch's at the end
+
+
+@pytest.mark.parametrize("global_hooks", [False, True], ids=["watch", "run"])
 def test_a_loop_that_updates_by_hand_is_recorded_every_nth_step_with_every(monkeypatch, capsys, global_hooks):
     """With every=N the steps not recorded hold no rows, so none grew overdue: the first
     overdue step ended and the next was never recorded - 1 step in the summary for 30

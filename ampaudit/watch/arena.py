@@ -109,9 +109,16 @@ class RowArena:
 
     def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows behind ``handles``, in that order, on ``device``: (counts N x LAYOUT.counts
-        int64, extras N x LAYOUT.extras float32)."""
-        counts, extras, index = self.used(handles, device)
-        return counts.index_select(0, index), extras.index_select(0, index)
+        int64, extras N x LAYOUT.extras float32). Only those rows are copied: a step's check of
+        each new micro-batch reads that one's rows, and gathering every row the step had used
+        made a loop of 2000 micro-batches (a hand-made update, no step end) 18x slower."""
+        if not handles:
+            return (torch.zeros(0, LAYOUT.counts, dtype=torch.int64, device=device),
+                    torch.zeros(0, LAYOUT.extras, dtype=torch.float32, device=device))
+        rows = [self._devices[dev].rows[i] for dev, i in handles]
+        if any(dev != device for dev, _ in handles):  # rows on several devices (rare): each moved
+            rows = [(c.to(device), e.to(device)) for c, e in rows]
+        return torch.stack([c for c, _ in rows]), torch.stack([e for _, e in rows])
 
     def used(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every row used this step, each once, on ``device`` - (counts, extras), views of the

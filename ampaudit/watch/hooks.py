@@ -163,6 +163,7 @@ class StepRecorder:
         self.calls_frozen = False  # a micro-batch before this one went non-finite: keep its calls
         self._backward_since = False  # a gradient hook ran since the calls' micro-batch began (``_root_forward``)
         self._checked = 0  # this step's events checked for non-finite values at a new micro-batch (``_root_forward``)
+        self._released = 0  # this step's calls released so far (``_root_forward``)
         self.steps_ended = 0  # how many steps ended (``end_step``): which step a gradient hook was put in
         # called at a new forward after a backward once the step holds OVERDUE_ROWS rows: ends it
         self.on_overdue: NotCopied | None = None
@@ -485,8 +486,11 @@ class StepRecorder:
         device = rows[0][0] if rows else torch.device("cpu")
         if rows and bool(stats.harmful(stats.raw_matrix(*self.arena.matrix(rows, device))).any()):
             self.calls_frozen = True
-        else:
-            self.calls = [None] * len(self.calls)
+        else:  # released, each once: the indices stay the events'
+            calls = self.calls
+            for i in range(self._released, len(calls)):
+                calls[i] = None
+            self._released = len(calls)
 
     def _idle_forward(self, module: torch.nn.Module, args: Any) -> None:
         """A step not recorded (``every``) of a loop that updates by hand holds no rows to grow
@@ -646,7 +650,7 @@ class StepRecorder:
         self._unhook()
         self.event_rows, self.events, self.param_rows, self._seen, self._grad_hooks = [], [], {}, {}, {}
         self.event_calls, self.calls, self.calls_frozen, self._backward_since = [], [], False, False
-        self._checked, self._forwards = 0, 0
+        self._checked, self._released, self._forwards = 0, 0, 0
         self.graph_grads = []
         self.steps_ended += 1
         self.arena.reset()
