@@ -1731,6 +1731,27 @@ def test_run_names_a_module_at_a_dead_ones_address_by_itself():
         "numel"] == 6
 
 
+def test_run_names_two_optimizers_unnamed_parameters_apart():
+    """A module trained through ``layer.forward(x)`` runs no hook, so no module names its
+    parameters (pytorch/examples' mnist_forward_forward: each layer with its optimizer). They
+    were ``param<i>`` by their place in the optimizer that stepped: both layers' weights were
+    ``param0``, their rows added up under one name, tensors of two sizes. Each unnamed parameter
+    now has a name of its own, in the order first seen."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 6), nn.Linear(6, 4)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    x = torch.randn(16, 8)
+    with ampaudit.watch(None) as mon:
+        for layer, opt, inputs in ((a, opt_a, x), (b, opt_b, torch.randn(16, 6))):
+            for _ in range(2):
+                layer.forward(inputs).relu().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    params = mon.summary()["params"]
+    assert sorted(params) == ["param0", "param1", "param2", "param3"]
+    assert [params[f"param{i}"]["numel"] for i in range(4)] == [2 * 48, 2 * 6, 2 * 24, 2 * 4]
+
+
 @pytest.mark.parametrize("leaf", [False, True])
 def test_a_gradient_hook_of_watchs_runs_where_register_hook_would_put_it(leaf):
     """``add_grad_hook`` writes torch's own hook dict: each hook runs in the order it was

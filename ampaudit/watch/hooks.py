@@ -314,7 +314,7 @@ class StepRecorder:
             if module is not None and id(module) not in self._names:
                 self.names.name_root(module)
 
-    def param_name(self, param: torch.nn.Parameter, fallback: str) -> str:
+    def param_name(self, param: torch.nn.Parameter, fallback: str | None = None) -> str:
         return self.names.param(param, fallback)
 
     def param_owners(self, name: str) -> list[str]:

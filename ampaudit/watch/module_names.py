@@ -42,6 +42,7 @@ class ModuleNames:
         self.numbered: list[str] = []
         self._number_of: dict[str, int] = {}  # a name's place in ``numbered``: a module named as a dead one shares it
         self._param_names: dict[int, str] = {}
+        self._unnamed = 0  # parameters named ``param<k>`` so far (``param``)
         self._param_owners: dict[int, list[str]] = {}  # id(param) -> the modules holding it (tied: several)
         # id(module or parameter) named above -> a weak reference that forgets the id when it dies
         self._alive: dict[int, weakref.ref] = {}
@@ -114,8 +115,19 @@ class ModuleNames:
     def module(self, module: torch.nn.Module) -> str | None:
         return self.by_id.get(id(module))
 
-    def param(self, param: torch.nn.Parameter, fallback: str) -> str:
-        return self._param_names.get(id(param), fallback)
+    def param(self, param: torch.nn.Parameter, fallback: str | None = None) -> str:
+        """``param``'s name; one no module named (an optimizer's parameter whose module never ran
+        through ``__call__``: ``layer.forward(x)``) is ``fallback``, or without one ``param<k>``,
+        numbered in the order first asked and kept while it lives - numbered per optimizer, two
+        optimizers' parameters took the same names, their rows added up under them."""
+        name = self._param_names.get(id(param))
+        if name is None:
+            if fallback is not None:
+                return fallback
+            self._while_alive(param)
+            name = self._param_names[id(param)] = f"param{self._unnamed}"
+            self._unnamed += 1
+        return name
 
     def param_owners(self, name: str) -> list[str]:
         """The modules that hold the parameter called ``name`` (a tied weight: each of them)."""

@@ -333,7 +333,7 @@ class Monitor:
             return self._model_params
         self.recorder.name_compiled()
         seen = [p for opt in self.optimizer_tap.optimizers for g in opt.param_groups for p in g["params"]]
-        return [(self.recorder.param_name(p, f"param{i}"), p) for i, p in enumerate(seen)]
+        return [(self.recorder.param_name(p), p) for p in seen]
 
     def _flush_step(self, *, skipped: bool | None = None, found_inf: torch.Tensor | None = None,
                     scale: torch.Tensor | None = None, logged: bool | None = None, ender: Any = None) -> None:
