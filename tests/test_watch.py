@@ -1331,8 +1331,11 @@ def test_the_summary_fits_the_terminal(width):
     assert ("log2 |x|" in out.getvalue()) is (width >= 110)
 
 
-def test_dotted_names_at_80_columns_break_only_after_a_dot():
-    """Before: the module column folded ``transformer.h.0.attn.c_attn`` into 10-character fragments."""
+@pytest.mark.parametrize("width", [80, 110])
+def test_dotted_names_break_only_after_a_dot(width):
+    """Before: the module column folded ``transformer.h.0.attn.c_attn`` into 10-character
+    fragments at 80 columns, and a wide terminal's table cut nanoGPT's
+    ``transformer.h.0.attn.resid_dropout`` into ``...resid_dr`` and ``opout``."""
     import io
 
     from rich.console import Console
@@ -1356,17 +1359,19 @@ def test_dotted_names_at_80_columns_break_only_after_a_dot():
     with ampaudit.watch(net, optimizer=opt) as mon:
         _train(net, opt, 1)
     out = io.StringIO()
-    render_summary(mon.summary(), Console(file=out, width=80, force_terminal=False))
+    render_summary(mon.summary(), Console(file=out, width=width, force_terminal=False))
     table = out.getvalue().split("Per module")[1].split("Parameter gradients")[0]
-    names = []
-    for line in table.splitlines()[3:]:
-        if line.strip():
+    names, lines = [], [line.replace("│", " ") for line in table.splitlines()[3:]]
+    for line in lines:
+        if line.strip() and not set(line.strip()) <= set("─┃━┡╇┩└┴┘"):
             part = line.split()[0]
             names[-1:] = [names[-1] + part] if names and names[-1].endswith(".") else [*names[-1:], part]
     # broken only after a dot: every name reads whole again
     assert names.count("inner.transformer.h.0.attn.c_attn") == 2  # forward and backward
     assert set(names) == {"(model)", "inner.transformer.h.0.attn.c_attn"}
-    assert max(len(line) for line in out.getvalue().splitlines()) <= 80
+    assert max(len(line) for line in out.getvalue().splitlines()) <= width
+    if width == 110:  # 33 characters at 110 columns: broken once, after "attn."
+        assert sum(line.split()[0] == "c_attn" for line in lines if line.strip()) == 2
 
 
 @pytest.mark.parametrize("order", ["lifo", "fifo"])

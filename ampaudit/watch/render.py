@@ -96,7 +96,8 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     else:  # 80 columns: light borders, short headers, and names broken only after a dot
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
                       pad_edge=False, show_edge=False)
-    name_width = _name_width(console.width, headers, [c for _, c, _, _ in rows], wide)
+    cells = [[*c, _sparkline(hist)] if wide else c for _, c, hist, _ in rows]
+    name_width = _name_width(console.width, headers + (("log2 |x|",) if wide else ()), cells, wide)
     if wide:
         table.add_column("module", overflow="fold", ratio=1)
     else:
@@ -105,9 +106,8 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         table.add_column(col, justify="right", no_wrap=True)
     if wide:
         table.add_column("log2 |x|", no_wrap=True)
-    for module, cells, hist, bad in rows:
-        name = Text(module if wide else _break_at_dots(module, name_width))
-        table.add_row(name, *cells, *([_sparkline(hist)] if wide else []), style="red" if bad else None)
+    for (module, _, _, bad), row in zip(rows, cells, strict=True):
+        table.add_row(Text(_break_at_dots(module, name_width)), *row, style="red" if bad else None)
     console.print(table)
     if summary["params"]:
         scaled = any("overflow_at_scale" in s for s in summary["params"].values())
@@ -165,11 +165,11 @@ def _percent(count: int, total: int) -> str:
 
 
 def _name_width(width: int, headers: tuple[str, ...], rows: list[list[str]], wide: bool) -> int:
-    """What the module column gets at ``width``: the rest after the other columns (light borders)."""
-    if wide:
-        return width
+    """What the module column gets at ``width``: the rest after the other columns, each its
+    widest cell and three characters of padding and border (light borders: no outer edges;
+    heavy: a left edge, and the module column's own three)."""
     others = sum(max([len(h)] + [len(r[i]) for r in rows]) + 3 for i, h in enumerate(headers))
-    return max(12, width - others - 1)
+    return max(12, width - others - (4 if wide else 1))
 
 
 def _break_at_dots(name: str, width: int) -> str:
