@@ -66,3 +66,15 @@ def test_a_per_step_function_called_in_the_batch_loop_builds_a_scaler_per_step()
     # called once (no loop around the call): one scaler for the run
     assert _found("AMP448", source.replace("            for x in loader:\n                train_step",
                                            "            pass\n        train_step")) == []
+
+
+def test_a_restore_through_a_helper_handed_the_optimizer_counts_as_restored():
+    # yolov5's train.py: smart_resume(ckpt, optimizer, ...) restores it in utils/, torch.save saves it here
+    source = ("import torch\nfrom utils import smart_resume\n\n\ndef run(model, optimizer, scaler, x, ckpt):\n"
+              "    start = smart_resume(ckpt, optimizer)\n" + STEP
+              + "    torch.save({'optimizer': optimizer.state_dict()}, 'o.pt')\n")
+    assert _found("AMP449", source) == [13]  # the torch.save line
+    # the helper handed the scaler too restores it as well; torch.load(path) restores nothing
+    call = "smart_resume(ckpt, optimizer)"
+    assert _found("AMP449", source.replace(call, "smart_resume(ckpt, optimizer, scaler)")) == []
+    assert _found("AMP449", source.replace(call, "torch.load(ckpt)")) == []

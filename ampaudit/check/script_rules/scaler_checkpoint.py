@@ -15,11 +15,14 @@ from ampaudit.core.findings import Finding
 # a call that may checkpoint the scaler elsewhere: save_checkpoint(..., scaler), torch.save(scaler, ...)
 _CHECKPOINTS = re.compile(r"save|checkpoint|ckpt|resume|load", re.IGNORECASE)
 _SCALER_NAME = re.compile(r"scaler", re.IGNORECASE)
+# a call that may restore the optimizer's state elsewhere: smart_resume(ckpt, optimizer), load_checkpoint(...)
+_RESTORES = re.compile(r"resume|load|restore", re.IGNORECASE)
 
 
 @lint_rule("AMP449", reads=("state_dict", "GradScaler", "scaler"))
 def scaler_state_not_checkpointed(facts: ScriptFacts) -> Iterator[Finding]:
     restored = [c for c in facts.method_calls("load_state_dict") if _of_optimizer(facts, c)]
+    restored += _restore_helpers(facts)
     # optimizer.load_state_dict(optimizer.state_dict()) copies state around: no checkpoint
     copied = {id(a) for c in restored for a in c.node.args}
     saved = [c for c in facts.method_calls("state_dict") if _of_optimizer(facts, c) and id(c.node) not in copied]
@@ -34,6 +37,21 @@ def scaler_state_not_checkpointed(facts: ScriptFacts) -> Iterator[Finding]:
     yield finding(facts, "AMP449", first, optimizer=first.receiver, scaler=scalers[0],
                   fix=f'save {scalers[0]}.state_dict() beside the optimizer\'s ("scaler": ...) and call '
                       f"{scalers[0]}.load_state_dict(...) where the optimizer's state is restored")
+
+
+def _restore_helpers(facts: ScriptFacts) -> list[Call]:
+    """Calls that hand the optimizer to a function that may restore it - yolov5's
+    ``smart_resume(ckpt, optimizer, ...)``, ``load_checkpoint(path, model, optimizer)``: the
+    restore is in another file."""
+    found = []
+    for call in facts.calls:
+        callee = (dotted(call.node.func) or "").rsplit(".", 1)[-1]
+        if call.method == "load_state_dict" or not _RESTORES.search(callee):
+            continue
+        names = [dotted(a) for a in (*call.node.args, *(k.value for k in call.node.keywords))]
+        if any(name and (named_like_optimizer(name) or name in optimizers(facts, call.scope)) for name in names):
+            found.append(call)
+    return found
 
 
 def _saves(facts: ScriptFacts) -> bool:
