@@ -2082,11 +2082,11 @@ def test_a_loop_that_updates_by_hand_gets_steps_of_bounded_size(monkeypatch, cap
 @pytest.mark.parametrize("global_hooks", [False, True], ids=["watch", "run"])
 def test_each_micro_batch_s_check_reads_only_its_own_rows(monkeypatch, global_hooks):
     """A forward after a backward within a step checks the rows since the last check (a
-    micro-batch gone non-finite keeps its calls for a replay). It used to gather every row the
-    step had used to pick those out: a hand-updated loop, whose step ends only at OVERDUE_ROWS
-    rows, went quadratic - pytorch/examples' regression shape, 2000 iterations, 38.8 s under
-    `ampaudit run` against 2.1 s under python. Each row is checked once, the step's rows never
-    gathered before its end."""
+    micro-batch gone non-finite keeps its calls for a replay). Gathering every row the step has
+    used to pick those out makes a hand-updated loop, whose step ends only at OVERDUE_ROWS rows,
+    quadratic - pytorch/examples' regression shape, 2000 iterations: 38.8 s under `ampaudit run`
+    against 2.1 s under python. Each row is checked once, the step's rows never gathered before
+    its end."""
     from ampaudit.watch.arena import RowArena
     from ampaudit.watch.monitor import Monitor
 

@@ -110,8 +110,8 @@ class RowArena:
     def matrix(self, handles: list[Handle], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows behind ``handles``, in that order, on ``device``: (counts N x LAYOUT.counts
         int64, extras N x LAYOUT.extras float32). Only those rows are copied: a step's check of
-        each new micro-batch reads that one's rows, and gathering every row the step had used
-        made a loop of 2000 micro-batches (a hand-made update, no step end) 18x slower."""
+        each new micro-batch reads that one's rows; gathering every row the step used would make
+        a long step's checks quadratic (2000 micro-batches of a hand-made update: 18x python's time)."""
         if not handles:
             return (torch.zeros(0, LAYOUT.counts, dtype=torch.int64, device=device),
                     torch.zeros(0, LAYOUT.extras, dtype=torch.float32, device=device))

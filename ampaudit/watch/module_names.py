@@ -118,8 +118,8 @@ class ModuleNames:
     def param(self, param: torch.nn.Parameter, fallback: str | None = None) -> str:
         """``param``'s name; one no module named (an optimizer's parameter whose module never ran
         through ``__call__``: ``layer.forward(x)``) is ``fallback``, or without one ``param<k>``,
-        numbered in the order first asked and kept while it lives - numbered per optimizer, two
-        optimizers' parameters took the same names, their rows added up under them."""
+        numbered in the order first asked and kept while it lives (numbered per optimizer, two
+        optimizers' parameters would share names, their rows added up under them)."""
         name = self._param_names.get(id(param))
         if name is None:
             if fallback is not None:
