@@ -258,6 +258,105 @@ def test_deprecated_api_in_a_fallback_is_left_alone():
     assert _codes(source) == []
 
 
+# Lightning's precision plugins (fabric/plugins/precision/amp.py:54) and the other ways a torch
+# version flag is spelled or assigned: the deprecated call runs on old torch only
+VERSION_FLAGS = {
+    "imported_flag": ("from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_4",
+                      "_TORCH_GREATER_EQUAL_2_4"),
+    "spelled_flag": ("from .utils import TORCH_GE_2_4", "TORCH_GE_2_4"),
+    "transformers_flag": ("from transformers.pytorch_utils import is_torch_less_than_2_4",
+                          "not is_torch_less_than_2_4"),
+    "transformers_call": ("from transformers.utils import is_torch_greater_or_equal",
+                          'is_torch_greater_or_equal("2.4")'),
+    "packaging_version": ('new_amp = Version(torch.__version__) >= Version("2.4")', "new_amp"),
+    "string_compare": ('_AMP_NEW = torch.__version__ >= "2.4"', "_AMP_NEW"),
+    "compare_version": ('has_new_scaler = compare_version("torch", operator.ge, "2.4.0")', "has_new_scaler"),
+    "requirement": ('_NEW_SCALER = RequirementCache("torch>=2.4")', "_NEW_SCALER"),
+    "annotated_and_chained": ('_NEW: bool = Version(torch.__version__) >= Version("2.4")\nnew_and_cuda = _NEW and cuda',
+                              "new_and_cuda"),
+    "requirement_in_test": ("", 'RequirementCache("torch>=2.4")'),
+}
+
+
+@pytest.mark.parametrize("binding, test", VERSION_FLAGS.values(), ids=VERSION_FLAGS)
+def test_a_fallback_under_a_torch_version_flag_is_left_alone(binding, test):
+    header = f"import torch\n{binding}\n\n\n"
+    expression = f"def make(device):\n    return torch.amp.GradScaler(device=device) if {test} else " \
+                 "torch.cuda.amp.GradScaler()\n"
+    statement = f"def make(device):\n    if {test}:\n        return torch.amp.GradScaler(device)\n" \
+                "    else:\n        return torch.cuda.amp.GradScaler()\n"
+    assert _codes(header + expression) == []
+    assert _codes(header + statement) == []
+
+
+def test_a_version_flag_local_to_a_function_covers_that_function_only():
+    source = """
+    import torch
+
+
+    def make(device):
+        new = torch.__version__ >= "2.4"
+        return torch.amp.GradScaler(device) if new else torch.cuda.amp.GradScaler()
+
+
+    def other(new):
+        return torch.amp.GradScaler("cuda") if new else torch.cuda.amp.GradScaler()
+    """
+    assert _codes(source) == [("AMP401", 11)]
+
+
+@pytest.mark.parametrize("binding, test", [
+    ("new_api = args.version == 2", "new_api"),  # a version, not torch's
+    ("_TORCH_COMPILE = True", "_TORCH_COMPILE"),  # torch_ and no version number
+    ("from .flags import TORCH_IS_AVAILABLE", "TORCH_IS_AVAILABLE"),
+])
+def test_a_flag_that_is_no_torch_version_test_still_reports(binding, test):
+    source = f"import torch\n{binding}\n\nscaler = torch.amp.GradScaler('cuda') if {test} else " \
+             "torch.cuda.amp.GradScaler()\n"
+    assert _codes(source) == [("AMP401", 4)]
+
+
+OLD_TORCH_FILE = """
+import torch
+from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_4
+
+
+def make(device):
+    return torch.amp.GradScaler(device=device) if _TORCH_GREATER_EQUAL_2_4 else torch.cuda.amp.GradScaler()
+
+
+def train(model, x):
+    scaler = torch.cuda.amp.GradScaler()
+    with torch.cuda.amp.autocast():
+        loss = model(x)
+    scaler.scale(loss).backward()
+"""
+
+
+def test_a_rewrite_to_an_api_older_torch_lacks_is_unsafe_in_a_file_that_runs_on_it():
+    # torch.amp.GradScaler is torch 2.3's: the file's version flag says it runs on older torch
+    found = {(f.rule, f.line): f for f in lint_source("t.py", OLD_TORCH_FILE)}
+    assert sorted(found) == [("AMP401", 11), ("AMP401", 12)]
+    scaler, autocast = found["AMP401", 11], found["AMP401", 12]
+    assert not scaler.autofix.safe and "torch >= 2.3" in scaler.fix
+    assert autocast.autofix.safe  # torch.amp.autocast("cuda") runs on every torch 2
+    # without the flag, nothing says the file runs on older torch: the same rewrite is safe
+    plain = OLD_TORCH_FILE.replace("_TORCH_GREATER_EQUAL_2_4", "True").replace(
+        "from lightning.fabric.utilities.imports import True\n", "")
+    assert all(f.autofix.safe for f in lint_source("t.py", plain))
+
+
+def test_fix_leaves_a_version_gated_fallback_and_the_unsafe_rewrite_alone(tmp_path, cli):
+    script = tmp_path / "amp.py"
+    script.write_text(OLD_TORCH_FILE)
+    assert cli("check", str(script), "--lint-only", "--fix").code == 1  # the GradScaler's finding stays
+    fixed = script.read_text()
+    assert "if _TORCH_GREATER_EQUAL_2_4 else torch.cuda.amp.GradScaler()" in fixed  # the fallback
+    assert "scaler = torch.cuda.amp.GradScaler()" in fixed and 'torch.amp.autocast("cuda")' in fixed
+    assert cli("check", str(script), "--lint-only", "--fix", "--unsafe-fixes").code == 0
+    assert 'scaler = torch.amp.GradScaler("cuda")' in script.read_text()
+
+
 def test_deprecated_module_alias_is_fixed_with_its_uses(tmp_path, cli):
     script = tmp_path / "train.py"
     script.write_text("from torch.cuda import amp\n\nscaler = amp.GradScaler()\nwith amp.autocast():\n    pass\n")

@@ -7,19 +7,18 @@ conditions a statement runs under (``guards``: the ``if`` / ``else`` branches an
 expressions around it, and the early ``return`` / ``continue`` before it). Which of them
 switch AMP on or off is decided later, when every scaler and ``enabled=`` flag of the file
 is known (guards.py). It also marks code in a fallback for old torch (``try``/``except
-ImportError``, a branch on the torch version).
+ImportError``, a branch on the torch version or on a name assigned from it: versions.py).
 """
 
 from __future__ import annotations
 
 import ast
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
 
-from ampaudit.check.lint import autocasts, inference, scopes
+from ampaudit.check.lint import autocasts, inference, scopes, versions
 from ampaudit.check.lint.facts import (
     FLOAT16_NAMES,
     GRAD_SCALERS,
@@ -94,6 +93,11 @@ class Visitor:
         self.compat: list[bool] = [False]  # inside a try/except that falls back for old torch
         self.annotating = False  # inside a type annotation: names there are typing, not calls
         self.version_tests: dict[ast.AST, bool] = {}
+        # `_NEW_AMP = Version(torch.__version__) >= Version("2.4")`: (the function a plain name
+        # is local to, or None, name), as for contexts - looked for only in a file that tests
+        # the torch version somewhere
+        self.version_flags: set[tuple[int | None, str]] = set()
+        self.tests_version = versions.TORCH_VALUE.search(text.source) is not None
         self.class_body: str | None = None  # the class whose body is being visited (not its methods')
         self.nn_modules: dict[str, str] = {}  # `criterion = nn.MSELoss()`: name -> torch.nn class
         # a callee that is a function (imported, or defined at the top level), not a model
@@ -260,6 +264,8 @@ class Visitor:
         self._annotation(node.annotation)
         if node.value is not None:
             self.visit(node.value)
+            if self.tests_version:
+                self._version_flag(node.target, node.value)
 
     def _class(self, node: ast.ClassDef) -> None:
         bases = frozenset(n for base in node.bases for n in self.qualified(unstarred(base)))
@@ -357,10 +363,42 @@ class Visitor:
             return True
         for test, _ in self.guards:
             if test not in self.version_tests:
-                self.version_tests[test] = bool(_VERSION_TEST.search(self.text.text(test)))
+                self.version_tests[test] = self._is_version_test(test)
             if self.version_tests[test]:
                 return True
         return False
+
+    def _is_version_test(self, test: ast.expr) -> bool:
+        """``test`` picks code by the torch version: as written (versions.VERSION_TEST), or
+        through a name assigned from a version test."""
+        return versions.VERSION_TEST.search(self.text.text(test)) is not None or self._reads_flag(test)
+
+    def _reads_flag(self, expr: ast.expr) -> bool:
+        if not self.version_flags:
+            return False
+        for node in ast.walk(expr):
+            if node.__class__ in (ast.Name, ast.Attribute) and (name := dotted(node)) and self._is_flag(name):
+                return True
+        return False
+
+    def _is_flag(self, name: str) -> bool:
+        """``name`` holds a torch version test here (scoped as ``_context``)."""
+        if "." not in name:
+            for scope in (self.scope, *(saved[0] for saved in reversed(self.saved))):
+                if scope.kind == "function" and (id(scope), name) in self.version_flags:
+                    return True
+        return (None, name) in self.version_flags
+
+    def _version_flag(self, target: ast.expr, value: ast.expr) -> None:
+        """``target = value``, where value tests the torch version: ``target`` is a version flag."""
+        if value.__class__ not in _FLAG_VALUES:
+            return
+        if versions.TORCH_VALUE.search(self.text.text(value)) is None and not self._reads_flag(value):
+            return
+        for bound in _targets(target):
+            name = dotted(bound)
+            if name:
+                self.version_flags.add((self._local_to(name), name))
 
     # -- loops and with -------------------------------------------------------------------
     def _for(self, node: ast.For | ast.AsyncFor) -> None:
@@ -439,6 +477,9 @@ class Visitor:
         self._visit_all(node.targets)
         self.visit(node.value)
         value = node.value
+        if self.tests_version:
+            for target in node.targets:
+                self._version_flag(target, value)
         block = self.autocasts[-1]
         scaled = unwrap_cast(value)
         scaler = dotted(scaled.func.value) if _calls_method(scaled, "scale") else None
@@ -634,9 +675,9 @@ _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _AMP_SWITCHES = GRAD_SCALERS | frozenset(autocasts.AUTOCASTS)
 _AUTOGRAD_FUNCTIONS = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
-# `if version.parse(torch.__version__) < ...`, `TORCH_2_4`, `is_torch_greater_or_equal(...)`,
-# `hasattr(torch.amp, "GradScaler")`: code chosen by the installed torch's version.
-_VERSION_TEST = re.compile(r"version|TORCH_\d|hasattr\(\s*torch", re.IGNORECASE)
+# what a version flag is assigned from: a comparison, a call (`compare_version(...)`,
+# `RequirementCache("torch>=2.4")`), `not`/`and`/`or` of them, another flag
+_FLAG_VALUES = frozenset({ast.Compare, ast.Call, ast.BoolOp, ast.UnaryOp, ast.Name, ast.Attribute})
 _AMP_ATTRIBUTES = frozenset({"autocast", "GradScaler", "custom_fwd", "custom_bwd"})
 _FLOAT16_ATTRIBUTES = frozenset(name.rsplit(".", 1)[1] for name in FLOAT16_NAMES)  # torch.float16, torch.half
 

@@ -8,17 +8,20 @@ imported from the old module, or the module under an alias (``from torch.cuda im
 or, when some use cannot be fixed, not at all. A reference that is not called
 (``ac = torch.cuda.amp.autocast``, ``partial(torch.cuda.amp.GradScaler, ...)``) is reported
 without a fix. Code in a fallback for old torch (``try``/``except ImportError``, a branch
-on the torch version) is left alone: it is there on purpose.
+on the torch version or on a flag assigned from it, a name spelled as a torch version flag:
+lint/versions.py) is left alone: it is there on purpose. In a file that shows it runs on
+older torch (``versions.supports_old_torch``), a rewrite to ``torch.amp.GradScaler`` (torch
+2.3) or ``torch.amp.custom_fwd``/``custom_bwd`` (2.4) is unsafe: it fails there.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ampaudit.check.lint import edits
+from ampaudit.check.lint import edits, versions
 from ampaudit.check.lint.facts import Import, ScriptFacts
 from ampaudit.check.lint.imports import amp_public_name
 from ampaudit.check.lint.memo import per_file
@@ -36,6 +39,9 @@ _DEPRECATED = {
     "torch.cuda.amp.custom_fwd": ("torch.amp.custom_fwd", "cuda", False),
     "torch.cuda.amp.custom_bwd": ("torch.amp.custom_bwd", "cuda", False),
 }
+# the new spellings torch added late: a file that still runs on older torch cannot take them
+# safely (torch.amp.autocast("cuda", ...) runs on every torch 2)
+_SINCE = {"torch.amp.GradScaler": "2.3", "torch.amp.custom_fwd": "2.4", "torch.amp.custom_bwd": "2.4"}
 _OLD_MODULES = ("torch.cuda.amp", "torch.cpu.amp")
 # the modules that define the old classes: imported from, they are the same deprecated classes
 # (nerfstudio's `from torch.cuda.amp.grad_scaler import GradScaler`); torch.amp has its own
@@ -49,6 +55,23 @@ class _Use:
     callee: ast.expr
     call: ast.Call | None  # None for a bare decorator
     old: str
+
+
+def _needs(olds: Iterable[str]) -> str | None:
+    """The newest torch the rewrite of ``olds`` needs, where it is one torch added late."""
+    since = [_SINCE[new] for old in olds if (new := _DEPRECATED.get(old, ("",))[0]) in _SINCE]
+    return max(since, key=lambda v: tuple(map(int, v.split(".")))) if since else None
+
+
+def _needs(olds: Iterable[str]) -> str | None:
+    """The torch a rewrite of ``olds`` needs, where one of them is a spelling torch added late."""
+    since = [_SINCE[new] for old in olds if (new := _DEPRECATED.get(old, ("",))[0]) in _SINCE]
+    return max(since, key=lambda v: tuple(map(int, v.split(".")))) if since else None
+
+
+def _public(name: str) -> str:
+    """``torch.cuda.amp.grad_scaler.GradScaler`` as ``torch.cuda.amp.GradScaler``."""
+    return amp_public_name(name) or name
 
 
 def _device(old: str) -> str:
@@ -165,16 +188,24 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
     # `autocast` a dozen times (type annotations too) and one migration fixes them all. Its
     # fix still rewrites every use.
     groups: dict[object, list[Finding]] = {}
-    for key, found in _each_use(facts):
+    rewritten: dict[object, set[str]] = {}  # the deprecated names each binding's fix rewrites
+    for key, found, olds in _each_use(facts):
         groups.setdefault(key, []).append(found)
-    for found in groups.values():
+        rewritten.setdefault(key, set()).update(olds)
+    for key, found in groups.items():
         found.sort(key=lambda f: (f.line, f.column or 0))
         first, rest = found[0], found[1:]
         lines = sorted({f.line for f in rest} - {first.line})
         more = f" (also at line{'s' if len(lines) > 1 else ''} {', '.join(map(str, lines))})" if lines else ""
         fixes = list(dict.fromkeys(e for f in found if f.autofix is not None for e in f.autofix.edits))
         # an annotation first (no fix of its own) still carries the fix of the calls after it
-        yield replace(first, message=first.message + more, autofix=Autofix(tuple(fixes)) if fixes else None)
+        autofix, fix = Autofix(tuple(fixes)) if fixes else None, first.fix
+        # a file that still runs on older torch: the new spelling may not be there (unsafe)
+        needs = _needs(rewritten[key]) if fixes and versions.supports_old_torch(facts) else None
+        if autofix is not None and needs is not None:
+            autofix = replace(autofix, safe=False)
+            fix = f"{fix} (torch >= {needs}; this file also runs on older torch)"
+        yield replace(first, message=first.message + more, fix=fix, autofix=autofix)
 
 
 @per_file  # asked for each deprecated import, alias and reference of a file
@@ -188,8 +219,9 @@ def _class_tests(facts: ScriptFacts) -> frozenset[int]:
     return frozenset(found)
 
 
-def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
-    """Every deprecated spelling, with the binding it belongs to."""
+def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding, tuple[str, ...]]]:
+    """Every deprecated spelling, with the binding it belongs to and the deprecated names its
+    fix rewrites."""
     uses = _uses(facts)
     imports = [i for i in facts.imports if isinstance(i.node, ast.ImportFrom) and not i.compat
                and (i.module in _OLD_MODULES or _imports_old_class(i))]
@@ -203,16 +235,21 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
             if fixable else None
         yield id(imp), finding(facts, "AMP401", imp, old=f"from {imp.module} import", new=f"from {module} import",
                                fix=f"import from {module} and pass the device to each use",
-                               autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
+                               autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None), \
+            tuple(_public(f"{imp.module}.{name}") for name, _ in imp.names)
     aliases = _module_aliases(facts)
     for bound, imp in aliases.items():
         groups[id(imp)] = _alias_fix(facts, imp, bound, uses)
         old = f"from {imp.module} import {bound}" if isinstance(imp.node, ast.ImportFrom) \
             else f"import {imp.names[0][0]} as {bound}"
         new = f"from torch import {bound}" if isinstance(imp.node, ast.ImportFrom) else f"import torch.amp as {bound}"
+        # what the alias's uses are: `amp.GradScaler` in calls, annotations, isinstance()
+        olds = tuple(n for ref in facts.amp_references if (dotted(ref.node) or "").split(".")[0] == bound
+                     for n in ref.names) + tuple(u.old for u in uses if isinstance(u.callee, ast.Attribute)
+                                                 and dotted(u.callee.value) == bound)
         yield id(imp), finding(facts, "AMP401", imp, old=old, new=new,
                                fix="import torch.amp and pass the device to each use",
-                               autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None)
+                               autofix=Autofix(groups[id(imp)]) if groups[id(imp)] else None), olds
     for use in uses:
         new = _DEPRECATED[use.old][0]
         imp = by_name.get(use.callee.id) if isinstance(use.callee, ast.Name) else None
@@ -228,7 +265,7 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
             fix_edits = None
         yield key, finding(facts, "AMP401", use.at, old=use.old, new=f"{new}({_device(use.old)}, ...)",
                            fix=f"use {new} and pass {_device(use.old)}",
-                           autofix=Autofix(fix_edits) if fix_edits else None)
+                           autofix=Autofix(fix_edits) if fix_edits else None), (use.old,)
     used = {id(u.callee) for u in uses}
     class_tests = _class_tests(facts)
     for ref in facts.amp_references:
@@ -245,4 +282,4 @@ def _each_use(facts: ScriptFacts) -> Iterator[tuple[object, Finding]]:
             yield (id(owner) if owner is not None else old), finding(
                 facts, "AMP401", ref, old=old, new=f"{new} with {_device(old)}",
                 fix=f"use {new} and pass {_device(old)} where it is called",
-                autofix=Autofix((edits.replace(facts, ref.node, new),)) if rename else None)
+                autofix=Autofix((edits.replace(facts, ref.node, new),)) if rename else None), (old,)
