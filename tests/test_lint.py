@@ -112,6 +112,20 @@ def test_torch_cpu_amp_s_grad_scaler_is_deprecated_too():
         "from torch.amp import *", 'scaler = GradScaler("cpu", 2.0**10)']
 
 
+@pytest.mark.parametrize("output", ["text", "json", "github", "sarif"])
+def test_the_lines_of_a_deprecated_name_s_other_uses_are_capped_in_every_format(tmp_path, cli, output):
+    # a generated file uses the old autocast on 5,000 lines: the message names the first ten
+    uses = "".join(f"x{i} = torch.cuda.amp.autocast(enabled=True)\n" for i in range(5000))
+    script = tmp_path / "big.py"
+    script.write_text("import torch\n" + uses)
+    tail = "(also at lines 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 and 4989 more)"
+    result = cli("check", str(script), "--lint-only", "--format", output)
+    assert result.code == 1 and tail in " ".join(result.out.split())  # the terminal wraps it
+    assert "5001" not in result.out and len(result.out) < 200_000  # none of the lines past the tenth
+    fix = lint_source("big.py", script.read_text())[0].autofix
+    assert len({e.start for e in fix.edits}) == 2 * 5000  # the fix still rewrites every use
+
+
 def test_a_star_import_of_torch_amp_is_not_reported():
     assert lint_source("s.py", "from torch.amp import *\nwith autocast(\"cuda\"):\n    pass\n") == []
 

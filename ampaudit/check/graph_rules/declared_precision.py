@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from ampaudit.check.graph_rules import graph_rule
 from ampaudit.core.findings import Finding
+from ampaudit.core.listing import IN_A_MESSAGE, listed
 from ampaudit.core.paths import display_path
 from ampaudit.core.rulebook import rule
 from ampaudit.graph.view import GraphView
@@ -18,7 +19,7 @@ def bf16_pretrained_in_fp16(view: GraphView) -> Iterator[Finding]:
             or view.dtype.name not in info.params["audited"]):
         return
     if declared.fp32:
-        names = ", ".join(f"`{p}`" for p in declared.patterns)
+        names = listed([f"`{p}`" for p in declared.patterns], IN_A_MESSAGE)
         fix = (f"fine-tune in bfloat16 (audit with --dtype bfloat16), or keep {names} in fp32 as the model "
                "declares (the audit classifies them fp32)")
     else:

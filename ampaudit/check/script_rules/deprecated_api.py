@@ -29,6 +29,7 @@ from ampaudit.check.lint.nodes import dotted
 from ampaudit.check.lint.protocol import finding
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Autofix, Edit, Finding
+from ampaudit.core.listing import IN_A_MESSAGE, listed
 
 # old qualified name -> (new qualified name, device, device passed positionally?)
 _DEPRECATED = {
@@ -196,7 +197,8 @@ def deprecated_amp_api(facts: ScriptFacts) -> Iterator[Finding]:
         found.sort(key=lambda f: (f.line, f.column or 0))
         first, rest = found[0], found[1:]
         lines = sorted({f.line for f in rest} - {first.line})
-        more = f" (also at line{'s' if len(lines) > 1 else ''} {', '.join(map(str, lines))})" if lines else ""
+        more = f" (also at line{'s' if len(lines) > 1 else ''} {listed(list(map(str, lines)), IN_A_MESSAGE)})" \
+            if lines else ""
         fixes = list(dict.fromkeys(e for f in found if f.autofix is not None for e in f.autofix.edits))
         # an annotation first (no fix of its own) still carries the fix of the calls after it
         autofix, fix = Autofix(tuple(fixes)) if fixes else None, first.fix
