@@ -45,3 +45,20 @@ def test_findings_differing_in_words_or_without_a_module_stay_apart():
     lint = [Finding("AMP401", Severity.WARNING, "deprecated", "train.py", 3) for _ in range(2)]
     text = _render([_pow("h.0.mlp.act"), other, *lint])
     assert text.count("AMP206 [warning]") == 2 and text.count("AMP401 [warning]") == 2
+
+
+def test_a_snippet_is_decoded_in_the_file_s_own_encoding(tmp_path, cli):
+    # a latin-1 file (PEP 263 cookie): its é, not U+FFFD; its byte 0x85 (U+0085 in latin-1)
+    # and a form feed break no line, as for Python, so the snippet shows the finding's line
+    script = tmp_path / "latin.py"
+    script.write_bytes(b'# -*- coding: latin-1 -*-\n\x0c\nimport torch\ns = "\xe9\x85"\n'
+                       b'with torch.cuda.amp.autocast():\n    pass\n')
+    out = cli("check", str(script), "--lint-only").out
+    assert "\ufffd" not in out
+    assert '  4 | s = "é' in out and "> 5 | with torch.cuda.amp.autocast():" in out
+
+
+def test_an_inline_suppression_is_read_on_the_line_python_numbers(tmp_path, cli):
+    script = tmp_path / "train.py"
+    script.write_bytes(b"import torch\n\x0c\nwith torch.cuda.amp.autocast():  # ampaudit: ignore[AMP401]\n    pass\n")
+    assert cli("check", str(script), "--lint-only").code == 0

@@ -8,10 +8,10 @@ graph node learns the code of its most severe finding.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from ampaudit.core.config import Config
 from ampaudit.core.findings import Finding, Report
+from ampaudit.core.python_source import display_lines
 from ampaudit.core.rulebook import rulebook
 
 _SUPPRESS = re.compile(r"#\s*ampaudit:\s*ignore(?:\[(?P<codes>[^\]]*)\])?", re.IGNORECASE)
@@ -33,7 +33,7 @@ class _Lines:
     def get(self, file: str, line: int) -> str:
         if file not in self._cache:
             try:
-                self._cache[file] = Path(file).read_text(encoding="utf-8", errors="replace").splitlines()
+                self._cache[file] = display_lines(file)
             except OSError:
                 self._cache[file] = []
         lines = self._cache[file]

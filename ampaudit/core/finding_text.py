@@ -5,7 +5,6 @@ the runtime verdicts that end ``ampaudit.watch``'s summary (``watch/render.py``)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from rich.console import Console, Group
 from rich.syntax import Syntax
@@ -14,6 +13,7 @@ from rich.text import Text
 from ampaudit.core.console import printable
 from ampaudit.core.findings import Finding, Severity
 from ampaudit.core.listing import listed
+from ampaudit.core.python_source import display_lines
 
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -21,8 +21,7 @@ SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severi
 def snippet(finding: Finding, color: bool) -> Syntax | Text | None:
     """The finding's line with one line either side, or None (no file, no line: line 0)."""
     try:
-        lines = [printable(line) for line in Path(finding.file).read_text(encoding="utf-8", errors="replace")
-                 .splitlines()]
+        lines = [printable(line) for line in display_lines(finding.file)]
     except OSError:
         return None
     if not 0 < finding.line <= len(lines):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import io
+import re
 import sys
 import threading
 import tokenize
@@ -55,6 +56,27 @@ def read_python(path: Path) -> tuple[str, str]:
     if text.startswith("\ufeff"):  # a second BOM: Python drops only the first, then refuses the file
         raise LoadError(f"{path} starts with two byte order marks, which Python refuses")
     return text, encoding
+
+
+def display_lines(path: Path | str) -> list[str]:
+    """A Python file's lines to show (a finding's snippet, its inline suppression), numbered as
+    Python numbers them: decoded in the file's own encoding (a PEP 263 coding cookie, a BOM),
+    bytes that do not decode replaced, and split at ``\\n``, ``\\r\\n`` and ``\\r`` only -
+    ``str.splitlines`` also splits at a form feed, and at the U+0085 a latin-1 byte 0x85 decodes
+    to. Raises OSError when the file cannot be read."""
+    raw = Path(path).read_bytes()
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+        text = raw.decode(encoding, errors="replace")
+    except (SyntaxError, LookupError, UnicodeError):  # a cookie Python refuses: shown as UTF-8
+        text = raw.decode("utf-8", errors="replace")
+    lines = _LINE_BREAK.split(text)
+    if lines[-1] == "":  # the newline that ends the last line
+        lines.pop()
+    return lines
+
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 def syntax_reason(exc: SyntaxError) -> str:
