@@ -68,6 +68,44 @@ def test_a_syntax_error_names_the_grammar_that_refused_it(cli, tmp_path, entry):
     assert result.err.startswith("ampaudit: error: syntax error in ") and result.err.rstrip().endswith(f"({version})")
 
 
+# Nested past what ampaudit's deep stack walks (a 100,000-term sum: RecursionError) and past the
+# parser's own stack (100,000 unary minus signs: CPython 3.11's parser says MemoryError).
+_DEEP = {"sum": "y = " + " + ".join(["1"] * 100_000) + "\n", "minus": "y = " + "-" * 100_000 + "1\n"}
+_MODEL_HEAD = "import torch\n\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\n"
+
+
+@pytest.mark.parametrize("shape", sorted(_DEEP))
+@pytest.mark.parametrize("argv", [["check", "--lint-only", "deep.py"], ["check", "deep.py"],
+                                  ["check", "deep.py:Model"], ["convert", "deep.py", "-o", "out"]])
+def test_a_file_nested_too_deeply_is_one_line_naming_it(cli, tmp_path, monkeypatch, shape, argv):
+    # was "unexpected RecursionError" / "unexpected MemoryError": the import-safety scan ran even
+    # under --lint-only and let both through; convert said "ran out of memory" for the second
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deep.py").write_text(_MODEL_HEAD + _DEEP[shape])
+    result = cli(*argv)
+    assert result.code == 2 and result.out == "" and "Traceback" not in result.err
+    assert result.err == "ampaudit: error: deep.py: nested too deeply to parse (more than Python's own parser allows)\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_lints_a_file_nested_past_the_parsers_stack_as_amp004(cli, tmp_path):
+    # the parser's MemoryError stopped the whole walk ("unexpected MemoryError")
+    (tmp_path / "deep.py").write_text("import torch\n" + _DEEP["minus"])
+    (tmp_path / "train.py").write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n")
+    result = cli("check", str(tmp_path), "--format", "json")
+    findings = {(Path(f["file"]).name, f["rule"]) for f in json.loads(result.out)["findings"]}
+    assert result.code == 1 and findings == {("deep.py", "AMP004"), ("train.py", "AMP401")}
+
+
+def test_fix_of_a_deeply_nested_file_is_written(cli, tmp_path):
+    # linted on a deep stack, then checked to still parse on the default one: "unexpected RecursionError"
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n" + "y = " + " + ".join(["1"] * 20_000))
+    result = cli("check", "--lint-only", "--fix", str(script))
+    assert result.code == 0, result.err
+    assert script.read_text().startswith('import torch\nscaler = torch.amp.GradScaler("cuda")\ny = 1 + 1')
+
+
 def test_debug_shows_the_traceback(cli):
     result = cli("check", model("factory_raises.py") + ":get_model", "--debug")
     assert result.code == 2

@@ -17,7 +17,7 @@ from ampaudit.core.errors import UsageError
 from ampaudit.core.files import digest, locked, write_atomic
 from ampaudit.core.findings import Finding, Report
 from ampaudit.core.outputs import resolve_output
-from ampaudit.core.python_source import read_python
+from ampaudit.core.python_source import read_python, run_deep
 
 
 @dataclass
@@ -94,7 +94,7 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
     fixed = [f for f in chosen if set(f.autofix.edits) <= taken_set]
     if after == before:
         return None
-    if _compiles(before) and not _compiles(after):
+    if run_deep(_compiles, before) and not run_deep(_compiles, after):  # as deep as the lint parsed it
         # a fix that would break the file is a bug of ours: the user's file stays as it is
         rules = ", ".join(sorted({f.rule for f in chosen}))
         raise UsageError(f"{file}: the {rules} fix would leave it invalid Python (an ampaudit bug: please report "
@@ -113,7 +113,7 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
 def _compiles(text: str) -> bool:
     try:
         compile(text, "<fix>", "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
-    except (SyntaxError, ValueError):  # ValueError: a null byte
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # a null byte; nested past the parser's stack
         return False
     return True
 

@@ -15,7 +15,7 @@ from ampaudit.core.errors import LoadError
 from ampaudit.core.files import digest
 from ampaudit.core.findings import Finding
 from ampaudit.core.paths import display_path
-from ampaudit.core.python_source import read_python, run_deep, syntax_reason
+from ampaudit.core.python_source import TOO_DEEP, read_python, run_deep, syntax_reason
 from ampaudit.core.rulebook import rule
 
 
@@ -53,8 +53,7 @@ def lint_file(path: Path, *, syntax_errors_as_findings: bool = False) -> list[Fi
             raise LoadError(f"syntax error in {display_path(str(path))}:{line}:{column}: {reason}") from exc
         return [rule("AMP004").finding(display_path(str(path)), line, column=column, reason=f"syntax error: {reason}")]
     except RecursionError:
-        reason = "nested too deeply to parse (more than Python's own parser allows)"
         if not syntax_errors_as_findings:
-            raise LoadError(f"{display_path(str(path))}: {reason}") from None
-        return [rule("AMP004").finding(display_path(str(path)), 1, reason=reason)]
+            raise LoadError(f"{display_path(str(path))}: {TOO_DEEP}") from None
+        return [rule("AMP004").finding(display_path(str(path)), 1, reason=TOO_DEEP)]
 

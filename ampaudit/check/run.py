@@ -178,11 +178,11 @@ def _check_file(spec: str, path: Path, name: str | None, config: Config, options
     from ampaudit.load.source_scan import FACTORY_NAMES, scan_source
     from ampaudit.load.spec import read_source
 
+    if options.lint_only:  # no import, so no import-safety scan: the lint alone says what is wrong with the file
+        return _lint_only(path, lint_file(path), "--lint-only", config, options)
     source = read_source(path)
     scan = scan_source(path, source)  # syntax errors: exit 2 with file:line
     lint = lint_file(path)
-    if options.lint_only:
-        return _lint_only(path, lint, "--lint-only", config, options)
     if name is None and not scan.has_entry_point:
         why = "no model entry point (get_model(), `model`, an nn.Module class)"
         imported = [f for f in FACTORY_NAMES if f in scan.imported_from]
@@ -263,7 +263,10 @@ def _torch_import_line(source: str) -> int:
     """The line of the file's first top-level ``import torch...`` / ``from torch... import``; 1 if none."""
     import ast
 
-    for node in ast.parse(source).body:  # it parses: scan_source raised on a syntax error
+    from ampaudit.core.python_source import run_deep
+
+    # it parses, deep as the scan parsed it: scan_source raised on a syntax error or nesting past that
+    for node in run_deep(ast.parse, source).body:
         modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
         if any(m == "torch" or m.startswith("torch.") for m in modules):

@@ -9,6 +9,7 @@ of ending in RecursionError.
 
 from __future__ import annotations
 
+import ast
 import codecs
 import contextlib
 import io
@@ -25,6 +26,7 @@ from ampaudit.core.errors import LoadError
 T = TypeVar("T")
 _STACK = 256 * 1024 * 1024  # bytes of address space for the worker thread (reserved, not used)
 _LIMIT = 50_000
+TOO_DEEP = "nested too deeply to parse (more than Python's own parser allows)"
 
 
 def read_python(path: Path) -> tuple[str, str]:
@@ -83,6 +85,16 @@ def syntax_reason(exc: SyntaxError) -> str:
     """A SyntaxError's reason, naming the grammar that refused it: code written for a newer
     Python (3.12's nested f-string quotes) is valid there, and the reader should know why not here."""
     return f"{exc.msg} (Python {sys.version_info.major}.{sys.version_info.minor}'s grammar)"
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse(source)``; code nested past the parser's own stack raises RecursionError, as
+    code nested past the recursion limit does: CPython 3.11 says MemoryError for the first
+    (``x = - - - ... 1``, 100,000 deep), which is no shortage of memory a user could fix."""
+    try:
+        return ast.parse(source, filename=filename)
+    except MemoryError:
+        raise RecursionError(TOO_DEEP) from None
 
 
 def run_deep(fn: Callable[..., T], *args: Any) -> T:

@@ -28,7 +28,7 @@ def _calls(file: str, mtime: float) -> dict[tuple[int, int], list[ast.Call]]:
     try:
         with open(file, encoding="utf-8") as f:
             tree = ast.parse(f.read(), file)
-    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError, RecursionError, MemoryError):  # unknown: no answer
         return {}
     found: dict[tuple[int, int], list[ast.Call]] = {}
     for node in ast.walk(tree):

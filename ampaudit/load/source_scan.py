@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampaudit.core.errors import LoadError
-from ampaudit.core.python_source import run_deep, syntax_reason
+from ampaudit.core.paths import display_path
+from ampaudit.core.python_source import TOO_DEEP, parse_python, run_deep, syntax_reason
 
 FACTORY_NAMES = ("get_model", "build_model", "create_model", "make_model")
 MODEL_ATTRIBUTE = "model"
@@ -408,13 +409,17 @@ def not_imported(scan: SourceScan, selector: str | None, allow_exec: bool) -> No
 
 def scan_source(path: Path, source: str) -> SourceScan:
     """Parse ``source``; a syntax error becomes a LoadError naming file:line. The walk is
-    recursive: deeply nested valid code gets a deep stack (core/python_source.run_deep)."""
-    return run_deep(_scan_source, path, source)
+    recursive: deeply nested valid code gets a deep stack (core/python_source.run_deep), and
+    code nested deeper still a LoadError, as the lint says of it (check/lint_file.py)."""
+    try:
+        return run_deep(_scan_source, path, source)
+    except RecursionError:  # the parser's, or the walk's: the file, not ampaudit, is at fault
+        raise LoadError(f"{display_path(str(path))}: {TOO_DEEP}") from None
 
 
 def _scan_source(path: Path, source: str) -> SourceScan:
     try:
-        tree = ast.parse(source, filename=str(path))
+        tree = parse_python(source, str(path))
     except SyntaxError as exc:
         raise LoadError(f"syntax error in {path}:{exc.lineno}:{exc.offset or 0}: {syntax_reason(exc)}") from exc
     except ValueError as exc:  # null bytes

@@ -47,6 +47,8 @@ def _selector(text: str, spec: str) -> tuple[str | None, str | None]:
         ast.parse(text, mode="eval")
     except SyntaxError as exc:
         raise UsageError(f"{spec}: {text!r} is neither a name nor a Python expression ({exc.msg})") from None
+    except (RecursionError, MemoryError):  # nested past the parser's stack (MemoryError in CPython 3.11)
+        raise UsageError("the expression after the colon is nested too deeply to parse") from None
     return None, text
 
 

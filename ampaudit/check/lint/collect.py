@@ -15,6 +15,7 @@ from ampaudit.check.lint.facts import ScriptFacts
 from ampaudit.check.lint.imports import ImportMap
 from ampaudit.check.lint.source import SourceText
 from ampaudit.check.lint.visit import Visitor
+from ampaudit.core.python_source import parse_python
 
 
 def collect(path: str, source: str, relevant: re.Pattern[str] | None = None) -> ScriptFacts:
@@ -66,7 +67,7 @@ def _parse(source: str) -> ast.Module:
     code (``"\\."``, an invalid escape): the user asked for the lint's findings, not those."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return ast.parse(source)
+        return parse_python(source)  # too deep for the parser: RecursionError, the lint's AMP004
 
 
 @contextmanager
