@@ -129,6 +129,29 @@ def test_folder_walk_does_not_follow_links_out_of_the_tree(tmp_path, cli):
     assert any("skipped 1 link to files outside the folder" in n for n in doc["target"]["notes"])
 
 
+def test_fix_never_writes_an_excluded_file_through_a_link(tmp_path, cli):
+    # `--exclude vendor --fix .` rewrote vendor/a.py through link.py -> vendor/a.py: a link is
+    # written through, and the exclusion was matched against the link's own name only
+    import json
+
+    for folder in ("vendor", "build", "gen"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.py").write_text(DEPRECATED)
+    (tmp_path / "link.py").symlink_to("vendor/a.py")  # an excluded folder
+    (tmp_path / "built.py").symlink_to("build/a.py")  # a folder the walk always skips
+    (tmp_path / "gen" / "b_pb2.py").write_text(DEPRECATED)
+    (tmp_path / "gen" / "alias.py").symlink_to("b_pb2.py")  # an excluded file name
+    (tmp_path / "mine.py").write_text(DEPRECATED)
+    result = cli("check", str(tmp_path), "--lint-only", "--exclude", "vendor", "--exclude", "*_pb2.py", "--fix",
+                 "--format", "json")
+    assert result.code == 0, result.err
+    assert (tmp_path / "mine.py").read_text() == FIXED and (tmp_path / "gen" / "a.py").read_text() == FIXED
+    for untouched in ("vendor/a.py", "build/a.py", "gen/b_pb2.py"):
+        assert (tmp_path / untouched).read_text() == DEPRECATED, untouched
+    notes = json.loads(result.out)["target"]["notes"]
+    assert any(n.startswith("skipped 3 links to excluded files: ") for n in notes), notes
+
+
 def test_one_bad_file_does_not_stop_a_folder_walk(tmp_path, cli):
     import json
 

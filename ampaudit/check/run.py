@@ -39,11 +39,26 @@ def _excluded(path: Path, root: Path, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(path.name, p) for p in patterns)
 
 
-def python_files(root: Path, exclude: Sequence[str] = (), skipped: list[Path] | None = None) -> list[Path]:
+def _walked_past(path: Path, root: Path, exclude: Sequence[str]) -> bool:
+    """Whether the walk of ``root`` never reaches ``path``, a file under it: a folder on the way
+    is one it skips, or the file or such a folder matches ``exclude``."""
+    folder = root
+    for part in path.relative_to(root).parts[:-1]:
+        folder = folder / part
+        if part in SKIP_DIRS or (folder / "pyvenv.cfg").exists() or _excluded(folder, root, exclude):
+            return True
+    return _excluded(path, root, exclude)
+
+
+def python_files(root: Path, exclude: Sequence[str] = (), skipped: list[Path] | None = None,
+                 excluded_links: list[Path] | None = None) -> list[Path]:
     """The .py files under ``root``, skipping caches, build folders and virtual environments,
-    and links to files outside ``root`` (added to ``skipped``: a walk never leaves the tree)."""
+    links to files outside ``root`` (added to ``skipped``: a walk never leaves the tree) and
+    links to files the walk skips or ``exclude`` names (added to ``excluded_links``: --fix
+    writes through a link, so an excluded file would otherwise be rewritten)."""
     found = []
-    inside = os.path.realpath(root) + os.sep
+    real_root = os.path.realpath(root)
+    inside = real_root + os.sep
     for folder, dirs, files in os.walk(root):
         base = Path(folder)
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not (base / d / "pyvenv.cfg").exists()
@@ -52,17 +67,24 @@ def python_files(root: Path, exclude: Sequence[str] = (), skipped: list[Path] | 
             path = base / name
             if not name.endswith(".py") or _excluded(path, root, exclude):
                 continue
-            if path.is_symlink() and not os.path.realpath(path).startswith(inside):
-                if skipped is not None:
-                    skipped.append(path)
-                continue
+            if path.is_symlink():
+                target = os.path.realpath(path)
+                if not target.startswith(inside):
+                    if skipped is not None:
+                        skipped.append(path)
+                    continue
+                if _walked_past(Path(target), Path(real_root), exclude):
+                    if excluded_links is not None:
+                        excluded_links.append(path)
+                    continue
             if path.exists() and not path.is_file():
                 continue  # a FIFO or device named *.py: opening it could block forever
             found.append(path)
     return found
 
 
-def target_files(targets: Sequence[str], exclude: Sequence[str] = (), skipped: list[Path] | None = None) -> list[Path]:
+def target_files(targets: Sequence[str], exclude: Sequence[str] = (), skipped: list[Path] | None = None,
+                 excluded_links: list[Path] | None = None) -> list[Path]:
     """Every file ``check TARGETS`` lints: named files, and the walk of named folders. A target
     that is neither a file nor a folder (a FIFO, a device) is refused: reading it may never end."""
     files: list[Path] = []
@@ -71,7 +93,7 @@ def target_files(targets: Sequence[str], exclude: Sequence[str] = (), skipped: l
         if not path.exists():
             raise LoadError(f"no such file or folder: {spec}")
         if path.is_dir():
-            files += python_files(path, exclude, skipped)
+            files += python_files(path, exclude, skipped, excluded_links)
         elif path.is_file():
             files.append(path)
         else:
@@ -142,12 +164,14 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
         if specs[0].path.is_file():
             return _check_file(targets[0], specs[0].path, specs[0].selector, config, options)
     skipped: list[Path] = []
-    files = target_files(targets, options.exclude, skipped)
+    excluded_links: list[Path] = []
+    files = target_files(targets, options.exclude, skipped, excluded_links)
     findings = _lint_many(files, options)
     notes = [f"linted {len(files)} Python file{'s' if len(files) != 1 else ''}", *options.notes]
-    if skipped:
-        notes.append(f"skipped {len(skipped)} link{'s' if len(skipped) != 1 else ''} to files outside the "
-                     f"folder: {', '.join(display_path(str(p)) for p in skipped[:3])}")
+    for links, where in ((skipped, "files outside the folder"), (excluded_links, "excluded files")):
+        if links:
+            notes.append(f"skipped {len(links)} link{'s' if len(links) != 1 else ''} to {where}: "
+                         f"{', '.join(display_path(str(p)) for p in links[:3])}")
     target = Target(", ".join(display_path(t) for t in targets), "", "none", notes)
     return finalize(Report(target, config.dtype, [], findings), config)
 
