@@ -65,6 +65,25 @@ def test_fix_through_a_symlink_fixes_the_target_and_keeps_the_link(tmp_path, cli
     assert link.is_symlink() and real.read_text() == FIXED
 
 
+def test_fix_refuses_a_file_with_several_hard_links_and_fixes_the_others(tmp_path, cli):
+    # a rename replaced a.py alone: hard.py kept the old text, the link was split, nothing said
+    (tmp_path / "a.py").write_text(DEPRECATED)
+    os.link(tmp_path / "a.py", tmp_path / "hard.py")
+    (tmp_path / "other.py").write_text(DEPRECATED)
+    inode = (tmp_path / "a.py").stat().st_ino
+    result = cli("check", str(tmp_path), "--lint-only", "--fix")
+    assert result.code == 2 and result.out == "" and result.err.count("\n") == 1, result.err
+    assert "a.py has 2 hard links: a new file renamed over this name would leave the other 1 name with the old " \
+           "text; not rewritten (apply what --diff shows in an editor, or remove the other names)" in result.err
+    assert result.err.rstrip().endswith(f"(1 other file(s) fixed: {tmp_path / 'other.py'})")
+    assert (tmp_path / "other.py").read_text() == FIXED
+    for name in ("a.py", "hard.py"):  # still one file, as it was
+        assert (tmp_path / name).read_text() == DEPRECATED and (tmp_path / name).stat().st_ino == inode
+    assert (tmp_path / "a.py").stat().st_nlink == 2
+    diff = cli("check", str(tmp_path / "hard.py"), "--lint-only", "--diff")
+    assert diff.code == 1 and 'torch.amp.GradScaler("cuda")' in diff.out  # what the message points to
+
+
 def test_read_only_files_are_refused(tmp_path, cli):
     script = tmp_path / "train.py"
     script.write_text(DEPRECATED)

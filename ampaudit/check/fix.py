@@ -104,7 +104,7 @@ def _fix_one(file: str, chosen: list[Finding], *, write: bool) -> FileFix | None
         target = resolve_output(file, "--fix")
         try:
             write_atomic(target.target, after, expected=before, encoding=encoding, follow_links=False,
-                         shown=file, folder_fd=target.folder_fd)
+                         shown=file, folder_fd=target.folder_fd, refuse_hard_links=True)
         finally:
             target.close()
     return FileFix(file, fixed, diff)

@@ -5,7 +5,8 @@ reader sees half a file. A symlink is written through when asked (``--fix``; out
 resolved by core/outputs.py first): the file it points to is replaced and the link stays a
 link. A read-only file is refused, not overwritten; a rewritten file keeps its mode and owner.
 A rewrite of a file the tool read first (``--fix``) is compare-and-swap: under an advisory
-lock, the file must still hold exactly what was read, or nothing is written.
+lock, the file must still hold exactly what was read, or nothing is written; and a file with
+several hard links is refused, since a rename gives the new text to one of its names only.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def locked(path: Path, wait: float | None = None) -> Iterator[None]:
 
 
 def write_atomic(path: Path, data: str | bytes, *, expected: str | None = None, encoding: str = "utf-8",
-                 follow_links: bool = True, shown: str | None = None, folder_fd: int | None = None) -> None:
+                 follow_links: bool = True, shown: str | None = None, folder_fd: int | None = None,
+                 refuse_hard_links: bool = False) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename.
 
     Text is written as is (no newline translation), in ``encoding`` (the file's own: a fixed
@@ -85,7 +87,8 @@ def write_atomic(path: Path, data: str | bytes, *, expected: str | None = None, 
     (compare-and-swap); otherwise nothing is written. ``follow_links``: write through a link at
     ``path`` (``--fix``); an output comes resolved, with ``folder_fd``: its folder, opened when
     it was checked, so that a folder swapped for a link since then is not written through.
-    ``shown``: how errors name the file.
+    ``shown``: how errors name the file. ``refuse_hard_links``: an existing file with more than
+    one name is refused (``--fix``: the other names would keep the old text, the link split).
     """
     path = Path(path)
     if follow_links and path.is_symlink():
@@ -93,11 +96,11 @@ def write_atomic(path: Path, data: str | bytes, *, expected: str | None = None, 
     shown = shown or str(path)
     payload = data.encode(encoding, "surrogateescape") if isinstance(data, str) else data
     if folder_fd is not None:
-        _replace_in(folder_fd, path.name, payload, expected, encoding, shown)
+        _replace_in(folder_fd, path.name, payload, expected, encoding, shown, refuse_hard_links)
         return
     folder_fd = open_folder(path.parent if str(path.parent) else Path("."), shown)
     try:
-        _replace_in(folder_fd, path.name, payload, expected, encoding, shown)
+        _replace_in(folder_fd, path.name, payload, expected, encoding, shown, refuse_hard_links)
     finally:
         os.close(folder_fd)
 
@@ -110,7 +113,8 @@ def open_folder(folder: Path, shown: str) -> int:
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
 
 
-def _replace_in(folder: int, name: str, payload: bytes, expected: str | None, encoding: str, shown: str) -> None:
+def _replace_in(folder: int, name: str, payload: bytes, expected: str | None, encoding: str, shown: str,
+                refuse_hard_links: bool = False) -> None:
     try:
         existing: os.stat_result | None = os.stat(name, dir_fd=folder, follow_symlinks=False)
     except FileNotFoundError:
@@ -119,6 +123,11 @@ def _replace_in(folder: int, name: str, payload: bytes, expected: str | None, en
         raise UsageError(f"cannot write {shown}: {exc.strerror}") from None
     if existing is not None:
         _check_writable(folder, name, existing, shown)
+        if refuse_hard_links and existing.st_nlink > 1:
+            others = existing.st_nlink - 1
+            raise UsageError(f"{shown} has {existing.st_nlink} hard links: a new file renamed over this name would "
+                             f"leave the other {others} name{'s' if others > 1 else ''} with the old text; not "
+                             "rewritten (apply what --diff shows in an editor, or remove the other names)")
     tmp = f".{name[:200]}.{secrets.token_hex(4)}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
