@@ -158,13 +158,44 @@ def test_a_package_module_imports_its_package(cli, tmp_path):
     assert report["target"]["entry"] == "get_model()" and report["target"]["trace"] == "fx"
 
 
-def test_a_missing_module_of_the_project_says_so(cli, tmp_path):
+@pytest.mark.parametrize("module", ["helpers/__init__.py", "helpers.py"])
+def test_a_missing_module_of_the_project_says_so(cli, tmp_path, module):
     package = tmp_path / "proj" / "mypkg"
     package.mkdir(parents=True)
     (tmp_path / "proj" / "helpers").mkdir()  # a sibling package, not on the path the file is run from
-    (package / "model.py").write_text("from helpers.utils import WIDTH\n" + MODEL)
+    (tmp_path / "proj" / module).write_text("WIDTH = 4\n")
+    (package / "model.py").write_text("from helpers import WIDTH\n" + MODEL)
     _, report = _check(cli, package / "model.py")
-    assert "`helpers` is part of this project" in report["findings"][0]["message"]
+    assert f"`helpers` is part of this project: run ampaudit from the folder that contains it ({tmp_path / 'proj'})" \
+           in report["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("layout", ["empty folder", "package above the project root", "folder of modules"])
+def test_a_folder_named_like_the_missing_module_is_not_called_part_of_the_project(cli, tmp_path, layout):
+    # MAE's models_mae.py (imports timm) was told "`timm` is part of this project" because a folder
+    # above it held a timm checkout: any folder of that name, anywhere up to /, was enough
+    project = tmp_path / "a" / "b" / "proj"
+    project.mkdir(parents=True)
+    (tmp_path / "timm").mkdir()
+    if layout == "package above the project root":
+        (project / ".git").mkdir()
+        (tmp_path / "timm" / "__init__.py").write_text("")
+    elif layout == "folder of modules":  # a checkout's top folder: setup.py, no __init__.py; no project root
+        (tmp_path / "timm" / "setup.py").write_text("")
+    (project / "m.py").write_text("import timm\n" + MODEL)
+    _, report = _check(cli, project / "m.py")
+    message = report["findings"][0]["message"]
+    assert "part of this project" not in message and "install `timm` to audit the graph" in message
+
+
+def test_a_folder_of_modules_inside_the_project_is_part_of_it(cli, tmp_path):
+    (tmp_path / "proj" / "models").mkdir(parents=True)
+    (tmp_path / "proj" / ".git").mkdir()
+    (tmp_path / "proj" / "util").mkdir()
+    (tmp_path / "proj" / "util" / "pos_embed.py").write_text("")  # MAE's util/: modules, no __init__.py
+    (tmp_path / "proj" / "models" / "m.py").write_text("from util.pos_embed import x\n" + MODEL)
+    _, report = _check(cli, tmp_path / "proj" / "models" / "m.py")
+    assert "`util` is part of this project" in report["findings"][0]["message"]
 
 
 def test_several_model_classes_that_need_arguments_are_listed(cli, tmp_path):

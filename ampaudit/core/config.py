@@ -59,17 +59,22 @@ def find_pyproject(start: Path) -> Path | None:
     (a broken or foreign pyproject.toml above the project is never read). A pyproject.toml in
     a folder others may write and the user does not own (``/tmp``) is never read: anyone could
     have put an ``ignore = ["AMP"]`` there."""
+    root = project_root(start)
+    path = root / "pyproject.toml" if root is not None else None
+    if path is None or not path.is_file() or _shared_by_others(root):
+        return None
+    return path if _has_table(path) else None
+
+
+def project_root(start: Path) -> Path | None:
+    """The root of the project ``start`` (a file or folder) lies in: the first folder from it up
+    holding a pyproject.toml or a .git; None when none does."""
     folder = start.resolve()
     if folder.is_file():
         folder = folder.parent
     for candidate in (folder, *folder.parents):
-        path = candidate / "pyproject.toml"
-        if path.is_file():
-            if _shared_by_others(candidate):
-                return None
-            return path if _has_table(path) else None
-        if (candidate / ".git").exists():
-            return None
+        if (candidate / "pyproject.toml").is_file() or (candidate / ".git").exists():
+            return candidate
     return None
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ampaudit.core.child_main import user_code
+from ampaudit.core.config import project_root
 from ampaudit.core.errors import USER_CODE_ERRORS, LoadError, ModelNotBuilt, NoModelFound, UsageError
 from ampaudit.core.import_noise import quiet_imports
 from ampaudit.core.listing import listed
@@ -266,9 +267,10 @@ def _import_failure(path: Path, exc: BaseException) -> ModelNotBuilt:
         where = traceback_location(exc.__traceback__)
         at = f" ({display_path(where[0])}:{where[1]})" if where else ""
         top = exc.name.split(".")[0]
-        if any((parent / top).is_dir() or (parent / f"{top}.py").is_file() for parent in path.resolve().parents):
-            hint = (f"`{top}` is part of this project: run ampaudit from the folder that contains it, or put that "
-                    "folder on PYTHONPATH")
+        holder = _project_folder_holding(top, path)
+        if holder is not None:
+            hint = (f"`{top}` is part of this project: run ampaudit from the folder that contains it "
+                    f"({display_path(str(holder))}), or put that folder on PYTHONPATH")
         else:
             pip = f" (pip install {_PIP_NAMES[top]})" if top in _PIP_NAMES else ""
             hint = f"install `{top}`{pip} to audit the graph"
@@ -286,6 +288,23 @@ def _import_failure(path: Path, exc: BaseException) -> ModelNotBuilt:
         hint = 'fix that, or move the code that fails under `if __name__ == "__main__":`, to audit the graph'
     return ModelNotBuilt(f"importing {path} raised {text}", reason=f"importing the file raised {text}", hint=hint,
                          line=line)
+
+
+def _project_folder_holding(top: str, path: Path) -> Path | None:
+    """The folder, from ``path``'s own up to its project's root (core/config.project_root), that
+    holds module ``top``: ``top.py``, a package ``top/__init__.py`` or - inside a project that has
+    a root - a folder of modules ``top/*.py``. None when there is none: a folder of that name
+    alone (empty, or another checkout above the project) says nothing of where ``top`` is."""
+    folder = path.resolve().parent
+    root = project_root(folder)
+    for parent in (folder, *folder.parents):
+        package = parent / top
+        if (parent / f"{top}.py").is_file() or (package / "__init__.py").is_file() or (
+                root is not None and package.is_dir() and any(package.glob("*.py"))):
+            return parent
+        if parent == root:
+            break
+    return None
 
 
 def _call(fn: Any, label: str, path: Path) -> Any:
