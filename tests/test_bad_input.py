@@ -170,6 +170,8 @@ def _files(tmp: Path, case: str) -> None:
     (tmp / "folder").mkdir()
     os.mkfifo(tmp / "pipe")
     (tmp / "dangling").symlink_to(tmp / "gone")
+    if case.endswith("symlink-loop"):
+        (tmp / "loop.py").symlink_to("loop.py")  # ELOOP
     for name, manifest in (("exp-list", "[1, 2]"), ("exp-number", '{"files": 5}')):
         (tmp / name).mkdir()
         (tmp / name / "ampaudit-export.json").write_text(manifest)
@@ -221,6 +223,12 @@ EVERY_COMMAND = {
     "plot-not-image": (["report", "log.jsonl", "--plot", "x.txt"], 2, "--plot x.txt: name an image file"),
     "check-empty-target": (["check", ""], 2, "an empty PATH (an unset variable?): name a file or folder"),
     "check-fifo-target": (["check", "pipe"], 2, "pipe is not a regular file or a folder (a FIFO or a device)"),
+    # "no such file or folder": a loop exists, it only cannot be followed
+    "check-symlink-loop": (["check", "--lint-only", "loop.py"], 2,
+                           "loop.py: a symlink loop (too many levels of symbolic links)"),
+    "check-named-symlink-loop": (["check", "loop.py:Net"], 2, "loop.py: a symlink loop (too many levels"),
+    "convert-symlink-loop": (["convert", "loop.py", "-o", "out"], 2, "loop.py: a symlink loop (too many levels"),
+    "run-symlink-loop": (["run", "loop.py"], 2, "loop.py: a symlink loop (too many levels of symbolic links)"),
     "check-output-name-too-long": (["check", "t.py", "--lint-only", "-o", "a" * 300], 2, "File name too long"),
     "check-output-fifo-no-reader": (["check", "t.py", "--lint-only", "-o", "pipe"], 2,
                                     "-o pipe is a FIFO that no process reads: nothing written"),

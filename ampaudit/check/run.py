@@ -19,7 +19,7 @@ from ampaudit.core.errors import LoadError, ModelNotBuilt, NoModelFound, UsageEr
 from ampaudit.core.files import file_id
 from ampaudit.core.finalize import finalize
 from ampaudit.core.findings import Finding, Report, Target
-from ampaudit.core.paths import display_path
+from ampaudit.core.paths import display_path, missing
 from ampaudit.core.rulebook import rule
 from ampaudit.core.torch_extra import INSTALL, TorchMissing, require_torch
 
@@ -91,7 +91,10 @@ def target_files(targets: Sequence[str], exclude: Sequence[str] = (), skipped: l
     for spec in targets:
         path = Path(spec)
         if not path.exists():
-            raise LoadError(f"no such file or folder: {spec}")
+            from ampaudit.load.spec import parse_spec
+
+            named = parse_spec(spec).path or path  # model.py:Net: the file, for a loop's message
+            raise LoadError(missing(named, "file or folder", shown=spec))
         if path.is_dir():
             files += python_files(path, exclude, skipped, excluded_links)
         elif path.is_file():

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from ampaudit.cli import script_stack
 from ampaudit.core.errors import UsageError
-from ampaudit.core.paths import display_path
+from ampaudit.core.paths import display_path, missing
 from ampaudit.watch.monitor import Monitor, NonFiniteError
 from ampaudit.watch.options import WatchOptions
 from ampaudit.watch.own_frames import without_own_frames
@@ -34,7 +34,7 @@ def run_script(script: Path, argv: list[str], options: WatchOptions, *, optional
     if str(script) == "-" and not script.exists():  # python - reads the script from stdin
         raise UsageError("ampaudit run takes no script on stdin ('-'): save it to a file and name that")
     if not (script.is_file() or script.is_dir()):
-        raise UsageError(f"no such script: {script}")
+        raise UsageError(missing(script, "script"))
     monitor = _monitor(script, options)
     if optional_log and options.log is not None:
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampaudit.core.errors import LoadError, UsageError
+from ampaudit.core.paths import missing
 from ampaudit.core.python_source import read_python
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -85,7 +86,7 @@ def parse_target(spec: str) -> tuple[Path, str | None]:
 
 def read_source(path: Path) -> str:
     if not path.exists():
-        raise LoadError(f"no such file: {path}")
+        raise LoadError(missing(path, "file"))
     if path.is_dir():
         raise LoadError(f"{path} is a directory: give a Python file that defines the model")
     return read_python(path)[0]  # a coding cookie or a BOM, as Python reads the file
