@@ -40,6 +40,9 @@ CASES = {
     "bad-dtype-flag": ([model("input_shape.py"), "--input-shape", "2,8", "--input-dtype", "float12"],
                        "unknown dtype 'float12'"),
     "missing-policy": ([model("input_shape.py"), "--policy", "nope.toml"], "policy file not found: nope.toml"),
+    # the lint reads no catalog: a --policy given with it was not even opened
+    "missing-policy-lint-only": ([model("input_shape.py"), "--lint-only", "--policy", "nope.toml"],
+                                 "policy file not found: nope.toml"),
 }
 
 

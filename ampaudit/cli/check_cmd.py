@@ -83,6 +83,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         config.fail_on = args.fail_on
     for policy in args.policy:
         refuse_special_file(policy, "--policy")
+    if args.policy:  # read now whatever is checked: a --policy that cannot be read is never silently unused
+        from ampaudit.core.catalog import build_catalog
+
+        build_catalog(config, policy_files=args.policy)
     if args.output is not None:  # resolved now, before a model's code can chdir; never onto a file it reads
         walked = target_files([t for t in args.targets if parse_spec(t).kind == "file" and Path(t).is_dir()])
         inputs = [parse_spec(t).path for t in args.targets] + walked + list(args.policy) + [config.source]
@@ -93,6 +97,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                            policy_files=args.policy, run=not args.no_run, import_timeout=args.import_timeout,
                            lint_only=args.lint_only, exclude=args.exclude, progress=_progress_bar,
                            isolate=True)
+    if args.policy and args.lint_only:
+        options.notes.append("--policy: read, and not used: the lint reads no op catalog")
 
     if args.fix and not args.diff:
         with user_output_to_stderr():  # the user's model code may print: stdout is the report's
