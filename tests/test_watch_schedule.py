@@ -3,7 +3,12 @@ two optimizers each end a watched step, and both get recorded."""
 
 from __future__ import annotations
 
+import gc
 import json
+
+import pytest
+import torch
+from torch import nn
 
 from ampaudit.watch.schedule import EverySchedule
 
@@ -54,6 +59,36 @@ def test_two_optimizers_taking_turns_are_both_recorded():
     assert {enders[s] for s in logged} == {"d", "g"}
     # its 10th step (step 65); its first (step 5) came before anything knew of it
     assert [s for s in logged if enders[s] == "g"] == [65]
+
+
+@pytest.mark.parametrize("shape", ["sweep", "optimizer each step"])
+def test_an_optimizer_made_anew_goes_on_from_the_dead_one_s_count(shape):
+    """A sweep rebuilds its model and optimizer (every 10 steps here, a multiple of ``every``); a
+    MAML-style loop builds an optimizer each step. The counts were kept by id(optimizer) for ever:
+    a dead optimizer's count of 10 kept every later step armed - recorded, then dropped at its
+    boundary (a 500-step sweep under ``--every 10``: 1.5x the per-step cost after the first
+    trial) - and a new optimizer at a dead one's address took its count. A dead ender's count
+    now goes to the next new one: every 5th step is recorded, and only those are armed."""
+    from ampaudit.watch.monitor import Monitor
+
+    torch.manual_seed(0)
+    mon = Monitor(None, every=5).start()
+    armed = []
+    for step in range(30):
+        if step % 10 == 0:
+            model = nn.Linear(4, 1)
+        if shape == "optimizer each step" or step % 10 == 0:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        armed.append(mon.recorder.logging)  # whether the next step is armed
+        if step % 10 == 9:
+            del model, opt
+            gc.collect()
+    mon.stop()
+    assert armed == [(step + 1) % 5 == 0 for step in range(30)]
+    assert mon.summary()["logged_steps"] == 6
 
 
 def test_ampaudit_run_every_2_records_both_optimizers_of_a_gan(cli, tmp_path, monkeypatch):

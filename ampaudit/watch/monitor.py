@@ -321,7 +321,7 @@ class Monitor:
             scale, found_inf = ScalerTap.read(scaler)
         # who ended the step: the GradScaler, else the optimizer that stepped (``schedule``)
         stepped = self.optimizer_tap.optimizers
-        ender = id(scaler) if scaler is not None else id(stepped[0]) if stepped else None
+        ender = scaler if scaler is not None else stepped[0] if stepped else None
         logged = self.recorder.logging and self.schedule.due(ender)
         if logged:
             self.recorder.record_params(self._params(), scale)
