@@ -14,7 +14,7 @@ LINT_RULES: RuleRegistry = RuleRegistry(__name__, (
     "clip_before_unscale", "deprecated_api", "half_training", "mask_constants", "missing_scaler",
     "missing_update", "one_plus_tiny", "step_bypasses_scaler", "unscaled_backward", "useless_scaler",
     "unscale_twice", "custom_fwd_device", "skipped_step", "autocast_regions",
-    "framework_backward", "scaler_per_epoch", "scaler_checkpoint",
+    "framework_backward", "scaler_per_epoch", "scaler_checkpoint", "unstepped_under_amp",
 ))
 
 
