@@ -157,6 +157,10 @@ def check_targets(targets: Sequence[str], config: Config, options: CheckOptions)
     model named without a file (``torch.nn:"Linear(4, 4)"``, ``hf:gpt2``) has only the graph."""
     from ampaudit.load.spec import parse_spec
 
+    if options.policy_files:  # read whatever is checked: a policy file that cannot be read is never silently unused
+        from ampaudit.core.catalog import build_catalog
+
+        build_catalog(config, policy_files=options.policy_files)
     specs = [parse_spec(t) for t in targets]
     models = [s.text for s in specs if s.kind != "file"]
     if models and (len(targets) > 1 or options.lint_only):

@@ -83,10 +83,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         config.fail_on = args.fail_on
     for policy in args.policy:
         refuse_special_file(policy, "--policy")
-    if args.policy:  # read now whatever is checked: a --policy that cannot be read is never silently unused
-        from ampaudit.core.catalog import build_catalog
-
-        build_catalog(config, policy_files=args.policy)
     if args.output is not None:  # resolved now, before a model's code can chdir; never onto a file it reads
         walked = target_files([t for t in args.targets if parse_spec(t).kind == "file" and Path(t).is_dir()])
         inputs = [parse_spec(t).path for t in args.targets] + walked + list(args.policy) + [config.source]

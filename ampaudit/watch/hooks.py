@@ -314,8 +314,8 @@ class StepRecorder:
             if module is not None and id(module) not in self._names:
                 self.names.name_root(module)
 
-    def param_name(self, param: torch.nn.Parameter, fallback: str | None = None) -> str:
-        return self.names.param(param, fallback)
+    def param_name(self, param: torch.nn.Parameter) -> str:
+        return self.names.param(param)
 
     def param_owners(self, name: str) -> list[str]:
         """The modules that hold the parameter called ``name`` (a tied weight: each of them)."""

@@ -115,15 +115,13 @@ class ModuleNames:
     def module(self, module: torch.nn.Module) -> str | None:
         return self.by_id.get(id(module))
 
-    def param(self, param: torch.nn.Parameter, fallback: str | None = None) -> str:
+    def param(self, param: torch.nn.Parameter) -> str:
         """``param``'s name; one no module named (an optimizer's parameter whose module never ran
-        through ``__call__``: ``layer.forward(x)``) is ``fallback``, or without one ``param<k>``,
-        numbered in the order first asked and kept while it lives (numbered per optimizer, two
-        optimizers' parameters would share names, their rows added up under them)."""
+        through ``__call__``: ``layer.forward(x)``) is ``param<k>``, numbered in the order first
+        asked and kept while it lives (numbered per optimizer, two optimizers' parameters would
+        share names, their rows added up under them)."""
         name = self._param_names.get(id(param))
         if name is None:
-            if fallback is not None:
-                return fallback
             self._while_alive(param)
             name = self._param_names[id(param)] = f"param{self._unnamed}"
             self._unnamed += 1

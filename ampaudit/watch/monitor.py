@@ -229,7 +229,7 @@ class Monitor:
         if self.fp8 is not None:  # after the recorder: its hooks name a module first
             self.fp8.attach(self.model)
         if self.model is not None:  # walked once, not every step; named as the recorder names them
-            self._model_params = [(self.recorder.param_name(p, n), p) for n, p in self.model.named_parameters()]
+            self._model_params = [(self.recorder.param_name(p), p) for p in self.model.parameters()]
         if self.guard is not None:
             self.guard.start()
         if self.reducer.world > 1:  # the probe never arms across processes: no way to name it to offer

@@ -37,11 +37,12 @@ class EverySchedule:
         return self._count(ender) % self.every == 0
 
     def ended(self, ender: Any) -> None:
-        count, key = self._count(ender), self._known(ender)
-        if key is _NEW:
-            key = self._register(ender)
-        if key not in self._counts:
-            self._orphan = None  # taken over by this new ender
+        key = self._known(ender)
+        count = None if key is _NEW else self._counts.get(key)
+        if count is None:  # a new ender: it takes over a dead one's count, if any
+            count, self._orphan = self._orphan or 0, None
+            if key is _NEW:
+                key = self._register(ender)
         self._counts[key] = count + 1
 
     def arm_next(self) -> bool:

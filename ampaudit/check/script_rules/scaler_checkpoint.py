@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import GRAD_SCALERS, Assignment, Call, ScriptFacts
-from ampaudit.check.lint.nodes import dotted
+from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.protocol import finding, named_like_optimizer, optimizers
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -48,8 +48,7 @@ def _restore_helpers(facts: ScriptFacts) -> list[Call]:
         callee = (dotted(call.node.func) or "").rsplit(".", 1)[-1]
         if call.method == "load_state_dict" or not _RESTORES.search(callee):
             continue
-        names = [dotted(a) for a in (*call.node.args, *(k.value for k in call.node.keywords))]
-        if any(name and (named_like_optimizer(name) or name in optimizers(facts, call.scope)) for name in names):
+        if any(_names_optimizer(facts, dotted(a.value), call) for a in arguments(call.node)):
             found.append(call)
     return found
 
@@ -60,8 +59,12 @@ def _saves(facts: ScriptFacts) -> bool:
 
 
 def _of_optimizer(facts: ScriptFacts, call: Call) -> bool:
-    receiver = call.receiver
-    return receiver is not None and (named_like_optimizer(receiver) or receiver in optimizers(facts, call.scope))
+    return _names_optimizer(facts, call.receiver, call)
+
+
+def _names_optimizer(facts: ScriptFacts, name: str | None, call: Call) -> bool:
+    """``name``, in ``call``'s scope, is an optimizer: named like one, or built as one there."""
+    return name is not None and (named_like_optimizer(name) or name in optimizers(facts, call.scope))
 
 
 def _built_scalers(facts: ScriptFacts) -> list[Assignment]:

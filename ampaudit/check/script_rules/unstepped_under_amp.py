@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import Call, Scope, ScriptFacts
 from ampaudit.check.lint.guards import OFF, amp_state
-from ampaudit.check.lint.nodes import dotted
+from ampaudit.check.lint.nodes import arguments, dotted
 from ampaudit.check.lint.protocol import finding, optimizers, scaler_in_use
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
@@ -30,15 +30,16 @@ def optimizer_unstepped_under_amp(facts: ScriptFacts) -> Iterator[Finding]:
         # (`for opt in optimizers: scaler.step(opt)`) could be any optimizer - nothing is said
         if not scaled or not stepped <= opts or any(_loop_variable(c) for c in scaled):
             continue
+        scaler = min(scalers)
         for name in sorted(opts - stepped):
             plain = [c for c in calls if c.method == "step" and c.receiver == name and not c.has_arguments]
-            if not plain or any(amp_state(facts, c)[0] != OFF for c in plain):
+            states = [amp_state(facts, c) for c in plain]
+            if not plain or any(state != OFF for state, _ in states):
                 continue
             if _handed_on(facts, scope, name):  # a helper may step it on the AMP path
                 continue
-            yield finding(facts, "AMP426", plain[0], optimizer=name, scaler=sorted(scalers)[0],
-                          guard=amp_state(facts, plain[0])[1] or "AMP is off",
-                          fix=f"step it where the scaler steps: {sorted(scalers)[0]}.step({name})")
+            yield finding(facts, "AMP426", plain[0], optimizer=name, scaler=scaler, guard=states[0][1] or "AMP is off",
+                          fix=f"step it where the scaler steps: {scaler}.step({name})")
 
 
 def _loop_variable(step: Call) -> bool:
@@ -51,5 +52,5 @@ def _loop_variable(step: Call) -> bool:
 
 def _handed_on(facts: ScriptFacts, scope: Scope, name: str) -> bool:
     """``name`` is passed to a call where AMP may be on (``amp_step(optimizer_sparse)``)."""
-    return any(amp_state(facts, c)[0] != OFF and any(dotted(a) == name for a in (
-        *c.node.args, *(k.value for k in c.node.keywords))) for c in facts.calls_in(scope) if c.method != "step")
+    return any(amp_state(facts, c)[0] != OFF and any(dotted(a.value) == name for a in arguments(c.node))
+               for c in facts.calls_in(scope) if c.method != "step")
