@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -240,6 +241,14 @@ def scaler_in_use(facts: ScriptFacts, scope: Scope) -> set[str]:
     scalers = facts.scalers(scope)
     return {c.receiver for c in facts.calls_in(scope) if c.receiver in scalers
             and c.method in ("scale", "step", "unscale_", "update") and amp_path(facts, c)}
+
+
+def scopes_with_scalers(facts: ScriptFacts) -> Iterator[tuple[Scope, set[str]]]:
+    """Each scope that uses a GradScaler (``scaler_in_use``), with those scalers."""
+    for scope in facts.scopes():
+        scalers = scaler_in_use(facts, scope)
+        if scalers:
+            yield scope, scalers
 
 
 def is_float16(facts: ScriptFacts, node: ast.expr | None) -> bool:

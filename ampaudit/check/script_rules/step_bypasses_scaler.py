@@ -16,7 +16,7 @@ from ampaudit.check.lint.protocol import (
     on_path,
     optimizers,
     scaler_for,
-    scaler_in_use,
+    scopes_with_scalers,
     softened,
 )
 from ampaudit.check.script_rules import lint_rule
@@ -25,10 +25,7 @@ from ampaudit.core.findings import Autofix, Finding
 
 @lint_rule("AMP405", reads=(r"\.step\(", "GradScaler", "scaler", "optim"))
 def step_bypasses_scaler(facts: ScriptFacts) -> Iterator[Finding]:
-    for scope in facts.scopes():
-        scalers = scaler_in_use(facts, scope)
-        if not scalers:
-            continue
+    for scope, scalers in scopes_with_scalers(facts):
         opts = optimizers(facts, scope)
         for call in facts.method_calls("step", scope):
             if call.receiver in opts and call.receiver not in scalers and not call.has_arguments \

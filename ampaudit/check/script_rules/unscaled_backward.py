@@ -5,17 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampaudit.check.lint.facts import Call, ScriptFacts
-from ampaudit.check.lint.protocol import backward_calls, on_path, scaled_backward, scaler_for, scaler_in_use
+from ampaudit.check.lint.protocol import backward_calls, on_path, scaled_backward, scaler_for, scopes_with_scalers
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
 
 
 @lint_rule("AMP404", reads=("backward", "GradScaler", "scaler", r"\.scale\("))
 def unscaled_backward(facts: ScriptFacts) -> Iterator[Finding]:
-    for scope in facts.scopes():
-        scalers = scaler_in_use(facts, scope)
-        if not scalers:
-            continue
+    for scope, scalers in scopes_with_scalers(facts):
         for call in backward_calls(facts, scope):
             if not scaled_backward(facts, call, facts.scalers(scope)) and not _discarded(facts, call):
                 scaler = scaler_for(facts, call, scalers)

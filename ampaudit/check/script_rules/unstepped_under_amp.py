@@ -11,17 +11,14 @@ from collections.abc import Iterator
 from ampaudit.check.lint.facts import Call, Scope, ScriptFacts
 from ampaudit.check.lint.guards import OFF, amp_state
 from ampaudit.check.lint.nodes import arguments, dotted
-from ampaudit.check.lint.protocol import finding, optimizers, scaler_in_use
+from ampaudit.check.lint.protocol import finding, optimizers, scopes_with_scalers
 from ampaudit.check.script_rules import lint_rule
 from ampaudit.core.findings import Finding
 
 
 @lint_rule("AMP426", reads=(r"\.step\(", "GradScaler", "scaler"))
 def optimizer_unstepped_under_amp(facts: ScriptFacts) -> Iterator[Finding]:
-    for scope in facts.scopes():
-        scalers = scaler_in_use(facts, scope)
-        if not scalers:
-            continue
+    for scope, scalers in scopes_with_scalers(facts):
         opts = optimizers(facts, scope)
         calls = facts.calls_in(scope)
         scaled = [c for c in calls if c.method == "step" and c.receiver in scalers]
